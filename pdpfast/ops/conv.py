@@ -1,0 +1,72 @@
+"""Conv1d / Conv2d per-sample norms and clipped gradients (DESIGN.md §2).
+
+Unfolding (im2col) turns a convolution into the linear case: per group g, a_i ∈ R^{L×(C_in/G·k)}
+and o_i ∈ R^{L×(C_out/G)} with L output positions, and the per-sample squared norm is the sum over
+groups of the linear norms. The clipped sum needs no unfolding: it is the ordinary weight gradient
+of the convolution with output-gradient rows scaled by w_i.
+
+Inputs are the *padded* activations (``conv_pad``), so stride, dilation, groups, padding="same"
+and every padding_mode reduce to one unfold with zero padding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import linear_per_sample_grads, linear_weight_sq_norms
+
+
+def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
+    """The input padded exactly as ``module`` pads it (ints, "same", "valid", any padding_mode)."""
+    pads = module._reversed_padding_repeated_twice
+    if not any(pads):
+        return x
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, pads, mode=mode)
+
+
+def _as_2d(x: torch.Tensor, o: torch.Tensor, module):
+    """Conv1d tensors as Conv2d ones with a height of 1."""
+    if x.dim() == 3:
+        return x.unsqueeze(2), o.unsqueeze(2), (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
+    return x, o, module.kernel_size, module.stride, module.dilation
+
+
+def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
+    """(a, o) of the equivalent linear layers, one per (sample, group): (B·G, L, d_g), (B·G, L, p_g)."""
+    B, G = x_pad.shape[0], module.groups
+    x2, o2, kernel, stride, dilation = _as_2d(x_pad, o, module)
+    cols = F.unfold(x2, kernel, dilation=dilation, stride=stride)  # (B, C_in·k, L)
+    L = cols.shape[-1]
+    a = cols.view(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)
+    out = o2.reshape(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)
+    return a, out
+
+
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
+    a, out = conv_as_linear(x_pad, o, module)
+    return linear_weight_sq_norms(a, out).view(x_pad.shape[0], module.groups).sum(1)
+
+
+def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
+    return o.flatten(2).sum(-1).to(torch.promote_types(o.dtype, torch.float32)).pow(2).sum(-1)
+
+
+def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=True):
+    """(Σ_i w_i ∂ℓ_i/∂W, Σ_i w_i ∂ℓ_i/∂b) through the convolution's own weight-gradient routine."""
+    if weights is not None:
+        o = o * weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
+    n = x_pad.dim() - 2
+    grad_w = None
+    if need_weight:
+        _, grad_w, _ = torch.ops.aten.convolution_backward(
+            o, x_pad, module.weight.detach().to(o.dtype), None, list(module.stride), [0] * n,
+            list(module.dilation), False, [0] * n, module.groups, [False, True, False])
+    grad_b = o.sum([0, *range(2, o.dim())]) if need_bias else None
+    return grad_w, grad_b
+
+
+def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
+    """Materialized (B, *weight.shape): for tied parameters and oracles only."""
+    a, out = conv_as_linear(x_pad, o, module)
+    return linear_per_sample_grads(a, out).reshape(x_pad.shape[0], *module.weight.shape)

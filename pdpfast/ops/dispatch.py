@@ -1,0 +1,77 @@
+"""The one place that decides which implementation an op runs.
+
+Every op in :mod:`pdpfast.ops` has a plain-torch reference. A faster implementation (a Triton
+kernel from ``pdpfast.kernels``) registers itself under the op's name with :func:`register`;
+:func:`pick` returns it when :func:`use_triton` holds for the op's tensors, else the reference.
+No op carries its own ad-hoc device checks.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Callable
+
+import torch
+
+_KERNELS: dict[str, Callable] = {}
+
+
+def register(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as the fast implementation of op ``name``."""
+
+    def wrap(fn: Callable) -> Callable:
+        _KERNELS[name] = fn
+        return fn
+
+    return wrap
+
+
+def triton_disabled() -> bool:
+    return os.environ.get("PDPFAST_DISABLE_TRITON", "0") not in ("", "0")
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error() -> str | None:
+    """None when Triton and pdpfast's kernels import, else the reason they do not."""
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("pdpfast.kernels")
+    except Exception as exc:  # ImportError, or a broken Triton install
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the Triton kernels should run on ``tensors``.
+
+    Kernels run when the user has not set ``PDPFAST_DISABLE_TRITON=1``, Triton and the kernels
+    import, and either every tensor is on a CUDA device or ``TRITON_INTERPRET=1`` is set (tests on
+    the CPU; Triton reads that variable when the kernels are defined, so it must be set before
+    ``pdpfast.kernels`` is first imported). Device checks come first so a CPU run never imports
+    Triton.
+    """
+    if triton_disabled():
+        return False
+    if not (triton_interpret() or (tensors and all(t.is_cuda for t in tensors))):
+        return False
+    return triton_import_error() is None
+
+
+def pick(name: str, reference: Callable, *tensors: torch.Tensor) -> Callable:
+    """The implementation of op ``name`` to run on ``tensors``: a registered kernel or ``reference``."""
+    if use_triton(*tensors):
+        kernel = _KERNELS.get(name)
+        if kernel is not None:
+            return kernel
+    return reference
+
+
+def registered() -> dict[str, Callable]:
+    """Ops with a registered fast implementation (imports the kernels if possible)."""
+    triton_import_error()
+    return dict(_KERNELS)

@@ -1,0 +1,65 @@
+"""Embedding per-sample norms and clipped gradients (DESIGN.md §2).
+
+The per-sample gradient of an embedding table has rows only at the tokens the sample contains, and
+a token repeated within a sample adds its output gradients into the same row:
+‖G_i‖² = Σ_{v ∈ tokens(i)} ‖Σ_{t: x_{i,t}=v} o_{i,t}‖². Padding indices get no gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import pick
+from .linear import acc_dtype
+
+
+def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
+                                 padding_idx: int | None) -> torch.Tensor:
+    """ids (B, T) int, o (B, T, p) → (B,) exact squared norms, repeated tokens summed first."""
+    B = ids.shape[0]
+    dtype = acc_dtype(o)
+    ids = ids.reshape(B, -1)
+    o = o.reshape(B, ids.shape[1], -1).to(dtype)
+    sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(ids)
+    keys = sample * num_embeddings + ids
+    rows = o
+    if padding_idx is not None:
+        keep = ids != padding_idx
+        keys, rows = keys[keep], o[keep]
+    else:
+        keys, rows = keys.reshape(-1), o.reshape(-1, o.shape[-1])
+    unique, inverse = torch.unique(keys, return_inverse=True)
+    summed = torch.zeros(unique.numel(), o.shape[-1], dtype=dtype, device=o.device)
+    summed.index_add_(0, inverse, rows)
+    out = torch.zeros(B, dtype=dtype, device=o.device)
+    return out.index_add_(0, unique // num_embeddings, summed.pow(2).sum(-1))
+
+
+def embedding_sq_norms(ids, o, num_embeddings, padding_idx):
+    fn = pick("embedding_sq_norms", embedding_sq_norms_reference, o)
+    return fn(ids, o, num_embeddings, padding_idx)
+
+
+def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None,
+                                     num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
+    """Σ_i w_i G_i: rows of o scaled by w_i, scattered into the (V, p) table."""
+    B, p = ids.shape[0], o.shape[-1]
+    ids = ids.reshape(B, -1)
+    o = o.reshape(B, ids.shape[1], p)
+    if weights is not None:
+        o = o * weights.to(o.dtype).view(-1, 1, 1)
+    ids, o = ids.reshape(-1), o.reshape(-1, p)
+    if padding_idx is not None:
+        keep = ids != padding_idx
+        ids, o = ids[keep], o[keep]
+    return torch.zeros(num_embeddings, p, dtype=o.dtype, device=o.device).index_add_(0, ids, o)
+
+
+def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Tensor:
+    """Materialized (B, V, p): for tied parameters and oracles only."""
+    B, p = ids.shape[0], o.shape[-1]
+    ids = ids.reshape(B, -1)
+    o = o.reshape(B, ids.shape[1], p)
+    out = torch.zeros(B, num_embeddings, p, dtype=o.dtype, device=o.device)
+    if padding_idx is not None:
+        o = o * (ids != padding_idx).unsqueeze(-1).to(o.dtype)
+    return out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, p), o)

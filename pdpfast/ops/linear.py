@@ -1,0 +1,102 @@
+"""Per-sample gradient norms and clipped weighted gradients of a linear map (DESIGN.md §2).
+
+Shapes: a (B, T, d) layer inputs, o (B, T, p) gradients of the summed loss w.r.t. the outputs.
+The per-sample weight gradient is G_i = o_iᵀ a_i (p × d); it is never formed for the clipped sum.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import pick
+
+# A chunk of per-sample work holds at most this many elements (~128 MiB in fp32), so the direct
+# path never materializes B·p·d floats at once on large layers.
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp32 accumulation for fp16/bf16/fp32, fp64 kept for float64 oracles."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def gram_cost(T: int, d: int, p: int) -> int:
+    """Multiply-adds per sample of the Gram (ghost) norm: two T×T Grams and their inner product."""
+    return T * T * (d + p + 1)
+
+
+def direct_cost(T: int, d: int, p: int) -> int:
+    """Multiply-adds per sample of the direct norm: materialize G_i = o_iᵀ a_i and square it."""
+    return T * d * p + d * p
+
+
+def use_gram(T: int, d: int, p: int) -> bool:
+    """Per call (T varies between calls), the cheaper of the two exact norm computations."""
+    return gram_cost(T, d, p) < direct_cost(T, d, p)
+
+
+def _chunks(B: int, per_sample: int):
+    step = max(1, _CHUNK_ELEMENTS // max(1, per_sample))
+    for start in range(0, B, step):
+        yield slice(start, min(B, start + step))
+
+
+def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """‖o_iᵀ a_i‖²_F per sample: a (B, T, d), o (B, T, p) → (B,) in the accumulation dtype."""
+    B, T, d = a.shape
+    p = o.shape[-1]
+    dtype = acc_dtype(a, o)
+    out = torch.empty(B, dtype=dtype, device=a.device)
+    if B == 0:
+        return out
+    if T == 1:  # ‖o aᵀ‖² = ‖o‖²‖a‖² for a rank-one per-sample gradient
+        return a[:, 0].to(dtype).pow(2).sum(-1) * o[:, 0].to(dtype).pow(2).sum(-1)
+    if use_gram(T, d, p):
+        for s in _chunks(B, 2 * T * T):
+            ai, oi = a[s].to(dtype), o[s].to(dtype)
+            out[s] = (torch.bmm(ai, ai.transpose(1, 2)) * torch.bmm(oi, oi.transpose(1, 2))).sum((1, 2))
+    else:
+        for s in _chunks(B, d * p):
+            out[s] = torch.bmm(o[s].to(dtype).transpose(1, 2), a[s].to(dtype)).pow(2).sum((1, 2))
+    return out
+
+
+def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) → (B,)."""
+    return o.to(acc_dtype(o)).sum(1).pow(2).sum(-1)
+
+
+def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    return pick("linear_weight_sq_norms", linear_weight_sq_norms_reference, a, o)(a, o)
+
+
+def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
+    return pick("bias_sq_norms", bias_sq_norms_reference, o)(o)
+
+
+def linear_clipped_grad_reference(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None):
+    """Σ_i w_i o_iᵀ a_i as one GEMM over rows scaled by w_i: a (B,T,d), o (B,T,p), w (B,) → (p, d)."""
+    d, p = a.shape[-1], o.shape[-1]
+    if weights is not None:
+        o = o * weights.to(o.dtype).view(-1, 1, 1)
+    return o.reshape(-1, p).t().mm(a.reshape(-1, d))
+
+
+def bias_clipped_grad_reference(o: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Σ_i w_i Σ_t o_{i,t}: o (B, T, p), w (B,) → (p,)."""
+    per_sample = o.sum(1)
+    if weights is None:
+        return per_sample.sum(0)
+    return weights.to(o.dtype) @ per_sample
+
+
+def linear_clipped_grad(a, o, weights):
+    return pick("linear_clipped_grad", linear_clipped_grad_reference, a, o)(a, o, weights)
+
+
+def linear_per_sample_grads(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Materialized per-sample weight gradients (B, p, d); for tied parameters and oracles."""
+    return torch.bmm(o.transpose(1, 2), a)

@@ -1,0 +1,108 @@
+"""pdpfast: individualized differential privacy for PyTorch training.
+
+Two roles:
+
+* ``python3 setup.py demo | test | bench`` — the quick start. Creates ``.venv`` next to this file
+  (once), installs pdpfast and what it needs into it, then runs the main job, the test suite or
+  the CPU benchmark inside it. On a machine without an NVIDIA GPU torch is pinned to the 2.13.0
+  CPU build so no multi-GB CUDA wheel is pulled.
+* an ordinary setuptools script (``pip install --no-build-isolation -e .``): installs the
+  ``pdpfast`` package, maps ``kernels/`` to ``pdpfast.kernels`` and builds the optional C++/CUDA
+  extension ``pdpfast._C`` from ``csrc/``. A failed extension build never fails the install: the
+  package falls back to plain torch and ``python -m pdpfast.info`` says why.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+RUNTIME = ["numpy", "scipy", "tqdm", "matplotlib", "scikit-learn", "dp-accounting"]
+TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "triton"]
+QUICK_COMMANDS = {
+    "demo": ["-m", "pdpfast", "demo"],
+    "test": ["-m", "pytest", "-q", "tests"],
+    "bench": ["-m", "bench.bench_cpu"],
+}
+
+
+def _has_nvidia_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.call(
+        ["nvidia-smi", "-L"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
+
+
+def _bootstrap(command: str, extra_args: list[str]) -> int:
+    python = VENV / "bin" / "python"
+    stamp = VENV / f".pdpfast-{command}-installed"
+    if not python.exists():
+        subprocess.check_call([sys.executable, "-m", "venv", str(VENV)])
+    if not stamp.exists():
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        torch_req = "torch" if _has_nvidia_gpu() else "torch==2.13.0"
+        # torch first and alone: every later requirement then sees it installed and adds nothing
+        subprocess.check_call(pip + [torch_req])
+        subprocess.check_call(pip + RUNTIME + (TESTING if command in ("test", "bench") else []))
+        subprocess.check_call(pip + ["--no-build-isolation", "--no-deps", "-e", str(ROOT)])
+        stamp.touch()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.call([str(python), *QUICK_COMMANDS[command], *extra_args], cwd=ROOT, env=env)
+
+
+def _extensions():
+    """The C++ (and, with a CUDA toolkit and a CUDA torch, CUDA) extension, if torch is importable."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return [], {}
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp"))
+    if not sources:
+        return [], {}
+    cuda_sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cu"))
+    use_cuda = bool(cuda_sources) and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    if use_cuda:
+        ext = cpp_extension.CUDAExtension(
+            "pdpfast._C", sources + cuda_sources, define_macros=[("PDPFAST_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]}, extra_link_args=["-fopenmp"])
+    else:
+        ext = cpp_extension.CppExtension("pdpfast._C", sources, extra_compile_args=cxx, extra_link_args=["-fopenmp"])
+
+    class OptionalBuildExt(cpp_extension.BuildExtension):
+        def run(self):
+            try:
+                super().run()
+            except Exception as exc:  # the package works without the extension
+                print(f"pdpfast: building the C++ extension failed ({exc}); using the torch fallback")
+
+    return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=False)}
+
+
+def main():
+    if len(sys.argv) >= 2 and sys.argv[1] in QUICK_COMMANDS:
+        sys.exit(_bootstrap(sys.argv[1], sys.argv[2:]))
+    from setuptools import setup
+
+    ext_modules, cmdclass = _extensions()
+    packages = ["pdpfast"] + [
+        "pdpfast." + str(p.relative_to(ROOT / "pdpfast")).replace(os.sep, ".")
+        for p in sorted((ROOT / "pdpfast").rglob("*")) if p.is_dir() and (p / "__init__.py").exists()]
+    setup(
+        name="pdpfast",
+        version="0.1.0",
+        description="Individualized differential privacy for PyTorch: per-record budgets, fused clipping",
+        python_requires=">=3.10",
+        packages=packages + ["pdpfast.kernels"],
+        package_dir={"pdpfast": "pdpfast", "pdpfast.kernels": "kernels"},
+        install_requires=["torch>=2.4", *RUNTIME],
+        extras_require={"test": TESTING, "fl": ["flwr"]},
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+        entry_points={"console_scripts": ["pdpfast=pdpfast.cli:main"]},
+    )
+
+
+if __name__ == "__main__":
+    main()
