@@ -1,0 +1,59 @@
+"""Functional entry point: the clipped per-sample gradient sum of one batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .clipping import ClippingState, as_per_sample
+
+
+@dataclass
+class ClippedGradients:
+    """grads: {parameter name: Σ_i w_i g_i} (no noise, no normalization); norms: (B,) per-sample
+    gradient norms before clipping (total over all parameters); weights: (B,) flat clip weights
+    w_i (None for per-layer clipping, where each group has its own)."""
+
+    grads: dict[str, torch.Tensor]
+    norms: torch.Tensor
+    weights: torch.Tensor | None = None
+
+
+def clipped_gradients(model: nn.Module, loss_fn: Callable, *inputs, clip_norms, mask=None,
+                      clipping: str = "flat", mode: str = "bk", layer_shares=None,
+                      automatic_gamma: float | None = None) -> ClippedGradients:
+    """Σ_i w_i g_i for one batch, with per-sample clip bounds.
+
+    model: converted with ``pdpfast.nn.convert``; ``model(*inputs)`` is batch-first.
+    loss_fn(outputs) → per-sample losses (B,). clip_norms: (B,) bounds c_i > 0. mask: optional (B,)
+    0/1, rows with 0 contribute nothing (padding of fixed-shape batches). clipping: "flat" |
+    "per_layer"; mode: "bk" | "ghost"; automatic_gamma: γ for automatic clipping c_i/(‖g_i‖+γ).
+    The model's existing ``.grad`` fields are left as they were.
+    """
+    clip_norms = as_per_sample("clip_norms", clip_norms)
+    state = ClippingState(model, mode=mode, clipping=clipping, layer_shares=layer_shares,
+                          automatic_gamma=automatic_gamma)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    saved = {n: p.grad for n, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    try:
+        with state.attached():
+            state.begin_batch(clip_norms, mask)
+            losses = loss_fn(model(*inputs))
+            if not isinstance(losses, torch.Tensor) or losses.shape != (state.batch_size,):
+                shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+                raise ValueError(f"loss_fn must return per-sample losses of shape ({state.batch_size},), got {shape}")
+            if mode == "ghost":
+                state.ghost_backward(losses)
+            else:
+                losses.sum().backward()
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+        weights = getattr(state, "last_weights", None) if clipping == "flat" else None
+        norms = state.last_norms if state.last_norms is not None else torch.zeros(state.batch_size)
+        return ClippedGradients(grads, norms, weights)
+    finally:
+        for n, p in params.items():
+            p.grad = saved[n]

@@ -1,0 +1,132 @@
+"""``convert(model)``: swap supported layers for their DP versions, in place.
+
+The swap changes each module's class to a DP subclass of its own class, so every Parameter object,
+buffer, hook and attribute stays where it was (an optimizer built before conversion keeps working).
+"""
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .layers import (DPConv1D, DPConv1d, DPConv2d, DPEmbedding, DPGroupNorm, DPLayerNorm, DPLinear, DPModule,
+                     DPRMSNorm)
+
+# torch layer → its DP class. Lookup walks the MRO, so subclasses that keep the base forward work.
+_DP_CLASSES: dict[type, type] = {
+    nn.Linear: DPLinear,
+    nn.Conv1d: DPConv1d,
+    nn.Conv2d: DPConv2d,
+    nn.Embedding: DPEmbedding,
+    nn.LayerNorm: DPLayerNorm,
+    nn.GroupNorm: DPGroupNorm,
+    nn.RMSNorm: DPRMSNorm,
+}
+# Layers of optional libraries, by qualified name so their libraries are never imported here.
+_DP_CLASSES_BY_NAME: dict[str, type] = {
+    "transformers.pytorch_utils.Conv1D": DPConv1D,
+}
+
+
+def register_module(torch_class: type, dp_class: type) -> None:
+    """Make ``convert`` swap ``torch_class`` (and subclasses keeping its forward) for ``dp_class``."""
+    _DP_CLASSES[torch_class] = dp_class
+
+
+@functools.lru_cache(maxsize=None)
+def _dp_class_for(cls: type) -> type | None:
+    for base in cls.__mro__:
+        dp = _DP_CLASSES.get(base) or _DP_CLASSES_BY_NAME.get(f"{base.__module__}.{base.__qualname__}")
+        if dp is None:
+            continue
+        if cls.forward is not base.forward:
+            return None  # a subclass with its own forward: its math is unknown to the rule
+        if issubclass(dp, cls):
+            return dp
+        # keep the user's class in the MRO (isinstance checks, its extra methods)
+        return type(f"DP{cls.__name__}", (dp, cls), {"__module__": dp.__module__})
+    return None
+
+
+def _options_error(module: nn.Module) -> str | None:
+    """Layer options that would make per-sample clipping wrong or leak, explained."""
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None:
+            return "max_norm renormalizes table rows in place from the batch's tokens; set max_norm=None"
+        if module.scale_grad_by_freq:
+            return "scale_grad_by_freq scales gradients by batch-wide token counts; set it to False"
+        if module.sparse:
+            return "sparse gradients are not supported; set sparse=False"
+    return None
+
+
+def _path(name: str) -> str:
+    return name or "<model>"
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
+
+    Supported: Linear (any leading dims), Conv1d, Conv2d (stride, padding incl. "same", dilation,
+    groups, padding modes), Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm and Hugging
+    Face's Conv1D. Modules without trainable parameters of their own are left alone; frozen
+    parameters cost nothing.
+
+    Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample
+    gradient exists; use GroupNorm, e.g. ``pdpfast.nn.replace_batchnorm``) and, in one message,
+    every module with trainable parameters that has no DP version. Nothing is changed on error.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    batchnorms, unsupported, swaps = [], [], []
+    for name, module in model.named_modules():
+        if isinstance(module, DPModule):
+            continue
+        if isinstance(module, _BatchNorm):
+            batchnorms.append(f"{_path(name)} ({type(module).__name__})")
+            continue
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        dp_class = _dp_class_for(type(module))
+        if dp_class is None:
+            if trainable:
+                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
+            continue
+        problem = _options_error(module)
+        if problem:
+            unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
+            continue
+        swaps.append((module, dp_class))
+    if batchnorms:
+        raise ValueError(
+            "BatchNorm cannot be trained with differential privacy: it normalizes each sample with "
+            "statistics of the whole batch, so one record's gradient depends on the others and no "
+            "per-sample gradient exists. Replace it with GroupNorm (pdpfast.nn.replace_batchnorm(model) "
+            "does this, e.g. nn.GroupNorm(min(32, C), C)). BatchNorm modules: " + "; ".join(batchnorms))
+    if unsupported:
+        raise ValueError(
+            "pdpfast has no private version of these modules with trainable parameters (freeze them "
+            "with requires_grad_(False), or replace them): " + "; ".join(unsupported))
+    for module, dp_class in swaps:
+        module.__class__ = dp_class
+    return model
+
+
+def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
+    """Replace every BatchNorm1d/2d/3d with GroupNorm(gcd(max_groups, C), C), in place.
+
+    The new layer starts from the identity affine transform (weight 1, bias 0); running statistics
+    are dropped, since GroupNorm normalizes each sample on its own.
+    """
+    import math
+
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, _BatchNorm):
+                C = child.num_features
+                like = next(iter([*child.parameters(), *child.buffers()]), None)
+                gn = nn.GroupNorm(math.gcd(max_groups, C), C, eps=child.eps, affine=child.affine)
+                if like is not None:
+                    gn.to(like.device)
+                setattr(module, child_name, gn)
+    return model

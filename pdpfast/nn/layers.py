@@ -1,0 +1,192 @@
+"""Drop-in DP modules: the torch layers with a private forward.
+
+Each class subclasses the torch layer it replaces, so parameters, state_dict names, hooks and
+isinstance checks are untouched. Outside a private batch (no ``ClippingState`` attached, eval mode
+or grad disabled) they are exactly the torch layer. In a private batch the forward runs with
+detached parameters, so autograd computes input gradients as usual but no weight-gradient GEMM,
+and the output passes through ``DPLayerFunction``, whose backward hands (input, output gradient)
+to the clipping state: per-sample norms and clipped sums come from the layer's rule.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import conv as conv_ops
+from ..ops import embedding as emb_ops
+from ..ops import linear as lin_ops
+from ..ops import norm as norm_ops
+from .rules import LayerRule, register_rule
+
+
+class DPLayerFunction(torch.autograd.Function):
+    """Identity on ``out`` whose backward reports (x, ∂L/∂out) for one call of a DP layer.
+
+    ``params`` are inputs only so autograd reaches this node even when nothing else requires a
+    gradient (first layer); their gradients are written by the clipping state, so None is returned.
+    """
+
+    @staticmethod
+    def forward(ctx, out, x, call, *params):
+        ctx.call = call
+        ctx.save_for_backward(x)
+        # in place in autograd's eyes, so later in-place ops (ReLU(inplace=True)) stay legal
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        state, module = ctx.call
+        state.on_backward(module, x, grad_out)
+        return (grad_out, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class DPModule:
+    """Mixin of every DP layer. ``_pdpfast_state`` is set by ``ClippingState.attach``."""
+
+    _pdpfast_state = None
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the layer's rule needs it (e.g. padded for convolutions)."""
+        return x
+
+    def _compute(self, x: torch.Tensor, params: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x):
+        state = self._pdpfast_state
+        if state is None or not self.training or not torch.is_grad_enabled():
+            return self._compute(self._prepare(x), dict(self.named_parameters(recurse=False)))
+        return state.forward(self, x)
+
+
+class DPLinear(DPModule, nn.Linear):
+    def _compute(self, x, p):
+        return F.linear(x, p["weight"], p.get("bias"))
+
+
+class DPConv1d(DPModule, nn.Conv1d):
+    def _prepare(self, x):
+        return conv_ops.conv_pad(x, self)
+
+    def _compute(self, x, p):
+        return F.conv1d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+
+
+class DPConv2d(DPModule, nn.Conv2d):
+    def _prepare(self, x):
+        return conv_ops.conv_pad(x, self)
+
+    def _compute(self, x, p):
+        return F.conv2d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+
+
+class DPEmbedding(DPModule, nn.Embedding):
+    def _compute(self, x, p):
+        return F.embedding(x, p["weight"], self.padding_idx)
+
+
+class DPLayerNorm(DPModule, nn.LayerNorm):
+    def _compute(self, x, p):
+        return F.layer_norm(x, self.normalized_shape, p.get("weight"), p.get("bias"), self.eps)
+
+
+class DPGroupNorm(DPModule, nn.GroupNorm):
+    def _compute(self, x, p):
+        return F.group_norm(x, self.num_groups, p.get("weight"), p.get("bias"), self.eps)
+
+
+class DPRMSNorm(DPModule, nn.RMSNorm):
+    def _compute(self, x, p):
+        return F.rms_norm(x, self.normalized_shape, p.get("weight"), self.eps)
+
+
+class DPConv1D(DPModule):
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2): y = x W + b with W (in, out)."""
+
+    def _compute(self, x, p):
+        return F.linear(x, p["weight"].t(), p.get("bias"))
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _as_btd(t: torch.Tensor) -> torch.Tensor:
+    """(B, ..., d) → (B, T, d) with T the product of the middle dims (1 for 2-D inputs)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _linear_rule(transposed: bool) -> LayerRule:
+    def fix(g):  # Conv1D stores W as (in, out): every weight quantity is the transpose
+        return g.transpose(-1, -2) if transposed else g
+
+    def per_sample(m, x, o):
+        a, g = _as_btd(x), _as_btd(o)
+        out = {"weight": fix(lin_ops.linear_per_sample_grads(a, g))}
+        if getattr(m, "bias", None) is not None:
+            out["bias"] = g.sum(1)
+        return out
+
+    def sq_norms(m, x, o, names):
+        a, g = _as_btd(x), _as_btd(o)
+        out = {}
+        if "weight" in names:
+            out["weight"] = lin_ops.linear_weight_sq_norms(a, g)
+        if "bias" in names:
+            out["bias"] = lin_ops.bias_sq_norms(g)
+        return out
+
+    def clipped(m, x, o, weights, names):
+        a, g = _as_btd(x), _as_btd(o)
+        out = {}
+        if "weight" in names:
+            out["weight"] = fix(lin_ops.linear_clipped_grad(a, g, weights))
+        if "bias" in names:
+            out["bias"] = lin_ops.bias_clipped_grad_reference(g, weights)
+        return out
+
+    return LayerRule(per_sample, sq_norms, clipped)
+
+
+def _conv_per_sample(m, x, o):
+    out = {"weight": conv_ops.conv_per_sample_grads(x, o, m)}
+    if m.bias is not None:
+        out["bias"] = o.flatten(2).sum(-1)
+    return out
+
+
+def _conv_sq_norms(m, x, o, names):
+    out = {}
+    if "weight" in names:
+        out["weight"] = conv_ops.conv_weight_sq_norms(x, o, m)
+    if "bias" in names:
+        out["bias"] = conv_ops.conv_bias_sq_norms(o)
+    return out
+
+
+def _conv_clipped(m, x, o, weights, names):
+    grad_w, grad_b = conv_ops.conv_clipped_grads(x, o, weights, m, "weight" in names, "bias" in names)
+    return {n: g for n, g in (("weight", grad_w), ("bias", grad_b)) if n in names}
+
+
+def _embedding_per_sample(m, ids, o):
+    return {"weight": emb_ops.embedding_per_sample_grads(ids, o, m.num_embeddings, m.padding_idx)}
+
+
+def _embedding_sq_norms(m, ids, o, names):
+    return {"weight": emb_ops.embedding_sq_norms(ids, o, m.num_embeddings, m.padding_idx)}
+
+
+def _embedding_clipped(m, ids, o, weights, names):
+    return {"weight": emb_ops.embedding_clipped_grad_reference(ids, o, weights, m.num_embeddings, m.padding_idx)}
+
+
+register_rule(DPLinear, rule=_linear_rule(transposed=False))
+register_rule(DPConv1D, rule=_linear_rule(transposed=True))
+register_rule(DPConv1d, DPConv2d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
+register_rule(DPEmbedding, rule=LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
+register_rule(DPLayerNorm, rule=LayerRule(norm_ops.layer_norm_per_sample_grads))
+register_rule(DPGroupNorm, rule=LayerRule(norm_ops.group_norm_per_sample_grads))
+register_rule(DPRMSNorm, rule=LayerRule(norm_ops.rms_norm_per_sample_grads))

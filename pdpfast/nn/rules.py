@@ -1,0 +1,58 @@
+"""Registry: DP module type → its per-sample norm and clipped-gradient rule (STYLE.md).
+
+A rule works on one call of a layer: ``x`` the saved input (the module's own preprocessing
+applied, e.g. the padded conv input), ``o`` the gradient of the summed loss w.r.t. the output.
+Only ``per_sample_grads`` is required; the other two default to exact formulas on its result,
+which is the right choice for layers whose per-sample gradients are as small as their parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+PerSampleGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
+SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], dict]
+ClippedGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None", tuple], dict]
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
+    sq_norms: SqNorms | None = None            # (module, x, o, names) -> {name: (B,)}
+    clipped_grads: ClippedGrads | None = None  # (module, x, o, weights (B,) | None, names) -> {name: grad}
+
+    def norms(self, module, x, o, names) -> dict:
+        if self.sq_norms is not None:
+            return self.sq_norms(module, x, o, names)
+        grads = self.per_sample_grads(module, x, o)
+        return {n: grads[n].flatten(1).float().pow(2).sum(1) if grads[n].dtype != torch.float64
+                else grads[n].flatten(1).pow(2).sum(1) for n in names}
+
+    def clipped(self, module, x, o, weights, names) -> dict:
+        if self.clipped_grads is not None:
+            return self.clipped_grads(module, x, o, weights, names)
+        grads = self.per_sample_grads(module, x, o)
+        if weights is None:
+            return {n: grads[n].sum(0) for n in names}
+        return {n: torch.tensordot(weights.to(grads[n].dtype), grads[n], dims=1) for n in names}
+
+
+_RULES: dict[type, LayerRule] = {}
+
+
+def register_rule(*types: type, rule: LayerRule, replace: bool = False) -> None:
+    """Register ``rule`` for DP module classes ``types`` (subclasses inherit it through the MRO)."""
+    for t in types:
+        if t in _RULES and not replace:
+            raise ValueError(f"a rule for {t.__name__} is already registered; pass replace=True")
+        _RULES[t] = rule
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
