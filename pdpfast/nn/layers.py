@@ -9,6 +9,8 @@ to the clipping state: per-sample norms and clipped sums come from the layer's r
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,7 +117,7 @@ class DPConv1D(DPModule):
 
 def _as_btd(t: torch.Tensor) -> torch.Tensor:
     """(B, ..., d) → (B, T, d) with T the product of the middle dims (1 for 2-D inputs)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1])
+    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
 
 
 def _linear_rule(transposed: bool) -> LayerRule:
@@ -187,6 +189,11 @@ register_rule(DPLinear, rule=_linear_rule(transposed=False))
 register_rule(DPConv1D, rule=_linear_rule(transposed=True))
 register_rule(DPConv1d, DPConv2d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
 register_rule(DPEmbedding, rule=LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
-register_rule(DPLayerNorm, rule=LayerRule(norm_ops.layer_norm_per_sample_grads))
-register_rule(DPGroupNorm, rule=LayerRule(norm_ops.group_norm_per_sample_grads))
-register_rule(DPRMSNorm, rule=LayerRule(norm_ops.rms_norm_per_sample_grads))
+def _norm_rule(per_sample_grads) -> LayerRule:
+    # the ops take (x, o, module) like the other ops; a rule receives (module, x, o)
+    return LayerRule(lambda m, x, o: per_sample_grads(x, o, m))
+
+
+register_rule(DPLayerNorm, rule=_norm_rule(norm_ops.layer_norm_per_sample_grads))
+register_rule(DPGroupNorm, rule=_norm_rule(norm_ops.group_norm_per_sample_grads))
+register_rule(DPRMSNorm, rule=_norm_rule(norm_ops.rms_norm_per_sample_grads))

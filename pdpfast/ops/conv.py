@@ -37,9 +37,9 @@ def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
     B, G = x_pad.shape[0], module.groups
     x2, o2, kernel, stride, dilation = _as_2d(x_pad, o, module)
     cols = F.unfold(x2, kernel, dilation=dilation, stride=stride)  # (B, C_in·k, L)
-    L = cols.shape[-1]
-    a = cols.view(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)
-    out = o2.reshape(B, G, -1, L).transpose(2, 3).reshape(B * G, L, -1)
+    L, d_g, p_g = cols.shape[-1], cols.shape[1] // G, o.shape[1] // G
+    a = cols.view(B, G, d_g, L).transpose(2, 3).reshape(B * G, L, d_g)
+    out = o2.reshape(B, G, p_g, L).transpose(2, 3).reshape(B * G, L, p_g)
     return a, out
 
 

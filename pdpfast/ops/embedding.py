@@ -6,6 +6,8 @@ a token repeated within a sample adds its output gradients into the same row:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dispatch import pick
@@ -17,7 +19,7 @@ def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddi
     """ids (B, T) int, o (B, T, p) → (B,) exact squared norms, repeated tokens summed first."""
     B = ids.shape[0]
     dtype = acc_dtype(o)
-    ids = ids.reshape(B, -1)
+    ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], -1).to(dtype)
     sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(ids)
     keys = sample * num_embeddings + ids
@@ -43,7 +45,7 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
                                      num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
     """Σ_i w_i G_i: rows of o scaled by w_i, scattered into the (V, p) table."""
     B, p = ids.shape[0], o.shape[-1]
-    ids = ids.reshape(B, -1)
+    ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p)
     if weights is not None:
         o = o * weights.to(o.dtype).view(-1, 1, 1)
@@ -57,7 +59,7 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
 def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Tensor:
     """Materialized (B, V, p): for tied parameters and oracles only."""
     B, p = ids.shape[0], o.shape[-1]
-    ids = ids.reshape(B, -1)
+    ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p)
     out = torch.zeros(B, num_embeddings, p, dtype=o.dtype, device=o.device)
     if padding_idx is not None:

@@ -1,0 +1,176 @@
+"""Weighted Poisson sampling data loader (DESIGN.md §1.1).
+
+Every step draws record i independently with probability q_i, so batch sizes are random and may be
+zero. Nothing here ever shuffles, fixes the batch size or truncates a draw: with a physical batch
+capacity, a larger draw is split over several physical batches (the last padded with masked rows)
+and the optimizer steps once all of them have been through backward.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import default_collate
+
+from .sampling import poisson_sample
+
+
+def as_per_record(name: str, values, n: int, *, low: float, high: float | None = None,
+                  low_inclusive: bool = True) -> np.ndarray:
+    """(n,) float64 from a scalar or an array of n values, checked against [low, high]."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values, dtype=np.float64) if not np.isscalar(values) else np.full(n, float(values))
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"{name} must be a number or have one value per record ({n}), got shape {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} must be finite; found NaN or inf")
+    below = arr < low if low_inclusive else arr <= low
+    if below.any() or (high is not None and (arr > high).any()):
+        bound = f"[{low}, {high}]" if high is not None else (f"≥ {low}" if low_inclusive else f"> {low}")
+        raise ValueError(f"{name} must be {bound}; found values in [{arr.min():g}, {arr.max():g}]")
+    return arr
+
+
+@dataclass(frozen=True)
+class PhysicalBatch:
+    """What the engine needs to know about one physical batch.
+
+    indices: (rows,) record index of every row (padding rows repeat a record); mask: (rows,) 1 for
+    real rows, 0 for padding, or None when there is no padding; step: the logical step (draw) this
+    batch belongs to; is_last: whether the optimizer should step after this batch.
+    """
+
+    indices: torch.Tensor
+    mask: torch.Tensor | None
+    step: int
+    is_last: bool
+
+
+class _EmptySafeCollate:
+    """The user's collate, plus zero-row batches shaped like one sample (empty Poisson draws)."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, samples):
+        if samples:
+            return self.collate_fn(samples)
+        return _take_zero_rows(self.collate_fn([self.dataset[0]]))
+
+
+def _take_zero_rows(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return type(batch)({k: _take_zero_rows(v) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_take_zero_rows(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take_zero_rows(v) for v in batch)
+    return batch
+
+
+class _PhysicalBatches:
+    """Batch sampler for the inner DataLoader; queues each batch's metadata in draw order."""
+
+    def __init__(self, loader: "DPDataLoader"):
+        self.loader = loader
+
+    def __iter__(self):
+        loader = self.loader
+        first = loader.next_step
+        for step in range(first, first + loader.steps_per_epoch):
+            for batch in loader.split(poisson_sample(loader.sample_rates_tensor, loader.seed, step), step):
+                loader._pending.append(batch)
+                yield batch.indices.tolist()
+
+    def __len__(self):
+        return self.loader.steps_per_epoch
+
+
+class DPDataLoader:
+    """Iterates batches drawn by weighted Poisson sampling.
+
+    dataset: any map-style dataset of N records. sample_rates: q_i, a float or (N,) in [0, 1].
+    steps_per_epoch: draws per iteration of the loader (default N / Σ q_i, i.e. one pass in
+    expectation). physical_batch_size: optional capacity K; draws larger than K are split into
+    several batches of K rows and the last is padded with masked rows, so every batch has K rows.
+    seed: of the counter-based draw (a fresh random one by default); draw t depends only on
+    (seed, t), so a resumed run continues the same sequence from ``next_step``.
+    """
+
+    def __init__(self, dataset: Dataset, sample_rates, *, steps_per_epoch: int | None = None,
+                 physical_batch_size: int | None = None, seed: int | None = None,
+                 collate_fn: Callable | None = None, start_step: int = 0, **loader_kwargs):
+        n = len(dataset)
+        if n == 0:
+            raise ValueError("dataset is empty")
+        self.dataset = dataset
+        self.sample_rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0)
+        self.sample_rates_tensor = torch.from_numpy(self.sample_rates)
+        self.expected_batch_size = float(self.sample_rates.sum())
+        if self.expected_batch_size <= 0:
+            raise ValueError("sample_rates are all 0: no record would ever be drawn")
+        if steps_per_epoch is None:
+            steps_per_epoch = max(1, round(n / self.expected_batch_size))
+        if not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+            raise ValueError(f"steps_per_epoch must be a positive int, got {steps_per_epoch!r}")
+        if physical_batch_size is not None and (not isinstance(physical_batch_size, int) or physical_batch_size <= 0):
+            raise ValueError(f"physical_batch_size must be a positive int or None, got {physical_batch_size!r}")
+        for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if key in loader_kwargs:
+                raise ValueError(f"{key} cannot be set: batches are drawn by Poisson sampling")
+        self.steps_per_epoch = steps_per_epoch
+        self.physical_batch_size = physical_batch_size
+        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
+        self.next_step = int(start_step)
+        self.on_batch: Callable[[PhysicalBatch], None] | None = None
+        self.current: PhysicalBatch | None = None
+        self._pending: deque[PhysicalBatch] = deque()
+        self._loader = DataLoader(dataset, batch_sampler=_PhysicalBatches(self),
+                                  collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate), **loader_kwargs)
+
+    @classmethod
+    def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> "DPDataLoader":
+        """Same dataset, collate function and worker settings as ``data_loader``."""
+        keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
+                                                      "multiprocessing_context", "persistent_workers")}
+        if data_loader.num_workers > 0:
+            keep["prefetch_factor"] = data_loader.prefetch_factor
+        keep.update(kwargs)
+        return cls(data_loader.dataset, sample_rates, collate_fn=data_loader.collate_fn, **keep)
+
+    def split(self, drawn: torch.Tensor, step: int) -> list[PhysicalBatch]:
+        """The physical batches of one draw: all of it, in chunks of the capacity if one is set."""
+        K = self.physical_batch_size
+        if K is None:
+            return [PhysicalBatch(drawn, None, step, True)]
+        chunks = list(drawn.split(K)) or [drawn]
+        batches = []
+        for j, chunk in enumerate(chunks):
+            mask = torch.zeros(K)
+            mask[: chunk.numel()] = 1
+            pad = chunk[:1] if chunk.numel() else torch.zeros(1, dtype=torch.long)
+            indices = torch.cat([chunk, pad.expand(K - chunk.numel())])
+            batches.append(PhysicalBatch(indices, mask, step, j == len(chunks) - 1))
+        return batches
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self):
+        self._pending.clear()
+        for data in self._loader:
+            batch = self._pending.popleft()
+            self.current = batch
+            if batch.is_last:
+                self.next_step = batch.step + 1
+            if self.on_batch is not None:
+                self.on_batch(batch)
+            yield data

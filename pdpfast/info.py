@@ -1,0 +1,38 @@
+"""``python -m pdpfast.info``: which implementation each op runs, and why the others do not."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .ops import dispatch
+
+OPS = ("linear_weight_sq_norms", "bias_sq_norms", "linear_clipped_grad", "embedding_sq_norms", "clip_weights",
+       "add_noise_")
+
+
+def report() -> str:
+    import pdpfast
+    from pdpfast import sampling
+
+    lines = [f"pdpfast {pdpfast.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
+    cuda = torch.cuda.is_available()
+    lines.append(f"CUDA: {torch.cuda.get_device_name(0) if cuda else 'not available'}")
+    reason = None
+    if dispatch.triton_disabled():
+        reason = "disabled by PDPFAST_DISABLE_TRITON=1"
+    elif not (cuda or dispatch.triton_interpret()):
+        reason = "no CUDA device (TRITON_INTERPRET=1 runs the kernels on the CPU, for tests)"
+    else:
+        reason = dispatch.triton_import_error()
+    kernels = dispatch.registered() if reason is None else {}
+    for op in OPS:
+        impl = "triton kernel" if op in kernels else f"torch reference ({reason or 'no kernel registered'})"
+        lines.append(f"  {op:<24} {impl}")
+    why = sampling.unavailable_reason()
+    lines.append(f"  {'poisson_sample':<24} {sampling.backend()}" + (f" ({why})" if why else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

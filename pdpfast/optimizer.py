@@ -1,0 +1,123 @@
+"""DPOptimizer: noise and normalization of the clipped sum, then the wrapped optimizer's step."""
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch.optim import Optimizer
+
+from .ops.noise import add_noise_
+
+
+class DPOptimizer(Optimizer):
+    """Wraps ``optimizer``; ``step()`` performs ĝ = (Σ_i w_i g_i + N(0, σ²C²I)) / B_exp (DESIGN.md §1.4).
+
+    The clipped sums Σ_i w_i g_i are already in ``param.grad`` (written by the clipping state during
+    backward). B_exp = Σ_i q_i is the *expected* batch size, a constant of the plan: the realized
+    batch size is private and never used. Noise is drawn from (seed, step), so it is reproducible.
+    When a draw was split over several physical batches, ``step()`` and ``zero_grad()`` do nothing
+    until the last of them, so the clipped sums accumulate.
+
+    param_groups and state are the wrapped optimizer's own (LR schedulers work unchanged).
+    """
+
+    def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
+                 expected_batch_size: float, seed: int | None = None):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+        if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+        self.original_optimizer = optimizer
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.expected_batch_size = float(expected_batch_size)
+        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
+        self.steps = 0
+        self.at_step_boundary: Callable[[], bool] = lambda: True
+        self.pre_step_hooks: list[Callable[["DPOptimizer"], None]] = []
+        self.post_step_hooks: list[Callable[["DPOptimizer"], None]] = []
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    @property
+    def noise_std(self) -> float:
+        """Standard deviation of the noise added to the clipped sum: σ·C."""
+        return self.noise_multiplier * self.max_grad_norm
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.at_step_boundary():
+            self.original_optimizer.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def add_noise_and_normalize(self) -> None:
+        grads = []
+        for p in self._params():
+            if p.grad is None:  # no record reached it (e.g. an empty draw): noise all the same
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        add_noise_(grads, self.noise_std, self.seed, self.steps)
+        for g in grads:
+            g.div_(self.expected_batch_size)
+
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.at_step_boundary():
+            return loss
+        for hook in self.pre_step_hooks:
+            hook(self)
+        self.add_noise_and_normalize()
+        self.original_optimizer.step()
+        self.steps += 1
+        for hook in self.post_step_hooks:
+            hook(self)
+        return loss
+
+    def state_dict(self):
+        return {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps, "seed": self.seed}
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps, self.seed = int(state_dict["steps"]), int(state_dict["seed"])
+
+    def __repr__(self) -> str:
+        return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "
+                f"expected_batch_size={self.expected_batch_size:g}, optimizer={self.original_optimizer!r})")

@@ -1,0 +1,255 @@
+"""Weighted Bernoulli (Poisson) sampling: which records are in step t's batch (DESIGN.md §1, step 1).
+
+Record i is in the batch independently with probability ``q_i``. The batch is never shuffled,
+never of fixed size and never truncated: the privacy accountant assumes exactly this draw.
+
+The draw is counter-based: record i's decision is a pure function of ``(seed, step, i, q_i)``, so
+it is reproducible from ``(seed, step)`` alone and does not depend on the thread count, the chunking
+or the backend. Three implementations compute the same decisions bit for bit:
+
+* ``"cpp"`` — the OpenMP C++ kernel in ``pdpfast._C`` (``csrc/sampler.cpp``), for CPU tensors;
+* ``"cuda"`` — the CUDA kernel (``csrc/sampler_cuda.cu``), for CUDA tensors when the extension was
+  built with CUDA;
+* ``"torch"`` — :func:`poisson_sample_reference`, plain int64 tensor arithmetic on any device; used
+  when the extension is missing (a warning says why, once).
+
+The generator (see ``csrc/sampler.cpp``), all arithmetic modulo 2^64::
+
+    mix64(z)   = SplitMix64 finalizer
+    key_stream = mix64(mix64(seed ^ 0x243F6A8885A308D3) + step * 0x9E3779B97F4A7C15)
+    key_out    = mix64(key_stream ^ 0x13198A2E03707344)
+    z_i        = mix64(mix64(key_stream + i * 0x9E3779B97F4A7C15) ^ key_out)
+    record i drawn  iff  (z_i >> 11) * 2^-53 < q_i
+
+It is a statistical generator (SplitMix64-based), not a cryptographic one.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+__all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason"]
+
+try:  # the compiled extension is optional: the package works without it
+    from pdpfast import _C
+except ImportError as exc:
+    _C = None
+    _IMPORT_ERROR: str | None = f"the C++ extension pdpfast._C could not be imported ({exc})"
+else:
+    _IMPORT_ERROR = None if hasattr(_C, "poisson_sample_cpu") else (
+        "pdpfast._C has no poisson_sample_cpu (it was built without csrc/sampler.cpp; rebuild with "
+        "`pip install --no-build-isolation -e .`)")
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_SEED_SALT = 0x243F6A8885A308D3
+_OUTPUT_SALT = 0x13198A2E03707344
+_MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_TWO_POW_53 = float(1 << 53)
+# The reference works through the records in chunks so its int64 temporaries stay cache-sized.
+_REFERENCE_CHUNK = 1 << 18
+
+_fallback_warned = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Which implementation runs, and why
+# ---------------------------------------------------------------------------------------------
+
+def _cpp_available() -> bool:
+    return _IMPORT_ERROR is None
+
+
+def _cuda_available() -> bool:
+    return _cpp_available() and bool(getattr(_C, "sampler_with_cuda", False)) and torch.cuda.is_available()
+
+
+def backend(device: torch.device | str | None = None) -> str:
+    """The implementation :func:`poisson_sample` uses: ``"cpp"``, ``"cuda"`` or ``"torch"``.
+
+    device: where the sample rates live. ``None`` means the fastest path this installation has
+    (``"cuda"`` if the CUDA kernel is built and a GPU is visible, else ``"cpp"``, else ``"torch"``).
+    """
+    if device is None:
+        return "cuda" if _cuda_available() else ("cpp" if _cpp_available() else "torch")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpp" if _cpp_available() else "torch"
+    if device.type == "cuda":
+        return "cuda" if _cuda_available() else "torch"
+    return "torch"
+
+
+def unavailable_reason(device: torch.device | str | None = "cpu") -> str | None:
+    """Why the compiled path for ``device`` (default CPU) is not used, or ``None`` when it is."""
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    device_type = "cpu" if device is None else torch.device(device).type
+    if device_type == "cpu":
+        return None
+    if device_type == "cuda":
+        if not getattr(_C, "sampler_with_cuda", False):
+            return "pdpfast._C was built without CUDA (no CUDA toolkit or a CPU-only torch at build time)"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible"
+        return None
+    return f"no compiled sampler for device type {device_type!r}"
+
+
+def _warn_fallback_once(reason: str) -> None:
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(f"pdpfast.sampling: using the plain-torch Poisson sampler (same draws, slower): {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------
+
+def _as_rate_tensor(sample_rates) -> torch.Tensor:
+    if isinstance(sample_rates, np.ndarray):
+        if not np.issubdtype(sample_rates.dtype, np.floating):
+            raise TypeError(f"sample_rates must hold floating-point values, got numpy dtype {sample_rates.dtype}")
+        sample_rates = torch.from_numpy(np.ascontiguousarray(sample_rates))
+    elif not isinstance(sample_rates, torch.Tensor):
+        raise TypeError(f"sample_rates must be a torch.Tensor or numpy.ndarray, got {type(sample_rates).__name__}")
+    if not sample_rates.is_floating_point():
+        raise TypeError(f"sample_rates must hold floating-point values, got {sample_rates.dtype}")
+    if sample_rates.dim() != 1:
+        raise ValueError(f"sample_rates must be 1-D (one rate per record), got shape {tuple(sample_rates.shape)}")
+    if sample_rates.dtype not in (torch.float32, torch.float64):
+        # float16/bfloat16 -> float64 is exact, so the draw is the one the rates describe
+        sample_rates = sample_rates.to(torch.float64)
+    return sample_rates.detach()
+
+
+def _check_counter(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a non-negative int, got {type(value).__name__}")
+    value = int(value)
+    if not 0 <= value <= _MASK64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    return value
+
+
+def _check_rate_values(sample_rates: torch.Tensor) -> None:
+    invalid = ~((sample_rates >= 0) & (sample_rates <= 1))  # NaN compares false, so it is invalid too
+    if bool(invalid.any()):
+        first = int(invalid.nonzero()[0, 0])
+        raise ValueError(f"sample_rates must lie in [0, 1] (no NaN); "
+                         f"sample_rates[{first}] = {float(sample_rates[first])}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain-torch generator (bit for bit the C++/CUDA one)
+# ---------------------------------------------------------------------------------------------
+
+def _to_int64(value: int) -> int:
+    """The int64 with the same 64 bits as the unsigned ``value``."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix64_int(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * _MIX_MULTIPLIERS[0]) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX_MULTIPLIERS[1]) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _stream_keys(seed: int, step: int) -> tuple[int, int]:
+    stream = _mix64_int(_mix64_int(seed ^ _SEED_SALT) + step * _GOLDEN_GAMMA)
+    return stream, _mix64_int(stream ^ _OUTPUT_SALT)
+
+
+def _logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+    # int64 >> is arithmetic; masking off the copies of the sign bit makes it the uint64 shift
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _mix64_(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer in place on int64 bits (int64 + and * wrap like uint64)."""
+    z ^= _logical_shift_right(z, 30)
+    z *= _to_int64(_MIX_MULTIPLIERS[0])
+    z ^= _logical_shift_right(z, 27)
+    z *= _to_int64(_MIX_MULTIPLIERS[1])
+    z ^= _logical_shift_right(z, 31)
+    return z
+
+
+def _random_bits(start: int, stop: int, keys: tuple[int, int], device: torch.device) -> torch.Tensor:
+    z = torch.arange(start, stop, dtype=torch.int64, device=device)
+    z *= _to_int64(_GOLDEN_GAMMA)
+    z += _to_int64(keys[0])
+    _mix64_(z)
+    z ^= _to_int64(keys[1])
+    return _mix64_(z)
+
+
+def random_bits_reference(count: int, seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The generator's raw outputs z_0..z_{count-1} at (seed, step): (count,) int64 holding the uint64 bits."""
+    keys = _stream_keys(_check_counter("seed", seed), _check_counter("step", step))
+    return _random_bits(0, int(count), keys, torch.device(device))
+
+
+def poisson_sample_reference(sample_rates, seed: int, step: int) -> torch.Tensor:
+    """Plain-torch :func:`poisson_sample`: the same draw on any device, no compiled code."""
+    sample_rates = _as_rate_tensor(sample_rates)
+    seed, step = _check_counter("seed", seed), _check_counter("step", step)
+    _check_rate_values(sample_rates)
+    return _poisson_sample_torch(sample_rates, seed, step)
+
+
+def _poisson_sample_torch(sample_rates: torch.Tensor, seed: int, step: int) -> torch.Tensor:
+    keys = _stream_keys(seed, step)
+    num_records = sample_rates.numel()
+    pieces = []
+    for start in range(0, num_records, _REFERENCE_CHUNK):
+        stop = min(start + _REFERENCE_CHUNK, num_records)
+        top_bits = _logical_shift_right(_random_bits(start, stop, keys, sample_rates.device), 11)
+        # u < q  <=>  (z >> 11) < q * 2^53, both sides exact in float64
+        drawn = top_bits.to(torch.float64) < sample_rates[start:stop].to(torch.float64) * _TWO_POW_53
+        pieces.append(drawn.nonzero().flatten() + start)
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64, device=sample_rates.device)
+    return torch.cat(pieces)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+def poisson_sample(sample_rates, seed: int, step: int, num_threads: int | None = None) -> torch.Tensor:
+    """Indices of the records in step ``step``'s Poisson batch, sorted ascending.
+
+    sample_rates: (N,) float tensor (any device) or numpy array, q_i in [0, 1] — record i is drawn
+        independently with probability q_i (q_i = 0: never; q_i = 1: always).
+    seed, step: non-negative ints below 2**64; the draw is a pure function of (seed, step, rates).
+    num_threads: CPU threads for the C++ kernel (default: ``torch.get_num_threads()``). The result
+        does not depend on it.
+
+    Returns a (B,) int64 tensor on the rates' device (CPU for numpy input); B is random with mean
+    sum_i q_i. The batch is never truncated or padded here: a caller with a fixed physical batch
+    capacity must split a large draw over several physical batches (DESIGN.md §1).
+
+    Raises TypeError for a wrong type of ``sample_rates``, ``seed`` or ``step``; ValueError when
+    ``sample_rates`` is not 1-D or holds NaN or values outside [0, 1], or a counter is out of range.
+    """
+    sample_rates = _as_rate_tensor(sample_rates)
+    seed, step = _check_counter("seed", seed), _check_counter("step", step)
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    chosen = backend(sample_rates.device)
+    if chosen == "cpp":
+        # the kernel validates the rates in the same pass; std::invalid_argument arrives as ValueError
+        return _C.poisson_sample_cpu(sample_rates, seed, step, num_threads or 0)
+    if chosen == "cuda":
+        return _C.poisson_sample_cuda(sample_rates, seed, step)
+    _warn_fallback_once(unavailable_reason(sample_rates.device) or "no compiled sampler")
+    _check_rate_values(sample_rates)
+    return _poisson_sample_torch(sample_rates, seed, step)

@@ -1,0 +1,235 @@
+"""PrivacyEngine, DPDataLoader and DPOptimizer: the DP-SGD step of DESIGN.md §1."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast.data import DPDataLoader
+from pdpfast.functional import clipped_gradients
+from pdpfast.optimizer import DPOptimizer
+
+
+def _data(n=60, d=5, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, d, generator=g), torch.randint(0, classes, (n,), generator=g))
+
+
+def _mlp(d=5, classes=3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 8), nn.ReLU(inplace=True), nn.Linear(8, classes))
+
+
+def _private(n=60, sample_rates=0.2, clip_norms=None, noise=0.0, **kw):
+    ds = _data(n)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = pdpfast.PrivacyEngine(seed=3)
+    out = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=8),
+                              noise_multiplier=noise, max_grad_norm=1.0, sample_rates=sample_rates,
+                              clip_norms=clip_norms, **kw)
+    return (engine, ds, *out)
+
+
+def test_per_record_sampling_frequencies_match_sample_rates():
+    n, steps = 40, 3000
+    q = np.linspace(0.0, 1.0, n)
+    loader = DPDataLoader(_data(n), q, steps_per_epoch=steps, seed=7)
+    counts = np.zeros(n)
+    for _ in loader:
+        counts[loader.current.indices.numpy()] += 1
+    sd = np.sqrt(steps * q * (1 - q))
+    assert np.all(np.abs(counts - steps * q) <= 5 * sd + 1e-9)
+    assert counts[0] == 0 and counts[-1] == steps
+
+
+def test_poisson_sampling_gives_random_batch_sizes_never_fixed():
+    loader = DPDataLoader(_data(200), 0.1, steps_per_epoch=200, seed=1)
+    sizes = [len(batch[0]) for batch in loader]
+    assert len(set(sizes)) > 5
+    assert abs(np.mean(sizes) - 20) < 3 * np.sqrt(200 * 0.1 * 0.9 / 200) + 1.0
+
+
+def test_poisson_draw_is_never_truncated_by_physical_batch_capacity():
+    q = np.full(50, 0.5)
+    whole = DPDataLoader(_data(50), q, steps_per_epoch=20, seed=5)
+    split = DPDataLoader(_data(50), q, steps_per_epoch=20, seed=5, physical_batch_size=4)
+    drawn = {}
+    for _ in whole:
+        drawn[whole.current.step] = whole.current.indices.tolist()
+    seen: dict[int, list] = {}
+    for xb, _ in split:
+        b = split.current
+        assert len(xb) == 4 and b.mask is not None and b.mask.shape == (4,)
+        seen.setdefault(b.step, []).extend(b.indices[b.mask.bool()].tolist())
+    assert seen == drawn
+
+
+def test_empty_draw_yields_empty_batch_and_still_steps_with_noise():
+    engine, ds, model, opt, loader = _private(sample_rates=1e-9, noise=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    for xb, yb in loader:
+        assert xb.shape == (0, 5)
+        nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+        opt.step()
+        opt.zero_grad()
+        break
+    assert engine.steps == 1
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_normalization_uses_expected_batch_size_not_realized():
+    n = 60
+    q = np.where(np.arange(n) % 2 == 0, 0.3, 0.1)
+    c = np.where(np.arange(n) % 3 == 0, 0.05, 0.2)
+    engine, ds, model, opt, loader = _private(n, sample_rates=q, clip_norms=c, loss_reduction="sum")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    for xb, yb in loader:
+        idx = loader.current.indices
+        if len(idx) < 2:
+            continue
+        # expected: the clipped sum of exactly these records, divided by Σ q_i
+        reference = _mlp()
+        reference.load_state_dict(model.state_dict())
+        pdpfast.nn.convert(reference)
+        expected = clipped_gradients(reference, lambda out: nn.functional.cross_entropy(out, yb, reduction="none"),
+                                     xb, clip_norms=torch.from_numpy(c)[idx])
+        nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+        opt.original_optimizer.param_groups[0]["lr"] = 0.0
+        opt.step()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected.grads[name] / q.sum(), rtol=1e-5, atol=1e-7)
+        break
+    assert engine.expected_batch_size == pytest.approx(q.sum())
+
+
+def test_mean_loss_reduction_gives_the_same_step_as_sum():
+    grads = {}
+    for reduction in ("mean", "sum"):
+        engine, ds, model, opt, loader = _private(loss_reduction=reduction, clip_norms=0.3)
+        for xb, yb in loader:
+            nn.functional.cross_entropy(model(xb), yb, reduction=reduction).backward()
+            grads[reduction] = [p.grad.clone() for p in model.parameters()]
+            break
+    for a, b in zip(grads["mean"], grads["sum"]):
+        torch.testing.assert_close(a, b)
+
+
+def test_noise_std_equals_sigma_C_over_expected_batch_size():
+    p = nn.Parameter(torch.zeros(200_000))
+    opt = DPOptimizer(torch.optim.SGD([p], lr=0.0), noise_multiplier=1.7, max_grad_norm=0.6,
+                      expected_batch_size=12.5, seed=0)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert p.grad.std().item() == pytest.approx(1.7 * 0.6 / 12.5, rel=0.01)
+    assert abs(p.grad.mean().item()) < 5 * 1.7 * 0.6 / 12.5 / np.sqrt(p.numel())
+
+
+def test_noise_is_reproducible_from_seed_and_step():
+    def draw(seed, steps):
+        p = nn.Parameter(torch.zeros(100))
+        opt = DPOptimizer(torch.optim.SGD([p], lr=1.0), noise_multiplier=1.0, max_grad_norm=1.0,
+                          expected_batch_size=1.0, seed=seed)
+        for _ in range(steps):
+            opt.zero_grad()
+            opt.step()
+        return p.detach().clone()
+
+    torch.testing.assert_close(draw(4, 3), draw(4, 3))
+    assert not torch.equal(draw(4, 3), draw(5, 3))
+
+
+@pytest.mark.parametrize("mode,clipping", [("bk", "flat"), ("ghost", "flat"), ("bk", "per_layer")])
+def test_physical_batches_with_masks_give_the_same_step_as_one_batch(mode, clipping):
+    grads = {}
+    for capacity in (None, 3):
+        kw = dict(mode=mode, clipping=clipping, physical_batch_size=capacity, clip_norms=0.2)
+        if mode == "ghost":
+            kw["criterion"] = nn.CrossEntropyLoss(reduction="sum")
+        engine, ds, model, opt, *rest = _private(loss_reduction="sum", **kw)
+        crit, loader = (rest if mode == "ghost" else (None, rest[0]))
+        opt.original_optimizer.param_groups[0]["lr"] = 0.0
+        for xb, yb in loader:
+            out = model(xb)
+            loss = crit(out, yb) if crit else nn.functional.cross_entropy(out, yb, reduction="sum")
+            loss.backward()
+            opt.step()
+            if loader.current.is_last:
+                grads[capacity] = [p.grad.clone() for p in model.parameters()]
+                break
+            opt.zero_grad()
+    for a, b in zip(grads[None], grads[3]):
+        torch.testing.assert_close(a, b)
+
+
+def test_ghost_mode_refuses_a_plain_backward():
+    engine, ds, model, opt, crit, loader = _private(mode="ghost", criterion=nn.CrossEntropyLoss())
+    xb, yb = next(iter(loader))
+    with pytest.raises(RuntimeError, match="criterion"):
+        nn.functional.cross_entropy(model(xb), yb).backward()
+
+
+def test_training_loop_learns_digits():
+    from pdpfast.demo import load_digits_split
+
+    x_tr, y_tr, x_te, y_te = load_digits_split()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    n = len(x_tr)
+    q = np.where(np.arange(n) % 3 == 0, 0.02, 0.06)
+    c = np.where(np.arange(n) % 2 == 0, 0.5, 1.0)
+    engine = pdpfast.PrivacyEngine(seed=0)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt,
+                                             data_loader=DataLoader(TensorDataset(x_tr, y_tr), batch_size=64),
+                                             noise_multiplier=0.5, max_grad_norm=1.0, sample_rates=q, clip_norms=c)
+    for _ in range(6):
+        for xb, yb in loader:
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    model.eval()
+    acc = (model(x_te).argmax(1) == y_te).float().mean().item()
+    assert acc > 0.8
+
+
+def test_lr_scheduler_and_optimizer_built_before_make_private_work():
+    engine, ds, model, opt, loader = _private(noise=0.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for xb, yb in loader:
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        break
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert isinstance(opt, torch.optim.Optimizer)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sample_rates=1.5), "sample_rates"),
+    (dict(sample_rates=np.full(59, 0.1)), "sample_rates"),
+    (dict(sample_rates=np.full(60, np.nan)), "sample_rates"),
+    (dict(clip_norms=np.zeros(60)), "clip_norms"),
+    (dict(clip_norms=np.full(60, np.nan)), "clip_norms"),
+    (dict(clip_norms=np.ones(61)), "clip_norms"),
+    (dict(noise=-1.0), "noise_multiplier"),
+    (dict(mode="ghost"), "criterion"),
+    (dict(mode="fast"), "mode"),
+    (dict(clipping="global"), "clipping"),
+    (dict(loss_reduction="avg"), "loss_reduction"),
+    (dict(physical_batch_size=0), "physical_batch_size"),
+])
+def test_bad_arguments_are_refused_with_a_clear_error(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _private(**kwargs)
+
+
+def test_batchnorm_model_is_refused_with_groupnorm_advice():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\).*GroupNorm|GroupNorm.*1 \(BatchNorm2d\)"):
+        pdpfast.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
