@@ -20,7 +20,7 @@ def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddi
     B = ids.shape[0]
     dtype = acc_dtype(o)
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
-    o = o.reshape(B, ids.shape[1], -1).to(dtype)
+    o = o.reshape(B, ids.shape[1], o.shape[-1]).to(dtype)
     sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(ids)
     keys = sample * num_embeddings + ids
     rows = o
