@@ -17,6 +17,7 @@ to accumulating their materialized per-sample gradients, which is exact.
 """
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from typing import Mapping, Sequence
@@ -95,6 +96,7 @@ class ClippingState:
             raise ValueError("the model has no trainable parameters in DP layers; call pdpfast.nn.convert(model)")
         self._build_groups()
         self.shares = self._resolve_shares(layer_shares) if clipping == "per_layer" else None
+        self._guards: list = []
         self.batch_size: int | None = None
         self.last_norms: torch.Tensor | None = None
         self._reset_batch()
@@ -102,7 +104,10 @@ class ClippingState:
     # ------------------------------------------------------------------ structure
 
     def _build_groups(self) -> None:
-        """Clipping groups: one per DP layer, merged where layers share a parameter (tied weights)."""
+        """Clipping groups: one per DP layer, merged where layers share a parameter (tied weights).
+
+        Only trainable parameters count: a frozen layer is never clipped, so giving it a group
+        would shrink every other group's share 1/√K for nothing."""
         parent = list(range(len(self.layers)))
 
         def find(i):
@@ -113,7 +118,7 @@ class ClippingState:
 
         owner: dict[nn.Parameter, int] = {}
         for i, m in enumerate(self.layers):
-            for p in m.parameters(recurse=False):
+            for p in _trainable(m).values():
                 if p in owner:
                     parent[find(i)] = find(owner[p])
                 owner[p] = i
@@ -122,7 +127,7 @@ class ClippingState:
         self.group_names: list[str] = []
         self._group_params: list[list[nn.Parameter]] = []
         for i, m in enumerate(self.layers):
-            if not any(True for _ in m.parameters(recurse=False)):
+            if not _trainable(m):
                 continue
             r = find(i)
             if r not in roots:
@@ -131,7 +136,7 @@ class ClippingState:
                 self._group_params.append([])
             k = roots[r]
             self._group_of[m] = k
-            for p in m.parameters(recurse=False):
+            for p in _trainable(m).values():
                 if not any(p is q for q in self._group_params[k]):
                     self._group_params[k].append(p)
 
@@ -144,7 +149,7 @@ class ClippingState:
             for name, share in layer_shares.items():
                 module = dict(self.model.named_modules()).get(name)
                 if module is None or module not in self._group_of:
-                    raise ValueError(f"layer_shares names {name!r}, which is not a DP layer of the model; "
+                    raise ValueError(f"layer_shares names {name!r}, which is not a DP layer with trainable parameters; "
                                      f"clipping groups: {self.group_names}")
                 by_name[self._group_of[module]] = float(share)
             missing = [self.group_names[k] for k in range(K) if k not in by_name]
@@ -177,11 +182,28 @@ class ClippingState:
             if m._pdpfast_state is not None and m._pdpfast_state is not self:
                 raise RuntimeError(f"{self._names[m]} is already attached to another pdpfast engine")
             m._pdpfast_state = self
+        if not self._guards:
+            # DP layers hand autograd detached parameters, so a trainable parameter receives an autograd
+            # gradient only through a use outside its layer's private forward; that gradient is unclipped
+            self._guards = [p.register_hook(functools.partial(self._refuse_plain_grad, name))
+                            for name, p in self.model.named_parameters() if p.requires_grad]
 
     def detach(self) -> None:
         for m in self.layers:
             if m._pdpfast_state is self:
                 m._pdpfast_state = None
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
+
+    @staticmethod
+    def _refuse_plain_grad(name: str, grad) -> None:
+        if grad is not None:
+            raise RuntimeError(
+                f"parameter {name} received an ordinary, unclipped gradient in a private backward: it is used "
+                "outside its DP layer's private forward (e.g. F.linear(x, layer.weight), or a DP layer in eval "
+                "mode). Use it through its module (share the Parameter between modules to tie weights), or "
+                "freeze it")
 
     # ------------------------------------------------------------------ one batch
 
@@ -251,7 +273,10 @@ class ClippingState:
             return
         if phase == "per_layer":
             k = self._group_of[module]
-            deferred = list(params) if any(self._uses.get(p, 0) > 1 for p in self._group_params[k]) else []
+            reused = any(self._uses.get(p, 0) > 1 for p in self._group_params[k])
+            deferred = list(params) if reused or rule.sq_norms is None else []
+        elif rule.sq_norms is None:  # per-sample grads as small as the parameters: form them once
+            deferred = list(params)
         else:
             deferred = [n for n, p in params.items() if self._uses.get(p, 0) > 1]
         if deferred:
@@ -278,7 +303,7 @@ class ClippingState:
     def _weights(self, sq: torch.Tensor, share=None) -> torch.Tensor:
         """Clip weights applied to the backward's output gradients (loss scale folded in)."""
         s = self.loss_scale
-        bounds = self.clip_norms.to(sq.device)
+        bounds = self.clip_norms.to(sq.device, sq.dtype)  # c_i·C_k in the norms' precision, not the input's
         if share is not None:
             bounds = bounds * float(share)
         mask = None if self.mask is None else self.mask.to(sq.device)

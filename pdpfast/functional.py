@@ -33,8 +33,21 @@ def clipped_gradients(model: nn.Module, loss_fn: Callable, *inputs, clip_norms, 
     The model's existing ``.grad`` fields are left as they were.
     """
     clip_norms = as_per_sample("clip_norms", clip_norms)
+    for k, x in enumerate(inputs):
+        # the batch size comes from clip_norms; a mismatched input would otherwise be broadcast
+        # (a 1-row input looks like a (1, T) position tensor to the DP layers) or fail deep inside
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != clip_norms.shape[0]:
+            raise ValueError(f"clip_norms has {clip_norms.shape[0]} values (one per sample) but input {k} has "
+                             f"shape {tuple(x.shape)}; inputs must be batch-first with one row per sample")
     state = ClippingState(model, mode=mode, clipping=clipping, layer_shares=layer_shares,
                           automatic_gamma=automatic_gamma)
+    # a DP layer in eval mode runs as the plain torch layer (so evaluation needs no batch), and its
+    # weights would get ordinary, unclipped gradients: refuse rather than leak
+    in_eval = [name or "<model>" for name, m in model.named_modules()
+               if m in state.layers and not m.training and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if in_eval:
+        raise ValueError("clipped_gradients needs the model in training mode (model.train()): DP layers in eval "
+                         "mode compute ordinary, unclipped gradients. Layers in eval mode: " + ", ".join(in_eval))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     saved = {n: p.grad for n, p in params.items()}
     for p in params.values():

@@ -34,7 +34,7 @@ __all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference"
 
 try:  # the compiled extension is optional: the package works without it
     from pdpfast import _C
-except ImportError as exc:
+except (ImportError, OSError) as exc:
     _C = None
     _IMPORT_ERROR: str | None = f"the C++ extension pdpfast._C could not be imported ({exc})"
 else:
@@ -49,7 +49,7 @@ _OUTPUT_SALT = 0x13198A2E03707344
 _MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 _TWO_POW_53 = float(1 << 53)
 # The reference works through the records in chunks so its int64 temporaries stay cache-sized.
-_REFERENCE_CHUNK = 1 << 18
+_REFERENCE_CHUNK = 1 << 17
 
 _fallback_warned = False
 
@@ -168,7 +168,9 @@ def _stream_keys(seed: int, step: int) -> tuple[int, int]:
 
 def _logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
     # int64 >> is arithmetic; masking off the copies of the sign bit makes it the uint64 shift
-    return (z >> shift) & ((1 << (64 - shift)) - 1)
+    shifted = z >> shift
+    shifted &= (1 << (64 - shift)) - 1
+    return shifted
 
 
 def _mix64_(z: torch.Tensor) -> torch.Tensor:
@@ -241,9 +243,11 @@ def poisson_sample(sample_rates, seed: int, step: int, num_threads: int | None =
     """
     sample_rates = _as_rate_tensor(sample_rates)
     seed, step = _check_counter("seed", seed), _check_counter("step", step)
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
-                                    or num_threads < 1):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if num_threads is not None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+            raise TypeError(f"num_threads must be a positive int or None, got {type(num_threads).__name__}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int or None, got {num_threads}")
     chosen = backend(sample_rates.device)
     if chosen == "cpp":
         # the kernel validates the rates in the same pass; std::invalid_argument arrives as ValueError

@@ -34,7 +34,8 @@ DEFAULT_ORDERS: tuple = OPACUS_ORDERS + (64, 72, 80, 88, 96, 112, 128, 144, 160,
                                          448, 512)
 
 _CHUNK = 1 << 20            # elements per temporary (P × terms) array
-_MAX_SERIES_TERMS = 5000    # fractional series: more terms than this means no convergence
+_MAX_SERIES_TERMS = 10 ** 7  # fractional series: more terms than this means no convergence
+_SCALAR_TAIL = 16           # finish series with this few elements left in scalar arithmetic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,9 +104,8 @@ def _log_a_frac(log_q: np.ndarray, log1m_q: np.ndarray, sigma: np.ndarray, alpha
     log_a0 = np.full(p * f, -np.inf)
     log_a1 = np.full(p * f, -np.inf)
     live = np.arange(p * f)
-    for i in range(_MAX_SERIES_TERMS):
-        if live.size == 0:
-            break
+    i = 0
+    while live.size > _SCALAR_TAIL:
         r, o = rec[live], ordr[live]
         coef = special.binom(alphas, i)                  # (F,)
         with np.errstate(divide="ignore"):
@@ -125,9 +125,44 @@ def _log_a_frac(log_q: np.ndarray, log1m_q: np.ndarray, sigma: np.ndarray, alpha
         log_a0[live] = np.where(positive, np.logaddexp(a0, log_s0), _log_sub(a0, log_s0))
         log_a1[live] = np.where(positive, np.logaddexp(a1, log_s1), _log_sub(a1, log_s1))
         live = live[~(np.maximum(log_s0, log_s1) < -30.0)]
-    else:   # did not converge: conservatively no bound at that order
-        log_a0[live] = np.inf
+        i += 1
+    # The few series left are the slowly converging ones (large q, α near 1: their tails decay
+    # only polynomially, thousands of terms): scalar arithmetic is faster there.
+    for e in live:
+        r, o = rec[e], ordr[e]
+        log_a0[e], log_a1[e] = _log_a_frac_tail(float(log_q[r]), float(log1m_q[r]), float(sigma[r]),
+                                                float(z0[r]), float(alphas[o]), i, log_a0[e], log_a1[e])
     return np.logaddexp(log_a0, log_a1).reshape(p, f)
+
+
+def _log_a_frac_tail(log_q, log1m_q, sigma, z0, alpha, start, log_a0, log_a1):
+    """Continue one fractional series from term ``start`` (scalar version of the loop above)."""
+    inv = 1.0 / (2.0 * sigma ** 2)
+    for i in range(start, _MAX_SERIES_TERMS):
+        coef = special.binom(alpha, i)
+        log_coef = math.log(abs(coef)) if coef != 0 else -math.inf
+        j = alpha - i
+        log_s0 = log_coef + i * log_q + j * log1m_q + (i * i - i) * inv + special.log_ndtr((z0 - i) / sigma)
+        log_s1 = log_coef + j * log_q + i * log1m_q + (j * j - j) * inv + special.log_ndtr((j - z0) / sigma)
+        if coef > 0:
+            log_a0, log_a1 = np.logaddexp(log_a0, log_s0), np.logaddexp(log_a1, log_s1)
+        else:
+            log_a0, log_a1 = _log_sub_scalar(log_a0, log_s0), _log_sub_scalar(log_a1, log_s1)
+        if max(log_s0, log_s1) < -30.0:
+            return log_a0, log_a1
+    warnings.warn(f"RDP series for fractional order {alpha} did not converge; that order is excluded")
+    return math.inf, math.inf
+
+
+def _log_sub_scalar(log_x: float, log_y: float) -> float:
+    if log_y == -math.inf:
+        return log_x
+    if log_x == log_y:
+        return -math.inf
+    d = log_x - log_y
+    if d > 700.0:
+        return log_x
+    return math.log(math.expm1(d)) + log_y if d > 0 else math.nan
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +317,156 @@ def epsilon(q, noise_multiplier, steps, delta, orders=DEFAULT_ORDERS) -> np.ndar
     return _eps_from_rdp(orders_arr, rdp, delta)[0]
 
 
-# Inversions (get_noise_multiplier / get_sample_rate) live with the grid machinery.
-try:
-    from ._inversion import get_noise_multiplier, get_sample_rate  # noqa: E402
-except ImportError:
-    pass
+# ----------------------------------------------------------------------------------------------
+# Public: inversions (the grid engine lives in _grid; imported lazily, it imports this module)
+# ----------------------------------------------------------------------------------------------
+_REFINE_MAX = 4096      # up to this many distinct targets are refined to the exact root
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not float(value).is_integer() or float(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_delta(delta, name: str = "delta") -> float:
+    try:
+        d = float(delta)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number in (0, 1), got {delta!r}") from None
+    if not 0.0 < d < 1.0:
+        raise ValueError(f"{name} must lie in (0, 1), got {delta!r}")
+    return d
+
+
+def check_epsilons(eps, name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(eps, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be numbers (scalar or array), got {type(eps).__name__}") from None
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty")
+    bad = ~np.isfinite(arr) | (arr <= 0)
+    if bad.any():
+        first = arr.ravel()[np.flatnonzero(bad.ravel())[0]]
+        raise ValueError(f"{name} must be finite and > 0; {int(bad.sum())} entries are not (e.g. {first})")
+    return arr
+
+
+def check_rate(rate, name: str = "sample_rate") -> float:
+    try:
+        r = float(rate)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number in (0, 1], got {rate!r}") from None
+    if not 0.0 < r <= 1.0:
+        raise ValueError(f"{name} must lie in (0, 1], got {rate!r}")
+    return r
+
+
+def _orders_or_default(orders) -> np.ndarray:
+    return _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+
+
+def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, accountant="rdp", orders=None):
+    """Smallest noise multiplier σ with ε(σ) ≤ target_epsilon for ``steps`` steps at Poisson rate
+    ``sample_rate`` (ε(σ) is decreasing in σ).
+
+    Args:
+        target_epsilon: scalar or array of budgets (vectorized; duplicates are solved once).
+        target_delta: δ in (0, 1).
+        sample_rate: q in (0, 1].
+        steps: positive integer T.
+        accountant: "rdp" (vectorized) or "pld" (dp_accounting, one root-finding per target).
+        orders: RDP orders (default ``DEFAULT_ORDERS``).
+    Returns:
+        σ with the shape of target_epsilon (a float for a scalar). ε(σ) ≤ target always. With at
+        most 4096 distinct targets σ is the exact root (ε within 1e-9 relative of the target);
+        beyond that it is rounded up to a grid on which consecutive ε differ by ≤ 0.05%.
+    Raises:
+        ValueError naming the argument for invalid input, or a budget no σ ≤ 1e6 meets.
+    """
+    from . import _grid
+
+    eps = check_epsilons(target_epsilon, "target_epsilon")
+    delta = check_delta(target_delta, "target_delta")
+    q = check_rate(sample_rate, "sample_rate")
+    steps = check_positive_int(steps, "steps")
+    if accountant == "pld":
+        from .pld import pld_noise_multiplier
+        flat = np.array([pld_noise_multiplier(e, delta, q, steps) for e in eps.ravel()])
+        return float(flat[0]) if eps.ndim == 0 else flat.reshape(eps.shape)
+    if accountant != "rdp":
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    orders_arr = _orders_or_default(orders)
+    uniq, inverse = np.unique(eps.ravel(), return_inverse=True)
+    # few targets: refine from the coarse curve's brackets; many: read them off a fine grid
+    ratio = None if uniq.size <= _REFINE_MAX else 1.0005
+    curve = _grid.z_curve(q, steps, delta, uniq[0], uniq[-1], orders_arr, ratio=ratio)
+    j = curve.safe_index(uniq)
+    if np.any(j < 0):
+        bad = uniq[j < 0][0]
+        raise ValueError(f"target_epsilon={bad} cannot be met at sample_rate={q}, steps={steps}, "
+                         f"delta={delta} even with noise multiplier {_grid.Z_MAX:g}")
+    z = curve.param[j]
+    if uniq.size <= _REFINE_MAX:
+        need = j > 0                    # j == 0: the smallest grid σ already meets it
+        if need.any():
+            k = j[need]
+
+            def evaluate(zs, lo, hi):
+                return _grid.eps_windowed(np.full(zs.shape[0], q), zs, steps, delta, orders_arr, lo, hi)
+
+            z[need] = _grid.refine(evaluate, curve.param[k], curve.param[k - 1], curve.eps[k],
+                                   curve.order_idx[k], curve.order_idx[k - 1], curve.eps[k - 1], uniq[need])[0]
+    out = z[inverse].reshape(eps.shape)
+    return float(out) if eps.ndim == 0 else out
+
+
+def get_sample_rate(target_epsilon, target_delta, noise_multiplier, steps, orders=None):
+    """Largest Poisson sampling rate q ≤ 1 with ε(q) ≤ target_epsilon at noise multiplier σ for
+    ``steps`` steps (ε(q) is increasing in q).
+
+    Args:
+        target_epsilon: scalar or array of budgets, up to ~10^6 entries (vectorized).
+        target_delta: δ in (0, 1).
+        noise_multiplier: σ > 0.
+        steps: positive integer T.
+        orders: RDP orders (default ``DEFAULT_ORDERS``).
+    Returns:
+        q with the shape of target_epsilon (float for a scalar), in (0, 1]; q = 1 where even q = 1
+        meets the budget. ε(q) ≤ target always: at most 4096 distinct targets are refined to the
+        exact root (1e-9 relative in ε), more are rounded down to a grid on which consecutive ε
+        differ by ≤ 0.05%.
+    Raises:
+        ValueError if a budget needs q below 1e-12 (too small for this σ and T).
+    """
+    from . import _grid
+
+    eps = check_epsilons(target_epsilon, "target_epsilon")
+    delta = check_delta(target_delta, "target_delta")
+    z = float(noise_multiplier)
+    if not (np.isfinite(z) and z > 0):
+        raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier!r}")
+    steps = check_positive_int(steps, "steps")
+    orders_arr = _orders_or_default(orders)
+    uniq, inverse = np.unique(eps.ravel(), return_inverse=True)
+    ratio = None if uniq.size <= _REFINE_MAX else 1.0005
+    curve = _grid.q_curve(z, steps, delta, uniq[0], uniq[-1], orders_arr, ratio=ratio)
+    j = curve.safe_index(uniq)
+    if np.any(j < 0):
+        bad = uniq[j < 0][0]
+        raise ValueError(f"target_epsilon={bad} cannot be met with noise_multiplier={z}, steps={steps}, "
+                         f"delta={delta}: it would need a sample rate below {_grid.Q_FLOOR:g}")
+    q = curve.param[j]
+    if uniq.size <= _REFINE_MAX:
+        need = (j < curve.param.shape[0] - 1) & (q < 1.0)
+        if need.any():
+            k = j[need]
+
+            def evaluate(qs, lo, hi):
+                return _grid.eps_windowed(qs, np.array([z]), steps, delta, orders_arr, lo, hi)
+
+            q[need] = _grid.refine(evaluate, curve.param[k], curve.param[k + 1], curve.eps[k],
+                                   curve.order_idx[k], curve.order_idx[k + 1], curve.eps[k + 1], uniq[need])[0]
+    out = q[inverse].reshape(eps.shape)
+    return float(out) if eps.ndim == 0 else out
