@@ -53,7 +53,7 @@ _UNFOLD_LIMIT = 1 << 22
 
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
     B = x_pad.shape[0]
-    if B * x_pad[0].numel() * math.prod(module.kernel_size) > _UNFOLD_LIMIT or B == 0:
+    if B == 0 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)
         return conv_per_sample_grads(x_pad, o, module).flatten(1).to(dtype).pow(2).sum(1)
     a, out = conv_as_linear(x_pad, o, module)

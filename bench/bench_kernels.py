@@ -1,0 +1,242 @@
+"""Per-kernel micro-benchmark of pdpfast's Triton kernels against their torch references (GPU).
+
+    python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,clip_weights] [--dtypes bf16,fp32]
+
+For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
+launcher and of the plain-torch reference in the same process, the bytes each must move at least
+and the FLOPs of the algorithm, achieved GB/s and TFLOP/s, and the speed-up over the reference.
+Rows go to stdout as a table and to ``bench/results/bench_kernels-<device>.json`` with the device,
+torch, triton and CUDA versions. Without a CUDA device the script says so and exits (status 1):
+the kernels are exercised on the CPU by the tests under TRITON_INTERPRET=1, which says nothing
+about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Row:
+    benchmark: str
+    provider: str          # "triton" or "torch"
+    shape: str
+    dtype: str
+    variant: str           # kernel path / option benchmarked
+    median_ms: float
+    gbps: float            # minimum bytes moved / time
+    tflops: float          # algorithm FLOPs / time (0 when not meaningful)
+    speedup_vs_torch: float | None = None
+
+
+def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 50) -> float:
+    """Median of ``reps`` CUDA-event timings, after ~``warmup_ms`` of warm-up (compilation included)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    for _ in range(max(1, int(warmup_ms / max(start.elapsed_time(end), 1e-3)))):
+        fn()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn, nbytes, flops, reps):
+    ms_triton = cuda_time_ms(triton_fn, reps=reps)
+    ms_torch = cuda_time_ms(torch_fn, reps=reps) if torch_fn is not None else None
+    for provider, ms in (("triton", ms_triton), ("torch", ms_torch)):
+        if ms is None:
+            continue
+        rows.append(Row(benchmark, provider, str(shape), dtype_name, variant, ms, nbytes / ms / 1e6,
+                        flops / ms / 1e9 if flops else 0.0,
+                        (ms_torch / ms_triton) if (provider == "triton" and ms_torch) else None))
+
+
+def bench_linear_norms(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import norms
+    from pdpfast.ops.linear import linear_weight_sq_norms_reference, use_gram
+
+    dtype = DTYPES[dtype_name]
+    shapes = [(256, 1, 4096, 4096), (64, 128, 768, 768), (32, 512, 1024, 4096), (16, 2048, 768, 768),
+              (8, 4096, 64, 64)]
+    if quick:
+        shapes = shapes[:3]
+    for B, T, d, p in shapes:
+        a = torch.randn(B, T, d, device="cuda", dtype=dtype)
+        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        nbytes = (a.numel() + o.numel()) * a.element_size() + 4 * B
+        auto = "rank_one" if T == 1 else ("gram" if use_gram(T, d, p) else "direct")
+        for path in ("auto", "gram", "direct"):
+            chosen = auto if path == "auto" else path
+            flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
+                     "direct": 2 * B * T * d * p + 2 * B * d * p}[chosen]
+            _bench_pair(rows, "linear_weight_sq_norms", (B, T, d, p), dtype_name, f"{path}->{chosen}",
+                        lambda path=path: norms.linear_weight_sq_norms(a, o, path=path),
+                        (lambda: linear_weight_sq_norms_reference(a, o)) if path == "auto" else None,
+                        nbytes, flops, reps)
+
+
+def bench_bias_norms(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import norms
+    from pdpfast.ops.linear import bias_sq_norms_reference
+
+    dtype = DTYPES[dtype_name]
+    for B, T, p in [(256, 1, 4096), (64, 512, 1024), (16, 2048, 4096)][: 2 if quick else None]:
+        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        _bench_pair(rows, "bias_sq_norms", (B, T, p), dtype_name, "", lambda: norms.bias_sq_norms(o),
+                    lambda: bias_sq_norms_reference(o), o.numel() * o.element_size(), 0, reps)
+
+
+def bench_embedding_norms(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import norms
+    from pdpfast.ops.embedding import embedding_sq_norms_reference
+
+    dtype = DTYPES[dtype_name]
+    for B, T, p, V in [(64, 512, 768, 50257), (32, 2048, 1024, 32000), (64, 512, 768, 100)][: 1 if quick else None]:
+        ids = torch.randint(0, V, (B, T), device="cuda")
+        ids[:, T - T // 4:] = 0  # right padding
+        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        _bench_pair(rows, "embedding_sq_norms", (B, T, p, V), dtype_name, "padding_idx=0",
+                    lambda: norms.embedding_sq_norms(ids, o, V, 0),
+                    lambda: embedding_sq_norms_reference(ids, o, V, 0),
+                    o.numel() * o.element_size() + ids.numel() * 8, 0, reps)
+
+
+def bench_clip_weights(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import clip
+    from pdpfast.ops.clip import clip_weights_reference
+
+    for K, B in [(1, 4096), (48, 4096), (1, 1 << 22)][: 2 if quick else None]:
+        sq = torch.rand(K, B, device="cuda") * 10
+        c = torch.rand(B, device="cuda")
+        mask = torch.rand(B, device="cuda") < 0.5
+        nbytes = sq.numel() * 4 * 2 + c.numel() * 4 + mask.numel()
+        for gamma in (None, 0.01):
+            _bench_pair(rows, "clip_weights", (K, B), "fp32", f"gamma={gamma}",
+                        lambda gamma=gamma: clip.clip_weights(sq, c, mask, gamma),
+                        lambda gamma=gamma: clip_weights_reference(sq, c, mask, gamma), nbytes, 0, reps)
+
+
+def bench_clipped_grad(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import grad
+    from pdpfast.ops.linear import linear_clipped_grad_reference
+
+    dtype = DTYPES[dtype_name]
+    shapes = [(1024, 1, 4096, 4096), (64, 512, 1024, 4096), (32, 512, 768, 768), (16, 4096, 64, 64)]
+    for B, T, d, p in shapes[: 2 if quick else None]:
+        a = torch.randn(B, T, d, device="cuda", dtype=dtype)
+        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        w = torch.rand(B, device="cuda")
+        nbytes = (a.numel() + o.numel() + p * d) * a.element_size() + 4 * B
+        _bench_pair(rows, "linear_clipped_grad", (B, T, d, p), dtype_name, "weighted",
+                    lambda: grad.linear_clipped_grad(a, o, w), lambda: linear_clipped_grad_reference(a, o, w),
+                    nbytes, 2 * B * T * d * p, reps)
+
+
+def bench_noise(rows, dtype_name, quick, reps):
+    from pdpfast.kernels import noise
+    from pdpfast.ops.noise import add_noise_reference_
+
+    dtype = DTYPES[dtype_name]
+    # a GPT-2-small-like parameter list (~124M values) and one large matrix
+    gpt2 = [(50257, 768), (1024, 768)] + [(768, 2304), (2304,), (768, 768), (768,), (768, 3072), (3072,),
+                                         (3072, 768), (768,), (768,), (768,), (768,), (768,)] * 12
+    for name, shapes in [("gpt2-small", gpt2), ("one 8192x8192", [(8192, 8192)])][: 1 if quick else None]:
+        grads = [torch.zeros(s, device="cuda", dtype=dtype) for s in shapes]
+        numel = sum(g.numel() for g in grads)
+        step = iter(range(1 << 30))
+        _bench_pair(rows, "add_noise_", (name, len(grads), numel), dtype_name, "one launch",
+                    lambda: noise.add_noise_(grads, 1.0, 0, next(step)),
+                    lambda: add_noise_reference_(grads, 1.0, 0, next(step)),
+                    2 * numel * grads[0].element_size(), 0, reps)
+
+
+BENCHMARKS = {
+    "linear_weight_sq_norms": bench_linear_norms,
+    "bias_sq_norms": bench_bias_norms,
+    "embedding_sq_norms": bench_embedding_norms,
+    "clip_weights": bench_clip_weights,
+    "linear_clipped_grad": bench_clipped_grad,
+    "add_noise_": bench_noise,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--ops", default=",".join(BENCHMARKS), help="comma-separated subset of: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--dtypes", default="bf16", help="comma-separated subset of fp32, fp16, bf16")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device here, so there is nothing to time. The Triton kernels run on "
+              "NVIDIA GPUs; on the CPU they are only checked for correctness by the tests "
+              "(TRITON_INTERPRET=1 python -m pytest tests/kernels).", file=sys.stderr)
+        return 1
+    try:
+        import triton
+        import pdpfast.kernels  # noqa: F401
+    except Exception as exc:
+        print(f"bench_kernels: the Triton kernels do not import ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
+
+    unknown = set(args.ops.split(",")) - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"unknown ops: {sorted(unknown)}")
+    torch.manual_seed(0)
+    rows: list[Row] = []
+    for op in args.ops.split(","):
+        for dtype_name in args.dtypes.split(","):
+            if op == "clip_weights" and dtype_name != args.dtypes.split(",")[0]:
+                continue  # clip weights work on fp32 norms whatever the model's dtype
+            BENCHMARKS[op](rows, dtype_name, args.quick, args.reps)
+            torch.cuda.empty_cache()
+
+    header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
+             f"{'TFLOP/s':>8} {'speedup':>8}"
+    print(header)
+    for r in rows:
+        speedup = f"{r.speedup_vs_torch:8.2f}" if r.speedup_vs_torch else " " * 8
+        print(f"{r.benchmark:24} {r.provider:8} {r.dtype:5} {r.shape:28} {r.variant:18} {r.median_ms:9.4f} "
+              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup}")
+
+    device_name = torch.cuda.get_device_name()
+    meta = {
+        "device": device_name, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": f"CUDA events, median of {args.reps} after warm-up",
+    }
+    out = args.out or RESULTS / f"bench_kernels-{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

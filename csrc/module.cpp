@@ -1,0 +1,7 @@
+// The one pybind11 module of pdpfast._C: every csrc/ file exposes a register_* function and this
+// file calls them all, so adding a file never makes two PYBIND11_MODULE definitions clash.
+#include <torch/extension.h>
+
+void register_sampler(pybind11::module_& m);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_sampler(m); }

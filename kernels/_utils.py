@@ -1,0 +1,75 @@
+"""Helpers shared by the kernel launchers: block sizes, dot precision, output allocation."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from pdpfast.ops.dispatch import triton_interpret
+
+# Tests set this to True: freshly allocated outputs and partial buffers are then filled with NaN,
+# so a kernel that forgets to write an element fails loudly instead of returning stale memory.
+POISON_OUTPUTS = False
+
+# tl.dot precision for fp32 inputs. "ieee" is exact fp32 (like torch's default matmul), which a
+# clip bound needs: a norm underestimated by TF32 rounding lets a clipped gradient exceed c_i.
+# "tf32x3" (three TF32 products) is the faster near-fp32 alternative on tensor cores.
+FP32_DOT_PRECISION = "ieee"
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output the kernel must fully write (NaN-poisoned under tests)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def block(n: int, lo: int, hi: int) -> int:
+    """A power-of-two block covering ``n`` when it can, clamped to [lo, hi]."""
+    return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """Constexprs of ``_dot``: input precision, and whether to upcast operands to fp32 first.
+
+    The Triton interpreter multiplies bf16 tiles as their raw uint16 bit patterns (triton 3.x
+    stores bf16 as uint16 in numpy), so under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32
+    before ``tl.dot``; the products of bf16 values are exact in fp32, so the result is the same
+    math. On a GPU bf16 tiles go to the tensor cores as they are.
+    """
+    return {
+        "DOT_PRECISION": FP32_DOT_PRECISION if dtype == torch.float32 else "tf32",
+        "UPCAST": bool(triton_interpret() and dtype == torch.bfloat16),
+    }
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on the tensors' own GPU, not the current one."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """(B, n) per-program partial sums → (B,), deterministic (no atomics)."""
+    if partials.shape[1] == 1:
+        return partials.view(partials.shape[0])
+    return partials.sum(1)
+
+
+@triton.jit
+def _dot(x, y, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x @ y with fp32 accumulation (see ``dot_flags``)."""
+    if UPCAST:
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    return tl.dot(x, y, acc, input_precision=DOT_PRECISION)

@@ -1,0 +1,122 @@
+"""In-place Gaussian noise on a list of gradients, reproducible from (seed, step) (DESIGN.md §1.4).
+
+One launch per (device, dtype) group of tensors — a single launch for the usual all-fp32 or
+all-bf16 parameter list. The launch gets a small table (address, numel, first Philox counter,
+first block) of its tensors; each program binary-searches the table for the tensor its block
+belongs to. Element e of the j-th tensor in the list draws from the Philox counter range
+reserved for that tensor, so the noise depends only on (seed, step), the list's shapes and
+``NOISE_BLOCK`` — not on how tensors are grouped or on the device.
+
+Not bitwise equal to ``pdpfast.ops.noise.add_noise_reference_`` (torch's generator); both draw
+i.i.d. N(0, std²) per element.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from pdpfast.ops.noise import step_seed
+
+from ._utils import device_guard
+
+# Fixed, not tuned: the noise stream is a function of the block size.
+NOISE_BLOCK = 4096
+_TABLE_CACHE: OrderedDict = OrderedDict()
+_TABLE_CACHE_SIZE = 32
+
+
+@triton.jit
+def _add_noise_chunk(ptr, idx, numel, noise, std, COMPUTE_FP64: tl.constexpr):
+    valid = idx < numel
+    g = tl.load(ptr + idx, mask=valid, other=0.0)
+    if COMPUTE_FP64:
+        g = g + (noise * std).to(tl.float64)
+    else:
+        g = g.to(tl.float32) + noise * std
+    tl.store(ptr + idx, g.to(ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _add_noise_kernel(first_ptr, table_ptr, n_tensors, seed, std,
+                      SEARCH_STEPS: tl.constexpr, COMPUTE_FP64: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    # table rows: 0 address, 1 numel, 2 first Philox counter, 3 first block (ascending)
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in tl.static_range(SEARCH_STEPS):  # largest j with first_block[j] <= pid
+        mid = (lo + hi) // 2
+        right = tl.load(table_ptr + 3 * n_tensors + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    ptr = tl.load(table_ptr + lo).to(first_ptr.dtype)
+    numel = tl.load(table_ptr + n_tensors + lo)
+    counter_base = tl.load(table_ptr + 2 * n_tensors + lo)
+    local_block = pid - tl.load(table_ptr + 3 * n_tensors + lo)
+
+    # one Philox call yields four normals: counter c serves the four elements c + k·BLOCK/4 of
+    # the block, k = 0..3, so every element of every tensor uses its own (counter, lane)
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    n0, n1, n2, n3 = tl.randn4x(seed, counter_base + local_block * QUARTER + lanes)
+    idx = local_block * BLOCK + lanes
+    _add_noise_chunk(ptr, idx, numel, n0, std, COMPUTE_FP64)
+    _add_noise_chunk(ptr, idx + QUARTER, numel, n1, std, COMPUTE_FP64)
+    _add_noise_chunk(ptr, idx + 2 * QUARTER, numel, n2, std, COMPUTE_FP64)
+    _add_noise_chunk(ptr, idx + 3 * QUARTER, numel, n3, std, COMPUTE_FP64)
+
+
+def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    """(4, m) int64 table on ``device``, cached: it only depends on addresses, sizes and counters."""
+    key = (device, tuple(entries))
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        table = torch.tensor(entries, dtype=torch.int64).t().contiguous().to(device)
+        _TABLE_CACHE[key] = table
+        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+            _TABLE_CACHE.popitem(last=False)
+    else:
+        _TABLE_CACHE.move_to_end(key)
+    return table
+
+
+def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
+    """g += std · N(0, 1) elementwise, in place, for every tensor in ``grads``.
+
+    grads: floating tensors of any shapes (fp64/fp32/fp16/bf16; non-contiguous ones go through a
+    contiguous copy); std: noise standard deviation (σ·C); (seed, step): the stream, via
+    ``pdpfast.ops.noise.step_seed``. One launch per (device, dtype) group.
+    """
+    if not grads or std == 0:
+        return
+    philox_seed = step_seed(seed, step)
+    quarter = NOISE_BLOCK // 4
+    groups: dict[tuple, list] = {}
+    writebacks = []
+    counter = 0
+    for g in grads:
+        if not g.is_floating_point():
+            raise TypeError(f"add_noise_ needs floating tensors, got {g.dtype}")
+        n_blocks = triton.cdiv(g.numel(), NOISE_BLOCK)
+        if n_blocks:
+            target = g
+            if not g.is_contiguous():
+                target = g.contiguous()
+                writebacks.append((g, target))
+            groups.setdefault((g.device, g.dtype), []).append((target, counter, n_blocks))
+        counter += n_blocks * quarter
+    for (device, dtype), members in groups.items():
+        entries, first_block = [], 0
+        for target, first_counter, n_blocks in members:
+            entries.append((target.data_ptr(), target.numel(), first_counter, first_block))
+            first_block += n_blocks
+        table = _table(entries, device)
+        with device_guard(members[0][0]):
+            _add_noise_kernel[(first_block,)](
+                members[0][0], table, len(entries), philox_seed, float(std),
+                SEARCH_STEPS=max(1, (len(entries) - 1).bit_length()), COMPUTE_FP64=dtype == torch.float64,
+                BLOCK=NOISE_BLOCK, num_warps=8)
+    for g, target in writebacks:
+        g.copy_(target)

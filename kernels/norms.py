@@ -1,0 +1,308 @@
+"""Per-sample squared gradient norms of linear and embedding layers (DESIGN.md §2).
+
+Every kernel reduces its per-sample quantity in registers and writes one fp32 partial sum per
+program to a small (B, n_programs_per_sample) buffer that torch sums; no per-sample gradient and no
+Gram matrix ever reaches memory, and the reduction is deterministic (no atomics).
+
+References: ``pdpfast.ops.linear.linear_weight_sq_norms_reference``,
+``bias_sq_norms_reference`` and ``pdpfast.ops.embedding.embedding_sq_norms_reference``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdpfast.ops.embedding import embedding_sq_norms_reference
+from pdpfast.ops.linear import bias_sq_norms_reference, linear_weight_sq_norms_reference, use_gram
+
+from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear, Gram ("ghost") path: ‖G_i‖² = Σ_{s,t} (a_i a_iᵀ)_{st} (o_i o_iᵀ)_{st}
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _linear_gram_sq_norms_kernel(
+        a_ptr, o_ptr, partial_ptr, T, D, P,
+        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
+        N_TILES, N_SHIFTS,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Both Grams are symmetric, so only tile pairs {s, t} are visited, each once: program
+    # (sample, s, shift) takes t = (s + shift) mod n. Shifts 0..n//2 cover every unordered pair
+    # once, except that for an even n the shift n/2 meets each pair twice; one copy is dropped.
+    pid = tl.program_id(0)
+    shift = pid % N_SHIFTS
+    tile_s = (pid // N_SHIFTS) % N_TILES
+    sample = (pid // (N_SHIFTS * N_TILES)).to(tl.int64)
+    tile_t = (tile_s + shift) % N_TILES
+    keep = (2 * shift != N_TILES) | (tile_s < shift)
+
+    rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_s = rows_s < T
+    in_t = rows_t < T
+    product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    if keep:
+        a_base = a_ptr + sample * stride_ab
+        gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            in_d = cols < D
+            x_s = tl.load(a_base + rows_s[:, None] * stride_at + cols[None, :] * stride_ad,
+                          mask=in_s[:, None] & in_d[None, :], other=0.0)
+            x_t = tl.load(a_base + cols[:, None] * stride_ad + rows_t[None, :] * stride_at,
+                          mask=in_d[:, None] & in_t[None, :], other=0.0)
+            gram_a = _dot(x_s, x_t, gram_a, DOT_PRECISION, UPCAST)
+        o_base = o_ptr + sample * stride_ob
+        gram_o = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for start in range(0, P, BLOCK_P):
+            cols = start + tl.arange(0, BLOCK_P)
+            in_p = cols < P
+            y_s = tl.load(o_base + rows_s[:, None] * stride_ot + cols[None, :] * stride_op,
+                          mask=in_s[:, None] & in_p[None, :], other=0.0)
+            y_t = tl.load(o_base + cols[:, None] * stride_op + rows_t[None, :] * stride_ot,
+                          mask=in_p[:, None] & in_t[None, :], other=0.0)
+            gram_o = _dot(y_s, y_t, gram_o, DOT_PRECISION, UPCAST)
+        # an off-diagonal pair stands for (s, t) and (t, s)
+        product = gram_a * gram_o * tl.where(shift == 0, 1.0, 2.0)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear, direct path: ‖G_i‖² with G_i = o_iᵀ a_i formed tile by tile in registers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _linear_direct_sq_norms_kernel(
+        a_ptr, o_ptr, partial_ptr, T, D, P,
+        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
+        N_TILES_P, N_TILES_D,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    tile_d = pid % N_TILES_D
+    tile_p = (pid // N_TILES_D) % N_TILES_P
+    sample = (pid // (N_TILES_D * N_TILES_P)).to(tl.int64)
+    cols_p = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols_d = tile_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_p = cols_p < P
+    in_d = cols_d < D
+    a_base = a_ptr + sample * stride_ab
+    o_base = o_ptr + sample * stride_ob
+    grad = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
+    for start in range(0, T, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        in_t = rows < T
+        y_t = tl.load(o_base + cols_p[:, None] * stride_op + rows[None, :] * stride_ot,
+                      mask=in_p[:, None] & in_t[None, :], other=0.0)
+        x = tl.load(a_base + rows[:, None] * stride_at + cols_d[None, :] * stride_ad,
+                    mask=in_t[:, None] & in_d[None, :], other=0.0)
+        grad = _dot(y_t, x, grad, DOT_PRECISION, UPCAST)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(grad * grad, axis=1), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Linear, rank one (T = 1): ‖o aᵀ‖² = ‖a‖² ‖o‖², the 1×1 case of the Gram identity
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, D, P, stride_ab, stride_ad, stride_ob, stride_op,
+                              BLOCK: tl.constexpr):
+    sample = tl.program_id(0).to(tl.int64)
+    acc_a = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, D, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(a_ptr + sample * stride_ab + cols * stride_ad, mask=cols < D, other=0.0).to(tl.float32)
+        acc_a += x * x
+    acc_o = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, P, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = tl.load(o_ptr + sample * stride_ob + cols * stride_op, mask=cols < P, other=0.0).to(tl.float32)
+        acc_o += y * y
+    tl.store(out_ptr + sample, tl.sum(acc_a, axis=0) * tl.sum(acc_o, axis=0))
+
+
+def _strides(x: torch.Tensor):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _unit_inner(x: torch.Tensor) -> torch.Tensor:
+    """Keep any layout whose last dim is contiguous (coalesced loads); copy the others."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto") -> torch.Tensor:
+    """‖o_iᵀ a_i‖²_F per sample, never forming o_iᵀ a_i nor the T×T Grams in memory.
+
+    a: (B, T, d) layer inputs, o: (B, T, p) output gradients, fp32/fp16/bf16 (fp64 runs the
+    reference). Returns (B,) fp32. ``path``: "auto" (T = 1 → rank-one kernel, else the cheaper of
+    Gram and direct by ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
+    """
+    if path not in ("auto", "gram", "direct"):
+        raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
+    if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype not in KERNEL_DTYPES:
+        return linear_weight_sq_norms_reference(a, o)
+    B, T, D = a.shape
+    P = o.shape[-1]
+    if o.shape[:2] != a.shape[:2]:
+        raise ValueError(f"a {tuple(a.shape)} and o {tuple(o.shape)} disagree on (B, T)")
+    if a.dtype != o.dtype:  # one dot operand type; fp16 × bf16 meet in fp32
+        common = torch.promote_types(a.dtype, o.dtype)
+        a, o = a.to(common), o.to(common)
+    a, o = _unit_inner(a), _unit_inner(o)
+    if B == 0:
+        return torch.zeros(0, dtype=torch.float32, device=a.device)
+    flags = dot_flags(a.dtype)
+    if path == "auto":
+        path = "rank_one" if T == 1 else ("gram" if use_gram(T, D, P) else "direct")
+    with device_guard(a):
+        if path == "rank_one":
+            out = new_buffer((B,), torch.float32, a.device)
+            _rank_one_sq_norms_kernel[(B,)](
+                a, o, out, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2),
+                BLOCK=block(max(D, P), 16, 1024), num_warps=4)
+            return out
+        if path == "gram":
+            block_t = block(T, 16, 64)
+            n_tiles = triton.cdiv(T, block_t)
+            n_shifts = n_tiles // 2 + 1 if n_tiles else 0
+            partials = new_buffer((B, n_tiles * n_shifts), torch.float32, a.device)
+            if partials.numel():
+                _linear_gram_sq_norms_kernel[(partials.numel(),)](
+                    a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts,
+                    BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), num_warps=4, **flags)
+            return sum_partials(partials)
+        block_p, block_d = block(P, 16, 64), block(D, 16, 64)
+        n_p, n_d = triton.cdiv(P, block_p), triton.cdiv(D, block_d)
+        partials = new_buffer((B, n_p * n_d), torch.float32, a.device)
+        if partials.numel():
+            _linear_direct_sq_norms_kernel[(partials.numel(),)](
+                a, o, partials, T, D, P, *_strides(a), *_strides(o), n_p, n_d,
+                BLOCK_T=block(T, 16, 32 if a.dtype == torch.float32 else 64), BLOCK_D=block_d, BLOCK_P=block_p,
+                num_warps=4, **flags)
+        return sum_partials(partials)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bias: ‖Σ_t o_{i,t}‖²
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bias_sq_norms_kernel(o_ptr, partial_ptr, T, P, stride_ob, stride_ot, stride_op, N_TILES_P,
+                          BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid = tl.program_id(0)
+    tile_p = pid % N_TILES_P
+    sample = (pid // N_TILES_P).to(tl.int64)
+    cols = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_p = cols < P
+    grad = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for start in range(0, T, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        y = tl.load(o_ptr + sample * stride_ob + rows[:, None] * stride_ot + cols[None, :] * stride_op,
+                    mask=(rows < T)[:, None] & in_p[None, :], other=0.0)
+        grad += tl.sum(y.to(tl.float32), axis=0)
+    tl.store(partial_ptr + pid, tl.sum(grad * grad, axis=0))
+
+
+def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) fp32/fp16/bf16 → (B,) fp32 (fp64: reference)."""
+    if o.dim() != 3 or o.dtype not in KERNEL_DTYPES:
+        return bias_sq_norms_reference(o)
+    o = _unit_inner(o)
+    B, T, P = o.shape
+    block_p = block(P, 16, 256)
+    n_p = triton.cdiv(P, block_p)
+    partials = new_buffer((B, n_p), torch.float32, o.device)
+    if partials.numel():
+        with device_guard(o):
+            _bias_sq_norms_kernel[(partials.numel(),)](
+                o, partials, T, P, *_strides(o), n_p, BLOCK_T=block(T, 1, 32), BLOCK_P=block_p, num_warps=4)
+    return sum_partials(partials)
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedding: Σ_{v ∈ tokens(i)} ‖Σ_{t: x_{i,t}=v} o_{i,t}‖² = Σ_{s,t} [x_s = x_t] ⟨o_s, o_t⟩
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _embedding_sq_norms_kernel(
+        ids_ptr, perm_ptr, o_ptr, partial_ptr, T, P,
+        stride_ob, stride_ot, stride_op, N_TILES,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # ids arrive sorted within each sample (perm maps a sorted position back to its row of o), and
+    # padding tokens carry distinct negative ids. Equal ids are then contiguous: tile s can only
+    # share a token with a later tile t if the last id of s equals the first id of t (and then
+    # with every tile in between), so the walk over t stops at the first tile where that fails.
+    # Work: the diagonal tiles plus the tiles a repeated token spans, not all T² pairs.
+    pid = tl.program_id(0)
+    tile_s = pid % N_TILES
+    sample = (pid // N_TILES).to(tl.int64)
+    ids_base = ids_ptr + sample * T
+    perm_base = perm_ptr + sample * T
+    o_base = o_ptr + sample * stride_ob
+    rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_s = rows_s < T
+    ids_s = tl.load(ids_base + rows_s, mask=in_s, other=-1)
+    pos_s = tl.load(perm_base + rows_s, mask=in_s, other=0)
+    last_s = tl.load(ids_base + tl.minimum(tile_s * BLOCK_T + BLOCK_T, T) - 1)
+
+    total = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    tile_t = tile_s
+    more = tile_s < N_TILES
+    while more:
+        rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        in_t = rows_t < T
+        ids_t = tl.load(ids_base + rows_t, mask=in_t, other=-1)
+        pos_t = tl.load(perm_base + rows_t, mask=in_t, other=0)
+        # masked-out rows and padding tokens have negative ids and never count
+        same = (ids_s[:, None] == ids_t[None, :]) & (ids_s[:, None] >= 0)
+        if tl.max(tl.max(same.to(tl.int32), axis=1), axis=0) > 0:
+            inner = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+            for start in range(0, P, BLOCK_P):
+                cols = start + tl.arange(0, BLOCK_P)
+                in_p = cols < P
+                y_s = tl.load(o_base + pos_s[:, None] * stride_ot + cols[None, :] * stride_op,
+                              mask=in_s[:, None] & in_p[None, :], other=0.0)
+                y_t = tl.load(o_base + cols[:, None] * stride_op + pos_t[None, :] * stride_ot,
+                              mask=in_p[:, None] & in_t[None, :], other=0.0)
+                inner = _dot(y_s, y_t, inner, DOT_PRECISION, UPCAST)
+            # an off-diagonal tile pair stands for (s, t) and (t, s)
+            total += tl.where(same, inner, 0.0) * tl.where(tile_t == tile_s, 1.0, 2.0)
+        tile_t += 1
+        first_t = tl.load(ids_base + tile_t * BLOCK_T, mask=tile_t < N_TILES, other=-1)
+        more = (tile_t < N_TILES) & (first_t == last_s) & (last_s >= 0)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(total, axis=1), axis=0))
+
+
+def embedding_sq_norms(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
+                       padding_idx: int | None) -> torch.Tensor:
+    """Exact per-sample squared norms of an embedding table's gradient.
+
+    ids: (B, T) integer token ids; o: (B, T, p) gradients w.r.t. the embedding outputs
+    (fp32/fp16/bf16; fp64 runs the reference); tokens equal to ``padding_idx`` contribute nothing.
+    Returns (B,) fp32. ``num_embeddings`` is unused by the kernel (kept for the op signature).
+    """
+    if o.dtype not in KERNEL_DTYPES:
+        return embedding_sq_norms_reference(ids, o, num_embeddings, padding_idx)
+    B = ids.shape[0]
+    if B == 0:
+        return torch.zeros(0, dtype=torch.float32, device=o.device)
+    ids = ids.reshape(B, -1)
+    T = ids.shape[1]
+    o = _unit_inner(o.reshape(B, T, -1))
+    P = o.shape[-1]
+    ids = ids.to(torch.int64)
+    if padding_idx is not None:
+        # each padding token gets its own negative id: it then matches nothing, itself included
+        unique_negative = -1 - torch.arange(T, device=ids.device, dtype=torch.int64).expand(B, T)
+        ids = torch.where(ids == padding_idx, unique_negative, ids)
+    sorted_ids, perm = torch.sort(ids, dim=1)
+    sorted_ids, perm = sorted_ids.contiguous(), perm.contiguous()
+    block_t = block(T, 16, 64)
+    n_tiles = triton.cdiv(T, block_t)
+    partials = new_buffer((B, n_tiles), torch.float32, o.device)
+    if partials.numel():
+        with device_guard(o):
+            _embedding_sq_norms_kernel[(partials.numel(),)](
+                sorted_ids, perm, o, partials, T, P, *_strides(o), n_tiles,
+                BLOCK_T=block_t, BLOCK_P=block(P, 16, 64), num_warps=4, **dot_flags(o.dtype))
+    return sum_partials(partials)

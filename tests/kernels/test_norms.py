@@ -1,0 +1,203 @@
+"""Per-sample squared norm kernels against float64 oracles and the torch references."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pdpfast.kernels import norms  # noqa: E402
+from pdpfast.ops.embedding import embedding_per_sample_grads, embedding_sq_norms_reference  # noqa: E402
+from pdpfast.ops.linear import (bias_sq_norms_reference, linear_per_sample_grads,  # noqa: E402
+                                linear_weight_sq_norms_reference)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PATHS = ["auto", "gram", "direct"]
+# fp32 accumulation slack relative to the conditioning of the sum (see _linear_scale)
+ACC_RTOL = 1e-5
+
+# odd on purpose: B ∈ {1, 3}, T ∈ {1, 7, 33}, (d, p) from {1, 7, 65}
+LINEAR_SHAPES = [(B, T, d, p) for B, T, (d, p) in itertools.product(
+    (1, 3), (1, 7, 33), ((1, 7), (7, 65), (65, 1), (65, 65)))]
+# several T-tiles: 2 (even: the doubled shift), 3 (odd), a long direct reduction, a wide d
+MULTI_TILE_SHAPES = [(2, 65, 7, 9), (2, 129, 5, 3), (1, 513, 3, 2), (1, 7, 513, 3)]
+
+
+def _linear_oracle(a, o):
+    """Materialized per-sample gradients in float64."""
+    return linear_per_sample_grads(a.double(), o.double()).pow(2).sum((1, 2))
+
+
+def _linear_scale(a, o):
+    """(Σ_t ‖a_t‖‖o_t‖)²: bounds Σ|Gram_a ⊙ Gram_o| and ‖Σ_t |o_t||a_t|ᵀ‖², so both paths'
+    rounding errors are a small multiple of eps × this."""
+    return (a.double().norm(dim=-1) * o.double().norm(dim=-1)).sum(-1).pow(2)
+
+
+def _check_linear(tools, a, o, path, oracle=_linear_oracle):
+    out = norms.linear_weight_sq_norms(a, o, path=path)
+    assert out.dtype == torch.float32 and out.shape == (a.shape[0],)
+    tools.check(out, linear_weight_sq_norms_reference(a, o), oracle(a, o),
+                atol=ACC_RTOL * _linear_scale(a, o) + 1e-30, what=f"linear {path} {tuple(a.shape)} {o.shape[-1]}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", LINEAR_SHAPES + MULTI_TILE_SHAPES, ids=str)
+def test_linear_weight_sq_norms(tools, gen, shape, path, dtype):
+    B, T, d, p = shape
+    a = tools.randn(gen, B, T, d, dtype=dtype, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    _check_linear(tools, a, o, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_weight_sq_norms_empty_batch(tools, path):
+    a = torch.randn(0, 7, 5, device=tools.device)
+    o = torch.randn(0, 7, 3, device=tools.device)
+    out = norms.linear_weight_sq_norms(a, o, path=path)
+    assert out.shape == (0,) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("path", ["gram", "direct"])
+def test_linear_weight_sq_norms_empty_sequence(tools, path):
+    a = torch.randn(2, 0, 5, device=tools.device)
+    o = torch.randn(2, 0, 3, device=tools.device)
+    assert torch.equal(norms.linear_weight_sq_norms(a, o, path=path).cpu(), torch.zeros(2))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_linear_weight_sq_norms_non_contiguous(tools, gen, path):
+    B, T, d, p = 3, 33, 7, 9
+    # strided rows with a contiguous last dim (kept as is) and a transposed layout (copied)
+    a = tools.randn(gen, B, T, 2 * d, device=tools.device)[..., :d]
+    o = tools.randn(gen, B, p, T, device=tools.device).transpose(1, 2)
+    assert not a.is_contiguous() and not o.is_contiguous()
+    _check_linear(tools, a, o, path)
+
+
+def test_linear_weight_sq_norms_mixed_dtypes(tools, gen):
+    a = tools.randn(gen, 3, 7, 9, dtype=torch.float16, device=tools.device)
+    o = tools.randn(gen, 3, 7, 5, dtype=torch.bfloat16, device=tools.device)
+    out = norms.linear_weight_sq_norms(a, o)
+    tools.check(out, linear_weight_sq_norms_reference(a, o), _linear_oracle(a, o),
+                atol=ACC_RTOL * _linear_scale(a, o), what="fp16 × bf16")
+
+
+def test_linear_weight_sq_norms_float64_runs_reference(tools, gen):
+    a = tools.randn(gen, 3, 7, 9, dtype=torch.float64, device=tools.device)
+    o = tools.randn(gen, 3, 7, 5, dtype=torch.float64, device=tools.device)
+    out = norms.linear_weight_sq_norms(a, o)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, linear_weight_sq_norms_reference(a, o))
+
+
+def test_linear_weight_sq_norms_rejects_unknown_path(tools):
+    with pytest.raises(ValueError, match="path"):
+        norms.linear_weight_sq_norms(torch.ones(1, 1, 1), torch.ones(1, 1, 1), path="ghost")
+
+
+def test_outputs_are_poisoned_under_test():
+    """The NaN poisoning the comparisons rely on is active."""
+    from pdpfast.kernels import _utils
+    assert _utils.POISON_OUTPUTS
+    assert torch.isnan(_utils.new_buffer((4,), torch.float32, "cpu")).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(64, 512, 1024, 1024), (32, 2048, 768, 3072), (256, 1, 4096, 4096),
+                                   (16, 4096, 64, 64), (7, 513, 513, 7)], ids=str)
+def test_linear_weight_sq_norms_gpu_sizes(tools, gen, shape, path, dtype):
+    B, T, d, p = shape
+    a = tools.randn(gen, B, T, d, dtype=dtype, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    # the float64 reference (chunked) as the oracle: materialized gradients would not fit
+    _check_linear(tools, a, o, path, oracle=lambda a, o: linear_weight_sq_norms_reference(a.double(), o.double()))
+
+
+# ----------------------------------------------------------------------------------------------
+# bias
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(0, 7, 5), (1, 1, 1), (3, 7, 65), (3, 33, 7), (2, 65, 300)], ids=str)
+def test_bias_sq_norms(tools, gen, shape, dtype):
+    o = tools.randn(gen, *shape, dtype=dtype, device=tools.device)
+    oracle = o.double().sum(1).pow(2).sum(-1)
+    scale = o.double().abs().sum(1).pow(2).sum(-1)
+    out = norms.bias_sq_norms(o)
+    assert out.dtype == torch.float32
+    tools.check(out, bias_sq_norms_reference(o), oracle, atol=ACC_RTOL * scale, what=f"bias {shape}")
+
+
+def test_bias_sq_norms_non_contiguous(tools, gen):
+    o = tools.randn(gen, 3, 9, 33, device=tools.device).transpose(1, 2)
+    tools.check(norms.bias_sq_norms(o), bias_sq_norms_reference(o), bias_sq_norms_reference(o.double()),
+                atol=ACC_RTOL * o.double().abs().sum(1).pow(2).sum(-1), what="bias transposed")
+
+
+# ----------------------------------------------------------------------------------------------
+# embedding
+# ----------------------------------------------------------------------------------------------
+def _embedding_oracle(ids, o, num_embeddings, padding_idx):
+    return embedding_per_sample_grads(ids, o.double(), num_embeddings, padding_idx).pow(2).sum((1, 2))
+
+
+def _check_embedding(tools, ids, o, num_embeddings, padding_idx, what):
+    out = norms.embedding_sq_norms(ids, o, num_embeddings, padding_idx)
+    assert out.dtype == torch.float32 and out.shape == (ids.shape[0],)
+    scale = o.double().norm(dim=-1).reshape(ids.shape[0], -1).sum(-1).pow(2)  # bounds Σ|⟨o_s, o_t⟩|
+    tools.check(out, embedding_sq_norms_reference(ids, o, num_embeddings, padding_idx),
+                _embedding_oracle(ids, o, num_embeddings, padding_idx), atol=ACC_RTOL * scale, what=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("padding_idx", [None, 0, 3])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 5), (3, 7, 65, 4), (3, 33, 7, 50), (2, 65, 9, 3), (2, 130, 17, 6)],
+                         ids=str)
+def test_embedding_sq_norms(tools, gen, shape, padding_idx, dtype):
+    """(B, T, p, V): small vocabularies force repeated tokens, also across T-tiles."""
+    B, T, p, V = shape
+    ids = torch.randint(0, V, (B, T), generator=gen).to(tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    _check_embedding(tools, ids, o, V, padding_idx, what=f"embedding {shape} pad={padding_idx}")
+
+
+def test_embedding_sq_norms_one_token_spans_many_tiles(tools, gen):
+    """A token repeated more than a T-tile (the walk across tiles) and all-padding samples."""
+    B, T, p, V = 3, 200, 7, 4
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    ids[0] = 2                    # one token everywhere
+    ids[1, :150] = 1              # a long run plus noise
+    ids[2] = 0                    # all padding → exactly zero
+    ids = ids.to(tools.device)
+    o = tools.randn(gen, B, T, p, device=tools.device)
+    _check_embedding(tools, ids, o, V, 0, what="long runs")
+    assert norms.embedding_sq_norms(ids, o, V, 0)[2].item() == 0.0
+
+
+def test_embedding_sq_norms_extra_dims_and_int32(tools, gen):
+    ids = torch.randint(0, 5, (3, 2, 4), generator=gen, dtype=torch.int32).to(tools.device)
+    o = tools.randn(gen, 3, 2, 4, 6, device=tools.device)
+    out = norms.embedding_sq_norms(ids, o, 5, 1)
+    ids64 = ids.long().reshape(3, -1)
+    tools.check(out, embedding_sq_norms_reference(ids64, o.reshape(3, 8, 6), 5, 1),
+                _embedding_oracle(ids64, o.reshape(3, 8, 6), 5, 1), atol=1e-5, what="extra dims")
+
+
+def test_embedding_sq_norms_empty_batch(tools):
+    out = norms.embedding_sq_norms(torch.zeros(0, 7, dtype=torch.long, device=tools.device),
+                                   torch.randn(0, 7, 3, device=tools.device), 10, None)
+    assert out.shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embedding_sq_norms_gpu_sizes(tools, gen, dtype):
+    B, T, p, V = 64, 1024, 768, 1000
+    ids = torch.randint(0, V, (B, T), generator=gen).to(tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    _check_embedding(tools, ids, o, V, 0, what="gpu embedding")
