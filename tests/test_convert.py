@@ -1,0 +1,303 @@
+"""``pdpfast.nn.convert``: in place, same Parameter objects, same outputs; clear refusals."""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pdpfast.functional import clipped_gradients
+from pdpfast.nn import DPModule, convert, replace_batchnorm
+
+B = 4
+
+
+def sq_loss(outputs, target):
+    return 0.5 * (outputs - target).pow(2).flatten(1).sum(1)
+
+
+def dp_modules(model):
+    return [name for name, m in model.named_modules() if isinstance(m, DPModule)]
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+# ------------------------------------------------------------------------ in place, shared parameters
+
+
+def test_convert_is_in_place_and_keeps_parameter_objects():
+    model = mlp()
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    first = model[0]
+    assert convert(model) is model
+    assert model[0] is first and isinstance(first, nn.Linear) and isinstance(first, DPModule)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert dp_modules(model) == ["0", "2"]
+
+
+def test_optimizer_built_before_conversion_still_steps():
+    model = mlp().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    convert(model)
+    x, t = torch.randn(B, 5, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = clipped_gradients(model, lambda out: sq_loss(out, t), x, clip_norms=torch.full((B,), 0.5))
+    for n, p in model.named_parameters():
+        p.grad = result.grads[n]
+    optimizer.step()
+    for n, p in model.named_parameters():
+        assert result.grads[n].any()
+        torch.testing.assert_close(p.detach(), before[n] - 0.1 * result.grads[n], rtol=0, atol=1e-15)
+
+
+def test_convert_twice_is_a_no_op():
+    model = convert(mlp())
+    classes = [type(m) for m in model.modules()]
+    convert(model)
+    assert [type(m) for m in model.modules()] == classes
+
+
+def test_convert_refuses_a_non_module():
+    with pytest.raises(TypeError, match="model"):
+        convert(lambda x: x)
+
+
+# ------------------------------------------------------------------------ BatchNorm
+
+
+def cnn_with_batchnorm(frozen=False):
+    model = nn.Sequential(OrderedDict(
+        features=nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten()),
+        head=nn.Sequential(nn.Linear(8 * 5 * 5, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))))
+    if frozen:
+        model.features[1].requires_grad_(False)
+        model.head[1].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_batchnorm_is_refused_by_path_with_groupnorm_advice(frozen):
+    """BatchNorm mixes the samples of a batch (even with frozen affine parameters): refused."""
+    model = cnn_with_batchnorm(frozen)
+    with pytest.raises(ValueError) as error:
+        convert(model)
+    message = str(error.value)
+    for expected in ("features.1 (BatchNorm2d)", "head.1 (BatchNorm1d)", "GroupNorm", "replace_batchnorm"):
+        assert expected in message
+    assert dp_modules(model) == []  # nothing changed on error
+
+
+def test_replace_batchnorm_then_convert(oracle):
+    model = cnn_with_batchnorm()
+    params = {id(p) for n, p in model.named_parameters() if "features.1" not in n and "head.1" not in n}
+    replace_batchnorm(model)
+    assert not any(isinstance(m, _BatchNorm) for m in model.modules())
+    assert isinstance(model.features[1], nn.GroupNorm) and model.features[1].num_channels == 8
+    assert model.features[1].num_groups == 8 and model.head[1].num_groups == 2  # gcd(32, C)
+    model = convert(model.double())
+    assert params <= {id(p) for p in model.parameters()}
+    assert set(dp_modules(model)) == {"features.0", "features.1", "head.0", "head.1", "head.2"}
+    x, t = torch.randn(B, 3, 5, 5, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
+    oracle.check(model, sq_loss, (x,), (t,))
+
+
+# ------------------------------------------------------------------------ unsupported modules
+
+
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+class RNNHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_unsupported_modules_are_all_listed_in_one_error():
+    model = nn.Sequential(OrderedDict(
+        proj=nn.Linear(4, 4),
+        blocks=nn.ModuleList([nn.MultiheadAttention(4, 2, batch_first=True), RNNHead(), Scale(4)])))
+    with pytest.raises(ValueError) as error:
+        convert(model)
+    message = str(error.value)
+    for path in ("blocks.0 (MultiheadAttention", "blocks.1.rnn (LSTM", "blocks.2 (Scale: gain)"):
+        assert path in message
+    assert "proj (Linear" not in message and "out_proj" not in message
+    assert "requires_grad_(False)" in message
+    assert dp_modules(model) == []  # nothing changed on error
+
+
+def test_frozen_unsupported_modules_are_left_alone():
+    model = nn.Sequential(nn.Linear(4, 4), Scale(4), nn.LSTM(4, 4, batch_first=True))
+    model[1].requires_grad_(False)
+    model[2].requires_grad_(False)
+    convert(model)
+    assert dp_modules(model) == ["0"]
+
+
+class LinearWithOwnForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class LinearWithExtraMethod(nn.Linear):
+    def describe(self):
+        return f"{self.in_features}->{self.out_features}"
+
+
+def test_subclass_overriding_forward_is_refused():
+    model = nn.Sequential(nn.Linear(3, 4), LinearWithOwnForward(4, 2))
+    with pytest.raises(ValueError, match=r"1 \(LinearWithOwnForward"):
+        convert(model)
+    assert dp_modules(model) == []
+
+
+def test_subclass_keeping_forward_is_converted_and_keeps_its_class(oracle):
+    reference = nn.Sequential(LinearWithExtraMethod(3, 4), nn.Tanh(), LinearWithExtraMethod(4, 2)).double()
+    model = convert(copy.deepcopy(reference))
+    assert isinstance(model[0], LinearWithExtraMethod) and isinstance(model[0], DPModule)
+    assert model[0].describe() == "3->4"
+    x, t = torch.randn(B, 3, dtype=torch.float64), torch.randn(B, 2, dtype=torch.float64)
+    oracle.check(model, sq_loss, (x,), (t,), reference=reference)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_norm=1.0), "max_norm"),
+    (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
+    (dict(sparse=True), "sparse"),
+])
+def test_embedding_options_that_break_per_sample_clipping_are_refused(kwargs, match):
+    model = nn.Sequential(OrderedDict(tokens=nn.Embedding(10, 4, **kwargs), head=nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match=match) as error:
+        convert(model)
+    assert "tokens (Embedding" in str(error.value)
+    assert dp_modules(model) == []
+
+
+def test_frozen_embedding_with_max_norm_is_refused():
+    """max_norm rewrites table rows from the batch's tokens in every forward, frozen or not."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    with pytest.raises(ValueError, match="max_norm"):
+        convert(model)
+
+
+# ------------------------------------------------------------------------ forward parity
+
+PARITY_LAYERS = {
+    "linear-4d": lambda: (nn.Linear(6, 5), torch.randn(B, 2, 3, 6)),
+    "conv1d-same-even": lambda: (nn.Conv1d(2, 3, 4, padding="same"), torch.randn(B, 2, 9)),
+    "conv1d-same-even-dilation3": lambda: (nn.Conv1d(2, 3, 4, padding="same", dilation=3), torch.randn(B, 2, 12)),
+    "conv1d-reflect": lambda: (nn.Conv1d(2, 3, 3, padding=2, padding_mode="reflect"), torch.randn(B, 2, 7)),
+    "conv1d-circular": lambda: (nn.Conv1d(2, 4, 3, padding=1, groups=2, padding_mode="circular"),
+                                torch.randn(B, 2, 6)),
+    "conv2d-same-odd": lambda: (nn.Conv2d(2, 4, 3, padding="same", dilation=2), torch.randn(B, 2, 8, 9)),
+    "conv2d-same-even": lambda: (nn.Conv2d(2, 3, (2, 4), padding="same"), torch.randn(B, 2, 7, 8)),
+    "conv2d-valid": lambda: (nn.Conv2d(3, 4, (2, 3), stride=(2, 1), padding="valid"), torch.randn(B, 3, 7, 6)),
+    "conv2d-reflect": lambda: (nn.Conv2d(2, 3, 3, padding=(1, 2), padding_mode="reflect"), torch.randn(B, 2, 6, 5)),
+    "conv2d-circular": lambda: (nn.Conv2d(2, 3, 3, stride=2, padding=(2, 1), padding_mode="circular"),
+                                torch.randn(B, 2, 7, 6)),
+    "conv2d-replicate": lambda: (nn.Conv2d(2, 3, 2, padding=1, padding_mode="replicate"), torch.randn(B, 2, 5, 6)),
+    "conv2d-depthwise": lambda: (nn.Conv2d(4, 8, 3, groups=4, padding=1, bias=False), torch.randn(B, 4, 5, 5)),
+    "embedding-padding": lambda: (nn.Embedding(11, 5, padding_idx=3), torch.randint(0, 11, (B, 7))),
+    "layernorm": lambda: (nn.LayerNorm((3, 4)), torch.randn(B, 5, 3, 4)),
+    "groupnorm": lambda: (nn.GroupNorm(2, 6), torch.randn(B, 6, 4, 5)),
+    "rmsnorm": lambda: (nn.RMSNorm(4), torch.randn(B, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(PARITY_LAYERS))
+def test_converted_layer_computes_the_same_outputs(name):
+    layer, x = PARITY_LAYERS[name]()
+    layer = layer.double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = x.double() if x.is_floating_point() else x
+    model = convert(copy.deepcopy(layer))
+    expected = layer(x)
+    seen = []
+
+    def capture(outputs):  # the private forward's outputs
+        seen.append(outputs.detach().clone())
+        return outputs.pow(2).flatten(1).sum(1)
+
+    clipped_gradients(model, capture, x, clip_norms=torch.ones(B))
+    torch.testing.assert_close(seen[0], expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12)  # plain (no batch attached)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), layer.eval()(x), rtol=1e-12, atol=1e-12)
+    # the ordinary, non-private backward still gives the original's gradients
+    model.train()
+    layer.train()
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    layer(x).pow(2).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), layer.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
+# ------------------------------------------------------------------------ in-place activations
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc1 = nn.Linear(4 * 4 * 4, 6)
+        self.fc2 = nn.Linear(6, 3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.conv(x))          # in place right on a DP layer's output
+        h = self.norm(h)
+        F.relu_(h)
+        h = self.fc1(h.flatten(1))
+        h.add_(1.0).relu_()
+        return self.fc2(h)
+
+
+@pytest.mark.parametrize("mode,clipping", [("bk", "flat"), ("ghost", "flat"), ("bk", "per_layer")])
+def test_in_place_relu_after_dp_layers(mode, clipping, oracle):
+    reference = InPlace().double()
+    model = convert(copy.deepcopy(reference))
+    x, t = torch.randn(B, 2, 4, 4, dtype=torch.float64), torch.randn(B, 3, dtype=torch.float64)
+    oracle.check(model, sq_loss, (x,), (t,), reference=reference, mode=mode, clipping=clipping)
+
+
+# ------------------------------------------------------------------------ Hugging Face Conv1D
+
+
+def test_hf_conv1d_is_converted(oracle):
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    reference = nn.Sequential(Conv1D(5, 4), nn.Tanh(), Conv1D(3, 5)).double()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.normal_()
+    model = convert(copy.deepcopy(reference))
+    assert isinstance(model[0], Conv1D) and isinstance(model[0], DPModule)
+    x, t = torch.randn(B, 6, 4, dtype=torch.float64), torch.randn(B, 6, 3, dtype=torch.float64)
+    for kwargs in (dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")):
+        oracle.check(model, sq_loss, (x,), (t,), reference=reference, **kwargs)

@@ -1,0 +1,316 @@
+"""The plain-torch reference ops of ``pdpfast.ops`` against materialized per-sample gradients.
+
+Every squared norm is checked against ‖G_i‖² of a per-sample gradient G_i formed independently
+(einsum, one-hot scatter, or ``torch.func`` on the torch op), and every clipped sum against
+Σ_i w_i G_i, in float64.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, vmap
+
+import pdpfast.ops.linear as linear_ops
+from pdpfast.ops import conv as conv_ops
+from pdpfast.ops import norm as norm_ops
+from pdpfast.ops.clip import CLIP_EPS, clip_weights, clip_weights_reference
+from pdpfast.ops.embedding import (embedding_clipped_grad_reference, embedding_per_sample_grads, embedding_sq_norms,
+                                   embedding_sq_norms_reference)
+from pdpfast.ops.linear import (bias_clipped_grad_reference, bias_sq_norms, bias_sq_norms_reference,
+                                linear_clipped_grad, linear_clipped_grad_reference, linear_per_sample_grads,
+                                linear_weight_sq_norms, linear_weight_sq_norms_reference, use_gram)
+
+
+def close(actual, expected, rtol=1e-10):
+    scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=rtol * scale)
+
+
+def sq(g):
+    return g.flatten(1).pow(2).sum(1)
+
+
+def weighted_sum(weights, per_sample):
+    return torch.tensordot(weights, per_sample, dims=1)
+
+
+# ------------------------------------------------------------------------------------------ linear
+
+LINEAR_SHAPES = [(1, 1, 1, 1), (3, 1, 7, 5), (4, 2, 16, 12), (5, 7, 3, 4), (2, 33, 5, 9), (3, 6, 40, 2),
+                 (1, 13, 17, 1), (0, 4, 3, 2)]  # (B, T, d, p)
+
+
+def per_sample_linear(a, o):
+    return torch.einsum("btp,btd->bpd", o, a)
+
+
+@pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES)
+@pytest.mark.parametrize("path", ["gram", "direct", "auto"])
+def test_linear_norm_paths_agree_with_materialized(B, T, d, p, path, monkeypatch):
+    a, o = torch.randn(B, T, d, dtype=torch.float64), torch.randn(B, T, p, dtype=torch.float64)
+    if path != "auto":
+        monkeypatch.setattr(linear_ops, "use_gram", lambda *args: path == "gram")
+    expected = sq(per_sample_linear(a, o))
+    close(linear_weight_sq_norms_reference(a, o), expected)
+    close(linear_weight_sq_norms(a, o), expected)
+    close(linear_per_sample_grads(a, o), per_sample_linear(a, o))
+
+
+def test_use_gram_picks_the_cheaper_path():
+    assert use_gram(4, 64, 64) and use_gram(16, 256, 128)
+    assert not use_gram(64, 4, 4) and not use_gram(100, 3, 5)
+    # per call: the same layer switches paths with the sequence length
+    assert use_gram(2, 32, 32) and not use_gram(512, 32, 32)
+
+
+@pytest.mark.parametrize("path", ["gram", "direct"])
+def test_linear_norms_in_chunks(path, monkeypatch):
+    """Chunking over samples (to bound memory) gives the same norms."""
+    monkeypatch.setattr(linear_ops, "use_gram", lambda *args: path == "gram")
+    monkeypatch.setattr(linear_ops, "_CHUNK_ELEMENTS", 50)
+    a, o = torch.randn(7, 5, 6, dtype=torch.float64), torch.randn(7, 5, 4, dtype=torch.float64)
+    close(linear_weight_sq_norms_reference(a, o), sq(per_sample_linear(a, o)))
+
+
+@pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES)
+def test_bias_norms_and_clipped_sums(B, T, d, p):
+    a, o = torch.randn(B, T, d, dtype=torch.float64), torch.randn(B, T, p, dtype=torch.float64)
+    w = torch.rand(B, dtype=torch.float64)
+    close(bias_sq_norms_reference(o), sq(o.sum(1)))
+    close(bias_sq_norms(o), sq(o.sum(1)))
+    close(bias_clipped_grad_reference(o, w), weighted_sum(w, o.sum(1)))
+    close(bias_clipped_grad_reference(o, None), o.sum((0, 1)))
+    close(linear_clipped_grad_reference(a, o, w), weighted_sum(w, per_sample_linear(a, o)))
+    close(linear_clipped_grad(a, o, w), weighted_sum(w, per_sample_linear(a, o)))
+    close(linear_clipped_grad_reference(a, o, None), per_sample_linear(a, o).sum(0))
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("path", ["gram", "direct"])
+def test_linear_norms_accumulate_in_float32(dtype, rtol, path, monkeypatch):
+    monkeypatch.setattr(linear_ops, "use_gram", lambda *args: path == "gram")
+    a, o = torch.randn(3, 9, 7, dtype=dtype), torch.randn(3, 9, 5, dtype=dtype)
+    norms = linear_weight_sq_norms_reference(a, o)
+    assert norms.dtype == torch.float32
+    # against the exact norms of the same (rounded) inputs
+    close(norms, sq(per_sample_linear(a.double(), o.double())), rtol=rtol)
+    assert bias_sq_norms_reference(o).dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ embedding
+
+
+def per_sample_embedding(ids, o, V, padding_idx):
+    """G_i = onehot(ids_i)ᵀ o_i, with the padding row zeroed."""
+    B = ids.shape[0]
+    T = math.prod(ids.shape[1:])
+    onehot = F.one_hot(ids.reshape(B, T), V).to(o.dtype)  # (B, T, V)
+    g = torch.einsum("btv,btp->bvp", onehot, o.reshape(B, T, o.shape[-1]))
+    if padding_idx is not None:
+        g[:, padding_idx] = 0
+    return g
+
+
+EMBEDDING_CASES = [  # (B, ids shape, V, p, padding_idx, distinct tokens used)
+    (4, (7,), 11, 5, None, 3),
+    (4, (7,), 11, 5, 0, 3),
+    (3, (9,), 6, 4, 5, 6),
+    (5, (), 6, 3, 2, 6),
+    (3, (2, 4), 9, 3, None, 4),
+    (2, (6,), 1, 2, None, 1),
+    (0, (3,), 5, 2, 1, 5),
+]
+
+
+@pytest.mark.parametrize("B,shape,V,p,padding_idx,used", EMBEDDING_CASES)
+def test_embedding_norms_and_clipped_sum(B, shape, V, p, padding_idx, used):
+    ids = torch.randint(0, used, (B, *shape))
+    if padding_idx is not None and B:
+        ids.view(-1)[::3] = padding_idx
+    o = torch.randn(B, *shape, p, dtype=torch.float64)
+    w = torch.rand(B, dtype=torch.float64)
+    expected = per_sample_embedding(ids, o, V, padding_idx)
+    close(embedding_sq_norms_reference(ids, o, V, padding_idx), sq(expected))
+    close(embedding_sq_norms(ids, o, V, padding_idx), sq(expected))
+    close(embedding_per_sample_grads(ids, o, V, padding_idx), expected)
+    close(embedding_clipped_grad_reference(ids, o, w, V, padding_idx), weighted_sum(w, expected))
+    close(embedding_clipped_grad_reference(ids, o, None, V, padding_idx), expected.sum(0))
+
+
+def test_embedding_repeated_tokens_add_before_squaring():
+    """‖G_i‖² sums the output gradients of a repeated token first: ‖o_1 + o_2‖², not ‖o_1‖² + ‖o_2‖²."""
+    ids = torch.tensor([[3, 3]])
+    o = torch.tensor([[[1.0, 0.0], [1.0, 0.0]]], dtype=torch.float64)
+    assert embedding_sq_norms_reference(ids, o, 5, None).item() == pytest.approx(4.0)
+    assert embedding_sq_norms_reference(ids, o, 5, 3).item() == 0.0
+
+
+# ------------------------------------------------------------------------------------------ conv
+
+CONV_CASES = {
+    "conv1d": lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1),
+    "conv1d-same-even": lambda: nn.Conv1d(2, 3, 4, padding="same"),
+    "conv1d-depthwise-dilation": lambda: nn.Conv1d(3, 6, 3, groups=3, dilation=2, padding_mode="reflect", padding=2),
+    "conv2d": lambda: nn.Conv2d(3, 5, 3, stride=2, padding=1),
+    "conv2d-rect-same": lambda: nn.Conv2d(2, 4, (2, 3), padding="same", dilation=(2, 1)),
+    "conv2d-groups-nobias": lambda: nn.Conv2d(4, 6, 3, groups=2, stride=(1, 2), bias=False, padding_mode="circular",
+                                              padding=1),
+    "conv2d-1x1": lambda: nn.Conv2d(3, 2, 1),
+}
+
+
+def conv_input(module, B):
+    spatial = (9,) if isinstance(module, nn.Conv1d) else (7, 8)
+    return torch.randn(B, module.in_channels, *spatial, dtype=torch.float64)
+
+
+def per_sample_conv(module, x_pad, o):
+    """(weight, bias) per-sample gradients of ⟨conv(x_pad_i), o_i⟩ by torch.func."""
+    conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+
+    def inner(weight, bias, x, out_grad):
+        y = conv(x.unsqueeze(0), weight, bias, module.stride, 0, module.dilation, module.groups)
+        return (y * out_grad.unsqueeze(0)).sum()
+
+    bias = module.bias if module.bias is not None else torch.zeros(module.out_channels, dtype=torch.float64)
+    return vmap(grad(inner, argnums=(0, 1)), in_dims=(None, None, 0, 0))(module.weight.detach(), bias.detach(),
+                                                                          x_pad, o)
+
+
+@pytest.mark.parametrize("name", list(CONV_CASES))
+@pytest.mark.parametrize("B", [1, 4])
+@pytest.mark.parametrize("path", ["unfold", "grouped-backward"])
+def test_conv_norms_and_clipped_sums(name, B, path, monkeypatch):
+    if path == "grouped-backward":  # the path large convolutions take
+        monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)
+    else:
+        monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 1 << 40)
+    module = CONV_CASES[name]().double()
+    x = conv_input(module, B)
+    x_pad = conv_ops.conv_pad(x, module)
+    # the padded input reproduces the module's own output with padding 0
+    conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+    y = conv(x_pad, module.weight, module.bias, module.stride, 0, module.dilation, module.groups)
+    close(y.detach(), module(x).detach())
+    o = torch.randn_like(y).detach()
+    gw, gb = per_sample_conv(module, x_pad, o)
+    w = torch.rand(B, dtype=torch.float64)
+    close(conv_ops.conv_weight_sq_norms(x_pad, o, module), sq(gw))
+    close(conv_ops.conv_bias_sq_norms(o), sq(gb))
+    close(conv_ops.conv_per_sample_grads(x_pad, o, module), gw)
+    grad_w, grad_b = conv_ops.conv_clipped_grads(x_pad, o, w, module)
+    close(grad_w, weighted_sum(w, gw))
+    close(grad_b, weighted_sum(w, gb))
+    grad_w, grad_b = conv_ops.conv_clipped_grads(x_pad, o, None, module)
+    close(grad_w, gw.sum(0))
+    close(grad_b, gb.sum(0))
+
+
+@pytest.mark.parametrize("name", ["conv1d", "conv2d-groups-nobias"])
+def test_conv_empty_batch(name):
+    module = CONV_CASES[name]().double()
+    x_pad = conv_ops.conv_pad(conv_input(module, 0), module)
+    conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+    o = conv(x_pad, module.weight, None, module.stride, 0, module.dilation, module.groups).detach()
+    assert conv_ops.conv_weight_sq_norms(x_pad, o, module).shape == (0,)
+    assert conv_ops.conv_per_sample_grads(x_pad, o, module).shape == (0, *module.weight.shape)
+    grad_w, _ = conv_ops.conv_clipped_grads(x_pad, o, torch.ones(0, dtype=torch.float64), module)
+    assert grad_w.shape == module.weight.shape and not grad_w.any()
+
+
+# ------------------------------------------------------------------------------------------ norm layers
+
+NORM_CASES = {
+    "layernorm": (lambda: nn.LayerNorm((3, 4)), (5, 3, 4)),
+    "layernorm-nobias": (lambda: nn.LayerNorm(6, bias=False), (6,)),
+    "groupnorm": (lambda: nn.GroupNorm(2, 6), (6, 4, 3)),
+    "groupnorm-no-spatial": (lambda: nn.GroupNorm(3, 6), (6,)),
+    "rmsnorm": (lambda: nn.RMSNorm((2, 5)), (3, 2, 5)),
+    "rmsnorm-eps": (lambda: nn.RMSNorm(4, eps=1e-3), (4,)),
+}
+NORM_OPS = {nn.LayerNorm: norm_ops.layer_norm_per_sample_grads, nn.GroupNorm: norm_ops.group_norm_per_sample_grads,
+            nn.RMSNorm: norm_ops.rms_norm_per_sample_grads}
+
+
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_norm_layer_per_sample_grads(name):
+    build, shape = NORM_CASES[name]
+    module = build().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    o = torch.randn(4, *shape, dtype=torch.float64)
+    names = [n for n, _ in module.named_parameters()]
+    params = {n: p.detach() for n, p in module.named_parameters()}
+
+    def inner(params, xi, oi):
+        return (torch.func.functional_call(module, params, (xi.unsqueeze(0),)) * oi.unsqueeze(0)).sum()
+
+    expected = vmap(grad(inner), in_dims=(None, 0, 0))(params, x, o)
+    got = NORM_OPS[type(module)](x, o, module)
+    assert sorted(got) == sorted(names)
+    for n in names:
+        close(got[n], expected[n])
+
+
+# ------------------------------------------------------------------------------------------ clip weights
+
+
+def test_clip_weights_formula():
+    norms = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0, 3.0], dtype=torch.float64)
+    bounds = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 0.5], dtype=torch.float64)
+    expected = [min(1.0, c / (n + CLIP_EPS)) for n, c in zip(norms.tolist(), bounds.tolist())]
+    got = clip_weights_reference(norms ** 2, bounds)
+    close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15)
+    assert got[0] == 1.0 and got[1] == 1.0  # unclipped samples keep weight exactly 1
+    assert got[2] < 1.0  # ‖g‖ = c: the 1e-6 makes the clipped norm strictly below c
+    clipped = got * norms
+    assert (clipped <= bounds).all()
+
+
+def test_clip_weights_mask_and_automatic():
+    sq_norms = torch.rand(7, dtype=torch.float64) * 4
+    bounds = torch.rand(7, dtype=torch.float64) + 0.5
+    mask = torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.float64)
+    norms = sq_norms.sqrt()
+    close(clip_weights_reference(sq_norms, bounds, mask),
+          mask * torch.clamp(bounds / (norms + CLIP_EPS), max=1.0), rtol=1e-15)
+    close(clip_weights_reference(sq_norms, bounds, mask, automatic_gamma=0.01),
+          mask * bounds / (norms + 0.01), rtol=1e-15)
+    # automatic clipping does not cap at 1: small gradients are scaled up towards c_i
+    tiny = clip_weights_reference(torch.tensor([1e-6], dtype=torch.float64), torch.tensor([1.0]), None, 0.01)
+    assert tiny.item() > 1.0
+    # masked rows are exactly zero even when their norm is inf/huge
+    got = clip_weights_reference(torch.tensor([1e300, 1.0], dtype=torch.float64), torch.ones(2), torch.tensor([0, 1]))
+    assert got[0] == 0.0 and got[1] == pytest.approx(1 / (1 + CLIP_EPS))
+    close(clip_weights(sq_norms, bounds, mask), clip_weights_reference(sq_norms, bounds, mask), rtol=0)
+
+
+def test_clip_weights_for_groups_broadcast_over_bounds():
+    """Per-layer clipping: (K, B) group norms against bounds c_i·C_k."""
+    K, B = 3, 5
+    sq_norms = torch.rand(K, B, dtype=torch.float64)
+    shares = torch.tensor([0.6, 0.48, 0.64], dtype=torch.float64)
+    c = torch.rand(B, dtype=torch.float64) + 0.2
+    bounds = shares[:, None] * c[None, :]
+    mask = (torch.rand(B) < 0.5).double()
+    got = clip_weights_reference(sq_norms, bounds, mask)
+    assert got.shape == (K, B)
+    for k in range(K):
+        close(got[k], clip_weights_reference(sq_norms[k], c * shares[k], mask), rtol=1e-15)
+    # each record's total clipped norm ≤ c_i when Σ C_k² = 1
+    assert math.isclose(float((shares ** 2).sum()), 1.0)
+    total = ((got * sq_norms.sqrt()) ** 2).sum(0).sqrt()
+    assert (total <= c * (1 + 1e-12)).all()
+
+
+def test_clip_weights_dtypes():
+    sq_norms = torch.rand(4)
+    assert clip_weights_reference(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
+    assert clip_weights_reference(sq_norms.double(), torch.ones(4)).dtype == torch.float64
+    assert clip_weights_reference(torch.zeros(0), torch.ones(0)).shape == (0,)
