@@ -268,6 +268,9 @@ class ClippingState:
                                "(or use pdpfast.functional.clipped_gradients)")
         rule = rule_for(module)
         params = _trainable(module)
+        # gradients arriving through views (e.g. attention's head split) are often strided; one copy
+        # here instead of one in every reshape of every rule
+        o = o.contiguous()
         if phase == "ghost_grads":  # the loss is already Σ w_i ℓ_i: plain gradients are the clipped sum
             self._accumulate(module, rule.clipped(module, x, o, None, tuple(params)))
             return

@@ -56,12 +56,26 @@ def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.
         return a[:, 0].to(dtype).pow(2).sum(-1) * o[:, 0].to(dtype).pow(2).sum(-1)
     if use_gram(T, d, p):
         for s in _chunks(B, 2 * T * T):
-            ai, oi = a[s].to(dtype), o[s].to(dtype)
-            out[s] = (torch.bmm(ai, ai.transpose(1, 2)) * torch.bmm(oi, oi.transpose(1, 2))).sum((1, 2))
+            out[s] = _gram_sq_norms(a[s].to(dtype), o[s].to(dtype))
     else:
         for s in _chunks(B, d * p):
             out[s] = torch.bmm(o[s].to(dtype).transpose(1, 2), a[s].to(dtype)).pow(2).sum((1, 2))
     return out
+
+
+def _gram_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Σ_{s,t} (a aᵀ)_{st} (o oᵀ)_{st} per sample. Both Grams are symmetric, so with T split in
+    halves only three of the four blocks are formed (the off-diagonal one counts twice)."""
+    T = a.shape[1]
+    if T < 64:
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(o, o.transpose(1, 2))).sum((1, 2))
+    h = T // 2
+    a1, a2, o1, o2 = a[:, :h], a[:, h:], o[:, :h], o[:, h:]
+
+    def block(x, y, u, v):
+        return (torch.bmm(x, y.transpose(1, 2)) * torch.bmm(u, v.transpose(1, 2))).sum((1, 2))
+
+    return block(a1, a1, o1, o1) + 2 * block(a1, a2, o1, o2) + block(a2, a2, o2, o2)
 
 
 def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
@@ -80,8 +94,11 @@ def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
 def linear_clipped_grad_reference(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None):
     """Σ_i w_i o_iᵀ a_i as one GEMM over rows scaled by w_i: a (B,T,d), o (B,T,p), w (B,) → (p, d)."""
     d, p = a.shape[-1], o.shape[-1]
-    if weights is not None:
-        o = o * weights.to(o.dtype).view(-1, 1, 1)
+    if weights is not None:  # scale whichever of the two is smaller: (w∘o)ᵀa = oᵀ(w∘a)
+        if p <= d:
+            o = o * weights.to(o.dtype).view(-1, 1, 1)
+        else:
+            a = a * weights.to(a.dtype).view(-1, 1, 1)
     return o.reshape(-1, p).t().mm(a.reshape(-1, d))
 
 
