@@ -1,0 +1,112 @@
+"""End-to-end training throughput and peak memory: BERT-base (seq 128, batch 32), ResNet-18 with
+GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8); non-private vs pdpfast (bk,
+ghost, per-layer) vs Opacus 1.6 (hooks, ghost), in one process, on a CUDA device.
+
+    python -m bench.bench_e2e [--models bert,resnet18,gpt2] [--dtype fp32|bf16] [--repeats 20]
+    python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
+
+Writes JSON rows (model, provider, batch, seq, dtype, device, versions, date, throughput, peak
+memory, ratios to non-private) to bench/results/e2e_<device>.json. A provider that cannot run a
+model (Opacus has no rule for Hugging Face's Conv1D in GPT-2, say) gets a row with its error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bench.harness import environment, measure, with_ratios
+
+
+def _classification_loss(out, y):
+    logits = out.logits if hasattr(out, "logits") else out
+    return nn.functional.cross_entropy(logits.float(), y, reduction="none")
+
+
+def _lm_loss(out, y):
+    logits = out.logits[:, :-1].float()
+    per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1), reduction="none")
+    return per_token.view(y.shape[0], -1).mean(1)
+
+
+def _with_positions(ids):
+    # explicit (B, T) position ids: Hugging Face's default (1, T) ids are broadcast over the batch,
+    # which Opacus's per-sample gradients cannot handle (pdpfast can: tested in tests/test_models.py)
+    return {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)}
+
+
+def build(name: str, size: str, device, dtype):
+    from pdpfast import models
+
+    g = torch.Generator().manual_seed(0)
+    if name == "bert":
+        model = models.bert("base" if size == "full" else size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        batch, seq = (32, 128) if size == "full" else (4, 16)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        y = torch.randint(0, 2, (batch,), generator=g)
+        inputs, loss = _with_positions(ids), _classification_loss
+    elif name == "resnet18":
+        model = models.resnet18_gn()
+        batch, seq = (256, None) if size == "full" else (4, None)
+        inputs = (torch.randn(batch, 3, 32, 32, generator=g),)
+        y, loss = torch.randint(0, 10, (batch,), generator=g), _classification_loss
+    elif name == "gpt2":
+        model = models.gpt2("small" if size == "full" else size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        batch, seq = (8, 512) if size == "full" else (2, 16)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        inputs, y, loss = _with_positions(ids), ids, _lm_loss
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from bert, resnet18, gpt2")
+    model = model.to(device=device, dtype=dtype)
+    move = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
+    inputs = {k: move(t) for k, t in inputs.items()} if isinstance(inputs, dict) else tuple(map(move, inputs))
+    return model, inputs, y.to(device), loss, batch, seq
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="bert,resnet18,gpt2")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default="full", help="full (the issue's sizes) | tiny | micro (smoke tests)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e: no CUDA device here; run it on a GPU machine, or pass --device cpu --size micro "
+              "for a smoke test", file=sys.stderr)
+        return 1
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    env, rows = environment(device), []
+    for name in args.models.split(","):
+        model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
+        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats), batch)
+        for provider, r in results.items():
+            rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": provider,
+                         "batch": batch, "seq": seq, "dtype": args.dtype, **r, **env, "repeats": args.repeats})
+        del model
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", env["device"].split("(")[0].strip()).strip("_").lower()
+    out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory |\n|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['provider']} | {r['error']} | | | |")
+            continue
+        mem = f"{r['peak_memory_mb']:.0f} | {r.get('memory_ratio_vs_nonprivate', float('nan')):.2f}" if "peak_memory_mb" in r else "– | –"
+        print(f"| {r['model']} | {r['provider']} | {r['throughput_samples_per_s']:.1f} | "
+              f"{r.get('throughput_ratio_vs_nonprivate', float('nan')):.2f} | {mem} |")
+    print(f"device: {env['device']}, torch {env['torch']}, triton {env['triton']}, opacus {env['opacus']}, {env['date']}; "
+          f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Providers and timing shared by the benchmarks: one model, one batch, every engine, same process.
+
+A provider turns (model, inputs, targets, per-sample loss) into a ``step()`` closure doing one full
+training step (forward, backward, clipping, noise, optimizer). ``measure`` interleaves providers
+round by round so machine noise hits them alike, times with CUDA events on GPU, and records each
+provider's peak GPU memory in a separate pass.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import platform
+import statistics
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+PerSampleLoss = Callable[[object, torch.Tensor], torch.Tensor]  # (model output, targets) -> (B,)
+
+
+def _mean_loss(loss: PerSampleLoss):
+    return lambda out, y: loss(out, y).mean()
+
+
+def _tensors(inputs):
+    return list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+
+
+def call(model, inputs):
+    """inputs: a tuple of positional tensors or a dict of keyword tensors."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def nonprivate(model, inputs, y, loss: PerSampleLoss):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step():
+        _mean_loss(loss)(call(model, inputs), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def pdpfast_provider(mode: str, clipping: str):
+    def make(model, inputs, y, loss: PerSampleLoss):
+        from pdpfast.clipping import ClippingState
+        from pdpfast.nn import convert
+        from pdpfast.optimizer import DPOptimizer
+
+        convert(model)
+        state = ClippingState(model, mode=mode, clipping=clipping)
+        state.attach()
+        B = y.shape[0]
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
+                          expected_batch_size=B, seed=0)
+        clip_norms = torch.ones(B)
+
+        def step():
+            if mode == "ghost":
+                state.begin_batch(clip_norms)
+                state.ghost_backward(loss(call(model, inputs), y))
+            else:
+                state.begin_batch(clip_norms, loss_scale=B)
+                _mean_loss(loss)(call(model, inputs), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+    return make
+
+
+class _PerSampleCriterion(nn.Module):
+    """A loss module for Opacus's ghost mode, which calls it with reduction='none'."""
+
+    def __init__(self, loss: PerSampleLoss):
+        super().__init__()
+        self.loss, self.reduction = loss, "mean"
+
+    def forward(self, out, y):
+        per_sample = self.loss(out, y)
+        return per_sample if self.reduction == "none" else per_sample.mean()
+
+
+def opacus_provider(grad_sample_mode: str):
+    def make(model, inputs, y, loss: PerSampleLoss):
+        from opacus import PrivacyEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        # what a user does to make Opacus accept a stock model: no in-place activations (its backward
+        # hooks forbid them); pdpfast needs neither change
+        for m in model.modules():
+            if hasattr(m, "inplace") and isinstance(m, (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)):
+                m.inplace = False
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        loader = DataLoader(TensorDataset(*_tensors(inputs), y), batch_size=y.shape[0])
+        criterion = _PerSampleCriterion(loss)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                               max_grad_norm=1.0, poisson_sampling=False, criterion=criterion,
+                                               grad_sample_mode=grad_sample_mode)
+        model, opt = out[0], out[1]
+        criterion = out[2] if grad_sample_mode == "ghost" else criterion
+
+        def step():
+            criterion(call(model, inputs), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return step
+    return make
+
+
+PROVIDERS = {
+    "non-private": nonprivate,
+    "pdpfast bk": pdpfast_provider("bk", "flat"),
+    "pdpfast ghost": pdpfast_provider("ghost", "flat"),
+    "pdpfast per-layer": pdpfast_provider("bk", "per_layer"),
+    "opacus hooks": opacus_provider("hooks"),
+    "opacus ghost": opacus_provider("ghost"),
+}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss, *, repeats: int, warmup: int = 3,
+            providers: dict | None = None) -> dict[str, dict]:
+    """{provider: {"median_ms", "peak_memory_mb" (GPU only) | "error"}} for one model and batch."""
+    device = y.device
+    steps, results = {}, {}
+    for name, make in (providers or PROVIDERS).items():
+        model = copy.deepcopy(base)
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            steps[name] = make(model, inputs, y, loss)
+            for _ in range(2):  # a provider that fails does so here, not in the timed rounds
+                steps[name]()
+            _sync(device)
+            # peak memory of this provider alone (model, optimizer state, one step), before the timing
+            results[name] = ({"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+                             if device.type == "cuda" else {})
+        except Exception as exc:  # e.g. a layer Opacus does not support: report it, keep going
+            steps.pop(name, None)
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    times = {name: [] for name in steps}
+    for r in range(warmup + repeats):
+        for name, step in steps.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end) / 1e3
+            else:
+                t = time.perf_counter()
+                step()
+                elapsed = time.perf_counter() - t
+            if r >= warmup:
+                times[name].append(elapsed)
+    for name, ts in times.items():
+        results[name]["median_ms"] = statistics.median(ts) * 1e3
+    return results
+
+
+def with_ratios(results: dict[str, dict], batch: int) -> dict[str, dict]:
+    base = results.get("non-private", {})
+    for r in results.values():
+        if "median_ms" in r:
+            r["throughput_samples_per_s"] = batch / (r["median_ms"] / 1e3)
+            if "median_ms" in base:
+                r["time_ratio_vs_nonprivate"] = r["median_ms"] / base["median_ms"]
+                r["throughput_ratio_vs_nonprivate"] = base["median_ms"] / r["median_ms"]
+            if "peak_memory_mb" in r and "peak_memory_mb" in base:
+                r["memory_ratio_vs_nonprivate"] = r["peak_memory_mb"] / base["peak_memory_mb"]
+    return results
+
+
+def environment(device: torch.device) -> dict:
+    versions = {"torch": torch.__version__, "python": platform.python_version(),
+                "date": datetime.date.today().isoformat()}
+    for name in ("opacus", "triton", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    if device.type == "cuda":
+        versions["device"] = torch.cuda.get_device_name(device)
+        versions["cuda"] = torch.version.cuda
+    else:
+        versions["device"] = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return versions

@@ -1,0 +1,31 @@
+"""The benchmark scripts run end to end at tiny sizes (their real sizes need a GPU or minutes)."""
+import json
+
+import pytest
+
+pytest.importorskip("opacus")
+
+
+def test_e2e_benchmark_runs_every_provider_and_writes_json(tmp_path):
+    from bench import bench_e2e
+    from bench.harness import PROVIDERS
+
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "resnet18", "--repeats", "1",
+                           "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["provider"] for r in rows} == set(PROVIDERS)
+    for r in rows:
+        assert r["device"].startswith("cpu") and r["date"] and r["torch"]
+        assert r["median_ms"] > 0 and r["throughput_samples_per_s"] > 0, r
+
+
+def test_e2e_benchmark_without_cuda_says_so(capsys):
+    import torch
+
+    from bench import bench_e2e
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert bench_e2e.main(["--models", "resnet18"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
