@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,6 +16,10 @@ from .clipping import ClippingState, check_choice
 from .data import DPDataLoader, PhysicalBatch, as_per_record
 from .nn.convert import convert
 from .optimizer import DPOptimizer
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """Raised by ``optimizer.step()`` when the step would take a record past its budget."""
 
 
 class DPLoss:
@@ -131,6 +138,119 @@ class PrivacyEngine:
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
         self.state.begin_batch(self._clip_norms_tensor[batch.indices], batch.mask, loss_scale=scale)
         self._at_boundary = batch.is_last
+
+    def make_private_with_budgets(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, budgets, delta: float, epochs: int | None = None,
+                                  steps: int | None = None, method: str = "sample", sample_rate: float | None = None,
+                                  max_grad_norm: float = 1.0, hybrid_weight: float = 0.5, accountant: str = "rdp",
+                                  **kwargs):
+        """Calibrate per-record (q_i, c_i, σ) from budgets ε_i and make the training private with them.
+
+        budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``; delta: δ in (0, 1); the
+        run is ``epochs`` passes (in expectation) or ``steps`` optimizer steps; sample_rate: mean
+        Poisson rate (default: batch_size / N of ``data_loader``); method: "sample" | "scale" |
+        "hybrid" (see ``pdpfast.calibrate``). Other keyword arguments go to ``make_private``.
+
+        The engine keeps a per-record ledger: ``optimizer.step()`` raises PrivacyBudgetExceeded
+        rather than take a step that would take any record past its budget, and
+        ``engine.epsilons()`` is every record's ε spent so far.
+        """
+        from .accounting import IndividualAccountant, calibrate
+
+        for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
+            if key in kwargs:
+                raise TypeError(f"make_private_with_budgets sets {key} from the plan; do not pass it")
+        n = len(data_loader.dataset)
+        budgets = np.asarray(budgets, dtype=np.float64)
+        if budgets.ndim != 1 or budgets.shape[0] != n:
+            raise ValueError(f"budgets must have one ε per record of the dataset ({n}), got shape {budgets.shape}")
+        if sample_rate is None:
+            sample_rate = 1.0 / len(data_loader)
+        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs= and steps=")
+        if epochs is not None:
+            if not isinstance(epochs, int) or epochs <= 0:
+                raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+            steps = epochs * steps_per_epoch
+        self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
+                              max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
+        self.delta, self.budgets = float(delta), budgets
+        out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                noise_multiplier=self.plan.noise_multiplier, max_grad_norm=self.plan.max_grad_norm,
+                                sample_rates=self.plan.sample_rates, clip_norms=self.plan.clip_norms,
+                                steps_per_epoch=min(steps_per_epoch, steps), **kwargs)
+        self.accountant = IndividualAccountant(self.plan.sample_rates, self.plan.noise_multipliers, budgets=budgets)
+        self.optimizer.pre_step_hooks.append(self._refuse_overspending)
+        self.optimizer.post_step_hooks.append(lambda _: self.accountant.step())
+        return out
+
+    def _refuse_overspending(self, optimizer: DPOptimizer) -> None:
+        # The plan certifies its own accountant's ε ≤ ε_i for plan.steps steps; the RDP ledger
+        # additionally refuses any step that would take a record past its budget under RDP.
+        if optimizer.steps >= self.plan.steps:
+            raise PrivacyBudgetExceeded(
+                f"the plan allows {self.plan.steps} steps and all have been taken; a further step would spend "
+                "more than the records' budgets")
+        if self.plan.accountant == "rdp":
+            over = self.accountant.would_exceed(self.delta, 1)
+            if over.any():
+                raise PrivacyBudgetExceeded(f"one more step would take {int(over.sum())} record(s) past their budget "
+                                            f"(first: record {int(np.flatnonzero(over)[0])})")
+
+    def epsilons(self) -> np.ndarray:
+        """(N,) ε each record has spent so far (RDP ledger, at the plan's δ)."""
+        if getattr(self, "accountant", None) is None:
+            raise RuntimeError("epsilons() needs the ledger of make_private_with_budgets")
+        return self.accountant.epsilons(self.delta)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: optimizer (with its step count and noise seed), the loader's
+        next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``."""
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "loader": {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}}
+        if getattr(self, "accountant", None) is not None:
+            state.update(plan=self.plan.to_dict(), ledger=self.accountant.state_dict(), delta=self.delta)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.data_loader.seed = int(state["loader"]["seed"])
+        self.data_loader.next_step = int(state["loader"]["next_step"])
+        if "ledger" in state:
+            if getattr(self, "accountant", None) is None:
+                raise RuntimeError("the checkpoint holds a privacy ledger: resume with make_private_with_budgets")
+            saved = type(self.plan).from_dict(state["plan"])
+            if not (np.array_equal(self.plan.sample_rates, saved.sample_rates)
+                    and np.array_equal(self.plan.clip_norms, saved.clip_norms)
+                    and self.plan.noise_multiplier == saved.noise_multiplier and self.plan.steps == saved.steps):
+                raise ValueError("the checkpoint's privacy plan differs from this engine's; resume with the same "
+                                 "budgets, delta, steps and method")
+            self.accountant.load_state_dict(state["ledger"])
+
+    def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
+        """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
+        crash leaves the previous checkpoint or the new one, never a half-written file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save({"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def load_checkpoint(self, path, module: nn.Module) -> dict:
+        """Restore what ``save_checkpoint`` wrote; returns its ``extra`` fields."""
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        module.load_state_dict(checkpoint["model"])
+        self.load_state_dict(checkpoint["engine"])
+        return checkpoint["extra"]
 
     @property
     def steps(self) -> int:

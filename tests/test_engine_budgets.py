@@ -1,0 +1,107 @@
+"""make_private_with_budgets: calibration, the per-record ledger, refusal, checkpoint and resume."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast.engine import PrivacyBudgetExceeded
+
+
+def _setup(budgets, seed=0, **kwargs):
+    g = torch.Generator().manual_seed(1)
+    n = len(budgets)
+    ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    if "steps" not in kwargs:
+        kwargs.setdefault("epochs", 2)
+    model, opt, loader = engine.make_private_with_budgets(
+        module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=10), budgets=budgets, delta=1e-5, **kwargs)
+    return engine, model, opt, loader
+
+
+def _train(model, opt, loader, steps):
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+            if done == steps:
+                return
+
+
+@pytest.mark.parametrize("method", ["sample", "scale", "hybrid"])
+def test_every_record_accounted_epsilon_stays_within_its_budget(method):
+    budgets = np.repeat([0.5, 1.0, 4.0], [30, 40, 30])
+    engine, model, opt, loader = _setup(budgets, method=method)
+    _train(model, opt, loader, engine.plan.steps)
+    eps = engine.epsilons()
+    assert eps.shape == budgets.shape
+    assert np.all(eps <= budgets)
+    assert np.all(eps >= 0.9 * budgets)  # the plan spends the budgets, it does not waste them
+
+
+def test_a_step_past_the_budget_is_refused():
+    budgets = np.full(50, 1.0)
+    engine, model, opt, loader = _setup(budgets, steps=7)
+    _train(model, opt, loader, 7)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivacyBudgetExceeded):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert np.all(engine.epsilons() <= budgets)
+
+
+def test_checkpoint_then_resume_continues_the_ledger_and_training_exactly(tmp_path):
+    budgets = np.repeat([1.0, 3.0], 40)
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 12)
+    expected_eps, expected_weights = engine.epsilons(), [p.detach().clone() for p in model.parameters()]
+
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 5)
+    engine.save_checkpoint(tmp_path / "ckpt.pt", model)
+    resumed, model2, opt2, loader2 = _setup(budgets, steps=12, seed=0)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt", model2)
+    assert resumed.steps == 5 and np.array_equal(resumed.epsilons(), engine.epsilons())
+    _train(model2, opt2, loader2, 7)
+    np.testing.assert_allclose(resumed.epsilons(), expected_eps, rtol=1e-12)
+    for a, b in zip(expected_weights, model2.parameters()):
+        torch.testing.assert_close(a, b.detach())
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_with_a_different_plan_is_refused(tmp_path):
+    engine, model, opt, loader = _setup(np.full(30, 1.0), steps=4)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    other, model2, *_ = _setup(np.full(30, 2.0), steps=4)
+    with pytest.raises(ValueError, match="plan"):
+        other.load_checkpoint(tmp_path / "c.pt", model2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budgets=np.ones(29)), "budgets"),
+    (dict(budgets=np.r_[np.ones(29), np.nan]), "budget|epsilon"),
+    (dict(budgets=np.r_[np.ones(29), 0.0]), "budget|epsilon"),
+    (dict(budgets=np.ones(30), steps=3, epochs=1), "epochs"),
+    (dict(budgets=np.ones(30), delta=1.5), "delta"),
+    (dict(budgets=np.ones(30), noise_multiplier=1.0), "noise_multiplier"),
+])
+def test_bad_budget_arguments_are_refused(kwargs, match):
+    budgets = kwargs.pop("budgets")
+    delta = kwargs.pop("delta", 1e-5)
+    kwargs.setdefault("epochs", None if "steps" in kwargs else 1)
+    model = nn.Linear(6, 3)
+    ds = TensorDataset(torch.randn(30, 6), torch.zeros(30, dtype=torch.long))
+    with pytest.raises((ValueError, TypeError), match=match):
+        pdpfast.PrivacyEngine().make_private_with_budgets(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(ds, batch_size=5), budgets=budgets, delta=delta, **kwargs)
