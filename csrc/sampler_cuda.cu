@@ -1,5 +1,5 @@
 // CUDA path of the weighted Bernoulli (Poisson) sampler; see sampler.cpp for the generator, which
-// this file must reproduce bit for bit (the constants and the three functions below are copies).
+// this file must reproduce bit for bit (sampler_rng.h holds it for both).
 //
 // Two kernels and a scan, one thread per record:
 //   1. draw: each warp draws 32 consecutive records, keeps the decisions as one 32-bit ballot word
@@ -10,6 +10,8 @@
 //      the set bits of its warp's word below it. The output is therefore sorted ascending.
 
 #include <ATen/ATen.h>
+
+#include "sampler_rng.h"
 // c10/cuda only (not ATen/cuda/CUDAContext.h, which pulls in cuSPARSE/cuBLAS headers a minimal
 // toolkit may lack)
 #include <c10/cuda/CUDAException.h>
@@ -24,33 +26,8 @@ namespace pdpfast {
 namespace sampler {
 namespace {
 
-constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ULL;
-constexpr uint64_t kSeedSalt = 0x243F6A8885A308D3ULL;
-constexpr uint64_t kOutputSalt = 0x13198A2E03707344ULL;
-constexpr double kTwoPowMinus53 = 1.0 / 9007199254740992.0;
 constexpr int kThreadsPerBlock = 256;
 constexpr int kWarpsPerBlock = kThreadsPerBlock / 32;
-
-__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-
-struct StreamKeys {
-  uint64_t stream;
-  uint64_t out;
-};
-
-StreamKeys derive_keys(uint64_t seed, uint64_t step) {
-  const uint64_t stream = mix64(mix64(seed ^ kSeedSalt) + step * kGoldenGamma);
-  return {stream, mix64(stream ^ kOutputSalt)};
-}
-
-__device__ __forceinline__ bool is_drawn(StreamKeys keys, uint64_t index, double sample_rate) {
-  const uint64_t z = mix64(mix64(keys.stream + index * kGoldenGamma) ^ keys.out);
-  return static_cast<double>(z >> 11) * kTwoPowMinus53 < sample_rate;
-}
 
 template <typename scalar_t>
 __global__ void draw_kernel(const scalar_t* __restrict__ rates, int64_t num_records, StreamKeys keys,
