@@ -21,13 +21,13 @@ Speed comes from two facts:
 from __future__ import annotations
 
 import numpy as np
-from scipy import special
 
 from .rdp import _eps_from_rdp, _log_a_int
 
 MARGIN = 1e-7          # certify ε ≤ budget·(1 − MARGIN); covers other accountants' rounding
 Q_FLOOR = 1e-12        # smallest sampling rate a calibration will hand out
 Z_MAX = 1e6            # largest noise multiplier a calibration will search
+_Z_FLOOR = 0.05        # smallest one (quadrature cost grows as 1/z²; below it ε is huge anyway)
 _QUAD_WIDTH = 13.0     # Gaussian tails beyond 13 std are < e^-84 of the mass
 _ROWS_CHUNK = 1 << 20  # elements per temporary (points × quadrature nodes) array
 
@@ -112,9 +112,13 @@ def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndar
 
 
 def eps_masked(q, z, steps, delta, orders, mask=None):
-    """(ε (P,), index of the optimal order (P,)) over the orders selected by mask."""
+    """(ε (P,), index of the optimal order (P,)) over the orders selected by mask.
+
+    ε is clamped at 0: the conversion of Balle et al. can go negative for tiny RDP and large δ
+    (Opacus reports that as is), which as a guarantee means (0, δ)."""
     rdp = rdp_one_step(q, z, orders, mask) * float(steps)
-    return _eps_from_rdp(orders, rdp, delta)
+    eps, idx = _eps_from_rdp(orders, rdp, delta)
+    return np.maximum(eps, 0.0), idx
 
 
 def _window_mask(lo: np.ndarray, hi: np.ndarray, n: int) -> np.ndarray:
@@ -123,26 +127,41 @@ def _window_mask(lo: np.ndarray, hi: np.ndarray, n: int) -> np.ndarray:
 
 
 def eps_windowed(q, z, steps, delta, orders, lo, hi):
-    """ε with a per-point window of order indices [lo, hi]; windows whose optimum lands on an
-    inner edge are widened until it does not (so the result equals the all-orders minimum over
-    any unimodal stretch of orders)."""
+    """ε with a per-point window of order indices [lo, hi]. Where the optimum lands on an inner
+    edge of the window, orders beyond that edge are added (6, 12, 24, ... at a time) until it
+    does not, so the result is the all-orders minimum over any unimodal stretch of orders."""
     n = orders.shape[0]
     lo, hi = np.clip(lo, 0, n - 1).astype(np.intp), np.clip(hi, 0, n - 1).astype(np.intp)
     eps, idx = eps_masked(q, z, steps, delta, orders, _window_mask(lo, hi, n))
-    todo = np.flatnonzero(((idx == lo) & (lo > 0)) | ((idx == hi) & (hi < n - 1)))
-    while todo.size:
-        lo[todo] = np.maximum(0, lo[todo] - 6)
-        hi[todo] = np.minimum(n - 1, hi[todo] + 6)
-        zt = z if np.ndim(z) == 0 or np.shape(z)[0] == 1 else z[todo]
-        e2, i2 = eps_masked(q[todo], zt, steps, delta, orders, _window_mask(lo[todo], hi[todo], n))
-        eps[todo], idx[todo] = e2, i2
-        todo = todo[((i2 == lo[todo]) & (lo[todo] > 0)) | ((i2 == hi[todo]) & (hi[todo] < n - 1))]
-    return eps, idx
+    z_all = np.broadcast_to(np.asarray(z, dtype=np.float64), (np.shape(q)[0],))
+    width = 6
+    while True:
+        down = (idx == lo) & (lo > 0)
+        up = (idx == hi) & (hi < n - 1)
+        todo = np.flatnonzero(down | up)
+        if todo.size == 0:
+            return eps, idx
+        d = down[todo]
+        u = up[todo] & ~d          # a one-order window at an edge: widen downwards first
+        new_lo = np.where(d, np.maximum(0, lo[todo] - width), hi[todo] + 1)
+        new_hi = np.where(d, lo[todo] - 1, np.minimum(n - 1, hi[todo] + width))
+        e2, i2 = eps_masked(q[todo], z_all[todo], steps, delta, orders, _window_mask(new_lo, new_hi, n))
+        better = e2 < eps[todo]
+        eps[todo[better]], idx[todo[better]] = e2[better], i2[better]
+        lo[todo[d]] = new_lo[d]
+        hi[todo[u]] = new_hi[u]
+        # a point whose optimum did not move beyond the old edge is done: mark it interior
+        stay = todo[~better]
+        lo[stay], hi[stay] = np.minimum(lo[stay], idx[stay] - 1), np.maximum(hi[stay], idx[stay] + 1)
+        lo[stay] = np.where(idx[stay] == 0, 0, lo[stay])
+        hi[stay] = np.where(idx[stay] == n - 1, n - 1, hi[stay])
+        width *= 2
 
 
-def eps_curve(q, z, steps, delta, orders):
+def eps_curve(q, z, steps, delta, orders, window=None):
     """ε at points (q_p, z_p) ordered along a path on which ε is monotone (so is the optimal
-    order): a coarse pass over all orders, then finer levels with windows from their neighbors."""
+    order): a coarse pass over all orders (or over ``window`` = (lo, hi) order indices, widened
+    where the optimum lands on its edge), then finer levels with windows from their neighbors."""
     q = np.asarray(q, dtype=np.float64)
     p = q.shape[0]
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), (p,))
@@ -151,7 +170,11 @@ def eps_curve(q, z, steps, delta, orders):
     idx = np.empty(p, dtype=np.intp)
     stride = max(1, p // 24)
     done = np.unique(np.r_[np.arange(0, p, stride), p - 1])
-    eps[done], idx[done] = eps_masked(q[done], z[done], steps, delta, orders)
+    if window is None:
+        eps[done], idx[done] = eps_masked(q[done], z[done], steps, delta, orders)
+    else:
+        lo, hi = np.full(done.size, window[0]), np.full(done.size, window[1])
+        eps[done], idx[done] = eps_windowed(q[done], z[done], steps, delta, orders, lo, hi)
     pad = 2
     while done.size < p:
         stride = max(1, stride // 8)
@@ -198,18 +221,42 @@ class Curve:
         return np.exp(np.interp(np.log(budgets), le, lp))
 
 
-def _fine_points(coarse_p, coarse_e, a, b, ratio, log_scale_floor=1e-300):
+def _fine_points(coarse_p, coarse_e, a, b, ratio, floor):
     """Log-spaced points on [p_a, p_b] so consecutive ε differ by ≤ ratio (from the coarse
-    elasticity |d log ε / d log p| with a safety factor)."""
+    elasticity |d log ε / d log p| with a safety factor; ε below ``floor`` is not resolved)."""
     pa, pb = coarse_p[a], coarse_p[b]
     if pb <= pa:
         return np.array([pa])
-    le = np.log(np.maximum(coarse_e[a:b + 1], log_scale_floor))
+    le = np.log(np.maximum(coarse_e[a:b + 1], floor))
     lp = np.log(coarse_p[a:b + 1])
     elasticity = np.max(np.abs(np.diff(le)) / np.diff(lp)) if b > a else 1.0
     elasticity = max(float(elasticity), 0.05) * 1.3
     n = int(np.ceil(np.log(pb / pa) * elasticity / np.log(ratio))) + 1
     return np.geomspace(pa, pb, max(n, 2))
+
+
+def _close_gaps(points, eps, idx, evaluate, ratio, floor, max_rounds=16):
+    """Insert points into cells whose two ends' ε differ by more than ``ratio`` (the coarse
+    elasticity can miss a steep stretch, e.g. where the optimal order jumps between sparse large
+    orders) until none does or the cells are 1e-9 wide. ε below ``floor`` (no budget there) is
+    not resolved. ``evaluate(params, lo, hi)``."""
+    for _ in range(max_rounds):
+        e = np.maximum(eps, floor)
+        gap = np.maximum(e[1:], e[:-1]) / np.minimum(e[1:], e[:-1])
+        bad = np.flatnonzero((gap > ratio) & (points[1:] > points[:-1] * (1 + 1e-9)))
+        if bad.size == 0:
+            break
+        k = np.minimum(64, np.ceil(np.log(gap[bad]) / np.log(ratio))).astype(np.intp)
+        cell = np.repeat(bad, k)
+        t = (np.arange(cell.shape[0]) - np.repeat(np.cumsum(k) - k, k) + 1) / np.repeat(k + 1, k)
+        lp = np.log(points)
+        new = np.exp(lp[cell] + t * (lp[cell + 1] - lp[cell]))
+        lo = np.minimum(idx[cell], idx[cell + 1]) - 2
+        hi = np.maximum(idx[cell], idx[cell + 1]) + 2
+        e_new, i_new = evaluate(new, lo, hi)
+        order = np.argsort(np.r_[points, new], kind="stable")
+        points, eps, idx = np.r_[points, new][order], np.r_[eps, e_new][order], np.r_[idx, i_new][order]
+    return points, eps, idx
 
 
 def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q_lo=Q_FLOOR):
@@ -225,25 +272,37 @@ def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q
     b = max(b, min(a + 1, n_coarse - 1))
     if ratio is None:                   # coarse curve only
         return Curve(coarse, ce, ci, True)
-    fine = _fine_points(coarse, ce, a, b, ratio)
+    fine = _fine_points(coarse, ce, a, b, ratio, 0.5 * eps_lo)
     if b == n_coarse - 1:
         fine[-1] = 1.0
     fe, fi = eps_curve(fine, np.array([z]), steps, delta, orders)
+    fine, fe, fi = _close_gaps(fine, fe, fi, lambda qs, lo, hi: eps_windowed(qs, np.array([z]), steps, delta,
+                                                                           orders, lo, hi), ratio, 0.5 * eps_lo)
     return Curve(fine, fe, fi, True)
 
 
-def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, z_lo=0.05, z_hi=Z_MAX):
+def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=_Z_FLOOR, z_hi=Z_MAX):
     """ε(z) at fixed q over the noise multipliers whose ε spans [eps_lo, eps_hi] (z ascending,
     ε descending). The last grid point has ε ≤ eps_lo unless even z_hi cannot meet it."""
-    coarse = np.geomspace(z_lo, z_hi, n_coarse)
-    ce, ci = eps_curve(np.full(n_coarse, float(q)), coarse, steps, delta, orders)
+    # Coarse scan from z = 0.3 up (ratio 1.5); below 0.3 (costly quadrature) only when needed.
+    coarse = np.geomspace(0.3, z_hi, 36)
+    qs = np.full(coarse.shape[0], float(q))
+    ce, ci = eps_curve(qs, coarse, steps, delta, orders)
+    if ce[0] < eps_hi and z_lo < 0.3:
+        low = np.geomspace(z_lo, 0.3, 6)[:-1]
+        le, li = eps_curve(np.full(low.shape[0], float(q)), low, steps, delta, orders)
+        coarse, ce, ci = np.r_[low, coarse], np.r_[le, ce], np.r_[li, ci]
+    n_coarse = coarse.shape[0]
     ce = np.maximum.accumulate(ce[::-1])[::-1]
     hi_i = min(n_coarse - 1, int(np.searchsorted(-ce, -eps_lo * (1 - MARGIN), side="left")))
     lo_i = max(0, min(int(np.searchsorted(-ce, -eps_hi, side="right")) - 1, hi_i - 1))
     if ratio is None:
         return Curve(coarse, ce, ci, False)
-    fine = _fine_points(coarse, ce, lo_i, hi_i, ratio)
+    fine = _fine_points(coarse, ce, lo_i, hi_i, ratio, 0.5 * eps_lo)
     fe, fi = eps_curve(np.full(fine.shape[0], float(q)), fine, steps, delta, orders)
+    fine, fe, fi = _close_gaps(fine, fe, fi, lambda zs, lo, hi: eps_windowed(np.full(zs.shape[0], float(q)), zs,
+                                                                           steps, delta, orders, lo, hi), ratio,
+                               0.5 * eps_lo)
     return Curve(fine, fe, fi, False)
 
 
@@ -254,7 +313,8 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
            max_iter=60):
     """Vectorized Illinois regula falsi in log-parameter space on a monotone ε.
 
-    ``evaluate(params, lo, hi) -> (eps, idx)`` evaluates points with order windows [lo, hi].
+    ``evaluate(params, lo, hi, which) -> (eps, idx)`` evaluates the targets ``which`` at params
+    with order windows [lo, hi].
     ``safe`` (ε = eps_safe ≤ target·(1 − MARGIN)) and ``unsafe`` (ε above it) bracket each root.
     Stops when the safe end's ε is within rtol of the goal or the bracket is 1e-12 wide. Returns
     (safe params, their ε, their optimal order index): always parameters that were evaluated."""
@@ -274,9 +334,9 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
         bad = ~np.isfinite(x) | (x <= np.minimum(ls[a], lu[a])) | (x >= np.maximum(ls[a], lu[a]))
         x = np.where(bad, 0.5 * (ls[a] + lu[a]), x)
         px = np.exp(x)
-        e, i = evaluate(px, np.minimum(is_[a], iu[a]) - 1, np.maximum(is_[a], iu[a]) + 1)
+        e, i = evaluate(px, np.minimum(is_[a], iu[a]) - 1, np.maximum(is_[a], iu[a]) + 1, a)
         fx = np.log(e) - np.log(goal[a])
-        ok = fx <= 0
+        ok = e <= goal[a]          # the safe test itself is direct: logs only steer the interpolation
         s_ok, s_bad = a[ok], a[~ok]
         # Illinois: halve the residual of an end that is retained twice in a row
         fu[s_ok[side[s_ok] == 1]] *= 0.5
@@ -286,3 +346,148 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
         side[s_ok], side[s_bad] = 1, -1
         active = a[(es[a] < goal[a] * (1 - rtol)) & (np.abs(lu[a] - ls[a]) > 1e-12)]
     return ps, es, is_
+
+
+# ----------------------------------------------------------------------------------------------
+# Inversions used by the public functions and by calibration
+# ----------------------------------------------------------------------------------------------
+REFINE_MAX = 4096      # up to this many distinct targets are refined to the exact root
+
+
+class BudgetError(ValueError):
+    """A budget that no admissible parameter meets; ``budget`` names the first offender."""
+
+    def __init__(self, message: str, budget: float):
+        super().__init__(message)
+        self.budget = budget
+
+
+def solve_rate(z, steps, delta, targets, orders, ratio=0.0005):
+    """Largest q ≤ 1 with ε(q; z) ≤ target·(1 − MARGIN) for sorted distinct ``targets``.
+
+    Returns (q, ε(q), optimal order index), each (U,). Few targets: exact roots; many: a grid
+    whose consecutive ε differ by ≤ 1 + ratio, read off downwards."""
+    few = targets.shape[0] <= REFINE_MAX
+    curve = q_curve(z, steps, delta, targets[0], targets[-1], orders, ratio=None if few else 1.0 + ratio)
+    j = curve.safe_index(targets)
+    if np.any(j < 0):
+        raise BudgetError(f"it would need a sample rate below {Q_FLOOR:g}", float(targets[j < 0][0]))
+    q, eps, idx = curve.param[j].copy(), curve.eps[j].copy(), curve.order_idx[j].copy()
+    need = (j < curve.param.shape[0] - 1) & (q < 1.0)
+    if few and need.any():
+        k = j[need]
+
+        def evaluate(qs, lo, hi, _):
+            return eps_windowed(qs, np.array([z]), steps, delta, orders, lo, hi)
+
+        q[need], eps[need], idx[need] = refine(evaluate, curve.param[k], curve.param[k + 1], curve.eps[k],
+                                               curve.order_idx[k], curve.order_idx[k + 1], curve.eps[k + 1],
+                                               targets[need])
+    return q, eps, idx
+
+
+def solve_noise(q, steps, delta, targets, orders, ratio=0.0005):
+    """Smallest z with ε(q; z) ≤ target·(1 − MARGIN) for sorted distinct ``targets``.
+
+    Returns (z, ε(z), optimal order index), each (U,); exact roots for few targets, a grid
+    rounded upwards for many."""
+    few = targets.shape[0] <= REFINE_MAX
+    curve = z_curve(q, steps, delta, targets[0], targets[-1], orders, ratio=None if few else 1.0 + ratio)
+    j = curve.safe_index(targets)
+    if np.any(j < 0):
+        raise BudgetError(f"it would need a noise multiplier above {Z_MAX:g}", float(targets[j < 0][0]))
+    z, eps, idx = curve.param[j].copy(), curve.eps[j].copy(), curve.order_idx[j].copy()
+    need = j > 0
+    if few and need.any():
+        k = j[need]
+
+        def evaluate(zs, lo, hi, _):
+            return eps_windowed(np.full(zs.shape[0], float(q)), zs, steps, delta, orders, lo, hi)
+
+        z[need], eps[need], idx[need] = refine(evaluate, curve.param[k], curve.param[k - 1], curve.eps[k],
+                                               curve.order_idx[k], curve.order_idx[k - 1], curve.eps[k - 1],
+                                               targets[need])
+    return z, eps, idx
+
+
+def noise_guess_table(q_axis, z_axis, steps, delta, orders, window):
+    """A coarse exact table ε(q, z) on log-spaced axes, to start per-pair noise solves.
+
+    Returns a function (sample_rates, targets) -> (z guess, order index guess) that interpolates
+    log ε linearly in log q, then inverts it in log z (extrapolating off the table)."""
+    lq, lz = np.log(q_axis), np.log(z_axis)
+    nq, nz = lq.shape[0], lz.shape[0]
+    eps = np.empty((nq, nz))
+    idx = np.empty((nq, nz), dtype=np.intp)
+    for k in range(nz):
+        eps[:, k], idx[:, k] = eps_curve(q_axis, np.array([z_axis[k]]), steps, delta, orders, window=window)
+    le = np.log(eps)
+
+    def guess(sample_rates, targets):
+        lr, lt = np.log(sample_rates), np.log(targets)
+        col = np.stack([np.interp(lr, lq, le[:, k]) for k in range(nz)], axis=1)     # (G, nz), ↓ in k
+        k = np.clip((col > lt[:, None]).sum(axis=1) - 1, 0, nz - 2)
+        rows = np.arange(lr.shape[0])
+        e0, e1 = col[rows, k], col[rows, k + 1]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            t = np.where(e0 != e1, (e0 - lt) / (e0 - e1), 0.5)
+        z = np.exp(lz[k] + np.clip(t, -3.0, 4.0) * (lz[k + 1] - lz[k]))
+        iq = np.clip(np.searchsorted(lq, lr), 0, nq - 1)
+        return z, idx[iq, np.clip(k + (t > 0.5), 0, nz - 1)]
+
+    return guess
+
+
+def solve_noise_pairs(sample_rates, targets, steps, delta, orders, guess, guess_idx, rtol=1e-9, pilots=24):
+    """Smallest z_g with ε(q_g; z_g) ≤ target_g·(1 − MARGIN) for G pairs (q_g, target_g), starting
+    from ``guess`` (G,) whose optimal order index is about ``guess_idx``.
+
+    When the pairs are ordered along a path (as calibration's cells are), a few evenly spaced
+    pilots are solved first and interpolated to start the rest within ~1e-4.
+    Returns (z, ε, optimal order index), each (G,)."""
+    goal = targets * (1.0 - MARGIN)
+    g = targets.shape[0]
+    factor = 1.02
+    if pilots and g > 4 * pilots:
+        at = np.unique(np.linspace(0, g - 1, pilots).round().astype(np.intp))
+        zp, _, ip = solve_noise_pairs(sample_rates[at], targets[at], steps, delta, orders, guess[at],
+                                      guess_idx[at], rtol=1e-6, pilots=0)
+        guess = np.exp(np.interp(np.arange(g), at, np.log(zp)))
+        guess_idx = np.round(np.interp(np.arange(g), at, ip)).astype(np.intp)
+        factor = 1.001
+    z0 = guess.astype(np.float64)
+    e0, i0 = eps_windowed(sample_rates, z0, steps, delta, orders, guess_idx - 4, guess_idx + 4)
+    ok0 = e0 <= goal
+    safe, unsafe = np.where(ok0, z0, np.nan), np.where(ok0, np.nan, z0)
+    e_s, e_u = np.where(ok0, e0, np.nan), np.where(ok0, np.nan, e0)
+    i_s, i_u = i0.copy(), i0.copy()
+    for _ in range(200):       # bracket: walk away from the guess in growing steps
+        up = np.flatnonzero(np.isnan(safe))
+        down = np.flatnonzero(np.isnan(unsafe) & (np.nan_to_num(safe, nan=np.inf) > _Z_FLOOR))
+        if up.size == 0 and down.size == 0:
+            break
+        sel = np.r_[up, down]
+        zt = np.r_[unsafe[up] * factor, safe[down] / factor]
+        if np.any(zt[:up.size] > Z_MAX):
+            bad = up[zt[:up.size] > Z_MAX][0]
+            raise BudgetError(f"it would need a noise multiplier above {Z_MAX:g}", float(targets[bad]))
+        ii = np.r_[i_u[up], i_s[down]]
+        e2, i2 = eps_windowed(sample_rates[sel], zt, steps, delta, orders, ii - 2, ii + 2)
+        ok = e2 <= goal[sel]
+        s_ok, s_bad = sel[ok], sel[~ok]
+        safe[s_ok], e_s[s_ok], i_s[s_ok] = zt[ok], e2[ok], i2[ok]
+        unsafe[s_bad], e_u[s_bad], i_u[s_bad] = zt[~ok], e2[~ok], i2[~ok]
+        factor = min(4.0, factor ** 2.5)
+    out_z, out_e, out_i = safe.copy(), e_s.copy(), i_s.copy()
+    todo = np.flatnonzero(~np.isnan(unsafe))   # the rest sit at the z floor, already safe
+    if todo.size:
+        # refine wants ε increasing in its parameter; in z it decreases: refine in w = 1/z
+        def evaluate(w, lo, hi, which):
+            return eps_windowed(sample_rates[todo[which]], 1.0 / w, steps, delta, orders, lo, hi)
+
+        w, e, i = refine(evaluate, 1.0 / safe[todo], 1.0 / unsafe[todo], e_s[todo], i_s[todo], i_u[todo],
+                         e_u[todo], targets[todo], rtol=rtol)
+        kept = w == 1.0 / safe[todo]      # never moved: return the very z that was evaluated
+        out_z[todo] = np.where(kept, safe[todo], 1.0 / w)
+        out_e[todo], out_i[todo] = e, i
+    return out_z, out_e, out_i

@@ -1,0 +1,393 @@
+"""From individual budgets ε_i to a training plan (shared σ, per-record q_i and c_i).
+
+Methods (Boenisch et al., "Have it your way: Individualized privacy assignment for DP-SGD",
+NeurIPS 2023):
+
+* ``"sample"`` (Alg. 2): one σ; q_i the largest rate meeting ε_i at σ; σ solved so that
+  mean_i q_i = sample_rate; c_i = C.
+* ``"scale"`` (Alg. 3): q_i = sample_rate; σ_p the smallest multiplier meeting ε_p;
+  σ = (mean_i 1/σ_{p(i)})^{-1}; c_i = σ·C/σ_{p(i)} (mean c_i = C, effective multiplier σ_{p(i)}).
+* ``"hybrid"`` (App. D.6): q_i(λ) = q·(q_i^Sample/q)^λ renormalized to mean q (capped at 1), z_i
+  solving ε(q_i, z_i) = ε_i, then σ and c_i as in Scale.
+
+Everything runs on the distinct budgets, and on curves of exactly accounted points (see
+``_grid``): no record is ever given a (q_i, z_i) whose accounted ε exceeds its budget.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import numpy as np
+from scipy import interpolate, optimize
+
+from . import _grid
+from .plan import GroupSummary, PrivacyPlan
+from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int, check_rate
+
+__all__ = ["calibrate", "PrivacyPlan", "GroupSummary", "register_method"]
+
+_PLD_MAX_PAIRS = 64
+_MEAN_SLACK = 2e-3      # Sample: accept a mean rate in [q, q·(1 + slack)] before scaling it down to q
+_WASTE = 5e-3           # ... unless that cut leaves a record more than 0.5% under its budget
+
+
+class _Problem:
+    """Calibration inputs on the distinct budgets."""
+
+    def __init__(self, budgets, delta, steps, sample_rate, max_grad_norm, hybrid_weight, orders):
+        self.budgets = budgets                                  # (N,)
+        self.values, self.inverse, self.counts = np.unique(budgets, return_inverse=True, return_counts=True)
+        self.n = budgets.shape[0]
+        self.delta, self.steps, self.sample_rate = delta, steps, sample_rate
+        self.max_grad_norm, self.hybrid_weight, self.orders = max_grad_norm, hybrid_weight, orders
+        self.noise_range = None     # (σ for the largest budget, σ for the smallest) at the mean rate
+
+    def mean(self, per_value: np.ndarray) -> float:
+        return float(np.dot(self.counts, per_value) / self.n)
+
+
+class _Solution:
+    """Per distinct budget: sample rate, effective noise multiplier, certified ε; shared σ."""
+
+    def __init__(self, sample_rates, noise_multipliers, epsilons, sigma, order_idx=None):
+        self.sample_rates, self.noise_multipliers, self.epsilons, self.sigma = (
+            sample_rates, noise_multipliers, epsilons, sigma)
+        self.order_idx = order_idx      # (U,) index of the RDP order certifying each ε (RDP only)
+
+
+_METHODS: dict[tuple[str, str], Callable[[_Problem], _Solution]] = {}
+
+
+def register_method(name: str, accountant: str = "rdp"):
+    """Register a calibration method: ``fn(problem) -> _Solution`` under (name, accountant)."""
+    def deco(fn):
+        _METHODS[(name, accountant)] = fn
+        return fn
+    return deco
+
+
+def _budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
+    where = ", ".join(f"{k}={v:.6g}" for k, v in ctx.items())
+    return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sample
+# ----------------------------------------------------------------------------------------------
+def _compress(values, counts, n_bins=4096):
+    """≤ n_bins weighted representatives of the budgets, for the smooth surrogate of the mean."""
+    if values.shape[0] <= n_bins:
+        return values, counts.astype(np.float64)
+    logv = np.log(values)
+    edges = np.linspace(logv[0], logv[-1], n_bins + 1)
+    b = np.clip(np.searchsorted(edges, logv, side="right") - 1, 0, n_bins - 1)
+    w = np.bincount(b, weights=counts, minlength=n_bins)
+    m = np.bincount(b, weights=counts * logv, minlength=n_bins)
+    keep = w > 0
+    return np.exp(m[keep] / w[keep]), w[keep]
+
+
+def _rates_at(p: _Problem, sigma: float):
+    """Safe rates of every distinct budget at σ: (q, ε, order index), each (U,)."""
+    try:
+        return _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders, ratio=0.002)
+    except _grid.BudgetError as err:
+        raise _budget_error("Sample", err.budget, str(err), noise_multiplier=sigma,
+                            sample_rate=p.sample_rate, steps=p.steps, delta=p.delta) from None
+
+
+def _one(p: _Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
+    """(parameter, order index) for one budget: the noise at a rate, or the rate at a noise."""
+    try:
+        if noise_multiplier is None:
+            z, _, i = _grid.solve_noise(sample_rate, p.steps, p.delta, np.array([budget]), p.orders)
+            return float(z[0]), int(i[0])
+        r, _, i = _grid.solve_rate(noise_multiplier, p.steps, p.delta, np.array([budget]), p.orders)
+        return float(r[0]), int(i[0])
+    except _grid.BudgetError as err:
+        ctx = {"sample_rate": sample_rate} if noise_multiplier is None else {"noise_multiplier": noise_multiplier}
+        raise _budget_error(method, err.budget, str(err), steps=p.steps, delta=p.delta, **ctx) from None
+
+
+def _runs(sorted_keys: np.ndarray):
+    """(first index of each run, run id per element) of a non-decreasing array, without sorting."""
+    if sorted_keys.shape[0] and np.all(sorted_keys[1:] >= sorted_keys[:-1]):
+        change = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+        first = np.r_[0, change]
+        run = np.zeros(sorted_keys.shape[0], dtype=np.intp)
+        run[change] = 1
+        return first, np.cumsum(run)
+    _, first, run = np.unique(sorted_keys, return_index=True, return_inverse=True)
+    return first, run
+
+
+def _solve_sample(p: _Problem):
+    """σ and safe rates whose mean is exactly sample_rate. Returns (σ, q_u, ε_u, order index_u)."""
+    q = p.sample_rate
+    try:        # σ_hi: every q_i ≥ q there (smallest budget at q); σ_lo: every q_i ≤ q (largest budget)
+        ends, _, ends_idx = _grid.solve_noise(q, p.steps, p.delta, p.values[[0, -1]], p.orders)
+    except _grid.BudgetError as err:
+        raise _budget_error("Sample", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+    (sigma_hi, sigma_lo), (idx_min, idx_max) = ends.tolist(), ends_idx.tolist()
+    p.noise_range = (sigma_lo, sigma_hi)
+    if p.values.shape[0] == 1 or q == 1.0:
+        # one budget: q_i = q for all; q = 1: every rate must be 1, the smallest budget sets σ
+        rates = np.full(p.values.shape[0], q)
+        eps, idx = _certify_rates(p, sigma_hi, rates, np.full(p.values.shape[0], idx_min))
+        return sigma_hi, rates, eps, idx
+    # The surrogate: a fixed grid of rates spanning every budget's rate for σ in [σ_lo, σ_hi],
+    # exact ε there (orders near the relevant ones), monotone cubic interpolation in log-log.
+    try:
+        r_min, _ = _one(p, "Sample", p.values[0], noise_multiplier=sigma_lo)
+    except ValueError:          # infeasible at σ_lo need not mean infeasible at the solution
+        r_min = 1.5 * _grid.Q_FLOOR
+    r_max, _ = _one(p, "Sample", p.values[-1], noise_multiplier=sigma_hi)
+    grid = np.geomspace(r_min / 1.5, min(1.0, 1.5 * r_max), 32)
+    window = (max(0, idx_max - 6), idx_min + 6)
+    rep_values, rep_weights = _compress(p.values, p.counts)
+    log_rep = np.log(rep_values)
+
+    def surrogate(sigma):
+        e, _ = _grid.eps_curve(grid, np.array([sigma]), p.steps, p.delta, p.orders, window=window)
+        le = np.log(np.maximum(np.maximum.accumulate(e), 1e-300)) + np.arange(e.shape[0]) * 1e-12
+        f = interpolate.PchipInterpolator(le, np.log(grid), extrapolate=True)
+        rates = np.where(log_rep >= le[-1], grid[-1], np.exp(np.minimum(0.0, f(log_rep))))
+        return float(np.dot(rep_weights, rates) / p.n)
+
+    def solve(scale, target, upper):
+        lo, hi = np.log(sigma_lo), np.log(min(sigma_hi, upper))
+        g = lambda ls, t: np.log(scale * surrogate(np.exp(ls))) - np.log(t)   # noqa: E731
+        glo, ghi = g(lo, target), g(hi, target)
+        if np.isfinite(upper) and ghi < 0:
+            # the aim is out of reach below the cap boundary: aim half way between q and the top
+            reach = scale * surrogate(np.exp(hi))
+            if reach <= q:
+                return float(np.exp(hi))
+            target = 0.5 * (q + reach)
+            glo, ghi = g(lo, target), g(hi, target)
+        for _ in range(40):                           # the surrogate's bracket may need widening
+            if glo < 0 < ghi:
+                break
+            if glo >= 0:
+                lo -= 0.05
+            elif np.isfinite(upper):
+                return float(np.exp(hi))
+            else:
+                hi += 0.05
+            glo, ghi = g(lo, target), g(hi, target)
+        return float(np.exp(optimize.brentq(lambda ls: g(ls, target), lo, hi, xtol=1e-9, rtol=1e-12)))
+
+    # Aim a little above q: the exact rates are rounded down (to a grid for many budgets). The
+    # surrogate proposes σ (rescaled by the last exact/surrogate ratio); the exact mean, monotone
+    # in σ, keeps a bracket that overrides proposals falling outside it (the surrogate can be
+    # poor where ε(q) is nearly flat and kinked by switches between sparse large orders).
+    # few budgets: exact rates, cheap to re-solve, so ask for a closer mean (less cut, less waste)
+    slack = _MEAN_SLACK if p.values.shape[0] > 256 else 0.1 * _MEAN_SLACK
+    aim = q * (1.0 + 0.5 * slack)
+    upper, scale = np.inf, 1.0
+    below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
+    sigma = solve(scale, aim, upper)
+    for _ in range(120):
+        rates, eps, idx = _rates_at(p, sigma)
+        mean = p.mean(rates)
+        capped = rates >= 1.0
+        if float(p.counts[capped].sum()) >= p.n * q * (1 - 1e-9):
+            # Records at rate 1 alone fill the mean: the root lies below the σ at which the
+            # smallest of their budgets stops fitting at q = 1 (there its rate leaves 1).
+            b = float(p.values[capped].min())
+            upper = min(upper, _one(p, "Sample", b, sample_rate=1.0)[0] * (1 - 1e-9))
+            above = min(above, sigma)
+            sigma = solve(scale, aim, upper)
+            continue
+        if q <= mean <= q * (1.0 + slack):
+            # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
+            uncapped_mass = float(np.dot(p.counts[~capped], rates[~capped]))
+            target_mass = p.n * q - float(p.counts[capped].sum())
+            trial = np.where(capped, 1.0, rates * (target_mass / uncapped_mass))
+            eps_t, idx_t = _certify_rates(p, sigma, trial, idx)
+            # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
+            # then demand a closer mean before cutting.
+            if slack < 1e-10 or np.all((eps_t >= (1 - _WASTE) * p.values) | capped):
+                return sigma, trial, eps_t, idx_t
+            slack *= 0.1
+            aim = q * (1.0 + 0.5 * slack)
+        if mean < q:
+            below = max(below, sigma)
+        else:
+            above = min(above, sigma)
+        scale = mean / surrogate(sigma)
+        sigma = solve(scale, aim, upper)
+        if not below < sigma < above:
+            if below > 0 and np.isfinite(above):
+                sigma = float(np.sqrt(below * above))
+            else:
+                sigma = below * 1.01 if mean < q else above / 1.01
+    raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
+
+
+def _certify_rates(p: _Problem, sigma, rates, idx):
+    """Exact ε at each distinct rate (near its known optimal order); check every budget holds."""
+    first, run = _runs(rates)
+    e, i = _grid.eps_windowed(rates[first], np.array([sigma]), p.steps, p.delta, p.orders, idx[first] - 1,
+                              idx[first] + 1)
+    eps = e[run]
+    if np.any(eps > p.values * (1 - _grid.MARGIN)):   # impossible by monotonicity: never pass silently
+        raise RuntimeError("internal error: a certified epsilon exceeds its budget")
+    return eps, i[run]
+
+
+@register_method("sample")
+def _sample(p: _Problem) -> _Solution:
+    sigma, rates, eps, idx = _solve_sample(p)
+    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, idx)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scale
+# ----------------------------------------------------------------------------------------------
+def _harmonic_sigma(p: _Problem, z_u: np.ndarray) -> float:
+    return float(p.n / np.dot(p.counts, 1.0 / z_u))
+
+
+@register_method("scale")
+def _scale(p: _Problem) -> _Solution:
+    q = p.sample_rate
+    try:
+        z_u, eps, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=0.002)
+    except _grid.BudgetError as err:
+        raise _budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+    return _Solution(np.full(z_u.shape[0], q), z_u, eps, _harmonic_sigma(p, z_u), idx)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hybrid
+# ----------------------------------------------------------------------------------------------
+def _renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
+    """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable."""
+    rates = rates.astype(np.float64).copy()
+    n = counts.sum()
+    for _ in range(rates.shape[0] + 1):
+        capped = rates >= 1.0
+        free_mass = np.dot(counts[~capped], rates[~capped])
+        want = n * q - counts[capped].sum()
+        if free_mass <= 0:
+            break
+        rates[~capped] *= want / free_mass
+        if not np.any(rates[~capped] > 1.0):
+            break
+        rates = np.minimum(rates, 1.0)
+    return np.minimum(rates, 1.0)
+
+
+@register_method("hybrid")
+def _hybrid(p: _Problem) -> _Solution:
+    lam, q = p.hybrid_weight, p.sample_rate
+    if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
+        return _scale(p)
+    sigma_s, rates_s, _, idx_s = _solve_sample(p)
+    rates = _renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
+    # Distinct budgets sharing a rate and within a factor 1.002 of each other form a cell, solved
+    # for its smallest budget (many budgets on the Sample grid share a rate; few are each their own cell).
+    if p.values.shape[0] <= _grid.REFINE_MAX:
+        first, cell_of = np.arange(p.values.shape[0]), np.arange(p.values.shape[0])
+    else:
+        bucket = np.floor(np.log(p.values) / np.log1p(0.002)).astype(np.int64)
+        bucket -= bucket.min()
+        _, rate_run = _runs(rates)
+        first, cell_of = _runs(rate_run.astype(np.int64) * (int(bucket.max()) + 1) + bucket)
+    cells, targets = rates[first], p.values[first]
+    # Start from the Sample multiplier, scaled by the rate change (ε ≈ f(q/z) for small q);
+    # solve_noise_pairs refines that on a few pilot cells before doing them all.
+    z_lo, z_hi = min(p.noise_range[0], sigma_s) / 2, max(p.noise_range[1], sigma_s) * 2
+    guess, guess_idx = np.clip(sigma_s * cells / rates_s[first], z_lo, z_hi), idx_s[first]
+    try:
+        z_c, eps_c, idx_c = _grid.solve_noise_pairs(cells, targets, p.steps, p.delta, p.orders, guess,
+                                                    guess_idx)
+    except _grid.BudgetError as err:
+        raise _budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+    z_u = z_c[cell_of]
+    return _Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), idx_c[cell_of])
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+def _check_budgets(budgets) -> np.ndarray:
+    if budgets is None:
+        raise TypeError("budgets must be an array of per-record epsilons, got None")
+    if hasattr(budgets, "detach"):           # a torch tensor
+        budgets = budgets.detach().cpu().numpy()
+    arr = check_epsilons(budgets, "budgets")
+    if arr.ndim != 1:
+        raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
+    return arr
+
+
+def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=0.5,
+              accountant="rdp", orders=None) -> PrivacyPlan:
+    """Turn per-record budgets into a :class:`PrivacyPlan`.
+
+    Args:
+        budgets: (N,) per-record ε_i > 0 (a few distinct values or N distinct ones).
+        delta: δ in (0, 1), shared by all records.
+        steps: number of training steps T (positive integer).
+        sample_rate: target mean Poisson rate q in (0, 1] (expected batch size / N).
+        method: "sample", "scale" or "hybrid".
+        max_grad_norm: reference clip norm C > 0 (the plan's mean clip norm for Scale/hybrid).
+        hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample).
+        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions; ≤ 64 distinct
+            budgets, else falls back to RDP with a warning).
+        orders: RDP orders (default ``DEFAULT_ORDERS``).
+    Returns:
+        PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
+        never above the budget, and within 1% of it unless q_i = 1.
+    Raises:
+        ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
+    """
+    arr = _check_budgets(budgets)
+    delta = check_delta(delta)
+    steps = check_positive_int(steps, "steps")
+    q = check_rate(sample_rate)
+    try:
+        c = float(max_grad_norm)
+    except (TypeError, ValueError):
+        raise TypeError(f"max_grad_norm must be a number > 0, got {max_grad_norm!r}") from None
+    if not (np.isfinite(c) and c > 0):
+        raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
+    try:
+        lam = float(hybrid_weight)
+    except (TypeError, ValueError):
+        raise TypeError(f"hybrid_weight must be a number in [0, 1], got {hybrid_weight!r}") from None
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
+    names = sorted({m for m, _ in _METHODS})
+    if method not in names:
+        raise ValueError(f"method must be one of {names}, got {method!r}")
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    orders_arr = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    problem = _Problem(arr, delta, steps, q, c, lam, orders_arr)
+    if accountant == "pld":
+        from . import pld  # noqa: F401  (registers the PLD methods)
+        if problem.values.shape[0] > _PLD_MAX_PAIRS:
+            warnings.warn(f"accountant='pld' supports at most {_PLD_MAX_PAIRS} distinct budgets, got "
+                          f"{problem.values.shape[0]}; falling back to accountant='rdp'", stacklevel=2)
+            accountant = "rdp"
+    sol = _METHODS[(method, accountant)](problem)
+    clip_u = sol.sigma * c / sol.noise_multipliers
+    group_orders = None
+    if sol.order_idx is not None:
+        group_orders = orders_arr[sol.order_idx]
+        edge = (sol.order_idx == 0) | (sol.order_idx == orders_arr.shape[0] - 1)
+        if edge.any():
+            warnings.warn(f"the optimal RDP order of {int(edge.sum())} budget group(s) (e.g. epsilon="
+                          f"{problem.values[edge][0]:.4g}) is at the edge of the order grid "
+                          f"[{orders_arr[0]:g}, {orders_arr[-1]:g}]; their guarantee is valid but loose: "
+                          "pass orders= with a wider range to tighten it", stacklevel=2)
+    return PrivacyPlan.from_groups(method=method, accountant=accountant, noise_multiplier=sol.sigma,
+                                   max_grad_norm=c, steps=steps, delta=delta, budget_values=problem.values,
+                                   group_index=problem.inverse, counts=problem.counts,
+                                   group_sample_rates=sol.sample_rates, group_clip_norms=clip_u,
+                                   group_epsilons=sol.epsilons, orders=tuple(float(o) for o in orders_arr),
+                                   group_orders=group_orders)

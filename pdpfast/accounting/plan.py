@@ -1,0 +1,189 @@
+"""The output of calibration: a plan of per-record sampling rates and clip norms under one σ."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["GroupSummary", "PrivacyPlan"]
+
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """All records sharing one budget.
+
+    epsilon: the budget; size: number of records; sample_rate: their Poisson rate q;
+    clip_norm: their clip bound c; noise_multiplier: their effective z = σ·C/c;
+    guaranteed_epsilon: exact accounting of (q, z, steps) at the plan's δ (≤ epsilon).
+    """
+
+    epsilon: float
+    size: int
+    sample_rate: float
+    clip_norm: float
+    noise_multiplier: float
+    guaranteed_epsilon: float
+
+
+@dataclass(eq=False)
+class PrivacyPlan:
+    """Per-record sampling rates and clip norms under a shared noise multiplier.
+
+    Stored per distinct budget ("group") with a per-record ``group_index``; ``sample_rates`` and
+    ``clip_norms`` are the expanded (N,) float64 arrays. Training adds noise N(0, σ²C²) with
+    σ = ``noise_multiplier`` and C = ``max_grad_norm`` to the clipped sum and divides by
+    ``expected_batch_size`` = Σ_i q_i; record i is then accounted at (q_i, σC/c_i, steps).
+    """
+
+    method: str
+    accountant: str
+    noise_multiplier: float
+    max_grad_norm: float
+    steps: int
+    delta: float
+    budget_values: np.ndarray        # (G,) distinct budgets, ascending
+    group_index: np.ndarray          # (N,) index into the group arrays
+    group_sizes: np.ndarray          # (G,)
+    group_sample_rates: np.ndarray   # (G,)
+    group_clip_norms: np.ndarray     # (G,)
+    group_epsilons: np.ndarray       # (G,) guaranteed ε
+    orders: tuple = ()
+    group_orders: np.ndarray | None = None    # (G,) RDP order certifying each group's ε (None: PLD)
+    sample_rates: np.ndarray = field(init=False, repr=False)
+    clip_norms: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.group_index = np.asarray(self.group_index, dtype=np.int64)
+        for name in ("budget_values", "group_sample_rates", "group_clip_norms", "group_epsilons"):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64))
+        self.group_sizes = np.asarray(self.group_sizes, dtype=np.int64)
+        if self.group_orders is not None:
+            self.group_orders = np.asarray(self.group_orders, dtype=np.float64)
+        self.sample_rates = self.group_sample_rates[self.group_index]
+        self.clip_norms = self.group_clip_norms[self.group_index]
+
+    @classmethod
+    def from_groups(cls, *, method, accountant, noise_multiplier, max_grad_norm, steps, delta, budget_values,
+                    group_index, counts, group_sample_rates, group_clip_norms, group_epsilons, orders=(),
+                    group_orders=None):
+        return cls(method=method, accountant=accountant, noise_multiplier=float(noise_multiplier),
+                   max_grad_norm=float(max_grad_norm), steps=int(steps), delta=float(delta),
+                   budget_values=budget_values, group_index=group_index, group_sizes=counts,
+                   group_sample_rates=group_sample_rates, group_clip_norms=group_clip_norms,
+                   group_epsilons=group_epsilons, orders=tuple(orders), group_orders=group_orders)
+
+    # ------------------------------------------------------------------ per-record views
+    @property
+    def num_records(self) -> int:
+        return int(self.group_index.shape[0])
+
+    @property
+    def budgets(self) -> np.ndarray:
+        """(N,) the budgets the plan was calibrated for."""
+        return self.budget_values[self.group_index]
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Σ_i q_i: the constant normalizer of the noisy gradient (never the realized batch size)."""
+        return float(np.dot(self.group_sizes, self.group_sample_rates))
+
+    @property
+    def group_noise_multipliers(self) -> np.ndarray:
+        """(G,) effective noise multiplier σ·C/c of each group."""
+        return self.noise_multiplier * self.max_grad_norm / self.group_clip_norms
+
+    @property
+    def noise_multipliers(self) -> np.ndarray:
+        """(N,) effective noise multiplier σ·C/c_i of each record."""
+        return self.group_noise_multipliers[self.group_index]
+
+    def epsilons(self) -> np.ndarray:
+        """(N,) guaranteed ε of each record under the plan (exact accounting; ≤ its budget)."""
+        return self.group_epsilons[self.group_index]
+
+    @property
+    def at_order_edge(self) -> np.ndarray:
+        """(G,) bool: groups whose certifying RDP order is the first or last of ``orders`` (a valid
+        but possibly loose bound: widen the orders to tighten it)."""
+        if self.group_orders is None or not self.orders:
+            return np.zeros(len(self.budget_values), dtype=bool)
+        return (self.group_orders == self.orders[0]) | (self.group_orders == self.orders[-1])
+
+    @cached_property
+    def groups(self) -> list:
+        """One :class:`GroupSummary` per distinct budget, ascending."""
+        z = self.group_noise_multipliers
+        return [GroupSummary(float(e), int(n), float(q), float(c), float(zz), float(g)) for e, n, q, c, zz, g in
+                zip(self.budget_values, self.group_sizes, self.group_sample_rates, self.group_clip_norms, z,
+                    self.group_epsilons)]
+
+    # ------------------------------------------------------------------ display / persistence
+    def summary(self, max_rows: int = 20) -> str:
+        """A printable table: the plan's constants, then one row per group (elided in the middle)."""
+        head = (f"PrivacyPlan(method={self.method}, accountant={self.accountant}) for {self.num_records} records, "
+                f"{len(self.budget_values)} distinct budgets\n"
+                f"  noise multiplier sigma = {self.noise_multiplier:.6g}, reference clip C = {self.max_grad_norm:.6g}, "
+                f"steps = {self.steps}, delta = {self.delta:.3g}\n"
+                f"  mean sample rate = {self.expected_batch_size / self.num_records:.6g}, "
+                f"expected batch size = {self.expected_batch_size:.6g}, "
+                f"mean clip norm = {float(np.dot(self.group_sizes, self.group_clip_norms)) / self.num_records:.6g}\n")
+        cols = ("epsilon", "size", "sample_rate", "clip_norm", "noise_mult", "guaranteed_eps", "used")
+        lines = ["  " + " ".join(f"{c:>14}" for c in cols)]
+        g = len(self.budget_values)
+        rows = list(range(g)) if g <= max_rows else list(range(max_rows // 2)) + [-1] + list(
+            range(g - max_rows // 2, g))
+        z = self.group_noise_multipliers
+        for r in rows:
+            if r < 0:
+                lines.append("  " + " ".join(f"{'...':>14}" for _ in cols))
+                continue
+            used = self.group_epsilons[r] / self.budget_values[r]
+            lines.append("  " + " ".join([f"{self.budget_values[r]:>14.6g}", f"{self.group_sizes[r]:>14d}",
+                                          f"{self.group_sample_rates[r]:>14.6g}", f"{self.group_clip_norms[r]:>14.6g}",
+                                          f"{z[r]:>14.6g}", f"{self.group_epsilons[r]:>14.6g}", f"{used:>13.2%} "]))
+        return head + "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (floats round-trip exactly through ``json``)."""
+        return {
+            "format_version": _FORMAT_VERSION, "method": self.method, "accountant": self.accountant,
+            "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm, "steps": self.steps,
+            "delta": self.delta, "orders": list(self.orders),
+            "groups": {"epsilon": self.budget_values.tolist(), "size": self.group_sizes.tolist(),
+                       "sample_rate": self.group_sample_rates.tolist(), "clip_norm": self.group_clip_norms.tolist(),
+                       "guaranteed_epsilon": self.group_epsilons.tolist()},
+            "group_index": self.group_index.tolist(),
+            "group_orders": None if self.group_orders is None else self.group_orders.tolist(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrivacyPlan":
+        if d.get("format_version") != _FORMAT_VERSION:
+            raise ValueError(f"unsupported plan format_version {d.get('format_version')!r}")
+        g = d["groups"]
+        index = np.asarray(d["group_index"], dtype=np.int64)
+        sizes = np.asarray(g["size"], dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= sizes.shape[0]):
+            raise ValueError("plan dict: group_index out of range")
+        if not np.array_equal(np.bincount(index, minlength=sizes.shape[0]), sizes):
+            raise ValueError("plan dict: group sizes do not match group_index")
+        return cls.from_groups(method=d["method"], accountant=d["accountant"], noise_multiplier=d["noise_multiplier"],
+                               max_grad_norm=d["max_grad_norm"], steps=d["steps"], delta=d["delta"],
+                               budget_values=g["epsilon"], group_index=index, counts=sizes,
+                               group_sample_rates=g["sample_rate"], group_clip_norms=g["clip_norm"],
+                               group_epsilons=g["guaranteed_epsilon"], orders=d.get("orders", ()),
+                               group_orders=d.get("group_orders"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrivacyPlan":
+        return cls.from_dict(json.loads(text))

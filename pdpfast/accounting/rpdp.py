@@ -1,0 +1,225 @@
+"""rPDP-FL: record-level personalized DP in cross-silo federated learning (DESIGN.md §3.3).
+
+Liu, Lou, Xiong, Liu, Meng, "Cross-silo Federated Learning with Record-level Personalized
+Differential Privacy", CCS 2024. Each of T rounds samples every client with probability λ; a
+sampled client runs τ local DP-SGD steps, record j sampled at rate q_j with noise multiplier σ.
+
+* local RDP after τ steps: ρ^τ(α) = τ·ρ_SGM(α; q, σ)
+* threat "clients" (other clients / third parties see global models): client-level subsampling
+  amplifies, ρ^{τ,λ}(α) ≤ log(1 − λ + λ·exp((α−1)ρ^τ(α)))/(α−1), and ρ_FL = T·ρ^{τ,λ};
+* threat "server" (an honest-but-curious server sees client updates): ρ_FL = λ·T·ρ^τ;
+* conversion "standard" (the paper's): ε = min_α ρ_FL(α) + log(1/δ)/(α−1); "improved": Balle et
+  al. (2020), as ``rdp.get_privacy_spent``.
+
+Simulation-CurveFitting (SCF) fits ε*(q) ≈ exp(a·q + b) + c on a grid and inverts it; the fit
+can overshoot, so ``sample_rates`` re-accounts every record exactly and corrects q (never over
+budget, never more than 1% under unless q = 1).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from . import _grid
+from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int
+
+__all__ = ["SCFEstimator", "epsilon", "fit_scf", "sample_rates"]
+
+_THREATS = ("clients", "server")
+_CONVERSIONS = ("standard", "improved")
+
+
+@dataclass(frozen=True)
+class _Setting:
+    noise_multiplier: float
+    delta: float
+    local_steps: int
+    rounds: int
+    client_rate: float
+    threat: str
+    conversion: str
+    orders: np.ndarray
+
+
+def _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders) -> _Setting:
+    z = float(noise_multiplier)
+    if not (np.isfinite(z) and z > 0):
+        raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier!r}")
+    lam = float(client_rate)
+    if not 0.0 < lam <= 1.0:
+        raise ValueError(f"client_rate must lie in (0, 1], got {client_rate!r}")
+    if threat not in _THREATS:
+        raise ValueError(f"threat must be one of {_THREATS}, got {threat!r}")
+    if conversion not in _CONVERSIONS:
+        raise ValueError(f"conversion must be one of {_CONVERSIONS}, got {conversion!r}")
+    return _Setting(z, check_delta(delta), check_positive_int(local_steps, "local_steps"),
+                    check_positive_int(rounds, "rounds"), lam, threat, conversion,
+                    _as_orders(DEFAULT_ORDERS if orders is None else orders)[0])
+
+
+def _eps(q: np.ndarray, s: _Setting):
+    """(ε (P,), optimal order index (P,)) for sampling rates q (P,)."""
+    orders = s.orders
+    rho_local = s.local_steps * _grid.rdp_one_step(q, np.array([s.noise_multiplier]), orders)   # ρ^τ(α)
+    if s.threat == "server":
+        rho_fl = s.client_rate * s.rounds * rho_local
+    else:
+        x = (orders - 1.0) * rho_local
+        lam = s.client_rate
+        with np.errstate(over="ignore", divide="ignore"):
+            # log(1 − λ + λe^x): log1p(λ·expm1 x) is exact for small x; logaddexp for large x
+            small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
+            large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
+        rho_fl = s.rounds * np.where(x < 30.0, small, large) / (orders - 1.0)
+    if s.conversion == "improved":
+        from .rdp import _eps_from_rdp
+        return _eps_from_rdp(orders, rho_fl, s.delta)
+    eps = rho_fl + np.log(1.0 / s.delta) / (orders - 1.0)
+    idx = np.argmin(eps, axis=1)
+    return eps[np.arange(eps.shape[0]), idx], idx
+
+
+def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, threat="clients",
+            conversion="standard", orders=None):
+    """ε of each record of an rPDP-FL run, vectorized over q.
+
+    Args:
+        q: record sampling rate(s) in [0, 1] (scalar or array).
+        noise_multiplier: σ of local DP-SGD; delta: δ; local_steps: τ; rounds: T;
+        client_rate: λ, the server's Poisson rate over clients.
+        threat: "clients" (ρ_FL = T·ρ^{τ,λ}) or "server" (ρ_FL = λ·T·ρ^τ).
+        conversion: "standard" (ε = min_α ρ + log(1/δ)/(α−1), the paper's) or "improved".
+    Returns:
+        ε with the shape of q (float for a scalar).
+    """
+    s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
+    qa = np.asarray(q, dtype=np.float64)
+    if np.any(~np.isfinite(qa)) or np.any((qa < 0) | (qa > 1)):
+        raise ValueError("q must lie in [0, 1]")
+    flat, inverse = np.unique(qa.ravel(), return_inverse=True)
+    out = _eps(flat, s)[0][inverse].reshape(qa.shape)
+    return float(out) if qa.ndim == 0 else out
+
+
+@dataclass(frozen=True)
+class SCFEstimator:
+    """ε*(q) ≈ exp(a·q + b) + c fitted on ``q_grid``; ``eps_max`` = ε*(1) exactly."""
+
+    a: float
+    b: float
+    c: float
+    r2: float
+    eps_max: float
+    q_grid: np.ndarray
+    eps_grid: np.ndarray
+
+    def predict(self, q):
+        return np.exp(self.a * np.asarray(q, dtype=np.float64) + self.b) + self.c
+
+    def inverse(self, eps):
+        """q = (ln(ε − c) − b)/a clipped to [0, 1]; ε ≥ ε*(1) → 1 (may overshoot: see sample_rates)."""
+        e = np.asarray(eps, dtype=np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q = (np.log(e - self.c) - self.b) / self.a
+        q = np.where(e - self.c <= 0, 0.0, q)
+        q = np.where(e >= self.eps_max, 1.0, np.clip(q, 0.0, 1.0))
+        return float(q) if e.ndim == 0 else q
+
+
+def fit_scf(*, noise_multiplier, delta, local_steps, rounds, client_rate, threat="clients", conversion="standard",
+            orders=None, grid_size=100) -> SCFEstimator:
+    """Simulation-CurveFitting: exact ε*(q) on q = 0.01..1 (``grid_size`` points), then a
+    least-squares fit of exp(a·q + b) + c."""
+    s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
+    grid = np.linspace(0.01, 1.0, int(grid_size))
+    eps = _eps(grid, s)[0]
+    model = lambda q, a, b, c: np.exp(a * q + b) + c   # noqa: E731
+    lo = float(eps[0])
+    hi = float(eps[-1])
+    a0 = max(1e-3, np.log(max(hi - lo, 1e-12) / max(eps[len(eps) // 2] - lo, 1e-12)) / 0.5)
+    p0 = (a0, np.log(max(hi - lo, 1e-12)) - a0, lo - 1e-3)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optimize.OptimizeWarning)
+            (a, b, c), _ = optimize.curve_fit(model, grid, eps, p0=p0, maxfev=20000)
+    except RuntimeError as err:   # no convergence: a fit is only a starting point, keep p0
+        warnings.warn(f"SCF fit did not converge ({err}); using the initial guess")
+        a, b, c = p0
+    pred = model(grid, a, b, c)
+    r2 = 1.0 - float(np.sum((eps - pred) ** 2) / max(np.sum((eps - eps.mean()) ** 2), 1e-300))
+    return SCFEstimator(float(a), float(b), float(c), r2, hi, grid, eps)
+
+
+def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, client_rate, threat="clients",
+                 conversion="standard", orders=None, estimator: SCFEstimator | None = None):
+    """Per-record sampling rates for budgets ε_j: SCF inverse, then exact re-accounting.
+
+    Returns (N,) float64 q_j in [0, 1] with ε(q_j) ≤ ε_j exactly, and ≥ 0.99·ε_j unless q_j = 1.
+    Distinct budgets are refined to the exact root (≤ 4096 of them) or read off an exact grid.
+    Raises ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ).
+    """
+    s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
+    arr = check_epsilons(budgets, "budgets").ravel()
+    values, inverse = np.unique(arr, return_inverse=True)
+    est = estimator if estimator is not None else fit_scf(
+        noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,
+        client_rate=s.client_rate, threat=s.threat, conversion=s.conversion, orders=s.orders)
+    floor_eps = float(_eps(np.array([_grid.Q_FLOOR]), s)[0][0])
+    if values[0] * (1 - _grid.MARGIN) < floor_eps:
+        raise ValueError(f"budget epsilon={values[0]:.6g} is below the smallest reachable epsilon "
+                         f"{floor_eps:.6g} (sample rate {_grid.Q_FLOOR:g}) for this setting")
+    goal = values * (1 - _grid.MARGIN)
+    eps1 = float(_eps(np.array([1.0]), s)[0][0])
+    full = goal >= eps1
+    q = np.ones(values.shape[0])
+    part = np.flatnonzero(~full)
+    if part.size:
+        q[part] = _exact_rates(values[part], est.inverse(values[part]), s)
+    return q[inverse].reshape(np.shape(budgets))
+
+
+def _exact_rates(targets, guess, s: _Setting):
+    """Largest q with ε(q) ≤ target·(1 − MARGIN), from SCF guesses: bracket, then refine."""
+    goal = targets * (1 - _grid.MARGIN)
+
+    def evaluate(qs, lo=None, hi=None, which=None):
+        return _eps(qs, s)
+
+    if targets.shape[0] > _grid.REFINE_MAX:
+        # many budgets: an exact grid (consecutive ε within 0.1%), read off downwards
+        grid = np.geomspace(_grid.Q_FLOOR, 1.0, 64)
+        e = np.maximum.accumulate(evaluate(grid)[0])
+        a = max(0, int(np.searchsorted(e, goal.min(), side="right")) - 1)
+        b = min(63, int(np.searchsorted(e, goal.max(), side="left")))
+        fine = _grid._fine_points(grid, e, a, b, 1.001, 0.5 * goal.min())
+        fe = np.maximum.accumulate(evaluate(fine)[0])
+        j = np.searchsorted(fe, goal, side="right") - 1
+        return fine[np.maximum(j, 0)]
+    q0 = np.clip(guess, _grid.Q_FLOOR, 1.0)
+    e0, i0 = evaluate(q0)
+    safe = np.where(e0 <= goal, q0, np.nan)
+    unsafe = np.where(e0 > goal, q0, np.nan)
+    es, eu = np.where(e0 <= goal, e0, np.nan), np.where(e0 > goal, e0, np.nan)
+    factor = 1.05
+    for _ in range(200):
+        down = np.flatnonzero(np.isnan(safe))
+        up = np.flatnonzero(np.isnan(unsafe) & (safe < 1.0))
+        if down.size == 0 and up.size == 0:
+            break
+        sel = np.r_[down, up]
+        qt = np.r_[np.maximum(unsafe[down] / factor, _grid.Q_FLOOR), np.minimum(safe[up] * factor, 1.0)]
+        et = evaluate(qt)[0]
+        ok = et <= goal[sel]
+        safe[sel[ok]], es[sel[ok]] = qt[ok], et[ok]
+        unsafe[sel[~ok]], eu[sel[~ok]] = qt[~ok], et[~ok]
+        factor = min(4.0, factor ** 2)
+    out = safe.copy()
+    todo = np.flatnonzero(~np.isnan(unsafe))
+    if todo.size:
+        idx = np.zeros(todo.size, dtype=np.intp)
+        out[todo] = _grid.refine(evaluate, safe[todo], unsafe[todo], es[todo], idx, idx, eu[todo], targets[todo],
+                                 rtol=1e-6)[0]
+    return out

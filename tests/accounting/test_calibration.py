@@ -1,0 +1,272 @@
+"""Calibration: every plan is re-accounted independently (Opacus) and must meet the guarantees."""
+import json
+import time
+import warnings
+
+import numpy as np
+import pytest
+from opacus.accountants.analysis import rdp as opacus_rdp
+
+from pdpfast.accounting import DEFAULT_ORDERS, GroupSummary, PrivacyPlan, calibrate
+
+DELTA = 1e-5
+METHODS = ["sample", "scale", "hybrid"]
+
+
+def reaccount(q, z, steps, delta=DELTA):
+    """Independent exact accounting of one record: Opacus's RDP and conversion, same orders."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rdp = opacus_rdp.compute_rdp(q=float(q), noise_multiplier=float(z), steps=steps, orders=list(DEFAULT_ORDERS))
+        return opacus_rdp.get_privacy_spent(orders=list(DEFAULT_ORDERS), rdp=rdp, delta=delta)[0]
+
+
+def reaccount_plan(plan, budgets, rng, k=12):
+    """(budget, ε, q) for the group of each of up to k records (smallest and largest budgets included)."""
+    picks = np.unique(np.r_[np.argmin(budgets), np.argmax(budgets), rng.choice(budgets.size, k, replace=False)])
+    z = plan.noise_multiplier * plan.max_grad_norm / plan.clip_norms
+    return [(budgets[i], reaccount(plan.sample_rates[i], z[i], plan.steps, plan.delta), plan.sample_rates[i])
+            for i in picks]
+
+
+def budget_sets():
+    rng = np.random.default_rng(2024)
+    return {
+        "three_groups": np.repeat([1.0, 2.0, 3.0], [5000, 3000, 2000]),
+        "uniform_distinct": rng.uniform(1.0, 10.0, 3000),
+        "lognormal_distinct": np.exp(rng.normal(np.log(2.0), 0.6, 6000)),   # > 4096 distinct: grid path
+    }
+
+
+BUDGETS = budget_sets()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_no_record_exceeds_its_budget(method, name):
+    budgets = BUDGETS[name]
+    plan = calibrate(budgets, delta=DELTA, steps=500, sample_rate=0.02, method=method)
+    assert np.all(plan.epsilons() <= budgets)
+    for budget, eps, _ in reaccount_plan(plan, budgets, np.random.default_rng(0)):
+        assert eps <= budget
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", sorted(BUDGETS))
+def test_no_record_wastes_more_than_one_percent(method, name):
+    budgets = BUDGETS[name]
+    plan = calibrate(budgets, delta=DELTA, steps=500, sample_rate=0.02, method=method)
+    full = plan.sample_rates >= 1.0
+    assert np.all((plan.epsilons() >= 0.99 * budgets) | full)
+    for budget, eps, q in reaccount_plan(plan, budgets, np.random.default_rng(1)):
+        assert eps >= 0.99 * budget or q >= 1.0
+
+
+@pytest.mark.parametrize("method", ["sample", "hybrid"])
+def test_mean_sample_rate_equals_target(method):
+    budgets = np.random.default_rng(3).uniform(0.5, 8.0, 5000)
+    plan = calibrate(budgets, delta=DELTA, steps=300, sample_rate=0.01, method=method)
+    assert plan.sample_rates.mean() == pytest.approx(0.01, rel=1e-9)
+    assert plan.expected_batch_size == pytest.approx(50.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["scale", "hybrid"])
+def test_mean_clip_norm_equals_max_grad_norm(method):
+    budgets = np.random.default_rng(4).uniform(0.5, 8.0, 5000)
+    plan = calibrate(budgets, delta=DELTA, steps=300, sample_rate=0.01, method=method, max_grad_norm=2.5)
+    assert plan.clip_norms.mean() == pytest.approx(2.5, rel=1e-9)
+    z = plan.noise_multiplier * 2.5 / plan.clip_norms
+    np.testing.assert_allclose(z, plan.noise_multipliers, rtol=1e-12)
+
+
+def test_sample_keeps_the_reference_clip_and_scale_the_rate():
+    budgets = np.repeat([1.0, 4.0], [100, 100])
+    sample = calibrate(budgets, delta=DELTA, steps=200, sample_rate=0.05, method="sample", max_grad_norm=0.7)
+    scale = calibrate(budgets, delta=DELTA, steps=200, sample_rate=0.05, method="scale", max_grad_norm=0.7)
+    np.testing.assert_array_equal(sample.clip_norms, 0.7)
+    np.testing.assert_array_equal(scale.sample_rates, 0.05)
+    # larger budgets: higher rate (Sample), larger clip bound (Scale)
+    assert sample.groups[1].sample_rate > sample.groups[0].sample_rate
+    assert scale.groups[1].clip_norm > scale.groups[0].clip_norm
+
+
+def test_hybrid_endpoints_are_scale_and_sample():
+    budgets = np.repeat([1.0, 2.0, 5.0], [300, 300, 400])
+    kw = dict(delta=DELTA, steps=400, sample_rate=0.02)
+    sample, scale = calibrate(budgets, method="sample", **kw), calibrate(budgets, method="scale", **kw)
+    h1 = calibrate(budgets, method="hybrid", hybrid_weight=1.0, **kw)
+    h0 = calibrate(budgets, method="hybrid", hybrid_weight=0.0, **kw)
+    np.testing.assert_allclose(h1.group_sample_rates, sample.group_sample_rates, rtol=1e-12)
+    # λ = 1 re-solves each group's z at Sample's rates: Sample's σ, up to the slack Sample left
+    assert np.all(h1.group_noise_multipliers <= sample.noise_multiplier)
+    np.testing.assert_allclose(h1.group_noise_multipliers, sample.noise_multiplier, rtol=3e-3)
+    np.testing.assert_allclose(h0.group_sample_rates, 0.02, rtol=1e-12)
+    np.testing.assert_allclose(h0.group_noise_multipliers, scale.group_noise_multipliers, rtol=1e-6)
+    hm = calibrate(budgets, method="hybrid", hybrid_weight=0.5, **kw)
+    r = hm.group_sample_rates
+    assert np.all((r >= np.minimum(0.02, sample.group_sample_rates) * (1 - 1e-9))
+                  & (r <= np.maximum(0.02, sample.group_sample_rates) * (1 + 1e-9)))
+
+
+def test_sample_rates_may_reach_one():
+    budgets = np.r_[np.full(900, 1.0), np.full(100, 200.0)]
+    plan = calibrate(budgets, delta=DELTA, steps=100, sample_rate=0.2, method="sample")
+    assert plan.groups[1].sample_rate == 1.0
+    assert plan.sample_rates.mean() == pytest.approx(0.2, rel=1e-9)
+    assert plan.groups[0].guaranteed_epsilon >= 0.99
+
+
+def test_groups_are_one_frozen_row_per_distinct_budget():
+    budgets = np.array([3.0, 1.0, 3.0, 2.0, 1.0, 3.0])
+    plan = calibrate(budgets, delta=DELTA, steps=100, sample_rate=0.1, method="scale")
+    assert [g.epsilon for g in plan.groups] == [1.0, 2.0, 3.0]
+    assert [g.size for g in plan.groups] == [2, 1, 3]
+    g = plan.groups[2]
+    assert isinstance(g, GroupSummary)
+    with pytest.raises(AttributeError):
+        g.size = 7
+    np.testing.assert_array_equal(plan.clip_norms[budgets == 3.0], g.clip_norm)
+    assert g.noise_multiplier == pytest.approx(plan.noise_multiplier * plan.max_grad_norm / g.clip_norm)
+    assert g.guaranteed_epsilon <= 3.0
+    assert plan.sample_rates.dtype == plan.clip_norms.dtype == np.float64
+
+
+def test_plan_round_trips_through_json():
+    budgets = np.random.default_rng(5).choice([0.5, 1.0, 8.0], 777)
+    plan = calibrate(budgets, delta=DELTA, steps=250, sample_rate=0.03, method="hybrid", hybrid_weight=0.3)
+    again = PrivacyPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    for name in ("sample_rates", "clip_norms", "budgets"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(plan, name))
+    np.testing.assert_array_equal(again.epsilons(), plan.epsilons())
+    assert (again.method, again.noise_multiplier, again.steps, again.delta) == (
+        plan.method, plan.noise_multiplier, plan.steps, plan.delta)
+    assert again.groups == plan.groups
+
+
+def test_summary_is_a_printable_table():
+    plan = calibrate(np.random.default_rng(6).uniform(1, 5, 500), delta=DELTA, steps=100, sample_rate=0.05)
+    text = plan.summary()
+    assert "noise multiplier" in text and "guaranteed_eps" in text and "..." in text
+    assert len(text.splitlines()) <= 30
+
+
+def test_accepts_torch_tensors():
+    torch = pytest.importorskip("torch")
+    plan = calibrate(torch.tensor([1.0, 2.0, 2.0]), delta=DELTA, steps=50, sample_rate=0.1, method="scale")
+    assert plan.num_records == 3
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(budgets=[1.0, -1.0]), ValueError, "budgets"),
+    (dict(budgets=[1.0, np.nan]), ValueError, "budgets"),
+    (dict(budgets=[1.0, np.inf]), ValueError, "budgets"),
+    (dict(budgets=[]), ValueError, "budgets"),
+    (dict(budgets=None), TypeError, "budgets"),
+    (dict(budgets=[[1.0, 2.0]]), ValueError, "budgets"),
+    (dict(delta=0.0), ValueError, "delta"),
+    (dict(delta=1.0), ValueError, "delta"),
+    (dict(delta="x"), TypeError, "delta"),
+    (dict(steps=0), ValueError, "steps"),
+    (dict(steps=10.5), ValueError, "steps"),
+    (dict(sample_rate=0.0), ValueError, "sample_rate"),
+    (dict(sample_rate=1.5), ValueError, "sample_rate"),
+    (dict(hybrid_weight=1.5), ValueError, "hybrid_weight"),
+    (dict(hybrid_weight=-0.1), ValueError, "hybrid_weight"),
+    (dict(method="uniform"), ValueError, "method"),
+    (dict(accountant="gdp"), ValueError, "accountant"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+])
+def test_bad_input_raises_naming_the_argument(kwargs, exc, match):
+    args = dict(budgets=[1.0, 2.0], delta=DELTA, steps=10, sample_rate=0.1)
+    args.update(kwargs)
+    budgets = args.pop("budgets")
+    with pytest.raises(exc, match=match):
+        calibrate(budgets, **args)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_unmeetable_budget_is_refused_naming_it(method):
+    # ε = 0.001 at δ = 1e-5 is below what any RDP order up to 512 can certify
+    with pytest.raises(ValueError, match=r"budget epsilon=0\.001"):
+        calibrate([0.001, 1.0], delta=DELTA, steps=100, sample_rate=0.01, method=method)
+
+
+def test_sample_refuses_a_budget_needing_a_rate_below_the_floor():
+    # mean 0.1 forces σ so low (for the ε = 50 record) that ε = 0.009 would need q < 1e-12
+    with pytest.raises(ValueError, match=r"budget epsilon=0\.009 .*sample rate below"):
+        calibrate([0.009, 50.0], delta=DELTA, steps=1000, sample_rate=0.1, method="sample")
+
+
+def test_sample_uncaps_large_budgets_to_meet_the_mean():
+    # half the records could take q = 1 but the mean is 0.5: they end just below 1, budget used
+    budgets = np.r_[np.full(10, 0.5), np.full(10, 50.0)]
+    plan = calibrate(budgets, delta=DELTA, steps=1000, sample_rate=0.5, method="sample")
+    assert plan.sample_rates.mean() == pytest.approx(0.5, rel=1e-9)
+    assert np.all(plan.epsilons() <= budgets) and np.all(plan.epsilons() >= 0.99 * budgets)
+
+
+def test_one_budget_gives_uniform_rates_for_every_method():
+    for method in METHODS:
+        plan = calibrate(np.full(10, 2.0), delta=DELTA, steps=100, sample_rate=0.05, method=method)
+        np.testing.assert_allclose(plan.sample_rates, 0.05, rtol=1e-12)
+        np.testing.assert_allclose(plan.clip_norms, 1.0, rtol=1e-12)
+        assert 0.99 * 2.0 <= plan.epsilons()[0] <= 2.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_calibrates_100k_distinct_budgets_quickly(method):
+    budgets = np.random.default_rng(7).uniform(1.0, 10.0, 100_000)
+    t0 = time.perf_counter()
+    plan = calibrate(budgets, delta=DELTA, steps=1000, sample_rate=0.01, method=method)
+    assert time.perf_counter() - t0 < 10.0
+    assert np.all(plan.epsilons() <= budgets)
+
+
+# ---------------------------------------------------------------------------- PLD accountant
+@pytest.fixture(scope="module")
+def pld_plans():
+    budgets = np.repeat([1.0, 3.0], [60, 40])
+    kw = dict(delta=DELTA, steps=30, sample_rate=0.05)
+    return budgets, {m: calibrate(budgets, method=m, accountant="pld", **kw) for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pld_plan_meets_budgets_and_beats_rdp_on_the_same_plan(pld_plans, method):
+    from pdpfast.accounting import pld
+
+    budgets, plans = pld_plans
+    plan = plans[method]
+    assert plan.accountant == "pld"
+    eps_pld = pld.epsilons(plan.sample_rates, plan.noise_multipliers, plan.steps, plan.delta)
+    assert np.all(eps_pld <= budgets) and np.all(eps_pld >= 0.99 * budgets)
+    for g in plan.groups:
+        rdp_eps = reaccount(g.sample_rate, g.noise_multiplier, plan.steps)
+        assert g.guaranteed_epsilon <= rdp_eps
+    rdp_plan = calibrate(budgets, method=method, delta=DELTA, steps=30, sample_rate=0.05)
+    assert plan.noise_multiplier < rdp_plan.noise_multiplier      # tighter accounting, less noise
+
+
+def test_pld_falls_back_to_rdp_for_many_budgets():
+    budgets = np.linspace(1, 3, 100)
+    with pytest.warns(UserWarning, match="falling back"):
+        plan = calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.05, method="scale", accountant="pld")
+    assert plan.accountant == "rdp"
+
+
+def test_optimum_at_the_edge_of_the_order_grid_is_reported():
+    with pytest.warns(UserWarning, match="edge of the order grid"):
+        plan = calibrate([0.02, 1.0], delta=DELTA, steps=100, sample_rate=0.01, method="scale")
+    assert plan.at_order_edge.tolist() == [True, False]
+    assert plan.group_orders[0] == DEFAULT_ORDERS[-1]
+    assert np.all(plan.epsilons() <= [0.02, 1.0])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_extreme_settings_keep_the_guarantees(method):
+    # δ = 1e-3 makes the conversion negative at tiny rates; T = 10, q = 0.5 is far from the usual regime
+    budgets = np.random.default_rng(8).uniform(0.5, 10.0, 5000)
+    plan = calibrate(budgets, delta=1e-3, steps=10, sample_rate=0.5, method=method)
+    used = plan.epsilons() / budgets
+    assert np.all(used <= 1.0) and np.all((used >= 0.99) | (plan.sample_rates >= 1.0))
+    for budget, eps, q in reaccount_plan(plan, budgets, np.random.default_rng(2), k=4):
+        assert eps <= budget
