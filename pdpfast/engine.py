@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ._io import atomic_write
 from .clipping import ClippingState, check_choice
 from .data import DPDataLoader, PhysicalBatch, as_per_record
 from .nn.convert import convert
@@ -231,19 +229,8 @@ class PrivacyEngine:
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
         crash leaves the previous checkpoint or the new one, never a half-written file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save({"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}
+        atomic_write(path, lambda f: torch.save(state, f))
 
     def load_checkpoint(self, path, module: nn.Module) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns its ``extra`` fields."""

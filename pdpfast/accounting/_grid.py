@@ -165,7 +165,6 @@ def eps_curve(q, z, steps, delta, orders, window=None):
     q = np.asarray(q, dtype=np.float64)
     p = q.shape[0]
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), (p,))
-    n = orders.shape[0]
     eps = np.empty(p)
     idx = np.empty(p, dtype=np.intp)
     stride = max(1, p // 24)

@@ -15,9 +15,10 @@ update that spends the budget leaves the process, so a crash can only over-count
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
+
+from .._io import atomic_write
 
 from . import _grid
 from .rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_positive_int, distinct_rows
@@ -219,27 +220,7 @@ class IndividualAccountant:
     def save(self, path) -> None:
         """Atomically write the ledger to ``path`` (.npz): temp file in the same directory,
         fsync, os.replace, fsync the directory. The file is never left half-written."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **self.state_dict())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        try:
-            dir_fd = os.open(directory, os.O_RDONLY)
-        except OSError:       # platforms without directory fds
-            return
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
 
     @classmethod
     def load(cls, path) -> "IndividualAccountant":

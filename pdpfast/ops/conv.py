@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .linear import linear_per_sample_grads, linear_weight_sq_norms
+from .linear import linear_weight_sq_norms
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
