@@ -133,6 +133,8 @@ class DPDataLoader:
         self.on_batch: Callable[[PhysicalBatch], None] | None = None
         self.current: PhysicalBatch | None = None
         self._pending: deque[PhysicalBatch] = deque()
+        # the DataLoader draws its worker base seed from this generator, not from torch's global one
+        loader_kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
         self._loader = DataLoader(dataset, batch_sampler=_PhysicalBatches(self),
                                   collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate), **loader_kwargs)
 
@@ -140,7 +142,9 @@ class DPDataLoader:
     def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> "DPDataLoader":
         """Same dataset, collate function and worker settings as ``data_loader``."""
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
-                                                      "multiprocessing_context", "persistent_workers")}
+                                                      "multiprocessing_context", "persistent_workers", "generator")}
+        if keep["generator"] is None:
+            del keep["generator"]
         if data_loader.num_workers > 0:
             keep["prefetch_factor"] = data_loader.prefetch_factor
         keep.update(kwargs)

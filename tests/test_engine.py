@@ -233,3 +233,13 @@ def test_batchnorm_model_is_refused_with_groupnorm_advice():
         pdpfast.PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1),
             data_loader=DataLoader(_data(), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+def test_iterating_the_private_loader_leaves_torch_global_rng_alone():
+    loader = DPDataLoader(_data(30), 0.3, steps_per_epoch=3, seed=2)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    for _ in loader:
+        pass
+    torch.testing.assert_close(torch.rand(3), expected)

@@ -1,0 +1,232 @@
+"""Command line of the federated front end: ``python -m pdpfast.fl <command>`` (or, once hooked in,
+``pdpfast fl <command>``).
+
+* ``simulate``: rPDP-FL and the baselines in process; prints an accuracy table, writes
+  ``<out>.json`` and a plot of accuracy per round ``<out>.png``.
+* ``flower``: the same run through Flower: its server loop with the clients called in process
+  (``--engine inprocess``), or its Ray simulation engine (``--engine ray``, needs Ray).
+* ``server`` / ``client``: one Flower server or client process (gRPC).
+* ``launch``: one server and M client processes on 127.0.0.1, bounded in time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from .budgets import distributions
+from .config import CONVERSIONS, THREATS, FLConfig
+from .datasets import SPLITS, datasets
+from .methods import METHODS
+
+_HELP = {
+    "rounds": "T, communication rounds", "local_steps": "τ, local DP-SGD steps per sampled client and round",
+    "client_rate": "λ ∈ (0, 1], probability that a round samples a client", "noise_multiplier": "σ",
+    "max_grad_norm": "C, clip bound", "delta": "δ of every record", "lr": "local SGD learning rate",
+    "threat": "threat model the sampling rates are calibrated for", "conversion": "RDP → (ε, δ) conversion",
+    "mode": "engine clipping schedule (bk, ghost)", "clipping": "flat or per_layer", "seed": "seed of everything",
+    "method": "rPDP-FL or a baseline",
+}
+_CHOICES = {"method": tuple(METHODS), "threat": THREATS, "conversion": CONVERSIONS, "mode": ("bk", "ghost"),
+            "clipping": ("flat", "per_layer")}   # the engine's (FLConfig checks against it)
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="digits", choices=datasets())
+    p.add_argument("--clients", type=int, default=5, help="M, number of clients (silos)")
+    p.add_argument("--split", default="iid", choices=SPLITS, help="how records are split across clients")
+    p.add_argument("--dirichlet-alpha", type=float, default=0.5, help="α of --split dirichlet")
+    p.add_argument("--budgets", default="ThreeLevels", choices=distributions(),
+                   help="per-record budget distribution")
+
+
+def _add_config_args(p: argparse.ArgumentParser, skip=()) -> None:
+    for f in dataclasses.fields(FLConfig):
+        if f.name in skip:
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       choices=_CHOICES.get(f.name), help=f"{_HELP.get(f.name, '')} (default {f.default})")
+
+
+def _config(args, **override) -> FLConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(FLConfig) if hasattr(args, f.name)}
+    return FLConfig(**(values | override))
+
+
+def _data_kwargs(args) -> dict:
+    return dict(dataset=args.dataset, clients=args.clients, split=args.split, dirichlet_alpha=args.dirichlet_alpha)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table of ``FederatedResult.summary()`` rows (plus "seconds")."""
+    head = ("method", "final acc", "best acc", "records trained", "max ε/budget clients", "max ε/budget server",
+            "seconds")
+    lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
+    for r in rows:
+        ratio = lambda v: "∞ (no DP)" if v == float("inf") else f"{v:.7f}"  # noqa: E731
+        lines.append(" | ".join([r["method"], f"{r['final_accuracy']:.3f}", f"{r['best_accuracy']:.3f}",
+                                 f"{r['records_trained']}/{r['records']}", ratio(r["max_spent_fraction_clients"]),
+                                 ratio(r["max_spent_fraction_server"]), f"{r['seconds']:.1f}"]))
+    return "\n".join(lines)
+
+
+def plot_accuracy(results: dict, path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, res in results.items():
+        ax.plot(range(len(res.accuracy)), res.accuracy, label=method)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _simulate(args) -> int:
+    from .simulation import _json_float, simulate
+
+    results, rows = {}, []
+    for method in args.methods:
+        config = _config(args, method=method)
+        start = time.perf_counter()
+        res = simulate(budgets=args.budgets, progress=not args.quiet, **_data_kwargs(args),
+                       **{k: v for k, v in config.to_dict().items()})
+        results[method] = res
+        rows.append(res.summary() | {"seconds": time.perf_counter() - start})
+    title = (f"{args.dataset}, {args.clients} clients ({args.split}), {args.budgets}; T={args.rounds}, "
+             f"τ={args.local_steps}, λ={args.client_rate}, σ={args.noise_multiplier}, δ={args.delta:g}")
+    print(title)
+    print(format_table(rows))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        argv = getattr(args, "argv", None)
+        argv = sys.argv[1:] if argv is None else argv
+        payload = {"title": title, "command": "python -m pdpfast.fl " + " ".join(argv),
+                   "rows": [{k: _json_float(v) for k, v in r.items()} for r in rows],
+                   "runs": {m: r.to_dict() for m, r in results.items()}}
+        out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+        if not args.no_plot:
+            plot_accuracy(results, out.with_suffix(".png"), title)
+        print(f"wrote {out.with_suffix('.json')}" + ("" if args.no_plot else f" and {out.with_suffix('.png')}"))
+    return 0
+
+
+def _flower(args) -> int:
+    from .flower import run_inprocess, run_ray_simulation
+
+    runner = run_ray_simulation if args.engine == "ray" else run_inprocess
+    start = time.perf_counter()
+    res = runner(budgets=args.budgets, config=_config(args), **_data_kwargs(args))
+    print(format_table([res.summary() | {"seconds": time.perf_counter() - start}]))
+    return 0
+
+
+def _server(args) -> int:
+    from .flower import serve
+
+    report = serve(args.address, config=_config(args), out=args.out, wait_timeout=args.wait_timeout,
+                   **{k: v for k, v in _data_kwargs(args).items()})
+    print(f"final accuracy {report['accuracy'][-1]:.4f}" if report["accuracy"] else "no evaluation")
+    return 0
+
+
+def _client(args) -> int:
+    from .flower import run_client
+
+    report = run_client(args.address, args.client_id, budgets=args.budgets, config=_config(args), out=args.out,
+                        max_wait_time=args.max_wait_time, ledger_path=args.ledger, **_data_kwargs(args))
+    print(json.dumps(report["stats"]))
+    return 0
+
+
+def _launch(args) -> int:
+    from .flower import launch_local
+
+    out = launch_local(budgets=args.budgets, config=_config(args), timeout=args.timeout, **_data_kwargs(args))
+    server = out["server"]
+    print(f"Flower on {out['address']}: {args.clients} client processes, {args.rounds} rounds; "
+          f"accuracy per round {[round(a, 4) for a in server['accuracy']]}")
+    for c in out["clients"]:
+        print(json.dumps(c["stats"]))
+    print(f"logs and outputs in {out['workdir']}")
+    return 0
+
+
+def add_subparser(subparsers) -> argparse.ArgumentParser:
+    """Add ``fl`` (with its own subcommands) to a parent parser's ``subparsers``."""
+    fl = subparsers.add_parser("fl", help="rPDP-FL: personalized DP in cross-silo federated learning",
+                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _fill(fl)
+    return fl
+
+
+def _fill(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="fl_command", required=True)
+    sim = sub.add_parser("simulate", help="in-process simulation of rPDP-FL and the baselines")
+    _add_data_args(sim)
+    _add_config_args(sim, skip=("method",))
+    sim.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHODS))
+    sim.add_argument("--out", help="write <out>.json and <out>.png (accuracy per round)")
+    sim.add_argument("--no-plot", action="store_true")
+    sim.add_argument("--quiet", action="store_true", help="no progress bars")
+    sim.set_defaults(run=_simulate)
+
+    flw = sub.add_parser("flower", help="the same run on Flower: its server loop with clients in process, "
+                                        "or its Ray simulation engine")
+    _add_data_args(flw)
+    _add_config_args(flw)
+    flw.add_argument("--engine", default="inprocess", choices=("inprocess", "ray"),
+                     help="inprocess: Flower's Server, clients called directly; ray: flwr.simulation (needs Ray)")
+    flw.set_defaults(run=_flower)
+
+    srv = sub.add_parser("server", help="a Flower server process")
+    _add_data_args(srv)
+    _add_config_args(srv)
+    srv.add_argument("--address", default="127.0.0.1:8080")
+    srv.add_argument("--out", help="JSON report (and the final weights next to it as .npz)")
+    srv.add_argument("--wait-timeout", type=float, default=120.0, help="seconds to wait for all clients")
+    srv.set_defaults(run=_server)
+
+    cli = sub.add_parser("client", help="a Flower client process (one silo)")
+    _add_data_args(cli)
+    _add_config_args(cli)
+    cli.add_argument("--address", default="127.0.0.1:8080")
+    cli.add_argument("--client-id", type=int, required=True)
+    cli.add_argument("--out", help="JSON report: per-record budgets and ε (kept on the client's side)")
+    cli.add_argument("--max-wait-time", type=float, default=120.0, help="seconds to keep trying to connect")
+    cli.add_argument("--ledger", help="the silo's ledger file (.npz): resumed if present, saved every round")
+    cli.set_defaults(run=_client)
+
+    lau = sub.add_parser("launch", help="a server and M client processes on 127.0.0.1")
+    _add_data_args(lau)
+    _add_config_args(lau)
+    lau.add_argument("--timeout", type=float, default=300.0, help="kill everything after this many seconds")
+    lau.set_defaults(run=_launch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdpfast.fl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _fill(parser)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    try:
+        return args.run(args)
+    except (ValueError, TypeError, ImportError) as exc:
+        print(f"pdpfast fl {args.fl_command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

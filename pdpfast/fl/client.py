@@ -1,0 +1,213 @@
+"""One rPDP-FL client ("silo"): its records, their budgets, sampling rates and ledger, and the
+local DP-SGD it runs when the server samples it (DESIGN.md §3.3).
+
+The same ``Silo`` runs inside the in-process simulation and inside the Flower client, so both
+paths train, account and drop records identically.
+"""
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ..accounting import rpdp
+from .config import FLConfig, local_seed
+from .ledger import FederatedLedger
+from .methods import target_budgets
+
+Weights = list[np.ndarray]
+
+
+def get_weights(model: nn.Module) -> Weights:
+    """The model's state as float32 numpy arrays, in ``state_dict`` order (Flower's NDArrays)."""
+    return [t.detach().cpu().numpy().copy() for t in model.state_dict().values()]
+
+
+def set_weights(model: nn.Module, weights: Weights) -> None:
+    keys = list(model.state_dict().keys())
+    if len(keys) != len(weights):
+        raise ValueError(f"the model has {len(keys)} tensors, got {len(weights)} arrays")
+    model.load_state_dict(OrderedDict((k, torch.from_numpy(np.asarray(w))) for k, w in zip(keys, weights)))
+
+
+@dataclass
+class LocalUpdate:
+    """What a sampled client sends back: delta = local model − global model (float32 arrays),
+    num_examples = the client's number of records (its FedAvg weight)."""
+
+    client_id: int
+    delta: Weights
+    num_examples: int
+
+
+def fresh_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """``model_fn()`` without consuming torch's global RNG (its initial values are overwritten)."""
+    with torch.random.fork_rng(devices=[]):
+        return model_fn()
+
+
+def check_budgets(name: str, budgets, n: int) -> np.ndarray:
+    """(n,) float64 budgets, each finite and > 0."""
+    b = np.asarray(budgets, dtype=np.float64)
+    if b.ndim != 1 or b.shape[0] != n:
+        raise ValueError(f"{name} must have one value per record ({n}), got shape {b.shape}")
+    if not np.all(np.isfinite(b)) or np.any(b <= 0):
+        raise ValueError(f"{name} must be finite and > 0")
+    return b
+
+
+def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
+    """(n,) sampling rates: ``rpdp.sample_rates`` (SCF + exact re-accounting) for the records with
+    a finite target budget, 0 for records left out (NaN), 1 without privacy (∞)."""
+    q = np.zeros(targets.shape[0])
+    q[np.isposinf(targets)] = 1.0
+    train = np.isfinite(targets)
+    if train.any():
+        key = tuple(sorted(config.accounting_kwargs().items())) + (("threat", config.threat),)
+        q[train] = rpdp.sample_rates(targets[train], threat=config.threat, estimator=_scf_estimator(key),
+                                     **config.accounting_kwargs())
+    return q
+
+
+@functools.lru_cache(maxsize=32)
+def _scf_estimator(key: tuple) -> rpdp.SCFEstimator:
+    """The SCF fit of one setting, shared by every client of a federation (it depends only on the
+    public (σ, δ, τ, T, λ, threat, conversion), not on any client's budgets)."""
+    return rpdp.fit_scf(**dict(key))
+
+
+def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor, labels: torch.Tensor,
+                sample_rates: np.ndarray, config: FLConfig, seed: int) -> tuple[Weights, np.ndarray]:
+    """τ local steps from ``weights``; returns (new weights, (n,) times each record was drawn).
+
+    Private methods: DP-SGD through the pdpfast engine, record j drawn with probability q_j each
+    step, clip bound C, noise N(0, σ²C²), normalization by the expected batch Σ q_j; the draws and
+    the noise are seeded by ``seed``. ``nonprivate``: τ full-batch gradient steps. torch's global
+    RNG is left as it was (torch's DataLoader draws a base seed from it on every iteration).
+    """
+    with torch.random.fork_rng(devices=[]):
+        return _local_train(model_fn, weights, features, labels, sample_rates, config, seed)
+
+
+def _local_train(model_fn, weights, features, labels, sample_rates, config, seed):
+    from ..engine import PrivacyEngine
+
+    model = fresh_model(model_fn)
+    set_weights(model, weights)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    draws = np.zeros(features.shape[0], dtype=np.int64)
+    if not config.private:
+        for _ in range(config.local_steps):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(features), labels).backward()
+            optimizer.step()
+        draws += config.local_steps
+        return get_weights(model), draws
+    engine = PrivacyEngine(seed=seed)
+    criterion = nn.CrossEntropyLoss()
+    made = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=DataLoader(TensorDataset(features, labels), batch_size=1),
+        noise_multiplier=config.noise_multiplier, max_grad_norm=config.max_grad_norm, sample_rates=sample_rates,
+        mode=config.mode, clipping=config.clipping, criterion=criterion if config.mode == "ghost" else None,
+        steps_per_epoch=config.local_steps)
+    if config.mode == "ghost":
+        model, optimizer, criterion, loader = made
+    else:
+        model, optimizer, loader = made
+    try:
+        for xb, yb in loader:
+            np.add.at(draws, loader.current.indices.numpy(), 1)
+            criterion(model(xb), yb).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        engine.detach()
+    return get_weights(model), draws
+
+
+class Silo:
+    """One client of rPDP-FL.
+
+    client_id: its index 0..M−1. features: (n, ...) float tensor; labels: (n,) int64. budgets:
+    (n,) ε_j > 0 of its records (data-independent). config: the run's ``FLConfig``.
+    model_fn: builds the (untrained) model. federation_budgets: the budgets of all records of all
+    clients, for the baselines that need a federation-wide minimum or mean (default: ``budgets``).
+
+    Attributes: ``sample_rates`` (n,) q_j; ``targets`` (n,) the ε each record is trained for (NaN:
+    left out); ``ledger`` (``FederatedLedger``, None without privacy); ``draw_counts`` (n,) how
+    often each record was drawn by local DP-SGD (local statistics, never sent to the server).
+    """
+
+    def __init__(self, client_id: int, features: torch.Tensor, labels: torch.Tensor, budgets, *, config: FLConfig,
+                 model_fn: Callable[[], nn.Module], federation_budgets=None):
+        n = int(features.shape[0])
+        if n == 0:
+            raise ValueError(f"client {client_id} has no data (0 records): every client needs at least one record")
+        if labels.shape[0] != n:
+            raise ValueError(f"labels of client {client_id} has {labels.shape[0]} values but features has {n} rows")
+        self.client_id, self.config, self.model_fn = int(client_id), config, model_fn
+        self.features, self.labels = features, labels
+        self.budgets = check_budgets(f"budgets of client {client_id}", budgets, n)
+        federation = self.budgets if federation_budgets is None else np.asarray(federation_budgets, dtype=np.float64)
+        self.targets = target_budgets(config.method, self.budgets, federation)
+        self.sample_rates = calibrate_rates(self.targets, config)
+        self.ledger = None
+        if config.private:
+            self.ledger = FederatedLedger(
+                self.sample_rates, np.where(np.isfinite(self.targets), self.targets, self.budgets),
+                noise_multiplier=config.noise_multiplier, local_steps=config.local_steps,
+                client_rate=config.client_rate, delta=config.delta, conversion=config.conversion)
+        self.draw_counts = np.zeros(n, dtype=np.int64)
+        self.rounds_sampled = 0
+        self.rounds_contributed = 0
+
+    @property
+    def num_records(self) -> int:
+        return int(self.features.shape[0])
+
+    def fit(self, weights: Weights, server_round: int) -> LocalUpdate | None:
+        """Run round ``server_round`` (1-based) as a sampled client: pre-check the ledger, train
+        τ local steps from the global ``weights``, charge the ledger, return the update — or None
+        when no record has budget left (the client stops contributing)."""
+        self.rounds_sampled += 1
+        rates = self.sample_rates if self.ledger is None else self.ledger.begin_round(server_round, sampled=True)
+        if not rates.any():
+            self.ledger.end_round(sampled=True)
+            return None
+        new, draws = local_train(self.model_fn, weights, self.features, self.labels, rates, self.config,
+                                 local_seed(self.config.seed, server_round, self.client_id))
+        if self.ledger is not None:   # charge before the update leaves the client
+            self.ledger.end_round(sampled=True)
+        self.draw_counts += draws
+        self.rounds_contributed += 1
+        delta = [(a - b).astype(np.float32) for a, b in zip(new, weights)]
+        return LocalUpdate(self.client_id, delta, self.num_records)
+
+    def finish(self, rounds: int) -> None:
+        """Account the rounds after the last one this client was sampled in, up to ``rounds``."""
+        if self.ledger is not None:
+            self.ledger.advance_to(rounds)
+
+    def epsilons(self, threat: str) -> np.ndarray:
+        """(n,) ε spent by each record under ``threat`` (∞ without privacy; 0 if never trained)."""
+        if self.ledger is None:
+            return np.full(self.num_records, np.inf)
+        return self.ledger.epsilons(threat)
+
+    def stats(self) -> dict:
+        """Per-client summary (counts and ratios only; no per-record values)."""
+        out = {"client_id": self.client_id, "records": self.num_records,
+               "records_trained": int((self.sample_rates > 0).sum()),
+               "mean_sample_rate": float(self.sample_rates.mean()),
+               "rounds_sampled": self.rounds_sampled, "rounds_contributed": self.rounds_contributed}
+        if self.ledger is not None:
+            out["records_active_at_end"] = int(self.ledger.active.sum())
+            for threat in ("clients", "server"):
+                out[f"max_spent_fraction_{threat}"] = float(np.max(self.ledger.epsilons(threat) / self.budgets))
+        return out

@@ -1,0 +1,127 @@
+"""The public settings of an rPDP-FL run and the seeded draws every party can recompute.
+
+Server and clients must agree on these numbers (they are part of the privacy analysis), so they
+live in one frozen dataclass that both sides build from the same arguments. The two random draws
+of the protocol that are not the engine's own — which clients a round samples, and the seed of a
+client's local DP-SGD in a round — are pure functions of (seed, round, client), so an in-process
+simulation and a Flower deployment make exactly the same draws.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+THREATS = ("clients", "server")
+CONVERSIONS = ("standard", "improved")
+
+# Salts keep the client-sampling stream and the local-training stream independent.
+_CLIENT_SAMPLING_SALT = 0x5EED_C11E
+_LOCAL_TRAINING_SALT = 0x10CA_1DB5
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int ≥ {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value, *, low: float, high: float = math.inf, low_open: bool = True,
+                 high_open: bool = False) -> float:
+    lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+    where = f"{name} must lie in {lo}{low:g}, {high:g}{hi}"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}, got {value!r} (not a number)") from None
+    too_low = v <= low if low_open else v < low
+    too_high = v >= high if high_open else v > high
+    if not math.isfinite(v) or too_low or too_high:
+        raise ValueError(f"{where}, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class FLConfig:
+    """Settings of one rPDP-FL run (DESIGN.md §3.3), shared by the server and every client.
+
+    rounds: T, communication rounds. local_steps: τ, DP-SGD steps a sampled client runs per round.
+    client_rate: λ ∈ (0, 1], the probability that the server samples a client in a round
+    (independently per client and round). noise_multiplier: σ of local DP-SGD (noise std σ·C).
+    max_grad_norm: C, the clip bound of every record. delta: δ of every record's (ε, δ) guarantee.
+    lr: local SGD learning rate. threat: the threat model the sampling rates are calibrated for
+    ("clients": others see global models, ρ = T·ρ^{τ,λ}; "server": the server sees updates,
+    ρ = λ·T·ρ^τ); both are accounted and reported either way. conversion: RDP → (ε, δ) ("standard",
+    the paper's, or "improved", Balle et al. 2020). mode / clipping: passed to the engine.
+    method: "rpdp", "minimum", "dropout" or "nonprivate" (see ``pdpfast.fl.methods``).
+    seed: of the model initialization, the client sampling and every local training.
+    """
+
+    rounds: int = 40
+    local_steps: int = 10
+    client_rate: float = 0.5
+    noise_multiplier: float = 4.0
+    max_grad_norm: float = 1.0
+    delta: float = 1e-4
+    lr: float = 0.05
+    method: str = "rpdp"
+    threat: str = "clients"
+    conversion: str = "standard"
+    mode: str = "bk"
+    clipping: str = "flat"
+    seed: int = 0
+
+    def __post_init__(self):
+        from ..clipping import CLIPPINGS, MODES   # the engine's own choices (imports torch: lazily)
+        from .methods import METHODS
+
+        _check_int("rounds", self.rounds, 1)
+        _check_int("local_steps", self.local_steps, 1)
+        _check_float("client_rate", self.client_rate, low=0.0, high=1.0)
+        _check_float("noise_multiplier", self.noise_multiplier, low=0.0)
+        _check_float("max_grad_norm", self.max_grad_norm, low=0.0)
+        _check_float("delta", self.delta, low=0.0, high=1.0, high_open=True)
+        _check_float("lr", self.lr, low=0.0)
+        _check_choice("method", self.method, tuple(METHODS))
+        _check_choice("threat", self.threat, THREATS)
+        _check_choice("conversion", self.conversion, CONVERSIONS)
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("clipping", self.clipping, CLIPPINGS)
+        _check_int("seed", self.seed, 0)
+
+    @property
+    def private(self) -> bool:
+        from .methods import METHODS
+
+        return METHODS[self.method].private
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def accounting_kwargs(self) -> dict:
+        """The keyword arguments of ``pdpfast.accounting.rpdp`` for this run."""
+        return dict(noise_multiplier=self.noise_multiplier, delta=self.delta, local_steps=self.local_steps,
+                    rounds=self.rounds, client_rate=self.client_rate, conversion=self.conversion)
+
+
+def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate: float) -> np.ndarray:
+    """(M,) bool: which clients round ``server_round`` (1-based) samples.
+
+    Client-level Poisson sampling: every client independently with probability λ = client_rate
+    (never a fixed fraction), so a round may sample no client at all. A pure function of
+    (seed, round): the simulation and the Flower strategy draw the same clients.
+    """
+    rng = np.random.default_rng([_CLIENT_SAMPLING_SALT, int(seed), int(server_round)])
+    return rng.random(int(num_clients)) < float(client_rate)
+
+
+def local_seed(seed: int, server_round: int, client_id: int) -> int:
+    """Seed of client ``client_id``'s local DP-SGD in round ``server_round`` (record draws and noise)."""
+    state = np.random.SeedSequence([_LOCAL_TRAINING_SALT, int(seed), int(server_round), int(client_id)])
+    return int(state.generate_state(1, np.uint64)[0] >> np.uint64(2))

@@ -1,0 +1,457 @@
+"""rPDP-FL on Flower (``flwr``): a client wrapping a silo and a strategy doing client-level
+Poisson sampling and FedAvg (DESIGN.md §3.3).
+
+* ``PDPClient``: a Flower ``NumPyClient`` around a ``Silo`` (its records, budgets, sampling rates,
+  ledger and the pdpfast engine). ``fit`` runs the silo's round: ledger pre-check, τ local DP-SGD
+  steps, ledger charge, and returns the model *delta*; a client with no budget left returns no
+  update (``num_examples = 0``, ``contributed = 0``).
+* ``PoissonFedAvg``: a Flower ``Strategy``. Each round it samples every client independently with
+  probability λ (``sampled_clients``: not Flower's fixed-fraction sampling; a round may sample
+  none, and the global model then stays as it is) and averages the deltas weighted by client size
+  (``aggregate``: the same function, in the same client-id order, as the simulation). Clients are
+  identified by the ``client_id`` they report through ``get_properties``, not by Flower's
+  connection ids, so the draws do not depend on the order in which clients connect.
+* ``run_inprocess``: Flower's own ``Server`` loop with the clients called directly in this
+  process (no network, no Ray); ``serve`` / ``run_client``: separate server and client processes
+  over gRPC (Flower's deprecated-but-shipped ``start_server`` / ``start_client``);
+  ``launch_local``: one server and M client processes on 127.0.0.1, bounded in time.
+* ``run_ray_simulation``: Flower's own simulation engine (``flwr.simulation.run_simulation``,
+  Ray backend; needs ``pip install "flwr[simulation]"``). Its ClientApps are stateless (rebuilt for
+  every message, in any Ray actor), so each silo's ledger lives in a file (``PDPClient``'s
+  ``ledger_path``) that is loaded before and written after every round.
+
+Telemetry: Flower sends usage events to telemetry.flower.ai unless FLWR_TELEMETRY_ENABLED=0;
+importing this module sets that default (an explicit setting in the environment wins).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+
+try:  # graceful absence: the rest of pdpfast.fl works without flwr
+    import flwr  # noqa: F401
+    from flwr.client import NumPyClient
+    from flwr.common import DisconnectRes, FitIns, GetPropertiesIns, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server import Server, ServerConfig, SimpleClientManager
+    from flwr.server.client_proxy import ClientProxy
+    from flwr.server.strategy import Strategy
+except ImportError as exc:   # pragma: no cover - exercised only without flwr
+    FLWR_IMPORT_ERROR: str | None = (f"Flower is not installed ({exc}); install it with `pip install flwr`")
+    NumPyClient = Strategy = ClientProxy = object
+else:
+    FLWR_IMPORT_ERROR = None
+
+from .client import LocalUpdate, Silo, Weights  # noqa: E402
+from .config import FLConfig, sampled_clients  # noqa: E402
+from .simulation import aggregate, build_silo, collect_result, evaluate, initial_weights, resolve_budgets  # noqa: E402
+
+
+def _require_flwr() -> None:
+    if FLWR_IMPORT_ERROR is not None:
+        raise ImportError(FLWR_IMPORT_ERROR)
+
+
+# ----------------------------------------------------------------------------------------------
+# Client
+# ----------------------------------------------------------------------------------------------
+class PDPClient(NumPyClient):
+    """Flower client of one silo. ``fit`` expects ``config["server_round"]`` (1-based).
+
+    ledger_path: optional .npz file of the silo's ledger: loaded at start if it exists, and
+    written after every round before the update is returned (charge before release), so a client
+    that restarts never forgets what its records spent.
+    """
+
+    def __init__(self, silo: Silo, ledger_path: str | os.PathLike | None = None):
+        _require_flwr()
+        self.silo = silo
+        self.last_round = 0
+        self.ledger_path = ledger_path
+        if ledger_path is not None and silo.ledger is not None and Path(ledger_path).exists():
+            silo.ledger.load(ledger_path)
+
+    def get_properties(self, config):
+        return {"client_id": self.silo.client_id, "num_examples": self.silo.num_records}
+
+    def get_parameters(self, config):
+        raise RuntimeError("PDPClient has no model of its own: the strategy provides the initial parameters")
+
+    def fit(self, parameters, config):
+        server_round = int(config["server_round"])
+        self.last_round = server_round
+        update = self.silo.fit([np.asarray(p) for p in parameters], server_round)
+        if self.ledger_path is not None and self.silo.ledger is not None:
+            self.silo.ledger.save(self.ledger_path)
+        if update is None:
+            return [], 0, {"client_id": self.silo.client_id, "contributed": 0}
+        return update.delta, update.num_examples, {"client_id": self.silo.client_id, "contributed": 1}
+
+    def evaluate(self, parameters, config):
+        return 0.0, 0, {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Strategy
+# ----------------------------------------------------------------------------------------------
+class PoissonFedAvg(Strategy):
+    """Client-level Poisson sampling with probability λ and size-weighted FedAvg of deltas.
+
+    num_clients: M, the clients the federation expects (configure_fit waits up to
+    ``wait_timeout`` seconds for all of them to connect). config: the run's ``FLConfig``
+    (λ = client_rate, seed, rounds). initial: the round-0 global weights. evaluate_fn: optional
+    ``weights -> (loss, accuracy)`` for centralized evaluation after every round.
+
+    History: ``sampled`` / ``contributed`` (rounds × M bool lists), ``accuracy`` / ``loss``
+    (index 0: the initial model), ``failures`` (number of failed client calls per round).
+    """
+
+    def __init__(self, *, num_clients: int, config: FLConfig, initial: Weights,
+                 evaluate_fn: Callable[[Weights], tuple[float, float]] | None = None, wait_timeout: float = 120.0):
+        _require_flwr()
+        if num_clients < 1:
+            raise ValueError(f"num_clients must be ≥ 1, got {num_clients!r}")
+        self.num_clients, self.config, self.initial = int(num_clients), config, initial
+        self.evaluate_fn, self.wait_timeout = evaluate_fn, float(wait_timeout)
+        self._proxies: dict[int, ClientProxy] = {}
+        self._current: Weights | None = None
+        self.sampled: list[list[bool]] = []
+        self.contributed: list[list[bool]] = []
+        self.accuracy: list[float] = []
+        self.loss: list[float] = []
+        self.failures: list[int] = []
+        self.weights: Weights = initial
+
+    def __repr__(self) -> str:
+        return f"PoissonFedAvg(num_clients={self.num_clients}, client_rate={self.config.client_rate})"
+
+    def initialize_parameters(self, client_manager):
+        return ndarrays_to_parameters(self.initial)
+
+    def _clients(self, client_manager) -> dict[int, ClientProxy]:
+        """client_id → proxy, asking each newly connected proxy for its ``client_id``."""
+        if not client_manager.wait_for(self.num_clients, timeout=int(self.wait_timeout)):
+            raise TimeoutError(f"only {client_manager.num_available()} of {self.num_clients} clients connected "
+                               f"within {self.wait_timeout:g} s")
+        known = {p.cid for p in self._proxies.values()}
+        for cid, proxy in sorted(client_manager.all().items()):
+            if cid in known:
+                continue
+            res = proxy.get_properties(GetPropertiesIns(config={}), timeout=self.wait_timeout, group_id=0)
+            client_id = int(res.properties["client_id"])
+            if not 0 <= client_id < self.num_clients:
+                raise ValueError(f"a client reported client_id={client_id}, outside [0, {self.num_clients})")
+            self._proxies[client_id] = proxy
+        missing = sorted(set(range(self.num_clients)) - set(self._proxies))
+        if missing:
+            raise RuntimeError(f"no connected client reported client_id {missing}")
+        return self._proxies
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        proxies = self._clients(client_manager)
+        self._current = parameters_to_ndarrays(parameters)
+        chosen = sampled_clients(self.config.seed, server_round, self.num_clients, self.config.client_rate)
+        self.sampled.append(chosen.tolist())
+        self.contributed.append([False] * self.num_clients)
+        ins = FitIns(parameters, {"server_round": int(server_round), "num_rounds": int(self.config.rounds)})
+        return [(proxies[k], ins) for k in np.flatnonzero(chosen)]
+
+    def aggregate_fit(self, server_round, results, failures):
+        # A failed client contributes nothing this round (its ledger already charged it, if it ran).
+        self.failures.append(len(failures))
+        updates = []
+        for _, res in results:
+            if int(res.metrics.get("contributed", 0)):
+                k = int(res.metrics["client_id"])
+                updates.append(LocalUpdate(k, parameters_to_ndarrays(res.parameters), int(res.num_examples)))
+                self.contributed[-1][k] = True
+        new = aggregate(self._current, updates)
+        return ndarrays_to_parameters(new), {"clients_contributed": len(updates)}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []   # centralized evaluation only (``evaluate``)
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        self.weights = parameters_to_ndarrays(parameters)    # the latest global model
+        if self.evaluate_fn is None:
+            return None
+        loss, acc = self.evaluate_fn(self.weights)
+        if server_round == len(self.accuracy):    # round 0 is evaluated before round 1, and so on
+            self.accuracy.append(acc)
+            self.loss.append(loss)
+        return loss, {"accuracy": acc}
+
+
+# ----------------------------------------------------------------------------------------------
+# In process: Flower's Server loop, clients called directly
+# ----------------------------------------------------------------------------------------------
+class _DirectProxy(ClientProxy):
+    """A ``ClientProxy`` that calls a Flower ``Client`` in this process (no transport)."""
+
+    def __init__(self, cid: str, client):
+        super().__init__(cid)
+        self.client = client
+
+    def get_properties(self, ins, timeout, group_id):
+        return self.client.get_properties(ins)
+
+    def get_parameters(self, ins, timeout, group_id):
+        return self.client.get_parameters(ins)
+
+    def fit(self, ins, timeout, group_id):
+        return self.client.fit(ins)
+
+    def evaluate(self, ins, timeout, group_id):
+        return self.client.evaluate(ins)
+
+    def reconnect(self, ins, timeout, group_id):
+        return DisconnectRes(reason="")
+
+
+def _federation(dataset, clients, split, budgets, config: FLConfig, dirichlet_alpha):
+    from .datasets import load_federated
+
+    data = load_federated(dataset, clients, split, seed=config.seed, dirichlet_alpha=dirichlet_alpha)
+    return data, resolve_budgets(budgets, data, config.seed)
+
+
+def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets="ThreeLevels", *,
+                  config: FLConfig, dirichlet_alpha: float = 0.5):
+    """rPDP-FL through Flower's ``Server`` with ``PoissonFedAvg`` and ``PDPClient``s called in this
+    process, one at a time (``max_workers = 1``). Returns a ``FederatedResult`` like ``simulate``."""
+    _require_flwr()
+    from .datasets import model_factory
+
+    data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
+    model_fn = model_factory(dataset)
+    silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
+    manager = SimpleClientManager()
+    # register in reverse order under opaque ids: the strategy must rely on get_properties only
+    for silo in reversed(silos):
+        manager.register(_DirectProxy(f"node-{1000 - silo.client_id}", PDPClient(silo).to_client()))
+    strategy = PoissonFedAvg(num_clients=data.num_clients, config=config, initial=initial_weights(model_fn, config.seed),
+                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=5)
+    server = Server(client_manager=manager, strategy=strategy)
+    server.max_workers = 1
+    server.fit(num_rounds=config.rounds, timeout=None)
+    for silo in silos:
+        silo.finish(config.rounds)
+    run = {"weights": parameters_to_ndarrays(server.parameters), "accuracy": np.array(strategy.accuracy),
+           "loss": np.array(strategy.loss), "sampled": np.array(strategy.sampled, dtype=bool),
+           "contributed": np.array(strategy.contributed, dtype=bool)}
+    return collect_result(silos, data, per_record, config, run, {"runner": "flower-inprocess", "split": split})
+
+
+# ----------------------------------------------------------------------------------------------
+# Flower's simulation engine (Ray)
+# ----------------------------------------------------------------------------------------------
+def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets: str = "ThreeLevels", *,
+                       config: FLConfig, dirichlet_alpha: float = 0.5, ledger_dir: str | os.PathLike | None = None,
+                       ray_init_args: dict | None = None):
+    """rPDP-FL on Flower's Ray simulation engine: M virtual SuperNodes, one ClientApp each (its
+    ``partition-id`` is the client id), the ``PoissonFedAvg`` strategy in a ServerApp. Returns a
+    ``FederatedResult`` like ``simulate`` (per-record ε read back from the silos' ledger files).
+    ray_init_args: passed to ``ray.init`` (default: 2 CPUs, no dashboard)."""
+    _require_flwr()
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ImportError('Flower\'s simulation engine needs Ray: pip install "flwr[simulation]"')
+    from flwr.client import ClientApp
+    from flwr.server import ServerApp, ServerAppComponents
+    from flwr.simulation import run_simulation
+
+    from .datasets import model_factory
+
+    if not isinstance(budgets, str):
+        raise ValueError("budgets must be a distribution name for run_ray_simulation (ClientApps rebuild them)")
+    ledger_dir = Path(ledger_dir or tempfile.mkdtemp(prefix="pdpfast-fl-ledgers-"))
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+    data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
+    model_fn = model_factory(dataset)
+    strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
+                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=300)
+    client_app = ClientApp(client_fn=_RayClientFn(dataset, clients, split, budgets, config, dirichlet_alpha,
+                                                  str(ledger_dir)))
+    server_app = ServerApp(server_fn=lambda context: ServerAppComponents(
+        strategy=strategy, config=ServerConfig(num_rounds=config.rounds)))
+    init_args = {"num_cpus": 2, "include_dashboard": False} | (ray_init_args or {})
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=clients,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init_args})
+    if len(strategy.accuracy) != config.rounds + 1:
+        raise RuntimeError(f"the Flower simulation stopped after {len(strategy.accuracy) - 1} of {config.rounds} rounds")
+    silos = [build_silo(data, per_record, config, k) for k in range(clients)]
+    for silo in silos:
+        path = ledger_dir / f"client{silo.client_id}.npz"
+        if silo.ledger is not None and path.exists():
+            silo.ledger.load(path)
+        silo.rounds_sampled = int(np.array(strategy.sampled, dtype=bool)[:, silo.client_id].sum())
+        silo.rounds_contributed = int(np.array(strategy.contributed, dtype=bool)[:, silo.client_id].sum())
+        silo.finish(config.rounds)
+    run = {"weights": strategy.weights, "accuracy": np.array(strategy.accuracy), "loss": np.array(strategy.loss),
+           "sampled": np.array(strategy.sampled, dtype=bool), "contributed": np.array(strategy.contributed, dtype=bool)}
+    return collect_result(silos, data, per_record, config, run, {"runner": "flower-ray", "split": split})
+
+
+class _RayClientFn:
+    """client_fn of the ClientApp (picklable for Ray): the silo of ``partition-id``, its ledger
+    resumed from and saved to ``<ledger_dir>/client<k>.npz``."""
+
+    def __init__(self, dataset, clients, split, budgets, config, dirichlet_alpha, ledger_dir):
+        self.args = (dataset, clients, split, budgets, config, dirichlet_alpha)
+        self.ledger_dir = ledger_dir
+
+    def __call__(self, context):
+        k = int(context.node_config["partition-id"])
+        data, per_record = _federation(*self.args)
+        silo = build_silo(data, per_record, self.args[4], k)
+        return PDPClient(silo, Path(self.ledger_dir) / f"client{k}.npz").to_client()
+
+
+# ----------------------------------------------------------------------------------------------
+# Separate processes over gRPC
+# ----------------------------------------------------------------------------------------------
+def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str = "iid", config: FLConfig,
+          dirichlet_alpha: float = 0.5, out: str | os.PathLike | None = None, wait_timeout: float = 120.0,
+          round_timeout: float | None = 300.0) -> dict:
+    """Run the Flower server of an rPDP-FL federation at ``address`` (e.g. "127.0.0.1:8080") until
+    T rounds are done. Writes ``out`` (JSON: accuracy per round, sampled / contributed clients) and
+    ``out`` with suffix .npz (the final global weights) when given; returns the JSON dict."""
+    _require_flwr()
+    from flwr.server import start_server
+
+    from .datasets import load_federated, model_factory
+
+    data = load_federated(dataset, clients, split, seed=config.seed, dirichlet_alpha=dirichlet_alpha)
+    model_fn = model_factory(dataset)
+    strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
+                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test),
+                             wait_timeout=wait_timeout)
+    server = Server(client_manager=SimpleClientManager(), strategy=strategy)
+    server.max_workers = clients
+    start_server(server_address=address, server=server,
+                 config=ServerConfig(num_rounds=config.rounds, round_timeout=round_timeout))
+    report = {"config": config.to_dict() | {"dataset": dataset, "clients": clients, "split": split},
+              "accuracy": strategy.accuracy, "loss": strategy.loss, "sampled": strategy.sampled,
+              "contributed": strategy.contributed, "failures": strategy.failures}
+    if out is not None:
+        Path(out).write_text(json.dumps(report, indent=2))
+        np.savez(Path(out).with_suffix(".npz"), *strategy.weights)
+    report["weights"] = strategy.weights
+    return report
+
+
+def run_client(address: str, client_id: int, *, dataset: str = "digits", clients: int = 5, split: str = "iid",
+               budgets="ThreeLevels", config: FLConfig, dirichlet_alpha: float = 0.5,
+               out: str | os.PathLike | None = None, max_wait_time: float = 120.0,
+               ledger_path: str | os.PathLike | None = None) -> dict:
+    """Run client ``client_id`` of the federation against the Flower server at ``address``.
+
+    The client builds its own silo from the shared, seeded split (a stand-in for a silo's own
+    data). When the server ends the run it accounts the remaining rounds and writes ``out``
+    (JSON: per-record budgets and ε under both threat models, and its statistics; these stay on
+    the client's side). ``ledger_path``: see ``PDPClient``. Returns that dict."""
+    _require_flwr()
+    from flwr.client import start_client
+
+    data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
+    silo = build_silo(data, per_record, config, client_id)
+    start_client(server_address=address, client=PDPClient(silo, ledger_path).to_client(), insecure=True,
+                 max_wait_time=max_wait_time)
+    silo.finish(config.rounds)
+    report = {"client_id": client_id, "budgets": silo.budgets.tolist(), "sample_rates": silo.sample_rates.tolist(),
+              "epsilon_clients": silo.epsilons("clients").tolist(), "epsilon_server": silo.epsilons("server").tolist(),
+              "stats": silo.stats()}
+    if out is not None:
+        Path(out).write_text(json.dumps(report, allow_nan=True))
+    return report
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid", budgets: str = "ThreeLevels",
+                 config: FLConfig, dirichlet_alpha: float = 0.5, timeout: float = 300.0,
+                 workdir: str | os.PathLike | None = None, python: str | None = None) -> dict:
+    """Start one server and ``clients`` client processes on 127.0.0.1 (a free port), wait for them
+    (at most ``timeout`` seconds, then kill them all) and return {"server": ..., "clients": [...]}
+    read from their JSON outputs. Raises RuntimeError with the logs if a process fails."""
+    _require_flwr()
+    if not isinstance(budgets, str):
+        raise ValueError("budgets must be a distribution name for launch_local (processes rebuild them)")
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
+    address = f"127.0.0.1:{free_port()}"
+    common = ["--dataset", dataset, "--clients", str(clients), "--split", split, "--budgets", budgets,
+              "--dirichlet-alpha", str(dirichlet_alpha), *config_to_argv(config)]
+    env = os.environ | {"FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
+                        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    py = python or sys.executable
+    procs, logs = [], []
+
+    def start(name, args):
+        log = open(workdir / f"{name}.log", "w")
+        logs.append(log)
+        procs.append((name, subprocess.Popen([py, "-m", "pdpfast.fl", *args], stdout=log, stderr=subprocess.STDOUT,
+                                             env=env)))
+
+    wait = str(max(10.0, timeout - 5))
+    start("server", ["server", "--address", address, "--out", str(workdir / "server.json"),
+                     "--wait-timeout", wait, *common])
+    for k in range(clients):
+        start(f"client{k}", ["client", "--address", address, "--client-id", str(k),
+                             "--out", str(workdir / f"client{k}.json"), "--max-wait-time", wait, *common])
+    deadline = time.monotonic() + timeout
+    try:
+        for name, p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"Flower processes did not finish within {timeout:g} s; logs in {workdir}:\n"
+                           + _tails(workdir)) from None
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    bad = [(name, p.returncode) for name, p in procs if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"Flower processes failed {bad}; logs in {workdir}:\n" + _tails(workdir))
+    server = json.loads((workdir / "server.json").read_text())
+    with np.load(workdir / "server.npz") as z:
+        server["weights"] = [z[f"arr_{i}"] for i in range(len(z.files))]
+    client_reports = [json.loads((workdir / f"client{k}.json").read_text()) for k in range(clients)]
+    return {"server": server, "clients": client_reports, "address": address, "workdir": str(workdir)}
+
+
+def _tails(workdir: Path, n: int = 30) -> str:
+    parts = []
+    for log in sorted(workdir.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-n:]
+        parts.append(f"--- {log.name} ---\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def config_to_argv(config: FLConfig) -> list[str]:
+    """Command-line flags reproducing ``config`` (for the server and client processes)."""
+    argv = []
+    for key, value in config.to_dict().items():
+        argv += [f"--{key.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]
+    return argv

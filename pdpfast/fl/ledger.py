@@ -1,0 +1,193 @@
+"""Per-record budget ledger of one rPDP-FL client, under both threat models (DESIGN.md §3.3).
+
+Every record j of a client has a fixed sampling rate q_j for as long as it takes part; a record
+that leaves (budget exhausted) has q = 0 from then on. Its RDP is therefore a count of rounds
+times a per-round RDP, under each threat model (Liu et al., CCS 2024, Thms. 2-3):
+
+* "clients" — other clients and third parties see the global models. The per-round bound already
+  includes the amplification by client sampling, ρ^{τ,λ}(α) = log(1 − λ + λ·e^{(α−1)ρ^τ(α)})/(α−1),
+  so a record is charged ρ^{τ,λ} in **every** round it takes part in, whether or not its client
+  is sampled (charging only sampled rounds would make the charge depend on the secret coin).
+* "server" — an honest-but-curious server sees the updates of the clients it sampled, so it
+  knows which rounds a client took part in: a record is charged ρ^τ(α) = τ·ρ_SGM(α; q_j, σ) only
+  in rounds its client was sampled. This is the exact composition over the realized rounds; the
+  paper's λ·T·ρ^τ is its expectation over the client sampling.
+
+Before each round the ledger drops every record whose ε after the round would exceed its budget
+(the "clients" check every round, the "server" check when the client is sampled); after the
+round it charges the records that took part. ε uses the conversion of ``rpdp.epsilon`` and equals
+``rpdp.epsilon(q_j, rounds=n, ...)`` for a record charged n rounds (tested).
+
+Caveat: a drop triggered by the "server" check depends on how often the client was sampled,
+which the "clients" analysis treats as secret. With sampling rates calibrated for the planned T
+rounds (``rpdp.sample_rates``) the "clients" check never fires; the "server" check fires only
+when a client is sampled more often than λ·T allows for that record.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..accounting import _grid
+from ..accounting.rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp
+from .config import CONVERSIONS, THREATS
+
+
+def _to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion: str) -> np.ndarray:
+    """ε per row of rdp (P, n_orders), minimized over orders; the conversions of ``rpdp.epsilon``."""
+    if conversion == "improved":
+        return _eps_from_rdp(orders, rdp, delta)[0]
+    return np.min(rdp + np.log(1.0 / delta) / (orders - 1.0), axis=-1)
+
+
+def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client_rate: float,
+              orders=None) -> dict[str, np.ndarray]:
+    """RDP of ONE round per record, {"clients": (P, n), "server": (P, n)}, for q = sample_rates (P,).
+
+    "server": ρ^τ(α) = τ·ρ_SGM(α; q, σ). "clients": log(1 − λ + λ·e^{(α−1)ρ^τ})/(α−1), evaluated
+    as in ``rpdp``: log1p(λ·expm1 x) for x = (α−1)ρ^τ < 30, logaddexp above (exact for both).
+    """
+    orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
+    rho_local = int(local_steps) * _grid.rdp_one_step(q, np.array([float(noise_multiplier)]), orders)
+    x = (orders - 1.0) * rho_local
+    lam = float(client_rate)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
+        large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
+    rho_clients = np.where(x < 30.0, small, large) / (orders - 1.0)
+    rho_clients = np.where(q[:, None] == 0.0, 0.0, rho_clients)
+    return {"clients": rho_clients, "server": rho_local}
+
+
+class FederatedLedger:
+    """Per-record rPDP-FL ledger of one client.
+
+    sample_rates: (n,) q_j in [0, 1] (0: the record never takes part). budgets: (n,) the ε each
+    record must not exceed (> 0; ∞ allowed). noise_multiplier, local_steps, client_rate, delta,
+    conversion: as in ``FLConfig``.
+
+    State: ``active`` (n,) bool, ``rounds_charged`` (n,) rounds charged under "clients",
+    ``participations`` (n,) rounds charged under "server", ``rounds_seen`` the last round seen.
+    """
+
+    def __init__(self, sample_rates, budgets, *, noise_multiplier: float, local_steps: int, client_rate: float,
+                 delta: float, conversion: str = "standard", orders=None):
+        q = np.asarray(sample_rates, dtype=np.float64).ravel()
+        b = np.asarray(budgets, dtype=np.float64).ravel()
+        if q.shape != b.shape:
+            raise ValueError(f"budgets has {b.shape[0]} values but sample_rates has {q.shape[0]}")
+        if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
+            raise ValueError("sample_rates must lie in [0, 1]")
+        if np.any(np.isnan(b)) or np.any(b <= 0):
+            raise ValueError("budgets must be > 0 (use q = 0 for records that never take part)")
+        if conversion not in CONVERSIONS:
+            raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
+        self.sample_rates, self.budgets = q, b
+        self.delta, self.conversion = float(delta), conversion
+        self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+        # one round's RDP per distinct rate, computed once (the costly part of accounting)
+        distinct, self._rate_index = np.unique(q, return_inverse=True)
+        self._round_rdp = round_rdp(distinct, noise_multiplier=noise_multiplier, local_steps=local_steps,
+                                    client_rate=client_rate, orders=self.orders)
+        self.active = q > 0
+        self.rounds_charged = np.zeros(q.shape[0], dtype=np.int64)
+        self.participations = np.zeros(q.shape[0], dtype=np.int64)
+        self.rounds_seen = 0
+
+    @property
+    def num_records(self) -> int:
+        return int(self.sample_rates.shape[0])
+
+    def _epsilon_at(self, threat: str, counts: np.ndarray) -> np.ndarray:
+        """(n,) ε of each record after ``counts`` rounds under ``threat`` (each distinct
+        (rate, count) pair converted once)."""
+        out = np.zeros(self.num_records)
+        charged = counts > 0
+        if not charged.any():
+            return out
+        keys = np.stack([self._rate_index[charged], counts[charged]], axis=1)
+        pairs, inverse = np.unique(keys, axis=0, return_inverse=True)
+        rdp = pairs[:, 1:2] * self._round_rdp[threat][pairs[:, 0]]
+        out[charged] = _to_epsilon(self.orders, rdp, self.delta, self.conversion)[inverse.ravel()]
+        return out
+
+    def epsilons(self, threat: str) -> np.ndarray:
+        """(n,) ε spent so far by every record under ``threat`` ("clients" or "server")."""
+        if threat not in THREATS:
+            raise ValueError(f"threat must be one of {THREATS}, got {threat!r}")
+        counts = self.rounds_charged if threat == "clients" else self.participations
+        return self._epsilon_at(threat, counts)
+
+    def begin_round(self, server_round: int, sampled: bool) -> np.ndarray:
+        """Pre-check of round ``server_round`` (1-based; rounds skipped since the last call are
+        accounted as rounds in which the client was not sampled). Drops the records whose ε after
+        this round would exceed their budget; returns (n,) the sampling rates of this round
+        (q_j for records taking part, 0 for the others)."""
+        self.advance_to(server_round - 1)
+        if server_round != self.rounds_seen + 1:
+            raise ValueError(f"server_round {server_round} was already seen (last round {self.rounds_seen})")
+        self._drop("clients", self.rounds_charged + 1)
+        if sampled:
+            self._drop("server", self.participations + 1)
+        return np.where(self.active, self.sample_rates, 0.0)
+
+    def end_round(self, sampled: bool) -> None:
+        """Charge the round just run to the records that took part (checked by ``begin_round``)."""
+        self.rounds_charged[self.active] += 1
+        if sampled:
+            self.participations[self.active] += 1
+        self.rounds_seen += 1
+
+    def advance_to(self, server_round: int) -> None:
+        """Account every round up to ``server_round`` not seen yet as a round the client was not
+        sampled in (charged under "clients" only)."""
+        while self.rounds_seen < server_round:
+            self.begin_round(self.rounds_seen + 1, sampled=False)
+            self.end_round(sampled=False)
+
+    def _drop(self, threat: str, counts: np.ndarray) -> None:
+        over = self.active & (self._epsilon_at(threat, np.where(self.active, counts, 0)) > self.budgets)
+        self.active &= ~over
+
+    def state_dict(self) -> dict:
+        """The mutable state (the rates, budgets and per-round RDP are rebuilt from the config)."""
+        return {"active": self.active.copy(), "rounds_charged": self.rounds_charged.copy(),
+                "participations": self.participations.copy(), "rounds_seen": np.int64(self.rounds_seen),
+                "sample_rates": self.sample_rates.copy(), "budgets": self.budgets.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``; refuses a state of other rates or budgets."""
+        if not (np.array_equal(state["sample_rates"], self.sample_rates) and
+                np.array_equal(state["budgets"], self.budgets)):
+            raise ValueError("ledger state was saved for other sample_rates or budgets")
+        self.active = np.asarray(state["active"], dtype=bool).copy()
+        self.rounds_charged = np.asarray(state["rounds_charged"], dtype=np.int64).copy()
+        self.participations = np.asarray(state["participations"], dtype=np.int64).copy()
+        self.rounds_seen = int(state["rounds_seen"])
+
+    def save(self, path) -> None:
+        """Write the state to ``path`` (.npz) atomically: a temporary file, fsync, os.replace."""
+        import os
+        import tempfile
+
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(prefix=".fl-ledger-", suffix=".npz", dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **self.state_dict())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def load(self, path) -> None:
+        with np.load(path) as data:
+            self.load_state_dict({k: data[k] for k in data.files})
+
+    @property
+    def exhausted(self) -> bool:
+        """True when no record can take part any more."""
+        return not self.active.any()

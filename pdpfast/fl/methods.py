@@ -1,0 +1,65 @@
+"""rPDP-FL and its baselines as one small registry: what budget each record is trained for.
+
+A method maps the budgets of a client's records (and the budgets of the whole federation, a
+public, data-independent summary) to per-record *target* budgets: the ε the sampling rates are
+calibrated for and the ledger enforces. NaN means the record is left out of training (q = 0).
+
+* ``rpdp``: every record at its own budget (personalized; Liu et al., CCS 2024).
+* ``minimum``: uniform DP, every record at the smallest budget of the federation.
+* ``dropout``: uniform DP at the mean budget of the federation; records whose budget is below the
+  mean are left out.
+* ``nonprivate``: FedAvg without clipping or noise (no guarantee; ε = ∞).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    private: bool
+    targets: Callable[[np.ndarray, np.ndarray], np.ndarray]   # (budgets (n,), federation (N,)) -> (n,)
+    description: str
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    METHODS[method.name] = method
+    return method
+
+
+def _own(budgets, federation):
+    return np.asarray(budgets, dtype=np.float64).copy()
+
+
+def _minimum(budgets, federation):
+    return np.full(np.shape(budgets), float(np.min(federation)))
+
+
+def _dropout(budgets, federation):
+    mean = float(np.mean(federation))
+    b = np.asarray(budgets, dtype=np.float64)
+    return np.where(b >= mean, mean, np.nan)
+
+
+def _unbounded(budgets, federation):
+    return np.full(np.shape(budgets), np.inf)
+
+
+register_method(Method("rpdp", True, _own, "rPDP-FL: each record at its own budget"))
+register_method(Method("minimum", True, _minimum, "uniform DP at the smallest budget"))
+register_method(Method("dropout", True, _dropout, "uniform DP at the mean budget, records below it left out"))
+register_method(Method("nonprivate", False, _unbounded, "FedAvg without clipping or noise"))
+
+
+def target_budgets(method: str, budgets, federation) -> np.ndarray:
+    """(n,) target ε per record for ``method`` (NaN: left out; ∞: no privacy)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+    return METHODS[method].targets(budgets, federation)

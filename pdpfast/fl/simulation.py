@@ -1,0 +1,262 @@
+"""rPDP-FL (Liu, Lou, Xiong, Liu, Meng, CCS 2024) as an in-process simulation (DESIGN.md §3.3).
+
+Each round t = 1..T the server samples every client independently with probability λ (a round
+may sample none: the global model is then unchanged); each sampled client runs τ local DP-SGD
+steps through the pdpfast engine with record-level Poisson sampling at its per-record rates q_j
+(``rpdp.sample_rates``: SCF + exact re-accounting), shared σ and C; the server averages the
+sampled clients' model deltas weighted by their number of records n_k (FedAvg:
+θ ← θ + Σ_k n_k Δ_k / Σ_k n_k over the clients that sent an update). Every client keeps a
+per-record ledger (``FederatedLedger``) and every record's ε is reported under both threat models.
+
+``simulate(...)`` runs one configuration end to end; ``run_federated(...)`` runs given silos (the
+building block the Flower front end shares: ``sampled_clients``, ``aggregate`` and ``Silo``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .budgets import sample_budgets
+from .client import LocalUpdate, Silo, Weights, get_weights
+from .config import FLConfig, sampled_clients
+from .datasets import FederatedData, load_federated, model_factory
+
+
+# ----------------------------------------------------------------------------------------------
+# The server's two operations (shared with the Flower strategy)
+# ----------------------------------------------------------------------------------------------
+def initial_weights(model_fn: Callable[[], nn.Module], seed: int) -> Weights:
+    """The global model of round 0: ``model_fn()`` under ``torch.manual_seed(seed)`` (the global
+    RNG state is restored afterwards)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return get_weights(model_fn())
+
+
+def aggregate(weights: Weights, updates: Sequence[LocalUpdate]) -> Weights:
+    """FedAvg of model deltas weighted by client size: θ + Σ_k n_k Δ_k / Σ_k n_k.
+
+    Summed in float64 in client-id order (the order results arrive in does not matter, so a
+    Flower server gets the same bits as the simulation); no update leaves ``weights`` unchanged.
+    """
+    if not updates:
+        return [w.copy() for w in weights]
+    updates = sorted(updates, key=lambda u: u.client_id)
+    total = float(sum(u.num_examples for u in updates))
+    out = []
+    for i, w in enumerate(weights):
+        acc = np.zeros(w.shape, dtype=np.float64)
+        for u in updates:
+            acc += (u.num_examples / total) * u.delta[i].astype(np.float64)
+        out.append((w.astype(np.float64) + acc).astype(w.dtype))
+    return out
+
+
+def evaluate(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor,
+             labels: torch.Tensor) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of the model ``weights`` on (features, labels)."""
+    from .client import fresh_model, set_weights
+
+    model = fresh_model(model_fn)
+    set_weights(model, weights)
+    model.eval()
+    with torch.no_grad():
+        logits = model(features)
+        return (float(nn.functional.cross_entropy(logits, labels)),
+                float((logits.argmax(1) == labels).float().mean()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Result
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class FederatedResult:
+    """One rPDP-FL run.
+
+    accuracy, loss: (T+1,) of the global model on the test set after each round (index 0: the
+    initial model). sampled, contributed: (T, M) bool, which clients each round sampled / which
+    sent an update. budgets, targets, sample_rates, epsilon_clients, epsilon_server, client_index:
+    (N,) per training record (ε under the "clients" and "server" threat models; ∞ without privacy).
+    clients: per-client statistics. weights: the final global model (float32 arrays).
+    """
+
+    config: dict
+    accuracy: np.ndarray
+    loss: np.ndarray
+    sampled: np.ndarray
+    contributed: np.ndarray
+    budgets: np.ndarray
+    targets: np.ndarray
+    sample_rates: np.ndarray
+    epsilon_clients: np.ndarray
+    epsilon_server: np.ndarray
+    client_index: np.ndarray
+    clients: list[dict]
+    weights: Weights = field(repr=False)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def final_accuracy(self) -> float:
+        return float(self.accuracy[-1])
+
+    def within_budget(self) -> bool:
+        """True when no record's ε exceeds its budget under either threat model."""
+        return bool(np.all(self.epsilon_clients <= self.budgets) and np.all(self.epsilon_server <= self.budgets))
+
+    def summary(self) -> dict:
+        """Scalars for tables and JSON."""
+        trained = self.sample_rates > 0
+        spent = lambda e: float(np.max(e / self.budgets)) if np.isfinite(e).all() else float("inf")  # noqa: E731
+        return {"method": self.config["method"], "final_accuracy": self.final_accuracy,
+                "best_accuracy": float(np.max(self.accuracy)), "records_trained": int(trained.sum()),
+                "records": int(self.budgets.shape[0]), "mean_sample_rate": float(self.sample_rates.mean()),
+                "rounds_with_no_client": int((~self.sampled.any(axis=1)).sum()),
+                "max_spent_fraction_clients": spent(self.epsilon_clients),
+                "max_spent_fraction_server": spent(self.epsilon_server)}
+
+    def to_dict(self) -> dict:
+        """JSON-ready: config, summary, curves, per-client statistics and per-group ε (no weights)."""
+        groups = []
+        finite = np.isfinite(self.budgets)
+        levels = np.unique(self.budgets[finite]) if np.unique(self.budgets).shape[0] <= 16 else None
+        if levels is not None:
+            for b in levels:
+                sel = self.budgets == b
+                groups.append({"budget": float(b), "records": int(sel.sum()),
+                               "sample_rate": float(self.sample_rates[sel].mean()),
+                               "max_epsilon_clients": _json_float(self.epsilon_clients[sel].max()),
+                               "max_epsilon_server": _json_float(self.epsilon_server[sel].max())})
+        return {"config": self.config, "summary": {k: _json_float(v) for k, v in self.summary().items()},
+                "accuracy": self.accuracy.tolist(), "loss": self.loss.tolist(),
+                "clients_sampled_per_round": self.sampled.sum(axis=1).tolist(), "clients": self.clients,
+                "budget_groups": groups, "info": self.info}
+
+    def to_json(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+
+def _json_float(v):
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if np.isfinite(v) else str(v)
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a federation
+# ----------------------------------------------------------------------------------------------
+def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
+    """(N,) per-record budgets of the training set from a distribution name, an (N,) array, or a
+    list of M per-client arrays (client k's in the order of ``data.records_of(k)``)."""
+    n = int(data.y_train.shape[0])
+    if isinstance(budgets, str):
+        return sample_budgets(budgets, n, seed)
+    if isinstance(budgets, (list, tuple)) and budgets and all(np.ndim(b) == 1 for b in budgets):
+        if len(budgets) != data.num_clients:
+            raise ValueError(f"budgets has {len(budgets)} per-client arrays but there are {data.num_clients} clients")
+        out = np.empty(n)
+        for k, b in enumerate(budgets):
+            idx = data.records_of(k)
+            if len(b) != idx.shape[0]:
+                raise ValueError(f"budgets[{k}] has {len(b)} values but client {k} holds {idx.shape[0]} records")
+            out[idx] = b
+        budgets = out
+    arr = np.asarray(budgets, dtype=np.float64)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"budgets must have one value per training record ({n}), got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError("budgets must be finite and > 0")
+    return arr
+
+
+def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, client_id: int) -> Silo:
+    """Client ``client_id`` of the federation (what a Flower client process builds for itself)."""
+    if not 0 <= client_id < data.num_clients:
+        raise ValueError(f"client_id must lie in [0, {data.num_clients}), got {client_id!r}")
+    x, y = data.client_data(client_id)
+    return Silo(client_id, x, y, budgets[data.records_of(client_id)], config=config,
+                model_fn=model_factory(data.name), federation_budgets=budgets)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running it
+# ----------------------------------------------------------------------------------------------
+def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test_features: torch.Tensor,
+                  test_labels: torch.Tensor, config: FLConfig, *, progress: bool = False,
+                  on_round: Callable[[int, Weights], None] | None = None) -> dict:
+    """Run T rounds over ``silos`` (indexed by client id 0..M−1). Returns a dict with the final
+    ``weights``, ``accuracy``/``loss`` (T+1,), ``sampled``/``contributed`` (T, M)."""
+    from tqdm.auto import tqdm
+
+    if any(s.client_id != k for k, s in enumerate(silos)):
+        raise ValueError("silos must be given in client-id order 0..M−1")
+    M, T = len(silos), config.rounds
+    if M == 0:
+        raise ValueError("clients must be ≥ 1")
+    weights = initial_weights(model_fn, config.seed)
+    loss, acc = np.zeros(T + 1), np.zeros(T + 1)
+    loss[0], acc[0] = evaluate(model_fn, weights, test_features, test_labels)
+    sampled, contributed = np.zeros((T, M), dtype=bool), np.zeros((T, M), dtype=bool)
+    bar = tqdm(range(1, T + 1), desc=f"{config.method:>10}", leave=False, disable=not progress)
+    for t in bar:
+        sampled[t - 1] = sampled_clients(config.seed, t, M, config.client_rate)
+        updates = []
+        for k in np.flatnonzero(sampled[t - 1]):
+            update = silos[k].fit(weights, t)
+            if update is not None:
+                updates.append(update)
+                contributed[t - 1, k] = True
+        weights = aggregate(weights, updates)
+        loss[t], acc[t] = evaluate(model_fn, weights, test_features, test_labels)
+        bar.set_postfix(acc=f"{acc[t]:.3f}", clients=len(updates))
+        if on_round is not None:
+            on_round(t, weights)
+    for silo in silos:
+        silo.finish(T)
+    return {"weights": weights, "accuracy": acc, "loss": loss, "sampled": sampled, "contributed": contributed}
+
+
+def collect_result(silos: Sequence[Silo], data: FederatedData, budgets: np.ndarray, config: FLConfig,
+                   run: dict, info: dict | None = None) -> FederatedResult:
+    """Gather per-record and per-client outcomes into a ``FederatedResult``."""
+    n = budgets.shape[0]
+    targets, rates, eps_c, eps_s = (np.empty(n) for _ in range(4))
+    for silo in silos:
+        idx = data.records_of(silo.client_id)
+        targets[idx], rates[idx] = silo.targets, silo.sample_rates
+        eps_c[idx], eps_s[idx] = silo.epsilons("clients"), silo.epsilons("server")
+    cfg = config.to_dict() | {"dataset": data.name, "clients": data.num_clients}
+    return FederatedResult(cfg, run["accuracy"], run["loss"], run["sampled"], run["contributed"], budgets,
+                           targets, rates, eps_c, eps_s, data.client_index.copy(), [s.stats() for s in silos],
+                           run["weights"], info or {})
+
+
+def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets="ThreeLevels",
+             method: str = "rpdp", *, rounds: int = 40, local_steps: int = 10, client_rate: float = 0.5,
+             noise_multiplier: float = 4.0, max_grad_norm: float = 1.0, delta: float = 1e-4, lr: float = 0.05,
+             threat: str = "clients", conversion: str = "standard", mode: str = "bk", clipping: str = "flat",
+             dirichlet_alpha: float = 0.5, seed: int = 0, progress: bool = False) -> FederatedResult:
+    """Simulate rPDP-FL (or a baseline) in process and return a ``FederatedResult``.
+
+    dataset: "digits" or "breast_cancer". clients: M. split: "iid", "label" or "dirichlet".
+    budgets: "ThreeLevels", "BoundedPareto", "BoundedMixGauss" (drawn per record with ``seed``),
+    an (N,) array over the training set, or a list of M per-client arrays. method: "rpdp",
+    "minimum", "dropout" or "nonprivate". rounds: T; local_steps: τ; client_rate: λ ∈ (0, 1];
+    noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
+    """
+    config = FLConfig(rounds=rounds, local_steps=local_steps, client_rate=client_rate,
+                      noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=delta, lr=lr,
+                      method=method, threat=threat, conversion=conversion, mode=mode, clipping=clipping, seed=seed)
+    data = load_federated(dataset, clients, split, seed=seed, dirichlet_alpha=dirichlet_alpha)
+    per_record = resolve_budgets(budgets, data, seed)
+    silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
+    run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)
+    info = {"split": split, "budgets": budgets if isinstance(budgets, str) else "custom",
+            "aggregation": "FedAvg of model deltas weighted by client size n_k, over the clients that sent one"}
+    return collect_result(silos, data, per_record, config, run, info)

@@ -1,0 +1,130 @@
+"""Privacy properties of rPDP-FL: no record ever exceeds its budget, under either threat model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pdpfast.fl as fl
+from pdpfast.accounting import rpdp
+from pdpfast.fl.simulation import run_federated
+
+FAST = dict(dataset="breast_cancer", clients=4, rounds=6, local_steps=4, client_rate=0.5)
+
+
+@pytest.mark.parametrize("budgets", ["ThreeLevels", "BoundedPareto", "BoundedMixGauss"])
+@pytest.mark.parametrize("method", ["rpdp", "minimum", "dropout"])
+def test_every_record_epsilon_within_budget_under_both_threat_models(budgets, method):
+    res = fl.simulate(budgets=budgets, method=method, seed=3, **FAST)
+    assert np.all(res.epsilon_clients <= res.budgets)
+    assert np.all(res.epsilon_server <= res.budgets)
+    trained = np.isfinite(res.targets)
+    assert np.all(res.epsilon_clients[trained] <= res.targets[trained])
+    assert np.all(res.epsilon_server[trained] <= res.targets[trained])
+    assert res.within_budget()
+    if method == "dropout":   # left-out records are never drawn and spend nothing
+        assert np.all(res.sample_rates[~trained] == 0) and np.all(res.epsilon_clients[~trained] == 0)
+
+
+def test_rpdp_spends_each_budget_almost_exactly_over_the_planned_rounds():
+    """SCF + exact re-accounting: after T rounds every record's "clients" ε is just below its budget."""
+    res = fl.simulate(budgets="BoundedPareto", method="rpdp", seed=1, **FAST)
+    partial = res.sample_rates < 1
+    ratio = res.epsilon_clients[partial] / res.budgets[partial]
+    assert ratio.max() <= 1 and ratio.min() >= 0.99
+
+
+def _ledger(threat_rates, budgets, conversion="standard", client_rate=0.5):
+    return fl.FederatedLedger(threat_rates, budgets, noise_multiplier=2.0, local_steps=5, client_rate=client_rate,
+                              delta=1e-5, conversion=conversion)
+
+
+@pytest.mark.parametrize("conversion", ["standard", "improved"])
+def test_ledger_epsilon_equals_rpdp_epsilon(conversion):
+    rng = np.random.default_rng(0)
+    q = rng.uniform(0.001, 0.6, 50)
+    led = _ledger(q, np.full(50, np.inf), conversion)
+    sampled = rng.random(12) < 0.5
+    for t, s in enumerate(sampled, start=1):
+        led.begin_round(t, bool(s))
+        led.end_round(bool(s))
+    kw = dict(noise_multiplier=2.0, delta=1e-5, local_steps=5, conversion=conversion)
+    want_clients = rpdp.epsilon(q, rounds=12, client_rate=0.5, threat="clients", **kw)
+    want_server = rpdp.epsilon(q, rounds=int(sampled.sum()), client_rate=1.0, threat="server", **kw)
+    np.testing.assert_allclose(led.epsilons("clients"), want_clients, rtol=1e-12)
+    np.testing.assert_allclose(led.epsilons("server"), want_server, rtol=1e-12)
+
+
+def test_ledger_drops_records_before_they_would_exceed_budget_server_threat():
+    """Calibrated for T = 10 rounds under "clients"; a client sampled in every round overshoots the
+    server-side bound unless the ledger drops records: it must, and nobody goes over."""
+    budgets = np.array([0.5, 1.0, 2.0, 5.0] * 5)
+    kw = dict(noise_multiplier=2.0, delta=1e-5, local_steps=5, rounds=10, client_rate=0.5)
+    q = rpdp.sample_rates(budgets, threat="clients", **kw)
+    led = _ledger(q, budgets)
+    for t in range(1, 11):
+        rates = led.begin_round(t, sampled=True)
+        led.end_round(sampled=True)
+        assert np.all(led.epsilons("server") <= budgets) and np.all(led.epsilons("clients") <= budgets)
+        assert np.all(rates[~led.active] == 0)
+    assert not led.active.all(), "a client sampled every round must exhaust some records' server-side budget"
+
+
+def test_ledger_unsampled_rounds_charge_clients_threat_only():
+    led = _ledger(np.array([0.1, 0.2]), np.array([np.inf, np.inf]))
+    led.advance_to(4)
+    assert led.rounds_charged.tolist() == [4, 4] and led.participations.tolist() == [0, 0]
+    assert np.all(led.epsilons("server") == 0) and np.all(led.epsilons("clients") > 0)
+    with pytest.raises(ValueError, match="server_round"):
+        led.begin_round(3, sampled=True)
+
+
+def test_exhausted_client_stops_contributing():
+    """Silos planned for T = 2 rounds, run for 5 with λ = 1: from round 3 on every record's budget
+    is spent, no client sends an update and the global model no longer changes."""
+    data = fl.load_federated("breast_cancer", 3, "iid", seed=0)
+    budgets = np.random.default_rng(0).uniform(0.2, 0.5, data.y_train.shape[0])
+    planned = fl.FLConfig(rounds=2, local_steps=3, client_rate=1.0)
+    silos = [fl.build_silo(data, budgets, planned, k) for k in range(3)]
+    assert all(np.all((s.sample_rates > 0) & (s.sample_rates < 1)) for s in silos)
+    longer = fl.FLConfig(rounds=5, local_steps=3, client_rate=1.0)
+    seen = []
+    run = run_federated(silos, fl.model_factory("breast_cancer"), data.x_test, data.y_test, longer,
+                        on_round=lambda t, w: seen.append([a.copy() for a in w]))
+    assert run["sampled"].all()
+    assert run["contributed"][:2].all() and not run["contributed"][2:].any()
+    for later in seen[2:]:
+        assert all(np.array_equal(a, b) for a, b in zip(seen[1], later))
+    for silo in silos:
+        assert silo.ledger.exhausted and silo.rounds_contributed == 2 and silo.rounds_sampled == 5
+        assert np.all(silo.epsilons("clients") <= silo.budgets) and np.all(silo.epsilons("server") <= silo.budgets)
+        assert silo.fit([np.zeros(1)], 6) is None      # still refuses, without touching the model
+
+
+def test_nonprivate_baseline_reports_no_guarantee():
+    res = fl.simulate(method="nonprivate", **FAST)
+    assert np.all(np.isposinf(res.epsilon_clients)) and not res.within_budget()
+
+
+def test_training_does_not_touch_global_torch_rng():
+    state = torch.random.get_rng_state()
+    fl.simulate(method="rpdp", **(FAST | {"rounds": 2}))
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_ledger_state_survives_a_restart(tmp_path):
+    q, b = np.array([0.05, 0.3, 0.0]), np.array([1.0, 2.0, 1.0])
+    led = _ledger(q, b)
+    for t, s in [(1, True), (2, False), (3, True)]:
+        led.begin_round(t, s)
+        led.end_round(s)
+    led.save(tmp_path / "ledger.npz")
+    again = _ledger(q, b)
+    again.load(tmp_path / "ledger.npz")
+    for threat in ("clients", "server"):
+        np.testing.assert_array_equal(again.epsilons(threat), led.epsilons(threat))
+    assert again.rounds_seen == 3
+    with pytest.raises(ValueError, match="server_round"):
+        again.begin_round(3, True)
+    with pytest.raises(ValueError, match="other sample_rates or budgets"):
+        _ledger(q, b * 2).load(tmp_path / "ledger.npz")
