@@ -1,20 +1,180 @@
-"""The ``pdpfast`` command line."""
+"""The ``pdpfast`` command line: demo, train, calibrate, bench, info (and fl, when installed).
+
+Every command either succeeds with all of its outputs in place, or fails with one line
+``pdpfast <command>: error: ...`` on stderr, a non-zero exit status and no output file: outputs
+are staged as temporary files and moved into place together at the end (checkpoints are the
+exception by design: a long run keeps its last complete checkpoint, written atomically).
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
+
+EXIT_ERROR = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors as one line (``prog: error: message``) instead of usage + message."""
+
+    def error(self, message):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"pdpfast {command}: error: {text}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+# ---------------------------------------------------------------------------------------------- demo
 def _demo(args) -> int:
-    from .demo import DELTA, GROUP_EPSILONS, GROUP_FRACTIONS, format_results, run_demo
+    from .demo import (DELTA, GROUP_EPSILONS, GROUP_FRACTIONS, METHODS, format_results, results_json, run_demo,
+                       save_plots)
+    from .plots import Staging
 
-    print(f"pdpfast demo: digits, privacy groups {', '.join(f'{f:.0%} at ε={e:g}' for f, e in zip(GROUP_FRACTIONS, GROUP_EPSILONS))}, "
-          f"δ={DELTA:g}; {args.epochs} epochs, seeds {args.seeds}")
-    results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), progress=not args.quiet)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    for name in ("epochs", "seeds", "rounds", "batch_size"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    print(f"pdpfast demo: digits, privacy groups "
+          f"{', '.join(f'{f:.0%} at ε={e:g}' for f, e in zip(GROUP_FRACTIONS, GROUP_EPSILONS))}, δ={DELTA:g}; "
+          f"{args.epochs} epochs, {args.seeds} seed(s), PDP-SGD in {args.rounds} rounds", flush=True)
+    start = time.perf_counter()
+    results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, progress=not args.quiet,
+                       rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size)
     print(format_results(results))
+    out = Path(args.out)
+    with Staging() as staging:
+        accuracy_png, epsilon_png, summary = (out / "accuracy.png", out / "epsilon.png", out / "results.json")
+        save_plots(results, staging.path(accuracy_png), staging.path(epsilon_png))
+        Path(staging.path(summary)).write_text(json.dumps(results_json(results), indent=1))
+        staging.commit()
+    print(f"plots: {accuracy_png}, {epsilon_png}; results: {summary}; total {time.perf_counter() - start:.0f}s")
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- train
+def _train(args) -> int:
+    from .train import TrainConfig, run
+
+    fields = TrainConfig.__dataclass_fields__
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and k != "log"})
+    if cfg.out_json and os.path.exists(cfg.out_json) and os.path.isdir(cfg.out_json):
+        raise ValueError(f"--out-json {cfg.out_json!r} is a directory")
+    run(cfg)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+def _calibrate(args) -> int:
+    import warnings
+
+    import numpy as np
+
+    import pdpfast
+    from . import plots
+    from .datasets import read_budgets
+
+    budgets = read_budgets(args.budgets, column=args.column)
+    if args.sample_rate is None:
+        if args.batch_size is None:
+            raise ValueError("give --sample-rate q (expected batch / N) or --batch-size B")
+        sample_rate = min(1.0, args.batch_size / budgets.shape[0])
+    else:
+        sample_rate = args.sample_rate
+    if (args.steps is None) == (args.epochs is None):
+        raise ValueError("give exactly one of --steps and --epochs")
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"--sample-rate must lie in (0, 1], got {sample_rate!r}")
+    steps = args.steps if args.steps is not None else args.epochs * max(1, round(1 / sample_rate))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = pdpfast.calibrate(budgets, delta=args.delta, steps=steps, sample_rate=sample_rate,
+                                 method=args.method, max_grad_norm=args.max_grad_norm,
+                                 hybrid_weight=args.hybrid_weight, accountant=args.accountant)
+    for w in caught:
+        print(f"pdpfast calibrate: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    print(plan.summary(max_rows=args.max_rows))
+    eps = plan.epsilons()
+    print(f"every record's guaranteed ε ≤ its budget: {bool(np.all(eps <= budgets))} "
+          f"(largest ratio {float(np.max(eps / budgets)):.4f})")
+    plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+    with plots.Staging() as staging:
+        Path(staging.path(args.out)).write_text(plan.to_json())
+        plots.plan_histograms(plan, staging.path(plot))
+        staging.commit()
+    print(f"plan: {args.out}; histograms of q_i and c_i: {plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def _import_bench(module: str, roots=None):
+    """bench/ lives in the source checkout, not in the installed package: look in the working
+    directory and next to the pdpfast package (or in ``roots``)."""
+    import importlib
+
+    candidates = [Path.cwd(), Path(__file__).resolve().parent.parent] if roots is None else [Path(r) for r in roots]
+    for root in candidates:
+        if (root / "bench" / "__init__.py").is_file() and str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module(f"bench.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "bench":
+            raise RuntimeError("the benchmarks (bench/) are part of the source checkout, not of the installed package: "
+                               "run `pdpfast bench` from the repository root") from None
+        raise
+
+
+def _bench(args) -> int:
+    import torch
+
+    from . import plots
+
+    suite = args.suite
+    if suite == "auto":
+        suite = "e2e" if torch.cuda.is_available() else "cpu"
+    if suite == "e2e" and args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the end-to-end benchmark needs a CUDA device (none here); use --suite cpu, or "
+                           "--device cpu --size micro for a smoke test")
+    out = Path(args.out or f"bench/results/cli_{suite}.json")
+    plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    with plots.Staging() as staging:
+        tmp_json = staging.path(out)
+        if suite == "cpu":
+            module = _import_bench("bench_cpu")
+            argv = ["--repeats", str(args.repeats or 15), "--out", tmp_json]
+            if args.models:
+                argv += ["--models", args.models]
+            rc = module.main(argv)
+            key, title = "time_ratio_vs_nonprivate", "step time × non-private (CPU; lower is better)"
+        else:
+            module = _import_bench("bench_e2e")
+            argv = ["--repeats", str(args.repeats or 20), "--out", tmp_json, "--device", args.device,
+                    "--size", args.size, "--dtype", args.dtype]
+            if args.models:
+                argv += ["--models", args.models]
+            rc = module.main(argv)
+            key, title = "throughput_ratio_vs_nonprivate", "throughput × non-private (higher is better)"
+        if rc not in (None, 0):
+            raise RuntimeError(f"bench.{module.__name__.split('.')[-1]} exited with status {rc}")
+        rows = json.loads(Path(tmp_json).read_text())
+        if rows:
+            title = f"{title}\n{rows[0].get('device', '')}"
+        plots.bench_ratios(rows, staging.path(plot), key=key, title=title)
+        staging.commit()
+    print(f"results: {out}; plot: {plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- info, fl
 def _info(args) -> int:
     from .info import report
 
@@ -22,22 +182,161 @@ def _info(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdpfast", description="Individualized differential privacy for PyTorch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="individualized DP-SGD vs DP-SGD vs non-private on scikit-learn's digits")
+def _add_fl(sub) -> None:
+    """``pdpfast fl ...`` from pdpfast.fl.cli when it imports; otherwise a stub that says why."""
+    try:
+        from .fl import cli as fl_cli
+
+        fl_cli.add_subparser(sub)
+    except Exception as exc:  # noqa: BLE001 — any import problem is reported when `fl` is used
+        reason = f"{type(exc).__name__}: {exc}"
+        fl = sub.add_parser("fl", help="federated learning with record-level budgets (unavailable here)",
+                            add_help=False)
+        fl.add_argument("rest", nargs=argparse.REMAINDER)
+
+        def unavailable(args, reason=reason):
+            raise RuntimeError(f"the federated front end could not be loaded ({' '.join(reason.split())})")
+
+        fl.set_defaults(run=unavailable)
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from .demo import METHODS as DEMO_METHODS
+    from .models import model_names
+    from .train import METHODS, TrainConfig
+
+    d = TrainConfig()
+    parser = _Parser(prog="pdpfast", description="Individualized differential privacy for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="individualized DP-SGD vs DP-SGD vs PDP-SGD vs non-private on digits",
+                          description="Trains non-private, DP-SGD at ε=1, IDP Sample / Scale / hybrid and PDP-SGD on "
+                                      "scikit-learn's digits (groups 34%%/43%%/23%% at ε=1/2/3, δ=1e-5); prints a "
+                                      "table and writes accuracy.png, epsilon.png and results.json into --out.")
     demo.add_argument("--epochs", type=int, default=10)
-    demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over")
+    demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over (default 3)")
+    demo.add_argument("--methods", default=",".join(DEMO_METHODS),
+                      help=f"private methods, comma-separated (default {','.join(DEMO_METHODS)})")
+    demo.add_argument("--rounds", type=int, default=2, help="PDP-SGD rounds (default 2)")
+    demo.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
+    demo.add_argument("--lr", type=float, default=0.2, help="private learning rate (non-private uses lr/5)")
+    demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
+    demo.add_argument("--out", default="demo_out", help="directory for the plots and results.json")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
+
+    train = sub.add_parser("train", help="private training on your data with per-record budgets",
+                           description="Train a model on CSV / NumPy / image-folder / Hugging Face data with "
+                                       "per-record privacy budgets.")
+    g = train.add_argument_group("data")
+    g.add_argument("--data", help="file.csv, x.npy (with --labels), data.npz (x, y[, budgets]) or an image folder")
+    g.add_argument("--labels", help="labels .npy for --data x.npy")
+    g.add_argument("--hf-dataset", help="a Hugging Face dataset name (needs the `datasets` package)")
+    g.add_argument("--hf-split", default="train")
+    g.add_argument("--hf-config")
+    g.add_argument("--label-column", help="CSV / HF label column")
+    g.add_argument("--text-column", help="text column, tokenized for bert/gpt2 models (hashing tokenizer by default)")
+    g.add_argument("--tokenizer", help="a Hugging Face tokenizer name for --text-column (may download)")
+    g.add_argument("--tokens", action="store_true", help="feature columns are integer token ids (implied by bert/gpt2)")
+    g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per text (default 64)")
+    g.add_argument("--image-shape", help="view flat features as images C,H,W (e.g. 1,8,8) for cnn / resnet18-gn")
+    g.add_argument("--image-size", type=int, default=d.image_size, help="image folders are resized to this (32)")
+    g.add_argument("--test-fraction", type=float, default=d.test_fraction,
+                   help="held-out fraction for evaluation (default 0.2; 0 = none)")
+    g = train.add_argument_group("budgets")
+    g.add_argument("--budget-column", help="CSV / HF column with each record's ε")
+    g.add_argument("--budgets", help="budgets file: .npy, .csv (one column), .txt (one per line)")
+    g.add_argument("--epsilon", type=float, help="the same ε for every record")
+    g.add_argument("--delta", type=float, default=d.delta)
+    g = train.add_argument_group("model and method")
+    g.add_argument("--model", default=d.model, choices=model_names(), metavar="MODEL",
+                   help=f"one of {', '.join(model_names())} (default mlp)")
+    g.add_argument("--hidden", default=d.hidden, help="mlp hidden widths, comma-separated (default 128)")
+    g.add_argument("--method", default=d.method, choices=METHODS,
+                   help="sample | scale | hybrid (individualized DP-SGD), dpsgd (min ε for everyone), pdp (PDP-SGD)")
+    g.add_argument("--clipping", default=d.clipping, choices=("flat", "per_layer"))
+    g.add_argument("--mode", default=d.mode, choices=("bk", "ghost"))
+    g.add_argument("--hybrid-weight", type=float, default=d.hybrid_weight, help="λ of hybrid (0=Scale, 1=Sample)")
+    g.add_argument("--accountant", default=d.accountant, choices=("rdp", "pld"))
+    g.add_argument("--rounds", type=int, default=d.rounds, help="PDP-SGD rounds (default 2)")
+    g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive"), help="PDP-SGD threshold loss")
+    g.add_argument("--pdp-charge", default=d.pdp_charge, choices=("all", "sampled"),
+                   help="PDP-SGD charging rule: all (default) or sampled (the paper's)")
+    g = train.add_argument_group("optimization")
+    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="expected batch size (Poisson)")
+    g.add_argument("--physical-batch-size", type=int, help="memory cap per physical batch (draws are split)")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--momentum", type=float, default=d.momentum)
+    g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
+    g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="reference clip norm C")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--threads", type=int, help="torch threads")
+    g = train.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger)")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    g.add_argument("--resume", help="continue from this checkpoint (same data, budgets and settings)")
+    g.add_argument("--stop-after-steps", type=int, help="stop (resumably) after N steps of this invocation")
+    g.add_argument("--out-json", help="write a summary (test metrics, ε per group) as JSON")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(run=_train)
+
+    cal = sub.add_parser("calibrate", help="budgets → per-record sample rates, clip norms and σ (a plan)",
+                         description="Turn a budgets file into a PrivacyPlan: prints its summary per group, writes "
+                                     "the plan as JSON and a histogram of q_i and c_i as PNG.")
+    cal.add_argument("budgets", help="budgets file: .npy, .npz, .csv (one column or --column), .txt (one per line)")
+    cal.add_argument("--column", help="CSV column holding the budgets")
+    cal.add_argument("--delta", type=float, default=1e-5)
+    cal.add_argument("--steps", type=int)
+    cal.add_argument("--epochs", type=int)
+    cal.add_argument("--sample-rate", type=float, help="mean Poisson rate q (expected batch / N)")
+    cal.add_argument("--batch-size", type=int, help="expected batch size (sets q = B / N)")
+    cal.add_argument("--method", default="sample", choices=("sample", "scale", "hybrid"))
+    cal.add_argument("--hybrid-weight", type=float, default=0.5)
+    cal.add_argument("--max-grad-norm", type=float, default=1.0)
+    cal.add_argument("--accountant", default="rdp", choices=("rdp", "pld"))
+    cal.add_argument("--out", default="plan.json", help="the plan as JSON (default plan.json)")
+    cal.add_argument("--plot", help="histogram PNG (default: --out with .png)")
+    cal.add_argument("--max-rows", type=int, default=20, help="groups shown in the summary")
+    cal.set_defaults(run=_calibrate)
+
+    bench = sub.add_parser("bench", help="step time / throughput vs non-private and Opacus (from a checkout)",
+                           description="Runs bench.bench_cpu (CPU) or bench.bench_e2e (CUDA) from the source "
+                                       "checkout; writes their JSON and a bar plot of the ratios to non-private.")
+    bench.add_argument("--suite", default="auto", choices=("auto", "cpu", "e2e"),
+                       help="auto: e2e when CUDA is present, else cpu")
+    bench.add_argument("--models", help="cpu: transformer,cnn; e2e: bert,resnet18,gpt2")
+    bench.add_argument("--repeats", type=int)
+    bench.add_argument("--device", default="cuda", help="e2e only (cpu for a smoke test)")
+    bench.add_argument("--size", default="full", choices=("full", "tiny", "micro"), help="e2e only")
+    bench.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="e2e only")
+    bench.add_argument("--out", help="JSON path (default bench/results/cli_<suite>.json)")
+    bench.add_argument("--plot", help="PNG path (default: --out with .png)")
+    bench.set_defaults(run=_bench)
+
     info = sub.add_parser("info", help="which implementation each op uses, and why")
     info.set_defaults(run=_info)
-    args = parser.parse_args(argv)
+    _add_fl(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
-        return args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"pdpfast {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+    except SystemExit as exc:      # --help, or a usage error already printed as one line
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR
+    run = getattr(args, "run", None) or getattr(args, "func", None)
+    try:
+        rc = run(args)
+        return 0 if rc is None else int(rc)
+    except KeyboardInterrupt:
+        return _fail(args.command, RuntimeError("interrupted"))
+    except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
+        if os.environ.get("PDPFAST_DEBUG"):
+            raise
+        return _fail(args.command, exc)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 
 Records fall into three privacy groups (34% / 43% / 23% with ε = 1 / 2 / 3, δ = 1e-5). Standard
 DP-SGD must give everyone the strictest budget, ε = 1; individualized DP-SGD calibrates each
-group's sample rate and clip bound to its own budget. The demo trains non-private, DP-SGD at ε = 1
-and the individualized methods on the same data and prints test accuracy side by side.
+group's sample rate and clip bound to its own budget (IDP Sample, Scale, hybrid), and PDP-SGD
+trains several rounds on budget-dependent subsets. The demo trains all of them and non-private
+training on the same data over a few seeds, and reports test accuracy, the ε each group spent
+(from the engine's per-record ledger, grouped by budget) and wall time; ``save_plots`` draws test
+accuracy against step per method and ε spent per group over training.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,6 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 GROUP_FRACTIONS = (0.34, 0.43, 0.23)
 GROUP_EPSILONS = (1.0, 2.0, 3.0)
 DELTA = 1e-5
+METHODS = ("dpsgd", "sample", "scale", "hybrid", "pdp")
+NAMES = {"non-private": "non-private", "dpsgd": "DP-SGD (ε=1 for all)", "sample": "IDP Sample",
+         "scale": "IDP Scale", "hybrid": "IDP hybrid", "pdp": "PDP-SGD"}
 
 
 def load_digits_split(seed: int = 0):
@@ -48,63 +55,45 @@ class RunResult:
     method: str
     accuracy: float
     seconds: float
-    epsilons: dict[float, float] | None = None  # budget → largest guaranteed ε in that group
+    epsilons: dict[float, float] | None = None  # budget → largest ε spent in that group (ledger)
+    steps: list = field(default_factory=list)          # steps at which the curves were taken
+    accuracies: list = field(default_factory=list)     # test accuracy at those steps
+    epsilon_curve: dict = field(default_factory=dict)  # budget → [largest ε spent in the group at those steps]
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    was_training = model.training
     model.eval()
     with torch.no_grad():
-        return (model(x).argmax(1) == y).float().mean().item()
+        acc = (model(x).argmax(1) == y).float().mean().item()
+    model.train(was_training)
+    return acc
 
 
-def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int) -> RunResult:
-    x_tr, y_tr, x_te, y_te = data
-    torch.manual_seed(seed)
-    model, start = make_model(), time.perf_counter()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=batch_size, shuffle=True)
-    for _ in range(epochs):
-        for xb, yb in loader:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(xb), yb).backward()
-            opt.step()
-    return RunResult("non-private", accuracy(model, x_te, y_te), time.perf_counter() - start)
+class _Recorder:
+    """Test accuracy and ε per group every ``every`` steps (and at step 0 and the end)."""
 
+    def __init__(self, result: RunResult, model, data, budgets, every: int, spent=None):
+        self.result, self.model, self.data, self.budgets, self.every, self.spent = (
+            result, model, data, budgets, every, spent)
+        self.groups = np.unique(budgets) if budgets is not None else []
+        self.take(0)
 
-def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
-                  seed: int, max_grad_norm: float = 1.0, progress: bool = False) -> RunResult:
-    """One individualized DP-SGD run; ``method`` is a calibration method or "dpsgd" (min budget for all)."""
-    import pdpfast
+    def take(self, step: int) -> None:
+        r = self.result
+        if r.steps and r.steps[-1] == step:
+            return
+        r.steps.append(step)
+        r.accuracies.append(accuracy(self.model, self.data[2], self.data[3]))
+        if self.spent is not None:
+            eps = self.spent() if step > 0 else np.zeros_like(self.budgets)
+            for b in self.groups:
+                r.epsilon_curve.setdefault(float(b), []).append(float(eps[self.budgets == b].max()))
 
-    x_tr, y_tr, x_te, y_te = data
-    n = len(x_tr)
-    sample_rate = batch_size / n
-    steps = epochs * round(1 / sample_rate)
-    if method == "dpsgd":
-        plan_budgets, plan_method = np.full(n, budgets.min()), "sample"
-    else:
-        plan_budgets, plan_method = budgets, method
-    plan = pdpfast.calibrate(plan_budgets, delta=DELTA, steps=steps, sample_rate=sample_rate, method=plan_method,
-                             max_grad_norm=max_grad_norm)
-    torch.manual_seed(seed)
-    model, start = make_model(), time.perf_counter()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    engine = pdpfast.PrivacyEngine(seed=seed)
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x_tr, y_tr), batch_size=batch_size),
-        noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.max_grad_norm,
-        sample_rates=plan.sample_rates, clip_norms=plan.clip_norms, steps_per_epoch=steps // epochs)
-    bar = _progress(total=steps, desc=f"{method:>7}", enabled=progress)
-    for _ in range(epochs):
-        for xb, yb in loader:
-            nn.functional.cross_entropy(model(xb), yb).backward()
-            opt.step()
-            opt.zero_grad()
-            bar.update(1)
-    bar.close()
-    spent = plan.epsilons()
-    per_group = {float(b): float(spent[budgets == b].max()) for b in np.unique(budgets)}
-    return RunResult(method, accuracy(model, x_te, y_te), time.perf_counter() - start, per_group)
+    def __call__(self, step: int, loss: float = 0.0) -> bool:
+        if step % self.every == 0:
+            self.take(step)
+        return False
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -113,28 +102,161 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, leave=False, disable=not enabled)
 
 
-def run_demo(*, epochs: int = 10, batch_size: int = 64, lr: float = 0.5, seeds=(0, 1, 2),
-             methods=("dpsgd", "sample", "scale", "hybrid"), progress: bool = True) -> dict[str, list[RunResult]]:
+def _with_bar(bar, fn):
+    def hook(step, loss=0.0):
+        bar.update(1)
+        return fn(step, loss)
+    return hook
+
+
+def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int, eval_every: int = 10,
+                     progress: bool = False) -> RunResult:
+    x_tr, y_tr, x_te, y_te = data
+    torch.manual_seed(seed)
+    model, start = make_model(), time.perf_counter()
+    result = RunResult("non-private", 0.0, 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=batch_size, shuffle=True)
+    record = _Recorder(result, model, data, None, eval_every)
+    bar, step = _progress(epochs * len(loader), f"{'non-private':>11} s{seed}", progress), 0
+    for _ in range(epochs):
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            step += 1
+            bar.update(1)
+            record(step)
+    bar.close()
+    record.take(step)
+    result.accuracy, result.seconds = accuracy(model, x_te, y_te), time.perf_counter() - start
+    return result
+
+
+def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
+                  seed: int, max_grad_norm: float = 1.0, progress: bool = False, eval_every: int = 10,
+                  rounds: int = 2) -> RunResult:
+    """One private run. method: "sample" / "scale" / "hybrid" (IDP through
+    ``make_private_with_budgets``), "dpsgd" (every record at the smallest budget) or "pdp" (PDP-SGD,
+    ``rounds`` rounds). ε per group comes from the per-record ledger."""
+    from .train import Task, private_engine, private_steps
+
+    x_tr, y_tr, x_te, y_te = data
+    n = len(x_tr)
+    sample_rate = batch_size / n
+    steps = epochs * round(1 / sample_rate)
+    torch.manual_seed(seed)
+    model, start = make_model(), time.perf_counter()
+    result = RunResult(method, 0.0, 0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    dataset, task = TensorDataset(x_tr, y_tr), Task()
+    if method == "pdp":
+        from .pdp_sgd import PDPSGD
+
+        # each round: epochs/rounds expected passes over its subset, at the same expected batch
+        driver = PDPSGD(model, dataset, budgets, optimizer=opt, delta=DELTA, rounds=rounds,
+                        epochs_per_round=epochs / rounds, expected_batch_size=batch_size, task=task,
+                        max_grad_norm=max_grad_norm, seed=seed)
+        bar = _progress(driver.total_steps, f"{method:>11} s{seed}", progress)
+        record = _Recorder(result, model, data, budgets, eval_every, driver.epsilons_now)
+        out = driver.run(on_step=_with_bar(bar, record))
+        final_step, spent = driver.steps, out.epsilons        # charged round guarantees (≥ the ledger's)
+    else:
+        bar = _progress(steps, f"{method:>11} s{seed}", progress)
+        engine, model, opt, loader, criterion = private_engine(
+            method, model, opt, dataset, budgets, delta=DELTA, steps=steps, sample_rate=sample_rate,
+            batch_size=batch_size, task=task, max_grad_norm=max_grad_norm, seed=seed)
+        record = _Recorder(result, model, data, budgets, eval_every, engine.epsilons)
+        private_steps(engine, model, opt, loader, task, criterion, until=engine.plan.steps,
+                      on_step=_with_bar(bar, record))
+        final_step, spent = engine.steps, engine.epsilons()
+        engine.detach()
+    bar.close()
+    record.take(final_step)
+    result.epsilons = {float(b): float(spent[budgets == b].max()) for b in np.unique(budgets)}
+    result.accuracy, result.seconds = accuracy(model, x_te, y_te), time.perf_counter() - start
+    return result
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2), methods=METHODS,
+             progress: bool = True, rounds: int = 2, threads: int | None = 1,
+             eval_every: int | None = None) -> dict[str, list[RunResult]]:
+    """{method: [RunResult per seed]}, "non-private" first. threads: torch threads for the run (1 by
+    default: the model is tiny, and more threads only contend with each other on a shared machine)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if not (isinstance(epochs, int) and epochs > 0):
+        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    if not seeds:
+        raise ValueError("seeds must not be empty")
     data = load_digits_split()
     budgets = assign_budgets(len(data[0]))
+    steps = epochs * round(len(data[0]) / batch_size)
+    every = eval_every or max(1, steps // 60)
     results: dict[str, list[RunResult]] = {"non-private": []}
-    for seed in seeds:
-        results["non-private"].append(train_nonprivate(data, epochs=epochs, batch_size=batch_size, lr=lr / 5, seed=seed))
-        for method in methods:
-            results.setdefault(method, []).append(
-                train_private(data, budgets, method=method, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
-                              progress=progress))
+    with _threads(threads):
+        for seed in seeds:
+            results["non-private"].append(train_nonprivate(data, epochs=epochs, batch_size=batch_size, lr=lr / 5,
+                                                           seed=seed, eval_every=every, progress=progress))
+            for method in methods:
+                results.setdefault(method, []).append(
+                    train_private(data, budgets, method=method, epochs=epochs, batch_size=batch_size, lr=lr,
+                                  seed=seed, progress=progress, eval_every=every, rounds=rounds))
     return results
 
 
 def format_results(results: dict[str, list[RunResult]]) -> str:
-    names = {"non-private": "non-private", "dpsgd": "DP-SGD (ε=1 for all)", "sample": "IDP Sample",
-             "scale": "IDP Scale", "hybrid": "IDP hybrid"}
-    lines = [f"{'method':<22} {'test accuracy':>15} {'ε spent per group (budget 1/2/3)':>34} {'time/run':>9}"]
+    """The demo's table: test accuracy (mean ± std over seeds), the largest ε any record of each
+    group spent (ledger, worst seed) against the group's budget, and mean wall time per run."""
+    budgets = sorted({b for runs in results.values() for r in runs if r.epsilons for b in r.epsilons})
+    spent_head = f"ε spent per group (budget {'/'.join(f'{b:g}' for b in budgets)})" if budgets else "ε spent"
+    width = max(len(spent_head), 16)
+    lines = [f"{'method':<22} {'test accuracy':>15}   {spent_head:<{width}} {'time/run':>9}"]
     for method, runs in results.items():
         acc = np.array([r.accuracy for r in runs])
-        eps = runs[0].epsilons
-        spent = "/".join(f"{eps[b]:.2f}" for b in sorted(eps)) if eps else "∞ (no privacy)"
+        if runs[0].epsilons:
+            worst = {b: max(r.epsilons[b] for r in runs) for b in runs[0].epsilons}
+            spent = "/".join(f"{worst[b]:.3f}" for b in sorted(worst))
+        else:
+            spent = "∞ (no privacy)"
         secs = np.mean([r.seconds for r in runs])
-        lines.append(f"{names.get(method, method):<22} {acc.mean():>8.3f} ± {acc.std():.3f} {spent:>34} {secs:>8.1f}s")
+        lines.append(f"{NAMES.get(method, method):<22} {acc.mean():>8.3f} ± {acc.std():.3f}   {spent:<{width}} "
+                     f"{secs:>8.1f}s")
     return "\n".join(lines)
+
+
+def results_json(results: dict[str, list[RunResult]]) -> dict:
+    """JSON-able summary: per method, per seed accuracy, seconds, ε per group and the curves."""
+    from dataclasses import asdict
+
+    return {"groups": {"fractions": GROUP_FRACTIONS, "epsilons": GROUP_EPSILONS, "delta": DELTA},
+            "runs": {m: [asdict(r) | {"epsilons": {str(k): v for k, v in (r.epsilons or {}).items()},
+                                       "epsilon_curve": {str(k): v for k, v in r.epsilon_curve.items()}}
+                         for r in runs] for m, runs in results.items()}}
+
+
+def save_plots(results: dict[str, list[RunResult]], accuracy_path, epsilon_path) -> None:
+    """Test accuracy vs step per method (mean ± std over seeds); ε spent per group over training
+    (first seed, ledger) per private method, with each group's budget dashed."""
+    from . import plots
+
+    curves = {NAMES.get(m, m): [(r.steps, r.accuracies) for r in runs] for m, runs in results.items()}
+    plots.accuracy_curves(curves, accuracy_path, title="digits: test accuracy during training")
+    eps = {NAMES.get(m, m): (runs[0].steps, runs[0].epsilon_curve) for m, runs in results.items()
+           if runs[0].epsilon_curve}
+    plots.epsilon_curves(eps, GROUP_EPSILONS, epsilon_path,
+                         title="ε spent per privacy group (max over the group, per-record ledger)")

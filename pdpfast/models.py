@@ -8,6 +8,8 @@ Face models from configs with random initialization.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -97,3 +99,128 @@ def gpt2(size: str = "small", **overrides):
     config = GPT2Config(**{**sizes[size], **overrides})
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Small models for user data, and a registry of every builder by name (the CLI's --model)
+# ----------------------------------------------------------------------------------------------
+def mlp(in_features: int, num_classes: int, hidden=(128,), activation: str = "tanh") -> nn.Sequential:
+    """Flatten → [Linear → activation]* → Linear. activation: "tanh" (DP-SGD's usual choice: bounded
+    activations keep gradient norms small) or "relu"."""
+    acts = {"tanh": nn.Tanh, "relu": nn.ReLU}
+    if activation not in acts:
+        raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
+    layers, width = [nn.Flatten()], int(in_features)
+    for h in hidden:
+        layers += [nn.Linear(width, int(h)), acts[activation]()]
+        width = int(h)
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Sequential:
+    """A small GroupNorm CNN for images of any size: two conv/GroupNorm/ReLU blocks with pooling,
+    a third conv, global average pooling and a linear head."""
+    w = int(width)
+    return nn.Sequential(
+        nn.Conv2d(in_channels, w, 3, padding=1), _norm(w, 8), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+        nn.Conv2d(w, 2 * w, 3, padding=1), _norm(2 * w, 8), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+        nn.Conv2d(2 * w, 2 * w, 3, padding=1), _norm(2 * w, 8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A registered builder. ``inputs``: the input kinds it accepts ("features" (N, d) float,
+    "image" (N, C, H, W) float, "tokens" (N, T) int64 ids); ``task``: "classification" (logits
+    (B, classes)) or "lm" (next-token logits (B, T, vocab), labels unused)."""
+
+    name: str
+    build: Callable[..., nn.Module]
+    inputs: tuple
+    task: str = "classification"
+    help: str = ""
+    vocab_size: int | None = None     # token models: size of the embedding table
+
+
+_MODELS: dict[str, ModelSpec] = {}
+
+
+def register_model(name: str, *, inputs, task: str = "classification", help: str = "", vocab_size: int | None = None):
+    """Decorator: register ``fn(input_shape, num_classes, vocab_size, **options) -> nn.Module``."""
+    def deco(fn):
+        _MODELS[name] = ModelSpec(name, fn, tuple(inputs), task, help, vocab_size)
+        return fn
+    return deco
+
+
+def model_names() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_spec(name: str) -> ModelSpec:
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}")
+    return _MODELS[name]
+
+
+def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int | None = None,
+                input_kind: str = "features", **options) -> nn.Module:
+    """Build a registered model for data of ``input_kind`` with per-record shape ``input_shape``.
+
+    Deterministic given torch's RNG state; the same (name, arguments) rebuild the same
+    architecture, which is what a checkpoint stores (``model_config``).
+    """
+    spec = model_spec(name)
+    if input_kind not in spec.inputs:
+        raise ValueError(f"model {name!r} takes {' or '.join(spec.inputs)} inputs, but the data are {input_kind} "
+                         f"of shape {tuple(input_shape)}" + (" (pass --image-shape C,H,W to view flat features as "
+                                                             "images)" if input_kind == "features" else ""))
+    return spec.build(tuple(int(s) for s in input_shape), int(num_classes), vocab_size, **options)
+
+
+@register_model("mlp", inputs=("features", "image"), help="MLP on flat features (images are flattened)")
+def _build_mlp(input_shape, num_classes, vocab_size, hidden=(128,), activation="tanh"):
+    return mlp(math.prod(input_shape), num_classes, hidden, activation)
+
+
+@register_model("cnn", inputs=("image",), help="small GroupNorm CNN")
+def _build_cnn(input_shape, num_classes, vocab_size, width=32):
+    return cnn(input_shape[0], num_classes, width)
+
+
+@register_model("resnet18-gn", inputs=("image",), help="ResNet-18 with GroupNorm (CIFAR stem below 64 px)")
+def _build_resnet(input_shape, num_classes, vocab_size, layers=(2, 2, 2, 2)):
+    channels, height = input_shape[0], input_shape[1]
+    model = ResNetGN(tuple(layers), num_classes, cifar_stem=height < 64)
+    if channels != 3:     # same stem, other input channels (e.g. grey-scale images)
+        old = model.conv1
+        model.conv1 = nn.Conv2d(channels, 64, old.kernel_size, old.stride, old.padding, bias=False)
+    return model
+
+
+def _token_model(builder, size):
+    def build(input_shape, num_classes, vocab_size, **overrides):
+        length = input_shape[0]
+        if builder is bert:
+            model = bert(size, num_labels=num_classes, **overrides)
+            positions = model.config.max_position_embeddings
+        else:
+            model = gpt2(size, **overrides)
+            positions = model.config.n_positions
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ValueError(f"token ids go up to {vocab_size - 1}, but the model's vocabulary has "
+                             f"{model.config.vocab_size} entries")
+        if length > positions:
+            raise ValueError(f"sequences of {length} tokens are longer than the model's {positions} positions")
+        return model
+    return build
+
+
+for _size in ("micro", "tiny", "base"):
+    register_model(f"bert-{_size}", inputs=("tokens",), vocab_size=128 if _size == "micro" else 30522,
+                   help=f"Hugging Face BERT ({_size}) for sequence classification, random init")(
+        _token_model(bert, _size))
+for _name, _size in (("gpt2", "small"), ("gpt2-tiny", "tiny"), ("gpt2-micro", "micro")):
+    register_model(_name, inputs=("tokens",), task="lm", vocab_size=128 if _size == "micro" else 50257,
+                   help=f"Hugging Face GPT-2 ({_size}) language model, random init")(_token_model(gpt2, _size))

@@ -1,0 +1,481 @@
+"""User data for ``pdpfast train``: CSV, NumPy (.npy / .npz), image folders, Hugging Face datasets,
+and per-record privacy budgets (a column, or a separate file).
+
+Everything is loaded into memory as tensors (``TrainData``): features (N, d) float32, images
+(N, C, H, W) float32 or token ids (N, T) int64, with labels (N,) int64 (class indices) and, when
+given, budgets (N,) float64 ε_i > 0.
+
+Optional dependencies stay optional: image folders need ``torchvision``, Hugging Face datasets need
+``datasets``; without them the loader raises ImportError saying what to install.
+
+Budgets are inputs, never derived from the data (DESIGN.md §3.2): they come from a column the
+user filled in or a file, and are only checked (finite, > 0, one per record).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import re
+import zlib
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+__all__ = ["HashingTokenizer", "TrainData", "check_budgets", "load_csv", "load_data", "load_hf", "load_image_folder",
+           "load_numpy", "read_budgets", "train_test_split"]
+
+PAD_ID = 0
+
+
+@dataclass
+class TrainData:
+    """In-memory records.
+
+    features: (N, ...) float32 (kind "features" or "image") or int64 token ids (kind "tokens");
+    labels: (N,) int64 class indices (zeros for language modelling without labels);
+    budgets: (N,) float64 ε_i or None; class_names: the original label of each class index;
+    vocab_size: 1 + the largest token id (tokens only); source: where the data came from.
+    """
+
+    features: torch.Tensor
+    labels: torch.Tensor
+    kind: str
+    budgets: np.ndarray | None = None
+    class_names: list = field(default_factory=list)
+    vocab_size: int | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if self.features.shape[0] != self.labels.shape[0]:
+            raise ValueError(f"{self.source}: {self.features.shape[0]} records but {self.labels.shape[0]} labels")
+        if self.features.shape[0] == 0:
+            raise ValueError(f"{self.source}: no records")
+        if self.budgets is not None:
+            self.budgets = check_budgets(self.budgets, len(self), "budgets")
+
+    def __len__(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def input_shape(self) -> tuple:
+        return tuple(self.features.shape[1:])
+
+    @property
+    def num_classes(self) -> int:
+        return max(len(self.class_names), int(self.labels.max()) + 1 if len(self.labels) else 1)
+
+    def dataset(self) -> TensorDataset:
+        return TensorDataset(self.features, self.labels)
+
+    def subset(self, index: np.ndarray) -> "TrainData":
+        index = torch.as_tensor(np.asarray(index, dtype=np.int64))
+        return replace(self, features=self.features[index], labels=self.labels[index],
+                       budgets=None if self.budgets is None else self.budgets[index.numpy()])
+
+    def as_images(self, shape) -> "TrainData":
+        """View flat features (N, C·H·W) as images (N, C, H, W)."""
+        shape = tuple(int(s) for s in shape)
+        if self.kind not in ("features", "image") or len(shape) != 3 or math.prod(shape) != math.prod(self.input_shape):
+            raise ValueError(f"cannot view records of shape {self.input_shape} as images of shape {shape} (C,H,W)")
+        return replace(self, features=self.features.reshape(len(self), *shape), kind="image")
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
+    """(N,) float64 budgets, each finite and > 0; ``n``: the number of records they must match."""
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be numbers") from None
+    if arr.ndim == 2 and 1 in arr.shape:
+        arr = arr.ravel()
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one ε per record (1-D), got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{what} is empty")
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        raise ValueError(f"{what} has a missing or non-finite value at record {int(np.flatnonzero(bad)[0])} "
+                         f"({float(arr[bad][0])!r}); every record needs a budget ε > 0")
+    bad = arr <= 0
+    if bad.any():
+        raise ValueError(f"{what} has a value ≤ 0 at record {int(np.flatnonzero(bad)[0])} ({float(arr[bad][0]):g}); "
+                         "every budget ε must be > 0")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{what} has {arr.shape[0]} values but the data have {n} records")
+    return arr
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a number") from None
+
+
+def read_budgets(path, *, column: str | None = None, n: int | None = None) -> np.ndarray:
+    """Per-record budgets from a file: .npy (1-D array), .npz (key ``budgets`` or its only array),
+    .csv (``column``, or the only column; a header row is detected) or .txt (one number per line).
+    Checked: finite, > 0, and ``n`` values when ``n`` is given."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"budgets file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".npy":
+            values = np.load(path, allow_pickle=False)
+        elif ext == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                key = column or ("budgets" if "budgets" in z.files else (z.files[0] if len(z.files) == 1 else None))
+                if key not in z.files:
+                    raise ValueError(f"budgets file {path!r} has arrays {z.files}; name one with --budget-column")
+                values = z[key]
+        elif ext == ".csv":
+            values = _csv_column(path, column)
+        elif ext in (".txt", ""):
+            with open(path, encoding="utf-8") as f:
+                values = [_number(line.strip(), f"{path} line {i + 1}") for i, line in enumerate(f) if line.strip()]
+        else:
+            raise ValueError(f"budgets file {path!r}: unsupported extension {ext!r} (use .npy, .npz, .csv or .txt)")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise ValueError(f"budgets file {path!r} cannot be read: {exc}") from None
+    except ValueError as exc:
+        if "budgets file" in str(exc) or path in str(exc):
+            raise
+        raise ValueError(f"budgets file {path!r} cannot be read: {exc}") from None
+    return check_budgets(values, n, f"budgets in {path!r}")
+
+
+def _csv_column(path: str, column: str | None) -> list[float]:
+    header, rows = _read_csv(path)
+    if header is None:          # no header: one number per row
+        if column is not None:
+            raise ValueError(f"{path}: no header row, so there is no column {column!r}")
+        if rows and len(rows[0]) != 1:
+            raise ValueError(f"{path}: {len(rows[0])} columns and no header; name the budget column")
+        return [_number(r[0], f"{path} row {i + 1}") for i, r in enumerate(rows)]
+    if column is None:
+        if len(header) != 1:
+            raise ValueError(f"{path} has columns {_columns(header)}; name the budget column (--budget-column)")
+        column = header[0]
+    if column not in header:
+        raise ValueError(f"{path} has no column {column!r} (columns: {_columns(header)})")
+    j = header.index(column)
+    return [_number(r[j], f"{path} row {i + 2}, column {column!r}") if r[j].strip() else math.nan
+            for i, r in enumerate(rows)]
+
+
+def _shown(text: str) -> str:
+    return repr(text.strip()) if text.strip() else "an empty value"
+
+
+def _columns(names, show: int = 8) -> str:
+    names = list(names)
+    if len(names) <= show:
+        return ", ".join(names)
+    return ", ".join(names[: show - 2]) + f", ..., {', '.join(names[-2:])} ({len(names)} columns)"
+
+
+def _read_csv(path: str):
+    """(header or None, rows): the first row is a header unless all of its fields are numbers."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+    if not rows:
+        raise ValueError(f"{path} is empty")
+    width = len(rows[0])
+    for i, r in enumerate(rows):
+        if len(r) != width:
+            raise ValueError(f"{path} row {i + 1} has {len(r)} fields, the first row has {width}")
+
+    def numeric(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if all(numeric(c) for c in rows[0]):
+        return None, rows
+    return [c.strip() for c in rows[0]], rows[1:]
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+class HashingTokenizer:
+    """Lower-cased words hashed (CRC32) into ids [2, vocab_size); 0 pads, 1 starts a sequence.
+
+    For models built from a config with random weights no pretrained vocabulary exists, so any fixed
+    map from words to ids works; hashing needs no download and no fitting on the data (a vocabulary
+    fitted on the training set would be a function of the private data)."""
+
+    def __init__(self, vocab_size: int, max_length: int = 64):
+        if vocab_size < 3:
+            raise ValueError("vocab_size must be ≥ 3")
+        self.vocab_size, self.max_length = int(vocab_size), int(max_length)
+
+    def __call__(self, texts) -> torch.Tensor:
+        out = torch.full((len(texts), self.max_length), PAD_ID, dtype=torch.int64)
+        for i, text in enumerate(texts):
+            ids = [1] + [2 + zlib.crc32(w.encode()) % (self.vocab_size - 2)
+                         for w in re.findall(r"\w+|[^\w\s]", str(text).lower())]
+            ids = ids[: self.max_length]
+            out[i, : len(ids)] = torch.tensor(ids)
+        return out
+
+
+def _tokenize(texts, tokenizer, max_length: int):
+    if tokenizer is None or isinstance(tokenizer, int):
+        return HashingTokenizer(tokenizer or 30522, max_length)(texts)
+    if callable(tokenizer) and not isinstance(tokenizer, str):
+        return tokenizer(texts)
+    from transformers import AutoTokenizer     # a named Hugging Face tokenizer (may download)
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return tok(list(map(str, texts)), padding="max_length", truncation=True, max_length=max_length,
+               return_tensors="pt")["input_ids"]
+
+
+def _labels(values, what: str):
+    """(labels (N,) int64, class names): integers keep their value when they are 0..K-1; anything
+    else is mapped to the index of its sorted distinct value."""
+    values = [str(v).strip() for v in values]
+    if any(v == "" for v in values):
+        raise ValueError(f"{what} has an empty label at record {values.index('')}")
+    try:
+        ints = [int(float(v)) for v in values]
+        if all(float(v) == i for v, i in zip(values, ints)):
+            if min(ints) >= 0 and max(ints) < 10_000:
+                k = max(ints) + 1
+                return torch.tensor(ints, dtype=torch.int64), [str(i) for i in range(k)]
+            names = sorted(set(ints))
+            index = {v: j for j, v in enumerate(names)}
+            return torch.tensor([index[i] for i in ints], dtype=torch.int64), [str(n) for n in names]
+    except ValueError:
+        pass
+    names = sorted(set(values))
+    index = {v: j for j, v in enumerate(names)}
+    return torch.tensor([index[v] for v in values], dtype=torch.int64), names
+
+
+# ---------------------------------------------------------------------------------------------- loaders
+def load_csv(path, *, label_column: str | None, budget_column: str | None = None, text_column: str | None = None,
+             tokens: bool = False, tokenizer=None, max_length: int = 64) -> TrainData:
+    """A CSV file with a header row. Features: every column other than the label / budget / text
+    columns, all numeric (float32). ``tokens=True``: those columns are integer token ids (N, T)
+    instead. ``text_column``: a text column tokenized (``tokenizer``: None → :class:`HashingTokenizer`,
+    an int vocabulary size, a callable, or a Hugging Face tokenizer name) into token ids.
+    ``label_column`` None: no labels (language modelling)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    header, rows = _read_csv(path)
+    if header is None:
+        raise ValueError(f"{path} needs a header row naming its columns")
+    for name, col in (("label", label_column), ("budget", budget_column), ("text", text_column)):
+        if col is not None and col not in header:
+            raise ValueError(f"{path} has no {name} column {col!r} (columns: {_columns(header)})")
+    if not rows:
+        raise ValueError(f"{path} has a header but no records")
+    n = len(rows)
+    columns = {h: [r[j] for r in rows] for j, h in enumerate(header)}
+    used = {label_column, budget_column, text_column}
+    feature_names = [h for h in header if h not in used]
+    budgets = None
+    if budget_column is not None:
+        budgets = [_number(v, f"{path} row {i + 2}, column {budget_column!r}") if v.strip() else math.nan
+                   for i, v in enumerate(columns[budget_column])]
+        bad = [i for i, b in enumerate(budgets) if not (math.isfinite(b) and b > 0)]
+        if bad:
+            raise ValueError(f"budget column {budget_column!r} of {path}, row {bad[0] + 2}: "
+                             f"{_shown(columns[budget_column][bad[0]])} is not a budget ε > 0")
+        budgets = check_budgets(budgets, n, f"budget column {budget_column!r} of {path}")
+    if label_column is not None:
+        labels, names = _labels(columns[label_column], f"label column {label_column!r} of {path}")
+    else:
+        labels, names = torch.zeros(n, dtype=torch.int64), []
+    if text_column is not None:
+        features = _tokenize(columns[text_column], tokenizer, max_length)
+        return TrainData(features, labels, "tokens", budgets, names, int(features.max()) + 1, path)
+    if not feature_names:
+        raise ValueError(f"{path}: no feature columns besides the label/budget columns")
+    matrix = np.empty((n, len(feature_names)), dtype=np.float64)
+    for j, h in enumerate(feature_names):
+        for i, v in enumerate(columns[h]):
+            if not v.strip():
+                raise ValueError(f"{path} row {i + 2}, column {h!r}: missing value")
+            matrix[i, j] = _number(v, f"{path} row {i + 2}, column {h!r}")
+    if not np.isfinite(matrix).all():
+        raise ValueError(f"{path}: features must be finite (found NaN or inf)")
+    return _from_matrix(matrix, labels, names, budgets, tokens, path)
+
+
+def _from_matrix(matrix: np.ndarray, labels, names, budgets, tokens: bool, source: str) -> TrainData:
+    if tokens:
+        if not np.array_equal(matrix, np.round(matrix)) or matrix.min() < 0:
+            raise ValueError(f"{source}: token ids must be integers ≥ 0 (for bert/gpt2 models every feature column "
+                             "is one token position)")
+        ids = torch.as_tensor(matrix.reshape(matrix.shape[0], -1), dtype=torch.int64)
+        return TrainData(ids, labels, "tokens", budgets, names, int(ids.max()) + 1, source)
+    kind = "image" if matrix.ndim == 4 else "features"
+    return TrainData(torch.as_tensor(matrix, dtype=torch.float32), labels, kind, budgets, names, None, source)
+
+
+def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
+    """Features from .npy (N, ...) with labels from ``labels`` (.npy), or an .npz holding ``x``
+    (or ``features``), ``y`` (or ``labels``) and optionally ``budgets``. (N, C, H, W) arrays are
+    images; ``tokens=True`` reads integer token ids (N, T)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    budgets = None
+    try:
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:
+                x_key = next((k for k in ("x", "features", "X") if k in z.files), None)
+                y_key = next((k for k in ("y", "labels") if k in z.files), None)
+                if x_key is None:
+                    raise ValueError(f"{path} must hold an array named 'x' (or 'features'); it has {z.files}")
+                x = z[x_key]
+                y = z[y_key] if y_key is not None else None
+                budgets = z["budgets"] if "budgets" in z.files else None
+        else:
+            x = np.load(path, allow_pickle=False)
+            y = None
+        if labels is not None:
+            if not os.path.isfile(os.fspath(labels)):
+                raise FileNotFoundError(f"labels file {os.fspath(labels)!r} does not exist")
+            y = np.load(os.fspath(labels), allow_pickle=False)
+    except (OSError, EOFError) as exc:
+        raise ValueError(f"{path}: cannot read NumPy data ({exc})") from None
+    if x.ndim < 2:
+        raise ValueError(f"{path}: features must be (N, ...) with N records, got shape {x.shape}")
+    if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+        raise ValueError(f"{path}: features must be finite numbers")
+    if y is None:
+        y_t, names = torch.zeros(x.shape[0], dtype=torch.int64), []
+    else:
+        y = np.asarray(y).ravel()
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"{path}: {x.shape[0]} records but {y.shape[0]} labels")
+        y_t, names = _labels(y.tolist(), f"labels of {path}")
+    if budgets is not None:
+        budgets = check_budgets(budgets, x.shape[0], f"budgets in {path}")
+    return _from_matrix(x.astype(np.float64) if tokens else x.astype(np.float32), y_t, names, budgets, tokens, path)
+
+
+def load_image_folder(path, *, image_size: int = 32) -> TrainData:
+    """torchvision's ImageFolder (``path/<class>/<image>``), resized to image_size², RGB, in [0, 1]."""
+    try:
+        from torchvision import datasets as tv_datasets
+        from torchvision import transforms
+    except ImportError:
+        raise ImportError("image folders need torchvision, which is not installed (pip install torchvision)") from None
+    transform = transforms.Compose([transforms.Lambda(lambda im: im.convert("RGB")),
+                                    transforms.Resize((image_size, image_size)), transforms.ToTensor()])
+    try:
+        folder = tv_datasets.ImageFolder(os.fspath(path), transform=transform)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise ValueError(f"{path}: not an image folder ({str(exc).splitlines()[0]})") from None
+    xs, ys = zip(*(folder[i] for i in range(len(folder))))
+    return TrainData(torch.stack(xs), torch.tensor(ys, dtype=torch.int64), "image", None, list(folder.classes),
+                     None, os.fspath(path))
+
+
+def load_hf(name: str, *, split: str = "train", config: str | None = None, label_column: str | None = "label",
+            text_column: str | None = None, budget_column: str | None = None, tokenizer=None,
+            max_length: int = 64, limit: int | None = None) -> TrainData:
+    """A Hugging Face dataset (``datasets.load_dataset(name, config, split=split)``). Text columns
+    are tokenized (see :func:`load_csv`); an ``input_ids`` column is used as is; otherwise every
+    numeric column other than the label / budget columns is a feature."""
+    try:
+        import datasets as hf_datasets
+    except ImportError:
+        raise ImportError("--hf-dataset needs the Hugging Face `datasets` package, which is not installed "
+                          "(pip install datasets)") from None
+    ds = hf_datasets.load_dataset(name, config, split=split)
+    if limit is not None:
+        ds = ds.select(range(min(int(limit), len(ds))))
+    columns = list(ds.column_names)
+    for what, col in (("label", label_column), ("budget", budget_column), ("text", text_column)):
+        if col is not None and col not in columns:
+            raise ValueError(f"dataset {name!r} has no {what} column {col!r} (columns: {_columns(columns)})")
+    if text_column is None and "input_ids" not in columns:
+        text_column = next((c for c in ("text", "sentence", "content") if c in columns), None)
+    n = len(ds)
+    source = f"hf:{name}" + (f"/{config}" if config else "") + f"[{split}]"
+    budgets = None if budget_column is None else check_budgets(ds[budget_column], n,
+                                                               f"budget column {budget_column!r} of {source}")
+    if label_column is not None:
+        labels, names = _labels(ds[label_column], f"label column {label_column!r} of {source}")
+        feature = getattr(ds, "features", {}).get(label_column) if hasattr(ds, "features") else None
+        if feature is not None and hasattr(feature, "names"):
+            names = list(feature.names)
+    else:
+        labels, names = torch.zeros(n, dtype=torch.int64), []
+    if "input_ids" in columns and text_column is None:
+        rows = ds["input_ids"]
+        ids = torch.full((n, max_length), PAD_ID, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            r = list(r)[:max_length]
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        return TrainData(ids, labels, "tokens", budgets, names, int(ids.max()) + 1, source)
+    if text_column is not None:
+        features = _tokenize(ds[text_column], tokenizer, max_length)
+        return TrainData(features, labels, "tokens", budgets, names, int(features.max()) + 1, source)
+    feats = [c for c in columns if c not in (label_column, budget_column)]
+    if not feats:
+        raise ValueError(f"{source}: no feature columns")
+    try:
+        matrix = np.stack([np.asarray(ds[c], dtype=np.float64).reshape(n, -1) for c in feats], axis=1).reshape(n, -1)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: columns {feats} are not all numeric; name a text column (--text-column)") from None
+    return _from_matrix(matrix, labels, names, budgets, False, source)
+
+
+def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
+              text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split="train",
+              hf_config=None) -> TrainData:
+    """Dispatch on what ``data`` is (a directory → image folder, .csv, .npy/.npz) or ``hf_dataset``;
+    then attach budgets from ``budgets`` (a file) when given. Budgets given twice is an error."""
+    if (data is None) == (hf_dataset is None):
+        raise ValueError("give exactly one of --data and --hf-dataset")
+    if hf_dataset is not None:
+        out = load_hf(hf_dataset, split=hf_split, config=hf_config, label_column=label_column or "label",
+                      text_column=text_column, budget_column=budget_column, tokenizer=tokenizer, max_length=max_length)
+    else:
+        path = os.fspath(data)
+        ext = os.path.splitext(path)[1].lower()
+        if os.path.isdir(path):
+            out = load_image_folder(path, image_size=image_size)
+        elif ext == ".csv":
+            out = load_csv(path, label_column=label_column, budget_column=budget_column, text_column=text_column,
+                           tokens=tokens, tokenizer=tokenizer, max_length=max_length)
+        elif ext in (".npy", ".npz"):
+            out = load_numpy(path, labels=labels, tokens=tokens)
+        elif not os.path.exists(path):
+            raise FileNotFoundError(f"data {path!r} does not exist")
+        else:
+            raise ValueError(f"data {path!r}: unsupported format (use .csv, .npy, .npz or an image folder)")
+        if budget_column is not None and ext != ".csv":
+            raise ValueError("--budget-column applies to CSV data; use --budgets FILE for other data")
+    if budgets is not None:
+        if out.budgets is not None:
+            raise ValueError("budgets given twice (a budget column or array in the data, and --budgets)")
+        out.budgets = read_budgets(budgets, n=len(out))
+    return out
+
+
+def train_test_split(data: TrainData, test_fraction: float, seed: int = 0):
+    """(train, test or None): a seeded random split that depends only on (N, seed), never on values."""
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test fraction must lie in [0, 1), got {test_fraction!r}")
+    n = len(data)
+    n_test = int(round(test_fraction * n))
+    if n_test == 0:
+        return data, None
+    if n - n_test < 1:
+        raise ValueError(f"test fraction {test_fraction} leaves no training records out of {n}")
+    perm = np.random.default_rng([seed, 0x7E57]).permutation(n)
+    return data.subset(np.sort(perm[n_test:])), data.subset(np.sort(perm[:n_test]))

@@ -1,0 +1,383 @@
+"""PDP-SGD: multi-round personalized sampling on top of the engine ((Φ, Δ)-PDP; DESIGN.md §3.4).
+
+Heo, Seo, Whang. Each round R = 1..k:
+
+1. a threshold τ_R on the records' *remaining* budgets (``pdp.select_threshold``: the fixed loss
+   w1·waste_u + w2·waste_s, or the adaptive one);
+2. the round's subset: record i kept with probability π_i = (e^{ε_i} − 1)/(e^{τ_R} − 1) if its
+   remaining ε_i < τ_R, else 1 (records with nothing left: 0), drawn with randomness seeded by
+   (seed, R) only — never by the data;
+3. DP-SGD on the subset through a fresh :class:`~pdpfast.PrivacyEngine`: Poisson rate q inside the
+   subset (fixed, or B / Σ_i π_i for a constant expected batch B), σ_R calibrated so the round's
+   steps are (τ_R, δ)-DP (the engine's plan and RDP ledger refuse any step beyond that);
+   ``engine.detach()`` afterwards releases the model's layers;
+4. the round is charged *before* it trains (charge before release): ``pdp.charge(..., rule)``;
+   by default rule "all" charges every record its round guarantee min(ε_i, τ_R) whether or not it
+   was kept, so the schedule of thresholds depends only on the budgets. ``rule="sampled"`` is the
+   paper's rule (only kept records pay), offered for reproducing the paper: it makes later rounds
+   depend on who was sampled. δ_i grows by π_i·δ (or δ) per round, so δ_i ≤ k·δ.
+
+By the sampling mechanism (Jorgensen et al. 2015), a round whose subset training is (ε_R, δ)-DP is
+(log(1 + π_i(e^{ε_R} − 1)), π_i·δ)-DP for record i; with the engine's ledger ε_R ≤ τ_R this is
+≤ min(ε_i, τ_R), what the round charges. ``ledger_epsilons`` sums these amplified ledger values.
+
+With rounds = 1 this is the "DP-SGD + Sampling" baseline.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from .accounting import pdp
+from .train import Task, private_steps
+
+__all__ = ["PDPResult", "PDPSGD", "RoundRecord", "train_pdp_sgd"]
+
+
+@dataclass
+class RoundRecord:
+    """One finished round. threshold: τ_R; noise_multiplier: σ_R of the round's plan; subset_size:
+    records kept; alive: records with budget left before it; engine_epsilon: ε the round's engine
+    ledger spent at δ (≤ τ_R); first_step: global step at which it started; sample_rate: q_R."""
+
+    round: int
+    threshold: float
+    noise_multiplier: float
+    subset_size: int
+    alive: int
+    steps: int
+    engine_epsilon: float
+    first_step: int
+    sample_rate: float = float("nan")
+
+
+@dataclass
+class PDPResult:
+    """Per record (N,): ``epsilons`` charged (budget − remaining: the sum of round guarantees),
+    ``deltas`` δ_i, ``remaining`` budgets, ``ledger_epsilons`` Σ_R log(1 + π_i(e^{ε_R} − 1)) from the
+    engines' RDP ledgers (≤ epsilons); ``rounds``: one :class:`RoundRecord` per finished round."""
+
+    epsilons: np.ndarray
+    deltas: np.ndarray
+    remaining: np.ndarray
+    ledger_epsilons: np.ndarray
+    rounds: list = field(default_factory=list)
+
+
+class PDPSGD:
+    """The PDP-SGD driver, resumable round by round and step by step.
+
+    model: trained in place. dataset: map-style, N records yielding (x, y). budgets: (N,) ε_i > 0.
+    optimizer: a torch optimizer over the model's parameters (kept across rounds; each round's
+    engine wraps it). delta: δ of each round's (τ_R, δ) guarantee (δ_i ≤ rounds·δ).
+    steps_per_round: optimizer steps in every round, or epochs_per_round: E, giving round R
+    round(E / q_R) steps (E expected passes over its subset, so a round on a small subset takes few
+    steps and needs little noise for its τ_R). Poisson rate inside a round's subset: either
+    ``sample_rate`` q in every round, or ``expected_batch_size`` B, giving q_R = min(1, B / Σ_i π_i)
+    (the subset's expected size Σ_i π_i is a function of the budgets, not of which records were
+    drawn, so q_R is data-independent and every round has the same expected batch).
+    task: a :class:`pdpfast.train.Task` (default: classification, ``model(x)`` → logits).
+    loss / w1 / w2: threshold loss ("fixed" or "adaptive"); rule: "all" (default) or "sampled".
+    """
+
+    def __init__(self, model: nn.Module, dataset, budgets, *, optimizer: torch.optim.Optimizer, delta: float,
+                 rounds: int, steps_per_round: int | None = None, epochs_per_round: float | None = None,
+                 sample_rate: float | None = None,
+                 expected_batch_size: float | None = None,
+                 task: Task | None = None, max_grad_norm: float = 1.0, loss: str = "fixed", w1: float = 0.7,
+                 w2: float = 0.3, rule: str = "all", seed: int = 0, mode: str = "bk", clipping: str = "flat",
+                 physical_batch_size: int | None = None, min_remaining: float = 1e-9):
+        from .datasets import check_budgets
+
+        self.model, self.dataset, self.optimizer = model, dataset, optimizer
+        self.budgets = check_budgets(budgets, len(dataset), "budgets")
+        for name, value in (("rounds", rounds), ("steps_per_round", steps_per_round)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if (steps_per_round is None) == (epochs_per_round is None):
+            raise ValueError("give exactly one of steps_per_round and epochs_per_round")
+        if epochs_per_round is not None and not epochs_per_round > 0:
+            raise ValueError(f"epochs_per_round must be > 0, got {epochs_per_round!r}")
+        if (sample_rate is None) == (expected_batch_size is None):
+            raise ValueError("give exactly one of sample_rate (the same q in every round) and expected_batch_size "
+                             "(q_R = B / Σ_i π_i in round R)")
+        if sample_rate is not None and not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+        if expected_batch_size is not None and not expected_batch_size > 0:
+            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
+        if rule not in ("all", "sampled"):
+            raise ValueError(f"rule must be 'all' (default) or 'sampled' (the paper's rule), got {rule!r}")
+        if loss not in ("fixed", "adaptive"):
+            raise ValueError(f"loss must be 'fixed' or 'adaptive', got {loss!r}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+        self.delta, self.rounds = float(delta), int(rounds)
+        self.steps_per_round = None if steps_per_round is None else int(steps_per_round)
+        self.epochs_per_round = None if epochs_per_round is None else float(epochs_per_round)
+        self.sample_rate = None if sample_rate is None else float(sample_rate)
+        self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
+        self.rule, self.loss, self.w1, self.w2 = rule, loss, w1, w2
+        self.seed, self.mode, self.clipping = int(seed), mode, clipping
+        self.max_grad_norm, self.physical_batch_size = float(max_grad_norm), physical_batch_size
+        self.min_remaining = float(min_remaining)
+        self.task = task or Task()
+        n = self.budgets.shape[0]
+        self.remaining = self.budgets.copy()
+        self.spent_delta = np.zeros(n)
+        self.ledger_eps = np.zeros(n)
+        self.round = 0                  # the round in progress, or the next one
+        self.current: dict | None = None
+        self.history: list[RoundRecord] = []
+        self.completed_steps = 0
+        self.finished = False
+        self._engine = None
+
+    # ------------------------------------------------------------------ progress
+    @property
+    def total_steps(self) -> int:
+        """Steps of a full run: exact under rule "all" (the schedule depends only on the budgets),
+        an estimate under rule "sampled"."""
+        if getattr(self, "_total_steps", None) is None:
+            rem, total = self.budgets.copy(), 0
+            for _ in range(self.rounds):
+                rem = np.where(rem > self.min_remaining, rem, 0.0)
+                if not np.any(rem > 0):
+                    break
+                threshold, probabilities, q = self._threshold(rem)
+                total += self._steps_for(q)
+                rem = pdp.charge(rem, threshold)
+            self._total_steps = total
+        return self._total_steps
+
+    def _threshold(self, rem: np.ndarray):
+        """(τ_R, π (N,), q_R) for remaining budgets ``rem`` (zeros: no budget left)."""
+        threshold = pdp.select_threshold(rem[rem > 0], self.loss, self.w1, self.w2)
+        probabilities = np.where(rem > 0, pdp.sampling_probabilities(rem, threshold), 0.0)
+        # q_R from the budgets alone (Σ π_i, not the drawn subset's size), so it is data-independent
+        q = self.sample_rate or min(1.0, self.expected_batch_size / float(probabilities.sum()))
+        return threshold, probabilities, q
+
+    def _steps_for(self, sample_rate: float) -> int:
+        if self.steps_per_round is not None:
+            return self.steps_per_round
+        return max(1, round(self.epochs_per_round / sample_rate))
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far, over all rounds."""
+        in_round = 0
+        if self._engine is not None:
+            in_round = self._engine.steps
+        elif self.current is not None and self.current.get("engine") is not None:
+            in_round = int(self.current["engine"]["optimizer"]["steps"])
+        return self.completed_steps + in_round
+
+    def epsilons_now(self) -> np.ndarray:
+        """(N,) ε spent by the steps taken so far: finished rounds' amplified ledger ε plus the
+        current round's (π_i-amplified) engine ledger."""
+        eps = self.ledger_eps.copy()
+        if self._engine is not None and self._engine.steps > 0:
+            eps += self._amplified(float(self._engine.epsilons().max()))
+        return eps
+
+    def _amplified(self, engine_epsilon: float) -> np.ndarray:
+        cur = self.current
+        payers = np.zeros_like(self.ledger_eps, dtype=bool)
+        payers[cur["payers"]] = True
+        return np.where(payers, np.log1p(cur["probabilities"] * np.expm1(engine_epsilon)), 0.0)
+
+    # ------------------------------------------------------------------ rounds
+    def _begin_round(self) -> bool:
+        rem = np.where(self.remaining > self.min_remaining, self.remaining, 0.0)
+        if not np.any(rem > 0):
+            return False
+        threshold, _, q = self._threshold(rem)
+        steps = self._steps_for(q)
+        plan = pdp.round_plan(rem, delta=self.delta, steps=steps, sample_rate=q, threshold=threshold)
+        # data-independent randomness: a function of (seed, round) only
+        draws = np.random.default_rng([self.seed, 0x9D95, self.round]).random(rem.shape[0])
+        kept = draws < plan.probabilities
+        # charge before release: the ledger pays for the round before the round trains
+        self.spent_delta = pdp.charge_delta(self.spent_delta, rem, plan.threshold, self.delta, sampled=kept,
+                                            rule=self.rule)
+        self.remaining = pdp.charge(rem, plan.threshold, sampled=kept, rule=self.rule)
+        payers = kept if self.rule == "sampled" else rem > 0
+        self.current = {"threshold": plan.threshold, "probabilities": plan.probabilities, "sample_rate": q,
+                        "steps": steps,
+                        "kept": np.flatnonzero(kept), "payers": np.flatnonzero(payers),
+                        "alive": int((rem > 0).sum()), "first_step": self.completed_steps, "engine": None}
+        return True
+
+    def _round_engine(self):
+        import pdpfast
+
+        cur = self.current
+        engine = pdpfast.PrivacyEngine(seed=int(np.random.SeedSequence([self.seed, self.round]).generate_state(1)[0]))
+        criterion = self.task.criterion()
+        subset = Subset(self.dataset, cur["kept"].tolist())
+        # the subset's training is uniform DP-SGD at (τ_R, δ): q for everyone, σ_R for τ_R
+        out = engine.make_private_with_budgets(
+            module=self.model, optimizer=self.optimizer, data_loader=DataLoader(subset),
+            budgets=np.full(len(subset), cur["threshold"]), delta=self.delta, steps=cur["steps"],
+            method="scale", sample_rate=cur["sample_rate"], max_grad_norm=self.max_grad_norm, clipping=self.clipping,
+            mode=self.mode, loss_reduction="sum", physical_batch_size=self.physical_batch_size,
+            criterion=criterion if self.mode == "ghost" else None)
+        if self.mode == "ghost":
+            _, optimizer, criterion, loader = out
+        else:
+            _, optimizer, loader = out
+        if cur["engine"] is not None:
+            engine.load_state_dict(cur["engine"])
+        return engine, optimizer, loader, criterion
+
+    def _finish_round(self, engine_epsilon: float, sigma: float) -> None:
+        cur = self.current
+        self.ledger_eps += self._amplified(engine_epsilon)
+        self.history.append(RoundRecord(self.round, float(cur["threshold"]), float(sigma), int(len(cur["kept"])),
+                                        cur["alive"], cur["steps"], float(engine_epsilon),
+                                        int(cur["first_step"]), float(cur["sample_rate"])))
+        self.completed_steps += cur["steps"]
+        self.current, self.round = None, self.round + 1
+
+    def run(self, on_step=None, max_steps: int | None = None) -> PDPResult:
+        """Train the remaining rounds (or ``max_steps`` more steps, then stop resumably).
+
+        on_step(global_step, loss): after every optimizer step; may return True to stop."""
+        stop_at = None if max_steps is None else self.steps + int(max_steps)
+        stopped = False
+        while self.round < self.rounds and not stopped:
+            if self.current is None and not self._begin_round():
+                break
+            if len(self.current["kept"]) == 0:        # nobody drawn: the round takes no step, releases nothing
+                self.current["steps"] = 0
+                self._finish_round(0.0, float("nan"))
+                continue
+            engine, optimizer, loader, criterion = self._round_engine()
+            self._engine = engine
+            offset = self.completed_steps
+            round_steps = self.current["steps"]
+            until = round_steps if stop_at is None else min(round_steps, stop_at - offset)
+            halt = []
+
+            def step_hook(step, loss):
+                if on_step is not None and on_step(offset + step, loss):
+                    halt.append(True)
+                    return True
+                return False
+
+            try:
+                if until > engine.steps:
+                    private_steps(engine, self.model, optimizer, loader, self.task, criterion, until=until,
+                                  on_step=step_hook)
+                if engine.steps >= round_steps:
+                    eps = float(engine.epsilons().max())
+                    self._engine = None
+                    self._finish_round(eps, engine.plan.noise_multiplier)
+                else:
+                    self.current["engine"] = engine.state_dict()
+                    self._engine = None
+                    stopped = True
+                stopped = stopped or bool(halt)
+            finally:
+                if self._engine is not None:           # an exception: keep the round's state resumable
+                    self.current["engine"] = engine.state_dict()
+                    self._engine = None
+                engine.detach()
+        if self.round >= self.rounds or (self.current is None and not np.any(self.remaining > self.min_remaining)):
+            self.finished = True
+        return self.result()
+
+    def result(self) -> PDPResult:
+        return PDPResult(self.budgets - self.remaining, self.spent_delta.copy(), self.remaining.copy(),
+                         self.epsilons_now(), list(self.history))
+
+    # ------------------------------------------------------------------ persistence
+    def _config(self) -> dict:
+        return {"delta": self.delta, "rounds": self.rounds, "steps_per_round": self.steps_per_round,
+                "epochs_per_round": self.epochs_per_round,
+                "sample_rate": self.sample_rate, "expected_batch_size": self.expected_batch_size, "rule": self.rule,
+                "loss": self.loss, "w1": self.w1, "w2": self.w2,
+                "seed": self.seed, "max_grad_norm": self.max_grad_norm}
+
+    def state_dict(self) -> dict:
+        """The driver's state: ledger (remaining, δ_i, amplified ε), round, the round in progress
+        (with its engine's state) and the optimizer's state. Model weights are not included."""
+        current = None
+        if self.current is not None:
+            current = dict(self.current)
+            if self._engine is not None:
+                current["engine"] = self._engine.state_dict()
+        return {"format_version": 1, "config": self._config(), "budgets": self.budgets.copy(),
+                "remaining": self.remaining.copy(), "spent_delta": self.spent_delta.copy(),
+                "ledger_eps": self.ledger_eps.copy(), "round": self.round, "current": current,
+                "history": [vars(r).copy() for r in self.history], "completed_steps": self.completed_steps,
+                "finished": self.finished, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format_version") != 1:
+            raise ValueError("not a PDP-SGD state (format_version)")
+        if state["config"] != self._config():
+            diff = sorted(k for k in self._config() if state["config"].get(k) != self._config()[k])
+            raise ValueError(f"the checkpoint's PDP-SGD settings differ from this run's ({', '.join(diff)}); resume "
+                             "with the same ones")
+        if not np.array_equal(np.asarray(state["budgets"]), self.budgets):
+            raise ValueError("the checkpoint's budgets differ from this run's; resume with the same budgets")
+        self.remaining = np.asarray(state["remaining"], dtype=np.float64).copy()
+        self.spent_delta = np.asarray(state["spent_delta"], dtype=np.float64).copy()
+        self.ledger_eps = np.asarray(state["ledger_eps"], dtype=np.float64).copy()
+        self.round, self.current = int(state["round"]), state["current"]
+        self.history = [RoundRecord(**r) for r in state["history"]]
+        self.completed_steps, self.finished = int(state["completed_steps"]), bool(state["finished"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_checkpoint(self, path, **extra) -> None:
+        """Atomically write model weights and the driver's state (``extra["pdp"]``) to ``path``, in
+        the layout of ``PrivacyEngine.save_checkpoint``."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": self.model.state_dict(), "engine": None, "extra": {**extra, "pdp": self.state_dict()}}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def load_checkpoint_state(self, checkpoint: dict) -> dict:
+        """Restore from what ``save_checkpoint`` wrote (already loaded with torch.load); returns extra."""
+        if "pdp" not in checkpoint.get("extra", {}):
+            raise ValueError("the checkpoint holds no PDP-SGD state (was it made with another --method?)")
+        self.load_state_dict(checkpoint["extra"]["pdp"])
+        self.model.load_state_dict(checkpoint["model"])
+        return checkpoint["extra"]
+
+
+def train_pdp_sgd(model: nn.Module, dataset, budgets, *, delta: float, rounds: int, steps_per_round: int | None = None,
+                  epochs_per_round: float | None = None,
+                  sample_rate: float | None = None, expected_batch_size: float | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, lr: float = 0.1,
+                  on_step=None, **kwargs) -> PDPResult:
+    """Train ``model`` in place with PDP-SGD; returns per-record ε spent and δ_i (:class:`PDPResult`).
+
+    dataset: N records yielding (x, y); budgets: (N,) ε_i; sample_rate q (every round) or
+    expected_batch_size B (q_R = B / Σ_i π_i); optimizer: default SGD(lr, momentum 0.9).
+    Other keyword arguments go to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
+    """
+    if optimizer is None:
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    driver = PDPSGD(model, dataset, budgets, optimizer=optimizer, delta=delta, rounds=rounds,
+                    steps_per_round=steps_per_round, epochs_per_round=epochs_per_round, sample_rate=sample_rate,
+                    expected_batch_size=expected_batch_size, **kwargs)
+    return driver.run(on_step=on_step)

@@ -1,0 +1,202 @@
+"""PNG plots for the CLI (matplotlib, Agg backend) and atomic output files.
+
+Every writer goes through a temporary file in the destination's directory and ``os.replace``, so
+an output file is either absent or complete, never half-written.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["accuracy_curves", "atomic_path", "atomic_write_text", "bench_ratios", "epsilon_curves",
+           "plan_histograms", "Staging"]
+
+
+def _temp_file(directory: Path, name: str, suffix: str) -> str:
+    """An empty temporary file next to the output, with the permissions a new file would get."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=suffix)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
+@contextlib.contextmanager
+def atomic_path(path, suffix: str = ""):
+    """Yields a temporary path next to ``path``; on success it replaces ``path``, on error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_file(path.parent, path.name, suffix or path.suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_text(path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text, encoding="utf-8")
+
+
+class Staging:
+    """Outputs of one command: written as temporary files, moved into place together by
+    ``commit()``; ``discard()`` (or leaving the ``with`` block on an error) removes them all, and
+    any directory this object created, so a failed command leaves no output behind."""
+
+    def __init__(self):
+        self._pending: list[tuple[str, Path]] = []
+        self._created: list[Path] = []
+
+    def path(self, final) -> str:
+        final = Path(final)
+        missing = []
+        parent = final.parent
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._created.extend(reversed(missing))
+        tmp = _temp_file(final.parent, final.name, final.suffix)
+        self._pending.append((tmp, final))
+        return tmp
+
+    def commit(self) -> list[Path]:
+        done = []
+        for tmp, final in self._pending:
+            os.replace(tmp, final)
+            done.append(final)
+        self._pending, self._created = [], []
+        return done
+
+    def discard(self) -> None:
+        for tmp, _ in self._pending:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for directory in reversed(self._created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        self._pending, self._created = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.discard()
+        return False
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> None:
+    plt = _pyplot()
+    fig.tight_layout()
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during training") -> None:
+    """curves: {method: [(steps (S,), accuracy (S,)), ...] one per seed}; mean line ± std band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, runs in curves.items():
+        runs = [r for r in runs if len(r[0])]
+        if not runs:
+            continue
+        length = min(len(r[0]) for r in runs)
+        steps = np.asarray(runs[0][0][:length])
+        acc = np.stack([np.asarray(r[1][:length]) for r in runs])
+        line, = ax.plot(steps, acc.mean(0), label=method)
+        if acc.shape[0] > 1:
+            ax.fill_between(steps, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), alpha=0.2,
+                            color=line.get_color())
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def epsilon_curves(curves: dict, budgets, path, *, title: str = "ε spent per privacy group") -> None:
+    """curves: {method: (steps (S,), {budget: (S,) ε spent (max over the group)})}; one panel per
+    method, a line per group and its budget as a dashed line."""
+    plt = _pyplot()
+    methods = [m for m, c in curves.items() if c is not None and len(c[0])]
+    cols = min(3, max(1, len(methods)))
+    rows = max(1, -(-len(methods) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, method in zip(axes.ravel(), methods):
+        steps, per_group = curves[method]
+        for k, b in enumerate(sorted(per_group)):
+            color = colors[k % len(colors)]
+            ax.plot(steps, per_group[b], color=color, label=f"budget ε={b:g}")
+            ax.axhline(b, color=color, ls="--", lw=0.8)
+        ax.set_title(method, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(methods):]:
+        ax.axis("off")
+    axes[0, 0].set_ylabel("ε spent (ledger)")
+    if methods:
+        axes[0, 0].legend(fontsize=7)
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+def plan_histograms(plan, path) -> None:
+    """Histograms of the plan's per-record sampling rates q_i and clip norms c_i."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, values, label in ((a, plan.group_sample_rates, "sample rate q_i"),
+                              (b, plan.group_clip_norms, "clip norm c_i")):
+        lo, hi = float(values.min()), float(values.max())
+        if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+            lo, hi = lo - 0.5 * max(abs(lo), 1e-3) * 0.1, hi + 0.5 * max(abs(hi), 1e-3) * 0.1
+        ax.hist(values, bins=40, range=(lo, hi), weights=plan.group_sizes)
+        ax.xaxis.set_major_locator(MaxNLocator(5))
+        ax.set_xlabel(label)
+        ax.set_ylabel("records")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"PrivacyPlan({plan.method}): σ={plan.noise_multiplier:.4g}, {plan.steps} steps, "
+                 f"δ={plan.delta:.2g}", fontsize=10)
+    _save(fig, path)
+
+
+def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
+    """Grouped bars: for each model, each provider's ``key`` (a ratio to non-private)."""
+    plt = _pyplot()
+    rows = [r for r in rows if key in r]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(models) * max(1, len(providers)) / 2), 4))
+    width = 0.8 / max(1, len(providers))
+    for j, provider in enumerate(providers):
+        values = [next((r[key] for r in rows if r["model"] == m and r["provider"] == provider), np.nan)
+                  for m in models]
+        ax.bar(np.arange(len(models)) + j * width, values, width, label=provider)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(models)) + width * (len(providers) - 1) / 2, models)
+    ax.set_ylabel(key.replace("_", " "))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, path)

@@ -1,0 +1,516 @@
+"""The ``pdpfast train`` driver: data + model + method → a private training run with a per-record
+ledger, checkpoints and resume.
+
+Building blocks (also used by the demo and by :mod:`pdpfast.pdp_sgd`):
+
+* :class:`Task` — how a batch becomes a loss and how a model is evaluated (classification with
+  logits (B, K), or next-token language modelling for GPT-2); losses are sums of per-record losses
+  (``loss_reduction="sum"``), which keeps empty Poisson draws well defined.
+* :func:`private_engine` — ``PrivacyEngine.make_private_with_budgets`` for "sample" / "scale" /
+  "hybrid", and for "dpsgd" (every record at the smallest budget: what standard DP-SGD must use).
+* :func:`private_steps` — the ordinary training loop, run until the engine has taken a given
+  number of optimizer steps (so a resumed run takes exactly the steps that remain).
+* :func:`group_report` — ε spent per budget group, from the engine's ledger.
+
+:func:`run` is the whole CLI job, from a :class:`TrainConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "evaluate", "group_report", "format_groups",
+           "private_engine", "private_steps", "run"]
+
+METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+class SequenceCrossEntropy(nn.Module):
+    """Next-token cross-entropy; a record's loss is the mean over its positions.
+
+    forward(logits (B, T, V), targets (B, T)) → (B,) with reduction "none", else their sum / mean.
+    (A torch loss module with a ``reduction`` attribute, so ghost mode can wrap it.)"""
+
+    def __init__(self, reduction: str = "sum"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, targets):
+        b = targets.shape[0]
+        per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                                reduction="none")
+        per_record = per_token.reshape(b, -1).mean(1) if per_token.numel() else per_token.reshape(b)
+        if self.reduction == "none":
+            return per_record
+        return per_record.sum() if self.reduction == "sum" else per_record.mean()
+
+
+@dataclass(frozen=True)
+class Task:
+    """kind: "classification" or "lm"; family: "plain" (``model(x)``), "bert" (token ids with an
+    attention mask hiding ``pad_id``) or "gpt2"."""
+
+    kind: str = "classification"
+    family: str = "plain"
+    pad_id: int = 0
+
+    @classmethod
+    def for_model(cls, name: str) -> "Task":
+        from .models import model_spec
+
+        spec = model_spec(name)
+        family = "bert" if name.startswith("bert") else "gpt2" if name.startswith("gpt2") else "plain"
+        return cls(spec.task, family)
+
+    def criterion(self) -> nn.Module:
+        return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
+
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.family == "bert":
+            out = model(input_ids=x, attention_mask=(x != self.pad_id).long())
+        elif self.family == "gpt2":
+            out = model(input_ids=x)
+        else:
+            out = model(x)
+        return out.logits if hasattr(out, "logits") else out
+
+    def loss(self, model: nn.Module, batch, criterion):
+        """Sum of the batch's per-record losses (a ``DPLoss`` in ghost mode)."""
+        x, y = batch[0], batch[1]
+        logits = self.logits(model, x)
+        if self.kind == "lm":
+            return criterion(logits[:, :-1], x[:, 1:])
+        return criterion(logits, y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
+        """{"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm) on ``dataset``."""
+        was_training = model.training
+        model.eval()
+        total, correct, loss_sum = 0, 0, 0.0
+        criterion = self.criterion()
+        try:
+            for x, y in DataLoader(dataset, batch_size=batch_size):
+                logits = self.logits(model, x)
+                if self.kind == "lm":
+                    loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
+                else:
+                    loss_sum += float(criterion(logits, y))
+                    correct += int((logits.argmax(-1) == y).sum())
+                total += x.shape[0]
+        finally:
+            model.train(was_training)
+        mean = loss_sum / max(total, 1)
+        if self.kind == "lm":
+            return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+        return {"accuracy": correct / max(total, 1), "loss": mean}
+
+
+def evaluate(model, dataset, task: Task | None = None) -> dict:
+    return (task or Task()).evaluate(model, dataset)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
+                   sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
+                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float = 0.5,
+                   accountant: str = "rdp", physical_batch_size: int | None = None):
+    """(engine, model, optimizer, loader, criterion) for one of "sample", "scale", "hybrid" (IDP with
+    the records' own budgets) or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
+
+    The engine's ledger holds the budgets the plan was made for; for "dpsgd" that is min ε_i for
+    everyone, so ``engine.epsilons()`` is what DP-SGD spends of each record's own budget."""
+    if method not in ("sample", "scale", "hybrid", "dpsgd"):
+        raise ValueError(f"method must be one of sample, scale, hybrid, dpsgd (pdp: pdpfast.pdp_sgd), got {method!r}")
+    import pdpfast
+
+    task = task or Task()
+    budgets = np.asarray(budgets, dtype=np.float64)
+    plan_budgets = np.full_like(budgets, budgets.min()) if method == "dpsgd" else budgets
+    criterion = task.criterion()
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    out = engine.make_private_with_budgets(
+        module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=batch_size),
+        budgets=plan_budgets, delta=delta, steps=steps, method="sample" if method == "dpsgd" else method,
+        sample_rate=sample_rate, max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant,
+        clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
+        criterion=criterion if mode == "ghost" else None)
+    if mode == "ghost":
+        model, optimizer, criterion, loader = out
+    else:
+        model, optimizer, loader = out
+    return engine, model, optimizer, loader, criterion
+
+
+def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
+                  on_step=None) -> None:
+    """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader.
+
+    ``on_step(step, loss)`` runs after every optimizer step (``step`` = engine.steps, ``loss`` the
+    mean per-record loss of the draw's last physical batch); it may return True to stop early."""
+    model.train()
+    while engine.steps < until:
+        for batch in loader:
+            loss = task.loss(model, batch, criterion)
+            loss.backward()
+            before = engine.steps
+            optimizer.step()
+            optimizer.zero_grad()
+            if engine.steps != before:
+                rows = max(int(batch[0].shape[0]), 1)
+                stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False
+                if stop or engine.steps >= until:
+                    return
+
+
+# ---------------------------------------------------------------------------------------------- reports
+def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -> list[dict]:
+    """ε spent per budget group: one group per distinct budget (≤ max_groups of them), else
+    budget quantile bins. Rows: {"budget": label, "low", "high", "records", "max_spent",
+    "mean_spent", "max_ratio"} with max_ratio = max_i spent_i/ε_i (≤ 1 means within budget)."""
+    budgets, spent = np.asarray(budgets, dtype=np.float64), np.asarray(spent, dtype=np.float64)
+    values = np.unique(budgets)
+    if values.shape[0] <= max_groups:
+        bins = [(v, v, budgets == v) for v in values]
+    else:
+        edges = np.unique(np.quantile(budgets, np.linspace(0, 1, max_groups + 1)))
+        which = np.clip(np.searchsorted(edges, budgets, side="right") - 1, 0, len(edges) - 2)
+        bins = [(budgets[which == k].min(), budgets[which == k].max(), which == k)
+                for k in range(len(edges) - 1) if (which == k).any()]
+    rows = []
+    for low, high, sel in bins:
+        label = f"{low:.4g}" if low == high else f"{low:.4g}–{high:.4g}"
+        rows.append({"budget": label, "low": float(low), "high": float(high), "records": int(sel.sum()),
+                     "max_spent": float(spent[sel].max()), "mean_spent": float(spent[sel].mean()),
+                     "max_ratio": float((spent[sel] / budgets[sel]).max())})
+    return rows
+
+
+def format_groups(rows: list[dict], title: str = "ε spent per budget group") -> str:
+    lines = [title, f"  {'budget ε':>14} {'records':>8} {'max spent':>10} {'mean spent':>11} {'max spent/ε':>12}"]
+    for r in rows:
+        lines.append(f"  {r['budget']:>14} {r['records']:>8d} {r['max_spent']:>10.4f} {r['mean_spent']:>11.4f} "
+                     f"{r['max_ratio']:>12.4f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the job
+@dataclass
+class TrainConfig:
+    """Everything ``pdpfast train`` takes (see ``pdpfast train --help``)."""
+
+    data: str | None = None
+    labels: str | None = None
+    hf_dataset: str | None = None
+    hf_split: str = "train"
+    hf_config: str | None = None
+    label_column: str | None = None
+    budget_column: str | None = None
+    budgets: str | None = None
+    epsilon: float | None = None
+    text_column: str | None = None
+    tokens: bool = False
+    tokenizer: str | None = None
+    max_length: int = 64
+    image_shape: str | None = None
+    image_size: int = 32
+    test_fraction: float = 0.2
+    model: str = "mlp"
+    hidden: str = "128"
+    method: str = "sample"
+    clipping: str = "flat"
+    mode: str = "bk"
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 0.1
+    momentum: float = 0.9
+    optimizer: str = "sgd"
+    max_grad_norm: float = 1.0
+    delta: float = 1e-5
+    hybrid_weight: float = 0.5
+    accountant: str = "rdp"
+    physical_batch_size: int | None = None
+    rounds: int = 2
+    pdp_loss: str = "fixed"
+    pdp_charge: str = "all"
+    seed: int = 0
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    stop_after_steps: int | None = None
+    threads: int | None = None
+    quiet: bool = False
+    out_json: str | None = None
+    log: object = field(default=None, repr=False)
+
+
+def _check_config(cfg: TrainConfig) -> None:
+    from .models import model_names
+
+    if cfg.method not in METHODS:
+        raise ValueError(f"unknown method {cfg.method!r}; choose from {', '.join(METHODS)}")
+    if cfg.model not in model_names():
+        raise ValueError(f"unknown model {cfg.model!r}; choose from {', '.join(model_names())}")
+    for name in ("epochs", "batch_size", "rounds", "max_length", "image_size"):
+        if not (isinstance(getattr(cfg, name), int) and getattr(cfg, name) > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+    for name in ("lr", "max_grad_norm"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    if not 0 < cfg.delta < 1:
+        raise ValueError(f"--delta must lie in (0, 1), got {cfg.delta!r}")
+    if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
+        raise ValueError(f"--epsilon must be > 0, got {cfg.epsilon!r}")
+    if cfg.checkpoint_every < 0:
+        raise ValueError("--checkpoint-every must be ≥ 0")
+    if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
+        raise ValueError("--checkpoint-every needs --checkpoint PATH")
+    if cfg.optimizer not in ("sgd", "adam"):
+        raise ValueError(f"--optimizer must be sgd or adam, got {cfg.optimizer!r}")
+    if cfg.stop_after_steps is not None and cfg.stop_after_steps <= 0:
+        raise ValueError("--stop-after-steps must be a positive integer")
+
+
+def _fingerprint(budgets: np.ndarray, data) -> dict:
+    return {"records": len(data), "budgets_sha256": hashlib.sha256(np.ascontiguousarray(budgets).tobytes()).hexdigest(),
+            "input_shape": list(data.input_shape), "kind": data.kind}
+
+
+def _say(cfg: TrainConfig, text: str) -> None:
+    print(text, file=cfg.log or sys.stdout)
+
+
+def load_training_data(cfg: TrainConfig):
+    """(train, test or None, budgets (N_train,)) with the config's data options applied."""
+    from .datasets import load_data, train_test_split
+    from .models import model_spec
+
+    spec = model_spec(cfg.model)
+    # without a named tokenizer, text is hashed into the model's own vocabulary
+    tokenizer = cfg.tokenizer or spec.vocab_size
+    data = load_data(cfg.data, labels=cfg.labels, hf_dataset=cfg.hf_dataset, label_column=cfg.label_column,
+                     budget_column=cfg.budget_column, budgets=cfg.budgets, text_column=cfg.text_column,
+                     tokens=cfg.tokens or "tokens" in spec.inputs, tokenizer=tokenizer,
+                     max_length=cfg.max_length, image_size=cfg.image_size, hf_split=cfg.hf_split,
+                     hf_config=cfg.hf_config)
+    if cfg.image_shape:
+        try:
+            shape = tuple(int(s) for s in cfg.image_shape.split(","))
+        except ValueError:
+            raise ValueError(f"--image-shape must be C,H,W, got {cfg.image_shape!r}") from None
+        data = data.as_images(shape)
+    if data.budgets is None:
+        if cfg.epsilon is None:
+            raise ValueError("no budgets: give --budget-column (CSV), --budgets FILE, or --epsilon E (the same ε for "
+                             "every record)")
+        data.budgets = np.full(len(data), float(cfg.epsilon))
+    elif cfg.epsilon is not None:
+        raise ValueError("--epsilon and per-record budgets given together; use one")
+    train, test = train_test_split(data, cfg.test_fraction, cfg.seed)
+    return train, test, train.budgets
+
+
+def _build(cfg: TrainConfig, train):
+    from .models import build_model, model_spec
+
+    spec = model_spec(cfg.model)
+    if spec.task == "classification" and train.num_classes < 2:
+        raise ValueError(f"model {cfg.model!r} classifies, but the data have {train.num_classes} class; "
+                         "name the label column (--label-column) or labels file (--labels)")
+    options = {}
+    if cfg.model == "mlp":
+        try:
+            options["hidden"] = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
+        except ValueError:
+            raise ValueError(f"--hidden must be comma-separated widths, got {cfg.hidden!r}") from None
+    model_config = {"name": cfg.model, "input_shape": list(train.input_shape), "num_classes": train.num_classes,
+                    "vocab_size": train.vocab_size, "input_kind": train.kind, "options": options}
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, input_shape=train.input_shape, num_classes=train.num_classes,
+                        vocab_size=train.vocab_size, input_kind=train.kind, **options)
+    return model, model_config
+
+
+def _optimizer(cfg: TrainConfig, model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def _load_checkpoint_file(path):
+    import os
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:      # a truncated or foreign file
+        raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
+    extra = checkpoint.get("extra", {}) if isinstance(checkpoint, dict) else {}
+    if "train_args" not in extra:
+        raise ValueError(f"{cfg.resume!r} is not a `pdpfast train` checkpoint")
+    saved = extra["train_args"]
+    for key in ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
+                "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction"):
+        if saved.get(key) != getattr(cfg, key):
+            raise ValueError(f"the checkpoint was made with --{key.replace('_', '-')} {saved.get(key)!r}, not "
+                             f"{getattr(cfg, key)!r}; resume with the same settings")
+    if extra.get("data") != fingerprint:
+        raise ValueError("the checkpoint was made with other data or other budgets; resume with the same ones "
+                         "(its spent budget belongs to those records)")
+    if extra.get("model_config") != model_config:
+        raise ValueError("the checkpoint's model configuration differs from this run's")
+
+
+def run(cfg: TrainConfig) -> dict:
+    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``)."""
+    _check_config(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    train, test, budgets = load_training_data(cfg)
+    task = Task.for_model(cfg.model)
+    model, model_config = _build(cfg, train)
+    fingerprint = _fingerprint(budgets, train)
+    checkpoint_path = cfg.checkpoint or cfg.resume
+    resume_state = None
+    if cfg.resume:
+        resume_state = _load_checkpoint_file(cfg.resume)
+        _check_resume(resume_state, cfg, fingerprint, model_config)
+    optimizer = _optimizer(cfg, model)
+    n = len(train)
+    sample_rate = min(1.0, cfg.batch_size / n)
+    steps_per_epoch = max(1, round(1.0 / sample_rate))
+    total_steps = cfg.epochs * steps_per_epoch
+    train_args = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "log"}
+    extra = {"model_config": model_config, "train_args": train_args, "data": fingerprint}
+    start = time.perf_counter()
+    _say(cfg, f"pdpfast train: {n} training records ({train.source}), {len(np.unique(budgets))} distinct budgets "
+              f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
+              f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
+              f"δ={cfg.delta:g}")
+    if cfg.method == "pdp":
+        summary = _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
+                           checkpoint_path, resume_state)
+    else:
+        summary = _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
+                           checkpoint_path, resume_state)
+    summary["seconds"] = time.perf_counter() - start
+    if test is not None:
+        summary["test"] = task.evaluate(model, test.dataset())
+        _say(cfg, "test: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items()))
+    summary["groups"] = group_report(budgets, summary.pop("spent"))
+    _say(cfg, format_groups(summary["groups"], f"ε spent per budget group ({summary['ledger']})"))
+    if summary["finished"]:
+        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
+             + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
+    else:
+        _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
+                  f"--resume {checkpoint_path}")
+    if cfg.out_json:
+        import json
+
+        from .plots import atomic_write_text
+        atomic_write_text(cfg.out_json, json.dumps(summary, indent=1, default=float))
+    return summary
+
+
+def _progress(cfg: TrainConfig, total: int, initial: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=cfg.quiet, leave=False, file=sys.stderr)
+
+
+def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
+             resume_state) -> dict:
+    engine, model, optimizer, loader, criterion = private_engine(
+        cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
+        sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
+        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed, hybrid_weight=cfg.hybrid_weight,
+        accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
+    plan = engine.plan
+    if resume_state is not None:
+        model.load_state_dict(resume_state["model"])
+        engine.load_state_dict(resume_state["engine"])
+        if "torch_rng" in resume_state["extra"]:
+            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        _say(cfg, f"resumed from {cfg.resume} at step {engine.steps} of {plan.steps}")
+    note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
+    _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
+              f"expected batch {plan.expected_batch_size:.1f}{note}")
+    until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
+
+    def save():
+        if checkpoint_path:
+            engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(), **extra)
+
+    bar = _progress(cfg, plan.steps, engine.steps, cfg.method)
+
+    def on_step(step, loss):
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save()
+
+    try:
+        private_steps(engine, model, optimizer, loader, task, criterion, until=until, on_step=on_step)
+    finally:
+        bar.close()
+    save()
+    return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
+            "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
+            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier}
+
+
+def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
+             resume_state) -> dict:
+    from .pdp_sgd import PDPSGD
+
+    # each round: epochs/rounds expected passes over its subset, at the run's expected batch size
+    driver = PDPSGD(model, train.dataset(), budgets, optimizer=optimizer, delta=cfg.delta, rounds=cfg.rounds,
+                    epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=sample_rate * len(train), task=task,
+                    max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.seed,
+                    mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
+    if resume_state is not None:
+        driver.load_checkpoint_state(resume_state)
+        if "torch_rng" in resume_state["extra"]:
+            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
+    bar = _progress(cfg, driver.total_steps, driver.steps, "pdp")
+
+    def save():
+        if checkpoint_path:
+            driver.save_checkpoint(checkpoint_path, torch_rng=torch.get_rng_state(), **extra)
+
+    def on_step(step, loss):
+        bar.update(1)
+        bar.set_postfix(round=driver.round + 1, loss=f"{loss:.3f}", refresh=False)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save()
+
+    try:
+        result = driver.run(on_step=on_step, max_steps=cfg.stop_after_steps)
+    finally:
+        bar.close()
+    save()
+    for r in result.rounds:
+        _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
+                  f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
+    _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
+    return {"method": "pdp", "steps": driver.steps, "total_steps": driver.total_steps, "finished": driver.finished,
+            "spent": result.epsilons, "ledger": "PDP-SGD round guarantees charged", "rounds": [
+                dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max())}

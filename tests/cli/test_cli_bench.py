@@ -1,0 +1,40 @@
+"""`pdpfast bench`: runs the checkout's benchmark scripts, writes JSON + a ratio plot; says why not."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdpfast import cli as pdpfast_cli
+
+
+def test_bench_e2e_smoke_writes_json_and_plot(cli, tmp_path):
+    pytest.importorskip("opacus")
+    out = tmp_path / "res" / "e2e.json"
+    rc, stdout, err = cli("bench", "--suite", "e2e", "--device", "cpu", "--size", "micro", "--models", "bert",
+                          "--repeats", 1, "--out", out)
+    assert rc == 0, err
+    rows = json.loads(out.read_text())
+    assert {r["provider"] for r in rows} >= {"non-private", "pdpfast bk"}
+    assert all(r["device"].startswith("cpu") for r in rows)
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["e2e.json", "e2e.png"]
+
+
+def test_bench_e2e_without_cuda_says_so(cli, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    message = cli.fails("bench", "--suite", "e2e", "--out", tmp_path / "x.json")
+    assert "CUDA" in message
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_outside_a_checkout_says_to_run_it_from_the_repository(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "bench" or m.startswith("bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and not (Path(p) / "bench").is_dir()])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="repository root"):
+        pdpfast_cli._import_bench("bench_cpu", roots=[tmp_path])

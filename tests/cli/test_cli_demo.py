@@ -1,0 +1,56 @@
+"""`pdpfast demo`: every method, per-group ε from the ledger within budget, plots and the table."""
+import json
+
+import numpy as np
+import pytest
+
+from pdpfast.demo import GROUP_EPSILONS, METHODS, format_results, run_demo
+
+
+@pytest.fixture(scope="module")
+def tiny_demo():
+    return run_demo(epochs=1, seeds=(0,), progress=False)
+
+
+def test_demo_per_group_epsilon_never_exceeds_its_budget(tiny_demo):
+    assert list(tiny_demo) == ["non-private", *METHODS]
+    for method in METHODS:
+        (run,) = tiny_demo[method]
+        assert set(run.epsilons) == set(GROUP_EPSILONS)
+        for budget, spent in run.epsilons.items():
+            assert spent <= budget, (method, budget, spent)
+            curve = np.asarray(run.epsilon_curve[budget])
+            assert np.all(curve <= budget) and np.all(np.diff(curve) >= -1e-12), (method, budget)
+        if method == "dpsgd":       # standard DP-SGD: everyone at the smallest budget
+            assert max(run.epsilons.values()) <= min(GROUP_EPSILONS)
+        else:                       # the individualized methods spend (nearly) each group's own budget
+            assert all(spent >= 0.95 * budget for budget, spent in run.epsilons.items()), (method, run.epsilons)
+        assert 0.0 <= run.accuracy <= 1.0 and run.steps[0] == 0 and len(run.steps) == len(run.accuracies)
+
+
+def test_demo_table_has_every_method_with_accuracy_and_epsilon_per_group(tiny_demo):
+    table = format_results(tiny_demo)
+    lines = table.splitlines()
+    assert "budget 1/2/3" in lines[0]
+    for name in ("non-private", "DP-SGD (ε=1 for all)", "IDP Sample", "IDP Scale", "IDP hybrid", "PDP-SGD"):
+        assert any(line.startswith(name) for line in lines), name
+    assert "∞ (no privacy)" in table and " ± " in table
+
+
+def test_demo_command_writes_plots_and_results(cli, tmp_path):
+    out = tmp_path / "demo"
+    rc, stdout, _ = cli("demo", "--epochs", 1, "--seeds", 1, "--methods", "dpsgd,scale,pdp", "--out", out, "--quiet")
+    assert rc == 0
+    assert "IDP Scale" in stdout and "PDP-SGD" in stdout and "IDP Sample" not in stdout
+    for name in ("accuracy.png", "epsilon.png"):
+        data = (out / name).read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["runs"]) == {"non-private", "dpsgd", "scale", "pdp"}
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]     # no temporary files left
+
+
+def test_demo_bad_method_fails_in_one_line_and_writes_nothing(cli, tmp_path):
+    message = cli.fails("demo", "--methods", "sample,bogus", "--out", tmp_path / "never", "--quiet")
+    assert "bogus" in message
+    assert not (tmp_path / "never").exists()

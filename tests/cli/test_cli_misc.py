@@ -1,0 +1,37 @@
+"""The command line's shape: help, usage errors as one line, info, and the `fl` hook."""
+import pytest
+
+
+def test_help_lists_every_command(cli):
+    rc, out, _ = cli("--help")
+    assert rc == 0
+    for command in ("demo", "train", "calibrate", "bench", "info", "fl"):
+        assert command in out
+
+
+def test_no_command_is_a_one_line_usage_error(cli):
+    rc, out, err = cli()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("pdpfast: error:")
+
+
+def test_info_reports_the_implementations(cli):
+    rc, out, _ = cli("info")
+    assert rc == 0 and "pdpfast" in out and "torch" in out
+
+
+def test_fl_subcommand_comes_from_pdpfast_fl_when_it_imports(cli):
+    pytest.importorskip("pdpfast.fl.cli")
+    rc, out, _ = cli("fl", "--help")
+    assert rc == 0 and "simulate" in out
+
+
+def test_fl_subcommand_says_why_when_the_federated_front_end_is_missing(cli, monkeypatch):
+    fl_cli = pytest.importorskip("pdpfast.fl.cli")
+
+    def broken(subparsers):
+        raise ImportError("No module named 'flwr'")
+
+    monkeypatch.setattr(fl_cli, "add_subparser", broken)
+    message = cli.fails("fl", "simulate", "--rounds", 3)
+    assert "could not be loaded" in message and "flwr" in message
+

@@ -1,0 +1,197 @@
+"""`pdpfast train` end to end: data formats, methods, checkpoint/resume of the ledger, bad inputs."""
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import outputs, run_module
+
+from pdpfast.accounting import IndividualAccountant
+
+SMALL = ("--epochs", 1, "--batch-size", 40, "--quiet")
+
+
+def _summary(path):
+    return json.loads(path.read_text())
+
+
+def _assert_within_budgets(summary):
+    for row in summary["groups"]:
+        assert row["max_ratio"] <= 1.0, row
+        assert row["max_spent"] <= row["high"], row
+
+
+@pytest.mark.parametrize("method", ["sample", "scale", "hybrid", "dpsgd", "pdp"])
+def test_train_on_csv_with_a_budget_column_spends_within_budgets(cli, data_dir, tmp_path, method):
+    rc, out, err = cli("train", "--data", data_dir / "digits.csv", "--label-column", "digit", "--budget-column", "eps",
+                       "--method", method, "--checkpoint", tmp_path / "ck.pt", "--out-json", tmp_path / "s.json",
+                       *SMALL)
+    assert rc == 0, err
+    assert "ε spent per budget group" in out and "test: accuracy" in out
+    summary = _summary(tmp_path / "s.json")
+    assert [r["budget"] for r in summary["groups"]] == ["1", "2", "3"]
+    _assert_within_budgets(summary)
+    spent = {r["budget"]: r["max_spent"] for r in summary["groups"]}
+    if method == "dpsgd":
+        assert max(spent.values()) <= 1.0
+    else:
+        assert spent["3"] > 2.0          # a record with budget 3 spends more than DP-SGD would let it
+    checkpoint = torch.load(tmp_path / "ck.pt", weights_only=False)
+    assert checkpoint["extra"]["model_config"]["name"] == "mlp"
+    assert checkpoint["extra"]["train_args"]["method"] == method
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("budgets", ["budgets.npy", "budgets.txt", "budgets.csv"])
+def test_train_on_numpy_with_a_budgets_file(cli, data_dir, tmp_path, budgets):
+    rc, out, err = cli("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+                       data_dir / budgets, "--out-json", tmp_path / "s.json", "--clipping", "per_layer", *SMALL)
+    assert rc == 0, err
+    _assert_within_budgets(_summary(tmp_path / "s.json"))
+
+
+def test_train_cnn_on_features_viewed_as_images_in_ghost_mode(cli, data_dir, tmp_path):
+    rc, out, err = cli("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+                       data_dir / "budgets.npy", "--model", "cnn", "--image-shape", "1,8,8", "--mode", "ghost",
+                       "--out-json", tmp_path / "s.json", *SMALL)
+    assert rc == 0, err
+    _assert_within_budgets(_summary(tmp_path / "s.json"))
+
+
+@pytest.mark.parametrize("model", ["bert-micro", "gpt2-micro"])
+def test_train_transformers_on_token_ids(cli, data_dir, tmp_path, model):
+    rc, out, err = cli("train", "--data", data_dir / "tokens.npz", "--model", model, "--epochs", 1, "--batch-size", 8,
+                       "--out-json", tmp_path / "s.json", "--quiet")
+    assert rc == 0, err
+    summary = _summary(tmp_path / "s.json")
+    _assert_within_budgets(summary)
+    assert ("perplexity" if model.startswith("gpt2") else "accuracy") in summary["test"]
+
+
+def test_train_bert_on_a_text_column_with_the_hashing_tokenizer(cli, tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["good", "bad", "plot", "actor", "fine", "dull"]
+    rows = [f"{' '.join(rng.choice(words, 5))},{'pos' if i % 2 else 'neg'},{1.0 + i % 3}" for i in range(40)]
+    (tmp_path / "reviews.csv").write_text("text,label,eps\n" + "\n".join(rows) + "\n")
+    rc, out, err = cli("train", "--data", tmp_path / "reviews.csv", "--text-column", "text", "--label-column", "label",
+                       "--budget-column", "eps", "--model", "bert-micro", "--max-length", 8, "--epochs", 1,
+                       "--batch-size", 8, "--quiet")
+    assert rc == 0, err
+
+
+def test_train_on_a_hugging_face_dataset(cli, tmp_path, monkeypatch):
+    """`--hf-dataset` through a stand-in for the `datasets` package (no download)."""
+    rng = np.random.default_rng(0)
+    table = {"text": [" ".join(rng.choice(["a", "b", "c", "d"], 4)) for _ in range(30)],
+             "label": rng.integers(0, 2, 30).tolist(), "eps": rng.choice([0.5, 2.0], 30).tolist()}
+
+    class FakeDataset:
+        column_names = list(table)
+        features = {}
+
+        def __len__(self):
+            return 30
+
+        def __getitem__(self, column):
+            return table[column]
+
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda name, config=None, split="train": FakeDataset()
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    rc, out, err = cli("train", "--hf-dataset", "someone/reviews", "--text-column", "text", "--budget-column", "eps",
+                       "--model", "bert-micro", "--max-length", 6, "--epochs", 1, "--batch-size", 6,
+                       "--out-json", tmp_path / "s.json", "--quiet")
+    assert rc == 0, err
+    assert "hf:someone/reviews" in out
+    _assert_within_budgets(_summary(tmp_path / "s.json"))
+
+
+def _ledger_epsilons(checkpoint_path, delta=1e-5):
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    if "pdp" in checkpoint["extra"]:
+        state = checkpoint["extra"]["pdp"]
+        return np.r_[state["budgets"] - state["remaining"], state["ledger_eps"], state["spent_delta"]], checkpoint
+    ledger = IndividualAccountant.__new__(IndividualAccountant)
+    ledger.load_state_dict(checkpoint["engine"]["ledger"])
+    return ledger.epsilons(delta), checkpoint
+
+
+@pytest.mark.parametrize("method,stop", [("hybrid", 7), ("pdp", 5), ("pdp", 12)])   # pdp: 11 + 3 steps in 2 rounds
+def test_checkpoint_then_resume_continues_the_ledger_exactly(cli, data_dir, tmp_path, method, stop):
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+              data_dir / "budgets.npy", "--method", method, "--epochs", 4, "--batch-size", 40, "--quiet")
+    assert cli(*common, "--checkpoint", tmp_path / "whole.pt")[0] == 0
+    rc, out, _ = cli(*common, "--checkpoint", tmp_path / "part.pt", "--stop-after-steps", stop, "--checkpoint-every", 3)
+    assert rc == 0 and f"stopped after step {stop} of" in out
+    before, _ = _ledger_epsilons(tmp_path / "part.pt")
+    rc, out, err = cli(*common, "--resume", tmp_path / "part.pt")
+    assert rc == 0, err
+    assert "resumed from" in out and f"at step {stop} of" in out
+    whole, whole_ckpt = _ledger_epsilons(tmp_path / "whole.pt")
+    resumed, resumed_ckpt = _ledger_epsilons(tmp_path / "part.pt")
+    assert not np.array_equal(before, whole)          # the interrupted run had not spent everything yet
+    np.testing.assert_allclose(resumed, whole, rtol=1e-12, atol=0)
+    for name, value in whole_ckpt["model"].items():
+        torch.testing.assert_close(resumed_ckpt["model"][name], value, rtol=0, atol=0)
+
+
+def test_resume_with_other_budgets_is_refused(cli, data_dir, tmp_path):
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", *SMALL)
+    assert cli(*common, "--budgets", data_dir / "budgets.npy", "--checkpoint", tmp_path / "c.pt",
+               "--stop-after-steps", 2)[0] == 0
+    message = cli.fails("train", *common[1:], "--epsilon", 1.0, "--resume", tmp_path / "c.pt")
+    assert "budgets" in message
+
+
+def test_train_runs_as_a_module_in_a_subprocess(data_dir, tmp_path):
+    result = run_module("train", "--data", data_dir / "digits.csv", "--label-column", "digit", "--budget-column",
+                        "eps", "--method", "scale", "--out-json", tmp_path / "s.json", *SMALL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ε spent per budget group" in result.stdout
+    _assert_within_budgets(_summary(tmp_path / "s.json"))
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing budgets file", "NaN budget", "zero budget", "negative budget",
+                                  "empty budget", "too few budgets", "malformed budgets file", "unknown model",
+                                  "unknown method", "budgets twice", "no budgets", "missing data", "missing labels",
+                                  "unknown label column", "bad image shape", "cnn on flat features"])
+def test_bad_input_fails_in_one_line_and_leaves_no_output(cli, data_dir, tmp_path, case):
+    work = tmp_path / "work"
+    work.mkdir()
+    csv_lines = (data_dir / "digits.csv").read_text().splitlines()
+
+    def csv_with_budget(value):
+        rows = [line.split(",") for line in csv_lines]
+        rows[5][-1] = value
+        return _write(work / "d.csv", "\n".join(",".join(r) for r in rows) + "\n")
+
+    npy = ("--data", data_dir / "x.npy", "--labels", data_dir / "y.npy")
+    args = {
+        "missing budgets file": (*npy, "--budgets", work / "nope.npy"),
+        "NaN budget": ("--data", csv_with_budget("nan"), "--label-column", "digit", "--budget-column", "eps"),
+        "zero budget": ("--data", csv_with_budget("0"), "--label-column", "digit", "--budget-column", "eps"),
+        "negative budget": ("--data", csv_with_budget("-1"), "--label-column", "digit", "--budget-column", "eps"),
+        "empty budget": ("--data", csv_with_budget(""), "--label-column", "digit", "--budget-column", "eps"),
+        "too few budgets": (*npy, "--budgets", _write(work / "b.txt", "1\n2\n3\n")),
+        "malformed budgets file": (*npy, "--budgets", _write(work / "b.csv", "eps\n1\ntwo\n")),
+        "unknown model": (*npy, "--budgets", data_dir / "budgets.npy", "--model", "resnet9000"),
+        "unknown method": (*npy, "--budgets", data_dir / "budgets.npy", "--method", "magic"),
+        "budgets twice": ("--data", data_dir / "digits.csv", "--label-column", "digit", "--budget-column", "eps",
+                          "--budgets", data_dir / "budgets.npy"),
+        "no budgets": npy,
+        "missing data": ("--data", work / "none.csv", "--label-column", "y", "--epsilon", 1),
+        "missing labels": ("--data", data_dir / "x.npy", "--labels", work / "none.npy", "--epsilon", 1),
+        "unknown label column": ("--data", data_dir / "digits.csv", "--label-column", "y", "--budget-column", "eps"),
+        "bad image shape": (*npy, "--epsilon", 1, "--model", "cnn", "--image-shape", "3,8,8"),
+        "cnn on flat features": (*npy, "--epsilon", 1, "--model", "cnn"),
+    }[case]
+    before = outputs(work)
+    cli.fails("train", *args, "--checkpoint", work / "ck.pt", "--out-json", work / "s.json", *SMALL)
+    assert outputs(work) == before
