@@ -242,11 +242,11 @@ class ClippingState:
         params = dict(module.named_parameters(recurse=False))
         trainable = [p for p in params.values() if p.requires_grad]
         if not trainable:
-            return module._compute(prepared, params)
+            return module._unflatten(module._compute(prepared, params), prepared)
         for p in trainable:
             self._uses[p] = self._uses.get(p, 0) + 1
         out = module._compute(prepared, {n: p.detach() for n, p in params.items()})
-        return DPLayerFunction.apply(out, prepared, (self, module), *trainable)
+        return module._unflatten(DPLayerFunction.apply(out, prepared, (self, module), *trainable), prepared)
 
     def _batch_first(self, module, x: torch.Tensor) -> torch.Tensor:
         B = self.batch_size

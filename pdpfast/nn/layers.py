@@ -57,15 +57,35 @@ class DPModule:
     def _compute(self, x: torch.Tensor, params: dict) -> torch.Tensor:
         raise NotImplementedError
 
+    def _unflatten(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output from what ``_compute`` returned (see DPLinear)."""
+        return out
+
     def forward(self, x):
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
-            return self._compute(self._prepare(x), dict(self.named_parameters(recurse=False)))
+            x = self._prepare(x)
+            return self._unflatten(self._compute(x, dict(self.named_parameters(recurse=False))), x)
         return state.forward(self, x)
 
 
-class DPLinear(DPModule, nn.Linear):
+class _FlatLinear(DPModule):
+    """Linear maps on (B, ..., d) inputs compute on the flattened (B·T, d) input: F.linear on a
+    3-D input returns a view, and a view passing through DPLayerFunction (which marks its input
+    modified in place) would make autograd copy every output gradient (CopySlices)."""
+
+    def _linear(self, x, p):
+        raise NotImplementedError
+
     def _compute(self, x, p):
+        return self._linear(x.reshape(-1, x.shape[-1]), p)
+
+    def _unflatten(self, out, x):
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class DPLinear(_FlatLinear, nn.Linear):
+    def _linear(self, x, p):
         return F.linear(x, p["weight"], p.get("bias"))
 
 
@@ -105,19 +125,21 @@ class DPRMSNorm(DPModule, nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, p.get("weight"), self.eps)
 
 
-class DPConv1D(DPModule):
+class DPConv1D(_FlatLinear):
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2): y = x W + b with W (in, out)."""
 
-    def _compute(self, x, p):
+    def _linear(self, x, p):
         return F.linear(x, p["weight"].t(), p.get("bias"))
 
 
 # ----------------------------------------------------------------------------- rules
 
 
-def _as_btd(t: torch.Tensor) -> torch.Tensor:
-    """(B, ..., d) → (B, T, d) with T the product of the middle dims (1 for 2-D inputs)."""
-    return t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
+def _as_btd(x: torch.Tensor, o: torch.Tensor):
+    """Input (B, ..., d) and output gradient (B·T, p) as (B, T, d) and (B, T, p), T the product of
+    the middle dims of x (1 for 2-D inputs)."""
+    B, T = x.shape[0], math.prod(x.shape[1:-1])
+    return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
 
 
 def _linear_rule(transposed: bool) -> LayerRule:
@@ -125,14 +147,14 @@ def _linear_rule(transposed: bool) -> LayerRule:
         return g.transpose(-1, -2) if transposed else g
 
     def per_sample(m, x, o):
-        a, g = _as_btd(x), _as_btd(o)
+        a, g = _as_btd(x, o)
         out = {"weight": fix(lin_ops.linear_per_sample_grads(a, g))}
         if getattr(m, "bias", None) is not None:
             out["bias"] = g.sum(1)
         return out
 
     def sq_norms(m, x, o, names):
-        a, g = _as_btd(x), _as_btd(o)
+        a, g = _as_btd(x, o)
         out = {}
         if "weight" in names:
             out["weight"] = lin_ops.linear_weight_sq_norms(a, g)
@@ -141,7 +163,7 @@ def _linear_rule(transposed: bool) -> LayerRule:
         return out
 
     def clipped(m, x, o, weights, names):
-        a, g = _as_btd(x), _as_btd(o)
+        a, g = _as_btd(x, o)
         out = {}
         if "weight" in names:
             out["weight"] = fix(lin_ops.linear_clipped_grad(a, g, weights))
