@@ -25,16 +25,14 @@ With rounds = 1 this is the "DP-SGD + Sampling" baseline.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from ._io import atomic_write
 from .accounting import pdp
 from .train import Task, private_steps
 
@@ -340,20 +338,8 @@ class PDPSGD:
     def save_checkpoint(self, path, **extra) -> None:
         """Atomically write model weights and the driver's state (``extra["pdp"]``) to ``path``, in
         the layout of ``PrivacyEngine.save_checkpoint``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"model": self.model.state_dict(), "engine": None, "extra": {**extra, "pdp": self.state_dict()}}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda f: torch.save(payload, f))
 
     def load_checkpoint_state(self, checkpoint: dict) -> dict:
         """Restore from what ``save_checkpoint`` wrote (already loaded with torch.load); returns extra."""

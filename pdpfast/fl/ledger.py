@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._io import atomic_write
 from ..accounting import _grid
 from ..accounting.rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp
 from .config import CONVERSIONS, THREATS
@@ -166,22 +167,8 @@ class FederatedLedger:
         self.rounds_seen = int(state["rounds_seen"])
 
     def save(self, path) -> None:
-        """Write the state to ``path`` (.npz) atomically: a temporary file, fsync, os.replace."""
-        import os
-        import tempfile
-
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(prefix=".fl-ledger-", suffix=".npz", dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **self.state_dict())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        """Write the state to ``path`` (.npz) atomically: never left half-written."""
+        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
 
     def load(self, path) -> None:
         with np.load(path) as data:
