@@ -348,8 +348,7 @@ class ClippingState:
                     g = self._materialized[p]
                     self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
             total = sum(self._group_sq.values()) if self._group_sq else torch.zeros(self.batch_size)
-            self._sq = total
-        self.last_norms = (self._total_sq() if self._phase == "flat" else total).sqrt() * s
+        self.last_norms = total.sqrt() * s
         self._reset_backward()
 
     def ghost_backward(self, losses: torch.Tensor) -> None:
