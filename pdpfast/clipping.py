@@ -1,22 +1,40 @@
 """Individualized per-sample clipping of one batch: book-keeping, ghost and per-layer (DESIGN.md §1-2).
 
-A ``ClippingState`` is attached to a converted model. For each batch it is told the records'
-clip bounds c_i (and a 0/1 mask for padded rows), then sees every DP layer's forward and backward:
+A ``ClippingState`` is attached to a converted model. Each batch is told the records' clip bounds
+c_i (and a 0/1 mask for padded rows); the state then sees every DP layer's forward and backward.
 
-* ``mode="bk"`` (book-keeping, one backward): each layer's backward records its per-sample squared
-  norms and keeps (input, output gradient); a callback at the end of the backward forms the clip
-  weights w_i from the total norms and writes Σ_i w_i g_i into ``param.grad`` with one GEMM per layer.
-* ``mode="ghost"`` (two backwards): the first only computes norms, the second runs on Σ_i w_i ℓ_i.
-  It needs per-sample losses, so it is driven by ``ghost_backward`` (the wrapped criterion).
-* ``clipping="per_layer"`` (one backward): clipping group k gets the bound c_i·C_k with Σ_k C_k² = 1
-  and clips the moment its own norms are known.
+The lifecycle of a batch, one ``Phase`` at a time (``_enter`` is the only place the phase changes):
+
+* ``IDLE`` — no batch is open. A private forward (training mode, grad enabled) is refused: every
+  private forward must belong to a batch whose records and bounds are known.
+* ``OPEN`` — ``begin_batch`` opened a batch; forwards record their layer calls. Its backward runs
+  the handler of the clipping style:
+    - flat book-keeping (``mode="bk"``, one backward): each layer's backward adds its per-sample
+      squared norms and keeps (input, output gradient); a callback at the end of the backward forms
+      w_i from the total norms and writes Σ_i w_i g_i with one GEMM per layer (``_finish_flat``);
+    - per-layer (``clipping="per_layer"``): clipping group k gets the bound c_i·C_k (Σ_k C_k² = 1)
+      and clips inside the layer's own backward the moment its norms are known; nothing is kept;
+    - ghost (``mode="ghost"``): a plain backward is refused; ``ghost_backward`` runs
+      ``GHOST_NORMS`` (norms only) and then ``GHOST_GRADS`` (the backward of Σ_i w_i ℓ_i).
+* ``CLIPPED`` — the batch's clipped sums are in ``param.grad``. A second backward or a forward
+  into the same batch is refused: it would add another contribution of up to c_i per record. The
+  next ``begin_batch`` (the next physical batch of the same draw) or ``end_draw`` (after
+  ``optimizer.step()``) leaves it.
+
+A draw (one Poisson sample, one optimizer step) may span several physical batches. ``begin_batch``
+with ``draw=`` refuses a batch of a *new* draw while gradients of the previous draw are still
+waiting for ``optimizer.step()``: that step would be charged once for two draws.
 
 A parameter used more than once in a forward (tied embeddings, a module called twice) has per-sample
 gradients that are sums over its uses, so norms of the uses do not add: such parameters fall back
 to accumulating their materialized per-sample gradients, which is exact.
+
+Host cost is part of the design: a layer's backward makes a fixed, small number of tensor ops, no
+host synchronisation, and clip bounds move to the device once per batch.
 """
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from contextlib import contextmanager
@@ -26,11 +44,24 @@ import torch
 from torch import nn
 
 from .nn.layers import DPLayerFunction, DPModule
-from .nn.rules import rule_for
-from .ops.clip import clip_weights
+from .nn.rules import LayerRule, rule_for, sq_norms_of
+from .ops.clip import CLIP_EPS
 
 MODES = ("bk", "ghost")
 CLIPPINGS = ("flat", "per_layer")
+
+# Relative margin taken off every clip bound when a layer computes its clipped sum in fp16/bf16:
+# the row scaling w_i·o and the stored result are each rounded (unit roundoff u), so a record's
+# rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i.
+_ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    OPEN = "open"
+    GHOST_NORMS = "ghost norms"
+    GHOST_GRADS = "ghost grads"
+    CLIPPED = "clipped"
 
 
 def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -63,8 +94,17 @@ def as_per_sample(name: str, values, batch_size: int | None = None, *, positive:
     return t
 
 
+class _Layer:
+    """What the state knows of one DP layer, fixed at construction: its rule, name and group."""
+
+    __slots__ = ("state", "module", "rule", "name", "group")
+
+    def __init__(self, state: "ClippingState", module: DPModule, rule: LayerRule, name: str, group: int | None):
+        self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
+
+
 class ClippingState:
-    """Per-model state of private backward passes. See the module docstring for the modes.
+    """Per-model state of private backward passes. See the module docstring for the lifecycle.
 
     model: converted with ``pdpfast.nn.convert``. layer_shares (per-layer clipping only): None for
     equal shares 1/√K over the K clipping groups, or a mapping from module name to C_k, or a
@@ -86,6 +126,7 @@ class ClippingState:
             raise ValueError(f"automatic_gamma must be a positive number or None, got {automatic_gamma!r}")
         self.model, self.mode, self.clipping, self.automatic_gamma = model, mode, clipping, automatic_gamma
         self._names = {m: name or "<model>" for name, m in model.named_modules()}
+        self._check_batch_first(model)
         self.layers = [m for m in model.modules() if isinstance(m, DPModule)]
         loose = [f"{self._names[m]} ({type(m).__name__})" for m in model.modules()
                  if not isinstance(m, DPModule) and _trainable(m)]
@@ -95,13 +136,28 @@ class ClippingState:
         if not any(_trainable(m) for m in self.layers):
             raise ValueError("the model has no trainable parameters in DP layers; call pdpfast.nn.convert(model)")
         self._build_groups()
+        self._layer = {m: _Layer(self, m, rule_for(m), self._names[m], self._group_of.get(m)) for m in self.layers}
         self.shares = self._resolve_shares(layer_shares) if clipping == "per_layer" else None
         self._guards: list = []
         self.batch_size: int | None = None
-        self.last_norms: torch.Tensor | None = None
-        self._reset_batch()
+        self.draw = None
+        self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
+        self._total_sq: torch.Tensor | None = None
+        self.last_weights: torch.Tensor | None = None
+        self._reset_backward()
+        self._enter(Phase.IDLE)
 
     # ------------------------------------------------------------------ structure
+
+    def _check_batch_first(self, model: nn.Module) -> None:
+        # per-sample means per row of dim 0; a module that lays out (T, B, ...) would make DP layers
+        # clip per position (undetectable when T == B), so such modules are refused up front
+        seq_first = [f"{self._names[m]} ({type(m).__name__})" for m in model.modules()
+                     if getattr(m, "batch_first", None) is False]
+        if seq_first:
+            raise ValueError("DP layers need batch-first tensors (per-sample = per row of dim 0), but these "
+                             "modules are batch_first=False: " + "; ".join(seq_first) +
+                             ". Construct them with batch_first=True")
 
     def _build_groups(self) -> None:
         """Clipping groups: one per DP layer, merged where layers share a parameter (tied weights).
@@ -126,6 +182,7 @@ class ClippingState:
         self._group_of: dict[nn.Module, int] = {}
         self.group_names: list[str] = []
         self._group_params: list[list[nn.Parameter]] = []
+        self._group_layers: list[int] = []
         for i, m in enumerate(self.layers):
             if not _trainable(m):
                 continue
@@ -134,8 +191,10 @@ class ClippingState:
                 roots[r] = len(self.group_names)
                 self.group_names.append(self._names[m])
                 self._group_params.append([])
+                self._group_layers.append(0)
             k = roots[r]
             self._group_of[m] = k
+            self._group_layers[k] += 1
             for p in _trainable(m).values():
                 if not any(p is q for q in self._group_params[k]):
                     self._group_params[k].append(p)
@@ -205,48 +264,86 @@ class ClippingState:
                 "mode). Use it through its module (share the Parameter between modules to tie weights), or "
                 "freeze it")
 
-    # ------------------------------------------------------------------ one batch
+    # ------------------------------------------------------------------ the lifecycle
 
-    def _reset_batch(self) -> None:
-        self._uses: dict[nn.Parameter, int] = {}
-        self._reset_backward()
+    def _enter(self, phase: Phase) -> None:
+        """The one place the phase changes; binds the handler of a layer's backward in that phase."""
+        self.phase = phase
+        if phase is Phase.OPEN:
+            handler = {"ghost": self._refuse_plain_backward, "per_layer": self._per_layer_backward,
+                       "flat": self._bk_backward}["ghost" if self.mode == "ghost" else self.clipping]
+        else:
+            handler = {Phase.IDLE: self._refuse_without_batch, Phase.GHOST_NORMS: self._ghost_norms_backward,
+                       Phase.GHOST_GRADS: self._ghost_grads_backward, Phase.CLIPPED: self._refuse_second_backward,
+                       }[phase]
+        self._layer_backward = handler
 
-    def _reset_backward(self) -> None:
-        self._sq: torch.Tensor | float = 0.0
-        self._group_sq: dict[int, torch.Tensor] = {}
-        self._tape: list = []
-        self._materialized: dict[nn.Parameter, torch.Tensor] = {}
-        self._queued = False
-        self._phase = "ghost" if self.mode == "ghost" else self.clipping
-
-    def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0) -> None:
-        """Start a batch of B = len(clip_norms) samples (padded rows have mask 0).
+    def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0, *, draw=None) -> None:
+        """Open a batch of B = len(clip_norms) samples (padded rows have mask 0).
 
         loss_scale: how much the backward's output gradients are scaled down relative to
-        per-sample losses (B for a loss that is the batch mean, 1 for a sum).
+        per-sample losses (B for a loss that is the batch mean, 1 for a sum). draw: the id of the
+        Poisson draw this (physical) batch belongs to. With a draw id, a batch of a new draw is
+        refused while the previous draw's clipped sums still wait for ``optimizer.step()``;
+        without one (the functional API, benchmarks) the caller owns the lifecycle.
         """
+        if draw is not None and self.pending and draw != self.draw:
+            raise RuntimeError(
+                "a new Poisson draw began before optimizer.step() used the clipped gradients of the previous "
+                "one: one step would then be charged for two draws, and a record drawn in both could contribute "
+                "twice its clip bound. Call optimizer.step() after every draw's backward; to bound memory for a "
+                "large logical batch, pass physical_batch_size= to make_private (it splits one draw into "
+                "physical batches that form one step)")
         self.clip_norms = as_per_sample("clip_norms", clip_norms)
         self.batch_size = int(self.clip_norms.shape[0])
         self.mask = None if mask is None else as_per_sample("mask", mask, self.batch_size, positive=False)
         if self.mask is not None and not ((self.mask == 0) | (self.mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1")
         self.loss_scale = float(loss_scale)
-        self._reset_batch()
+        self._uses: dict[nn.Parameter, int] = {}
+        self._bounds: dict = {}
+        if draw is None or draw != self.draw:
+            self.pending = False
+        self.draw = draw
+        self._reset_backward()
+        self._enter(Phase.OPEN)
+
+    def end_draw(self) -> None:
+        """The draw's clipped sums were consumed (optimizer step) or discarded: no batch is open."""
+        self.pending = False
+        self._reset_backward()
+        self._enter(Phase.IDLE)
+
+    # ------------------------------------------------------------------ forward
 
     def forward(self, module: DPModule, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_size is None:
-            raise RuntimeError("a private forward needs a batch: iterate the data loader returned by "
-                               "PrivacyEngine.make_private, or use pdpfast.functional.clipped_gradients")
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
         x = self._batch_first(module, x)
         prepared = module._prepare(x)
-        params = dict(module.named_parameters(recurse=False))
-        trainable = [p for p in params.values() if p.requires_grad]
-        if not trainable:
+        params = module._parameters
+        names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
+        if not names:
             return module._unflatten(module._compute(prepared, params), prepared)
+        uses = self._uses
+        trainable = [params[n] for n in names]
         for p in trainable:
-            self._uses[p] = self._uses.get(p, 0) + 1
-        out = module._compute(prepared, {n: p.detach() for n, p in params.items()})
-        return module._unflatten(DPLayerFunction.apply(out, prepared, (self, module), *trainable), prepared)
+            uses[p] = uses.get(p, 0) + 1
+        detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
+        out = module._compute(prepared, detached)
+        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *trainable),
+                                 prepared)
+
+    def _refuse_forward(self) -> None:
+        if self.phase is Phase.IDLE:
+            raise RuntimeError("a private forward needs an open batch: iterate the data loader returned by "
+                               "PrivacyEngine.make_private (each batch it yields opens one, optimizer.step() closes "
+                               "it), or use pdpfast.functional.clipped_gradients. A batch built by hand has no "
+                               "known records, so its clip bounds and privacy cost are unknown")
+        raise RuntimeError("this batch's clipped gradients were already computed; another forward and backward "
+                           "on it would add a second contribution of up to c_i per record. Call optimizer.step() "
+                           "and take the next batch from the loader (to combine several losses of one batch, add "
+                           "them and call backward once)")
 
     def _batch_first(self, module, x: torch.Tensor) -> torch.Tensor:
         B = self.batch_size
@@ -260,125 +357,238 @@ class ClippingState:
 
     # ------------------------------------------------------------------ backward
 
-    def on_backward(self, module: DPModule, x: torch.Tensor, o: torch.Tensor) -> None:
-        phase = self._phase
-        if phase == "ghost":
-            raise RuntimeError("mode='ghost' needs two backward passes over per-sample losses: call backward() "
-                               "on the loss returned by the criterion that make_private returned "
-                               "(or use pdpfast.functional.clipped_gradients)")
-        rule = rule_for(module)
-        params = _trainable(module)
+    def on_backward(self, call, x: torch.Tensor, o: torch.Tensor) -> None:
+        layer, names = call
         # gradients arriving through views (e.g. attention's head split) are often strided; one copy
         # here instead of one in every reshape of every rule
-        o = o.contiguous()
-        if phase == "ghost_grads":  # the loss is already Σ w_i ℓ_i: plain gradients are the clipped sum
-            self._accumulate(module, rule.clipped(module, x, o, None, tuple(params)))
-            return
-        if phase == "per_layer":
-            k = self._group_of[module]
-            reused = any(self._uses.get(p, 0) > 1 for p in self._group_params[k])
-            deferred = list(params) if reused or rule.sq_norms is None else []
-        elif rule.sq_norms is None:  # per-sample grads as small as the parameters: form them once
-            deferred = list(params)
-        else:
-            deferred = [n for n, p in params.items() if self._uses.get(p, 0) > 1]
-        if deferred:
-            per_sample = rule.per_sample_grads(module, x, o)
-            for n in deferred:
-                p, g = params[n], per_sample[n]
-                self._materialized[p] = g if p not in self._materialized else self._materialized[p] + g
-        normal = tuple(n for n in params if n not in deferred)
+        if not o.is_contiguous():
+            o = o.contiguous()
+        if x.is_floating_point() and x.dtype != o.dtype:
+            # autocast ran the layer in o's dtype on a cast of x: per-sample math sees what it saw
+            x = x.to(o.dtype)
+        self._layer_backward(layer, names, x, o)
+
+    def _refuse_without_batch(self, layer, names, x, o) -> None:
+        raise RuntimeError("a private backward reached a DP layer with no open batch (optimizer.step() closed "
+                           "it); take the next batch from the loader")
+
+    def _refuse_second_backward(self, layer, names, x, o) -> None:
+        raise RuntimeError("a second backward into a batch whose clipped gradients were already computed would "
+                           "add a second contribution of up to c_i per record (twice its bound). Call backward "
+                           "once per batch (add the losses first), then optimizer.step()")
+
+    def _refuse_plain_backward(self, layer, names, x, o) -> None:
+        raise RuntimeError("mode='ghost' needs two backward passes over per-sample losses: call backward() "
+                           "on the loss returned by the criterion that make_private returned "
+                           "(or use pdpfast.functional.clipped_gradients)")
+
+    def _split_reused(self, layer: _Layer, names: tuple) -> tuple[tuple, tuple]:
+        """(names clipped from norms, names whose per-sample gradients must be formed)."""
+        if layer.rule.materializes:
+            return (), names
+        uses = self._uses
+        params = layer.module._parameters
+        reused = tuple(n for n in names if uses[params[n]] > 1)
+        if not reused:
+            return names, ()
+        return tuple(n for n in names if n not in reused), reused
+
+    def _materialize(self, layer: _Layer, names: tuple, x, o) -> None:
+        per_sample = layer.rule.per_sample_grads(layer.module, x, o)
+        params = layer.module._parameters
+        for n in names:
+            p, g = params[n], per_sample[n]
+            self._materialized[p] = g if p not in self._materialized else self._materialized[p] + g
+        self._note_precision(o.dtype)
+
+    def _bk_backward(self, layer: _Layer, names: tuple, x, o) -> None:
+        normal, reused = self._split_reused(layer, names)
+        if reused:
+            self._materialize(layer, reused, x, o)
         if normal:
-            sq = sum(rule.norms(module, x, o, normal).values())
-            if phase == "per_layer":
-                k = self._group_of[module]
-                self._group_sq[k] = sq + self._group_sq.get(k, 0.0)
-                weights = self._weights(sq, self.shares[k])
-                self._accumulate(module, rule.clipped(module, x, o, weights, normal))
-            else:
-                self._sq = self._sq + sq
-                if phase == "flat":
-                    self._tape.append((module, x, o, normal))
-        if phase in ("flat", "per_layer") and not self._queued:
+            self._add_sq(layer.rule.norms(layer.module, x, o, normal))
+            self._tape.append((layer, x, o, normal))
+            self._note_precision(o.dtype)
+        self._queue_finish(self._finish_flat)
+
+    def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
+        k = layer.group
+        if self._group_layers[k] > 1 or any(self._uses[p] > 1 for p in self._group_params[k]):
+            # tied across layers or calls: the group's per-sample gradient is a sum over its uses
+            self._materialize(layer, names, x, o)
+            self._queue_finish(self._finish_per_layer)
+            return
+        if layer.rule.materializes:  # small per-sample gradients: form them once, clip them now
+            per_sample = layer.rule.per_sample_grads(layer.module, x, o)
+            grads = [per_sample[n] for n in names]
+            sq = sq_norms_of(grads)
+            weights = self._weights(sq, k, grads[0].dtype)
+            params = layer.module._parameters
+            for n, g in zip(names, grads):
+                self._accumulate_param(params[n], torch.tensordot(weights.to(g.dtype), g, dims=1))
+        else:
+            sq = layer.rule.norms(layer.module, x, o, names)
+            weights = self._weights(sq, k, o.dtype)
+            self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+        self._add_sq(sq)
+        self._queue_finish(self._finish_per_layer)
+
+    def _ghost_norms_backward(self, layer: _Layer, names: tuple, x, o) -> None:
+        normal, reused = self._split_reused(layer, names)
+        if reused:
+            self._materialize(layer, reused, x, o)
+        if normal:
+            self._add_sq(layer.rule.norms(layer.module, x, o, normal))
+            self._note_precision(o.dtype)
+
+    def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
+        # the loss is already Σ w_i ℓ_i: plain gradients are the clipped sum
+        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, None, names))
+
+    def _add_sq(self, sq: torch.Tensor) -> None:
+        """Add one layer's (or group's) per-sample squared norms to the batch's total."""
+        self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.dtype))
+
+    def _queue_finish(self, finish) -> None:
+        if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
 
-    def _weights(self, sq: torch.Tensor, share=None) -> torch.Tensor:
-        """Clip weights applied to the backward's output gradients (loss scale folded in)."""
+    # ------------------------------------------------------------------ weights
+
+    def _bounds_for(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(B,) c_i·m_i (masked rows get bound 0), or (K, B) c_i·C_k·m_i for per-layer clipping, on
+        ``device``: moved once per batch, whatever the number of layers."""
+        key = (device, dtype)
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            c = self.clip_norms.double()  # c_i·C_k formed in float64, then rounded once
+            if self.mask is not None:
+                c = c * self.mask.double()
+            if self.shares is not None:
+                c = self.shares.unsqueeze(1) * c.unsqueeze(0)
+            bounds = self._bounds[key] = c.to(device=device, dtype=dtype, non_blocking=True)
+        return bounds
+
+    def _note_precision(self, dtype: torch.dtype) -> None:
+        self._margin = max(self._margin, _ROUNDING_MARGIN.get(dtype, 0.0))
+
+    def _weights(self, sq: torch.Tensor, group: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Weights applied to the backward's output gradients: s·w_i with the loss scale s folded in.
+
+        With ‖g_i‖ = s·√sq: s·min(1, c_i/(‖g_i‖ + ε)) = min(s, c_i/(√sq + ε/s)); automatic
+        clipping s·c_i/(‖g_i‖ + γ) = c_i/(√sq + γ/s). Bounds lose a rounding margin in fp16/bf16.
+        """
         s = self.loss_scale
-        bounds = self.clip_norms.to(sq.device, sq.dtype)  # c_i·C_k in the norms' precision, not the input's
-        if share is not None:
-            bounds = bounds * float(share)
-        mask = None if self.mask is None else self.mask.to(sq.device)
-        return clip_weights(sq * (s * s), bounds, mask, self.automatic_gamma) * s
+        if s == 0:  # an empty batch under a mean loss: nothing to weigh
+            return torch.zeros_like(sq)
+        bounds = self._bounds_for(sq.device, sq.dtype)
+        if group is not None:
+            bounds = bounds[group]
+        margin = _ROUNDING_MARGIN.get(dtype, 0.0) if group is not None else self._margin
+        if margin:
+            bounds = bounds * (1.0 - margin)
+        if self.automatic_gamma is None:
+            return (bounds / sq.clamp_min(0).sqrt().add_(CLIP_EPS / s)).clamp_(max=s)
+        return bounds / sq.clamp_min(0).sqrt().add_(self.automatic_gamma / s)
 
-    def _materialized_sq(self, params) -> torch.Tensor | float:
-        total = 0.0
-        for p in params:
-            g = self._materialized[p]
-            total = total + g.flatten(1).to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum(1)
-        return total
+    # ------------------------------------------------------------------ end of a backward
 
-    def _total_sq(self) -> torch.Tensor:
-        total = self._sq + self._materialized_sq(list(self._materialized))
-        if isinstance(total, float):  # no layer saw this batch's backward
+    def _materialized_sq(self, params) -> torch.Tensor | None:
+        return sq_norms_of([self._materialized[p] for p in params]) if params else None
+
+    def _batch_sq(self) -> torch.Tensor:
+        """(B,) total squared norms of the backward: the layers' plus the materialized parameters'."""
+        total = self._sq
+        extra = self._materialized_sq(list(self._materialized))
+        if extra is not None:
+            total = extra if total is None else total + extra.to(total.dtype)
+        if total is None:  # no layer saw this batch's backward
             total = torch.zeros(self.batch_size, dtype=torch.float64)
         return total
 
-    def _finish(self) -> None:
-        """End of a backward (flat bk or per-layer): the clipped sums that needed every norm."""
-        s = self.loss_scale
-        if self._phase == "flat":
-            total = self._total_sq()
-            weights = self._weights(total)
-            for module, x, o, names in self._tape:
-                self._accumulate(module, rule_for(module).clipped(module, x, o, weights, names))
-            for p, g in self._materialized.items():
+    def _finish_flat(self) -> None:
+        """End of a bk backward: the clipped sums that needed every layer's norms."""
+        total = self._batch_sq()
+        weights = self._weights(total)
+        for layer, x, o, names in self._tape:
+            self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+        for p, g in self._materialized.items():
+            self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
+        self._close_backward(total, weights)
+
+    def _finish_per_layer(self) -> None:
+        """End of a per-layer backward: groups whose parameters were used more than once."""
+        for k, params in enumerate(self._group_params):
+            done = [p for p in params if p in self._materialized]
+            if not done:
+                continue
+            grads = [self._materialized[p] for p in done]
+            sq = sq_norms_of(grads)
+            weights = self._weights(sq, k, grads[0].dtype)
+            for p, g in zip(done, grads):
                 self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
-            self.last_weights = weights / s
-        else:
-            for k, params in enumerate(self._group_params):
-                done = [p for p in params if p in self._materialized]
-                if not done:
-                    continue
-                sq = self._materialized_sq(done)
-                self._group_sq[k] = sq
-                weights = self._weights(sq, self.shares[k])
-                for p in done:
-                    g = self._materialized[p]
-                    self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
-            total = sum(self._group_sq.values()) if self._group_sq else torch.zeros(self.batch_size)
-        self.last_norms = total.sqrt() * s
+            self._add_sq(sq)
+        self._materialized = {}
+        self._close_backward(self._batch_sq(), None)
+
+    def _close_backward(self, total_sq, weights) -> None:
+        self._total_sq = total_sq
+        self.last_weights = None if weights is None else weights / self.loss_scale
         self._reset_backward()
+        self.pending = True
+        self._enter(Phase.CLIPPED)
+
+    def _reset_backward(self) -> None:
+        self._sq: torch.Tensor | None = None
+        self._tape: list = []
+        self._materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self._queued = False
+        self._margin = 0.0
+
+    @property
+    def last_norms(self) -> torch.Tensor | None:
+        """(B,) per-sample gradient norms (all parameters) before clipping, of the last backward."""
+        if self._total_sq is None:
+            return None
+        return self._total_sq.clamp_min(0).sqrt() * self.loss_scale
 
     def ghost_backward(self, losses: torch.Tensor) -> None:
         """Two backwards over per-sample losses (B,): norms, then Σ_i w_i ℓ_i."""
         if self.mode != "ghost":
             raise RuntimeError("ghost_backward is for mode='ghost'")
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
         if losses.dim() != 1 or losses.shape[0] != self.batch_size:
             raise ValueError(f"per-sample losses must have shape ({self.batch_size},), got {tuple(losses.shape)}")
-        self._phase = "ghost_norms"
+        self._enter(Phase.GHOST_NORMS)
         try:
             losses.sum().backward(retain_graph=True)
-            total = self._total_sq()
+            total = self._batch_sq()
             weights = self._weights(total)
-            self.last_norms, self.last_weights = total.sqrt(), weights
             self._materialized = {}
-            self._phase = "ghost_grads"
+            self._enter(Phase.GHOST_GRADS)
             (losses * weights.to(losses.device, losses.dtype)).sum().backward()
-        finally:
+        except BaseException:
             self._reset_backward()
+            self._enter(Phase.OPEN)
+            raise
+        self._close_backward(total, weights)
 
     # ------------------------------------------------------------------ gradients
 
     def _accumulate(self, module: nn.Module, grads: dict) -> None:
+        params = module._parameters
         for name, g in grads.items():
-            self._accumulate_param(getattr(module, name), g)
+            self._accumulate_param(params[name], g)
 
     @staticmethod
     @torch.no_grad()
     def _accumulate_param(p: nn.Parameter, g: torch.Tensor) -> None:
-        g = g.detach().to(p.dtype).reshape(p.shape)
+        if g.dtype != p.dtype:
+            g = g.to(p.dtype)
+        if g.shape != p.shape:
+            g = g.reshape(p.shape)
         if p.grad is None:
             p.grad = g.clone() if g.data_ptr() == p.data_ptr() else g.contiguous()
         else:

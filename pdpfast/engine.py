@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ._io import atomic_write
-from .clipping import ClippingState, check_choice
+from .clipping import ClippingState, Phase, check_choice
 from .data import DPDataLoader, PhysicalBatch, as_per_record
 from .nn.convert import convert
 from .optimizer import DPOptimizer
@@ -126,16 +126,29 @@ class PrivacyEngine:
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)
         self._at_boundary = True
         self.optimizer.at_step_boundary = lambda: self._at_boundary
+        self.optimizer.may_zero_grad = self._may_zero_grad
+        self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
+        self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
         self.data_loader.on_batch = self._on_batch
         if mode == "ghost":
             return module, self.optimizer, DPCriterion(criterion, self.state, loss_reduction), self.data_loader
         return module, self.optimizer, self.data_loader
 
     def _on_batch(self, batch: PhysicalBatch) -> None:
+        # a draw opens its batches here; optimizer.step() (or zero_grad() discarding it) closes it
         rows = batch.indices.numel()
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
-        self.state.begin_batch(self._clip_norms_tensor[batch.indices], batch.mask, loss_scale=scale)
+        self.state.begin_batch(self._clip_norms_tensor[batch.indices], batch.mask, loss_scale=scale, draw=batch.step)
         self._at_boundary = batch.is_last
+
+    def _may_zero_grad(self) -> bool:
+        """zero_grad() must not drop the clipped sums of a draw's earlier physical batches: it acts
+        when no draw is in progress, or once the draw's last batch has been through backward."""
+        return not self.state.pending or (self._at_boundary and self.state.phase is Phase.CLIPPED)
+
+    def _after_zero_grad(self, _) -> None:
+        if self.state.pending:  # the draw's gradients were discarded, not released: close it
+            self.state.end_draw()
 
     def make_private_with_budgets(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                                   data_loader: DataLoader, budgets, delta: float, epochs: int | None = None,

@@ -18,8 +18,9 @@ class DPOptimizer(Optimizer):
     The clipped sums Σ_i w_i g_i are already in ``param.grad`` (written by the clipping state during
     backward). B_exp = Σ_i q_i is the *expected* batch size, a constant of the plan: the realized
     batch size is private and never used. Noise is drawn from (seed, step), so it is reproducible.
-    When a draw was split over several physical batches, ``step()`` and ``zero_grad()`` do nothing
-    until the last of them, so the clipped sums accumulate.
+    When a draw was split over several physical batches, ``step()`` does nothing until the last of
+    them, so the clipped sums accumulate; ``zero_grad()`` acts only when ``may_zero_grad()`` says
+    no draw's earlier batches would be lost (the engine sets both, and the hooks that close a draw).
 
     param_groups and state are the wrapped optimizer's own (LR schedulers work unchanged).
     """
@@ -41,8 +42,10 @@ class DPOptimizer(Optimizer):
         self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
         self.steps = 0
         self.at_step_boundary: Callable[[], bool] = lambda: True
+        self.may_zero_grad: Callable[[], bool] = lambda: True
         self.pre_step_hooks: list[Callable[["DPOptimizer"], None]] = []
         self.post_step_hooks: list[Callable[["DPOptimizer"], None]] = []
+        self.post_zero_grad_hooks: list[Callable[["DPOptimizer"], None]] = []
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
@@ -81,8 +84,10 @@ class DPOptimizer(Optimizer):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.at_step_boundary():
+        if self.may_zero_grad():
             self.original_optimizer.zero_grad(set_to_none)
+            for hook in self.post_zero_grad_hooks:
+                hook(self)
 
     @torch.no_grad()
     def add_noise_and_normalize(self) -> None:
@@ -92,8 +97,7 @@ class DPOptimizer(Optimizer):
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         add_noise_(grads, self.noise_std, self.seed, self.steps)
-        for g in grads:
-            g.div_(self.expected_batch_size)
+        torch._foreach_div_(grads, self.expected_batch_size)
 
     def step(self, closure: Callable | None = None):
         loss = None

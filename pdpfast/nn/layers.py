@@ -40,8 +40,8 @@ class DPLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        state, module = ctx.call
-        state.on_backward(module, x, grad_out)
+        layer = ctx.call[0]
+        layer.state.on_backward(ctx.call, x, grad_out)
         return (grad_out, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
@@ -155,21 +155,16 @@ def _linear_rule(transposed: bool) -> LayerRule:
 
     def sq_norms(m, x, o, names):
         a, g = _as_btd(x, o)
-        out = {}
-        if "weight" in names:
-            out["weight"] = lin_ops.linear_weight_sq_norms(a, g)
+        total = lin_ops.linear_weight_sq_norms(a, g) if "weight" in names else None
         if "bias" in names:
-            out["bias"] = lin_ops.bias_sq_norms(g)
-        return out
+            bias = lin_ops.bias_sq_norms(g)
+            total = bias if total is None else total.add_(bias)
+        return total
 
     def clipped(m, x, o, weights, names):
         a, g = _as_btd(x, o)
-        out = {}
-        if "weight" in names:
-            out["weight"] = fix(lin_ops.linear_clipped_grad(a, g, weights))
-        if "bias" in names:
-            out["bias"] = lin_ops.bias_clipped_grad_reference(g, weights)
-        return out
+        grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, "weight" in names, "bias" in names, transposed)
+        return {n: grad for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None}
 
     return LayerRule(per_sample, sq_norms, clipped)
 
@@ -182,12 +177,11 @@ def _conv_per_sample(m, x, o):
 
 
 def _conv_sq_norms(m, x, o, names):
-    out = {}
-    if "weight" in names:
-        out["weight"] = conv_ops.conv_weight_sq_norms(x, o, m)
+    total = conv_ops.conv_weight_sq_norms(x, o, m) if "weight" in names else None
     if "bias" in names:
-        out["bias"] = conv_ops.conv_bias_sq_norms(o)
-    return out
+        bias = conv_ops.conv_bias_sq_norms(o)
+        total = bias if total is None else total.add_(bias)
+    return total
 
 
 def _conv_clipped(m, x, o, weights, names):
@@ -200,7 +194,7 @@ def _embedding_per_sample(m, ids, o):
 
 
 def _embedding_sq_norms(m, ids, o, names):
-    return {"weight": emb_ops.embedding_sq_norms(ids, o, m.num_embeddings, m.padding_idx)}
+    return emb_ops.embedding_sq_norms(ids, o, m.num_embeddings, m.padding_idx)
 
 
 def _embedding_clipped(m, ids, o, weights, names):

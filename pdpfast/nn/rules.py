@@ -3,7 +3,8 @@
 A rule works on one call of a layer: ``x`` the saved input (the module's own preprocessing
 applied, e.g. the padded conv input), ``o`` the gradient of the summed loss w.r.t. the output.
 Only ``per_sample_grads`` is required; the other two default to exact formulas on its result,
-which is the right choice for layers whose per-sample gradients are as small as their parameters.
+which is the right choice for layers whose per-sample gradients are as small as their parameters
+(the clipping state then forms them once per backward and keeps them, see ``materializes``).
 """
 from __future__ import annotations
 
@@ -14,22 +15,27 @@ import torch
 from torch import nn
 
 PerSampleGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
-SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], dict]
+SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
 ClippedGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | None", tuple], dict]
 
 
 @dataclass(frozen=True)
 class LayerRule:
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
-    sq_norms: SqNorms | None = None            # (module, x, o, names) -> {name: (B,)}
+    sq_norms: SqNorms | None = None            # (module, x, o, names) -> (B,) summed over names, fp32+
     clipped_grads: ClippedGrads | None = None  # (module, x, o, weights (B,) | None, names) -> {name: grad}
 
-    def norms(self, module, x, o, names) -> dict:
+    @property
+    def materializes(self) -> bool:
+        """True when per-sample gradients are the layer's cheapest exact route (no norm rule)."""
+        return self.sq_norms is None
+
+    def norms(self, module, x, o, names) -> torch.Tensor:
+        """(B,) per-sample squared gradient norm summed over the parameters ``names``."""
         if self.sq_norms is not None:
             return self.sq_norms(module, x, o, names)
         grads = self.per_sample_grads(module, x, o)
-        return {n: grads[n].flatten(1).float().pow(2).sum(1) if grads[n].dtype != torch.float64
-                else grads[n].flatten(1).pow(2).sum(1) for n in names}
+        return sq_norms_of([grads[n] for n in names])
 
     def clipped(self, module, x, o, weights, names) -> dict:
         if self.clipped_grads is not None:
@@ -38,6 +44,15 @@ class LayerRule:
         if weights is None:
             return {n: grads[n].sum(0) for n in names}
         return {n: torch.tensordot(weights.to(grads[n].dtype), grads[n], dims=1) for n in names}
+
+
+def sq_norms_of(per_sample: list[torch.Tensor]) -> torch.Tensor:
+    """(B,) Σ over tensors of ‖g_i‖², each (B, ...), accumulated in fp32 (fp64 kept)."""
+    total = None
+    for g in per_sample:
+        sq = g.flatten(1).to(torch.promote_types(g.dtype, torch.float32)).pow(2).sum(1)
+        total = sq if total is None else total.add_(sq)
+    return total
 
 
 _RULES: dict[type, LayerRule] = {}

@@ -55,9 +55,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     ``pdpfast.kernels`` is first imported). Device checks come first so a CPU run never imports
     Triton.
     """
-    if triton_disabled():
+    if not (tensors and all(t.is_cuda for t in tensors)) and not triton_interpret():
         return False
-    if not (triton_interpret() or (tensors and all(t.is_cuda for t in tensors))):
+    if triton_disabled():
         return False
     return triton_import_error() is None
 

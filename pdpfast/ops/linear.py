@@ -44,22 +44,31 @@ def _chunks(B: int, per_sample: int):
         yield slice(start, min(B, start + step))
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample: a (B, T, d), o (B, T, p) → (B,) in the accumulation dtype."""
     B, T, d = a.shape
     p = o.shape[-1]
     dtype = acc_dtype(a, o)
-    out = torch.empty(B, dtype=dtype, device=a.device)
     if B == 0:
-        return out
+        return torch.empty(0, dtype=dtype, device=a.device)
     if T == 1:  # ‖o aᵀ‖² = ‖o‖²‖a‖² for a rank-one per-sample gradient
-        return a[:, 0].to(dtype).pow(2).sum(-1) * o[:, 0].to(dtype).pow(2).sum(-1)
-    if use_gram(T, d, p):
-        for s in _chunks(B, 2 * T * T):
-            out[s] = _gram_sq_norms(a[s].to(dtype), o[s].to(dtype))
-    else:
-        for s in _chunks(B, d * p):
-            out[s] = torch.bmm(o[s].to(dtype).transpose(1, 2), a[s].to(dtype)).pow(2).sum((1, 2))
+        return _as(a[:, 0], dtype).pow(2).sum(-1) * _as(o[:, 0], dtype).pow(2).sum(-1)
+    gram = use_gram(T, d, p)
+    per_sample = 2 * T * T if gram else d * p
+
+    def norms(a, o):
+        a, o = _as(a, dtype), _as(o, dtype)
+        return _gram_sq_norms(a, o) if gram else torch.bmm(o.transpose(1, 2), a).pow(2).sum((1, 2))
+
+    if B * per_sample <= _CHUNK_ELEMENTS:  # the usual case: one chunk, no copy
+        return norms(a, o)
+    out = torch.empty(B, dtype=dtype, device=a.device)
+    for s in _chunks(B, per_sample):
+        out[s] = norms(a[s], o[s])
     return out
 
 
@@ -80,7 +89,7 @@ def _gram_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
     """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) → (B,)."""
-    return o.to(acc_dtype(o)).sum(1).pow(2).sum(-1)
+    return _as(o, acc_dtype(o)).sum(1).pow(2).sum(-1)
 
 
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -108,6 +117,33 @@ def bias_clipped_grad_reference(o: torch.Tensor, weights: torch.Tensor | None) -
     if weights is None:
         return per_sample.sum(0)
     return weights.to(o.dtype) @ per_sample
+
+
+def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,
+                         need_bias: bool = False, transposed: bool = False):
+    """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}) of a linear layer: a (B, T, d), o (B, T, p), w (B,).
+
+    The weight gradient is the ordinary weight-gradient GEMM (cuBLAS on a GPU) over the B·T rows
+    once one operand's rows are scaled by their sample's w_i: the narrower one is scaled, and the
+    bias reuses it when it is o. ``transposed`` returns the (d, p) weight gradient (Hugging Face's
+    Conv1D) from the same GEMM with its operands swapped, never through a transpose copy.
+    Either gradient is None when not needed.
+    """
+    d, p = a.shape[-1], o.shape[-1]
+    scale_o = weights is not None and (p <= d or not need_weight)
+    if weights is not None:
+        w = weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
+        o, a = (o * w, a) if scale_o else (o, a * w)
+    a2, o2 = a.reshape(-1, d), o.reshape(-1, p)
+    grad_w = grad_b = None
+    if need_weight:
+        grad_w = a2.t().mm(o2) if transposed else o2.t().mm(a2)
+    if need_bias and (weights is None or scale_o):
+        grad_b = o2.sum(0)
+    elif need_bias:
+        per_sample = o.flatten(1, -2).sum(1) if o.dim() > 2 else o  # (B, p): Σ_t o_{i,t}
+        grad_b = weights.to(o.dtype) @ per_sample
+    return grad_w, grad_b
 
 
 def linear_clipped_grad(a, o, weights):

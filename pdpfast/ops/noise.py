@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from .dispatch import pick
@@ -13,10 +12,24 @@ from .dispatch import pick
 _PARALLEL_MIN_ELEMENTS = 1 << 18
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def step_seed(seed: int, step: int, index: int | None = None) -> int:
-    """A 63-bit seed for one step (and one tensor), independent across (seed, step, index)."""
-    entropy = [int(seed), int(step)] + ([] if index is None else [int(index)])
-    return int(np.random.SeedSequence(entropy).generate_state(2, np.uint64)[0] >> np.uint64(1))
+    """A 63-bit seed for one step (and one tensor), independent across (seed, step, index).
+
+    SplitMix64 absorbs each word in turn (a few hundred ns: this runs once per tensor per step)."""
+    z = 0
+    for word in (seed, step) if index is None else (seed, step, index):
+        z = _splitmix64(z ^ (int(word) & _MASK64))
+    return z >> 1
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,25 +37,45 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="pdpfast-noise")
 
 
+# Tensors with at least this many elements draw from their own generator (and may be filled on
+# several threads); smaller ones share one draw per (device, dtype), so a model with hundreds of
+# small tensors costs a few generator set-ups per step, not hundreds.
+_OWN_GENERATOR_MIN_ELEMENTS = 1 << 16
+
+
 def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
     """g += N(0, std²) elementwise, in place, for every tensor in ``grads``.
 
-    Tensor k draws from its own generator seeded by (seed, step, k), so the noise depends only on
-    (seed, step) and the list's order, and CPU tensors can be filled on several threads at once.
+    Tensor k of ≥ 2^16 elements draws from a generator seeded by (seed, step, k); the smaller ones
+    draw, in list order, from one generator per (device, dtype) group j seeded by
+    (seed, step, len(grads) + j). The noise depends only on (seed, step) and the list.
     """
     if not grads or std == 0:
         return
+    n = len(grads)
+
+    def generator(device, index: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(step_seed(seed, step, index))
 
     def fill(k: int) -> None:
         g = grads[k]
-        generator = torch.Generator(device=g.device).manual_seed(step_seed(seed, step, k))
-        g.add_(torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype), alpha=std)
+        g.add_(torch.randn(g.shape, generator=generator(g.device, k), device=g.device, dtype=g.dtype), alpha=std)
 
-    on_cpu = all(g.device.type == "cpu" for g in grads)
-    if on_cpu and len(grads) > 1 and sum(g.numel() for g in grads) >= _PARALLEL_MIN_ELEMENTS:
-        list(_pool().map(fill, range(len(grads))))
+    large = [k for k in range(n) if grads[k].numel() >= _OWN_GENERATOR_MIN_ELEMENTS]
+    small: dict[tuple, list[torch.Tensor]] = {}
+    for k in range(n):
+        if grads[k].numel() < _OWN_GENERATOR_MIN_ELEMENTS:
+            small.setdefault((grads[k].device, grads[k].dtype), []).append(grads[k])
+    for j, ((device, dtype), group) in enumerate(small.items()):
+        draw = torch.randn(sum(g.numel() for g in group), generator=generator(device, n + j), device=device,
+                           dtype=dtype)
+        torch._foreach_add_(group, [c.view(g.shape) for c, g in zip(draw.split([g.numel() for g in group]), group)],
+                            alpha=std)
+    on_cpu = all(grads[k].device.type == "cpu" for k in large)
+    if on_cpu and len(large) > 1 and sum(grads[k].numel() for k in large) >= _PARALLEL_MIN_ELEMENTS:
+        list(_pool().map(fill, large))
     else:
-        for k in range(len(grads)):
+        for k in large:
             fill(k)
 
 

@@ -1,0 +1,73 @@
+"""Host overhead per training step: a 12-layer Hugging Face BERT of width 16 (batch 4, seq 8).
+
+At this size the arithmetic is negligible, so a step's time is almost all Python, autograd and op
+dispatch: the host work that keeps a GPU idle when the model is large. Non-private training, every
+pdpfast mode and Opacus (hooks) run interleaved in one process; medians and ratios to the
+non-private step of the same run.
+
+    python -m bench.bench_overhead [--repeats 200] [--threads 1] [--out bench/results/overhead_cpu.json]
+    python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
+
+The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bench.harness import PROVIDERS, environment, measure, with_ratios
+
+
+def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 4, seq: int = 8):
+    """(model, inputs, targets, per-sample loss) of the overhead benchmark."""
+    from pdpfast.models import bert
+
+    torch.manual_seed(0)
+    model = bert("base", hidden_size=width, num_hidden_layers=layers, num_attention_heads=2,
+                 intermediate_size=4 * width, vocab_size=128, max_position_embeddings=64,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (batch, seq), generator=g)
+    # explicit (B, T) position ids, as in bench_e2e: Opacus cannot broadcast HF's default (1, T) ids
+    inputs = {"input_ids": ids.to(device), "position_ids": torch.arange(seq).repeat(batch, 1).to(device)}
+    y = torch.randint(0, 2, (batch,), generator=g).to(device)
+    loss = lambda out, t: nn.functional.cross_entropy(out.logits, t, reduction="none")  # noqa: E731
+    return model, inputs, y, loss
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: time is host work only)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--providers", default="non-private,pdpfast bk,pdpfast per-layer,pdpfast ghost,opacus hooks")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model, inputs, y, loss = build(device)
+    providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
+    results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers),
+                          y.shape[0])
+    env = environment(device)
+    rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
+             "repeats": args.repeats} for name, r in results.items()]
+    out = Path(args.out or f"bench/results/overhead_{device.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print("| provider | median step (ms) | × non-private |\n|---|---:|---:|")
+    for r in rows:
+        if "median_ms" in r:
+            print(f"| {r['provider']} | {r['median_ms']:.2f} | {r.get('time_ratio_vs_nonprivate', float('nan')):.2f} |")
+        else:
+            print(f"| {r['provider']} | {r['error']} | |")
+    print(f"device: {env['device']}, torch {env['torch']}, {env['date']}; written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

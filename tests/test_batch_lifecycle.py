@@ -1,0 +1,229 @@
+"""The lifecycle of a private batch: every way of driving the API keeps each record within its clip
+bound and charges every draw (issue: privacy safety first).
+
+A draw opens its batch, ``optimizer.step()`` closes it; a second backward into it, a second draw
+before the step, or a forward with no open batch is refused with a message that says what to do.
+"""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast.clipping import ClippingState, Phase
+from pdpfast.functional import clipped_gradients
+
+STYLES = [dict(mode="bk", clipping="flat"), dict(mode="bk", clipping="per_layer"), dict(mode="ghost", clipping="flat")]
+STYLE_IDS = ["bk", "per_layer", "ghost"]
+
+
+def _engine(n=1, d=4, sample_rates=1.0, clip=1.0, physical_batch_size=None, seed=0, **style):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g) * 10  # large gradients: every record is clipped
+    y = torch.randint(0, 3, (n,), generator=g)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    kwargs = dict(criterion=nn.CrossEntropyLoss(reduction="sum")) if style.get("mode") == "ghost" else {}
+    out = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
+                              noise_multiplier=0.0, max_grad_norm=clip, sample_rates=sample_rates,
+                              loss_reduction="sum", physical_batch_size=physical_batch_size, **style, **kwargs)
+    if style.get("mode") == "ghost":
+        model, opt, criterion, loader = out
+    else:
+        model, opt, loader = out
+        criterion = nn.CrossEntropyLoss(reduction="sum")
+    return engine, model, opt, criterion, loader
+
+
+def _grad_norm(model) -> float:
+    return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None)))
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_second_backward_never_exceeds_clip_bound(style):
+    engine, model, opt, criterion, loader = _engine(**style)
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    if style["mode"] == "ghost":
+        loss.backward()
+        with pytest.raises(RuntimeError, match="already computed"):
+            loss.backward()
+    else:
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="second contribution"):
+            loss.backward()
+    assert _grad_norm(model) <= 1.0 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_second_forward_backward_on_the_same_batch_is_refused(style):
+    engine, model, opt, criterion, loader = _engine(**style)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="already computed"):
+        model(x)
+    assert _grad_norm(model) <= 1.0 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_two_losses_of_one_batch_added_are_clipped_once(style):
+    """The supported way to combine two passes over one batch: add the losses, backward once."""
+    if style["mode"] == "ghost":
+        pytest.skip("ghost mode takes the wrapped criterion's per-sample losses")
+    engine, model, opt, criterion, loader = _engine(**style)
+    x, y = next(iter(loader))
+    (criterion(model(x), y) + criterion(model(x * 2), y)).backward()
+    assert _grad_norm(model) <= 1.0 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_every_draw_is_charged_gradient_accumulation_over_draws_is_refused(style):
+    """Stepping every second draw would charge one step for two draws: refused at the second."""
+    engine, model, opt, criterion, loader = _engine(n=6, sample_rates=0.5, **style)
+    with pytest.raises(RuntimeError, match="physical_batch_size"):
+        for i, (x, y) in enumerate(loader):
+            criterion(model(x), y).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+    assert engine.steps == 0
+
+
+def test_draw_skipped_without_backward_is_not_a_step():
+    engine, model, opt, criterion, loader = _engine(n=6, sample_rates=0.5)
+    it = iter(loader)
+    next(it)  # drawn, never used: nothing released, nothing to charge
+    x, y = next(it)
+    criterion(model(x), y).backward()
+    opt.step()
+    assert engine.steps == 1
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_forward_without_an_open_batch_is_refused(style):
+    """A batch built by hand after the loader's batch was stepped has no known records or bounds."""
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, **style)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="needs an open batch"):
+        model(torch.randn_like(x))
+
+
+def test_stale_batch_context_is_never_reused_for_a_hand_built_batch():
+    """The issue's attack: records with c = 0.01, then a hand-built batch of the same size."""
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, clip=0.01)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError):
+        criterion(model(torch.randn_like(x) * 100), y).backward()
+    with pytest.raises(RuntimeError):
+        opt.zero_grad()
+        criterion(model(torch.randn_like(x) * 100), y).backward()
+
+
+def test_forward_in_eval_mode_or_without_grad_needs_no_batch():
+    engine, model, opt, criterion, loader = _engine(n=4)
+    model.eval()
+    model(torch.randn(3, 4))
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(3, 4))
+
+
+def test_zero_grad_between_physical_batches_keeps_the_draw():
+    """zero_grad() at the top of the loop must not drop the first physical batches of a draw."""
+    kwargs = dict(n=8, sample_rates=1.0, seed=1)
+    engine, model, opt, criterion, loader = _engine(physical_batch_size=3, **kwargs)
+    for x, y in loader:
+        opt.zero_grad()
+        criterion(model(x), y).backward()
+        if loader.current.is_last:
+            break
+    split = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine2, model2, opt2, criterion2, loader2 = _engine(**kwargs)
+    x, y = next(iter(loader2))
+    criterion2(model2(x), y).backward()
+    for n, p in model2.named_parameters():
+        torch.testing.assert_close(split[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_grad_after_backward_discards_the_draw_and_closes_the_batch():
+    engine, model, opt, criterion, loader = _engine(n=4)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    opt.zero_grad()
+    assert engine.state.phase is Phase.IDLE and not engine.state.pending
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _SequenceFirst(nn.Module):
+    batch_first = False
+
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+def test_modules_that_are_not_batch_first_are_refused():
+    model = pdpfast.nn.convert(nn.Sequential(_SequenceFirst(), nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="batch_first=False"):
+        ClippingState(model)
+
+
+def test_input_that_is_not_batch_first_is_refused():
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="batch-first"):
+        clipped_gradients(model, lambda out: out.sum((0, 2)), torch.randn(7, 3, 4), clip_norms=torch.ones(3))
+
+
+# ------------------------------------------------------------------ low precision
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_clipped_contribution_stays_within_bound(style, dtype):
+    """A model in bf16/fp16: each record's rounded contribution is ≤ c_i (bounds keep a rounding
+    margin), over many random records."""
+    torch.manual_seed(0)
+    worst = 0.0
+    for trial in range(20):
+        model = pdpfast.nn.convert(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype))
+        x = (torch.randn(1, 16) * 10).to(dtype)
+        y = torch.randint(0, 4, (1,))
+        c = float(torch.rand(()) * 0.5 + 0.01)
+        losses = lambda out: nn.functional.cross_entropy(out.float(), y, reduction="none")  # noqa: E731
+        result = clipped_gradients(model, losses, x, clip_norms=torch.tensor([c]), **style)
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())))
+        worst = max(worst, norm / c)
+    assert worst <= 1.0
+    assert worst > 0.9  # the margin costs little signal
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_autocast_bf16_trains_and_stays_within_bound(style):
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, **style)
+    x, y = next(iter(loader))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    loss = criterion(out.float(), y)
+    loss.backward()
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+    # four records, each within c = 1 after rounding
+    assert _grad_norm(model) <= 4.0
+
+
+def test_engine_batches_and_steps_stay_in_step_over_an_epoch():
+    """An ordinary loop (zero_grad first, as many scripts write it) runs a whole epoch."""
+    engine, model, opt, criterion, loader = _engine(n=20, sample_rates=0.3)
+    for x, y in loader:
+        opt.zero_grad()
+        criterion(model(x), y).backward()
+        opt.step()
+    assert engine.steps == len(loader)
+    assert np.isfinite([p.detach().sum().item() for p in model.parameters()]).all()
