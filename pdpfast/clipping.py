@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from .nn.layers import DPLayerFunction, DPModule
-from .nn.rules import LayerRule, rule_for, sq_norms_of
+from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
 from .ops.clip import CLIP_EPS
 
 MODES = ("bk", "ghost")
@@ -54,6 +54,11 @@ CLIPPINGS = ("flat", "per_layer")
 # the row scaling w_i·o and the stored result are each rounded (unit roundoff u), so a record's
 # rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i.
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
+
+
+# Book-keeping stacks same-shape layer calls (their inputs and output gradients) in chunks of at
+# most this many bytes: one launch per chunk, and a bounded extra copy.
+STACK_BYTES = 64 << 20
 
 
 class Phase(enum.Enum):
@@ -383,9 +388,7 @@ class ClippingState:
                            "(or use pdpfast.functional.clipped_gradients)")
 
     def _split_reused(self, layer: _Layer, names: tuple) -> tuple[tuple, tuple]:
-        """(names clipped from norms, names whose per-sample gradients must be formed)."""
-        if layer.rule.materializes:
-            return (), names
+        """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
         uses = self._uses
         params = layer.module._parameters
         reused = tuple(n for n in names if uses[params[n]] > 1)
@@ -406,8 +409,15 @@ class ClippingState:
         if reused:
             self._materialize(layer, reused, x, o)
         if normal:
-            self._add_sq(layer.rule.norms(layer.module, x, o, normal))
-            self._tape.append((layer, x, o, normal))
+            stacked = layer.rule.stacked
+            key = None if stacked is None else stacked.key(layer.module, x, o, normal)
+            if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
+                self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
+            elif layer.rule.materializes:
+                self._materialize(layer, normal, x, o)
+            else:
+                self._add_sq(layer.rule.norms(layer.module, x, o, normal))
+                self._tape.append((layer, x, o, normal))
             self._note_precision(o.dtype)
         self._queue_finish(self._finish_flat)
 
@@ -425,7 +435,7 @@ class ClippingState:
             weights = self._weights(sq, k, grads[0].dtype)
             params = layer.module._parameters
             for n, g in zip(names, grads):
-                self._accumulate_param(params[n], torch.tensordot(weights.to(g.dtype), g, dims=1))
+                self._accumulate_param(params[n], weighted_sum(weights, g))
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
             weights = self._weights(sq, k, o.dtype)
@@ -447,7 +457,10 @@ class ClippingState:
 
     def _add_sq(self, sq: torch.Tensor) -> None:
         """Add one layer's (or group's) per-sample squared norms to the batch's total."""
-        self._sq = sq if self._sq is None else self._sq.add_(sq.to(self._sq.dtype))
+        if self._sq is None:
+            self._sq = sq
+        else:
+            self._sq.add_(sq if sq.dtype == self._sq.dtype else sq.to(self._sq.dtype))
 
     def _queue_finish(self, finish) -> None:
         if not self._queued:
@@ -507,14 +520,36 @@ class ClippingState:
             total = torch.zeros(self.batch_size, dtype=torch.float64)
         return total
 
+    def _stack_chunks(self) -> list:
+        """Stacked calls cut into chunks of at most ``STACK_BYTES`` of inputs and output gradients, so
+        stacking costs a bounded copy whatever the model's size."""
+        chunks = []
+        for (stacked, _), calls in self._stacks.items():
+            chunk, size = [], 0
+            for call in calls:
+                nbytes = call[1].numel() * call[1].element_size() + call[2].numel() * call[2].element_size()
+                if chunk and size + nbytes > STACK_BYTES:
+                    chunks.append((stacked, chunk))
+                    chunk, size = [], 0
+                chunk.append(call)
+                size += nbytes
+            chunks.append((stacked, chunk))
+        return chunks
+
     def _finish_flat(self) -> None:
         """End of a bk backward: the clipped sums that needed every layer's norms."""
+        chunks = self._stack_chunks()
+        for stacked, calls in chunks:
+            self._add_sq(stacked.sq_norms(calls).sum(0))
         total = self._batch_sq()
         weights = self._weights(total)
+        for stacked, calls in chunks:
+            for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
+                self._accumulate(module, grads)
         for layer, x, o, names in self._tape:
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         for p, g in self._materialized.items():
-            self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
+            self._accumulate_param(p, weighted_sum(weights, g))
         self._close_backward(total, weights)
 
     def _finish_per_layer(self) -> None:
@@ -527,7 +562,7 @@ class ClippingState:
             sq = sq_norms_of(grads)
             weights = self._weights(sq, k, grads[0].dtype)
             for p, g in zip(done, grads):
-                self._accumulate_param(p, torch.tensordot(weights.to(g.dtype), g, dims=1))
+                self._accumulate_param(p, weighted_sum(weights, g))
             self._add_sq(sq)
         self._materialized = {}
         self._close_backward(self._batch_sq(), None)
@@ -542,6 +577,7 @@ class ClippingState:
     def _reset_backward(self) -> None:
         self._sq: torch.Tensor | None = None
         self._tape: list = []
+        self._stacks: dict = {}
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}
         self._queued = False
         self._margin = 0.0

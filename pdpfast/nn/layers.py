@@ -19,7 +19,7 @@ from ..ops import conv as conv_ops
 from ..ops import embedding as emb_ops
 from ..ops import linear as lin_ops
 from ..ops import norm as norm_ops
-from .rules import LayerRule, register_rule
+from .rules import LayerRule, Stacked, register_rule
 
 
 class DPLayerFunction(torch.autograd.Function):
@@ -155,18 +155,46 @@ def _linear_rule(transposed: bool) -> LayerRule:
 
     def sq_norms(m, x, o, names):
         a, g = _as_btd(x, o)
-        total = lin_ops.linear_weight_sq_norms(a, g) if "weight" in names else None
-        if "bias" in names:
-            bias = lin_ops.bias_sq_norms(g)
-            total = bias if total is None else total.add_(bias)
-        return total
+        if "weight" in names:
+            return lin_ops.linear_sq_norms(a, g, with_bias="bias" in names)
+        return lin_ops.bias_sq_norms(g)
 
     def clipped(m, x, o, weights, names):
         a, g = _as_btd(x, o)
         grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, "weight" in names, "bias" in names, transposed)
         return {n: grad for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None}
 
-    return LayerRule(per_sample, sq_norms, clipped)
+    # same-shape calls (the projections of every transformer block) stack into one batch
+    def key(m, x, o, names):
+        if not x.is_floating_point():
+            return None
+        return x.shape, o.shape, o.dtype, o.device, "weight" in names, "bias" in names
+
+    def stack(calls):  # (n, B, T, d), (n, B, T, p): one copy each, shapes fixed by the key
+        B, T, d, p = calls[0][1].shape[0], math.prod(calls[0][1].shape[1:-1]), calls[0][1].shape[-1], calls[0][2].shape[-1]
+        n = len(calls)
+        a = torch.stack([x for _, x, _, _ in calls]).view(n, B, T, d)
+        g = torch.stack([o for _, _, o, _ in calls]).view(n, B, T, p)
+        return a, g
+
+    def stacked_sq_norms(calls):
+        a, g = stack(calls)
+        n, B, T, d = a.shape
+        names = calls[0][3]
+        g = g.view(n * B, T, g.shape[-1])
+        if "weight" in names:
+            return lin_ops.linear_sq_norms(a.view(n * B, T, d), g, with_bias="bias" in names).view(n, B)
+        return lin_ops.bias_sq_norms(g).view(n, B)
+
+    def stacked_clipped(calls, weights):
+        a, g = stack(calls)
+        names = calls[0][3]
+        grad_w, grad_b = lin_ops.linear_clipped_grads_stacked(a, g, weights, "weight" in names, "bias" in names,
+                                                              transposed)
+        per_call = [(n, grad.unbind(0)) for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None]
+        return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
+
+    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped))
 
 
 def _conv_per_sample(m, x, o):
@@ -205,11 +233,44 @@ register_rule(DPLinear, rule=_linear_rule(transposed=False))
 register_rule(DPConv1D, rule=_linear_rule(transposed=True))
 register_rule(DPConv1d, DPConv2d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
 register_rule(DPEmbedding, rule=LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
-def _norm_rule(per_sample_grads) -> LayerRule:
-    # the ops take (x, o, module) like the other ops; a rule receives (module, x, o)
-    return LayerRule(lambda m, x, o: per_sample_grads(x, o, m))
 
 
-register_rule(DPLayerNorm, rule=_norm_rule(norm_ops.layer_norm_per_sample_grads))
-register_rule(DPGroupNorm, rule=_norm_rule(norm_ops.group_norm_per_sample_grads))
-register_rule(DPRMSNorm, rule=_norm_rule(norm_ops.rms_norm_per_sample_grads))
+def _norm_rule(per_sample_grads, config) -> LayerRule:
+    """Normalization layers: per-sample gradients as small as the parameters, formed directly.
+
+    Their math is per sample, so n same-shape calls stack along the batch: one normalization over
+    (n·B, ...) forms every call's per-sample gradients. ``config(module)``: what the math reads
+    from the module (calls stack only when it is equal).
+    """
+    def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
+        return per_sample_grads(x, o, m)
+
+    def key(m, x, o, names):
+        return type(m), config(m), x.shape, o.shape, o.dtype, o.device, names
+
+    def stacked_grads(calls) -> list:
+        n, B = len(calls), calls[0][1].shape[0]
+        x = torch.stack([c[1] for c in calls]).flatten(0, 1)
+        o = torch.stack([c[2] for c in calls]).flatten(0, 1)
+        grads = per_sample(calls[0][0], x, o)
+        return [(name, grads[name].reshape(n, B, math.prod(grads[name].shape[1:]))) for name in calls[0][3]]
+
+    def stacked_sq_norms(calls):
+        total = None
+        for _, g in stacked_grads(calls):
+            sq = (g if g.dtype in (torch.float32, torch.float64) else g.float()).pow(2).sum(2)
+            total = sq if total is None else total.add_(sq)
+        return total
+
+    def stacked_clipped(calls, weights):
+        per_name = [(name, torch.matmul(weights.to(g.dtype), g).unbind(0)) for name, g in stacked_grads(calls)]
+        return [{name: grads[i] for name, grads in per_name} for i in range(len(calls))]
+
+    return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped))
+
+
+register_rule(DPLayerNorm, rule=_norm_rule(norm_ops.layer_norm_per_sample_grads,
+                                           lambda m: (tuple(m.normalized_shape), m.eps)))
+register_rule(DPGroupNorm, rule=_norm_rule(norm_ops.group_norm_per_sample_grads, lambda m: (m.num_groups, m.eps)))
+register_rule(DPRMSNorm, rule=_norm_rule(norm_ops.rms_norm_per_sample_grads,
+                                         lambda m: (tuple(m.normalized_shape), m.eps)))

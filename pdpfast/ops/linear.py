@@ -16,11 +16,8 @@ _CHUNK_ELEMENTS = 1 << 25
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp32 accumulation for fp16/bf16/fp32, fp64 kept for float64 oracles."""
-    dtype = torch.float32
-    for t in tensors:
-        if t.is_floating_point():
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    # a plain comparison, not torch.promote_types: this runs for every layer of every backward
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def gram_cost(T: int, d: int, p: int) -> int:
@@ -50,19 +47,32 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample: a (B, T, d), o (B, T, p) → (B,) in the accumulation dtype."""
+    return linear_sq_norms_reference(a, o, with_bias=False)
+
+
+def linear_sq_norms_reference(a: torch.Tensor, o: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+    """‖o_iᵀ a_i‖²_F (+ ‖Σ_t o_{i,t}‖² with_bias) per sample: a (B, T, d), o (B, T, p) → (B,).
+
+    The bias is a weight on a constant input 1, so its norm joins the weight's in the same Gram:
+    ‖G_i‖² + ‖b_i‖² = Σ_{s,t} (a_i a_iᵀ + 1)_{st} (o_i o_iᵀ)_{st}, and (‖a_i‖² + 1)‖o_i‖² for T = 1.
+    """
     B, T, d = a.shape
     p = o.shape[-1]
     dtype = acc_dtype(a, o)
     if B == 0:
         return torch.empty(0, dtype=dtype, device=a.device)
     if T == 1:  # ‖o aᵀ‖² = ‖o‖²‖a‖² for a rank-one per-sample gradient
-        return _as(a[:, 0], dtype).pow(2).sum(-1) * _as(o[:, 0], dtype).pow(2).sum(-1)
+        sq_a = _as(a[:, 0], dtype).pow(2).sum(-1)
+        return (sq_a.add_(1.0) if with_bias else sq_a).mul_(_as(o[:, 0], dtype).pow(2).sum(-1))
     gram = use_gram(T, d, p)
     per_sample = 2 * T * T if gram else d * p
 
     def norms(a, o):
         a, o = _as(a, dtype), _as(o, dtype)
-        return _gram_sq_norms(a, o) if gram else torch.bmm(o.transpose(1, 2), a).pow(2).sum((1, 2))
+        if gram:
+            return _gram_sq_norms(a, o, with_bias)
+        out = torch.bmm(o.transpose(1, 2), a).pow(2).sum((1, 2))
+        return out.add_(o.sum(1).pow(2).sum(-1)) if with_bias else out
 
     if B * per_sample <= _CHUNK_ELEMENTS:  # the usual case: one chunk, no copy
         return norms(a, o)
@@ -72,18 +82,23 @@ def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.
     return out
 
 
-def _gram_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Σ_{s,t} (a aᵀ)_{st} (o oᵀ)_{st} per sample. Both Grams are symmetric, so with T split in
+def _gram_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
+    """Σ_{s,t} (a aᵀ [+ 1])_{st} (o oᵀ)_{st} per sample. Both Grams are symmetric, so with T split in
     halves only three of the four blocks are formed (the off-diagonal one counts twice)."""
-    T = a.shape[1]
-    if T < 64:
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(o, o.transpose(1, 2))).sum((1, 2))
-    h = T // 2
-    a1, a2, o1, o2 = a[:, :h], a[:, h:], o[:, :h], o[:, h:]
+    B, T = a.shape[0], a.shape[1]
 
     def block(x, y, u, v):
-        return (torch.bmm(x, y.transpose(1, 2)) * torch.bmm(u, v.transpose(1, 2))).sum((1, 2))
+        gram_a = torch.bmm(x, y.transpose(1, 2))
+        if with_bias:
+            gram_a.add_(1.0)
+        gram_o = torch.bmm(u, v.transpose(1, 2))
+        # Σ_st of the elementwise product as one batched dot product
+        return torch.bmm(gram_a.view(B, 1, -1), gram_o.view(B, -1, 1)).view(B)
 
+    if T < 64:
+        return block(a, a, o, o)
+    h = T // 2
+    a1, a2, o1, o2 = a[:, :h], a[:, h:], o[:, :h], o[:, h:]
     return block(a1, a1, o1, o1) + 2 * block(a1, a2, o1, o2) + block(a2, a2, o2, o2)
 
 
@@ -98,6 +113,19 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     return pick("bias_sq_norms", bias_sq_norms_reference, o)(o)
+
+
+def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """Per-sample squared norm of a linear layer's weight (+ bias) gradient: a (B, T, d), o (B, T, p).
+
+    Kernels: the weight's (Gram / direct / rank-one) and the bias's; the reference forms both in
+    one Gram (``linear_sq_norms_reference``), three tensor ops for short sequences.
+    """
+    kernel = pick("linear_weight_sq_norms", None, a, o)
+    if kernel is None:
+        return linear_sq_norms_reference(a, o, with_bias)
+    total = kernel(a, o)
+    return total.add_(bias_sq_norms(o)) if with_bias else total
 
 
 def linear_clipped_grad_reference(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None):
@@ -144,6 +172,21 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
         per_sample = o.flatten(1, -2).sum(1) if o.dim() > 2 else o  # (B, p): Σ_t o_{i,t}
         grad_b = weights.to(o.dtype) @ per_sample
     return grad_w, grad_b
+
+
+def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor, need_weight: bool,
+                                 need_bias: bool, transposed: bool = False):
+    """``linear_clipped_grads`` of n same-shape layers at once: a (n, B, T, d), o (n, B, T, p),
+    weights (B,) → grad_w (n, p, d) (or (n, d, p) transposed) and grad_b (n, p), each None when not
+    needed; one batched GEMM (cuBLAS) for the n weight gradients."""
+    n, B, T, d = a.shape
+    p = o.shape[-1]
+    scaled = (o * weights.to(o.dtype).view(1, B, 1, 1)).view(n, B * T, p)
+    a = a.view(n, B * T, d)
+    grad_w = None
+    if need_weight:
+        grad_w = torch.bmm(a.transpose(1, 2), scaled) if transposed else torch.bmm(scaled.transpose(1, 2), a)
+    return grad_w, scaled.sum(1) if need_bias else None
 
 
 def linear_clipped_grad(a, o, weights):
