@@ -59,6 +59,9 @@ _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11
 # Book-keeping stacks same-shape layer calls (their inputs and output gradients) in chunks of at
 # most this many bytes: one launch per chunk, and a bounded extra copy.
 STACK_BYTES = 64 << 20
+# Per-layer clipping holds a call for stacking only when its input and output gradient are at most
+# this large: such calls are host-bound; larger ones are clipped inside their own backward.
+SMALL_CALL_BYTES = 1 << 20
 
 
 class Phase(enum.Enum):
@@ -428,17 +431,29 @@ class ClippingState:
             self._materialize(layer, names, x, o)
             self._queue_finish(self._finish_per_layer)
             return
+        stacked = layer.rule.stacked
+        nbytes = x.numel() * x.element_size() + o.numel() * o.element_size()
+        key = None if stacked is None or nbytes > SMALL_CALL_BYTES else stacked.key(layer.module, x, o, names)
+        if key is not None:
+            # a small call is host-bound: held briefly and clipped with its same-shape peers (per-layer
+            # weights need only the call's own norms, so the buffer can be flushed at any point)
+            self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, names))
+            self._stack_bytes += nbytes
+            if self._stack_bytes > STACK_BYTES:
+                self._flush_per_layer_stacks()
+            self._queue_finish(self._finish_per_layer)
+            return
         if layer.rule.materializes:  # small per-sample gradients: form them once, clip them now
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             sq = sq_norms_of(grads)
-            weights = self._weights(sq, k, grads[0].dtype)
+            weights = self._group_weights(sq, k, grads[0].dtype)
             params = layer.module._parameters
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
-            weights = self._weights(sq, k, o.dtype)
+            weights = self._group_weights(sq, k, o.dtype)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_sq(sq)
         self._queue_finish(self._finish_per_layer)
@@ -469,41 +484,49 @@ class ClippingState:
 
     # ------------------------------------------------------------------ weights
 
-    def _bounds_for(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """(B,) c_i·m_i (masked rows get bound 0), or (K, B) c_i·C_k·m_i for per-layer clipping, on
-        ``device``: moved once per batch, whatever the number of layers."""
-        key = (device, dtype)
+    def _bounds_for(self, device: torch.device, dtype: torch.dtype, margin: float = 0.0):
+        """c_i·m_i (masked rows get bound 0) on ``device``, (B,) for flat clipping or a tuple of K
+        rows c_i·C_k·m_i for per-layer clipping; moved once per batch, whatever the number of layers.
+        ``margin``: the rounding margin of the dtype the clipped sums are computed in."""
+        key = (device, dtype, margin)
         bounds = self._bounds.get(key)
         if bounds is None:
             c = self.clip_norms.double()  # c_i·C_k formed in float64, then rounded once
             if self.mask is not None:
                 c = c * self.mask.double()
+            if margin:
+                c = c * (1.0 - margin)
             if self.shares is not None:
                 c = self.shares.unsqueeze(1) * c.unsqueeze(0)
-            bounds = self._bounds[key] = c.to(device=device, dtype=dtype, non_blocking=True)
+            bounds = c.to(device=device, dtype=dtype, non_blocking=True)
+            if self.shares is not None:
+                bounds = bounds.unbind(0)
+            self._bounds[key] = bounds
         return bounds
 
     def _note_precision(self, dtype: torch.dtype) -> None:
         self._margin = max(self._margin, _ROUNDING_MARGIN.get(dtype, 0.0))
 
-    def _weights(self, sq: torch.Tensor, group: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _weights(self, sq: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         """Weights applied to the backward's output gradients: s·w_i with the loss scale s folded in.
 
-        With ‖g_i‖ = s·√sq: s·min(1, c_i/(‖g_i‖ + ε)) = min(s, c_i/(√sq + ε/s)); automatic
-        clipping s·c_i/(‖g_i‖ + γ) = c_i/(√sq + γ/s). Bounds lose a rounding margin in fp16/bf16.
+        sq: squared norms of the (scaled) output gradients' per-sample gradients; bounds: c_i
+        broadcast against sq. With ‖g_i‖ = s·√sq: s·min(1, c_i/(‖g_i‖ + ε)) = min(s, c_i/(√sq + ε/s));
+        automatic clipping s·c_i/(‖g_i‖ + γ) = c_i/(√sq + γ/s).
         """
         s = self.loss_scale
         if s == 0:  # an empty batch under a mean loss: nothing to weigh
             return torch.zeros_like(sq)
-        bounds = self._bounds_for(sq.device, sq.dtype)
-        if group is not None:
-            bounds = bounds[group]
-        margin = _ROUNDING_MARGIN.get(dtype, 0.0) if group is not None else self._margin
-        if margin:
-            bounds = bounds * (1.0 - margin)
+        root = sq.clamp_min(0).sqrt_()
         if self.automatic_gamma is None:
-            return (bounds / sq.clamp_min(0).sqrt().add_(CLIP_EPS / s)).clamp_(max=s)
-        return bounds / sq.clamp_min(0).sqrt().add_(self.automatic_gamma / s)
+            return torch.div(bounds, root.add_(CLIP_EPS / s), out=root).clamp_(max=s)
+        return torch.div(bounds, root.add_(self.automatic_gamma / s), out=root)
+
+    def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))
+
+    def _group_weights(self, sq: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, _ROUNDING_MARGIN.get(dtype, 0.0))[group])
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -542,7 +565,7 @@ class ClippingState:
         for stacked, calls in chunks:
             self._add_sq(stacked.sq_norms(calls).sum(0))
         total = self._batch_sq()
-        weights = self._weights(total)
+        weights = self._flat_weights(total)
         for stacked, calls in chunks:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
                 self._accumulate(module, grads)
@@ -552,15 +575,29 @@ class ClippingState:
             self._accumulate_param(p, weighted_sum(weights, g))
         self._close_backward(total, weights)
 
+    def _flush_per_layer_stacks(self) -> None:
+        """Clip the held small calls: per call, its own norms against its group's bound c_i·C_k."""
+        for stacked, calls in self._stack_chunks():
+            sq = stacked.sq_norms(calls)  # (n, B)
+            dtype = calls[0][2].dtype
+            rows = self._bounds_for(sq.device, sq.dtype, _ROUNDING_MARGIN.get(dtype, 0.0))
+            bounds = torch.stack([rows[self._layer[call[0]].group] for call in calls])
+            weights = self._weights(sq, bounds)
+            for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
+                self._accumulate(module, grads)
+            self._add_sq(sq.sum(0))
+        self._stacks, self._stack_bytes = {}, 0
+
     def _finish_per_layer(self) -> None:
-        """End of a per-layer backward: groups whose parameters were used more than once."""
+        """End of a per-layer backward: held small calls, and groups used more than once."""
+        self._flush_per_layer_stacks()
         for k, params in enumerate(self._group_params):
             done = [p for p in params if p in self._materialized]
             if not done:
                 continue
             grads = [self._materialized[p] for p in done]
             sq = sq_norms_of(grads)
-            weights = self._weights(sq, k, grads[0].dtype)
+            weights = self._group_weights(sq, k, grads[0].dtype)
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
             self._add_sq(sq)
@@ -578,6 +615,7 @@ class ClippingState:
         self._sq: torch.Tensor | None = None
         self._tape: list = []
         self._stacks: dict = {}
+        self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}
         self._queued = False
         self._margin = 0.0
@@ -601,7 +639,7 @@ class ClippingState:
         try:
             losses.sum().backward(retain_graph=True)
             total = self._batch_sq()
-            weights = self._weights(total)
+            weights = self._flat_weights(total)
             self._materialized = {}
             self._enter(Phase.GHOST_GRADS)
             (losses * weights.to(losses.device, losses.dtype)).sum().backward()

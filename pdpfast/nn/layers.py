@@ -262,8 +262,10 @@ def _norm_rule(per_sample_grads, config) -> LayerRule:
             total = sq if total is None else total.add_(sq)
         return total
 
-    def stacked_clipped(calls, weights):
-        per_name = [(name, torch.matmul(weights.to(g.dtype), g).unbind(0)) for name, g in stacked_grads(calls)]
+    def stacked_clipped(calls, weights):  # weights (B,) shared or (n, B) per call
+        w = weights.unsqueeze(-2)  # (1, B) or (n, 1, B): a batched row vector
+        per_name = [(name, torch.matmul(w.to(g.dtype), g).flatten(0, -2).unbind(0))
+                    for name, g in stacked_grads(calls)]
         return [{name: grads[i] for name, grads in per_name} for i in range(len(calls))]
 
     return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped))

@@ -177,11 +177,12 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
 def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor, need_weight: bool,
                                  need_bias: bool, transposed: bool = False):
     """``linear_clipped_grads`` of n same-shape layers at once: a (n, B, T, d), o (n, B, T, p),
-    weights (B,) → grad_w (n, p, d) (or (n, d, p) transposed) and grad_b (n, p), each None when not
-    needed; one batched GEMM (cuBLAS) for the n weight gradients."""
+    weights (B,) shared or (n, B) per layer → grad_w (n, p, d) (or (n, d, p) transposed) and grad_b
+    (n, p), each None when not needed; one batched GEMM (cuBLAS) for the n weight gradients."""
     n, B, T, d = a.shape
     p = o.shape[-1]
-    scaled = (o * weights.to(o.dtype).view(1, B, 1, 1)).view(n, B * T, p)
+    w = weights if weights.dtype == o.dtype else weights.to(o.dtype)
+    scaled = (o * w.view(n if w.dim() == 2 else 1, B, 1, 1)).view(n, B * T, p)
     a = a.view(n, B * T, d)
     grad_w = None
     if need_weight:
