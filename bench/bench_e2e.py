@@ -95,14 +95,16 @@ def main(argv=None) -> int:
     out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
-    print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory |\n|---|---|---:|---:|---:|---:|")
+    print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory | step ms | host ms |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['provider']} | {r['error']} | | | |")
+            print(f"| {r['model']} | {r['provider']} | {r['error']} | | | | | |")
             continue
         mem = f"{r['peak_memory_mb']:.0f} | {r.get('memory_ratio_vs_nonprivate', float('nan')):.2f}" if "peak_memory_mb" in r else "– | –"
         print(f"| {r['model']} | {r['provider']} | {r['throughput_samples_per_s']:.1f} | "
-              f"{r.get('throughput_ratio_vs_nonprivate', float('nan')):.2f} | {mem} |")
+              f"{r.get('throughput_ratio_vs_nonprivate', float('nan')):.2f} | {mem} | {r['median_ms']:.1f} | "
+              f"{r.get('host_ms', float('nan')):.1f} |")
     print(f"device: {env['device']}, torch {env['torch']}, triton {env['triton']}, opacus {env['opacus']}, {env['date']}; "
           f"written to {out}")
     return 0

@@ -149,15 +149,21 @@ def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss
             steps.pop(name, None)
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     times = {name: [] for name in steps}
+    host = {name: [] for name in steps}
     for r in range(warmup + repeats):
         for name, step in steps.items():
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t = time.perf_counter()
                 step()
+                # the host's time to issue the step: close to the step time when the GPU waits on it
+                issued = time.perf_counter() - t
                 end.record()
                 end.synchronize()
                 elapsed = start.elapsed_time(end) / 1e3
+                if r >= warmup:
+                    host[name].append(issued)
             else:
                 t = time.perf_counter()
                 step()
@@ -166,6 +172,8 @@ def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss
                 times[name].append(elapsed)
     for name, ts in times.items():
         results[name]["median_ms"] = statistics.median(ts) * 1e3
+        if host[name]:
+            results[name]["host_ms"] = statistics.median(host[name]) * 1e3
     return results
 
 

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything pdpfast measures on a GPU, in one command, on a machine with no network.
+#
+#   bash bench/gpu.sh                 # build, tests, kernels, overhead, end to end fp32 + bf16
+#   bash bench/gpu.sh tests e2e       # only some steps: build tests kernels overhead e2e
+#
+# It uses the machine's own python3 and torch (nothing is installed from the network): the C++/CUDA
+# sampler is built in place (`setup.py build_ext --inplace`; `pip install -e .` needs the network
+# for its build isolation), kernels/ is linked as pdpfast/kernels, and wheels carried in .whl/
+# (Opacus, the baseline: `pip download opacus==1.6.0 -d .whl` on a machine with a network) are
+# unpacked into /tmp/site. JSON results go to bench/results/ (named after the device), logs and a
+# copy of the results to $OUT (default bench/results/gpu_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu_logs}
+mkdir -p "$OUT"
+steps=${*:-build tests kernels overhead e2e}
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -e pdpfast/kernels ] || ln -s ../kernels pdpfast/kernels
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    | tee "$OUT/env.txt"
+status=0
+run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember a failure, keep going
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1 || { echo "   FAILED (see $OUT/$name.log)"; status=1; }
+    tail -n 25 "$OUT/$name.log"
+    echo "   ($((SECONDS - t0)) s)"
+}
+for step in $steps; do
+    case $step in
+        build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace ;;
+        tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
+               run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
+        kernels) run bench_kernels python3 -m bench.bench_kernels ;;
+        overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 ;;
+        e2e) run e2e_fp32 python3 -m bench.bench_e2e --dtype fp32
+             run e2e_bf16 python3 -m bench.bench_e2e --dtype bf16 ;;
+        *) echo "unknown step $step (build tests kernels overhead e2e)"; status=2 ;;
+    esac
+done
+cp bench/results/*.json "$OUT/" 2>/dev/null
+exit $status

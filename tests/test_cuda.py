@@ -1,0 +1,95 @@
+"""The engine on a CUDA device (skipped without one): every clipping mode against the float64 CPU
+oracle with the Triton kernels on, fp16/bf16 bounds, autocast, and a training loop under budgets.
+
+Run by ``bench/gpu.sh tests`` on a GPU machine; the same math runs on the CPU everywhere else.
+"""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast.functional import clipped_gradients
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STYLES = [dict(mode="bk", clipping="flat"), dict(mode="bk", clipping="per_layer"), dict(mode="ghost", clipping="flat")]
+STYLE_IDS = ["bk", "per_layer", "ghost"]
+
+
+def _models():
+    from pdpfast.models import bert, gpt2, resnet18_gn
+
+    torch.manual_seed(0)
+    yield "bert", bert("micro", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), \
+        (torch.randint(1, 128, (5, 12)),), lambda out: out.logits.float().pow(2).sum(1)
+    yield "gpt2-tied", gpt2("micro", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), \
+        (torch.randint(0, 128, (3, 10)),), lambda out: out.logits.float().pow(2).mean((1, 2))
+    yield "resnet18-gn", resnet18_gn(num_classes=4), (torch.randn(3, 3, 16, 16),), \
+        lambda out: out.float().pow(2).sum(1)
+    yield "mlp", nn.Sequential(nn.Linear(7, 33), nn.GELU(), nn.Linear(33, 5)), (torch.randn(9, 7),), \
+        lambda out: out.float().pow(2).sum(1)
+
+
+MODELS = {name: (model, inputs, loss) for name, model, inputs, loss in _models()}
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_clipped_sums_equal_the_float64_oracle(name, style):
+    import copy
+
+    model, inputs, loss = MODELS[name]
+    B = inputs[0].shape[0]
+    clip_norms = torch.linspace(0.05, 3.0, B)
+    cpu = pdpfast.nn.convert(copy.deepcopy(model).double())
+    oracle = clipped_gradients(cpu, loss, *(t.double() if t.is_floating_point() else t for t in inputs),
+                               clip_norms=clip_norms, **style)
+    gpu = pdpfast.nn.convert(copy.deepcopy(model).cuda())
+    result = clipped_gradients(gpu, loss, *(t.cuda() for t in inputs), clip_norms=clip_norms, **style)
+    torch.testing.assert_close(result.norms.double().cpu(), oracle.norms, rtol=2e-4, atol=1e-6)
+    for key, expected in oracle.grads.items():
+        got = result.grads[key].double().cpu()
+        scale = max(1e-3, float(expected.abs().max()))
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-4 * scale, msg=key)
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_low_precision_contribution_stays_within_bound(style, dtype):
+    torch.manual_seed(0)
+    worst = 0.0
+    for _ in range(10):
+        model = pdpfast.nn.convert(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8)).cuda().to(dtype))
+        x = (torch.randn(1, 64, device="cuda") * 10).to(dtype)
+        c = float(torch.rand(()) * 0.5 + 0.01)
+        result = clipped_gradients(model, lambda out: out.float().pow(2).sum(1), x,
+                                   clip_norms=torch.tensor([c]), **style)
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())))
+        worst = max(worst, norm / c)
+    assert 0.9 < worst <= 1.0
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_cuda_autocast_bf16_trains_under_budgets(style):
+    torch.manual_seed(0)
+    n = 64
+    x, y = torch.randn(n, 16), torch.randint(0, 4, (n,))
+    model = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 4)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    budgets = np.where(np.arange(n) % 2 == 0, 1.0, 3.0)
+    engine = pdpfast.PrivacyEngine(seed=0)
+    kwargs = dict(criterion=nn.CrossEntropyLoss()) if style["mode"] == "ghost" else {}
+    out = engine.make_private_with_budgets(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y),
+                                           batch_size=16), budgets=budgets, delta=1e-5, epochs=2, **style, **kwargs)
+    model, opt, loader = (out[0], out[1], out[3]) if style["mode"] == "ghost" else out
+    criterion = out[2] if style["mode"] == "ghost" else nn.CrossEntropyLoss()
+    for xb, yb in loader:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(xb.cuda())
+        criterion(logits.float(), yb.cuda()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert engine.steps == len(loader)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert (engine.epsilons() <= budgets).all()
