@@ -73,7 +73,10 @@ def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> to
     key = (device, tuple(entries))
     table = _TABLE_CACHE.get(key)
     if table is None:
-        table = torch.tensor(entries, dtype=torch.int64).t().contiguous().to(device)
+        table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
+        if device.type == "cuda":  # queued, not a host sync: grads move between steps, tables with them
+            table = table.pin_memory()
+        table = table.to(device, non_blocking=True)
         _TABLE_CACHE[key] = table
         if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
             _TABLE_CACHE.popitem(last=False)

@@ -498,7 +498,11 @@ class ClippingState:
                 c = c * (1.0 - margin)
             if self.shares is not None:
                 c = self.shares.unsqueeze(1) * c.unsqueeze(0)
-            bounds = c.to(device=device, dtype=dtype, non_blocking=True)
+            c = c.to(dtype)
+            if device.type == "cuda":
+                # a copy from pageable memory waits for the GPU to drain: from pinned memory it is queued
+                c = c.pin_memory()
+            bounds = c.to(device=device, non_blocking=True)
             if self.shares is not None:
                 bounds = bounds.unbind(0)
             self._bounds[key] = bounds

@@ -50,10 +50,10 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
     if weights is not None:
         o = o * weights.to(o.dtype).view(-1, 1, 1)
     ids, o = ids.reshape(-1), o.reshape(-1, p)
-    if padding_idx is not None:
-        keep = ids != padding_idx
-        ids, o = ids[keep], o[keep]
-    return torch.zeros(num_embeddings, p, dtype=o.dtype, device=o.device).index_add_(0, ids, o)
+    out = torch.zeros(num_embeddings, p, dtype=o.dtype, device=o.device).index_add_(0, ids, o)
+    if padding_idx is not None:  # the padding row gets no gradient (zeroed, not masked: no host sync)
+        out[padding_idx] = 0
+    return out
 
 
 def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Tensor:
