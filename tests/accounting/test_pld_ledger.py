@@ -71,8 +71,8 @@ def test_training_loop_does_not_recompute_pld_every_step(plan, monkeypatch):
 
 
 def test_would_exceed_without_a_horizon_is_exact():
-    ledger = PLDIndividualAccountant([0.1, 0.1], 1.0, budgets=[0.5, 50.0])
-    limit = next(t for t in range(1, 200) if pld.pld_epsilon(0.1, 1.0, t, DELTA) > 0.5)
+    ledger = PLDIndividualAccountant([0.1, 0.1], 1.0, budgets=[3.0, 50.0])
+    limit = next(t for t in range(1, 200) if pld.pld_epsilon(0.1, 1.0, t, DELTA) > 3.0)   # 13 steps
     ledger.step(limit - 2)
     assert not ledger.would_exceed(DELTA, 1).any()
     assert ledger.would_exceed(DELTA, 2).tolist() == [True, False]
@@ -81,10 +81,10 @@ def test_would_exceed_without_a_horizon_is_exact():
 
 
 def test_records_sharing_q_and_z_but_not_budgets_are_judged_by_their_own_budget():
-    ledger = PLDIndividualAccountant([1.0, 1.0, 0.2], [2.0, 2.0, 1.0], budgets=[3.0, 100.0, 100.0], horizon=5)
+    ledger = PLDIndividualAccountant([1.0, 1.0, 0.2], [4.0, 4.0, 1.0], budgets=[3.0, 100.0, 100.0], horizon=5)
     ledger.step(4)
     eps = ledger.epsilons(DELTA)
-    assert eps[0] == eps[1] and eps[0] < 3.0 < pld.pld_epsilon(1.0, 2.0, 50, DELTA)
+    assert eps[0] == eps[1] and eps[0] < 3.0 < pld.pld_epsilon(1.0, 4.0, 50, DELTA)
     over = ledger.would_exceed(DELTA, 46)
     assert over.tolist() == [True, False, False]
 
