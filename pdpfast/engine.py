@@ -235,7 +235,14 @@ class PrivacyEngine:
                 raise ValueError("the checkpoint's privacy plan differs from this engine's; resume with the same "
                                  "budgets, delta, steps and method")
             ledger = ledger_for_plan(self.plan, self.accountant.budgets)
-            ledger.load_state_dict(state["ledger"])
+            if self.plan.accountant == "pld" and "accountant" not in state["ledger"]:
+                # written before PLD plans had a PLD ledger: an RDP ledger that the engine only ever
+                # stepped over the whole dataset, so its step count is the whole history
+                taken = int(state["ledger"]["steps_taken"])
+                if taken:
+                    ledger.step(taken)
+            else:
+                ledger.load_state_dict(state["ledger"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.data_loader.seed = int(state["loader"]["seed"])
         self.data_loader.next_step = int(state["loader"]["next_step"])

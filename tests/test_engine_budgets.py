@@ -159,3 +159,20 @@ def test_resume_with_another_accountant_is_refused(tmp_path, saved, resumed):
     with pytest.raises(ValueError, match=f"accountant='{saved}'.*accountant='{resumed}'"):
         other.load_checkpoint(tmp_path / "c.pt", model2)
     assert other.steps == 0 and other.accountant.steps_taken == 0
+
+
+def test_a_pld_checkpoint_with_the_old_rdp_ledger_resumes_with_a_pld_ledger(tmp_path):
+    # checkpoints of PLD runs written before the PLD ledger hold an RDP ledger (no accountant name)
+    from pdpfast.accounting import IndividualAccountant
+
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "new.pt", model)
+    checkpoint = torch.load(tmp_path / "new.pt", weights_only=False)
+    old = IndividualAccountant(engine.plan.sample_rates, engine.plan.noise_multipliers, budgets=PLD_BUDGETS).step(3)
+    checkpoint["engine"]["ledger"] = {k: v for k, v in old.state_dict().items() if k != "accountant"}
+    torch.save(checkpoint, tmp_path / "old.pt")
+    resumed, model2, *_ = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    resumed.load_checkpoint(tmp_path / "old.pt", model2)
+    assert resumed.accountant.name == "pld" and resumed.accountant.steps_taken == 3
+    np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
