@@ -435,9 +435,14 @@ class PLDIndividualAccountant:
         if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rates.shape[0]):
             raise ValueError("ledger state: group_of out of range")
         _check_rates(group_rates, group_noise)
+        budgets = None
+        if bool(state["has_budgets"]):
+            if np.shape(state["budgets"]) != group_of.shape:
+                raise ValueError("ledger state: budgets do not match group_of")
+            budgets = _check_budgets(state["budgets"], group_of.shape[0])
         self.group_of, self.group_rates, self.group_noise = group_of, group_rates, group_noise
         self.steps_taken = int(state["steps_taken"])
-        self.budgets = np.asarray(state["budgets"], dtype=np.float64) if bool(state["has_budgets"]) else None
+        self.budgets = budgets
         self.horizon = int(state["horizon"]) or None
         self.value_discretization_interval = float(state["value_discretization_interval"])
         self._reset_caches()
