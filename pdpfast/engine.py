@@ -162,11 +162,12 @@ class PrivacyEngine:
         Poisson rate (default: batch_size / N of ``data_loader``); method: "sample" | "scale" |
         "hybrid" (see ``pdpfast.calibrate``). Other keyword arguments go to ``make_private``.
 
-        The engine keeps a per-record ledger: ``optimizer.step()`` raises PrivacyBudgetExceeded
-        rather than take a step that would take any record past its budget, and
-        ``engine.epsilons()`` is every record's ε spent so far.
+        The engine keeps a per-record ledger of the plan's own accountant (``accountant``: "rdp" or
+        "pld"; ``engine.accountant.name`` says which): ``optimizer.step()`` raises
+        PrivacyBudgetExceeded rather than take a step that would take any record past its budget,
+        and ``engine.epsilons()`` is every record's ε spent so far, by that accountant.
         """
-        from .accounting import IndividualAccountant, calibrate
+        from .accounting import calibrate, ledger_for_plan
 
         for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
             if key in kwargs:
@@ -191,26 +192,29 @@ class PrivacyEngine:
                                 noise_multiplier=self.plan.noise_multiplier, max_grad_norm=self.plan.max_grad_norm,
                                 sample_rates=self.plan.sample_rates, clip_norms=self.plan.clip_norms,
                                 steps_per_epoch=min(steps_per_epoch, steps), **kwargs)
-        self.accountant = IndividualAccountant(self.plan.sample_rates, self.plan.noise_multipliers, budgets=budgets)
+        # the ledger must use the accountant that certified the plan: an RDP ledger of a PLD plan
+        # reports every record at 1.1-1.6x its budget although the PLD guarantee holds
+        self.accountant = ledger_for_plan(self.plan, budgets)
         self.optimizer.pre_step_hooks.append(self._refuse_overspending)
         self.optimizer.post_step_hooks.append(lambda _: self.accountant.step())
         return out
 
     def _refuse_overspending(self, optimizer: DPOptimizer) -> None:
-        # The plan certifies its own accountant's ε ≤ ε_i for plan.steps steps; the RDP ledger
-        # additionally refuses any step that would take a record past its budget under RDP.
+        # The plan certifies ε ≤ ε_i for plan.steps steps under its accountant; the ledger (same
+        # accountant) additionally refuses any step that would take a record past its budget.
         if optimizer.steps >= self.plan.steps:
             raise PrivacyBudgetExceeded(
                 f"the plan allows {self.plan.steps} steps and all have been taken; a further step would spend "
                 "more than the records' budgets")
-        if self.plan.accountant == "rdp":
-            over = self.accountant.would_exceed(self.delta, 1)
-            if over.any():
-                raise PrivacyBudgetExceeded(f"one more step would take {int(over.sum())} record(s) past their budget "
-                                            f"(first: record {int(np.flatnonzero(over)[0])})")
+        over = self.accountant.would_exceed(self.delta, 1)
+        if over.any():
+            raise PrivacyBudgetExceeded(f"one more step would take {int(over.sum())} record(s) past their budget "
+                                        f"under the {self.accountant.name.upper()} ledger "
+                                        f"(first: record {int(np.flatnonzero(over)[0])})")
 
     def epsilons(self) -> np.ndarray:
-        """(N,) ε each record has spent so far (RDP ledger, at the plan's δ)."""
+        """(N,) ε each record has spent so far, at the plan's δ, by the ledger of the plan's accountant
+        (``engine.accountant.name``: "rdp" or "pld"), so it is ≤ the budgets the plan was made for."""
         if getattr(self, "accountant", None) is None:
             raise RuntimeError("epsilons() needs the ledger of make_private_with_budgets")
         return self.accountant.epsilons(self.delta)
@@ -225,19 +229,38 @@ class PrivacyEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.data_loader.seed = int(state["loader"]["seed"])
-        self.data_loader.next_step = int(state["loader"]["next_step"])
+        # check everything privacy-related before changing anything: a refused checkpoint leaves
+        # the engine as it was
+        ledger = None
         if "ledger" in state:
             if getattr(self, "accountant", None) is None:
                 raise RuntimeError("the checkpoint holds a privacy ledger: resume with make_private_with_budgets")
+            from .accounting import ledger_for_plan
+
             saved = type(self.plan).from_dict(state["plan"])
+            if saved.accountant != self.plan.accountant:
+                raise ValueError(f"the checkpoint's privacy plan was certified with accountant='{saved.accountant}', "
+                                 f"this engine's with accountant='{self.plan.accountant}'; resume with the same "
+                                 "accountant")
             if not (np.array_equal(self.plan.sample_rates, saved.sample_rates)
                     and np.array_equal(self.plan.clip_norms, saved.clip_norms)
                     and self.plan.noise_multiplier == saved.noise_multiplier and self.plan.steps == saved.steps):
                 raise ValueError("the checkpoint's privacy plan differs from this engine's; resume with the same "
                                  "budgets, delta, steps and method")
-            self.accountant.load_state_dict(state["ledger"])
+            ledger = ledger_for_plan(self.plan, self.accountant.budgets)
+            if self.plan.accountant == "pld" and "accountant" not in state["ledger"]:
+                # written before PLD plans had a PLD ledger: an RDP ledger that the engine only ever
+                # stepped over the whole dataset, so its step count is the whole history
+                taken = int(state["ledger"]["steps_taken"])
+                if taken:
+                    ledger.step(taken)
+            else:
+                ledger.load_state_dict(state["ledger"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.data_loader.seed = int(state["loader"]["seed"])
+        self.data_loader.next_step = int(state["loader"]["next_step"])
+        if ledger is not None:
+            self.accountant = ledger
 
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a

@@ -105,3 +105,74 @@ def test_bad_budget_arguments_are_refused(kwargs, match):
         pdpfast.PrivacyEngine().make_private_with_budgets(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(ds, batch_size=5), budgets=budgets, delta=delta, **kwargs)
+
+
+# ---------------------------------------------------------------------------- accountant="pld"
+PLD_BUDGETS = np.repeat([1.0, 2.0, 3.0], [40, 35, 25])
+PLD_STEPS = 8       # one plan for every test below: PLD calibration is cached, not redone
+
+
+def test_engine_epsilons_stay_within_budgets_with_pld_plan():
+    # The plan is certified by PLD; an RDP ledger reported every group at 1.1-1.6x its budget.
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    assert engine.plan.accountant == "pld" and engine.accountant.name == "pld"
+    _train(model, opt, loader, engine.plan.steps)
+    eps = engine.epsilons()
+    assert np.all(eps <= PLD_BUDGETS)
+    spends = engine.plan.sample_rates < 1.0
+    assert np.all(eps[spends] >= 0.98 * PLD_BUDGETS[spends])
+    np.testing.assert_allclose(eps, engine.plan.epsilons(), rtol=1e-9)
+
+
+def test_a_step_past_a_pld_plan_is_refused():
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    _train(model, opt, loader, PLD_STEPS)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(PrivacyBudgetExceeded):
+        opt.step()
+    assert engine.steps == PLD_STEPS and np.all(engine.epsilons() <= PLD_BUDGETS)
+    # not only the step count: the PLD ledger itself says one more step overspends
+    assert engine.accountant.would_exceed(engine.delta, 1)[engine.plan.sample_rates < 1].all()
+
+
+def test_checkpoint_then_resume_continues_the_pld_ledger_exactly(tmp_path):
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "ckpt.pt", model)
+    resumed, model2, opt2, loader2 = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt", model2)
+    assert resumed.accountant.steps_taken == 3
+    np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
+    _train(model, opt, loader, PLD_STEPS - 3)
+    _train(model2, opt2, loader2, PLD_STEPS - 3)
+    np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
+    assert np.all(resumed.epsilons() <= PLD_BUDGETS)
+
+
+@pytest.mark.parametrize("saved,resumed", [("rdp", "pld"), ("pld", "rdp")])
+def test_resume_with_another_accountant_is_refused(tmp_path, saved, resumed):
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant=saved, steps=PLD_STEPS)
+    _train(model, opt, loader, 1)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    other, model2, *_ = _setup(PLD_BUDGETS, accountant=resumed, steps=PLD_STEPS)
+    with pytest.raises(ValueError, match=f"accountant='{saved}'.*accountant='{resumed}'"):
+        other.load_checkpoint(tmp_path / "c.pt", model2)
+    assert other.steps == 0 and other.accountant.steps_taken == 0
+
+
+def test_a_pld_checkpoint_with_the_old_rdp_ledger_resumes_with_a_pld_ledger(tmp_path):
+    # checkpoints of PLD runs written before the PLD ledger hold an RDP ledger (no accountant name)
+    from pdpfast.accounting import IndividualAccountant
+
+    engine, model, opt, loader = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "new.pt", model)
+    checkpoint = torch.load(tmp_path / "new.pt", weights_only=False)
+    old = IndividualAccountant(engine.plan.sample_rates, engine.plan.noise_multipliers, budgets=PLD_BUDGETS).step(3)
+    checkpoint["engine"]["ledger"] = {k: v for k, v in old.state_dict().items() if k != "accountant"}
+    torch.save(checkpoint, tmp_path / "old.pt")
+    resumed, model2, *_ = _setup(PLD_BUDGETS, accountant="pld", steps=PLD_STEPS)
+    resumed.load_checkpoint(tmp_path / "old.pt", model2)
+    assert resumed.accountant.name == "pld" and resumed.accountant.steps_taken == 3
+    np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())

@@ -1,4 +1,15 @@
-"""Per-record privacy ledger: the RDP history of every record, stored per group.
+"""Per-record privacy ledgers: what each record has spent so far, by the accountant of its plan.
+
+``IndividualAccountant`` keeps the RDP history of every record (below); ``PLDIndividualAccountant``
+counts the whole-dataset steps of records grouped by (q, z) and converts them to ε through
+privacy loss distributions. ``ledger_for_plan`` picks the ledger that matches a plan's
+``accountant``: a ledger of another accountant would report ε the plan never promised (an RDP
+ledger reports a PLD plan's records at 1.1-1.6x their budgets, though the PLD guarantee holds).
+
+Both ledgers persist the same way.
+
+RDP ledger
+----------
 
 Records whose whole history is identical (same (q, z) at every step so far) share one row of
 accumulated RDP; ``group_of[i]`` maps record i to its row. A step that changes some records'
@@ -6,6 +17,17 @@ accumulated RDP; ``group_of[i]`` maps record i to its row. A step that changes s
 merges them. RDP per step is evaluated once per distinct (q, z) pair with the same engine as
 calibration (integer orders exact, fractional orders by quadrature; within ~1e-16 per step of
 the Opacus series).
+
+PLD ledger
+----------
+
+A PLD is not additive like RDP: ε after T steps needs the T-fold composition. The ledger
+therefore stores only the number of whole-dataset steps taken and each record's (q, z) group,
+and computes ε_g(T) = PLD of T self-compositions of the Poisson-subsampled Gaussian
+(``pld.pld_epsilon``, pessimistic discretization, so an upper bound) when asked, once per
+(group, T, δ). ``would_exceed`` needs no per-step computation: a record's true ε grows with the
+number of steps (T steps are a post-processing of T + 1), so one PLD at the plan's step count
+(``horizon``), within budget, certifies every count up to it.
 
 Persistence is crash-safe: ``save`` writes a temporary file in the same directory, fsyncs it,
 ``os.replace``s it over the target and fsyncs the directory, so the file on disk is always a
@@ -20,10 +42,10 @@ import numpy as np
 
 from .._io import atomic_write
 
-from . import _grid
+from . import _grid, pld
 from .rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_positive_int, distinct_rows
 
-__all__ = ["IndividualAccountant"]
+__all__ = ["IndividualAccountant", "PLDIndividualAccountant", "ledger_for_plan", "register_ledger"]
 
 _FORMAT_VERSION = 1
 
@@ -34,6 +56,60 @@ def _pair_keys(q: np.ndarray, z: np.ndarray):
     return np.stack([q[first], z[first]], axis=1), ids
 
 
+def _check_rates(q, z):
+    if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
+        raise ValueError("sample_rates must lie in [0, 1]")
+    if np.any(np.isnan(z)) or np.any(z < 0):
+        raise ValueError("noise_multipliers must be >= 0")
+
+
+def _check_budgets(budgets, n):
+    b = np.broadcast_to(np.asarray(budgets, dtype=np.float64), (n,)).copy()
+    if np.any(np.isnan(b)) or np.any(b <= 0):
+        raise ValueError("budgets must be > 0")
+    return b
+
+
+def _per_record(sample_rates, noise_multipliers):
+    """(N,) q and (N,) z, broadcast against each other and validated."""
+    q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
+    z = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
+    n = max(q.shape[0], z.shape[0])
+    q, z = np.broadcast_to(q, (n,)).copy(), np.broadcast_to(z, (n,)).copy()
+    _check_rates(q, z)
+    return q, z
+
+
+def _check_accountant(state: dict, expected: str) -> None:
+    # states written before the PLD ledger existed carry no name: they are RDP ledgers
+    saved = str(state.get("accountant", "rdp"))
+    if saved != expected:
+        raise ValueError(f"this ledger state was written by accountant='{saved}', not accountant='{expected}'; "
+                         "load it into the ledger of its own accountant (see ledger_for_plan)")
+
+
+_LEDGERS: dict = {}
+
+
+def register_ledger(accountant: str):
+    """Class decorator: the ledger for plans calibrated with ``accountant``; the class provides
+    ``for_plan(plan, budgets)``."""
+    def deco(cls):
+        _LEDGERS[accountant] = cls
+        return cls
+    return deco
+
+
+def ledger_for_plan(plan, budgets=None):
+    """A fresh ledger that accounts ``plan``'s records with the plan's own accountant.
+
+    budgets: (N,) ε_i for ``would_exceed`` (default: the budgets the plan was calibrated for)."""
+    if plan.accountant not in _LEDGERS:
+        raise ValueError(f"no ledger for accountant {plan.accountant!r}; known: {sorted(_LEDGERS)}")
+    return _LEDGERS[plan.accountant].for_plan(plan, plan.budgets if budgets is None else budgets)
+
+
+@register_ledger("rdp")
 class IndividualAccountant:
     """RDP ledger of N records under Poisson-subsampled Gaussian steps.
 
@@ -44,14 +120,12 @@ class IndividualAccountant:
         budgets: optional (N,) ε_i, for ``would_exceed`` and ``remaining``.
     """
 
+    name = "rdp"
+
     def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None):
-        q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
-        z = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
-        n = max(q.shape[0], z.shape[0])
-        q, z = np.broadcast_to(q, (n,)).copy(), np.broadcast_to(z, (n,)).copy()
-        self._check_rates(q, z)
+        q, z = _per_record(sample_rates, noise_multipliers)
         self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
-        self.budgets = None if budgets is None else self._check_budgets(budgets, n)
+        self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
         pairs, inverse = _pair_keys(q, z)
         self.group_of = inverse.astype(np.int64)                  # (N,) record → history row
         self.group_rates = pairs[:, 0].copy()                     # (G,) current q of each row
@@ -59,20 +133,9 @@ class IndividualAccountant:
         self.group_rdp = np.zeros((pairs.shape[0], self.orders.shape[0]))   # (G, n_orders)
         self.steps_taken = 0
 
-    # ------------------------------------------------------------------ validation
-    @staticmethod
-    def _check_rates(q, z):
-        if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
-            raise ValueError("sample_rates must lie in [0, 1]")
-        if np.any(np.isnan(z)) or np.any(z < 0):
-            raise ValueError("noise_multipliers must be >= 0")
-
-    @staticmethod
-    def _check_budgets(budgets, n):
-        b = np.broadcast_to(np.asarray(budgets, dtype=np.float64), (n,)).copy()
-        if np.any(np.isnan(b)) or np.any(b <= 0):
-            raise ValueError("budgets must be > 0")
-        return b
+    @classmethod
+    def for_plan(cls, plan, budgets) -> "IndividualAccountant":
+        return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets)
 
     @property
     def num_records(self) -> int:
@@ -142,7 +205,7 @@ class IndividualAccountant:
             np.asarray(sample_rates, dtype=np.float64), sel.shape).copy()
         z = self.group_noise[self.group_of[sel]] if noise_multipliers is None else np.broadcast_to(
             np.asarray(noise_multipliers, dtype=np.float64), sel.shape).copy()
-        self._check_rates(q, z)
+        _check_rates(q, z)
         self._split(sel, q, z)
 
     def _split(self, sel, q, z):
@@ -192,7 +255,8 @@ class IndividualAccountant:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
-        return {"format_version": np.int64(_FORMAT_VERSION), "orders": self.orders.copy(),
+        return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
+                "orders": self.orders.copy(),
                 "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
                 "group_noise": self.group_noise.copy(), "group_rdp": self.group_rdp.copy(),
                 "steps_taken": np.int64(self.steps_taken),
@@ -200,6 +264,7 @@ class IndividualAccountant:
                 "has_budgets": np.bool_(self.budgets is not None)}
 
     def load_state_dict(self, state: dict) -> None:
+        _check_accountant(state, self.name)
         if int(state["format_version"]) != _FORMAT_VERSION:
             raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
         group_of = np.asarray(state["group_of"], dtype=np.int64)
@@ -224,6 +289,170 @@ class IndividualAccountant:
 
     @classmethod
     def load(cls, path) -> "IndividualAccountant":
+        with np.load(os.fspath(path), allow_pickle=False) as data:
+            state = {k: data[k] for k in data.files}
+        obj = cls.__new__(cls)
+        obj.load_state_dict(state)
+        return obj
+
+
+@register_ledger("pld")
+class PLDIndividualAccountant:
+    """PLD ledger of N records under whole-dataset Poisson-subsampled Gaussian steps.
+
+    Records with equal (q_i, z_i) form one group; ε of a group after T steps is computed with
+    Google's ``dp_accounting`` (see ``pld.pld_epsilon``) on demand and cached per (T, δ): about
+    0.1 s per group at a new T, nothing per ``step``. For subsets of records or rates that change
+    during training use the RDP ``IndividualAccountant``.
+
+    Args:
+        sample_rates: (N,) or scalar q_i in [0, 1].
+        noise_multipliers: (N,) or scalar effective z_i = σC/c_i ≥ 0.
+        budgets: optional (N,) ε_i, for ``would_exceed`` and ``remaining``.
+        horizon: optional step count up to which every record is expected to stay within its budget
+            (a plan's ``steps``): ``would_exceed`` checks it once per group instead of every step.
+        value_discretization_interval: of the PLD (default ``pld.VALUE_DISCRETIZATION``, as in
+            calibration: the ledger then reproduces the plan's guaranteed ε exactly).
+        max_pairs: most distinct (q, z) groups accepted (``pld.MAX_PAIRS``).
+    """
+
+    name = "pld"
+
+    def __init__(self, sample_rates, noise_multipliers, budgets=None, *, horizon=None,
+                 value_discretization_interval=None, max_pairs=None):
+        q, z = _per_record(sample_rates, noise_multipliers)
+        pairs, inverse = _pair_keys(q, z)
+        max_pairs = pld.MAX_PAIRS if max_pairs is None else int(max_pairs)
+        if pairs.shape[0] > max_pairs:
+            raise ValueError(f"the PLD ledger accounts at most {max_pairs} distinct (sample_rate, noise_multiplier) "
+                             f"pairs, got {pairs.shape[0]}; use the RDP IndividualAccountant")
+        self.group_of = inverse.astype(np.int64)                  # (N,) record → group
+        self.group_rates = pairs[:, 0].copy()                     # (G,) q of each group
+        self.group_noise = pairs[:, 1].copy()                     # (G,) z of each group
+        self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
+        self.horizon = None if horizon is None else check_positive_int(horizon, "horizon")
+        vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
+        if not (float(vdi) > 0 and np.isfinite(vdi)):
+            raise ValueError(f"value_discretization_interval must be > 0, got {vdi!r}")
+        self.value_discretization_interval = float(vdi)
+        self.steps_taken = 0
+        self._reset_caches()
+
+    @classmethod
+    def for_plan(cls, plan, budgets) -> "PLDIndividualAccountant":
+        return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps)
+
+    def _reset_caches(self):
+        self._certified = {}    # δ → (G,) int64: a step count up to which every member is within budget
+        if self.budgets is None:
+            self._group_budget = None
+        else:                   # the tightest budget in each group decides whether all members are safe
+            self._group_budget = np.full(self.group_rates.shape[0], np.inf)
+            np.minimum.at(self._group_budget, self.group_of, self.budgets)
+
+    @property
+    def num_records(self) -> int:
+        return int(self.group_of.shape[0])
+
+    @property
+    def sample_rates(self) -> np.ndarray:
+        """(N,) q_i."""
+        return self.group_rates[self.group_of]
+
+    @property
+    def noise_multipliers(self) -> np.ndarray:
+        """(N,) z_i."""
+        return self.group_noise[self.group_of]
+
+    # ------------------------------------------------------------------ composition
+    def step(self, n=1, *, sample_rates=None, noise_multipliers=None, record_ids=None):
+        """Compose ``n`` steps of every record at its (q_i, z_i): a counter, no PLD work. Returns self."""
+        if sample_rates is not None or noise_multipliers is not None or record_ids is not None:
+            raise NotImplementedError("the PLD ledger composes whole-dataset steps at fixed (q_i, z_i); for subsets "
+                                      "of records or changing rates use the RDP IndividualAccountant")
+        self.steps_taken += check_positive_int(n, "n")
+        return self
+
+    # ------------------------------------------------------------------ queries
+    def _epsilon(self, group: int, steps: int, delta: float) -> float:
+        if steps == 0:
+            return 0.0
+        return pld.pld_epsilon(self.group_rates[group], self.group_noise[group], steps, delta,
+                               self.value_discretization_interval)
+
+    def epsilons(self, delta) -> np.ndarray:
+        """(N,) ε_i(δ) spent so far by PLD (0 before any step). Cached per (steps, δ)."""
+        delta = check_delta(delta)
+        eps = np.array([self._epsilon(g, self.steps_taken, delta) for g in range(self.group_rates.shape[0])])
+        return eps[self.group_of] if eps.size else np.zeros(self.num_records)
+
+    def would_exceed(self, delta, n=1) -> np.ndarray:
+        """(N,) bool: records whose ε after ``n`` more steps would exceed their budget. Needs
+        ``budgets``. With a ``horizon`` this costs one PLD per group for the whole run."""
+        if self.budgets is None:
+            raise ValueError("would_exceed needs budgets (pass budgets= to PLDIndividualAccountant)")
+        delta = check_delta(delta)
+        steps = self.steps_taken + check_positive_int(n, "n")
+        certified = self._certified.setdefault(delta, np.zeros(self.group_rates.shape[0], dtype=np.int64))
+        over = np.zeros(self.num_records, dtype=bool)
+        for g in np.flatnonzero(certified < steps):
+            probes = [steps] if self.horizon is None or steps > self.horizon else [self.horizon, steps]
+            for probe in probes:
+                eps = self._epsilon(g, probe, delta)
+                if eps <= self._group_budget[g]:
+                    # true ε is monotone in the step count: every count ≤ probe is within budget
+                    certified[g] = probe
+                    break
+            else:       # eps is ε at `steps`, over the tightest budget: judge each member by its own
+                over |= (self.group_of == g) & (eps > self.budgets)
+        return over
+
+    def remaining(self, delta) -> np.ndarray:
+        """(N,) budget left (ε_i − spent, ≥ 0). Needs ``budgets``."""
+        if self.budgets is None:
+            raise ValueError("remaining needs budgets (pass budgets= to PLDIndividualAccountant)")
+        return np.maximum(self.budgets - self.epsilons(delta), 0.0)
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
+                "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
+                "group_noise": self.group_noise.copy(), "steps_taken": np.int64(self.steps_taken),
+                "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
+                "has_budgets": np.bool_(self.budgets is not None),
+                "horizon": np.int64(0 if self.horizon is None else self.horizon),
+                "value_discretization_interval": np.float64(self.value_discretization_interval)}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_accountant(state, self.name)
+        if int(state["format_version"]) != _FORMAT_VERSION:
+            raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
+        group_of = np.asarray(state["group_of"], dtype=np.int64)
+        group_rates = np.asarray(state["group_rates"], dtype=np.float64)
+        group_noise = np.asarray(state["group_noise"], dtype=np.float64)
+        if group_rates.shape != group_noise.shape or group_rates.ndim != 1:
+            raise ValueError("ledger state: group_rates and group_noise do not match")
+        if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rates.shape[0]):
+            raise ValueError("ledger state: group_of out of range")
+        _check_rates(group_rates, group_noise)
+        budgets = None
+        if bool(state["has_budgets"]):
+            if np.shape(state["budgets"]) != group_of.shape:
+                raise ValueError("ledger state: budgets do not match group_of")
+            budgets = _check_budgets(state["budgets"], group_of.shape[0])
+        self.group_of, self.group_rates, self.group_noise = group_of, group_rates, group_noise
+        self.steps_taken = int(state["steps_taken"])
+        self.budgets = budgets
+        self.horizon = int(state["horizon"]) or None
+        self.value_discretization_interval = float(state["value_discretization_interval"])
+        self._reset_caches()
+
+    def save(self, path) -> None:
+        """Atomically write the ledger to ``path`` (.npz), as ``IndividualAccountant.save``."""
+        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
+
+    @classmethod
+    def load(cls, path) -> "PLDIndividualAccountant":
         with np.load(os.fspath(path), allow_pickle=False) as data:
             state = {k: data[k] for k in data.files}
         obj = cls.__new__(cls)

@@ -18,7 +18,8 @@ class GroupSummary:
 
     epsilon: the budget; size: number of records; sample_rate: their Poisson rate q;
     clip_norm: their clip bound c; noise_multiplier: their effective z = σ·C/c;
-    guaranteed_epsilon: exact accounting of (q, z, steps) at the plan's δ (≤ epsilon).
+    guaranteed_epsilon: exact accounting of (q, z, steps) at the plan's δ by the plan's accountant
+    (≤ epsilon; the other accountant may give more, e.g. RDP of a PLD plan).
     """
 
     epsilon: float
@@ -102,7 +103,8 @@ class PrivacyPlan:
         return self.group_noise_multipliers[self.group_index]
 
     def epsilons(self) -> np.ndarray:
-        """(N,) guaranteed ε of each record under the plan (exact accounting; ≤ its budget)."""
+        """(N,) guaranteed ε of each record under the plan, by ``self.accountant`` ("rdp" or "pld";
+        ≤ its budget). Audit spending with the same accountant: ``ledger_for_plan(plan)``."""
         return self.group_epsilons[self.group_index]
 
     @property

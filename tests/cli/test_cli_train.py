@@ -44,6 +44,16 @@ def test_train_on_csv_with_a_budget_column_spends_within_budgets(cli, data_dir, 
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_train_with_the_pld_accountant_spends_within_budgets(cli, data_dir, tmp_path):
+    # the ledger follows the plan's accountant: an RDP ledger reported a PLD plan at 1.1-1.6x
+    rc, out, err = cli("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+                       data_dir / "budgets.npy", "--accountant", "pld", "--out-json", tmp_path / "s.json", *SMALL)
+    assert rc == 0, err
+    summary = _summary(tmp_path / "s.json")
+    _assert_within_budgets(summary)
+    assert min(r["max_ratio"] for r in summary["groups"]) >= 0.98
+
+
 @pytest.mark.parametrize("budgets", ["budgets.npy", "budgets.txt", "budgets.csv"])
 def test_train_on_numpy_with_a_budgets_file(cli, data_dir, tmp_path, budgets):
     rc, out, err = cli("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
