@@ -54,6 +54,17 @@ CLIPPINGS = ("flat", "per_layer")
 # the row scaling w_i·o and the stored result are each rounded (unit roundoff u), so a record's
 # rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i.
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
+# fp32 on a GPU with TF32 allowed (cuDNN allows it by default for convolutions): operands are
+# rounded to 10-bit mantissas inside the products, so fp32 layers take fp16's margin there.
+_TF32_MARGIN = 4 * 2.0 ** -11
+
+
+def rounding_margin(t: torch.Tensor) -> float:
+    """Relative margin taken off clip bounds for clipped sums computed in ``t``'s dtype and device."""
+    if t.dtype == torch.float32 and t.is_cuda:
+        tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+        return _TF32_MARGIN if tf32 else 0.0
+    return _ROUNDING_MARGIN.get(t.dtype, 0.0)
 
 
 # Book-keeping stacks same-shape layer calls (their inputs and output gradients) in chunks of at
@@ -405,7 +416,7 @@ class ClippingState:
         for n in names:
             p, g = params[n], per_sample[n]
             self._materialized[p] = g if p not in self._materialized else self._materialized[p] + g
-        self._note_precision(o.dtype)
+        self._note_precision(o)
 
     def _bk_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         normal, reused = self._split_reused(layer, names)
@@ -421,7 +432,7 @@ class ClippingState:
             else:
                 self._add_sq(layer.rule.norms(layer.module, x, o, normal))
                 self._tape.append((layer, x, o, normal))
-            self._note_precision(o.dtype)
+            self._note_precision(o)
         self._queue_finish(self._finish_flat)
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
@@ -447,13 +458,13 @@ class ClippingState:
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             sq = sq_norms_of(grads)
-            weights = self._group_weights(sq, k, grads[0].dtype)
+            weights = self._group_weights(sq, k, grads[0])
             params = layer.module._parameters
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
-            weights = self._group_weights(sq, k, o.dtype)
+            weights = self._group_weights(sq, k, o)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_sq(sq)
         self._queue_finish(self._finish_per_layer)
@@ -464,7 +475,7 @@ class ClippingState:
             self._materialize(layer, reused, x, o)
         if normal:
             self._add_sq(layer.rule.norms(layer.module, x, o, normal))
-            self._note_precision(o.dtype)
+            self._note_precision(o)
 
     def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         # the loss is already Σ w_i ℓ_i: plain gradients are the clipped sum
@@ -508,8 +519,8 @@ class ClippingState:
             self._bounds[key] = bounds
         return bounds
 
-    def _note_precision(self, dtype: torch.dtype) -> None:
-        self._margin = max(self._margin, _ROUNDING_MARGIN.get(dtype, 0.0))
+    def _note_precision(self, o: torch.Tensor) -> None:
+        self._margin = max(self._margin, rounding_margin(o))
 
     def _weights(self, sq: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         """Weights applied to the backward's output gradients: s·w_i with the loss scale s folded in.
@@ -529,8 +540,9 @@ class ClippingState:
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))
 
-    def _group_weights(self, sq: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, _ROUNDING_MARGIN.get(dtype, 0.0))[group])
+    def _group_weights(self, sq: torch.Tensor, group: int, like: torch.Tensor) -> torch.Tensor:
+        """Weights of per-layer group k for clipped sums computed like ``like`` (dtype, device)."""
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, rounding_margin(like))[group])
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -583,8 +595,7 @@ class ClippingState:
         """Clip the held small calls: per call, its own norms against its group's bound c_i·C_k."""
         for stacked, calls in self._stack_chunks():
             sq = stacked.sq_norms(calls)  # (n, B)
-            dtype = calls[0][2].dtype
-            rows = self._bounds_for(sq.device, sq.dtype, _ROUNDING_MARGIN.get(dtype, 0.0))
+            rows = self._bounds_for(sq.device, sq.dtype, rounding_margin(calls[0][2]))
             bounds = torch.stack([rows[self._layer[call[0]].group] for call in calls])
             weights = self._weights(sq, bounds)
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
@@ -601,7 +612,7 @@ class ClippingState:
                 continue
             grads = [self._materialized[p] for p in done]
             sq = sq_norms_of(grads)
-            weights = self._group_weights(sq, k, grads[0].dtype)
+            weights = self._group_weights(sq, k, grads[0])
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
             self._add_sq(sq)
