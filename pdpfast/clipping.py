@@ -67,11 +67,12 @@ def rounding_margin(t: torch.Tensor) -> float:
     return _ROUNDING_MARGIN.get(t.dtype, 0.0)
 
 
-# Book-keeping stacks same-shape layer calls (their inputs and output gradients) in chunks of at
-# most this many bytes: one launch per chunk, and a bounded extra copy.
+# Small layer calls are host-bound (a launch costs more than its arithmetic): calls whose input and
+# output gradient take at most SMALL_CALL_BYTES stack with their same-shape peers, in chunks of at
+# most STACK_BYTES, so n of them cost one launch per op. Larger calls are device-bound and are
+# computed on their own, without the copy stacking makes (book-keeping memory stays that of the
+# kept activations; per-layer clipping clips them inside their own backward).
 STACK_BYTES = 64 << 20
-# Per-layer clipping holds a call for stacking only when its input and output gradient are at most
-# this large: such calls are host-bound; larger ones are clipped inside their own backward.
 SMALL_CALL_BYTES = 1 << 20
 
 
@@ -401,6 +402,15 @@ class ClippingState:
                            "on the loss returned by the criterion that make_private returned "
                            "(or use pdpfast.functional.clipped_gradients)")
 
+    @staticmethod
+    def _stack_key(layer: _Layer, names: tuple, x, o):
+        """(key, rule.stacked) when this call is small enough to be host-bound and its rule stacks
+        same-shape calls; (None, None) when it is computed on its own, without a copy."""
+        stacked = layer.rule.stacked
+        if stacked is None or x.numel() * x.element_size() + o.numel() * o.element_size() > SMALL_CALL_BYTES:
+            return None, None
+        return stacked.key(layer.module, x, o, names), stacked
+
     def _split_reused(self, layer: _Layer, names: tuple) -> tuple[tuple, tuple]:
         """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
         uses = self._uses
@@ -423,8 +433,7 @@ class ClippingState:
         if reused:
             self._materialize(layer, reused, x, o)
         if normal:
-            stacked = layer.rule.stacked
-            key = None if stacked is None else stacked.key(layer.module, x, o, normal)
+            key, stacked = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
             elif layer.rule.materializes:
@@ -442,14 +451,12 @@ class ClippingState:
             self._materialize(layer, names, x, o)
             self._queue_finish(self._finish_per_layer)
             return
-        stacked = layer.rule.stacked
-        nbytes = x.numel() * x.element_size() + o.numel() * o.element_size()
-        key = None if stacked is None or nbytes > SMALL_CALL_BYTES else stacked.key(layer.module, x, o, names)
+        key, stacked = self._stack_key(layer, names, x, o)
         if key is not None:
             # a small call is host-bound: held briefly and clipped with its same-shape peers (per-layer
             # weights need only the call's own norms, so the buffer can be flushed at any point)
             self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, names))
-            self._stack_bytes += nbytes
+            self._stack_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
             if self._stack_bytes > STACK_BYTES:
                 self._flush_per_layer_stacks()
             self._queue_finish(self._finish_per_layer)

@@ -113,6 +113,30 @@ def test_layer_matches_oracle(name, style, oracle):
     oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
 
 
+@pytest.mark.parametrize("stacking", ["every-call-alone", "every-call-stacked"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_matches_oracle_whether_calls_stack_or_not(name, style, oracle, stacking, monkeypatch):
+    """Small same-shape calls are stacked (one launch for n layers), large ones computed alone:
+    both routes equal the oracle, whatever the size threshold (here forced to each extreme)."""
+    import pdpfast.clipping
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0 if stacking == "every-call-alone" else 1 << 40)
+    monkeypatch.setattr(pdpfast.clipping, "STACK_BYTES", 1 << 40 if stacking == "every-call-stacked" else 0)
+    model, reference, x, target = build(name)
+    model = nn.Sequential(model, copy.deepcopy(model)) if _repeats_shape(model, x) else model
+    reference = nn.Sequential(reference, copy.deepcopy(reference)) if _repeats_shape(reference, x) else reference
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+
+
+def _repeats_shape(model, x) -> bool:
+    """Whether model(model(x)) is defined: then two copies in a row give same-shape calls to stack."""
+    try:
+        with torch.no_grad():
+            return model(x).shape == x.shape and x.is_floating_point()
+    except Exception:
+        return False
+
+
 @pytest.mark.parametrize("name", ["linear-3d-gram", "conv2d-groups", "embedding-padding", "layernorm-2d-shape",
                                   "groupnorm-2d", "rmsnorm-2d-shape"])
 def test_oracle_vmap_agrees_with_micro_batching(name, oracle):
