@@ -244,7 +244,7 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
     (channels_last too), fp32 accumulation; returns (B,) fp32. ``path``: "auto" (the cheaper of the
     two by ``conv_norm_costs``), "direct" or "gram". Memory: a (B, programs per sample) fp32
     buffer of partial sums; never the per-sample gradients nor the unfolded input.
-    float64 and Conv3d run ``conv_weight_sq_norms_reference``.
+    float64 (and any rank other than Conv1d/Conv2d) runs ``conv_weight_sq_norms_reference``.
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
