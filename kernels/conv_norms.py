@@ -27,34 +27,36 @@ unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from pdpfast.ops.conv import as_conv2d, conv_weight_sq_norms_reference
+from pdpfast.ops.conv import conv_weight_sq_norms_reference
 
 from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
 
 
 @triton.jit
-def _patch_column_offsets(cols_k, group, C_IN_G, KHW, KW, DIL_H, DIL_W, stride_xc, stride_xh, stride_xw):
-    """Offsets of im2col columns k = (c, r, q) inside one sample's padded input."""
+def _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW: tl.constexpr, KW: tl.constexpr):
+    """Offsets of im2col columns k = (c, r, q) inside one sample's padded input
+    (tap_x* = dilation × the input's stride along that axis)."""
     channel = cols_k // KHW
     within = cols_k % KHW
-    r = within // KW
-    q = within % KW
-    return (group * C_IN_G + channel) * stride_xc + r * DIL_H * stride_xh + q * DIL_W * stride_xw
+    return (group * C_IN_G + channel) * stride_xc + (within // KW) * tap_xh + (within % KW) * tap_xw
 
 
 @triton.jit
 def _conv_direct_sq_norms_kernel(
-        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW, KHW, KW,
-        stride_xb, stride_xc, stride_xh, stride_xw, stride_ob, stride_oc, stride_oh, stride_ow,
-        STRIDE_H, STRIDE_W, DIL_H, DIL_W, N_GROUPS, N_TILES_P, N_TILES_K,
+        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
+        stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
+        stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES_P, N_TILES_K,
+        KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # step_x* = conv stride × input stride: the move in x_pad from one output position to the next
     pid = tl.program_id(0)
     tile_k = pid % N_TILES_K
     tile_p = (pid // N_TILES_K) % N_TILES_P
@@ -65,7 +67,7 @@ def _conv_direct_sq_norms_kernel(
     cols_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     in_p = cols_p < P_G
     in_k = cols_k < K
-    offs_k = _patch_column_offsets(cols_k, group, C_IN_G, KHW, KW, DIL_H, DIL_W, stride_xc, stride_xh, stride_xw)
+    offs_k = _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
     x_base = x_ptr + sample * stride_xb
     o_base = o_ptr + sample * stride_ob + (group * P_G + cols_p[:, None]) * stride_oc
 
@@ -77,8 +79,7 @@ def _conv_direct_sq_norms_kernel(
         ow = rows % OW
         y = tl.load(o_base + (oh * stride_oh + ow * stride_ow)[None, :],
                     mask=in_p[:, None] & in_l[None, :], other=0.0)                       # (P, L)
-        offs_l = oh * STRIDE_H * stride_xh + ow * STRIDE_W * stride_xw
-        x = tl.load(x_base + offs_l[:, None] + offs_k[None, :],
+        x = tl.load(x_base + (oh * step_xh + ow * step_xw)[:, None] + offs_k[None, :],
                     mask=in_l[:, None] & in_k[None, :], other=0.0)                       # (L, K)
         grad = _dot(y, x, grad, DOT_PRECISION, UPCAST)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(grad * grad, axis=1), axis=0))
@@ -86,9 +87,10 @@ def _conv_direct_sq_norms_kernel(
 
 @triton.jit
 def _conv_gram_sq_norms_kernel(
-        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW, KHW, KW,
-        stride_xb, stride_xc, stride_xh, stride_xw, stride_ob, stride_oc, stride_oh, stride_ow,
-        STRIDE_H, STRIDE_W, DIL_H, DIL_W, N_GROUPS, N_TILES, N_SHIFTS,
+        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
+        stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
+        stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES, N_SHIFTS,
+        KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Both Grams are symmetric, so each unordered tile pair {s, t} is visited once: program
@@ -106,19 +108,20 @@ def _conv_gram_sq_norms_kernel(
     rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     in_s = rows_s < L
     in_t = rows_t < L
-    oh_s, ow_s = rows_s // OW, rows_s % OW
-    oh_t, ow_t = rows_t // OW, rows_t % OW
+    oh_s = rows_s // OW
+    ow_s = rows_s % OW
+    oh_t = rows_t // OW
+    ow_t = rows_t % OW
     product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     if keep:
         x_base = x_ptr + sample * stride_xb
-        offs_s = oh_s * STRIDE_H * stride_xh + ow_s * STRIDE_W * stride_xw
-        offs_t = oh_t * STRIDE_H * stride_xh + ow_t * STRIDE_W * stride_xw
+        offs_s = oh_s * step_xh + ow_s * step_xw
+        offs_t = oh_t * step_xh + ow_t * step_xw
         gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             in_k = cols < K
-            offs_k = _patch_column_offsets(cols, group, C_IN_G, KHW, KW, DIL_H, DIL_W,
-                                           stride_xc, stride_xh, stride_xw)
+            offs_k = _patch_column_offsets(cols, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
             x_s = tl.load(x_base + offs_s[:, None] + offs_k[None, :], mask=in_s[:, None] & in_k[None, :], other=0.0)
             x_t = tl.load(x_base + offs_k[:, None] + offs_t[None, :], mask=in_k[:, None] & in_t[None, :], other=0.0)
             gram_a = _dot(x_s, x_t, gram_a, DOT_PRECISION, UPCAST)
@@ -142,13 +145,6 @@ def _conv_gram_sq_norms_kernel(
 # ----------------------------------------------------------------------------------------------
 # Cost model
 # ----------------------------------------------------------------------------------------------
-# Roofline of one H100 SXM, rounded to what dense Triton kernels reach: fp32 with
-# input_precision="ieee" runs on the FMA units (no tensor cores); fp16/bf16 on the tensor cores.
-# Only the ratio of the two paths' estimates matters for the choice.
-_PEAK_FLOPS = {torch.float32: 40e12, torch.float16: 500e12, torch.bfloat16: 500e12}
-_PEAK_BYTES_PER_S = 2.5e12
-
-
 @dataclass(frozen=True)
 class ConvNormGeometry:
     """One conv layer call as the kernels see it (all per group)."""
@@ -161,57 +157,82 @@ class ConvNormGeometry:
 
 @dataclass(frozen=True)
 class PathCost:
-    flops: float         # multiply-adds × 2 the kernel issues (padded tiles included)
-    bytes: float         # bytes its tiles load (re-reads of the same data by other programs included)
-    seconds: float       # roofline estimate on an H100: flops/peak + bytes/bandwidth
+    flops: float         # 2 × the multiply-adds the kernel issues (padded tiles included)
+    bytes: float         # bytes its tiles load (re-reads by other programs included; mostly L2 hits)
     programs: int
+    serial_steps: int    # loop iterations one program runs
+    seconds: float       # the H100 estimate below
+
+
+# One H100 SXM as these kernels see it, fitted to their measured times on the ResNet-18 CIFAR
+# layers (batch 256; bench_kernels): the throughput the kernels reach, not the data-sheet peaks.
+# fp32 runs tl.dot with input_precision="ieee" on the FMA units, fp16/bf16 on the tensor cores.
+# A tile load gathers through L1/L2 (each input element is re-read by up to kh·kw patch columns
+# and by every p-tile), so tile bytes move at an L2-like rate. Each loop step of a program waits
+# about a memory latency (nothing to overlap it with when a program has few steps), and every
+# program costs a fixed launch/reduction/store overhead, which decides for small L.
+_H100 = {
+    "flops_per_s": {torch.float32: 25e12, torch.float16: 300e12, torch.bfloat16: 300e12},
+    "tile_bytes_per_s": 20e12,
+    "step_latency_s": 1.0e-6,
+    "program_overhead_s": 15e-9,
+    "resident_programs": 132 * 4,
+}
 
 
 def _direct_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
+    """(BLOCK_L, BLOCK_K, BLOCK_P) of the direct kernel."""
+    wide = 64 if dtype == torch.float32 else 128
     return (block(geo.positions, 16, 32 if dtype == torch.float32 else 64), block(geo.patch, 16, 64),
-            block(geo.out_channels, 16, 64))
+            block(geo.out_channels, 16, wide))
 
 
 def _gram_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
+    """(BLOCK_T, BLOCK_K, BLOCK_P) of the Gram kernel."""
     return block(geo.positions, 16, 64), block(geo.patch, 16, 64), block(geo.out_channels, 16, 64)
 
 
-def _gram_pairs(n_tiles: int) -> int:
-    """Tile pairs a Gram program grid visits per (sample, group) (the dropped duplicates excluded)."""
-    return n_tiles * (n_tiles + 1) // 2
+def _estimate(flops, nbytes, programs, steps, dtype) -> float:
+    hw = _H100
+    waves = triton.cdiv(programs, hw["resident_programs"])
+    return (flops / hw["flops_per_s"].get(dtype, hw["flops_per_s"][torch.float32])
+            + nbytes / hw["tile_bytes_per_s"] + waves * steps * hw["step_latency_s"]
+            + programs * hw["program_overhead_s"])
 
 
 def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, PathCost]:
-    """FLOPs, bytes and an H100 roofline time of each kernel path, counted on the tiles it runs.
+    """FLOPs, bytes, programs, serial steps and an H100 time estimate of each kernel path,
+    counted on the tiles the kernel actually runs.
 
-    direct: per (sample, group) n_p·n_k programs, each a (BLOCK_P × L) · (L × BLOCK_K) product; the
-    input patch tile is re-read by every p-tile and the output-gradient tile by every k-tile.
-    Gram: per (sample, group) n_t(n_t+1)/2 tile pairs, each two (BLOCK_T × K) · (K × BLOCK_T) and
-    (BLOCK_T × p) · (p × BLOCK_T) products loading four row tiles.
+    direct: per (sample, group) n_p·n_k programs, each ⌈L/BLOCK_L⌉ steps of a (BLOCK_P × BLOCK_L)
+    · (BLOCK_L × BLOCK_K) product; the patch tile is re-read by every p-tile and the
+    output-gradient tile by every k-tile. Gram: per (sample, group) n_t(n_t+1)/2 tile pairs, each
+    ⌈K/BLOCK_K⌉ + ⌈p/BLOCK_P⌉ steps of (BLOCK_T × BLOCK_*) · (BLOCK_* × BLOCK_T) products, loading
+    four row tiles per step.
     """
     elt = torch.finfo(dtype).bits // 8
     per_sample = geo.batch * geo.groups
-    peak = _PEAK_FLOPS.get(dtype, _PEAK_FLOPS[torch.float32])
 
     bl, bk, bp = _direct_blocks(geo, dtype)
     n_l, n_k, n_p = triton.cdiv(geo.positions, bl), triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
-    flops = 2.0 * per_sample * (n_p * bp) * (n_k * bk) * (n_l * bl + 1)
-    nbytes = float(per_sample * elt * n_l * bl * (n_p * n_k * bk + n_k * n_p * bp))
-    direct = PathCost(flops, nbytes, flops / peak + nbytes / _PEAK_BYTES_PER_S, per_sample * n_p * n_k)
+    programs = per_sample * n_p * n_k
+    flops = 2.0 * programs * bp * bk * (n_l * bl + 1)
+    nbytes = float(programs * elt * n_l * bl * (bk + bp))
+    direct = PathCost(flops, nbytes, programs, n_l, _estimate(flops, nbytes, programs, n_l, dtype))
 
     bt, bk, bp = _gram_blocks(geo, dtype)
     n_t = triton.cdiv(geo.positions, bt)
-    pairs = _gram_pairs(n_t)
-    k_pad, p_pad = triton.cdiv(geo.patch, bk) * bk, triton.cdiv(geo.out_channels, bp) * bp
-    flops = 2.0 * per_sample * pairs * bt * bt * (k_pad + p_pad + 1)
-    nbytes = float(per_sample * elt * pairs * 2 * bt * (k_pad + p_pad))
-    gram = PathCost(flops, nbytes, flops / peak + nbytes / _PEAK_BYTES_PER_S,
-                    per_sample * n_t * (n_t // 2 + 1))
+    pairs = per_sample * n_t * (n_t + 1) // 2
+    n_k, n_p = triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
+    programs = per_sample * n_t * (n_t // 2 + 1)
+    flops = 2.0 * pairs * bt * bt * (n_k * bk + n_p * bp + 1)
+    nbytes = float(pairs * elt * 2 * bt * (n_k * bk + n_p * bp))
+    gram = PathCost(flops, nbytes, programs, n_k + n_p, _estimate(flops, nbytes, programs, n_k + n_p, dtype))
     return {"direct": direct, "gram": gram}
 
 
 def choose_path(geo: ConvNormGeometry, dtype: torch.dtype) -> str:
-    """The kernel path with the smaller estimated time; ties go to direct (no T² term to grow)."""
+    """The kernel path with the smaller estimated time; ties go to direct (no L² term to grow)."""
     costs = conv_norm_costs(geo, dtype)
     return "gram" if costs["gram"].seconds < costs["direct"].seconds else "direct"
 
@@ -219,20 +240,62 @@ def choose_path(geo: ConvNormGeometry, dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------------------------
-def conv_geometry(x_pad: torch.Tensor, o: torch.Tensor, module) -> ConvNormGeometry:
-    """Shape checks and the geometry of one call (Conv1d or Conv2d tensors)."""
-    x4, o4, kernel, stride, dilation = as_conv2d(x_pad, o, module)
-    B, C_in, H, W = x4.shape
-    G = module.groups
-    C_out, OH, OW = o4.shape[1:]
-    if o4.shape[0] != B or C_in % G or C_out % G:
-        raise ValueError(f"conv norms: input {tuple(x_pad.shape)}, output gradient {tuple(o.shape)} and "
-                         f"groups={G} do not fit together")
+def _pair(v) -> tuple[int, int]:
+    return (1, v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _geometry(x_shape, o_shape, kernel, stride, dilation, groups) -> ConvNormGeometry:
+    B, C_in, H, W = x_shape if len(x_shape) == 4 else (x_shape[0], x_shape[1], 1, x_shape[2])
+    C_out, OH, OW = o_shape[1:] if len(o_shape) == 4 else (o_shape[1], 1, o_shape[2])
+    if o_shape[0] != B or C_in % groups or C_out % groups:
+        raise ValueError(f"conv norms: input {tuple(x_shape)}, output gradient {tuple(o_shape)} and "
+                         f"groups={groups} do not fit together")
     want = tuple((n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip((H, W), kernel, stride, dilation))
     if (OH, OW) != want:
-        raise ValueError(f"conv norms: output gradient {tuple(o.shape)} does not match the padded input "
-                         f"{tuple(x_pad.shape)} (expected spatial size {want}); pass conv_pad(x)")
-    return ConvNormGeometry(B, G, OH * OW, C_in // G * kernel[0] * kernel[1], C_out // G)
+        raise ValueError(f"conv norms: output gradient {tuple(o_shape)} does not match the padded input "
+                         f"{tuple(x_shape)} (expected spatial size {want}); pass conv_pad(x)")
+    return ConvNormGeometry(B, groups, OH * OW, C_in // groups * kernel[0] * kernel[1], C_out // groups)
+
+
+def conv_geometry(x_pad: torch.Tensor, o: torch.Tensor, module) -> ConvNormGeometry:
+    """Shape checks and the geometry of one call (Conv1d or Conv2d tensors)."""
+    return _geometry(tuple(x_pad.shape), tuple(o.shape), _pair(module.kernel_size), _pair(module.stride),
+                     _pair(module.dilation), module.groups)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kernel: object
+    batch: int
+    columns: int         # programs (= partial sums) per sample
+    args: tuple          # the scalar arguments after (x, o, partials)
+    meta: dict           # constexprs and launch options
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path) -> _Launch:
+    """Everything about a launch that depends only on shapes, strides and the layer: computed
+    once per layer geometry, so a call costs one dictionary lookup on the host besides the launch."""
+    geo = _geometry(x_shape, o_shape, kernel, stride, dilation, groups)
+    if path == "auto":
+        path = choose_path(geo, dtype)
+    if len(x_shape) == 3:  # Conv1d: a height of 1, whose strides are never multiplied by anything but 0
+        x_stride = (x_stride[0], x_stride[1], 0, x_stride[2])
+        o_stride = (o_stride[0], o_stride[1], 0, o_stride[2])
+    sxb, sxc, sxh, sxw = x_stride
+    args = (geo.patch // (kernel[0] * kernel[1]), geo.out_channels, geo.patch, geo.positions, o_shape[-1],
+            sxb, sxc, stride[0] * sxh, stride[1] * sxw, dilation[0] * sxh, dilation[1] * sxw, *o_stride, groups)
+    meta = {"KHW": kernel[0] * kernel[1], "KW": kernel[1], "num_warps": 4}
+    if path == "direct":
+        block_l, block_k, block_p = _direct_blocks(geo, dtype)
+        n_p, n_k = triton.cdiv(geo.out_channels, block_p), triton.cdiv(geo.patch, block_k)
+        return _Launch(_conv_direct_sq_norms_kernel, geo.batch, groups * n_p * n_k, args + (n_p, n_k),
+                       dict(meta, BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_P=block_p))
+    block_t, block_k, block_p = _gram_blocks(geo, dtype)
+    n_tiles = triton.cdiv(geo.positions, block_t)
+    n_shifts = n_tiles // 2 + 1
+    return _Launch(_conv_gram_sq_norms_kernel, geo.batch, groups * n_tiles * n_shifts, args + (n_tiles, n_shifts),
+                   dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
 
 
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto") -> torch.Tensor:
@@ -251,34 +314,14 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
     if (x_pad.dim() not in (3, 4) or o.dim() != x_pad.dim() or x_pad.dtype not in KERNEL_DTYPES
             or o.dtype not in KERNEL_DTYPES):
         return conv_weight_sq_norms_reference(x_pad, o, module)
-    geo = conv_geometry(x_pad, o, module)
-    if geo.batch == 0:
-        return torch.zeros(0, dtype=torch.float32, device=o.device)
     if x_pad.dtype != o.dtype:  # one dot operand type (autocast keeps fp32 inputs beside bf16 grads)
         common = torch.promote_types(x_pad.dtype, o.dtype)
         x_pad, o = x_pad.to(common), o.to(common)
-    x4, o4, kernel, stride, dilation = as_conv2d(x_pad, o, module)
-    if path == "auto":
-        path = choose_path(geo, x4.dtype)
-    common_args = (geo.patch // (kernel[0] * kernel[1]), geo.out_channels, geo.patch, geo.positions, o4.shape[3],
-                   kernel[0] * kernel[1], kernel[1], *x4.stride(), *o4.stride(), *stride, *dilation, geo.groups)
-    flags = dot_flags(x4.dtype)
-    with device_guard(x4):
-        if path == "direct":
-            block_l, block_k, block_p = _direct_blocks(geo, x4.dtype)
-            n_p, n_k = triton.cdiv(geo.out_channels, block_p), triton.cdiv(geo.patch, block_k)
-            partials = new_buffer((geo.batch, geo.groups * n_p * n_k), torch.float32, x4.device)
-            _conv_direct_sq_norms_kernel[(partials.numel(),)](
-                x4, o4, partials, *common_args, n_p, n_k,
-                BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4, **flags)
-        else:
-            block_t, block_k, block_p = _gram_blocks(geo, x4.dtype)
-            n_tiles = triton.cdiv(geo.positions, block_t)
-            n_shifts = n_tiles // 2 + 1
-            partials = new_buffer((geo.batch, geo.groups * n_tiles * n_shifts), torch.float32, x4.device)
-            if not partials.numel():  # no output positions: the gradient is zero
-                return torch.zeros(geo.batch, dtype=torch.float32, device=x4.device)
-            _conv_gram_sq_norms_kernel[(partials.numel(),)](
-                x4, o4, partials, *common_args, n_tiles, n_shifts,
-                BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p, num_warps=4, **flags)
+    plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
+                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path)
+    partials = new_buffer((plan.batch, plan.columns), torch.float32, x_pad.device)
+    if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
+        return torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
+    with device_guard(x_pad):
+        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype))
     return sum_partials(partials)
