@@ -42,6 +42,7 @@ class Row:
     tflops: float          # algorithm FLOPs / time (0 when not meaningful)
     speedup_vs_torch: float | None = None
     peak_extra_mib: float | None = None   # memory allocated above the inputs while it runs (where measured)
+    graph_ms: float | None = None         # GPU time alone: CUDA-graph replay, no host launch cost (where measured)
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 50) -> float:
@@ -63,6 +64,31 @@ def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def cuda_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float | None:
+    """GPU time of one call of ``fn`` with the host taken out: ``calls`` calls captured in one CUDA
+    graph, replayed ``replays`` times. Small kernels are host-bound when launched from Python
+    (~0.06-0.1 ms a launch); this says what they cost inside a busy backward pass. None when
+    ``fn`` cannot be captured."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # e.g. a host sync inside fn
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * calls)
 
 
 def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn, nbytes, flops, reps):
@@ -124,7 +150,8 @@ def bench_conv_norms(rows, dtype_name, quick, reps, batch=256):
     """Per-sample conv weight norms: the fused kernels (auto, and each path forced, with the cost
     model's estimate in the variant) against the current torch path (``*_reference``: im2col for
     small layers, else per-sample gradients from a batch-grouped cuDNN weight gradient), and the
-    non-private weight gradient of the same layer as the floor. Speed-up is against the reference."""
+    non-private weight gradient of the same layer as the floor. Speed-up is against the reference;
+    ``graph_ms`` is the GPU time alone (CUDA graph), which decides inside a busy backward pass."""
     from pdpfast.kernels import conv_norms
     from pdpfast.ops import conv as conv_ops
 
@@ -141,24 +168,26 @@ def bench_conv_norms(rows, dtype_name, quick, reps, batch=256):
         shape = f"{name} B={batch} {c_in}->{c_out} {side}px k{k} s{stride}"
         nbytes = (x_pad.numel() + o.numel()) * x_pad.element_size()
         exact_flops = 2 * batch * geo.positions * geo.patch * geo.out_channels
-        ms_torch = cuda_time_ms(lambda: conv_ops.conv_weight_sq_norms_reference(x_pad, o, module), reps=reps)
-        mib_torch = _peak_extra_mib(lambda: conv_ops.conv_weight_sq_norms_reference(x_pad, o, module))
+
+        def measure(fn):
+            ms = cuda_time_ms(fn, reps=reps)
+            return ms, _peak_extra_mib(fn), cuda_graph_ms(fn)
+
+        reference = (lambda: conv_ops.conv_weight_sq_norms_reference(x_pad, o, module))
+        ms_torch, mib, graph = measure(reference)
         unfolds = x_pad[0].numel() * batch * k * k <= conv_ops._UNFOLD_LIMIT
         rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name,
                         "reference: " + ("unfold" if unfolds else "per-sample wgrad"), ms_torch,
-                        nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib_torch))
+                        nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib, graph))
         for path in ("auto", "direct", "gram"):
             used = chosen if path == "auto" else path
-            fn = (lambda path=path: conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path))
-            ms = cuda_time_ms(fn, reps=reps)
+            ms, mib, graph = measure(lambda path=path: conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path))
             rows.append(Row("conv_weight_sq_norms", "triton", shape, dtype_name,
                             f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms", ms, nbytes / ms / 1e6,
-                            costs[used].flops / ms / 1e9, ms_torch / ms, _peak_extra_mib(fn)))
-        wgrad = (lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
-        ms = cuda_time_ms(wgrad, reps=reps)
+                            costs[used].flops / ms / 1e9, ms_torch / ms, mib, graph))
+        ms, mib, graph = measure(lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
         rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
-                        nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms,
-                        _peak_extra_mib(wgrad)))
+                        nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms, mib, graph))
         del x_pad, o
 
 
@@ -282,13 +311,14 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
-             f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8}"
+             f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9}"
     print(header)
     for r in rows:
         speedup = f"{r.speedup_vs_torch:8.2f}" if r.speedup_vs_torch else " " * 8
-        mib = f"{r.peak_extra_mib:8.1f}" if r.peak_extra_mib is not None else ""
+        mib = f"{r.peak_extra_mib:8.1f}" if r.peak_extra_mib is not None else " " * 8
+        graph = f"{r.graph_ms:9.4f}" if r.graph_ms is not None else ""
         print(f"{r.benchmark:24} {r.provider:8} {r.dtype:5} {r.shape:28} {r.variant:18} {r.median_ms:9.4f} "
-              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup} {mib}")
+              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup} {mib} {graph}")
 
     device_name = torch.cuda.get_device_name()
     meta = {
