@@ -21,9 +21,17 @@ clipping chooses per layer between ghost norms and per-sample gradients — here
   two (BLOCK_T × BLOCK_T) Gram tiles in registers and writes Σ of their product. Work ≈ L²·(K+p_g)
   per sample: far cheaper when L is small and channels wide (the last ResNet stages).
 
-Partials go to a (B, n_programs_per_sample) fp32 buffer that torch sums: no atomics, deterministic.
-Memory: that buffer only (B × a few thousand floats at most) — nothing of size B × |W| and no
-unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
+Partials go to a (B, programs per sample) fp32 buffer that torch sums: no atomics, deterministic.
+Memory: that buffer only — direct: |W|/(BLOCK_P·BLOCK_K) floats per sample (288 for a 512→512
+3×3 layer, 1/8192 of its per-sample gradient); Gram: G·n_t(n_t/2+1) — nothing of size B × |W| and
+no unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
+
+Measured on one H100 (ResNet-18 CIFAR layers, batch 256, GPU time by CUDA-graph replay, against
+the previous batch-grouped cuDNN per-sample path): bf16 0.013-0.14 ms a layer (direct on the
+32/16 px stages, Gram on 8/4 px) against 2-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
+64-channel 32 px layer, where exact fp32 FMA products (``_utils.FP32_DOT_PRECISION="ieee"``) lose
+to cuDNN's TF32 (1.46 vs 0.49 ms). The cost model picked the faster form on 21 of 22 (layer,
+dtype) cases; the miss was a 5% tie.
 """
 from __future__ import annotations
 
