@@ -27,11 +27,12 @@ Memory: that buffer only — direct: |W|/(BLOCK_P·BLOCK_K) floats per sample (2
 no unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
 
 Measured on one H100 (ResNet-18 CIFAR layers, batch 256, GPU time by CUDA-graph replay, against
-the previous batch-grouped cuDNN per-sample path): bf16 0.013-0.14 ms a layer (direct on the
-32/16 px stages, Gram on 8/4 px) against 2-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
-64-channel 32 px layer, where exact fp32 FMA products (``_utils.FP32_DOT_PRECISION="ieee"``) lose
-to cuDNN's TF32 (1.46 vs 0.49 ms). The cost model picked the faster form on 21 of 22 (layer,
-dtype) cases; the miss was a 5% tie.
+the previous path, timed with its launches): bf16 0.013-0.14 ms a layer (direct on the 32/16 px
+stages, Gram on 8/4 px) against 0.3-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
+stride-1 3×3 layers at 32 and 16 px, where exact fp32 FMA products
+(``_utils.FP32_DOT_PRECISION="ieee"``) lose to cuDNN's TF32 per-sample gradients (1.46 vs 0.49 ms
+and 0.98 vs 0.70 ms). The cost model picked the faster form on 21 of 22 (layer, dtype) cases; the
+miss was a 5% tie.
 """
 from __future__ import annotations
 
