@@ -1,6 +1,7 @@
 """Per-kernel micro-benchmark of pdpfast's Triton kernels against their torch references (GPU).
 
     python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,clip_weights] [--dtypes bf16,fp32]
+    python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
 For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
 launcher and of the plain-torch reference in the same process, the bytes each must move at least
@@ -40,6 +41,8 @@ class Row:
     gbps: float            # minimum bytes moved / time
     tflops: float          # algorithm FLOPs / time (0 when not meaningful)
     speedup_vs_torch: float | None = None
+    peak_extra_mib: float | None = None   # memory allocated above the inputs while it runs (where measured)
+    graph_ms: float | None = None         # GPU time alone: CUDA-graph replay, no host launch cost (where measured)
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 50) -> float:
@@ -61,6 +64,31 @@ def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def cuda_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float | None:
+    """GPU time of one call of ``fn`` with the host taken out: ``calls`` calls captured in one CUDA
+    graph, replayed ``replays`` times. Small kernels are host-bound when launched from Python
+    (~0.06-0.1 ms a launch); this says what they cost inside a busy backward pass. None when
+    ``fn`` cannot be captured."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # e.g. a host sync inside fn
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * calls)
 
 
 def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn, nbytes, flops, reps):
@@ -96,6 +124,71 @@ def bench_linear_norms(rows, dtype_name, quick, reps):
                         lambda path=path: norms.linear_weight_sq_norms(a, o, path=path),
                         (lambda: linear_weight_sq_norms_reference(a, o)) if path == "auto" else None,
                         nbytes, flops, reps)
+
+
+# ResNet-18 on CIFAR-10 (batch 256): every distinct conv shape, (C_in, C_out, input side, kernel, stride).
+RESNET18_CIFAR_CONVS = [
+    ("stem", 3, 64, 32, 3, 1),
+    ("layer1 3x3", 64, 64, 32, 3, 1),
+    ("layer2 3x3 s2", 64, 128, 32, 3, 2), ("layer2 1x1 s2", 64, 128, 32, 1, 2), ("layer2 3x3", 128, 128, 16, 3, 1),
+    ("layer3 3x3 s2", 128, 256, 16, 3, 2), ("layer3 1x1 s2", 128, 256, 16, 1, 2), ("layer3 3x3", 256, 256, 8, 3, 1),
+    ("layer4 3x3 s2", 256, 512, 8, 3, 2), ("layer4 1x1 s2", 256, 512, 8, 1, 2), ("layer4 3x3", 512, 512, 4, 3, 1),
+]
+
+
+def _peak_extra_mib(fn) -> float:
+    """Memory allocated above what was live before one call of ``fn``."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
+def bench_conv_norms(rows, dtype_name, quick, reps, batch=256):
+    """Per-sample conv weight norms: the fused kernels (auto, and each path forced, with the cost
+    model's estimate in the variant) against the current torch path (``*_reference``: im2col for
+    small layers, else per-sample gradients from a batch-grouped cuDNN weight gradient), and the
+    non-private weight gradient of the same layer as the floor. Speed-up is against the reference;
+    ``graph_ms`` is the GPU time alone (CUDA graph), which decides inside a busy backward pass."""
+    from pdpfast.kernels import conv_norms
+    from pdpfast.ops import conv as conv_ops
+
+    dtype = DTYPES[dtype_name]
+    shapes = RESNET18_CIFAR_CONVS[1::3] if quick else RESNET18_CIFAR_CONVS
+    for name, c_in, c_out, side, k, stride in shapes:
+        module = torch.nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False).to("cuda", dtype)
+        x_pad = conv_ops.conv_pad(torch.randn(batch, c_in, side, side, device="cuda", dtype=dtype), module)
+        out_side = (side + 2 * (k // 2) - k) // stride + 1
+        o = torch.randn(batch, c_out, out_side, out_side, device="cuda", dtype=dtype)
+        geo = conv_norms.conv_geometry(x_pad, o, module)
+        costs = conv_norms.conv_norm_costs(geo, dtype)
+        chosen = conv_norms.choose_path(geo, dtype)
+        shape = f"{name} B={batch} {c_in}->{c_out} {side}px k{k} s{stride}"
+        nbytes = (x_pad.numel() + o.numel()) * x_pad.element_size()
+        exact_flops = 2 * batch * geo.positions * geo.patch * geo.out_channels
+
+        def measure(fn):
+            ms = cuda_time_ms(fn, reps=reps)
+            return ms, _peak_extra_mib(fn), cuda_graph_ms(fn)
+
+        reference = (lambda: conv_ops.conv_weight_sq_norms_reference(x_pad, o, module))
+        ms_torch, mib, graph = measure(reference)
+        unfolds = x_pad[0].numel() * batch * k * k <= conv_ops._UNFOLD_LIMIT
+        rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name,
+                        "reference: " + ("unfold" if unfolds else "per-sample wgrad"), ms_torch,
+                        nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib, graph))
+        for path in ("auto", "direct", "gram"):
+            used = chosen if path == "auto" else path
+            ms, mib, graph = measure(lambda path=path: conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path))
+            rows.append(Row("conv_weight_sq_norms", "triton", shape, dtype_name,
+                            f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms", ms, nbytes / ms / 1e6,
+                            costs[used].flops / ms / 1e9, ms_torch / ms, mib, graph))
+        ms, mib, graph = measure(lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
+        rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
+                        nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms, mib, graph))
+        del x_pad, o
 
 
 def bench_bias_norms(rows, dtype_name, quick, reps):
@@ -175,6 +268,7 @@ def bench_noise(rows, dtype_name, quick, reps):
 
 BENCHMARKS = {
     "linear_weight_sq_norms": bench_linear_norms,
+    "conv_weight_sq_norms": bench_conv_norms,
     "bias_sq_norms": bench_bias_norms,
     "embedding_sq_norms": bench_embedding_norms,
     "clip_weights": bench_clip_weights,
@@ -217,12 +311,14 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
-             f"{'TFLOP/s':>8} {'speedup':>8}"
+             f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9}"
     print(header)
     for r in rows:
         speedup = f"{r.speedup_vs_torch:8.2f}" if r.speedup_vs_torch else " " * 8
+        mib = f"{r.peak_extra_mib:8.1f}" if r.peak_extra_mib is not None else " " * 8
+        graph = f"{r.graph_ms:9.4f}" if r.graph_ms is not None else ""
         print(f"{r.benchmark:24} {r.provider:8} {r.dtype:5} {r.shape:28} {r.variant:18} {r.median_ms:9.4f} "
-              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup}")
+              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup} {mib} {graph}")
 
     device_name = torch.cuda.get_device_name()
     meta = {

@@ -7,6 +7,11 @@ of the convolution with output-gradient rows scaled by w_i.
 
 Inputs are the *padded* activations (``conv_pad``), so stride, dilation, groups, padding="same"
 and every padding_mode reduce to one unfold with zero padding.
+
+``conv_weight_sq_norms`` dispatches (``pdpfast.ops.dispatch``): on CUDA (and under
+``TRITON_INTERPRET=1``) the fused kernel ``pdpfast.kernels.conv_norms.conv_weight_sq_norms`` does
+the unfolding inside the kernel and materializes neither per-sample gradients nor the unfolded
+input; elsewhere ``conv_weight_sq_norms_reference`` runs.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .dispatch import pick
 from .linear import linear_weight_sq_norms
 
 
@@ -27,8 +33,9 @@ def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Te
     return F.pad(x, pads, mode=mode)
 
 
-def _as_2d(x: torch.Tensor, o: torch.Tensor, module):
-    """Conv1d tensors as Conv2d ones with a height of 1."""
+def as_conv2d(x: torch.Tensor, o: torch.Tensor, module):
+    """Conv1d tensors as Conv2d ones with a height of 1 (views, no copy):
+    (x, o, kernel_size, stride, dilation), each of the last three a pair."""
     if x.dim() == 3:
         return x.unsqueeze(2), o.unsqueeze(2), (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
     return x, o, module.kernel_size, module.stride, module.dilation
@@ -37,7 +44,7 @@ def _as_2d(x: torch.Tensor, o: torch.Tensor, module):
 def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
     """(a, o) of the equivalent linear layers, one per (sample, group): (B·G, L, d_g), (B·G, L, p_g)."""
     B, G = x_pad.shape[0], module.groups
-    x2, o2, kernel, stride, dilation = _as_2d(x_pad, o, module)
+    x2, o2, kernel, stride, dilation = as_conv2d(x_pad, o, module)
     cols = F.unfold(x2, kernel, dilation=dilation, stride=stride)  # (B, C_in·k, L)
     L, d_g, p_g = cols.shape[-1], cols.shape[1] // G, o.shape[1] // G
     a = cols.view(B, G, d_g, L).transpose(2, 3).reshape(B * G, L, d_g)
@@ -51,13 +58,30 @@ def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
 _UNFOLD_LIMIT = 1 << 22
 
 
-def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
+def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
+    """‖∂ℓ_i/∂W‖²_F per sample, in plain torch: x_pad (B, C_in, *spatial) padded by ``conv_pad``,
+    o (B, C_out, *out_spatial) → (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
+
+    Small layers: im2col (``F.unfold``, B·C_in·k·L elements) and the linear norms per group.
+    Larger ones: per-sample gradients from the convolution's own weight-gradient routine with the
+    batch as groups, squared and summed one chunk of samples at a time, so at most
+    ``_CHUNK_ELEMENTS`` gradient values (not B × |W|) exist at once. The kernel path
+    (``pdpfast.kernels.conv_norms``) materializes neither.
+    """
     B = x_pad.shape[0]
     if B == 0 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)
-        return conv_per_sample_grads(x_pad, o, module).flatten(1).to(dtype).pow(2).sum(1)
+        out = torch.empty(B, dtype=dtype, device=o.device)
+        for samples, grads in _per_sample_grad_chunks(x_pad, o, module):
+            out[samples] = grads.flatten(1).to(dtype).pow(2).sum(1)
+        return out
     a, out = conv_as_linear(x_pad, o, module)
     return linear_weight_sq_norms(a, out).view(B, module.groups).sum(1)
+
+
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
+    """Per-sample squared weight-gradient norms (B,): the fused kernel on CUDA, else the reference."""
+    return pick("conv_weight_sq_norms", conv_weight_sq_norms_reference, x_pad, o)(x_pad, o, module)
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
@@ -78,16 +102,19 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
     return grad_w, grad_b
 
 
-def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
-    """Materialized (B, *weight.shape) per-sample gradients.
+# Per-sample gradient values held at once by the reference paths (~128 MiB in fp32).
+_CHUNK_ELEMENTS = 1 << 25
 
-    The batch becomes B·G convolution groups, so the convolution's own weight-gradient kernel
-    computes every sample's gradient in one call (chunked over the batch to bound memory).
+
+def _per_sample_grad_chunks(x_pad, o, module):
+    """(slice of samples, their (b, *weight.shape) gradients), chunk by chunk.
+
+    The batch becomes b·G convolution groups, so the convolution's own weight-gradient kernel
+    computes every sample's gradient of a chunk in one call.
     """
     B, w = x_pad.shape[0], module.weight
-    out = torch.empty(B, *w.shape, dtype=o.dtype, device=o.device)
     n = x_pad.dim() - 2
-    step = max(1, (1 << 25) // max(1, w.numel()))
+    step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
     for start in range(0, B, step):
         b = min(B, start + step) - start
         xs = x_pad[start:start + b].reshape(1, b * x_pad.shape[1], *x_pad.shape[2:])
@@ -96,5 +123,13 @@ def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
         _, grad, _ = torch.ops.aten.convolution_backward(
             os, xs.to(o.dtype), weight, None, list(module.stride), [0] * n, list(module.dilation), False, [0] * n,
             b * module.groups, [False, True, False])
-        out[start:start + b] = grad.view(b, *w.shape)
+        yield slice(start, start + b), grad.view(b, *w.shape)
+
+
+def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
+    """Materialized (B, *weight.shape) per-sample gradients (tied parameters, oracles)."""
+    w = module.weight
+    out = torch.empty(x_pad.shape[0], *w.shape, dtype=o.dtype, device=o.device)
+    for samples, grads in _per_sample_grad_chunks(x_pad, o, module):
+        out[samples] = grads
     return out

@@ -1,0 +1,336 @@
+"""Per-sample squared weight-gradient norms of Conv1d / Conv2d, unfolded implicitly (DESIGN.md §2).
+
+For sample i and group g the weight gradient is G_i = Σ_t o_{i,t} a_{i,t}ᵀ (p_g × K with
+K = C_in/G · kh · kw), where a_{i,t} is the receptive field of output position t — the row t of
+im2col(x_i). Neither G_i nor im2col(x_i) is ever written: the kernels load a_{i,t} straight from
+the padded input by index arithmetic,
+
+    a_{i,t}[k] = x_pad[i, g·C_in/G + c, oh·s_h + r·d_h, ow·s_w + q·d_w],   t = (oh, ow), k = (c, r, q),
+
+so a tile of im2col is one gather (row offsets from t, column offsets from k, added). Padding is
+already in ``x_pad`` (``pdpfast.ops.conv.conv_pad``: ints, "same", every padding_mode), so the
+kernels see zero padding only and never test bounds beyond the tile masks.
+
+Two exact forms, chosen per layer by a cost model (``conv_norm_costs``), as fastDP's mixed ghost
+clipping chooses per layer between ghost norms and per-sample gradients — here both are kernels:
+
+- *direct*: program (i, g, p-tile, k-tile) accumulates the (BLOCK_P × BLOCK_K) tile of G_i in
+  fp32 registers with ``tl.dot`` over the L output positions and writes Σ tile² as one partial.
+  Work ≈ 2·L·K·p_g per sample — the same FLOPs as the non-private weight gradient of that sample.
+- *Gram* (ghost): ‖G_i‖² = Σ_{s,t} (a_s·a_t)(o_s·o_t); program (i, g, tile pair {s, t}) forms the
+  two (BLOCK_T × BLOCK_T) Gram tiles in registers and writes Σ of their product. Work ≈ L²·(K+p_g)
+  per sample: far cheaper when L is small and channels wide (the last ResNet stages).
+
+Partials go to a (B, programs per sample) fp32 buffer that torch sums: no atomics, deterministic.
+Memory: that buffer only — direct: |W|/(BLOCK_P·BLOCK_K) floats per sample (288 for a 512→512
+3×3 layer, 1/8192 of its per-sample gradient); Gram: G·n_t(n_t/2+1) — nothing of size B × |W| and
+no unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
+
+Measured on one H100 (ResNet-18 CIFAR layers, batch 256, GPU time by CUDA-graph replay, against
+the previous path, timed with its launches): bf16 0.013-0.14 ms a layer (direct on the 32/16 px
+stages, Gram on 8/4 px) against 0.3-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
+stride-1 3×3 layers at 32 and 16 px, where exact fp32 FMA products
+(``_utils.FP32_DOT_PRECISION="ieee"``) lose to cuDNN's TF32 per-sample gradients (1.46 vs 0.49 ms
+and 0.98 vs 0.70 ms). The cost model picked the faster form on 21 of 22 (layer, dtype) cases; the
+miss was a 5% tie.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdpfast.ops.conv import conv_weight_sq_norms_reference
+
+from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
+
+
+@triton.jit
+def _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW: tl.constexpr, KW: tl.constexpr):
+    """Offsets of im2col columns k = (c, r, q) inside one sample's padded input
+    (tap_x* = dilation × the input's stride along that axis)."""
+    channel = cols_k // KHW
+    within = cols_k % KHW
+    return (group * C_IN_G + channel) * stride_xc + (within // KW) * tap_xh + (within % KW) * tap_xw
+
+
+@triton.jit
+def _conv_direct_sq_norms_kernel(
+        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
+        stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
+        stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES_P, N_TILES_K,
+        KHW: tl.constexpr, KW: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # step_x* = conv stride × input stride: the move in x_pad from one output position to the next
+    pid = tl.program_id(0)
+    tile_k = pid % N_TILES_K
+    tile_p = (pid // N_TILES_K) % N_TILES_P
+    group = (pid // (N_TILES_K * N_TILES_P)) % N_GROUPS
+    sample = (pid // (N_TILES_K * N_TILES_P * N_GROUPS)).to(tl.int64)
+
+    cols_p = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    in_p = cols_p < P_G
+    in_k = cols_k < K
+    offs_k = _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
+    x_base = x_ptr + sample * stride_xb
+    o_base = o_ptr + sample * stride_ob + (group * P_G + cols_p[:, None]) * stride_oc
+
+    grad = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    for start in range(0, L, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        in_l = rows < L
+        oh = rows // OW
+        ow = rows % OW
+        y = tl.load(o_base + (oh * stride_oh + ow * stride_ow)[None, :],
+                    mask=in_p[:, None] & in_l[None, :], other=0.0)                       # (P, L)
+        x = tl.load(x_base + (oh * step_xh + ow * step_xw)[:, None] + offs_k[None, :],
+                    mask=in_l[:, None] & in_k[None, :], other=0.0)                       # (L, K)
+        grad = _dot(y, x, grad, DOT_PRECISION, UPCAST)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(grad * grad, axis=1), axis=0))
+
+
+@triton.jit
+def _conv_gram_sq_norms_kernel(
+        x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
+        stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
+        stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES, N_SHIFTS,
+        KHW: tl.constexpr, KW: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Both Grams are symmetric, so each unordered tile pair {s, t} is visited once: program
+    # (sample, group, s, shift) takes t = (s + shift) mod n; for an even n the shift n/2 meets each
+    # pair twice and one copy is dropped (as in kernels/norms.py's linear Gram kernel).
+    pid = tl.program_id(0)
+    shift = pid % N_SHIFTS
+    tile_s = (pid // N_SHIFTS) % N_TILES
+    group = (pid // (N_SHIFTS * N_TILES)) % N_GROUPS
+    sample = (pid // (N_SHIFTS * N_TILES * N_GROUPS)).to(tl.int64)
+    tile_t = (tile_s + shift) % N_TILES
+    keep = (2 * shift != N_TILES) | (tile_s < shift)
+
+    rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_s = rows_s < L
+    in_t = rows_t < L
+    oh_s = rows_s // OW
+    ow_s = rows_s % OW
+    oh_t = rows_t // OW
+    ow_t = rows_t % OW
+    product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    if keep:
+        x_base = x_ptr + sample * stride_xb
+        offs_s = oh_s * step_xh + ow_s * step_xw
+        offs_t = oh_t * step_xh + ow_t * step_xw
+        gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + tl.arange(0, BLOCK_K)
+            in_k = cols < K
+            offs_k = _patch_column_offsets(cols, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
+            x_s = tl.load(x_base + offs_s[:, None] + offs_k[None, :], mask=in_s[:, None] & in_k[None, :], other=0.0)
+            x_t = tl.load(x_base + offs_k[:, None] + offs_t[None, :], mask=in_k[:, None] & in_t[None, :], other=0.0)
+            gram_a = _dot(x_s, x_t, gram_a, DOT_PRECISION, UPCAST)
+        o_base = o_ptr + sample * stride_ob + group * P_G * stride_oc
+        pos_s = oh_s * stride_oh + ow_s * stride_ow
+        pos_t = oh_t * stride_oh + ow_t * stride_ow
+        gram_o = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        for start in range(0, P_G, BLOCK_P):
+            cols = start + tl.arange(0, BLOCK_P)
+            in_p = cols < P_G
+            y_s = tl.load(o_base + pos_s[:, None] + cols[None, :] * stride_oc,
+                          mask=in_s[:, None] & in_p[None, :], other=0.0)
+            y_t = tl.load(o_base + cols[:, None] * stride_oc + pos_t[None, :],
+                          mask=in_p[:, None] & in_t[None, :], other=0.0)
+            gram_o = _dot(y_s, y_t, gram_o, DOT_PRECISION, UPCAST)
+        # an off-diagonal pair stands for (s, t) and (t, s)
+        product = gram_a * gram_o * tl.where(shift == 0, 1.0, 2.0)
+    tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost model
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConvNormGeometry:
+    """One conv layer call as the kernels see it (all per group)."""
+    batch: int
+    groups: int
+    positions: int       # L: output positions per sample (OH·OW)
+    patch: int           # K: C_in/G · kh · kw, one im2col row
+    out_channels: int    # p_g: C_out/G
+
+
+@dataclass(frozen=True)
+class PathCost:
+    flops: float         # 2 × the multiply-adds the kernel issues (padded tiles included)
+    bytes: float         # bytes its tiles load (re-reads by other programs included; mostly L2 hits)
+    programs: int
+    serial_steps: int    # loop iterations one program runs
+    seconds: float       # the H100 estimate below
+
+
+# One H100 SXM as these kernels see it, fitted to their measured times on the ResNet-18 CIFAR
+# layers (batch 256; bench_kernels): the throughput the kernels reach, not the data-sheet peaks.
+# fp32 runs tl.dot with input_precision="ieee" on the FMA units, fp16/bf16 on the tensor cores.
+# A tile load gathers through L1/L2 (each input element is re-read by up to kh·kw patch columns
+# and by every p-tile), so tile bytes move at an L2-like rate. Each loop step of a program waits
+# about a memory latency (nothing to overlap it with when a program has few steps), and every
+# program costs a fixed launch/reduction/store overhead, which decides for small L.
+_H100 = {
+    "flops_per_s": {torch.float32: 25e12, torch.float16: 300e12, torch.bfloat16: 300e12},
+    "tile_bytes_per_s": 20e12,
+    "step_latency_s": 1.0e-6,
+    "program_overhead_s": 15e-9,
+    "resident_programs": 132 * 4,
+}
+
+
+def _direct_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
+    """(BLOCK_L, BLOCK_K, BLOCK_P) of the direct kernel. H100 sweep (ResNet-18 layers): 128-wide
+    p-tiles beat 64 by 15-35% from 128 channels up, in fp32 too; fp32 prefers 32-row steps."""
+    return (block(geo.positions, 16, 32 if dtype == torch.float32 else 64), block(geo.patch, 16, 64),
+            block(geo.out_channels, 16, 128))
+
+
+def _gram_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
+    """(BLOCK_T, BLOCK_K, BLOCK_P) of the Gram kernel."""
+    return block(geo.positions, 16, 64), block(geo.patch, 16, 64), block(geo.out_channels, 16, 64)
+
+
+def _estimate(flops, nbytes, programs, steps, dtype) -> float:
+    hw = _H100
+    waves = triton.cdiv(programs, hw["resident_programs"])
+    return (flops / hw["flops_per_s"].get(dtype, hw["flops_per_s"][torch.float32])
+            + nbytes / hw["tile_bytes_per_s"] + waves * steps * hw["step_latency_s"]
+            + programs * hw["program_overhead_s"])
+
+
+def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, PathCost]:
+    """FLOPs, bytes, programs, serial steps and an H100 time estimate of each kernel path,
+    counted on the tiles the kernel actually runs.
+
+    direct: per (sample, group) n_p·n_k programs, each ⌈L/BLOCK_L⌉ steps of a (BLOCK_P × BLOCK_L)
+    · (BLOCK_L × BLOCK_K) product; the patch tile is re-read by every p-tile and the
+    output-gradient tile by every k-tile. Gram: per (sample, group) n_t(n_t+1)/2 tile pairs, each
+    ⌈K/BLOCK_K⌉ + ⌈p/BLOCK_P⌉ steps of (BLOCK_T × BLOCK_*) · (BLOCK_* × BLOCK_T) products, loading
+    four row tiles per step.
+    """
+    elt = torch.finfo(dtype).bits // 8
+    per_sample = geo.batch * geo.groups
+
+    bl, bk, bp = _direct_blocks(geo, dtype)
+    n_l, n_k, n_p = triton.cdiv(geo.positions, bl), triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
+    programs = per_sample * n_p * n_k
+    flops = 2.0 * programs * bp * bk * (n_l * bl + 1)
+    nbytes = float(programs * elt * n_l * bl * (bk + bp))
+    direct = PathCost(flops, nbytes, programs, n_l, _estimate(flops, nbytes, programs, n_l, dtype))
+
+    bt, bk, bp = _gram_blocks(geo, dtype)
+    n_t = triton.cdiv(geo.positions, bt)
+    pairs = per_sample * n_t * (n_t + 1) // 2
+    n_k, n_p = triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
+    programs = per_sample * n_t * (n_t // 2 + 1)
+    flops = 2.0 * pairs * bt * bt * (n_k * bk + n_p * bp + 1)
+    nbytes = float(pairs * elt * 2 * bt * (n_k * bk + n_p * bp))
+    gram = PathCost(flops, nbytes, programs, n_k + n_p, _estimate(flops, nbytes, programs, n_k + n_p, dtype))
+    return {"direct": direct, "gram": gram}
+
+
+def choose_path(geo: ConvNormGeometry, dtype: torch.dtype) -> str:
+    """The kernel path with the smaller estimated time; ties go to direct (no L² term to grow)."""
+    costs = conv_norm_costs(geo, dtype)
+    return "gram" if costs["gram"].seconds < costs["direct"].seconds else "direct"
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------------------------
+def _pair(v) -> tuple[int, int]:
+    return (1, v[0]) if len(v) == 1 else (v[0], v[1])
+
+
+def _geometry(x_shape, o_shape, kernel, stride, dilation, groups) -> ConvNormGeometry:
+    B, C_in, H, W = x_shape if len(x_shape) == 4 else (x_shape[0], x_shape[1], 1, x_shape[2])
+    C_out, OH, OW = o_shape[1:] if len(o_shape) == 4 else (o_shape[1], 1, o_shape[2])
+    if o_shape[0] != B or C_in % groups or C_out % groups:
+        raise ValueError(f"conv norms: input {tuple(x_shape)}, output gradient {tuple(o_shape)} and "
+                         f"groups={groups} do not fit together")
+    want = tuple((n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip((H, W), kernel, stride, dilation))
+    if (OH, OW) != want:
+        raise ValueError(f"conv norms: output gradient {tuple(o_shape)} does not match the padded input "
+                         f"{tuple(x_shape)} (expected spatial size {want}); pass conv_pad(x)")
+    return ConvNormGeometry(B, groups, OH * OW, C_in // groups * kernel[0] * kernel[1], C_out // groups)
+
+
+def conv_geometry(x_pad: torch.Tensor, o: torch.Tensor, module) -> ConvNormGeometry:
+    """Shape checks and the geometry of one call (Conv1d or Conv2d tensors)."""
+    return _geometry(tuple(x_pad.shape), tuple(o.shape), _pair(module.kernel_size), _pair(module.stride),
+                     _pair(module.dilation), module.groups)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    kernel: object
+    batch: int
+    columns: int         # programs (= partial sums) per sample
+    args: tuple          # the scalar arguments after (x, o, partials)
+    meta: dict           # constexprs and launch options
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path) -> _Launch:
+    """Everything about a launch that depends only on shapes, strides and the layer: computed
+    once per layer geometry, so a call costs one dictionary lookup on the host besides the launch."""
+    geo = _geometry(x_shape, o_shape, kernel, stride, dilation, groups)
+    if path == "auto":
+        path = choose_path(geo, dtype)
+    if len(x_shape) == 3:  # Conv1d: a height of 1, whose strides are never multiplied by anything but 0
+        x_stride = (x_stride[0], x_stride[1], 0, x_stride[2])
+        o_stride = (o_stride[0], o_stride[1], 0, o_stride[2])
+    sxb, sxc, sxh, sxw = x_stride
+    args = (geo.patch // (kernel[0] * kernel[1]), geo.out_channels, geo.patch, geo.positions, o_shape[-1],
+            sxb, sxc, stride[0] * sxh, stride[1] * sxw, dilation[0] * sxh, dilation[1] * sxw, *o_stride, groups)
+    meta = {"KHW": kernel[0] * kernel[1], "KW": kernel[1], "num_warps": 4}
+    if path == "direct":
+        block_l, block_k, block_p = _direct_blocks(geo, dtype)
+        n_p, n_k = triton.cdiv(geo.out_channels, block_p), triton.cdiv(geo.patch, block_k)
+        return _Launch(_conv_direct_sq_norms_kernel, geo.batch, groups * n_p * n_k, args + (n_p, n_k),
+                       dict(meta, BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_P=block_p))
+    block_t, block_k, block_p = _gram_blocks(geo, dtype)
+    n_tiles = triton.cdiv(geo.positions, block_t)
+    n_shifts = n_tiles // 2 + 1
+    return _Launch(_conv_gram_sq_norms_kernel, geo.batch, groups * n_tiles * n_shifts, args + (n_tiles, n_shifts),
+                   dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
+
+
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto") -> torch.Tensor:
+    """‖∂ℓ_i/∂W‖²_F per sample of a Conv1d/Conv2d weight, the unfolding done inside the kernel.
+
+    x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``; o: (B, C_out, [OH,] OW) the
+    gradient of the summed loss w.r.t. the convolution output; ``module`` supplies kernel_size,
+    stride, dilation and groups (any object with those attributes). fp32/fp16/bf16, any strides
+    (channels_last too), fp32 accumulation; returns (B,) fp32. ``path``: "auto" (the cheaper of the
+    two by ``conv_norm_costs``), "direct" or "gram". Memory: a (B, programs per sample) fp32
+    buffer of partial sums; never the per-sample gradients nor the unfolded input.
+    float64 (and any rank other than Conv1d/Conv2d) runs ``conv_weight_sq_norms_reference``.
+    """
+    if path not in ("auto", "gram", "direct"):
+        raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
+    if (x_pad.dim() not in (3, 4) or o.dim() != x_pad.dim() or x_pad.dtype not in KERNEL_DTYPES
+            or o.dtype not in KERNEL_DTYPES):
+        return conv_weight_sq_norms_reference(x_pad, o, module)
+    if x_pad.dtype != o.dtype:  # one dot operand type (autocast keeps fp32 inputs beside bf16 grads)
+        common = torch.promote_types(x_pad.dtype, o.dtype)
+        x_pad, o = x_pad.to(common), o.to(common)
+    plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
+                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path)
+    partials = new_buffer((plan.batch, plan.columns), torch.float32, x_pad.device)
+    if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
+        return torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
+    with device_guard(x_pad):
+        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype))
+    return sum_partials(partials)

@@ -1,0 +1,267 @@
+"""Fused conv weight-norm kernels against float64 torch.func per-sample gradients.
+
+The oracle differentiates the module itself (its own padding, padding_mode, stride, dilation,
+groups) per sample in float64; the kernels see ``conv_pad``'s padded input, as the DP layers pass
+it. Tolerance: kernel error ≤ 2 × the torch reference's error at the same dtype + fp32
+accumulation slack (``ACC_RTOL`` × the sum's conditioning), as in test_norms.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+pytest.importorskip("triton")
+
+from pdpfast.kernels import conv_norms  # noqa: E402
+from pdpfast.ops import conv as conv_ops  # noqa: E402
+from pdpfast.ops import dispatch  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ACC_RTOL = 1e-5
+
+# (module factory, per-sample input shape): odd channel counts (1, 3, 7), 5×7 images, every option
+CASES = {
+    "2d-1x1": (lambda: nn.Conv2d(3, 7, 1), (3, 5, 7)),
+    "2d-3x3-pad1": (lambda: nn.Conv2d(3, 7, 3, padding=1), (3, 5, 7)),
+    "2d-one-channel": (lambda: nn.Conv2d(1, 1, 3, bias=False), (1, 5, 7)),
+    "2d-stride2": (lambda: nn.Conv2d(7, 3, 3, stride=2, padding=1), (7, 5, 7)),
+    "2d-1x1-stride2": (lambda: nn.Conv2d(3, 7, 1, stride=2, bias=False), (3, 5, 7)),
+    "2d-asym-stride-dilation": (lambda: nn.Conv2d(3, 7, (2, 3), stride=(2, 1), dilation=(2, 1), padding=(1, 2)),
+                                (3, 5, 7)),
+    "2d-same-dilation2": (lambda: nn.Conv2d(3, 3, 3, padding="same", dilation=2), (3, 5, 7)),
+    "2d-groups3": (lambda: nn.Conv2d(3, 6, 3, groups=3, padding=1), (3, 5, 7)),
+    "2d-depthwise7": (lambda: nn.Conv2d(7, 7, 3, groups=7, padding=1, bias=False), (7, 5, 7)),
+    "2d-reflect": (lambda: nn.Conv2d(3, 7, 3, padding=1, padding_mode="reflect"), (3, 5, 7)),
+    "2d-replicate-same": (lambda: nn.Conv2d(3, 7, (3, 2), padding="same", padding_mode="replicate"), (3, 5, 7)),
+    "2d-circular": (lambda: nn.Conv2d(7, 3, 3, padding=(2, 1), padding_mode="circular", dilation=(2, 1)),
+                    (7, 5, 7)),
+    # several tiles on every axis: K = 9·9 = 81, p = 70, L = 81 (two 64-row Gram tiles: the even case)
+    "2d-multi-tile": (lambda: nn.Conv2d(9, 70, 3, padding=1), (9, 9, 9)),
+    "1d-k3": (lambda: nn.Conv1d(3, 7, 3), (3, 11)),
+    "1d-stride-dilation": (lambda: nn.Conv1d(7, 3, 5, stride=2, dilation=2, padding=3), (7, 11)),
+    "1d-same-circular-groups": (lambda: nn.Conv1d(3, 3, 3, padding="same", padding_mode="circular", groups=3),
+                                (3, 11)),
+    "1d-replicate-one-channel": (lambda: nn.Conv1d(1, 7, 4, padding=2, padding_mode="replicate"), (1, 11)),
+    # L = 150: three Gram tiles (the odd case) and five direct reduction steps
+    "1d-long": (lambda: nn.Conv1d(3, 5, 3, padding=1), (3, 150)),
+}
+
+
+def _make(name, seed=0):
+    torch.manual_seed(seed)
+    factory, shape = CASES[name]
+    return factory(), shape
+
+
+def _inputs(gen, module, shape, B, dtype, tools):
+    """(x, x_pad, o) rounded to ``dtype``; x_pad padded in float64 (exact) then cast."""
+    x = tools.randn(gen, B, *shape, dtype=dtype)
+    x_pad = conv_ops.conv_pad(x.double(), module).to(dtype)
+    conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+    y = conv(x_pad.double(), module.weight.double(), None, module.stride, 0, module.dilation, module.groups)
+    o = tools.randn(gen, *y.shape, dtype=dtype)
+    return x, x_pad.to(tools.device), o.to(tools.device)
+
+
+def per_sample_sq_norms_oracle(module, x, o):
+    """‖∂⟨module(x_i), o_i⟩/∂W‖² per sample by torch.func in float64 (the module pads itself)."""
+    m64 = copy.deepcopy(module).double()
+    weight = m64.weight.detach()
+
+    def inner(w, xi, oi):
+        return (functional_call(m64, {"weight": w}, (xi.unsqueeze(0),)) * oi.unsqueeze(0)).sum()
+
+    grads = vmap(grad(inner), in_dims=(None, 0, 0))(weight, x.double().cpu(), o.double().cpu())
+    return grads.flatten(1).pow(2).sum(1)
+
+
+def _scale(x_pad, o, module):
+    """Σ_groups (Σ_t ‖a_t‖‖o_t‖)²: bounds both paths' sums of absolute terms (see test_norms.py)."""
+    a, out = conv_ops.conv_as_linear(x_pad.double().cpu(), o.double().cpu(), module)
+    return (a.norm(dim=-1) * out.norm(dim=-1)).sum(-1).pow(2).view(x_pad.shape[0], module.groups).sum(1)
+
+
+def _torch_reference(x_pad, o, module, monkeypatch):
+    """What plain torch achieves at the inputs' dtype (kernels disabled inside)."""
+    with monkeypatch.context() as patch:
+        patch.setenv("PDPFAST_DISABLE_TRITON", "1")
+        return conv_ops.conv_weight_sq_norms_reference(x_pad.cpu(), o.cpu(), module)
+
+
+def _check(tools, module, x, x_pad, o, path, monkeypatch, what):
+    out = conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path)
+    assert out.dtype == torch.float32 and out.shape == (x.shape[0],), what
+    tools.check(out, _torch_reference(x_pad, o, module, monkeypatch), per_sample_sq_norms_oracle(module, x, o),
+                atol=ACC_RTOL * _scale(x_pad, o, module) + 1e-30, what=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["direct", "gram"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_weight_sq_norms(tools, gen, name, path, dtype, monkeypatch):
+    module, shape = _make(name)
+    x, x_pad, o = _inputs(gen, module, shape, 3, dtype, tools)
+    _check(tools, module, x, x_pad, o, path, monkeypatch, f"{name} {path} {dtype}")
+
+
+@pytest.mark.parametrize("path", ["auto", "direct", "gram"])
+@pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-groups3", "1d-stride-dilation"])
+def test_conv_weight_sq_norms_single_sample(tools, gen, name, path, monkeypatch):
+    module, shape = _make(name)
+    x, x_pad, o = _inputs(gen, module, shape, 1, torch.float32, tools)
+    _check(tools, module, x, x_pad, o, path, monkeypatch, f"{name} B=1 {path}")
+
+
+@pytest.mark.parametrize("path", ["auto", "direct", "gram"])
+@pytest.mark.parametrize("name", ["2d-3x3-pad1", "1d-k3"])
+def test_conv_weight_sq_norms_empty_batch(tools, gen, name, path):
+    module, shape = _make(name)
+    _, x_pad, o = _inputs(gen, module, shape, 0, torch.float32, tools)
+    out = conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path)
+    assert out.shape == (0,) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conv_weight_sq_norms_auto(tools, gen, name, monkeypatch):
+    module, shape = _make(name)
+    x, x_pad, o = _inputs(gen, module, shape, 3, torch.float32, tools)
+    _check(tools, module, x, x_pad, o, "auto", monkeypatch, f"{name} auto")
+
+
+@pytest.mark.parametrize("path", ["direct", "gram"])
+def test_conv_weight_sq_norms_channels_last_and_strided(tools, gen, path, monkeypatch):
+    """Any strides: channels_last tensors (unit channel stride) and a sliced, non-contiguous o."""
+    module, shape = _make("2d-stride2")
+    x, x_pad, o = _inputs(gen, module, shape, 3, torch.float32, tools)
+    x_cl, o_cl = x_pad.to(memory_format=torch.channels_last), o.to(memory_format=torch.channels_last)
+    assert x_cl.stride(1) == 1 and not o_cl.is_contiguous()
+    _check(tools, module, x, x_cl, o_cl, path, monkeypatch, f"channels_last {path}")
+    wide = tools.randn(gen, o.shape[0], o.shape[1], o.shape[2], 2 * o.shape[3], device=tools.device)
+    o_sliced = wide[..., ::2]
+    assert not o_sliced.is_contiguous()
+    _check(tools, module, x, x_pad, o_sliced, path, monkeypatch, f"sliced o {path}")
+
+
+def test_conv_weight_sq_norms_mixed_dtypes(tools, gen, monkeypatch):
+    """Autocast keeps the fp32 input beside a bf16 output gradient: they meet in fp32."""
+    module, shape = _make("2d-3x3-pad1")
+    x, x_pad, o = _inputs(gen, module, shape, 3, torch.bfloat16, tools)
+    _check(tools, module, x, x_pad.float(), o, "auto", monkeypatch, "fp32 × bf16")
+
+
+def test_conv_weight_sq_norms_float64_runs_reference(tools, gen):
+    module, shape = _make("2d-groups3")
+    _, x_pad, o = _inputs(gen, module, shape, 3, torch.float64, tools)
+    out = conv_norms.conv_weight_sq_norms(x_pad, o, module)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, conv_ops.conv_weight_sq_norms_reference(x_pad, o, module))
+
+
+def test_conv_weight_sq_norms_rejects_bad_arguments(tools, gen):
+    module, shape = _make("2d-3x3-pad1")
+    _, x_pad, o = _inputs(gen, module, shape, 2, torch.float32, tools)
+    with pytest.raises(ValueError, match="path"):
+        conv_norms.conv_weight_sq_norms(x_pad, o, module, path="ghost")
+    with pytest.raises(ValueError, match="conv_pad"):  # the unpadded input
+        conv_norms.conv_weight_sq_norms(x_pad[..., 1:-1, 1:-1], o, module)
+
+
+def test_kernel_path_never_materializes_per_sample_grads(tools, gen, monkeypatch):
+    """Issue 12 item 3: nothing of size B × |W| (and no im2col) on the dispatched kernel path."""
+    assert dispatch.registered().get("conv_weight_sq_norms") is conv_norms.conv_weight_sq_norms
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the kernel path must not materialize per-sample gradients or unfold")
+
+    module, shape = _make("2d-multi-tile")
+    x, x_pad, o = _inputs(gen, module, shape, 3, torch.float32, tools)
+    expected = per_sample_sq_norms_oracle(module, x, o)
+    monkeypatch.setattr(conv_ops, "_per_sample_grad_chunks", forbidden)
+    monkeypatch.setattr(conv_ops, "conv_as_linear", forbidden)
+    monkeypatch.setattr(F, "unfold", forbidden)
+    monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)  # the reference would take the per-sample path
+    out = conv_ops.conv_weight_sq_norms(x_pad, o, module)  # through pick(), as the DP layers call it
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=1e-5, atol=0)
+
+
+def test_reference_path_squares_per_sample_grads_chunk_by_chunk(gen, monkeypatch):
+    """The CPU reference also holds at most one chunk of per-sample gradients, never B × |W|."""
+    module = nn.Conv2d(3, 4, 3, padding=1).double()
+    x_pad = conv_ops.conv_pad(torch.randn(5, 3, 5, 7, generator=gen, dtype=torch.float64), module)
+    o = torch.randn(5, 4, 5, 7, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)
+    monkeypatch.setattr(conv_ops, "_CHUNK_ELEMENTS", 2 * module.weight.numel())
+    sizes = []
+    chunks = conv_ops._per_sample_grad_chunks
+
+    def spy(*args):
+        for samples, grads in chunks(*args):
+            sizes.append(grads.shape[0])
+            yield samples, grads
+
+    monkeypatch.setattr(conv_ops, "_per_sample_grad_chunks", spy)
+    out = conv_ops.conv_weight_sq_norms_reference(x_pad, o, module)
+    assert sizes == [2, 2, 1]
+    torch.testing.assert_close(out, per_sample_sq_norms_oracle(module, x_pad[..., 1:-1, 1:-1], o))
+
+
+# ----------------------------------------------------------------------------------------------
+# cost model
+# ----------------------------------------------------------------------------------------------
+def _resnet_geometry(channels, side, batch=256, k=3):
+    return conv_norms.ConvNormGeometry(batch, 1, side * side, channels * k * k, channels)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cost_model_picks_gram_late_and_direct_early(dtype):
+    """Few positions, wide channels → Gram (ResNet-18 stages 3–4); many positions → direct."""
+    assert conv_norms.choose_path(_resnet_geometry(512, 4), dtype) == "gram"
+    assert conv_norms.choose_path(_resnet_geometry(256, 8), dtype) == "gram"
+    assert conv_norms.choose_path(_resnet_geometry(64, 32), dtype) == "direct"
+    assert conv_norms.choose_path(_resnet_geometry(128, 16), dtype) == "direct"
+
+
+def test_cost_model_counts_at_least_the_exact_work():
+    geo = conv_norms.ConvNormGeometry(3, 2, 35, 27, 7)
+    costs = conv_norms.conv_norm_costs(geo, torch.float32)
+    assert costs["direct"].flops >= 2 * 3 * 2 * 35 * 27 * 7
+    assert costs["gram"].flops >= 3 * 2 * 35 * 35 * (27 + 7)
+    assert all(c.seconds > 0 and c.bytes > 0 and c.programs > 0 for c in costs.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU sizes (ResNet-18 CIFAR layers at a small batch) and memory
+# ----------------------------------------------------------------------------------------------
+RESNET_LAYERS = {  # (C_in, C_out, side, kernel, stride)
+    "64ch-32px": (64, 64, 32, 3, 1), "128ch-16px-stride2": (64, 128, 32, 3, 2),
+    "128ch-downsample-1x1": (64, 128, 32, 1, 2), "256ch-8px": (256, 256, 8, 3, 1), "512ch-4px": (512, 512, 4, 3, 1),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["auto", "direct", "gram"])
+@pytest.mark.parametrize("layer", list(RESNET_LAYERS))
+def test_conv_weight_sq_norms_gpu_sizes(tools, gen, layer, path, dtype, monkeypatch):
+    C_in, C_out, side, k, stride = RESNET_LAYERS[layer]
+    module = nn.Conv2d(C_in, C_out, k, stride=stride, padding=k // 2, bias=False)
+    B = 8
+    x = tools.randn(gen, B, C_in, side, side, dtype=dtype)
+    x_pad = conv_ops.conv_pad(x.double(), module).to(dtype).to(tools.device)
+    y = F.conv2d(x_pad.double().cpu(), module.weight.double(), None, module.stride)
+    o = tools.randn(gen, *y.shape, dtype=dtype).to(tools.device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < B * module.weight.numel() * 2 // 4, f"{extra} bytes: per-sample gradients materialized?"
+    oracle = conv_ops.conv_weight_sq_norms_reference(x_pad.double(), o.double(), module.double())
+    tools.check(out, _torch_reference(x_pad, o, module.float(), monkeypatch), oracle,
+                atol=ACC_RTOL * _scale(x_pad, o, module), what=f"{layer} {path} {dtype}")
