@@ -8,12 +8,14 @@
 # sampler is built in place (`setup.py build_ext --inplace`; `pip install -e .` needs the network
 # for its build isolation), kernels/ is linked as pdpfast/kernels, and wheels carried in .whl/
 # (Opacus, the baseline: `pip download opacus==1.6.0 -d .whl` on a machine with a network) are
-# unpacked into /tmp/site. JSON results go to bench/results/ (named after the device), logs and a
-# copy of the results to $OUT (default bench/results/gpu_logs).
+# unpacked into /tmp/site. JSON results go to bench/results/ (named after the device); logs to
+# $LOGS; with $OUT set (the device tool's return folder) the run's JSON and a tarball of the logs
+# are copied there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu_logs}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/pdpfast-gpu-logs}
+mkdir -p "$LOGS"
+touch "$LOGS/.start"
 steps=${*:-build tests kernels overhead e2e}
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,14 +25,14 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -e pdpfast/kernels ] || ln -s ../kernels pdpfast/kernels
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-    | tee "$OUT/env.txt"
+    | tee "$LOGS/env.txt"
 status=0
 run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember a failure, keep going
     local name=$1; shift
     echo "== $name: $*"
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1 || { echo "   FAILED (see $OUT/$name.log)"; status=1; }
-    tail -n 25 "$OUT/$name.log"
+    "$@" > "$LOGS/$name.log" 2>&1 || { echo "   FAILED (see $LOGS/$name.log)"; status=1; }
+    tail -n 25 "$LOGS/$name.log"
     echo "   ($((SECONDS - t0)) s)"
 }
 for step in $steps; do
@@ -38,12 +40,16 @@ for step in $steps; do
         build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace ;;
         tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
                run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
-        kernels) run bench_kernels python3 -m bench.bench_kernels ;;
+        kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
+                     --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_ ;;
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 ;;
         e2e) run e2e_fp32 python3 -m bench.bench_e2e --dtype fp32
              run e2e_bf16 python3 -m bench.bench_e2e --dtype bf16 ;;
         *) echo "unknown step $step (build tests kernels overhead e2e)"; status=2 ;;
     esac
 done
-cp bench/results/*.json "$OUT/" 2>/dev/null
+if [ -n "${OUT:-}" ]; then
+    find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$OUT/" \;
+    tar czf "$OUT/logs.tgz" -C "$LOGS" .
+fi
 exit $status
