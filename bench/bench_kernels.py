@@ -1,6 +1,6 @@
 """Per-kernel micro-benchmark of pdpfast's Triton kernels against their torch references (GPU).
 
-    python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,clip_weights] [--dtypes bf16,fp32]
+    python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,conv_weight_sq_norms] [--dtypes bf16,fp32]
     python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
 For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
@@ -217,37 +217,6 @@ def bench_embedding_norms(rows, dtype_name, quick, reps):
                     o.numel() * o.element_size() + ids.numel() * 8, 0, reps)
 
 
-def bench_clip_weights(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import clip
-    from pdpfast.ops.clip import clip_weights_reference
-
-    for K, B in [(1, 4096), (48, 4096), (1, 1 << 22)][: 2 if quick else None]:
-        sq = torch.rand(K, B, device="cuda") * 10
-        c = torch.rand(B, device="cuda")
-        mask = torch.rand(B, device="cuda") < 0.5
-        nbytes = sq.numel() * 4 * 2 + c.numel() * 4 + mask.numel()
-        for gamma in (None, 0.01):
-            _bench_pair(rows, "clip_weights", (K, B), "fp32", f"gamma={gamma}",
-                        lambda gamma=gamma: clip.clip_weights(sq, c, mask, gamma),
-                        lambda gamma=gamma: clip_weights_reference(sq, c, mask, gamma), nbytes, 0, reps)
-
-
-def bench_clipped_grad(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import grad
-    from pdpfast.ops.linear import linear_clipped_grad_reference
-
-    dtype = DTYPES[dtype_name]
-    shapes = [(1024, 1, 4096, 4096), (64, 512, 1024, 4096), (32, 512, 768, 768), (16, 4096, 64, 64)]
-    for B, T, d, p in shapes[: 2 if quick else None]:
-        a = torch.randn(B, T, d, device="cuda", dtype=dtype)
-        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
-        w = torch.rand(B, device="cuda")
-        nbytes = (a.numel() + o.numel() + p * d) * a.element_size() + 4 * B
-        _bench_pair(rows, "linear_clipped_grad", (B, T, d, p), dtype_name, "weighted",
-                    lambda: grad.linear_clipped_grad(a, o, w), lambda: linear_clipped_grad_reference(a, o, w),
-                    nbytes, 2 * B * T * d * p, reps)
-
-
 def bench_noise(rows, dtype_name, quick, reps):
     from pdpfast.kernels import noise
     from pdpfast.ops.noise import add_noise_reference_
@@ -271,8 +240,6 @@ BENCHMARKS = {
     "conv_weight_sq_norms": bench_conv_norms,
     "bias_sq_norms": bench_bias_norms,
     "embedding_sq_norms": bench_embedding_norms,
-    "clip_weights": bench_clip_weights,
-    "linear_clipped_grad": bench_clipped_grad,
     "add_noise_": bench_noise,
 }
 
@@ -305,8 +272,6 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     for op in args.ops.split(","):
         for dtype_name in args.dtypes.split(","):
-            if op == "clip_weights" and dtype_name != args.dtypes.split(",")[0]:
-                continue  # clip weights work on fp32 norms whatever the model's dtype
             BENCHMARKS[op](rows, dtype_name, args.quick, args.reps)
             torch.cuda.empty_cache()
 

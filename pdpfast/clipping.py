@@ -45,7 +45,7 @@ from torch import nn
 
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
-from .ops.clip import CLIP_EPS
+from .ops.clip import clip_weights
 
 MODES = ("bk", "ghost")
 CLIPPINGS = ("flat", "per_layer")
@@ -530,19 +530,9 @@ class ClippingState:
         self._margin = max(self._margin, rounding_margin(o))
 
     def _weights(self, sq: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-        """Weights applied to the backward's output gradients: s·w_i with the loss scale s folded in.
-
-        sq: squared norms of the (scaled) output gradients' per-sample gradients; bounds: c_i
-        broadcast against sq. With ‖g_i‖ = s·√sq: s·min(1, c_i/(‖g_i‖ + ε)) = min(s, c_i/(√sq + ε/s));
-        automatic clipping s·c_i/(‖g_i‖ + γ) = c_i/(√sq + γ/s).
-        """
-        s = self.loss_scale
-        if s == 0:  # an empty batch under a mean loss: nothing to weigh
-            return torch.zeros_like(sq)
-        root = sq.clamp_min(0).sqrt_()
-        if self.automatic_gamma is None:
-            return torch.div(bounds, root.add_(CLIP_EPS / s), out=root).clamp_(max=s)
-        return torch.div(bounds, root.add_(self.automatic_gamma / s), out=root)
+        """Weights applied to the backward's output gradients (s·w_i, the loss scale s folded in):
+        sq the squared norms of their per-sample gradients, bounds c_i broadcast against sq."""
+        return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))

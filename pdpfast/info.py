@@ -7,8 +7,7 @@ import torch
 
 from .ops import dispatch
 
-OPS = ("linear_weight_sq_norms", "bias_sq_norms", "linear_clipped_grad", "embedding_sq_norms", "clip_weights",
-       "add_noise_")
+OPS = ("linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "add_noise_")
 
 
 def report() -> str:

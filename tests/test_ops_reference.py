@@ -17,11 +17,10 @@ from torch.func import grad, vmap
 import pdpfast.ops.linear as linear_ops
 from pdpfast.ops import conv as conv_ops
 from pdpfast.ops import norm as norm_ops
-from pdpfast.ops.clip import CLIP_EPS, clip_weights, clip_weights_reference
+from pdpfast.ops.clip import CLIP_EPS, clip_weights
 from pdpfast.ops.embedding import (embedding_clipped_grad_reference, embedding_per_sample_grads, embedding_sq_norms,
                                    embedding_sq_norms_reference)
-from pdpfast.ops.linear import (bias_clipped_grad_reference, bias_sq_norms, bias_sq_norms_reference,
-                                linear_clipped_grad, linear_clipped_grad_reference, linear_per_sample_grads,
+from pdpfast.ops.linear import (bias_sq_norms, bias_sq_norms_reference, linear_clipped_grads, linear_per_sample_grads,
                                 linear_weight_sq_norms, linear_weight_sq_norms_reference, use_gram)
 
 
@@ -82,11 +81,21 @@ def test_bias_norms_and_clipped_sums(B, T, d, p):
     w = torch.rand(B, dtype=torch.float64)
     close(bias_sq_norms_reference(o), sq(o.sum(1)))
     close(bias_sq_norms(o), sq(o.sum(1)))
-    close(bias_clipped_grad_reference(o, w), weighted_sum(w, o.sum(1)))
-    close(bias_clipped_grad_reference(o, None), o.sum((0, 1)))
-    close(linear_clipped_grad_reference(a, o, w), weighted_sum(w, per_sample_linear(a, o)))
-    close(linear_clipped_grad(a, o, w), weighted_sum(w, per_sample_linear(a, o)))
-    close(linear_clipped_grad_reference(a, o, None), per_sample_linear(a, o).sum(0))
+    for need_weight in (True, False):  # the bias reuses the scaled o, or weighs Σ_t o_t itself
+        grad_w, grad_b = linear_clipped_grads(a, o, w, need_weight, True)
+        close(grad_b, weighted_sum(w, o.sum(1)))
+        if need_weight:
+            close(grad_w, weighted_sum(w, per_sample_linear(a, o)))
+    grad_w, grad_b = linear_clipped_grads(a, o, None, True, True)
+    close(grad_w, per_sample_linear(a, o).sum(0))
+    close(grad_b, o.sum((0, 1)))
+    close(linear_clipped_grads(a, o, w, True, False, transposed=True)[0], weighted_sum(w, per_sample_linear(a, o)).t())
+    stacked_w, stacked_b = linear_ops.linear_clipped_grads_stacked(torch.stack([a, 2 * a]), torch.stack([o, o]), w,
+                                                                   True, True)
+    close(stacked_w[1], 2 * weighted_sum(w, per_sample_linear(a, o)))
+    close(stacked_b[0], weighted_sum(w, o.sum(1)))
+    with_bias = linear_ops.linear_sq_norms_reference(a, o, with_bias=True)
+    close(with_bias, sq(per_sample_linear(a, o)) + sq(o.sum(1)))
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
@@ -265,7 +274,7 @@ def test_clip_weights_formula():
     norms = torch.tensor([0.0, 0.5, 1.0, 2.0, 4.0, 3.0], dtype=torch.float64)
     bounds = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 0.5], dtype=torch.float64)
     expected = [min(1.0, c / (n + CLIP_EPS)) for n, c in zip(norms.tolist(), bounds.tolist())]
-    got = clip_weights_reference(norms ** 2, bounds)
+    got = clip_weights(norms ** 2, bounds)
     close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-15)
     assert got[0] == 1.0 and got[1] == 1.0  # unclipped samples keep weight exactly 1
     assert got[2] < 1.0  # ‖g‖ = c: the 1e-6 makes the clipped norm strictly below c
@@ -278,17 +287,16 @@ def test_clip_weights_mask_and_automatic():
     bounds = torch.rand(7, dtype=torch.float64) + 0.5
     mask = torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.float64)
     norms = sq_norms.sqrt()
-    close(clip_weights_reference(sq_norms, bounds, mask),
+    close(clip_weights(sq_norms, bounds, mask),
           mask * torch.clamp(bounds / (norms + CLIP_EPS), max=1.0), rtol=1e-15)
-    close(clip_weights_reference(sq_norms, bounds, mask, automatic_gamma=0.01),
+    close(clip_weights(sq_norms, bounds, mask, automatic_gamma=0.01),
           mask * bounds / (norms + 0.01), rtol=1e-15)
     # automatic clipping does not cap at 1: small gradients are scaled up towards c_i
-    tiny = clip_weights_reference(torch.tensor([1e-6], dtype=torch.float64), torch.tensor([1.0]), None, 0.01)
+    tiny = clip_weights(torch.tensor([1e-6], dtype=torch.float64), torch.tensor([1.0]), None, 0.01)
     assert tiny.item() > 1.0
     # masked rows are exactly zero even when their norm is inf/huge
-    got = clip_weights_reference(torch.tensor([1e300, 1.0], dtype=torch.float64), torch.ones(2), torch.tensor([0, 1]))
+    got = clip_weights(torch.tensor([1e300, 1.0], dtype=torch.float64), torch.ones(2), torch.tensor([0, 1]))
     assert got[0] == 0.0 and got[1] == pytest.approx(1 / (1 + CLIP_EPS))
-    close(clip_weights(sq_norms, bounds, mask), clip_weights_reference(sq_norms, bounds, mask), rtol=0)
 
 
 def test_clip_weights_for_groups_broadcast_over_bounds():
@@ -299,10 +307,10 @@ def test_clip_weights_for_groups_broadcast_over_bounds():
     c = torch.rand(B, dtype=torch.float64) + 0.2
     bounds = shares[:, None] * c[None, :]
     mask = (torch.rand(B) < 0.5).double()
-    got = clip_weights_reference(sq_norms, bounds, mask)
+    got = clip_weights(sq_norms, bounds, mask)
     assert got.shape == (K, B)
     for k in range(K):
-        close(got[k], clip_weights_reference(sq_norms[k], c * shares[k], mask), rtol=1e-15)
+        close(got[k], clip_weights(sq_norms[k], c * shares[k], mask), rtol=1e-15)
     # each record's total clipped norm ≤ c_i when Σ C_k² = 1
     assert math.isclose(float((shares ** 2).sum()), 1.0)
     total = ((got * sq_norms.sqrt()) ** 2).sum(0).sqrt()
@@ -311,6 +319,6 @@ def test_clip_weights_for_groups_broadcast_over_bounds():
 
 def test_clip_weights_dtypes():
     sq_norms = torch.rand(4)
-    assert clip_weights_reference(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
-    assert clip_weights_reference(sq_norms.double(), torch.ones(4)).dtype == torch.float64
-    assert clip_weights_reference(torch.zeros(0), torch.ones(0)).shape == (0,)
+    assert clip_weights(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
+    assert clip_weights(sq_norms.double(), torch.ones(4)).dtype == torch.float64
+    assert clip_weights(torch.zeros(0), torch.ones(0)).shape == (0,)

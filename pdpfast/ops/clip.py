@@ -1,31 +1,32 @@
-"""Clip weights from per-sample squared norms (DESIGN.md §1.3)."""
+"""Clip weights from per-sample squared norms (DESIGN.md §1.3): the one definition of the formula."""
 from __future__ import annotations
 
 import torch
 
-from .dispatch import pick
-
 CLIP_EPS = 1e-6
 
 
-def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
-                           automatic_gamma: float | None = None) -> torch.Tensor:
+def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
+                 automatic_gamma: float | None = None, loss_scale: float = 1.0) -> torch.Tensor:
     """w_i = m_i · min(1, c_i / (‖g_i‖ + 1e-6)), or m_i · c_i / (‖g_i‖ + γ) with automatic clipping.
 
-    sq_norms: (B,) or (K, B) squared norms (K clipping groups); clip_norms: (B,) or (K, B) bounds
-    broadcast against them; mask: (B,) 0/1. Returns weights shaped like ``sq_norms``.
+    sq_norms: (B,) or (K, B) squared norms ‖g_i‖² (K clipping groups); clip_norms: bounds c_i
+    broadcast against them (masked rows may carry bound 0 instead of a mask); mask: (B,) 0/1.
+    loss_scale s: the norms are of gradients scaled down by s (a mean loss over s rows) and the
+    result multiplies those gradients, so s·w_i is returned, computed as min(s, c_i/(√sq + ε/s)):
+    five tensor ops, no host synchronisation. Returns weights shaped like the broadcast inputs, in
+    the norms' dtype.
     """
-    norms = sq_norms.clamp_min(0).sqrt()
-    clip_norms = clip_norms.to(norms.dtype)
+    if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
+        return torch.zeros_like(sq_norms)
+    clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
+    root = sq_norms.clamp_min(0).sqrt_()
+    shape = torch.broadcast_shapes(root.shape, clip_norms.shape)
+    out = root if root.shape == shape else None
     if automatic_gamma is None:
-        weights = (clip_norms / (norms + CLIP_EPS)).clamp(max=1.0)
+        weights = torch.div(clip_norms, root.add_(CLIP_EPS / loss_scale), out=out).clamp_(max=loss_scale)
     else:
-        weights = clip_norms / (norms + automatic_gamma)
+        weights = torch.div(clip_norms, root.add_(automatic_gamma / loss_scale), out=out)
     if mask is not None:
         weights = weights * mask.to(weights.dtype)
     return weights
-
-
-def clip_weights(sq_norms, clip_norms, mask=None, automatic_gamma=None):
-    fn = pick("clip_weights", clip_weights_reference, sq_norms, clip_norms)
-    return fn(sq_norms, clip_norms, mask, automatic_gamma)

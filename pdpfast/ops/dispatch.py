@@ -15,13 +15,22 @@ from typing import Callable
 import torch
 
 _KERNELS: dict[str, Callable] = {}
+_WHEN: dict[str, Callable[..., bool]] = {}
 
 
-def register(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as the fast implementation of op ``name``."""
+def register(name: str, when: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as the fast implementation of op ``name``.
+
+    ``when(*tensors)``: the inputs on which the kernel beats the torch reference (as measured by
+    ``bench/bench_kernels.py``); elsewhere ``pick`` returns the reference. None: everywhere.
+    """
 
     def wrap(fn: Callable) -> Callable:
         _KERNELS[name] = fn
+        if when is None:
+            _WHEN.pop(name, None)
+        else:
+            _WHEN[name] = when
         return fn
 
     return wrap
@@ -67,7 +76,9 @@ def pick(name: str, reference: Callable, *tensors: torch.Tensor) -> Callable:
     if use_triton(*tensors):
         kernel = _KERNELS.get(name)
         if kernel is not None:
-            return kernel
+            when = _WHEN.get(name)
+            if when is None or when(*tensors):
+                return kernel
     return reference
 
 

@@ -128,25 +128,6 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.
     return total.add_(bias_sq_norms(o)) if with_bias else total
 
 
-def linear_clipped_grad_reference(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None):
-    """Σ_i w_i o_iᵀ a_i as one GEMM over rows scaled by w_i: a (B,T,d), o (B,T,p), w (B,) → (p, d)."""
-    d, p = a.shape[-1], o.shape[-1]
-    if weights is not None:  # scale whichever of the two is smaller: (w∘o)ᵀa = oᵀ(w∘a)
-        if p <= d:
-            o = o * weights.to(o.dtype).view(-1, 1, 1)
-        else:
-            a = a * weights.to(a.dtype).view(-1, 1, 1)
-    return o.reshape(-1, p).t().mm(a.reshape(-1, d))
-
-
-def bias_clipped_grad_reference(o: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Σ_i w_i Σ_t o_{i,t}: o (B, T, p), w (B,) → (p,)."""
-    per_sample = o.sum(1)
-    if weights is None:
-        return per_sample.sum(0)
-    return weights.to(o.dtype) @ per_sample
-
-
 def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,
                          need_bias: bool = False, transposed: bool = False):
     """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}) of a linear layer: a (B, T, d), o (B, T, p), w (B,).
@@ -188,10 +169,6 @@ def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torc
     if need_weight:
         grad_w = torch.bmm(a.transpose(1, 2), scaled) if transposed else torch.bmm(scaled.transpose(1, 2), a)
     return grad_w, scaled.sum(1) if need_bias else None
-
-
-def linear_clipped_grad(a, o, weights):
-    return pick("linear_clipped_grad", linear_clipped_grad_reference, a, o)(a, o, weights)
 
 
 def linear_per_sample_grads(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

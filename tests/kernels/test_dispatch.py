@@ -10,8 +10,7 @@ import pdpfast.kernels as kernels  # noqa: E402
 from pdpfast import ops  # noqa: E402
 from pdpfast.ops import dispatch  # noqa: E402
 
-OPS = ["linear_weight_sq_norms", "bias_sq_norms", "embedding_sq_norms", "clip_weights", "linear_clipped_grad",
-       "add_noise_"]
+OPS = ["linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "add_noise_"]
 
 
 def test_every_op_has_a_registered_kernel():
@@ -41,13 +40,10 @@ def test_every_dispatching_op_agrees_with_its_reference(tools, gen, monkeypatch)
     a = tools.randn(gen, 3, 7, 9, device=tools.device)
     o = tools.randn(gen, 3, 7, 5, device=tools.device)
     ids = torch.randint(0, 4, (3, 7), generator=gen).to(tools.device)
-    sq, c = torch.rand(3, generator=gen).to(tools.device), torch.rand(3, generator=gen).to(tools.device)
-    w = torch.rand(3, generator=gen).to(tools.device)
     calls = {
         "bias_sq_norms": lambda: ops.bias_sq_norms(o),
         "embedding_sq_norms": lambda: ops.embedding_sq_norms(ids, o, 4, 0),
-        "clip_weights": lambda: ops.clip_weights(sq, c, None, None),
-        "linear_clipped_grad": lambda: ops.linear_clipped_grad(a, o, w),
+        "linear_sq_norms": lambda: ops.linear_sq_norms(a, o, with_bias=True),
     }
     for name, call in calls.items():
         monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
@@ -62,3 +58,13 @@ def test_every_dispatching_op_agrees_with_its_reference(tools, gen, monkeypatch)
     reproduced = torch.zeros(1000, device=tools.device)
     kernels.add_noise_([reproduced], 1.0, 1, 2)
     assert torch.equal(g, reproduced)  # the kernel's stream, not torch's
+
+
+def test_dispatch_never_picks_a_kernel_measured_slower_than_torch(tools, monkeypatch):
+    """bias_sq_norms: the kernel only for fp16/bf16 sequences, where it was measured faster."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    reference = ops.linear.bias_sq_norms_reference
+    on = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=tools.device)  # noqa: E731
+    assert dispatch.pick("bias_sq_norms", reference, on(2, 8, 4, dtype=torch.float32)) is reference
+    assert dispatch.pick("bias_sq_norms", reference, on(2, 1, 4, dtype=torch.bfloat16)) is reference
+    assert dispatch.pick("bias_sq_norms", reference, on(2, 8, 4, dtype=torch.bfloat16)) is kernels.bias_sq_norms
