@@ -18,16 +18,21 @@ from .noise import add_noise_
 from .norms import bias_sq_norms, embedding_sq_norms, linear_weight_sq_norms
 
 for _name, _fn in {
-    "linear_weight_sq_norms": linear_weight_sq_norms,
     "conv_weight_sq_norms": conv_weight_sq_norms,
     "embedding_sq_norms": embedding_sq_norms,
     "add_noise_": add_noise_,
 }.items():
     register(_name)(_fn)
 del _name, _fn
-# H100, 2026-11-23 (bench_kernels): the bias kernel wins only on fp16/bf16 sequences (1.7x at
-# (64, 512, 1024)); torch's three ops win in fp32 (0.6x) and on one-row samples (0.8x)
-register("bias_sq_norms", when=lambda o: o.dim() == 3 and o.shape[1] > 1 and o.dtype in (torch.float16,
-                                                                                          torch.bfloat16))(bias_sq_norms)
+# Measured on an H100, 2026-11-23 (bench/results/bench_kernels-NVIDIA_H100_80GB_HBM3.json):
+# - linear norms win in fp16/bf16 (1.5-7.1x); in fp32 the kernel's exact FMA dots lose to cuBLAS's
+#   fp32 Gram (0.40-0.87x), so fp32 runs the reference;
+# - the bias kernel wins only on fp16/bf16 sequences (1.7x at (64, 512, 1024)); torch's three ops
+#   win in fp32 (0.6x) and on one-row samples (0.8x).
+# conv norms are kept in fp32 although two stride-1 layers are slower than the old path: that path
+# materialized B x |W| per-sample gradients (up to 4.6 GiB a layer), which bk and per-layer must not.
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+register("linear_weight_sq_norms", when=lambda a, o: o.dtype in _LOW_PRECISION)(linear_weight_sq_norms)
+register("bias_sq_norms", when=lambda o: o.dim() == 3 and o.shape[1] > 1 and o.dtype in _LOW_PRECISION)(bias_sq_norms)
 
 __all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "linear_weight_sq_norms"]

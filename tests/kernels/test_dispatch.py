@@ -21,8 +21,8 @@ def test_every_op_has_a_registered_kernel():
 
 def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
     monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
-    a = tools.randn(gen, 3, 33, 65, device=tools.device)
-    o = tools.randn(gen, 3, 33, 7, device=tools.device)
+    a = tools.randn(gen, 3, 33, 65, dtype=torch.bfloat16, device=tools.device)
+    o = tools.randn(gen, 3, 33, 7, dtype=torch.bfloat16, device=tools.device)
     assert dispatch.use_triton(a, o)
     with_kernel = ops.linear_weight_sq_norms(a, o)
     assert torch.equal(with_kernel, kernels.linear_weight_sq_norms(a, o))
@@ -34,6 +34,9 @@ def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
     with_reference = ops.linear_weight_sq_norms(a, o)
     assert torch.equal(with_reference, ops.linear_weight_sq_norms_reference(a, o))
     torch.testing.assert_close(with_kernel, with_reference, rtol=1e-5, atol=0)
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)  # fp32: cuBLAS's Gram was measured faster
+    assert dispatch.pick("linear_weight_sq_norms", ops.linear_weight_sq_norms_reference, a.float(), o.float()) \
+        is ops.linear_weight_sq_norms_reference
 
 
 def test_every_dispatching_op_agrees_with_its_reference(tools, gen, monkeypatch):
