@@ -7,7 +7,6 @@ import torch
 
 from .ops import dispatch
 
-OPS = ("linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "add_noise_")
 
 
 def report() -> str:
@@ -25,7 +24,7 @@ def report() -> str:
     else:
         reason = dispatch.triton_import_error()
     kernels = dispatch.registered() if reason is None else {}
-    for op in OPS:
+    for op in sorted(dispatch.OPS):
         impl = "triton kernel" if op in kernels else f"torch reference ({reason or 'no kernel registered'})"
         lines.append(f"  {op:<24} {impl}")
     why = sampling.unavailable_reason()

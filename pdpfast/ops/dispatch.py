@@ -14,8 +14,20 @@ from typing import Callable
 
 import torch
 
+# Every op that can run a kernel, named once: registering or picking any other name is an error,
+# so a typo can never silently fall back to the reference. Tests, `pdpfast info` and
+# bench/bench_kernels.py iterate over this set.
+OPS = frozenset({"linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms",
+                 "add_noise_"})
+
 _KERNELS: dict[str, Callable] = {}
 _WHEN: dict[str, Callable[..., bool]] = {}
+
+
+def _known(name: str) -> str:
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; ops that dispatch: {sorted(OPS)}")
+    return name
 
 
 def register(name: str, when: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
@@ -24,6 +36,8 @@ def register(name: str, when: Callable[..., bool] | None = None) -> Callable[[Ca
     ``when(*tensors)``: the inputs on which the kernel beats the torch reference (as measured by
     ``bench/bench_kernels.py``); elsewhere ``pick`` returns the reference. None: everywhere.
     """
+
+    _known(name)
 
     def wrap(fn: Callable) -> Callable:
         _KERNELS[name] = fn
@@ -73,6 +87,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 def pick(name: str, reference: Callable, *tensors: torch.Tensor) -> Callable:
     """The implementation of op ``name`` to run on ``tensors``: a registered kernel or ``reference``."""
+    _known(name)
     if use_triton(*tensors):
         kernel = _KERNELS.get(name)
         if kernel is not None:

@@ -10,13 +10,24 @@ import pdpfast.kernels as kernels  # noqa: E402
 from pdpfast import ops  # noqa: E402
 from pdpfast.ops import dispatch  # noqa: E402
 
-OPS = ["linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "add_noise_"]
-
-
 def test_every_op_has_a_registered_kernel():
     registered = dispatch.registered()
-    for name in OPS:
+    assert set(registered) == dispatch.OPS
+    for name in dispatch.OPS:
         assert registered[name] is getattr(kernels, name), name
+
+
+def test_an_unknown_op_name_is_an_error_not_a_silent_fallback():
+    with pytest.raises(ValueError, match="unknown op"):
+        dispatch.register("linear_weight_sq_norm")
+    with pytest.raises(ValueError, match="unknown op"):
+        dispatch.pick("bias_sq_norm", None, torch.zeros(1))
+
+
+def test_every_op_has_a_benchmark():
+    from bench.bench_kernels import BENCHMARKS
+
+    assert set(BENCHMARKS) == dispatch.OPS
 
 
 def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
