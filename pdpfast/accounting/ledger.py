@@ -109,8 +109,40 @@ def ledger_for_plan(plan, budgets=None):
     return _LEDGERS[plan.accountant].for_plan(plan, plan.budgets if budgets is None else budgets)
 
 
+class _RecordLedger:
+    """What every per-record ledger shares: records grouped by distinct (q_i, z_i) (``group_of``,
+    ``group_rates``, ``group_noise``), and atomic save / load of its ``state_dict``."""
+
+    @property
+    def num_records(self) -> int:
+        return int(self.group_of.shape[0])
+
+    @property
+    def sample_rates(self) -> np.ndarray:
+        """(N,) current q_i."""
+        return self.group_rates[self.group_of]
+
+    @property
+    def noise_multipliers(self) -> np.ndarray:
+        """(N,) current z_i."""
+        return self.group_noise[self.group_of]
+
+    def save(self, path) -> None:
+        """Atomically write the ledger to ``path`` (.npz): temp file in the same directory,
+        fsync, os.replace, fsync the directory. The file is never left half-written."""
+        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
+
+    @classmethod
+    def load(cls, path):
+        with np.load(os.fspath(path), allow_pickle=False) as data:
+            state = {k: data[k] for k in data.files}
+        obj = cls.__new__(cls)
+        obj.load_state_dict(state)
+        return obj
+
+
 @register_ledger("rdp")
-class IndividualAccountant:
+class IndividualAccountant(_RecordLedger):
     """RDP ledger of N records under Poisson-subsampled Gaussian steps.
 
     Args:
@@ -136,20 +168,6 @@ class IndividualAccountant:
     @classmethod
     def for_plan(cls, plan, budgets) -> "IndividualAccountant":
         return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets)
-
-    @property
-    def num_records(self) -> int:
-        return int(self.group_of.shape[0])
-
-    @property
-    def sample_rates(self) -> np.ndarray:
-        """(N,) current q_i."""
-        return self.group_rates[self.group_of]
-
-    @property
-    def noise_multipliers(self) -> np.ndarray:
-        """(N,) current z_i."""
-        return self.group_noise[self.group_of]
 
     # ------------------------------------------------------------------ composition
     def _rdp_per_step(self, rates, noises) -> np.ndarray:
@@ -282,22 +300,10 @@ class IndividualAccountant:
         self.steps_taken = int(state["steps_taken"])
         self.budgets = np.asarray(state["budgets"], dtype=np.float64) if bool(state["has_budgets"]) else None
 
-    def save(self, path) -> None:
-        """Atomically write the ledger to ``path`` (.npz): temp file in the same directory,
-        fsync, os.replace, fsync the directory. The file is never left half-written."""
-        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
-
-    @classmethod
-    def load(cls, path) -> "IndividualAccountant":
-        with np.load(os.fspath(path), allow_pickle=False) as data:
-            state = {k: data[k] for k in data.files}
-        obj = cls.__new__(cls)
-        obj.load_state_dict(state)
-        return obj
 
 
 @register_ledger("pld")
-class PLDIndividualAccountant:
+class PLDIndividualAccountant(_RecordLedger):
     """PLD ledger of N records under whole-dataset Poisson-subsampled Gaussian steps.
 
     Records with equal (q_i, z_i) form one group; ε of a group after T steps is computed with
@@ -349,20 +355,6 @@ class PLDIndividualAccountant:
         else:                   # the tightest budget in each group decides whether all members are safe
             self._group_budget = np.full(self.group_rates.shape[0], np.inf)
             np.minimum.at(self._group_budget, self.group_of, self.budgets)
-
-    @property
-    def num_records(self) -> int:
-        return int(self.group_of.shape[0])
-
-    @property
-    def sample_rates(self) -> np.ndarray:
-        """(N,) q_i."""
-        return self.group_rates[self.group_of]
-
-    @property
-    def noise_multipliers(self) -> np.ndarray:
-        """(N,) z_i."""
-        return self.group_noise[self.group_of]
 
     # ------------------------------------------------------------------ composition
     def step(self, n=1, *, sample_rates=None, noise_multipliers=None, record_ids=None):
@@ -447,14 +439,3 @@ class PLDIndividualAccountant:
         self.value_discretization_interval = float(state["value_discretization_interval"])
         self._reset_caches()
 
-    def save(self, path) -> None:
-        """Atomically write the ledger to ``path`` (.npz), as ``IndividualAccountant.save``."""
-        atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
-
-    @classmethod
-    def load(cls, path) -> "PLDIndividualAccountant":
-        with np.load(os.fspath(path), allow_pickle=False) as data:
-            state = {k: data[k] for k in data.files}
-        obj = cls.__new__(cls)
-        obj.load_state_dict(state)
-        return obj
