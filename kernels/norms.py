@@ -4,7 +4,7 @@ Every kernel reduces its per-sample quantity in registers and writes one fp32 pa
 program to a small (B, n_programs_per_sample) buffer that torch sums; no per-sample gradient and no
 Gram matrix ever reaches memory, and the reduction is deterministic (no atomics).
 
-References: ``pdpfast.ops.linear.linear_weight_sq_norms_reference``,
+References: ``pdpfast.ops.linear.linear_sq_norms_reference`` (weight, or weight + bias),
 ``bias_sq_norms_reference`` and ``pdpfast.ops.embedding.embedding_sq_norms_reference``.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from pdpfast.ops.embedding import embedding_sq_norms_reference
-from pdpfast.ops.linear import bias_sq_norms_reference, linear_weight_sq_norms_reference, use_gram
+from pdpfast.ops.linear import bias_sq_norms_reference, linear_sq_norms_reference, use_gram
 
 from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
 
@@ -28,7 +28,7 @@ def _linear_gram_sq_norms_kernel(
         stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
         N_TILES, N_SHIFTS,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr):
     # Both Grams are symmetric, so only tile pairs {s, t} are visited, each once: program
     # (sample, s, shift) takes t = (s + shift) mod n. Shifts 0..n//2 cover every unordered pair
     # once, except that for an even n the shift n/2 meets each pair twice; one copy is dropped.
@@ -65,6 +65,8 @@ def _linear_gram_sq_norms_kernel(
             y_t = tl.load(o_base + cols[:, None] * stride_op + rows_t[None, :] * stride_ot,
                           mask=in_p[:, None] & in_t[None, :], other=0.0)
             gram_o = _dot(y_s, y_t, gram_o, DOT_PRECISION, UPCAST)
+        if HAS_BIAS:  # the bias is a weight on a constant input 1: ‖b_i‖² = Σ_st (o oᵀ)_st joins as a aᵀ + 1
+            gram_a = gram_a + 1.0  # (rows past T have gram_o = 0: they still add nothing)
         # an off-diagonal pair stands for (s, t) and (t, s)
         product = gram_a * gram_o * tl.where(shift == 0, 1.0, 2.0)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
@@ -107,7 +109,7 @@ def _linear_direct_sq_norms_kernel(
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, D, P, stride_ab, stride_ad, stride_ob, stride_op,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
     sample = tl.program_id(0).to(tl.int64)
     acc_a = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
@@ -119,7 +121,10 @@ def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, D, P, stride_ab, stride_ad,
         cols = start + tl.arange(0, BLOCK)
         y = tl.load(o_ptr + sample * stride_ob + cols * stride_op, mask=cols < P, other=0.0).to(tl.float32)
         acc_o += y * y
-    tl.store(out_ptr + sample, tl.sum(acc_a, axis=0) * tl.sum(acc_o, axis=0))
+    sq_a = tl.sum(acc_a, axis=0)
+    if HAS_BIAS:  # (‖a‖² + 1)‖o‖²: the bias's ‖o‖² in the same launch
+        sq_a = sq_a + 1.0
+    tl.store(out_ptr + sample, sq_a * tl.sum(acc_o, axis=0))
 
 
 def _strides(x: torch.Tensor):
@@ -131,17 +136,20 @@ def _unit_inner(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto") -> torch.Tensor:
+def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
+                           with_bias: bool = False) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample, never forming o_iᵀ a_i nor the T×T Grams in memory.
 
     a: (B, T, d) layer inputs, o: (B, T, p) output gradients, fp32/fp16/bf16 (fp64 runs the
     reference). Returns (B,) fp32. ``path``: "auto" (T = 1 → rank-one kernel, else the cheaper of
     Gram and direct by ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
+    ``with_bias``: add the bias's ‖Σ_t o_{i,t}‖² — in the same launch on the rank-one and Gram
+    paths (one launch per layer, not two), by the bias kernel on the direct path.
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
     if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype not in KERNEL_DTYPES:
-        return linear_weight_sq_norms_reference(a, o)
+        return linear_sq_norms_reference(a, o, with_bias)
     B, T, D = a.shape
     P = o.shape[-1]
     if o.shape[:2] != a.shape[:2]:
@@ -160,7 +168,7 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto")
             out = new_buffer((B,), torch.float32, a.device)
             _rank_one_sq_norms_kernel[(B,)](
                 a, o, out, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2),
-                BLOCK=block(max(D, P), 16, 1024), num_warps=4)
+                BLOCK=block(max(D, P), 16, 1024), HAS_BIAS=with_bias, num_warps=4)
             return out
         if path == "gram":
             block_t = block(T, 16, 64)
@@ -170,7 +178,8 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto")
             if partials.numel():
                 _linear_gram_sq_norms_kernel[(partials.numel(),)](
                     a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts,
-                    BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), num_warps=4, **flags)
+                    BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), HAS_BIAS=with_bias,
+                    num_warps=4, **flags)
             return sum_partials(partials)
         block_p, block_d = block(P, 16, 64), block(D, 16, 64)
         n_p, n_d = triton.cdiv(P, block_p), triton.cdiv(D, block_d)
@@ -180,7 +189,8 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto")
                 a, o, partials, T, D, P, *_strides(a), *_strides(o), n_p, n_d,
                 BLOCK_T=block(T, 16, 32 if a.dtype == torch.float32 else 64), BLOCK_D=block_d, BLOCK_P=block_p,
                 num_warps=4, **flags)
-        return sum_partials(partials)
+        out = sum_partials(partials)
+        return out.add_(bias_sq_norms(o)) if with_bias else out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -118,14 +118,13 @@ def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
 def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.Tensor:
     """Per-sample squared norm of a linear layer's weight (+ bias) gradient: a (B, T, d), o (B, T, p).
 
-    Kernels: the weight's (Gram / direct / rank-one) and the bias's; the reference forms both in
-    one Gram (``linear_sq_norms_reference``), three tensor ops for short sequences.
+    Both forms take the bias into the weight's Gram (``linear_sq_norms_reference``; the kernel does
+    it in the same launch on its rank-one and Gram paths).
     """
     kernel = pick("linear_weight_sq_norms", None, a, o)
     if kernel is None:
         return linear_sq_norms_reference(a, o, with_bias)
-    total = kernel(a, o)
-    return total.add_(bias_sq_norms(o)) if with_bias else total
+    return kernel(a, o, with_bias=with_bias)
 
 
 def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,

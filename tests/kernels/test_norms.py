@@ -211,3 +211,20 @@ def test_embedding_sq_norms_gpu_sizes(tools, gen, dtype):
     ids = torch.randint(0, V, (B, T), generator=gen).to(tools.device)
     o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
     _check_embedding(tools, ids, o, V, 0, what="gpu embedding")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", [(3, 1, 7, 5), (3, 7, 65, 7), (2, 33, 7, 65), (1, 65, 9, 3), (0, 7, 5, 3)], ids=str)
+def test_linear_sq_norms_with_bias_in_one_launch(tools, gen, shape, path, dtype):
+    """‖G_i‖² + ‖Σ_t o_{i,t}‖²: the bias joins the weight's Gram (a aᵀ + 1) or rank-one ((‖a‖²+1)‖o‖²)."""
+    from pdpfast.ops.linear import linear_sq_norms_reference
+
+    B, T, d, p = shape
+    a = tools.randn(gen, B, T, d, dtype=dtype, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    out = norms.linear_weight_sq_norms(a, o, path=path, with_bias=True)
+    oracle = _linear_oracle(a, o) + o.double().sum(1).pow(2).sum(-1)
+    scale = _linear_scale(a, o) + o.double().abs().sum(1).pow(2).sum(-1)
+    tools.check(out, linear_sq_norms_reference(a, o, True), oracle,
+                atol=(ACC_RTOL + _tensor_core_rtol(a, o)) * scale + 1e-30, what=f"linear+bias {path} {shape}")
