@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,8 +31,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-__all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "evaluate", "group_report", "format_groups",
-           "private_engine", "private_steps", "run"]
+__all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
+           "format_groups", "private_engine", "private_steps", "run"]
 
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
 
@@ -247,11 +250,59 @@ class TrainConfig:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
+    overwrite: bool = False
     stop_after_steps: int | None = None
     threads: int | None = None
     quiet: bool = False
     out_json: str | None = None
     log: object = field(default=None, repr=False)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT (Ctrl-C) or SIGTERM after a whole step; the final checkpoint, if
+    any, holds every step taken. ``signum``: the signal (exit status 128 + signum by convention)."""
+
+    def __init__(self, signum: int, step: int, total_steps: int, checkpoint: str | None):
+        self.signum, self.step, self.total_steps, self.checkpoint = int(signum), step, total_steps, checkpoint
+        saved = (f"checkpoint {checkpoint!r} holds every step taken: continue with --resume {checkpoint}"
+                 if checkpoint else "nothing saved (no --checkpoint)")
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) after step {step} of {total_steps}; {saved}")
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM while training ask it to stop after the step in progress, so the final
+    checkpoint is consistent: model, optimizer, ledger and the loader's next draw all after the
+    same step (a step cut in the middle has advanced the loader but not the ledger). A second
+    signal stops at once (KeyboardInterrupt) and saves nothing more: the last checkpoint stays.
+    Handlers can only be set from the main thread; elsewhere the signals keep their handlers."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> bool:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def _positive_int(cfg: TrainConfig, name: str, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
 def _check_config(cfg: TrainConfig) -> None:
@@ -262,29 +313,90 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.model not in model_names():
         raise ValueError(f"unknown model {cfg.model!r}; choose from {', '.join(model_names())}")
     for name in ("epochs", "batch_size", "rounds", "max_length", "image_size"):
-        if not (isinstance(getattr(cfg, name), int) and getattr(cfg, name) > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+        _positive_int(cfg, name)
+    for name in ("physical_batch_size", "threads", "stop_after_steps"):
+        _positive_int(cfg, name, optional=True)
     for name in ("lr", "max_grad_norm"):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    if not (math.isfinite(cfg.momentum) and cfg.momentum >= 0):
+        raise ValueError(f"--momentum must be a number ≥ 0, got {cfg.momentum!r}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"--delta must lie in (0, 1), got {cfg.delta!r}")
     if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
-        raise ValueError(f"--epsilon must be > 0, got {cfg.epsilon!r}")
+        raise ValueError(f"--epsilon must be a finite number > 0 (ε = inf would promise no privacy at all), got "
+                         f"{cfg.epsilon!r}")
+    if not 0 <= cfg.test_fraction < 1:
+        raise ValueError(f"--test-fraction must lie in [0, 1), got {cfg.test_fraction!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ValueError(f"--seed must be an integer ≥ 0, got {cfg.seed!r}")
+    if cfg.model == "mlp":
+        _hidden_widths(cfg)
     if cfg.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be ≥ 0")
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
     if cfg.optimizer not in ("sgd", "adam"):
         raise ValueError(f"--optimizer must be sgd or adam, got {cfg.optimizer!r}")
-    if cfg.stop_after_steps is not None and cfg.stop_after_steps <= 0:
-        raise ValueError("--stop-after-steps must be a positive integer")
+
+
+def _hidden_widths(cfg: TrainConfig) -> list[int]:
+    try:
+        widths = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
+    except ValueError:
+        widths = None
+    if widths is None or any(w <= 0 for w in widths):
+        raise ValueError(f"--hidden must be comma-separated positive layer widths (e.g. 128 or 256,64), "
+                         f"got {cfg.hidden!r}")
+    return widths
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    """Every path the run will write, checked before any work: not a directory, under a writable
+    directory, no two outputs on one path, and no existing checkpoint (a run and its privacy
+    ledger) replaced unless it is the one being resumed or --overwrite says so."""
+    from ._io import check_output_path
+
+    written = {}
+    if cfg.resume:
+        if os.path.isdir(cfg.resume):
+            raise ValueError(f"--resume {cfg.resume!r} is a directory; give the checkpoint file")
+        if not os.path.isfile(cfg.resume):
+            raise FileNotFoundError(f"--resume {cfg.resume!r}: checkpoint does not exist")
+        if not cfg.checkpoint:
+            written["--resume"] = check_output_path(cfg.resume, "--resume")   # continued in place
+    if cfg.checkpoint:
+        written["--checkpoint"] = check_output_path(cfg.checkpoint, "--checkpoint")
+    if cfg.out_json:
+        written["--out-json"] = check_output_path(cfg.out_json, "--out-json")
+    if len(set(written.values())) < len(written):
+        raise ValueError(f"{' and '.join(written)} name the same file; give each output its own path")
+    if cfg.checkpoint and os.path.exists(cfg.checkpoint) and not cfg.overwrite:
+        if not cfg.resume:
+            raise ValueError(f"--checkpoint {cfg.checkpoint!r} already exists (a run and its privacy ledger); "
+                             f"continue it with --resume {cfg.checkpoint}, or start afresh over it with --overwrite")
+        if not os.path.samefile(cfg.resume, cfg.checkpoint):
+            raise ValueError(f"--checkpoint {cfg.checkpoint!r} already exists and is not the --resume checkpoint; "
+                             "give a new path, or replace it with --overwrite")
+
+
+def _warn(text: str) -> None:
+    print(f"pdpfast train: warning: {text}", file=sys.stderr)
+
+
+def _digest(array) -> str:
+    array = np.ascontiguousarray(array)
+    head = f"{array.dtype.str}{array.shape}".encode()
+    return hashlib.sha256(head + array.tobytes()).hexdigest()
 
 
 def _fingerprint(budgets: np.ndarray, data) -> dict:
-    return {"records": len(data), "budgets_sha256": hashlib.sha256(np.ascontiguousarray(budgets).tobytes()).hexdigest(),
-            "input_shape": list(data.input_shape), "kind": data.kind}
+    """What a checkpoint's spent budget belongs to: the training records (features and labels, by
+    hash), their budgets and shapes. A resumed run must match it exactly."""
+    return {"records": len(data), "input_shape": list(data.input_shape), "kind": data.kind,
+            "features_sha256": _digest(data.features.numpy()), "labels_sha256": _digest(data.labels.numpy()),
+            "budgets_sha256": _digest(np.asarray(budgets, dtype=np.float64))}
 
 
 def _say(cfg: TrainConfig, text: str) -> None:
@@ -328,12 +440,7 @@ def _build(cfg: TrainConfig, train):
     if spec.task == "classification" and train.num_classes < 2:
         raise ValueError(f"model {cfg.model!r} classifies, but the data have {train.num_classes} class; "
                          "name the label column (--label-column) or labels file (--labels)")
-    options = {}
-    if cfg.model == "mlp":
-        try:
-            options["hidden"] = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
-        except ValueError:
-            raise ValueError(f"--hidden must be comma-separated widths, got {cfg.hidden!r}") from None
+    options = {"hidden": _hidden_widths(cfg)} if cfg.model == "mlp" else {}
     model_config = {"name": cfg.model, "input_shape": list(train.input_shape), "num_classes": train.num_classes,
                     "vocab_size": train.vocab_size, "input_kind": train.kind, "options": options}
     torch.manual_seed(cfg.seed)
@@ -350,14 +457,15 @@ def _optimizer(cfg: TrainConfig, model):
 
 
 def _load_checkpoint_file(path):
-    import os
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:      # a truncated or foreign file
         raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+# the settings a resumed run must share with its checkpoint (the plan, the schedule, the optimizer state)
+_RESUME_SETTINGS = ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
+                    "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction", "optimizer")
 
 
 def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
@@ -365,24 +473,68 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     if "train_args" not in extra:
         raise ValueError(f"{cfg.resume!r} is not a `pdpfast train` checkpoint")
     saved = extra["train_args"]
-    for key in ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
-                "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction"):
+    for key in _RESUME_SETTINGS:
         if saved.get(key) != getattr(cfg, key):
             raise ValueError(f"the checkpoint was made with --{key.replace('_', '-')} {saved.get(key)!r}, not "
                              f"{getattr(cfg, key)!r}; resume with the same settings")
-    if extra.get("data") != fingerprint:
-        raise ValueError("the checkpoint was made with other data or other budgets; resume with the same ones "
-                         "(its spent budget belongs to those records)")
+    data = extra.get("data") or {}
+    if "features_sha256" not in data:
+        raise ValueError(f"the checkpoint {cfg.resume!r} predates fingerprints of the features and labels, so it "
+                         "cannot be checked against these data; start a fresh run (--overwrite)")
+    for key, what in (("records", f"{data.get('records')} records, not {fingerprint['records']}"),
+                      ("input_shape", "records of another shape"), ("kind", "records of another kind"),
+                      ("features_sha256", "other features (as many records, other values)"),
+                      ("labels_sha256", "other labels"), ("budgets_sha256", "other budgets")):
+        if data.get(key) != fingerprint[key]:
+            raise ValueError(f"cannot resume {cfg.resume!r}: it was made on {what}; its spent budget belongs to "
+                             "those records, so resume with the same data and budgets")
     if extra.get("model_config") != model_config:
         raise ValueError("the checkpoint's model configuration differs from this run's")
 
 
+def _restore(cfg: TrainConfig, load) -> None:
+    """Run ``load()`` (state into model / optimizer / engine), naming the checkpoint when the
+    state does not fit (another optimizer's state raises KeyError 'step' deep inside torch)."""
+    try:
+        load()
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"the state in checkpoint {cfg.resume!r} does not fit this run ({detail}); resume with the "
+                         "settings it was made with") from None
+
+
+def _warn_about_batch_size(cfg: TrainConfig, n: int) -> None:
+    if cfg.batch_size > n:
+        _warn(f"--batch-size {cfg.batch_size} exceeds the {n} training records: the sampling rate is capped at q = 1 "
+              f"(every record in every step, expected batch {n})")
+
+
+def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> None:
+    """With q capped at 1, records whose budget would need a rate above 1 cannot spend it all."""
+    if cfg.batch_size < len(budgets) or cfg.method == "dpsgd":
+        return
+    short = [r for r in group_report(budgets, plan.epsilons()) if r["max_ratio"] < 0.99]
+    if short:
+        groups = ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
+        _warn(f"at q = 1 these budget groups under-spend, as their records cannot be sampled more often: {groups}; "
+              "lower --batch-size, or use --method scale, which spends them through larger clip bounds")
+
+
 def run(cfg: TrainConfig) -> dict:
-    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``)."""
+    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``).
+    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved)."""
+    from ._io import remove_stale_temporaries
+
     _check_config(cfg)
+    _check_outputs(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, test, budgets = load_training_data(cfg)
+    n = len(train)
+    if cfg.delta >= 1.0 / n:
+        _warn(f"--delta {cfg.delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the clear; "
+              f"use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
+    _warn_about_batch_size(cfg, n)
     task = Task.for_model(cfg.model)
     model, model_config = _build(cfg, train)
     fingerprint = _fingerprint(budgets, train)
@@ -391,8 +543,10 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.resume:
         resume_state = _load_checkpoint_file(cfg.resume)
         _check_resume(resume_state, cfg, fingerprint, model_config)
+    for path in (checkpoint_path, cfg.out_json):
+        if path:
+            remove_stale_temporaries(path)
     optimizer = _optimizer(cfg, model)
-    n = len(train)
     sample_rate = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, round(1.0 / sample_rate))
     total_steps = cfg.epochs * steps_per_epoch
@@ -403,12 +557,12 @@ def run(cfg: TrainConfig) -> dict:
               f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
               f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
               f"δ={cfg.delta:g}")
-    if cfg.method == "pdp":
-        summary = _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
-                           checkpoint_path, resume_state)
-    else:
-        summary = _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
-                           checkpoint_path, resume_state)
+    run_method = _run_pdp if cfg.method == "pdp" else _run_idp
+    with _StopOnSignal() as stop:
+        summary = run_method(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
+                             checkpoint_path, resume_state, stop)
+    if stop.received is not None:
+        raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
     if test is not None:
         summary["test"] = task.evaluate(model, test.dataset())
@@ -436,7 +590,7 @@ def _progress(cfg: TrainConfig, total: int, initial: int, desc: str):
 
 
 def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state) -> dict:
+             resume_state, stop) -> dict:
     engine, model, optimizer, loader, criterion = private_engine(
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
@@ -444,27 +598,33 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
     if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
-        engine.load_state_dict(resume_state["engine"])
+        def load():
+            model.load_state_dict(resume_state["model"])
+            engine.load_state_dict(resume_state["engine"])
+
+        _restore(cfg, load)
         if "torch_rng" in resume_state["extra"]:
             torch.set_rng_state(resume_state["extra"]["torch_rng"])
         _say(cfg, f"resumed from {cfg.resume} at step {engine.steps} of {plan.steps}")
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
               f"expected batch {plan.expected_batch_size:.1f}{note}")
+    _warn_about_under_spending(cfg, plan, budgets)
     until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
 
     def save():
         if checkpoint_path:
-            engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(), **extra)
+            engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(),
+                                   interrupted=stop.received is not None, **extra)
 
     bar = _progress(cfg, plan.steps, engine.steps, cfg.method)
 
     def on_step(step, loss):
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
+        return stop.received is not None
 
     try:
         private_steps(engine, model, optimizer, loader, task, criterion, until=until, on_step=on_step)
@@ -477,16 +637,17 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
 
 
 def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state) -> dict:
+             resume_state, stop) -> dict:
     from .pdp_sgd import PDPSGD
 
     # each round: epochs/rounds expected passes over its subset, at the run's expected batch size
+    expected_batch_size = sample_rate * len(train)
     driver = PDPSGD(model, train.dataset(), budgets, optimizer=optimizer, delta=cfg.delta, rounds=cfg.rounds,
-                    epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=sample_rate * len(train), task=task,
+                    epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=expected_batch_size, task=task,
                     max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.seed,
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
     if resume_state is not None:
-        driver.load_checkpoint_state(resume_state)
+        _restore(cfg, lambda: driver.load_checkpoint_state(resume_state))
         if "torch_rng" in resume_state["extra"]:
             torch.set_rng_state(resume_state["extra"]["torch_rng"])
         _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
@@ -494,23 +655,26 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
 
     def save():
         if checkpoint_path:
-            driver.save_checkpoint(checkpoint_path, torch_rng=torch.get_rng_state(), **extra)
+            driver.save_checkpoint(checkpoint_path, torch_rng=torch.get_rng_state(),
+                                   interrupted=stop.received is not None, **extra)
 
     def on_step(step, loss):
         bar.update(1)
         bar.set_postfix(round=driver.round + 1, loss=f"{loss:.3f}", refresh=False)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
+        return stop.received is not None
 
     try:
         result = driver.run(on_step=on_step, max_steps=cfg.stop_after_steps)
     finally:
         bar.close()
     save()
-    for r in result.rounds:
-        _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
-                  f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
-    _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
+    if stop.received is None:
+        for r in result.rounds:
+            _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
+                      f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
+        _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
     return {"method": "pdp", "steps": driver.steps, "total_steps": driver.total_steps, "finished": driver.finished,
             "spent": result.epsilons, "ledger": "PDP-SGD round guarantees charged", "rounds": [
                 dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max())}
