@@ -283,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
     g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="reference clip norm C")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     g.add_argument("--threads", type=int, help="torch threads")
     g = train.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger); an existing one is "

@@ -32,9 +32,54 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
-           "format_groups", "private_engine", "private_steps", "run"]
+           "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device"]
 
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def resolve_device(name: str | None) -> torch.device:
+    """The device ``--device name`` asks for: None → CUDA when present, else the CPU. Raises
+    ValueError naming the option for a device that is not a cpu / cuda[:N] name or is not here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {name}: CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: pdpfast train runs on cpu or cuda[:N], not {device.type}")
+    return device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live (the CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or lists / tuples / dicts of them) on ``device``. Copies from pinned
+    memory are non-blocking: the host goes on to the next batch while the copy runs."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def pin_memory_for(model: nn.Module) -> bool:
+    """Whether loaders feeding ``model`` should pin their batches (page-locked host memory makes
+    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model."""
+    return model_device(model).type == "cuda"
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -102,8 +147,10 @@ class Task:
         model.eval()
         total, correct, loss_sum = 0, 0, 0.0
         criterion = self.criterion()
+        device = model_device(model)
         try:
-            for x, y in DataLoader(dataset, batch_size=batch_size):
+            for x, y in DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda"):
+                x, y = to_device(x, device), to_device(y, device)
                 logits = self.logits(model, x)
                 if self.kind == "lm":
                     loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
@@ -143,7 +190,8 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
     criterion = task.criterion()
     engine = pdpfast.PrivacyEngine(seed=seed)
     out = engine.make_private_with_budgets(
-        module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=batch_size),
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(dataset, batch_size=batch_size, pin_memory=pin_memory_for(model)),
         budgets=plan_budgets, delta=delta, steps=steps, method="sample" if method == "dpsgd" else method,
         sample_rate=sample_rate, max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant,
         clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
@@ -160,10 +208,14 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
     """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader.
 
     ``on_step(step, loss)`` runs after every optimizer step (``step`` = engine.steps, ``loss`` the
-    mean per-record loss of the draw's last physical batch); it may return True to stop early."""
+    mean per-record loss of the draw's last physical batch); it may return True to stop early.
+    Batches are moved to the model's device (non-blocking from pinned memory)."""
     model.train()
+    device = model_device(model)
     while engine.steps < until:
         for batch in loader:
+            if device.type != "cpu":
+                batch = to_device(batch, device)
             loss = task.loss(model, batch, criterion)
             loss.backward()
             before = engine.steps
@@ -247,6 +299,7 @@ class TrainConfig:
     pdp_loss: str = "fixed"
     pdp_charge: str = "all"
     seed: int = 0
+    device: str | None = None
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
@@ -527,6 +580,7 @@ def run(cfg: TrainConfig) -> dict:
 
     _check_config(cfg)
     _check_outputs(cfg)
+    device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, test, budgets = load_training_data(cfg)
@@ -546,6 +600,7 @@ def run(cfg: TrainConfig) -> dict:
     for path in (checkpoint_path, cfg.out_json):
         if path:
             remove_stale_temporaries(path)
+    model.to(device)
     optimizer = _optimizer(cfg, model)
     sample_rate = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, round(1.0 / sample_rate))
@@ -556,7 +611,7 @@ def run(cfg: TrainConfig) -> dict:
     _say(cfg, f"pdpfast train: {n} training records ({train.source}), {len(np.unique(budgets))} distinct budgets "
               f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
               f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
-              f"δ={cfg.delta:g}")
+              f"δ={cfg.delta:g}, device {device}")
     run_method = _run_pdp if cfg.method == "pdp" else _run_idp
     with _StopOnSignal() as stop:
         summary = run_method(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
@@ -564,13 +619,15 @@ def run(cfg: TrainConfig) -> dict:
     if stop.received is not None:
         raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
+    summary["device"] = str(device)
     if test is not None:
         summary["test"] = task.evaluate(model, test.dataset())
         _say(cfg, "test: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items()))
     summary["groups"] = group_report(budgets, summary.pop("spent"))
     _say(cfg, format_groups(summary["groups"], f"ε spent per budget group ({summary['ledger']})"))
     if summary["finished"]:
-        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
+        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s "
+                  f"({summary['records_per_second']:.0f} records/s on {device})"
              + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
     else:
         _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
@@ -583,10 +640,30 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _progress(cfg: TrainConfig, total: int, initial: int, desc: str):
-    from tqdm.auto import tqdm
+class _Progress:
+    """The progress bar of a run: steps, the last loss and the throughput in records per second
+    (optimizer steps × expected batch size / seconds: the realized batch sizes are private)."""
 
-    return tqdm(total=total, initial=initial, desc=desc, disable=cfg.quiet, leave=False, file=sys.stderr)
+    def __init__(self, cfg: TrainConfig, total: int, initial: int, desc: str, expected_batch_size: float,
+                 clock=time.perf_counter):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, disable=cfg.quiet, leave=False, file=sys.stderr)
+        self.expected_batch_size, self.clock = float(expected_batch_size), clock
+        self.start = clock()
+        self.steps = 0          # taken by this invocation (a resumed run starts at its checkpoint's step)
+
+    def records_per_second(self) -> float:
+        return self.steps * self.expected_batch_size / max(self.clock() - self.start, 1e-9)
+
+    def step(self, loss: float, **postfix) -> None:
+        self.steps += 1
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix, loss=f"{loss:.3f}", **{"rec/s": f"{self.records_per_second():.0f}"},
+                             refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
@@ -617,11 +694,10 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
             engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(),
                                    interrupted=stop.received is not None, **extra)
 
-    bar = _progress(cfg, plan.steps, engine.steps, cfg.method)
+    progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
 
     def on_step(step, loss):
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        progress.step(loss)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
         return stop.received is not None
@@ -629,11 +705,12 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
     try:
         private_steps(engine, model, optimizer, loader, task, criterion, until=until, on_step=on_step)
     finally:
-        bar.close()
+        progress.close()
     save()
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
-            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier}
+            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier,
+            "records_per_second": progress.records_per_second()}
 
 
 def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
@@ -651,7 +728,7 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
         if "torch_rng" in resume_state["extra"]:
             torch.set_rng_state(resume_state["extra"]["torch_rng"])
         _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
-    bar = _progress(cfg, driver.total_steps, driver.steps, "pdp")
+    progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
 
     def save():
         if checkpoint_path:
@@ -659,8 +736,7 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
                                    interrupted=stop.received is not None, **extra)
 
     def on_step(step, loss):
-        bar.update(1)
-        bar.set_postfix(round=driver.round + 1, loss=f"{loss:.3f}", refresh=False)
+        progress.step(loss, round=driver.round + 1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
         return stop.received is not None
@@ -668,7 +744,7 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
     try:
         result = driver.run(on_step=on_step, max_steps=cfg.stop_after_steps)
     finally:
-        bar.close()
+        progress.close()
     save()
     if stop.received is None:
         for r in result.rounds:
@@ -677,4 +753,5 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
         _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
     return {"method": "pdp", "steps": driver.steps, "total_steps": driver.total_steps, "finished": driver.finished,
             "spent": result.epsilons, "ledger": "PDP-SGD round guarantees charged", "rounds": [
-                dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max())}
+                dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max()),
+            "records_per_second": progress.records_per_second()}
