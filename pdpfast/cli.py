@@ -2,8 +2,10 @@
 
 Every command either succeeds with all of its outputs in place, or fails with one line
 ``pdpfast <command>: error: ...`` on stderr, a non-zero exit status and no output file: outputs
-are staged as temporary files and moved into place together at the end (checkpoints are the
-exception by design: a long run keeps its last complete checkpoint, written atomically).
+are staged as temporary files and moved into place together at the end, and every output path
+is checked before any work starts (checkpoints are the exception by design: a long run keeps its
+last complete checkpoint, written atomically). ``train`` stopped by SIGINT / SIGTERM writes a
+final checkpoint and exits with 128 + the signal's number.
 """
 from __future__ import annotations
 
