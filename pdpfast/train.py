@@ -586,8 +586,8 @@ def run(cfg: TrainConfig) -> dict:
     train, test, budgets = load_training_data(cfg)
     n = len(train)
     if cfg.delta >= 1.0 / n:
-        _warn(f"--delta {cfg.delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the clear; "
-              f"use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
+        _warn(f"--delta {cfg.delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the "
+              f"clear; use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
     _warn_about_batch_size(cfg, n)
     task = Task.for_model(cfg.model)
     model, model_config = _build(cfg, train)

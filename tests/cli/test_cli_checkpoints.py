@@ -204,3 +204,22 @@ def test_resume_with_another_optimizer_names_the_option(cli, data_dir, tmp_path)
     assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
     message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, "--optimizer", "adam", *SMALL)
     assert "--optimizer" in message and "sgd" in message and "adam" in message
+
+
+@pytest.mark.parametrize("command,args", [("demo", ("--out", "a_file")), ("bench", ("--suite", "cpu", "--out", "a_dir")),
+                                          ("bench", ("--suite", "cpu", "--out", "r.json", "--plot", "r.json"))])
+def test_other_commands_check_their_output_paths_before_any_work(cli, tmp_path, monkeypatch, command, args):
+    import pdpfast.demo
+
+    def too_late(*a, **k):
+        raise AssertionError("work started before the output paths were checked")
+
+    monkeypatch.setattr(pdpfast.demo, "run_demo", too_late)
+    monkeypatch.setattr("pdpfast.cli._import_bench", too_late)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    before = outputs(tmp_path)
+    message = cli.fails(command, *args)
+    assert "--out" in message or "--plot" in message, message
+    assert outputs(tmp_path) == before
