@@ -66,7 +66,9 @@ def test_delta_at_least_one_over_n_warns(cli, data_dir, tmp_path):
 
 @pytest.mark.parametrize("method", ["sample", "hybrid"])
 def test_calibration_failing_on_the_spread_of_budgets_says_why_and_suggests_scale(cli, tmp_path, method):
-    np.save(tmp_path / "b.npy", np.repeat([0.01, 500.0], 50))
+    # no Sample plan exists: a mean rate of 0.5 keeps the nine ε=500 records at rate ≤ 0.5/0.9, so
+    # σ ≤ 0.28, where ε=0.01 would need a rate below the 1e-12 floor
+    np.save(tmp_path / "b.npy", np.r_[0.01, np.full(9, 500.0)])
     message = cli.fails("calibrate", tmp_path / "b.npy", "--steps", 100, "--sample-rate", 0.5, "--method", method,
                         "--out", tmp_path / "plan.json")
     assert "spread" in message and "scale" in message, message
