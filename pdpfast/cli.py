@@ -97,6 +97,9 @@ def _calibrate(args) -> int:
         if args.batch_size is None:
             raise ValueError("give --sample-rate q (expected batch / N) or --batch-size B")
         sample_rate = min(1.0, args.batch_size / budgets.shape[0])
+        if args.batch_size > budgets.shape[0]:
+            print(f"pdpfast calibrate: warning: --batch-size {args.batch_size} exceeds the {budgets.shape[0]} records: "
+                  "the sampling rate is capped at q = 1", file=sys.stderr)
     else:
         sample_rate = args.sample_rate
     if (args.steps is None) == (args.epochs is None):
@@ -111,6 +114,12 @@ def _calibrate(args) -> int:
                                  hybrid_weight=args.hybrid_weight, accountant=args.accountant)
     for w in caught:
         print(f"pdpfast calibrate: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    if sample_rate == 1.0:
+        from .train import UNDER_SPENDING_AT_RATE_ONE, under_spending_groups
+
+        groups = under_spending_groups(budgets, plan.epsilons())
+        if groups:
+            print(f"pdpfast calibrate: warning: {UNDER_SPENDING_AT_RATE_ONE.format(groups=groups)}", file=sys.stderr)
     print(plan.summary(max_rows=args.max_rows))
     eps = plan.epsilons()
     print(f"every record's guaranteed ε ≤ its budget: {bool(np.all(eps <= budgets))} "

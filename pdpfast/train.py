@@ -32,7 +32,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
-           "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device"]
+           "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device",
+           "under_spending_groups"]
 
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
 
@@ -562,15 +563,25 @@ def _warn_about_batch_size(cfg: TrainConfig, n: int) -> None:
               f"(every record in every step, expected batch {n})")
 
 
+def under_spending_groups(budgets: np.ndarray, guaranteed: np.ndarray, ratio: float = 0.99) -> str:
+    """The budget groups (as in :func:`group_report`) whose guaranteed ε stays below ``ratio`` ×
+    their budget, as text ("ε=2 (spends ≤ 1.23), ..."); empty when every group spends its budget."""
+    short = [r for r in group_report(budgets, guaranteed) if r["max_ratio"] < ratio]
+    return ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
+
+
+UNDER_SPENDING_AT_RATE_ONE = ("at q = 1 these budget groups under-spend, as their records cannot be sampled more "
+                              "often: {groups}; lower the batch size, or use method scale, which spends them through "
+                              "larger clip bounds")
+
+
 def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> None:
     """With q capped at 1, records whose budget would need a rate above 1 cannot spend it all."""
     if cfg.batch_size < len(budgets) or cfg.method == "dpsgd":
         return
-    short = [r for r in group_report(budgets, plan.epsilons()) if r["max_ratio"] < 0.99]
-    if short:
-        groups = ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
-        _warn(f"at q = 1 these budget groups under-spend, as their records cannot be sampled more often: {groups}; "
-              "lower --batch-size, or use --method scale, which spends them through larger clip bounds")
+    groups = under_spending_groups(budgets, plan.epsilons())
+    if groups:
+        _warn(UNDER_SPENDING_AT_RATE_ONE.format(groups=groups))
 
 
 def run(cfg: TrainConfig) -> dict:

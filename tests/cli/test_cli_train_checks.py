@@ -48,6 +48,17 @@ def test_batch_size_above_the_records_warns_and_names_the_groups_that_under_spen
         assert not under, err
 
 
+def test_calibrate_with_batch_size_above_the_records_warns_and_names_the_groups_that_under_spend(cli, data_dir,
+                                                                                                  tmp_path):
+    rc, out, err = cli("calibrate", data_dir / "budgets.npy", "--epochs", 1, "--batch-size", 1000, "--out",
+                       tmp_path / "plan.json")
+    assert rc == 0, err
+    lines = err.strip().splitlines()
+    assert any("--batch-size 1000" in line and "360" in line and "q = 1" in line for line in lines), err
+    under = [line for line in lines if "under-spend" in line]
+    assert len(under) == 1 and "ε=2" in under[0] and "ε=3" in under[0] and "ε=1 " not in under[0], err
+
+
 def test_batch_size_within_the_records_gives_no_warning(cli, data_dir):
     rc, _, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--stop-after-steps", 1, *SMALL)
     assert rc == 0 and "warning" not in err, err
