@@ -651,6 +651,22 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
+def _rng_states(device: torch.device) -> dict:
+    """torch's random states a resumed run continues from (e.g. dropout draws): the CPU's, and
+    the GPU's when training there."""
+    states = {"torch_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(extra: dict, device: torch.device) -> None:
+    if "torch_rng" in extra:
+        torch.set_rng_state(extra["torch_rng"])
+    if "cuda_rng" in extra and device.type == "cuda":
+        torch.cuda.set_rng_state(extra["cuda_rng"], device)
+
+
 class _Progress:
     """The progress bar of a run: steps, the last loss and the throughput in records per second
     (optimizer steps × expected batch size / seconds: the realized batch sizes are private)."""
@@ -691,8 +707,7 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
             engine.load_state_dict(resume_state["engine"])
 
         _restore(cfg, load)
-        if "torch_rng" in resume_state["extra"]:
-            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        _set_rng_states(resume_state["extra"], model_device(model))
         _say(cfg, f"resumed from {cfg.resume} at step {engine.steps} of {plan.steps}")
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
@@ -702,7 +717,7 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
 
     def save():
         if checkpoint_path:
-            engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(),
+            engine.save_checkpoint(checkpoint_path, model, **_rng_states(model_device(model)),
                                    interrupted=stop.received is not None, **extra)
 
     progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
@@ -736,14 +751,13 @@ def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
     if resume_state is not None:
         _restore(cfg, lambda: driver.load_checkpoint_state(resume_state))
-        if "torch_rng" in resume_state["extra"]:
-            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        _set_rng_states(resume_state["extra"], model_device(model))
         _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
     progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
 
     def save():
         if checkpoint_path:
-            driver.save_checkpoint(checkpoint_path, torch_rng=torch.get_rng_state(),
+            driver.save_checkpoint(checkpoint_path, **_rng_states(model_device(model)),
                                    interrupted=stop.received is not None, **extra)
 
     def on_step(step, loss):
