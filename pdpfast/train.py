@@ -534,7 +534,8 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     data = extra.get("data") or {}
     if "features_sha256" not in data:
         raise ValueError(f"the checkpoint {cfg.resume!r} predates fingerprints of the features and labels, so it "
-                         "cannot be checked against these data; start a fresh run (--overwrite)")
+                         "cannot be checked against these data; start a fresh run instead (without --resume; "
+                         "--overwrite replaces the old checkpoint)")
     for key, what in (("records", f"{data.get('records')} records, not {fingerprint['records']}"),
                       ("input_shape", "records of another shape"), ("kind", "records of another kind"),
                       ("features_sha256", "other features (as many records, other values)"),

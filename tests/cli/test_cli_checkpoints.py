@@ -223,3 +223,15 @@ def test_other_commands_check_their_output_paths_before_any_work(cli, tmp_path, 
     message = cli.fails(command, *args)
     assert "--out" in message or "--plot" in message, message
     assert outputs(tmp_path) == before
+
+
+def test_resume_refuses_a_checkpoint_without_a_data_fingerprint(cli, data_dir, tmp_path):
+    """A checkpoint from before features and labels were hashed cannot be checked: refused."""
+    ck = tmp_path / "run.pt"
+    assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+    checkpoint = torch.load(ck, weights_only=False)
+    for key in ("features_sha256", "labels_sha256"):
+        del checkpoint["extra"]["data"][key]
+    torch.save(checkpoint, ck)
+    message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, *SMALL)
+    assert "fingerprint" in message and "without --resume" in message
