@@ -1,7 +1,9 @@
-"""Crash-safe file writes, for everything that records spent privacy budget."""
+"""Crash-safe file writes, for everything that records spent privacy budget, and the checks of
+output paths that commands run before doing any work."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import BinaryIO, Callable
 
@@ -31,3 +33,46 @@ def atomic_write(path, write: Callable[[BinaryIO], None]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def check_output_path(path, option: str) -> str:
+    """The absolute path ``path`` will be written to, or ValueError naming ``option``: it must not
+    be a directory, and its nearest existing parent must be a writable directory (missing parents
+    are created when the file is written). Checked before a command does any work, so a bad path
+    fails in a second rather than after a whole training run."""
+    shown = os.fspath(path)
+    full = os.path.abspath(shown)
+    if os.path.isdir(full):
+        raise ValueError(f"{option} {shown!r} is a directory; give a file path")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {shown!r} cannot be created: {parent!r} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {shown!r} cannot be created: directory {parent!r} is not writable")
+    return full
+
+
+def remove_stale_temporaries(path) -> list[str]:
+    """Remove temporary files that an atomic write of ``path`` left behind when its process was
+    killed (SIGKILL, power loss) between creating and renaming them; returns the removed paths.
+    Call it when a command starts writing ``path`` again: a live writer of the same path would be
+    a second run on the same output, which is refused anyway."""
+    full = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(full)
+    if not os.path.isdir(directory):
+        return []
+    random = "[a-z0-9_]{8}"         # tempfile's random part
+    patterns = [re.compile(re.escape(f".{name}-") + random + re.escape(".tmp") + "$"),      # atomic_write
+                re.compile(re.escape(f".{name}.") + random + re.escape(os.path.splitext(name)[1]) + "$")]  # plots
+    removed = []
+    for entry in os.listdir(directory):
+        candidate = os.path.join(directory, entry)
+        if any(p.match(entry) for p in patterns) and os.path.isfile(candidate):
+            try:
+                os.unlink(candidate)
+                removed.append(candidate)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -2,8 +2,10 @@
 
 Every command either succeeds with all of its outputs in place, or fails with one line
 ``pdpfast <command>: error: ...`` on stderr, a non-zero exit status and no output file: outputs
-are staged as temporary files and moved into place together at the end (checkpoints are the
-exception by design: a long run keeps its last complete checkpoint, written atomically).
+are staged as temporary files and moved into place together at the end, and every output path
+is checked before any work starts (checkpoints are the exception by design: a long run keeps its
+last complete checkpoint, written atomically). ``train`` stopped by SIGINT / SIGTERM writes a
+final checkpoint and exits with 128 + the signal's number.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ def _demo(args) -> int:
     for name in ("epochs", "seeds", "rounds", "batch_size"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; give a directory for the plots and results.json")
     print(f"pdpfast demo: digits, privacy groups "
           f"{', '.join(f'{f:.0%} at ε={e:g}' for f, e in zip(GROUP_FRACTIONS, GROUP_EPSILONS))}, δ={DELTA:g}; "
           f"{args.epochs} epochs, {args.seeds} seed(s), PDP-SGD in {args.rounds} rounds", flush=True)
@@ -50,7 +55,6 @@ def _demo(args) -> int:
     results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, progress=not args.quiet,
                        rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size)
     print(format_results(results))
-    out = Path(args.out)
     with Staging() as staging:
         accuracy_png, epsilon_png, summary = (out / "accuracy.png", out / "epsilon.png", out / "results.json")
         save_plots(results, staging.path(accuracy_png), staging.path(epsilon_png))
@@ -66,9 +70,7 @@ def _train(args) -> int:
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and k != "log"})
-    if cfg.out_json and os.path.exists(cfg.out_json) and os.path.isdir(cfg.out_json):
-        raise ValueError(f"--out-json {cfg.out_json!r} is a directory")
-    run(cfg)
+    run(cfg)        # checks every output path before it loads the data
     return 0
 
 
@@ -80,13 +82,24 @@ def _calibrate(args) -> int:
 
     import pdpfast
     from . import plots
+    from ._io import check_output_path
     from .datasets import read_budgets
 
+    plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+    outputs = {"--out": check_output_path(args.out, "--out"), "--plot": check_output_path(plot, "--plot")}
+    if outputs["--out"] == outputs["--plot"]:
+        raise ValueError("--out and --plot name the same file; give each its own path")
     budgets = read_budgets(args.budgets, column=args.column)
+    if 0 < args.delta < 1 and args.delta >= 1.0 / budgets.shape[0]:
+        print(f"pdpfast calibrate: warning: --delta {args.delta:g} ≥ 1/N = 1/{budgets.shape[0]}: a mechanism with "
+              "such a δ may publish a few records in the clear; use δ well below 1/N", file=sys.stderr)
     if args.sample_rate is None:
         if args.batch_size is None:
             raise ValueError("give --sample-rate q (expected batch / N) or --batch-size B")
         sample_rate = min(1.0, args.batch_size / budgets.shape[0])
+        if args.batch_size > budgets.shape[0]:
+            print(f"pdpfast calibrate: warning: --batch-size {args.batch_size} exceeds the {budgets.shape[0]} records: "
+                  "the sampling rate is capped at q = 1", file=sys.stderr)
     else:
         sample_rate = args.sample_rate
     if (args.steps is None) == (args.epochs is None):
@@ -101,11 +114,16 @@ def _calibrate(args) -> int:
                                  hybrid_weight=args.hybrid_weight, accountant=args.accountant)
     for w in caught:
         print(f"pdpfast calibrate: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    if sample_rate == 1.0:
+        from .train import UNDER_SPENDING_AT_RATE_ONE, under_spending_groups
+
+        groups = under_spending_groups(budgets, plan.epsilons())
+        if groups:
+            print(f"pdpfast calibrate: warning: {UNDER_SPENDING_AT_RATE_ONE.format(groups=groups)}", file=sys.stderr)
     print(plan.summary(max_rows=args.max_rows))
     eps = plan.epsilons()
     print(f"every record's guaranteed ε ≤ its budget: {bool(np.all(eps <= budgets))} "
           f"(largest ratio {float(np.max(eps / budgets)):.4f})")
-    plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
     with plots.Staging() as staging:
         Path(staging.path(args.out)).write_text(plan.to_json())
         plots.plan_histograms(plan, staging.path(plot))
@@ -146,6 +164,10 @@ def _bench(args) -> int:
                            "--device cpu --size micro for a smoke test")
     out = Path(args.out or f"bench/results/cli_{suite}.json")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+    from ._io import check_output_path
+
+    if check_output_path(out, "--out") == check_output_path(plot, "--plot"):
+        raise ValueError("--out and --plot name the same file; give each its own path")
     with plots.Staging() as staging:
         tmp_json = staging.path(out)
         if suite == "cpu":
@@ -272,11 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
     g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="reference clip norm C")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     g.add_argument("--threads", type=int, help="torch threads")
     g = train.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger)")
+    g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger); an existing one is "
+                                        "refused unless --resume or --overwrite")
     g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     g.add_argument("--resume", help="continue from this checkpoint (same data, budgets and settings)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start afresh over an existing --checkpoint (its ledger is replaced)")
     g.add_argument("--stop-after-steps", type=int, help="stop (resumably) after N steps of this invocation")
     g.add_argument("--out-json", help="write a summary (test metrics, ε per group) as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -327,10 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:      # --help, or a usage error already printed as one line
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR
+    from .train import TrainingInterrupted
+
     run = getattr(args, "run", None) or getattr(args, "func", None)
     try:
         rc = run(args)
         return 0 if rc is None else int(rc)
+    except TrainingInterrupted as exc:      # stopped after a whole step, final checkpoint written
+        print(f"pdpfast {args.command}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return _fail(args.command, RuntimeError("interrupted"))
     except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:

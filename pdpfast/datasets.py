@@ -238,22 +238,31 @@ def _tokenize(texts, tokenizer, max_length: int):
 
 
 def _labels(values, what: str):
-    """(labels (N,) int64, class names): integers keep their value when they are 0..K-1; anything
-    else is mapped to the index of its sorted distinct value."""
+    """(labels (N,) int64, class names): integers keep their value when they are 0..K-1; other
+    integers and names are mapped to the index of their sorted distinct value. Numbers that are
+    not whole (a regression target) are refused."""
     values = [str(v).strip() for v in values]
     if any(v == "" for v in values):
         raise ValueError(f"{what} has an empty label at record {values.index('')}")
     try:
-        ints = [int(float(v)) for v in values]
-        if all(float(v) == i for v, i in zip(values, ints)):
-            if min(ints) >= 0 and max(ints) < 10_000:
-                k = max(ints) + 1
-                return torch.tensor(ints, dtype=torch.int64), [str(i) for i in range(k)]
-            names = sorted(set(ints))
-            index = {v: j for j, v in enumerate(names)}
-            return torch.tensor([index[i] for i in ints], dtype=torch.int64), [str(n) for n in names]
+        numbers = [float(v) for v in values]
     except ValueError:
-        pass
+        numbers = None
+    if numbers is not None:
+        fractional = next((v for v, x in zip(values, numbers) if not (math.isfinite(x) and x == round(x))), None)
+        if fractional is not None:
+            # numbers that are not whole are a regression target, not class names: as classes, N
+            # records would silently become up to N classes of one record each
+            raise ValueError(f"{what} are not class labels: {fractional!r} is not an integer "
+                             f"({len(set(numbers))} distinct values); pdpfast train classifies, it does not do "
+                             "regression: give integer or named classes (e.g. bin the target)")
+        ints = [int(x) for x in numbers]
+        if min(ints) >= 0 and max(ints) < 10_000:
+            k = max(ints) + 1
+            return torch.tensor(ints, dtype=torch.int64), [str(i) for i in range(k)]
+        names = sorted(set(ints))
+        index = {v: j for j, v in enumerate(names)}
+        return torch.tensor([index[i] for i in ints], dtype=torch.int64), [str(n) for n in names]
     names = sorted(set(values))
     index = {v: j for j, v in enumerate(names)}
     return torch.tensor([index[v] for v in values], dtype=torch.int64), names
@@ -470,7 +479,7 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
 def train_test_split(data: TrainData, test_fraction: float, seed: int = 0):
     """(train, test or None): a seeded random split that depends only on (N, seed), never on values."""
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test fraction must lie in [0, 1), got {test_fraction!r}")
+        raise ValueError(f"test fraction (--test-fraction) must lie in [0, 1), got {test_fraction!r}")
     n = len(data)
     n_test = int(round(test_fraction * n))
     if n_test == 0:

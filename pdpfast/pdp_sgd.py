@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ._io import atomic_write
 from .accounting import pdp
-from .train import Task, private_steps
+from .train import Task, pin_memory_for, private_steps
 
 __all__ = ["PDPResult", "PDPSGD", "RoundRecord", "train_pdp_sgd"]
 
@@ -222,7 +222,8 @@ class PDPSGD:
         subset = Subset(self.dataset, cur["kept"].tolist())
         # the subset's training is uniform DP-SGD at (τ_R, δ): q for everyone, σ_R for τ_R
         out = engine.make_private_with_budgets(
-            module=self.model, optimizer=self.optimizer, data_loader=DataLoader(subset),
+            module=self.model, optimizer=self.optimizer,
+            data_loader=DataLoader(subset, pin_memory=pin_memory_for(self.model)),
             budgets=np.full(len(subset), cur["threshold"]), delta=self.delta, steps=cur["steps"],
             method="scale", sample_rate=cur["sample_rate"], max_grad_norm=self.max_grad_norm, clipping=self.clipping,
             mode=self.mode, loss_reduction="sum", physical_batch_size=self.physical_batch_size,

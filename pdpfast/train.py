@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -28,10 +31,56 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-__all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "evaluate", "group_report", "format_groups",
-           "private_engine", "private_steps", "run"]
+__all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
+           "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device",
+           "under_spending_groups"]
 
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def resolve_device(name: str | None) -> torch.device:
+    """The device ``--device name`` asks for: None → CUDA when present, else the CPU. Raises
+    ValueError naming the option for a device that is not a cpu / cuda[:N] name or is not here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {name}: CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: pdpfast train runs on cpu or cuda[:N], not {device.type}")
+    return device
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live (the CPU for a model without parameters)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or lists / tuples / dicts of them) on ``device``. Copies from pinned
+    memory are non-blocking: the host goes on to the next batch while the copy runs."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def pin_memory_for(model: nn.Module) -> bool:
+    """Whether loaders feeding ``model`` should pin their batches (page-locked host memory makes
+    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model."""
+    return model_device(model).type == "cuda"
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -99,8 +148,10 @@ class Task:
         model.eval()
         total, correct, loss_sum = 0, 0, 0.0
         criterion = self.criterion()
+        device = model_device(model)
         try:
-            for x, y in DataLoader(dataset, batch_size=batch_size):
+            for x, y in DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda"):
+                x, y = to_device(x, device), to_device(y, device)
                 logits = self.logits(model, x)
                 if self.kind == "lm":
                     loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
@@ -140,7 +191,8 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
     criterion = task.criterion()
     engine = pdpfast.PrivacyEngine(seed=seed)
     out = engine.make_private_with_budgets(
-        module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=batch_size),
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(dataset, batch_size=batch_size, pin_memory=pin_memory_for(model)),
         budgets=plan_budgets, delta=delta, steps=steps, method="sample" if method == "dpsgd" else method,
         sample_rate=sample_rate, max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant,
         clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
@@ -157,10 +209,14 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
     """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader.
 
     ``on_step(step, loss)`` runs after every optimizer step (``step`` = engine.steps, ``loss`` the
-    mean per-record loss of the draw's last physical batch); it may return True to stop early."""
+    mean per-record loss of the draw's last physical batch); it may return True to stop early.
+    Batches are moved to the model's device (non-blocking from pinned memory)."""
     model.train()
+    device = model_device(model)
     while engine.steps < until:
         for batch in loader:
+            if device.type != "cpu":
+                batch = to_device(batch, device)
             loss = task.loss(model, batch, criterion)
             loss.backward()
             before = engine.steps
@@ -244,14 +300,63 @@ class TrainConfig:
     pdp_loss: str = "fixed"
     pdp_charge: str = "all"
     seed: int = 0
+    device: str | None = None
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: str | None = None
+    overwrite: bool = False
     stop_after_steps: int | None = None
     threads: int | None = None
     quiet: bool = False
     out_json: str | None = None
     log: object = field(default=None, repr=False)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT (Ctrl-C) or SIGTERM after a whole step; the final checkpoint, if
+    any, holds every step taken. ``signum``: the signal (exit status 128 + signum by convention)."""
+
+    def __init__(self, signum: int, step: int, total_steps: int, checkpoint: str | None):
+        self.signum, self.step, self.total_steps, self.checkpoint = int(signum), step, total_steps, checkpoint
+        saved = (f"checkpoint {checkpoint!r} holds every step taken: continue with --resume {checkpoint}"
+                 if checkpoint else "nothing saved (no --checkpoint)")
+        super().__init__(f"interrupted ({signal.Signals(signum).name}) after step {step} of {total_steps}; {saved}")
+
+
+class _StopOnSignal:
+    """SIGINT and SIGTERM while training ask it to stop after the step in progress, so the final
+    checkpoint is consistent: model, optimizer, ledger and the loader's next draw all after the
+    same step (a step cut in the middle has advanced the loader but not the ledger). A second
+    signal stops at once (KeyboardInterrupt) and saves nothing more: the last checkpoint stays.
+    Handlers can only be set from the main thread; elsewhere the signals keep their handlers."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> bool:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def _positive_int(cfg: TrainConfig, name: str, optional: bool = False) -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
 def _check_config(cfg: TrainConfig) -> None:
@@ -262,29 +367,90 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.model not in model_names():
         raise ValueError(f"unknown model {cfg.model!r}; choose from {', '.join(model_names())}")
     for name in ("epochs", "batch_size", "rounds", "max_length", "image_size"):
-        if not (isinstance(getattr(cfg, name), int) and getattr(cfg, name) > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)!r}")
+        _positive_int(cfg, name)
+    for name in ("physical_batch_size", "threads", "stop_after_steps"):
+        _positive_int(cfg, name, optional=True)
     for name in ("lr", "max_grad_norm"):
         value = getattr(cfg, name)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
+    if not (math.isfinite(cfg.momentum) and cfg.momentum >= 0):
+        raise ValueError(f"--momentum must be a number ≥ 0, got {cfg.momentum!r}")
     if not 0 < cfg.delta < 1:
         raise ValueError(f"--delta must lie in (0, 1), got {cfg.delta!r}")
     if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
-        raise ValueError(f"--epsilon must be > 0, got {cfg.epsilon!r}")
+        raise ValueError(f"--epsilon must be a finite number > 0 (ε = inf would promise no privacy at all), got "
+                         f"{cfg.epsilon!r}")
+    if not 0 <= cfg.test_fraction < 1:
+        raise ValueError(f"--test-fraction must lie in [0, 1), got {cfg.test_fraction!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ValueError(f"--seed must be an integer ≥ 0, got {cfg.seed!r}")
+    if cfg.model == "mlp":
+        _hidden_widths(cfg)
     if cfg.checkpoint_every < 0:
         raise ValueError("--checkpoint-every must be ≥ 0")
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
     if cfg.optimizer not in ("sgd", "adam"):
         raise ValueError(f"--optimizer must be sgd or adam, got {cfg.optimizer!r}")
-    if cfg.stop_after_steps is not None and cfg.stop_after_steps <= 0:
-        raise ValueError("--stop-after-steps must be a positive integer")
+
+
+def _hidden_widths(cfg: TrainConfig) -> list[int]:
+    try:
+        widths = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
+    except ValueError:
+        widths = None
+    if widths is None or any(w <= 0 for w in widths):
+        raise ValueError(f"--hidden must be comma-separated positive layer widths (e.g. 128 or 256,64), "
+                         f"got {cfg.hidden!r}")
+    return widths
+
+
+def _check_outputs(cfg: TrainConfig) -> None:
+    """Every path the run will write, checked before any work: not a directory, under a writable
+    directory, no two outputs on one path, and no existing checkpoint (a run and its privacy
+    ledger) replaced unless it is the one being resumed or --overwrite says so."""
+    from ._io import check_output_path
+
+    written = {}
+    if cfg.resume:
+        if os.path.isdir(cfg.resume):
+            raise ValueError(f"--resume {cfg.resume!r} is a directory; give the checkpoint file")
+        if not os.path.isfile(cfg.resume):
+            raise FileNotFoundError(f"--resume {cfg.resume!r}: checkpoint does not exist")
+        if not cfg.checkpoint:
+            written["--resume"] = check_output_path(cfg.resume, "--resume")   # continued in place
+    if cfg.checkpoint:
+        written["--checkpoint"] = check_output_path(cfg.checkpoint, "--checkpoint")
+    if cfg.out_json:
+        written["--out-json"] = check_output_path(cfg.out_json, "--out-json")
+    if len(set(written.values())) < len(written):
+        raise ValueError(f"{' and '.join(written)} name the same file; give each output its own path")
+    if cfg.checkpoint and os.path.exists(cfg.checkpoint) and not cfg.overwrite:
+        if not cfg.resume:
+            raise ValueError(f"--checkpoint {cfg.checkpoint!r} already exists (a run and its privacy ledger); "
+                             f"continue it with --resume {cfg.checkpoint}, or start afresh over it with --overwrite")
+        if not os.path.samefile(cfg.resume, cfg.checkpoint):
+            raise ValueError(f"--checkpoint {cfg.checkpoint!r} already exists and is not the --resume checkpoint; "
+                             "give a new path, or replace it with --overwrite")
+
+
+def _warn(text: str) -> None:
+    print(f"pdpfast train: warning: {text}", file=sys.stderr)
+
+
+def _digest(array) -> str:
+    array = np.ascontiguousarray(array)
+    head = f"{array.dtype.str}{array.shape}".encode()
+    return hashlib.sha256(head + array.tobytes()).hexdigest()
 
 
 def _fingerprint(budgets: np.ndarray, data) -> dict:
-    return {"records": len(data), "budgets_sha256": hashlib.sha256(np.ascontiguousarray(budgets).tobytes()).hexdigest(),
-            "input_shape": list(data.input_shape), "kind": data.kind}
+    """What a checkpoint's spent budget belongs to: the training records (features and labels, by
+    hash), their budgets and shapes. A resumed run must match it exactly."""
+    return {"records": len(data), "input_shape": list(data.input_shape), "kind": data.kind,
+            "features_sha256": _digest(data.features.numpy()), "labels_sha256": _digest(data.labels.numpy()),
+            "budgets_sha256": _digest(np.asarray(budgets, dtype=np.float64))}
 
 
 def _say(cfg: TrainConfig, text: str) -> None:
@@ -328,12 +494,7 @@ def _build(cfg: TrainConfig, train):
     if spec.task == "classification" and train.num_classes < 2:
         raise ValueError(f"model {cfg.model!r} classifies, but the data have {train.num_classes} class; "
                          "name the label column (--label-column) or labels file (--labels)")
-    options = {}
-    if cfg.model == "mlp":
-        try:
-            options["hidden"] = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
-        except ValueError:
-            raise ValueError(f"--hidden must be comma-separated widths, got {cfg.hidden!r}") from None
+    options = {"hidden": _hidden_widths(cfg)} if cfg.model == "mlp" else {}
     model_config = {"name": cfg.model, "input_shape": list(train.input_shape), "num_classes": train.num_classes,
                     "vocab_size": train.vocab_size, "input_kind": train.kind, "options": options}
     torch.manual_seed(cfg.seed)
@@ -350,14 +511,15 @@ def _optimizer(cfg: TrainConfig, model):
 
 
 def _load_checkpoint_file(path):
-    import os
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:      # a truncated or foreign file
         raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+# the settings a resumed run must share with its checkpoint (the plan, the schedule, the optimizer state)
+_RESUME_SETTINGS = ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
+                    "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction", "optimizer")
 
 
 def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
@@ -365,24 +527,80 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     if "train_args" not in extra:
         raise ValueError(f"{cfg.resume!r} is not a `pdpfast train` checkpoint")
     saved = extra["train_args"]
-    for key in ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
-                "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction"):
+    for key in _RESUME_SETTINGS:
         if saved.get(key) != getattr(cfg, key):
             raise ValueError(f"the checkpoint was made with --{key.replace('_', '-')} {saved.get(key)!r}, not "
                              f"{getattr(cfg, key)!r}; resume with the same settings")
-    if extra.get("data") != fingerprint:
-        raise ValueError("the checkpoint was made with other data or other budgets; resume with the same ones "
-                         "(its spent budget belongs to those records)")
+    data = extra.get("data") or {}
+    if "features_sha256" not in data:
+        raise ValueError(f"the checkpoint {cfg.resume!r} predates fingerprints of the features and labels, so it "
+                         "cannot be checked against these data; start a fresh run instead (without --resume; "
+                         "--overwrite replaces the old checkpoint)")
+    for key, what in (("records", f"{data.get('records')} records, not {fingerprint['records']}"),
+                      ("input_shape", "records of another shape"), ("kind", "records of another kind"),
+                      ("features_sha256", "other features (as many records, other values)"),
+                      ("labels_sha256", "other labels"), ("budgets_sha256", "other budgets")):
+        if data.get(key) != fingerprint[key]:
+            raise ValueError(f"cannot resume {cfg.resume!r}: it was made on {what}; its spent budget belongs to "
+                             "those records, so resume with the same data and budgets")
     if extra.get("model_config") != model_config:
         raise ValueError("the checkpoint's model configuration differs from this run's")
 
 
+def _restore(cfg: TrainConfig, load) -> None:
+    """Run ``load()`` (state into model / optimizer / engine), naming the checkpoint when the
+    state does not fit (another optimizer's state raises KeyError 'step' deep inside torch)."""
+    try:
+        load()
+    except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(f"the state in checkpoint {cfg.resume!r} does not fit this run ({detail}); resume with the "
+                         "settings it was made with") from None
+
+
+def _warn_about_batch_size(cfg: TrainConfig, n: int) -> None:
+    if cfg.batch_size > n:
+        _warn(f"--batch-size {cfg.batch_size} exceeds the {n} training records: the sampling rate is capped at q = 1 "
+              f"(every record in every step, expected batch {n})")
+
+
+def under_spending_groups(budgets: np.ndarray, guaranteed: np.ndarray, ratio: float = 0.99) -> str:
+    """The budget groups (as in :func:`group_report`) whose guaranteed ε stays below ``ratio`` ×
+    their budget, as text ("ε=2 (spends ≤ 1.23), ..."); empty when every group spends its budget."""
+    short = [r for r in group_report(budgets, guaranteed) if r["max_ratio"] < ratio]
+    return ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
+
+
+UNDER_SPENDING_AT_RATE_ONE = ("at q = 1 these budget groups under-spend, as their records cannot be sampled more "
+                              "often: {groups}; lower the batch size, or use method scale, which spends them through "
+                              "larger clip bounds")
+
+
+def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> None:
+    """With q capped at 1, records whose budget would need a rate above 1 cannot spend it all."""
+    if cfg.batch_size < len(budgets) or cfg.method == "dpsgd":
+        return
+    groups = under_spending_groups(budgets, plan.epsilons())
+    if groups:
+        _warn(UNDER_SPENDING_AT_RATE_ONE.format(groups=groups))
+
+
 def run(cfg: TrainConfig) -> dict:
-    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``)."""
+    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``).
+    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved)."""
+    from ._io import remove_stale_temporaries
+
     _check_config(cfg)
+    _check_outputs(cfg)
+    device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, test, budgets = load_training_data(cfg)
+    n = len(train)
+    if cfg.delta >= 1.0 / n:
+        _warn(f"--delta {cfg.delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the "
+              f"clear; use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
+    _warn_about_batch_size(cfg, n)
     task = Task.for_model(cfg.model)
     model, model_config = _build(cfg, train)
     fingerprint = _fingerprint(budgets, train)
@@ -391,8 +609,11 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.resume:
         resume_state = _load_checkpoint_file(cfg.resume)
         _check_resume(resume_state, cfg, fingerprint, model_config)
+    for path in (checkpoint_path, cfg.out_json):
+        if path:
+            remove_stale_temporaries(path)
+    model.to(device)
     optimizer = _optimizer(cfg, model)
-    n = len(train)
     sample_rate = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, round(1.0 / sample_rate))
     total_steps = cfg.epochs * steps_per_epoch
@@ -402,21 +623,23 @@ def run(cfg: TrainConfig) -> dict:
     _say(cfg, f"pdpfast train: {n} training records ({train.source}), {len(np.unique(budgets))} distinct budgets "
               f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
               f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
-              f"δ={cfg.delta:g}")
-    if cfg.method == "pdp":
-        summary = _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
-                           checkpoint_path, resume_state)
-    else:
-        summary = _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
-                           checkpoint_path, resume_state)
+              f"δ={cfg.delta:g}, device {device}")
+    run_method = _run_pdp if cfg.method == "pdp" else _run_idp
+    with _StopOnSignal() as stop:
+        summary = run_method(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
+                             checkpoint_path, resume_state, stop)
+    if stop.received is not None:
+        raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
+    summary["device"] = str(device)
     if test is not None:
         summary["test"] = task.evaluate(model, test.dataset())
         _say(cfg, "test: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items()))
     summary["groups"] = group_report(budgets, summary.pop("spent"))
     _say(cfg, format_groups(summary["groups"], f"ε spent per budget group ({summary['ledger']})"))
     if summary["finished"]:
-        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s"
+        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s "
+                  f"({summary['records_per_second']:.0f} records/s on {device})"
              + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
     else:
         _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
@@ -429,14 +652,50 @@ def run(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _progress(cfg: TrainConfig, total: int, initial: int, desc: str):
-    from tqdm.auto import tqdm
+def _rng_states(device: torch.device) -> dict:
+    """torch's random states a resumed run continues from (e.g. dropout draws): the CPU's, and
+    the GPU's when training there."""
+    states = {"torch_rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return states
 
-    return tqdm(total=total, initial=initial, desc=desc, disable=cfg.quiet, leave=False, file=sys.stderr)
+
+def _set_rng_states(extra: dict, device: torch.device) -> None:
+    if "torch_rng" in extra:
+        torch.set_rng_state(extra["torch_rng"])
+    if "cuda_rng" in extra and device.type == "cuda":
+        torch.cuda.set_rng_state(extra["cuda_rng"], device)
+
+
+class _Progress:
+    """The progress bar of a run: steps, the last loss and the throughput in records per second
+    (optimizer steps × expected batch size / seconds: the realized batch sizes are private)."""
+
+    def __init__(self, cfg: TrainConfig, total: int, initial: int, desc: str, expected_batch_size: float,
+                 clock=time.perf_counter):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, disable=cfg.quiet, leave=False, file=sys.stderr)
+        self.expected_batch_size, self.clock = float(expected_batch_size), clock
+        self.start = clock()
+        self.steps = 0          # taken by this invocation (a resumed run starts at its checkpoint's step)
+
+    def records_per_second(self) -> float:
+        return self.steps * self.expected_batch_size / max(self.clock() - self.start, 1e-9)
+
+    def step(self, loss: float, **postfix) -> None:
+        self.steps += 1
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix, loss=f"{loss:.3f}", **{"rec/s": f"{self.records_per_second():.0f}"},
+                             refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state) -> dict:
+             resume_state, stop) -> dict:
     engine, model, optimizer, loader, criterion = private_engine(
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
@@ -444,73 +703,81 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
     if resume_state is not None:
-        model.load_state_dict(resume_state["model"])
-        engine.load_state_dict(resume_state["engine"])
-        if "torch_rng" in resume_state["extra"]:
-            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        def load():
+            model.load_state_dict(resume_state["model"])
+            engine.load_state_dict(resume_state["engine"])
+
+        _restore(cfg, load)
+        _set_rng_states(resume_state["extra"], model_device(model))
         _say(cfg, f"resumed from {cfg.resume} at step {engine.steps} of {plan.steps}")
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
               f"expected batch {plan.expected_batch_size:.1f}{note}")
+    _warn_about_under_spending(cfg, plan, budgets)
     until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
 
     def save():
         if checkpoint_path:
-            engine.save_checkpoint(checkpoint_path, model, torch_rng=torch.get_rng_state(), **extra)
+            engine.save_checkpoint(checkpoint_path, model, **_rng_states(model_device(model)),
+                                   interrupted=stop.received is not None, **extra)
 
-    bar = _progress(cfg, plan.steps, engine.steps, cfg.method)
+    progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
 
     def on_step(step, loss):
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        progress.step(loss)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
+        return stop.received is not None
 
     try:
         private_steps(engine, model, optimizer, loader, task, criterion, until=until, on_step=on_step)
     finally:
-        bar.close()
+        progress.close()
     save()
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
-            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier}
+            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier,
+            "records_per_second": progress.records_per_second()}
 
 
 def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state) -> dict:
+             resume_state, stop) -> dict:
     from .pdp_sgd import PDPSGD
 
     # each round: epochs/rounds expected passes over its subset, at the run's expected batch size
+    expected_batch_size = sample_rate * len(train)
     driver = PDPSGD(model, train.dataset(), budgets, optimizer=optimizer, delta=cfg.delta, rounds=cfg.rounds,
-                    epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=sample_rate * len(train), task=task,
+                    epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=expected_batch_size, task=task,
                     max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.seed,
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
     if resume_state is not None:
-        driver.load_checkpoint_state(resume_state)
-        if "torch_rng" in resume_state["extra"]:
-            torch.set_rng_state(resume_state["extra"]["torch_rng"])
+        _restore(cfg, lambda: driver.load_checkpoint_state(resume_state))
+        _set_rng_states(resume_state["extra"], model_device(model))
         _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
-    bar = _progress(cfg, driver.total_steps, driver.steps, "pdp")
+    progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
 
     def save():
         if checkpoint_path:
-            driver.save_checkpoint(checkpoint_path, torch_rng=torch.get_rng_state(), **extra)
+            driver.save_checkpoint(checkpoint_path, **_rng_states(model_device(model)),
+                                   interrupted=stop.received is not None, **extra)
 
     def on_step(step, loss):
-        bar.update(1)
-        bar.set_postfix(round=driver.round + 1, loss=f"{loss:.3f}", refresh=False)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        progress.step(loss, round=driver.round + 1)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
             save()
+        return stop.received is not None
 
     try:
         result = driver.run(on_step=on_step, max_steps=cfg.stop_after_steps)
     finally:
-        bar.close()
+        progress.close()
     save()
-    for r in result.rounds:
-        _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
-                  f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
-    _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
+    if stop.received is None:
+        for r in result.rounds:
+            _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
+                      f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
+        _say(cfg, f"δ_i spent: max {result.deltas.max():.3g} (≤ rounds·δ = {cfg.rounds * cfg.delta:.3g})")
     return {"method": "pdp", "steps": driver.steps, "total_steps": driver.total_steps, "finished": driver.finished,
             "spent": result.epsilons, "ledger": "PDP-SGD round guarantees charged", "rounds": [
-                dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max())}
+                dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max()),
+            "records_per_second": progress.records_per_second()}

@@ -88,13 +88,25 @@ def _compress(values, counts, n_bins=4096):
     return np.exp(m[keep] / w[keep]), w[keep]
 
 
+class _SpreadError(ValueError):
+    """IDP-Sample failed because the budgets are too far apart for one shared noise multiplier."""
+
+
 def _rates_at(p: _Problem, sigma: float):
     """Safe rates of every distinct budget at σ: (q, ε, order index), each (U,)."""
     try:
         return _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders, ratio=0.002)
     except _grid.BudgetError as err:
-        raise _budget_error("Sample", err.budget, str(err), noise_multiplier=sigma,
-                            sample_rate=p.sample_rate, steps=p.steps, delta=p.delta) from None
+        # σ lies below the smallest budget's own σ at rate q (probes stay in [σ_lo, σ_hi]): only
+        # the large budgets, whose records reach rate 1 quickly, pull the mean rate up to q at so
+        # low a noise. The spread of the budgets is what fails; Scale varies c_i, not q_i, and has
+        # no such limit.
+        raise _SpreadError(
+            f"budget epsilon={err.budget:.6g} cannot be met by IDP-Sample: the budgets are spread too far "
+            f"({p.values[0]:.4g} to {p.values[-1]:.4g}) for one shared noise multiplier. Its search for the one that "
+            f"gives a mean sample rate of {p.sample_rate:.6g} reached noise_multiplier={sigma:.6g}, where this budget "
+            f"cannot be met ({err}; steps={p.steps}, delta={p.delta:.6g}); use method 'scale' (per-record clip norms, any spread), "
+            "or a smaller sample rate") from None
 
 
 def _one(p: _Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
@@ -285,7 +297,13 @@ def _hybrid(p: _Problem) -> _Solution:
     lam, q = p.hybrid_weight, p.sample_rate
     if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
         return _scale(p)
-    sigma_s, rates_s, _, idx_s = _solve_sample(p)
+    try:            # hybrid interpolates from Sample's rates: say so, not only "IDP-Sample"
+        sigma_s, rates_s, _, idx_s = _solve_sample(p)
+    except _SpreadError as err:
+        raise _SpreadError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates, which fail here: "
+                           f"{err}; hybrid_weight=0 is Scale") from None
+    except ValueError as err:
+        raise ValueError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates: {err}") from None
     rates = _renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
     # Distinct budgets sharing a rate and within a factor 1.002 of each other form a cell, solved
     # for its smallest budget (many budgets on the Sample grid share a rate; few are each their own cell).

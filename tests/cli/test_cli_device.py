@@ -1,0 +1,66 @@
+"""`pdpfast train --device`: CUDA by default when present, the CPU otherwise; a clear error for a
+device that is not there; throughput in the progress bar."""
+import json
+
+import pytest
+import torch
+
+SMALL = ("--epochs", 1, "--batch-size", 40)
+
+
+def _args(data_dir):
+    return ("--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets", data_dir / "budgets.npy")
+
+
+@pytest.mark.parametrize("method", ["scale", "pdp"])
+def test_train_on_the_cpu_device(cli, data_dir, tmp_path, method):
+    rc, out, err = cli("train", *_args(data_dir), "--device", "cpu", "--method", method, "--out-json",
+                       tmp_path / "s.json", *SMALL, "--quiet")
+    assert rc == 0, err
+    assert "device cpu" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["device"] == "cpu" and summary["records_per_second"] > 0
+
+
+def test_default_device_is_cuda_when_present(cli, data_dir):
+    rc, out, err = cli("train", *_args(data_dir), "--stop-after-steps", 1, *SMALL, "--quiet")
+    assert rc == 0, err
+    assert ("device cuda" if torch.cuda.is_available() else "device cpu") in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_a_clear_error(cli, data_dir, tmp_path):
+    message = cli.fails("train", *_args(data_dir), "--device", "cuda", "--checkpoint", tmp_path / "ck.pt", *SMALL)
+    assert "--device cuda" in message and "CUDA" in message and "--device cpu" in message
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:99", "cpu:x"])
+def test_unknown_or_absent_device_is_a_clear_error(cli, data_dir, device):
+    message = cli.fails("train", *_args(data_dir), "--device", device, *SMALL, "--quiet")
+    assert f"--device {device}" in message
+
+
+def test_progress_bar_reports_throughput():
+    from pdpfast.train import TrainConfig, _Progress
+
+    clock = iter([100.0, 102.0, 104.0, 104.0])       # start, then two steps 2 s apart
+    progress = _Progress(TrainConfig(), total=10, initial=3, desc="sample", expected_batch_size=40.0,
+                         clock=lambda: next(clock))
+    progress.step(0.5)
+    progress.step(0.4)
+    assert progress.bar.postfix == "loss=0.400, rec/s=20"        # 2 steps × 40 expected records / 4 s
+    assert progress.records_per_second() == 20.0
+    progress.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["hybrid", "pdp"])
+def test_train_on_cuda_matches_the_budgets(cli, data_dir, tmp_path, method):
+    rc, out, err = cli("train", *_args(data_dir), "--device", "cuda", "--method", method, "--out-json",
+                       tmp_path / "s.json", "--checkpoint", tmp_path / "ck.pt", *SMALL, "--quiet")
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["device"].startswith("cuda")
+    assert all(row["max_ratio"] <= 1.0 for row in summary["groups"])
+    assert summary["test"]["accuracy"] > 0.2

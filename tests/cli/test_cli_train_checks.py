@@ -1,0 +1,102 @@
+"""`pdpfast train` / `calibrate` say what is wrong or surprising instead of going on silently:
+float labels, a batch larger than the data, δ ≥ 1/N, budgets too spread for one σ, bad numbers."""
+import json
+
+import numpy as np
+import pytest
+from conftest import outputs
+
+SMALL = ("--epochs", 1, "--batch-size", 40, "--quiet")
+
+
+def _npy(data_dir):
+    return ("--data", data_dir / "x.npy", "--labels", data_dir / "y.npy")
+
+
+def test_float_labels_are_refused_not_trained_as_hundreds_of_classes(cli, data_dir, tmp_path):
+    targets = np.random.default_rng(0).normal(size=360)          # a regression target: 360 distinct values
+    np.save(tmp_path / "t.npy", targets)
+    message = cli.fails("train", "--data", data_dir / "x.npy", "--labels", tmp_path / "t.npy", "--budgets",
+                        data_dir / "budgets.npy", "--out-json", tmp_path / "s.json", *SMALL)
+    assert "labels" in message and "integer" in message and "regression" in message
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_float_labels_holding_whole_numbers_are_classes(cli, data_dir, tmp_path):
+    np.save(tmp_path / "y.npy", np.load(data_dir / "y.npy").astype(np.float64))   # 3.0, 7.0, ...
+    rc, _, err = cli("train", "--data", data_dir / "x.npy", "--labels", tmp_path / "y.npy", "--budgets",
+                     data_dir / "budgets.npy", "--stop-after-steps", 1, *SMALL)
+    assert rc == 0, err
+
+
+# at q = 1 Sample cannot raise the larger budgets' rates; Scale and hybrid (whose rates are all 1
+# too) spend them through larger clip bounds
+@pytest.mark.parametrize("method,under_spending", [("sample", ("ε=2", "ε=3")), ("scale", ()), ("hybrid", ())])
+def test_batch_size_above_the_records_warns_and_names_the_groups_that_under_spend(cli, data_dir, tmp_path, method,
+                                                                                  under_spending):
+    rc, out, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--method", method,
+                       "--epochs", 1, "--batch-size", 1000, "--quiet", "--out-json", tmp_path / "s.json")
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("pdpfast train: warning:")]
+    assert any("--batch-size 1000" in w and "288" in w and "q = 1" in w for w in warnings), err
+    under = [w for w in warnings if "under-spend" in w]
+    spent = {row["budget"]: row["max_ratio"] for row in json.loads((tmp_path / "s.json").read_text())["groups"]}
+    assert {f"ε={b}" for b, ratio in spent.items() if ratio < 0.99} == set(under_spending)
+    if under_spending:
+        assert len(under) == 1 and all(g in under[0] for g in under_spending) and "ε=1 " not in under[0], err
+    else:
+        assert not under, err
+
+
+def test_calibrate_with_batch_size_above_the_records_warns_and_names_the_groups_that_under_spend(cli, data_dir,
+                                                                                                  tmp_path):
+    rc, out, err = cli("calibrate", data_dir / "budgets.npy", "--epochs", 1, "--batch-size", 1000, "--out",
+                       tmp_path / "plan.json")
+    assert rc == 0, err
+    lines = err.strip().splitlines()
+    assert any("--batch-size 1000" in line and "360" in line and "q = 1" in line for line in lines), err
+    under = [line for line in lines if "under-spend" in line]
+    assert len(under) == 1 and "ε=2" in under[0] and "ε=3" in under[0] and "ε=1 " not in under[0], err
+
+
+def test_batch_size_within_the_records_gives_no_warning(cli, data_dir):
+    rc, _, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--stop-after-steps", 1, *SMALL)
+    assert rc == 0 and "warning" not in err, err
+
+
+def test_delta_at_least_one_over_n_warns(cli, data_dir, tmp_path):
+    rc, _, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--delta", 0.01,
+                     "--stop-after-steps", 1, *SMALL)
+    assert rc == 0, err
+    assert "pdpfast train: warning: --delta 0.01 ≥ 1/N" in err and "288" in err
+    rc, _, err = cli("calibrate", data_dir / "budgets.npy", "--delta", 0.01, "--steps", 5, "--sample-rate", 0.1,
+                     "--out", tmp_path / "plan.json")
+    assert rc == 0, err
+    assert "pdpfast calibrate: warning: --delta 0.01 ≥ 1/N" in err and "360" in err
+
+
+@pytest.mark.parametrize("method", ["sample", "hybrid"])
+def test_calibration_failing_on_the_spread_of_budgets_says_why_and_suggests_scale(cli, tmp_path, method):
+    # no Sample plan exists: a mean rate of 0.5 keeps the nine ε=500 records at rate ≤ 0.5/0.9, so
+    # σ ≤ 0.28, where ε=0.01 would need a rate below the 1e-12 floor
+    np.save(tmp_path / "b.npy", np.r_[0.01, np.full(9, 500.0)])
+    message = cli.fails("calibrate", tmp_path / "b.npy", "--steps", 100, "--sample-rate", 0.5, "--method", method,
+                        "--out", tmp_path / "plan.json")
+    assert "spread" in message and "scale" in message, message
+    if method == "hybrid":
+        assert "hybrid" in message, message
+    assert outputs(tmp_path) == ["b.npy"]
+    rc, _, err = cli("calibrate", tmp_path / "b.npy", "--steps", 100, "--sample-rate", 0.5, "--method", "scale",
+                     "--out", tmp_path / "plan.json")
+    assert rc == 0, err                                # the suggestion works
+
+
+@pytest.mark.parametrize("option,value,expected", [
+    ("--epsilon", "inf", "finite"), ("--epsilon", "nan", "finite"), ("--hidden", "0", "positive"),
+    ("--hidden", "64,-3", "positive"), ("--seed", "-1", "≥ 0"), ("--physical-batch-size", "0", "positive"),
+    ("--threads", "-2", "positive"), ("--momentum", "-0.5", "momentum"), ("--test-fraction", "1.5", "[0, 1)")])
+def test_bad_numbers_get_a_message_naming_the_option(cli, data_dir, tmp_path, option, value, expected):
+    budget = () if option == "--epsilon" else ("--budgets", data_dir / "budgets.npy")
+    message = cli.fails("train", *_npy(data_dir), *budget, option, value, "--checkpoint", tmp_path / "ck.pt", *SMALL)
+    assert option in message and expected in message, message
+    assert outputs(tmp_path) == []
