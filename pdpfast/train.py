@@ -736,7 +736,8 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
     save()
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
-            "ledger": f"RDP ledger at δ={cfg.delta:g}", "noise_multiplier": plan.noise_multiplier,
+            "ledger": f"{engine.accountant.name.upper()} ledger at δ={cfg.delta:g}",
+            "noise_multiplier": plan.noise_multiplier,
             "records_per_second": progress.records_per_second()}
 
 
