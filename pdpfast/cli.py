@@ -155,6 +155,7 @@ def _bench(args) -> int:
     import torch
 
     from . import plots
+    from ._io import check_output_path
 
     suite = args.suite
     if suite == "auto":
@@ -164,8 +165,6 @@ def _bench(args) -> int:
                            "--device cpu --size micro for a smoke test")
     out = Path(args.out or f"bench/results/cli_{suite}.json")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
-    from ._io import check_output_path
-
     if check_output_path(out, "--out") == check_output_path(plot, "--plot"):
         raise ValueError("--out and --plot name the same file; give each its own path")
     with plots.Staging() as staging:

@@ -235,3 +235,16 @@ def test_resume_refuses_a_checkpoint_without_a_data_fingerprint(cli, data_dir, t
     torch.save(checkpoint, ck)
     message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, *SMALL)
     assert "fingerprint" in message and "without --resume" in message
+
+
+def test_a_second_signal_stops_at_once_and_handlers_are_restored():
+    from pdpfast.train import _StopOnSignal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(KeyboardInterrupt):
+        with _StopOnSignal() as stop:
+            signal.raise_signal(signal.SIGTERM)      # the first: finish the step, then stop
+            assert stop.received == signal.SIGTERM
+            signal.raise_signal(signal.SIGINT)       # the second: now
+            pytest.fail("the second signal did not interrupt")
+    assert {s: signal.getsignal(s) for s in before} == before
