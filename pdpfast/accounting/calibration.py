@@ -200,8 +200,18 @@ def _solve_sample(p: _Problem):
     upper, scale = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
     sigma = solve(scale, aim, upper)
+    spread_error = None
     for _ in range(120):
-        rates, eps, idx = _rates_at(p, sigma)
+        try:
+            rates, eps, idx = _rates_at(p, sigma)
+        except _SpreadError as err:
+            # Some budget would need a rate below the floor: the probe σ is below the root (rates grow
+            # with σ, and at σ_hi the smallest budget meets rate q). Bisect upwards instead of failing:
+            # the surrogate can propose such a σ when the budgets are far apart.
+            spread_error = err
+            below = max(below, sigma)
+            sigma = float(np.sqrt(below * above)) if np.isfinite(above) else min(2.0 * sigma, sigma_hi)
+            continue
         mean = p.mean(rates)
         capped = rates >= 1.0
         if float(p.counts[capped].sum()) >= p.n * q * (1 - 1e-9):
@@ -235,6 +245,8 @@ def _solve_sample(p: _Problem):
                 sigma = float(np.sqrt(below * above))
             else:
                 sigma = below * 1.01 if mean < q else above / 1.01
+    if spread_error is not None:
+        raise spread_error
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
 
 

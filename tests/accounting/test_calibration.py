@@ -270,3 +270,13 @@ def test_extreme_settings_keep_the_guarantees(method):
     assert np.all(used <= 1.0) and np.all((used >= 0.99) | (plan.sample_rates >= 1.0))
     for budget, eps, q in reaccount_plan(plan, budgets, np.random.default_rng(2), k=4):
         assert eps <= budget
+
+
+def test_sample_finds_a_plan_that_exists_when_budgets_are_far_apart():
+    """Budgets 0.01 and 100 at q = 0.9: the plan (σ ≈ 3168, rates 0.8 and 1) exists, though on the
+    way to it the search probes noise levels where ε = 0.01 has no rate at all; it must not refuse."""
+    budgets = np.array([0.01] * 5 + [100.0] * 5)
+    plan = calibrate(budgets, delta=1e-5, steps=100, sample_rate=0.9, method="sample")
+    assert plan.sample_rates.mean() == pytest.approx(0.9, rel=1e-9)
+    assert (plan.epsilons() <= budgets).all()
+    assert plan.epsilons()[:5].min() >= 0.99 * 0.01
