@@ -74,6 +74,11 @@ LAYERS = {
                                        floats(2, 7, 6)),
     "conv2d-replicate-dilation": lambda: (nn.Conv2d(2, 3, 2, padding=1, dilation=2, padding_mode="replicate"),
                                           floats(2, 5, 6)),
+    # Conv3d
+    "conv3d-stride-pad": lambda: (nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1), floats(2, 4, 5, 3)),
+    "conv3d-same-groups-nobias": lambda: (nn.Conv3d(4, 4, 3, padding="same", groups=2, bias=False), floats(4, 3, 4, 3)),
+    "conv3d-replicate-dilation": lambda: (nn.Conv3d(2, 2, 2, padding=1, dilation=2, padding_mode="replicate"),
+                                          floats(2, 4, 3, 4)),
     # Embedding: few distinct tokens so they repeat within a sample
     "embedding": lambda: (nn.Embedding(11, 5), ids(4, 7)),
     "embedding-padding": lambda: (nn.Embedding(11, 5, padding_idx=0), ids(4, 7)),
@@ -91,6 +96,9 @@ LAYERS = {
     "groupnorm-no-spatial": lambda: (nn.GroupNorm(2, 4), floats(4)),
     "groupnorm-noaffine": lambda: (nn.Sequential(nn.Conv1d(3, 4, 3), nn.GroupNorm(2, 4, affine=False)),
                                    floats(3, 8)),
+    "instancenorm1d": lambda: (nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, affine=True)), floats(2, 9)),
+    "instancenorm2d": lambda: (nn.InstanceNorm2d(3, affine=True), floats(3, 4, 5)),
+    "instancenorm3d-noaffine": lambda: (nn.Sequential(nn.Conv3d(2, 3, 2), nn.InstanceNorm3d(3)), floats(2, 3, 4, 3)),
     "rmsnorm-2d-shape": lambda: (nn.RMSNorm((3, 4)), floats(2, 3, 4)),
     "rmsnorm-eps": lambda: (nn.RMSNorm(5, eps=1e-5), floats(5)),
     "rmsnorm-noaffine": lambda: (nn.Sequential(nn.Linear(5, 5), nn.RMSNorm(5, elementwise_affine=False)),

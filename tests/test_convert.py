@@ -301,3 +301,21 @@ def test_hf_conv1d_is_converted(oracle):
     x, t = torch.randn(B, 6, 4, dtype=torch.float64), torch.randn(B, 6, 3, dtype=torch.float64)
     for kwargs in (dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")):
         oracle.check(model, sq_loss, (x,), (t,), reference=reference, **kwargs)
+
+
+def test_instance_norm_with_running_statistics_is_refused():
+    """Running statistics would be updated from the batch's data outside any accounting."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.InstanceNorm2d(3, affine=True, track_running_stats=True))
+    with pytest.raises(ValueError, match="track_running_stats=False"):
+        convert(model)
+
+
+def test_conv3d_and_instance_norm_convert_in_place():
+    model = nn.Sequential(nn.Conv3d(2, 3, 2), nn.InstanceNorm3d(3, affine=True), nn.InstanceNorm1d(3))
+    from pdpfast.nn import DPConv3d, DPInstanceNorm
+
+    params = list(model.parameters())
+    convert(model)
+    assert isinstance(model[0], DPConv3d) and isinstance(model[1], nn.InstanceNorm3d)
+    assert isinstance(model[1], DPInstanceNorm)
+    assert all(a is b for a, b in zip(params, model.parameters()))

@@ -10,14 +10,18 @@ import functools
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .layers import (DPConv1D, DPConv1d, DPConv2d, DPEmbedding, DPGroupNorm, DPLayerNorm, DPLinear, DPModule,
-                     DPRMSNorm)
+from .layers import (DPConv1D, DPConv1d, DPConv2d, DPConv3d, DPEmbedding, DPGroupNorm, DPInstanceNorm, DPLayerNorm,
+                     DPLinear, DPModule, DPRMSNorm)
 
 # torch layer → its DP class. Lookup walks the MRO, so subclasses that keep the base forward work.
 _DP_CLASSES: dict[type, type] = {
     nn.Linear: DPLinear,
     nn.Conv1d: DPConv1d,
     nn.Conv2d: DPConv2d,
+    nn.Conv3d: DPConv3d,
+    nn.InstanceNorm1d: DPInstanceNorm,
+    nn.InstanceNorm2d: DPInstanceNorm,
+    nn.InstanceNorm3d: DPInstanceNorm,
     nn.Embedding: DPEmbedding,
     nn.LayerNorm: DPLayerNorm,
     nn.GroupNorm: DPGroupNorm,
@@ -51,6 +55,9 @@ def _dp_class_for(cls: type) -> type | None:
 
 def _options_error(module: nn.Module) -> str | None:
     """Layer options that would make per-sample clipping wrong or leak, explained."""
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+        return ("track_running_stats=True updates running statistics from the batch's data, outside any "
+                "privacy accounting; set track_running_stats=False (training normalizes each sample on its own)")
     if isinstance(module, nn.Embedding):
         if module.max_norm is not None:
             return "max_norm renormalizes table rows in place from the batch's tokens; set max_norm=None"
@@ -68,9 +75,9 @@ def _path(name: str) -> str:
 def convert(model: nn.Module) -> nn.Module:
     """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
 
-    Supported: Linear (any leading dims), Conv1d, Conv2d (stride, padding incl. "same", dilation,
-    groups, padding modes), Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm and Hugging
-    Face's Conv1D. Modules without trainable parameters of their own are left alone; frozen
+    Supported: Linear (any leading dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same",
+    dilation, groups, padding modes), Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm,
+    InstanceNorm1d/2d/3d (without running statistics) and Hugging Face's Conv1D. Modules without trainable parameters of their own are left alone; frozen
     parameters cost nothing.
 
     Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample

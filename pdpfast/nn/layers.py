@@ -105,6 +105,22 @@ class DPConv2d(DPModule, nn.Conv2d):
         return F.conv2d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
 
 
+class DPConv3d(DPModule, nn.Conv3d):
+    def _prepare(self, x):
+        return conv_ops.conv_pad(x, self)
+
+    def _compute(self, x, p):
+        return F.conv3d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+
+
+class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
+    """InstanceNorm1d/2d/3d with ``track_running_stats=False`` (``convert`` refuses running stats:
+    they would be updated from the batch's data outside any privacy accounting)."""
+
+    def _compute(self, x, p):
+        return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
+
+
 class DPEmbedding(DPModule, nn.Embedding):
     def _compute(self, x, p):
         return F.embedding(x, p["weight"], self.padding_idx)
@@ -231,7 +247,7 @@ def _embedding_clipped(m, ids, o, weights, names):
 
 register_rule(DPLinear, rule=_linear_rule(transposed=False))
 register_rule(DPConv1D, rule=_linear_rule(transposed=True))
-register_rule(DPConv1d, DPConv2d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
+register_rule(DPConv1d, DPConv2d, DPConv3d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
 register_rule(DPEmbedding, rule=LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
 
 
@@ -274,5 +290,7 @@ def _norm_rule(per_sample_grads, config) -> LayerRule:
 register_rule(DPLayerNorm, rule=_norm_rule(norm_ops.layer_norm_per_sample_grads,
                                            lambda m: (tuple(m.normalized_shape), m.eps)))
 register_rule(DPGroupNorm, rule=_norm_rule(norm_ops.group_norm_per_sample_grads, lambda m: (m.num_groups, m.eps)))
+register_rule(DPInstanceNorm, rule=_norm_rule(norm_ops.instance_norm_per_sample_grads,
+                                              lambda m: (m.num_features, m.eps)))
 register_rule(DPRMSNorm, rule=_norm_rule(norm_ops.rms_norm_per_sample_grads,
                                          lambda m: (tuple(m.normalized_shape), m.eps)))

@@ -69,7 +69,8 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module)
     (``pdpfast.kernels.conv_norms``) materializes neither.
     """
     B = x_pad.shape[0]
-    if B == 0 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
+    # Conv3d has no unfold in torch: its per-sample gradients come chunk by chunk, as large layers'
+    if B == 0 or x_pad.dim() == 5 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)
         out = torch.empty(B, dtype=dtype, device=o.device)
         for samples, grads in _per_sample_grad_chunks(x_pad, o, module):

@@ -38,3 +38,13 @@ def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     if module.bias is not None:
         out["bias"] = o.sum(spatial) if spatial else o
     return out
+
+
+def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    # instance norm normalizes each (sample, channel) over its positions: GroupNorm with C groups
+    x_hat = F.instance_norm(x, eps=module.eps)
+    spatial = list(range(2, x.dim()))
+    out = {"weight": (o * x_hat).sum(spatial)}
+    if module.bias is not None:
+        out["bias"] = o.sum(spatial)
+    return out

@@ -173,7 +173,9 @@ def test_conv_weight_sq_norms_rejects_bad_arguments(tools, gen):
 
 def test_kernel_path_never_materializes_per_sample_grads(tools, gen, monkeypatch):
     """Issue 12 item 3: nothing of size B × |W| (and no im2col) on the dispatched kernel path."""
-    assert dispatch.registered().get("conv_weight_sq_norms") is conv_norms.conv_weight_sq_norms
+    registered = dispatch.registered()["conv_weight_sq_norms"]  # the fused launcher, not the reference
+    assert registered.__qualname__ == conv_norms.conv_weight_sq_norms.__qualname__
+    assert registered is not conv_ops.conv_weight_sq_norms_reference
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the kernel path must not materialize per-sample gradients or unfold")
