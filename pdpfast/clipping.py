@@ -43,6 +43,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
 from .ops.clip import clip_weights
@@ -202,7 +203,7 @@ class ClippingState:
         self._group_of: dict[nn.Module, int] = {}
         self.group_names: list[str] = []
         self._group_params: list[list[nn.Parameter]] = []
-        self._group_layers: list[int] = []
+        self._group_calls: list[int] = []  # backward calls per forward of the group's layers
         for i, m in enumerate(self.layers):
             if not _trainable(m):
                 continue
@@ -211,10 +212,11 @@ class ClippingState:
                 roots[r] = len(self.group_names)
                 self.group_names.append(self._names[m])
                 self._group_params.append([])
-                self._group_layers.append(0)
+                self._group_calls.append(0)
             k = roots[r]
             self._group_of[m] = k
-            self._group_layers[k] += 1
+            # a broadcast host reports each of its parameters in a call of its own
+            self._group_calls[k] += len(_trainable(m)) if isinstance(m, DPBroadcastHost) else 1
             for p in _trainable(m).values():
                 if not any(p is q for q in self._group_params[k]):
                     self._group_params[k].append(p)
@@ -354,6 +356,28 @@ class ClippingState:
         return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *trainable),
                                  prepared)
 
+    def broadcast_forward(self, module, forward, args, kwargs):
+        """The forward of a module with batch-broadcast parameters (``pdpfast.nn.broadcast``): each
+        trainable one is seen as its (B, ...) expansion, whose gradient is per sample."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+        params = module._parameters
+        names = [n for n in module.broadcast_names if params.get(n) is not None and params[n].requires_grad]
+        layer, saved = self._layer[module], {}
+        try:
+            for n in names:
+                p = saved[n] = params[n]
+                self._uses[p] = self._uses.get(p, 0) + 1
+                params[n] = BroadcastParameterFunction.apply(p, self.batch_size, (layer, (n,)))
+            return forward(*args, **kwargs)
+        except RuntimeError as e:
+            raise RuntimeError(f"{layer.name} ({type(module).__name__}) failed in a private forward, where its "
+                               f"batch-broadcast parameters {', '.join(names)} have a leading dim of the batch "
+                               f"size {self.batch_size} instead of 1. Is the module registered as a broadcast host "
+                               f"but uses them in a way that is not batch-aligned? ({e})") from e
+        finally:
+            params.update(saved)
+
     def _refuse_forward(self) -> None:
         if self.phase is Phase.IDLE:
             raise RuntimeError("a private forward needs an open batch: iterate the data loader returned by "
@@ -446,8 +470,9 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
-        if self._group_layers[k] > 1 or any(self._uses[p] > 1 for p in self._group_params[k]):
-            # tied across layers or calls: the group's per-sample gradient is a sum over its uses
+        if self._group_calls[k] > 1 or any(self._uses[p] > 1 for p in self._group_params[k]):
+            # tied across layers or calls, or one host's parameters in separate calls: the group's
+            # per-sample gradient is formed from all of them
             self._materialize(layer, names, x, o)
             self._queue_finish(self._finish_per_layer)
             return

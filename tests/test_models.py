@@ -270,7 +270,56 @@ def _gpt2():
     return HFCausalLM(lm), (ids, (~pad).long()), (torch.where(pad, -100, ids),), shifted_lm_loss
 
 
-HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2}
+class HFImageClassifier(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels):
+        return self.model(pixel_values=pixels).logits
+
+
+def _vision_config(config_class, **extra):
+    return config_class(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=24, num_labels=3, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="eager", **extra)
+
+
+def _randomize_tokens_(model):
+    # HF initializes tokens and position embeddings with zeros or a small spread: give them a real one
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "token" in name or "position_embeddings" in name or "lambda" in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _vision_case(model):
+    pixels = torch.randn(B, 3, 8, 8)
+    return HFImageClassifier(_randomize_tokens_(model)), (pixels,), (torch.randint(0, 3, (B,)),), ce_loss
+
+
+def _vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return _vision_case(ViTForImageClassification(_vision_config(ViTConfig)))
+
+
+def _deit():
+    from transformers import DeiTConfig, DeiTForImageClassificationWithTeacher
+
+    return _vision_case(DeiTForImageClassificationWithTeacher(_vision_config(DeiTConfig)))
+
+
+def _dinov2():
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    model = Dinov2ForImageClassification(_vision_config(Dinov2Config, layerscale_value=0.5))
+    model.dinov2.embeddings.mask_token.requires_grad_(False)  # masked image modeling only: frozen here
+    return _vision_case(model)
+
+
+HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "vit": _vit, "deit": _deit, "dinov2": _dinov2}
 
 
 @pytest.fixture(scope="module", params=list(HF_BUILDERS))

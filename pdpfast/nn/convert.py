@@ -10,6 +10,7 @@ import functools
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .broadcast import DPBroadcastHost, DPLayerScale, broadcast_parameters, check_broadcast_host, check_layer_scale
 from .layers import (DPConv1D, DPConv1d, DPConv2d, DPConv3d, DPEmbedding, DPGroupNorm, DPInstanceNorm, DPLayerNorm,
                      DPLinear, DPModule, DPRMSNorm)
 
@@ -30,12 +31,35 @@ _DP_CLASSES: dict[type, type] = {
 # Layers of optional libraries, by qualified name so their libraries are never imported here.
 _DP_CLASSES_BY_NAME: dict[str, type] = {
     "transformers.pytorch_utils.Conv1D": DPConv1D,
+    # vision transformers: class/distillation/mask tokens and position embeddings (pdpfast.nn.broadcast)
+    "transformers.models.vit.modeling_vit.ViTEmbeddings":
+        broadcast_parameters("cls_token", "mask_token", "position_embeddings"),
+    "transformers.models.deit.modeling_deit.DeiTEmbeddings":
+        broadcast_parameters("cls_token", "distillation_token", "mask_token", "position_embeddings"),
+    "transformers.models.dinov2.modeling_dinov2.Dinov2Embeddings":  # its (1, d) mask token is not batch-aligned
+        broadcast_parameters("cls_token", "position_embeddings"),
+    "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale": DPLayerScale,
 }
 
 
 def register_module(torch_class: type, dp_class: type) -> None:
     """Make ``convert`` swap ``torch_class`` (and subclasses keeping its forward) for ``dp_class``."""
     _DP_CLASSES[torch_class] = dp_class
+    _dp_class_for.cache_clear()
+
+
+def register_broadcast_host(module_class: type | str, *names: str) -> None:
+    """Make ``convert`` treat ``module_class`` (a class or its qualified name) as a host of the
+    batch-broadcast parameters ``names`` (shape (1, ...): class tokens, position embeddings, register
+    tokens), exact per sample when its forward uses them batch-aligned; see ``pdpfast.nn.broadcast``."""
+    dp_class = broadcast_parameters(*names)
+    if isinstance(module_class, str):
+        _DP_CLASSES_BY_NAME[module_class] = dp_class
+    elif isinstance(module_class, type) and issubclass(module_class, nn.Module):
+        _DP_CLASSES[module_class] = dp_class
+    else:
+        raise TypeError(f"module_class must be an nn.Module subclass or its qualified name, got {module_class!r}")
+    _dp_class_for.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,8 +77,12 @@ def _dp_class_for(cls: type) -> type | None:
     return None
 
 
-def _options_error(module: nn.Module) -> str | None:
+def _options_error(module: nn.Module, dp_class: type) -> str | None:
     """Layer options that would make per-sample clipping wrong or leak, explained."""
+    if issubclass(dp_class, DPBroadcastHost):
+        return check_broadcast_host(dp_class.broadcast_names, module)
+    if issubclass(dp_class, DPLayerScale):
+        return check_layer_scale(module)
     if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
         return ("track_running_stats=True updates running statistics from the batch's data, outside any "
                 "privacy accounting; set track_running_stats=False (training normalizes each sample on its own)")
@@ -99,7 +127,7 @@ def convert(model: nn.Module) -> nn.Module:
             if trainable:
                 unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
             continue
-        problem = _options_error(module)
+        problem = _options_error(module, dp_class)
         if problem:
             unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
             continue

@@ -1,0 +1,131 @@
+"""Parameters outside layers: class tokens, position embeddings and layer-scale factors.
+
+Vision transformers keep some parameters in modules that are not layers: a class token
+concatenated to every sample's patch sequence, position embeddings added to every sample, a
+layer-scale vector multiplying every activation. Each has an exact, cheap per-sample gradient.
+
+* **Batch-broadcast parameters** (shape (1, ...), used as if they were one row of a batch): inside
+  a private forward the host module sees each such parameter as the (B, ...) tensor
+  ``p.expand(B, ...)``, so autograd delivers the gradient of that tensor — row i is sample i's
+  gradient of p, summed over every use of p in the host's forward. ``broadcast_parameters(*names)``
+  makes a host class; ``register_broadcast_host`` registers one for ``convert``. Only register a
+  module whose forward uses these parameters batch-aligned (row i of the expanded tensor only ever
+  meets sample i: ``expand(batch_size, ...)``, concatenation along a non-batch dim, a broadcast
+  add). A forward that indexes dim 0 (``p[0]``) or reshapes it away would mix samples; shapes
+  usually expose this (a clear error names the module), which is why hosts are registered
+  explicitly and never guessed.
+* **Layer scale** (``DPLayerScale``): a leaf module computing ``x * γ`` with γ broadcast over the
+  leading dims; the per-sample gradient of γ is ``x ⊙ ∂L/∂y`` summed to γ's shape.
+"""
+from __future__ import annotations
+
+import torch
+
+from .layers import DPModule
+from .rules import LayerRule, register_rule
+
+
+class BroadcastParameterFunction(torch.autograd.Function):
+    """(1, ...) parameter → (B, ...) expanded view whose backward reports the per-sample gradient
+    (B, ...) to the clipping state. The parameter itself gets no autograd gradient."""
+
+    @staticmethod
+    def forward(ctx, param, batch_size, call):
+        ctx.call = call
+        return param.detach().expand(batch_size, *param.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        layer = ctx.call[0]
+        layer.state.on_backward(ctx.call, grad.new_empty(0), grad)
+        return None, None, None
+
+
+class DPBroadcastHost(DPModule):
+    """Mixin of a module whose own trainable parameters are batch-broadcast (see module docstring).
+
+    ``broadcast_names``: the parameters that are; ``convert`` refuses a host with any other
+    trainable parameter of its own (its per-sample gradient would be unknown).
+    """
+
+    broadcast_names: tuple[str, ...] = ()
+
+    def forward(self, *args, **kwargs):
+        host_forward = super(DPModule, self).forward  # the host class's own forward (after the mixins)
+        state = self._pdpfast_state
+        if state is None or not self.training or not torch.is_grad_enabled():
+            return host_forward(*args, **kwargs)
+        return state.broadcast_forward(self, host_forward, args, kwargs)
+
+
+def broadcast_parameters(*names: str) -> type:
+    """A ``DPBroadcastHost`` class for modules whose batch-broadcast parameters are ``names``."""
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError("broadcast_parameters needs the names of the batch-broadcast parameters")
+    return type("DPBroadcastHost", (DPBroadcastHost,), {"broadcast_names": tuple(names)})
+
+
+def _broadcast_per_sample(module, x, o):
+    # one call is one parameter (its name comes with the call); every name maps to the call's o
+    return {n: o for n in module.broadcast_names}
+
+
+def _broadcast_sq_norms(module, x, o, names):
+    return (o if o.dtype in (torch.float32, torch.float64) else o.float()).flatten(1).pow(2).sum(1)
+
+
+def _broadcast_clipped(module, x, o, weights, names):
+    flat = o.flatten(1)
+    grad = flat.sum(0) if weights is None else weights.to(o.dtype) @ flat
+    return {names[0]: grad}
+
+
+register_rule(DPBroadcastHost, rule=LayerRule(_broadcast_per_sample, _broadcast_sq_norms, _broadcast_clipped))
+
+
+class DPLayerScale(DPModule):
+    """A leaf module computing ``x * γ`` (γ its one trainable parameter, broadcast against x's
+    trailing dims), e.g. Hugging Face's ``Dinov2LayerScale``."""
+
+    def _scale_name(self) -> str:
+        (name,) = [n for n, p in self.named_parameters(recurse=False)]
+        return name
+
+    def _compute(self, x, p):
+        return x * p[self._scale_name()]
+
+
+def _layer_scale_per_sample(module, x, o):
+    name = module._scale_name()
+    shape = module._parameters[name].shape
+    B = x.shape[0]
+    lead = x.dim() - 1 - len(shape)
+    if lead < 0:
+        raise ValueError(f"layer scale {name} of shape {tuple(shape)} has more dims than its per-sample input")
+    per_sample = (x * o).sum_to_size(B, *(1,) * lead, *shape)
+    return {name: per_sample.reshape(B, *shape)}
+
+
+register_rule(DPLayerScale, rule=LayerRule(_layer_scale_per_sample))
+
+
+def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
+    """Why ``module`` cannot host the batch-broadcast parameters ``broadcast_names`` (None when it can)."""
+    own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    others = [n for n in own if n not in broadcast_names]
+    if others:
+        return (f"trainable parameters {', '.join(others)} are not registered as batch-broadcast "
+                "(freeze them, or register them with pdpfast.nn.register_broadcast_host)")
+    wrong = [f"{n} {tuple(p.shape)}" for n, p in own.items() if p.dim() == 0 or p.shape[0] != 1]
+    # (a (1, d) parameter used as p.unsqueeze(0), like Dinov2's mask token, also has a leading 1 but
+    # is not batch-aligned: that is why hosts are registered by name, never inferred)
+    if wrong:
+        return "batch-broadcast parameters must have a leading dim of size 1; got " + ", ".join(wrong)
+    return None
+
+
+def check_layer_scale(module) -> str | None:
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if len(own) != 1:
+        return f"a layer scale has exactly one parameter; got {own}"
+    return None
