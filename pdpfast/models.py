@@ -101,6 +101,29 @@ def gpt2(size: str = "small", **overrides):
     return GPT2LMHeadModel(config)
 
 
+def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None, num_channels: int = 3,
+        **overrides):
+    """ViTForImageClassification, random init. size: "base" (ViT-B/16, 12×768, 224 px), "tiny" (2×128,
+    16 px patches of 32 px images, unless image_size says otherwise) or "micro" (1×32, 4 px patches of 8 px)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    sizes = {"base": dict(image_size=224, patch_size=16),
+             "tiny": dict(image_size=32, patch_size=8, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=512),
+             "micro": dict(image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64)}
+    if size not in sizes:
+        raise ValueError(f"size must be one of {sorted(sizes)}, got {size!r}")
+    options = {**sizes[size], **overrides}
+    if image_size is not None:
+        if image_size % options["patch_size"]:
+            raise ValueError(f"image_size {image_size} is not a multiple of the patch size {options['patch_size']}")
+        options["image_size"] = image_size
+    config = ViTConfig(num_labels=num_labels, num_channels=num_channels, **options)
+    config._attn_implementation = "eager"
+    return ViTForImageClassification(config)
+
+
 # ----------------------------------------------------------------------------------------------
 # Small models for user data, and a registry of every builder by name (the CLI's --model)
 # ----------------------------------------------------------------------------------------------
@@ -224,3 +247,18 @@ for _size in ("micro", "tiny", "base"):
 for _name, _size in (("gpt2", "small"), ("gpt2-tiny", "tiny"), ("gpt2-micro", "micro")):
     register_model(_name, inputs=("tokens",), task="lm", vocab_size=128 if _size == "micro" else 50257,
                    help=f"Hugging Face GPT-2 ({_size}) language model, random init")(_token_model(gpt2, _size))
+
+
+def _vit_model(size):
+    def build(input_shape, num_classes, vocab_size, **overrides):
+        channels, height, width = input_shape
+        if height != width:
+            raise ValueError(f"ViT takes square images; got {height}×{width}")
+        return vit(size, num_labels=num_classes, image_size=height, num_channels=channels, **overrides)
+    return build
+
+
+for _size in ("micro", "tiny", "base"):
+    register_model(f"vit-{_size}", inputs=("image",),
+                   help=f"Hugging Face ViT ({_size}; base = ViT-B/16) for image classification, random init")(
+        _vit_model(_size))

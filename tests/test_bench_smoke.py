@@ -11,7 +11,7 @@ def test_e2e_benchmark_runs_every_provider_and_writes_json(tmp_path):
     from bench.harness import PROVIDERS
 
     out = tmp_path / "e2e.json"
-    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "bert", "--repeats", "1",
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "bert,vit", "--repeats", "1",
                            "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert {r["provider"] for r in rows} == set(PROVIDERS)

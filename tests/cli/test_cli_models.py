@@ -27,8 +27,9 @@ def _one_private_step(model, inputs, labels, task, mode="bk"):
 
 
 @pytest.mark.parametrize("builder", [lambda: models.resnet18_gn(), lambda: models.bert("micro"),
-                                     lambda: models.gpt2("micro"), lambda: models.bert("tiny")],
-                         ids=["resnet18-gn", "bert-micro", "gpt2-micro", "bert-tiny"])
+                                     lambda: models.gpt2("micro"), lambda: models.bert("tiny"),
+                                     lambda: models.vit("tiny")],
+                         ids=["resnet18-gn", "bert-micro", "gpt2-micro", "bert-tiny", "vit-tiny"])
 def test_convert_keeps_every_parameter_of_each_model(builder):
     model = builder()
     params = dict(model.named_parameters())
@@ -56,6 +57,13 @@ def test_one_private_step_gpt2_micro(mode):
     _one_private_step(model, ids, torch.zeros(8, dtype=torch.long), Task("lm", "gpt2"), mode)
 
 
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_one_private_step_vit_micro(mode):
+    """cls_token and position embeddings are trained privately too (they live outside any layer)."""
+    model = models.build_model("vit-micro", input_shape=(1, 8, 8), num_classes=3, input_kind="image")
+    _one_private_step(model, torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)), Task.for_model("vit-micro"), mode)
+
+
 def test_registry_builds_each_model_for_its_inputs():
     assert set(models.model_names()) >= {"mlp", "cnn", "resnet18-gn", "bert-tiny", "bert-base", "gpt2"}
     mlp = models.build_model("mlp", input_shape=(64,), num_classes=10, hidden=[32, 16])
@@ -66,6 +74,10 @@ def test_registry_builds_each_model_for_its_inputs():
     assert grey(torch.randn(2, 1, 16, 16)).shape == (2, 5)
     bert = models.build_model("bert-micro", input_shape=(12,), num_classes=2, vocab_size=100, input_kind="tokens")
     assert bert(torch.randint(0, 100, (2, 12))).logits.shape == (2, 2)
+    vit = models.build_model("vit-tiny", input_shape=(3, 16, 16), num_classes=4, input_kind="image")
+    assert vit(torch.randn(2, 3, 16, 16)).logits.shape == (2, 4)
+    with pytest.raises(ValueError, match="square"):
+        models.build_model("vit-micro", input_shape=(3, 8, 12), input_kind="image")
     with pytest.raises(ValueError, match="unknown model"):
         models.build_model("vgg", input_shape=(3,))
     with pytest.raises(ValueError, match="image"):
