@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 RUNTIME = ["numpy", "scipy", "tqdm", "matplotlib", "scikit-learn", "dp-accounting"]
-TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "triton", "flwr"]
+TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "triton", "flwr"]
 # Each quick command: the runs it makes inside the venv, as (arguments, extra environment).
 # The Triton kernels are tested in a process of their own: TRITON_INTERPRET=1 must be set before
 # Triton defines them, and would route every op of the other tests through the slow interpreter.
@@ -104,7 +104,7 @@ def main():
         packages=packages + ["pdpfast.kernels"],
         package_dir={"pdpfast": "pdpfast", "pdpfast.kernels": "kernels"},
         install_requires=["torch>=2.4", *RUNTIME],
-        extras_require={"test": TESTING, "fl": ["flwr"]},
+        extras_require={"test": TESTING, "fl": ["flwr"], "transformers": ["transformers", "accelerate"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
         entry_points={"console_scripts": ["pdpfast=pdpfast.cli:main"]},

@@ -1,0 +1,314 @@
+"""``DPTrainer``: a Hugging Face ``transformers.Trainer`` that trains with individualized DP-SGD.
+
+    trainer = DPTrainer(model=model, args=TrainingArguments(...), train_dataset=train,
+                        budgets=eps_per_record, delta=1e-5, method="hybrid")
+    trainer.train()
+    trainer.epsilons()                       # (N,) ε spent by each record, ≤ its budget
+
+What changes against the plain Trainer, and why:
+
+* **Batches are Poisson draws.** Each optimizer step draws record i with probability q_i; the
+  expected logical batch is ``per_device_train_batch_size × gradient_accumulation_steps``, and a
+  draw is cut into physical batches of ``per_device_train_batch_size`` rows (the last padded with
+  masked rows). Gradient accumulation therefore means "physical batches of one logical step": the
+  Trainer itself runs with one micro-step per update, and ``training_step`` runs every physical
+  batch of the draw. A draw is never truncated.
+* **Per-sample losses.** The model's own loss is a mean over the batch's tokens, which makes one
+  record's loss depend on the others' lengths. ``compute_loss`` forms one loss per record (mean
+  over its own tokens) from the logits: classification and regression for labels of shape (B,),
+  causal language modelling (shifted) for ``*ForCausalLM``/``*LMHeadModel`` models, token
+  classification otherwise. Pass ``per_sample_loss=fn(outputs, labels) -> (B,)`` for anything else.
+* **What is not applied or not logged.** ``TrainingArguments.max_grad_norm`` (the Trainer's global
+  clipping) is replaced by per-sample clipping; the pre-noise gradient norm is never logged (it is
+  a function of the private data that no noise protects). The logged training loss is, as in
+  Opacus' examples, not privatized. ``ignore_data_skip`` is forced on: a resumed run continues the
+  Poisson draws from the checkpointed step instead of replaying and discarding them.
+* **The ledger.** ``trainer.epsilons()`` (= ``trainer.privacy_engine.epsilons()`` with budgets), ``epsilon`` and ``epsilon_<group>`` (max ε of the
+  records with that budget, for up to ``MAX_LOGGED_GROUPS`` distinct budgets) are logged with the
+  other metrics; checkpoints hold the engine's state (``pdpfast_engine.pt``), so
+  ``train(resume_from_checkpoint=...)`` continues the ledger, the draws and the noise exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .._io import atomic_write
+from ..engine import DPLoss, PrivacyEngine
+
+ENGINE_FILE = "pdpfast_engine.pt"
+MAX_LOGGED_GROUPS = 8
+METHODS = ("sample", "scale", "hybrid", "dpsgd")
+
+
+class _Draw:
+    """One Poisson draw: iterating it yields its physical batches, each opened in the engine as it
+    is taken (so the next batch's bounds never apply to this one's backward)."""
+
+    def __init__(self, batches, loader):
+        self._batches, self._loader, self._done = batches, loader, False
+
+    def __iter__(self):
+        while not self._done:
+            batch = next(self._batches)
+            self._done = self._loader.current.is_last
+            yield batch
+
+    def __contains__(self, key) -> bool:  # the Trainer looks for "labels" to count tokens: not here
+        return False
+
+
+class _DrawLoader:
+    """The Trainer's train data loader: one item per optimizer step (a ``_Draw``)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.batch_size = loader.physical_batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        for _ in range(len(self.loader)):
+            draw = _Draw(batches, self.loader)
+            yield draw
+            if not draw._done:
+                raise RuntimeError("a Poisson draw was skipped without training on it; its privacy cost would "
+                                   "be charged for nothing")
+
+
+def _per_record(values, n: int, name: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"{name} must have one value per training record ({n}), got shape {arr.shape}")
+    return arr
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def default_per_sample_loss(model: nn.Module):
+    """The per-record loss for ``model``'s outputs and labels (see the module docstring)."""
+    causal = _is_causal_lm(model)
+
+    def loss(outputs, labels):
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        if labels.dim() == 1:
+            if logits.shape[-1] == 1 and labels.is_floating_point():  # regression (num_labels = 1)
+                return (logits.squeeze(-1).float() - labels.float()).pow(2)
+            return nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        if causal:  # token t predicts token t + 1
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        tokens = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none",
+                                             ignore_index=-100).view(labels.shape)
+        counts = (labels != -100).sum(1).clamp_min(1)
+        return tokens.sum(1) / counts
+
+    return loss
+
+
+class DPTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` training with individualized DP-SGD (see the module docstring).
+
+    budgets: one ε per training record (array of N), or the name of a column of ``train_dataset``
+    (a ``datasets.Dataset``) holding them; delta: δ in (0, 1); method: "sample" | "scale" |
+    "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at the smallest budget). Or, for uniform DP without budgets,
+    ``noise_multiplier`` (σ) and ``max_grad_norm`` (C). accountant: "rdp" | "pld". mode: "bk" |
+    "ghost"; clipping: "flat" | "per_layer". seed: of the draws and the noise (default
+    ``args.seed``). The remaining arguments are the Trainer's.
+    """
+
+    def __init__(self, *args, budgets=None, delta: float = 1e-5, method: str = "sample",
+                 noise_multiplier: float | None = None, max_grad_norm: float = 1.0, accountant: str = "rdp",
+                 mode: str = "bk", clipping: str = "flat", per_sample_loss=None, seed: int | None = None, **kwargs):
+        if (budgets is None) == (noise_multiplier is None):
+            raise ValueError("give budgets= (individualized DP) or noise_multiplier= (uniform DP), exactly one")
+        if budgets is not None and method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is None:
+            raise ValueError("DPTrainer needs args= (TrainingArguments): the batch size and the number of steps "
+                             "or epochs set the privacy plan")
+        self.accumulation_steps = int(training_args.gradient_accumulation_steps)
+        # one Trainer micro-step per update: the draw's physical batches run inside training_step
+        private_args = dataclasses.replace(training_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
+                                           ignore_data_skip=True)
+        if len(args) > 1:
+            args = (args[0], private_args, *args[2:])
+        else:
+            kwargs["args"] = private_args
+        super().__init__(*args, **kwargs)
+        self.budgets_spec, self.delta, self.method = budgets, float(delta), method
+        self.dp_noise_multiplier, self.dp_max_grad_norm, self.dp_accountant = noise_multiplier, max_grad_norm, accountant
+        self.dp_mode, self.dp_clipping = mode, clipping
+        self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
+        self.privacy_engine = PrivacyEngine(seed=self.args.seed if seed is None else seed)
+        self._train_loader = None
+        self._groups: list[tuple[str, np.ndarray]] = []
+        self.uniform_ledger = None  # uniform DP: the RDP ledger of (q, σ); budgets: the engine's
+
+    def epsilons(self) -> np.ndarray:
+        """(N,) ε each training record has spent so far, at ``delta``."""
+        if self.uniform_ledger is not None:
+            return self.uniform_ledger.epsilons(self.delta)
+        if self._train_loader is None:
+            raise RuntimeError("epsilons() is known once training has started (train() makes the run private)")
+        return self.privacy_engine.epsilons()
+
+    # ------------------------------------------------------------------ making the run private
+
+    def _plan_steps(self, steps_per_epoch: int) -> int:
+        if self.args.max_steps > 0:
+            return int(self.args.max_steps)
+        epochs = self.args.num_train_epochs
+        if epochs != int(epochs) or epochs <= 0:
+            raise ValueError(f"num_train_epochs must be a positive whole number for a privacy plan, got {epochs}; "
+                             "or set max_steps")
+        return int(epochs) * steps_per_epoch
+
+    def _budgets(self, dataset) -> np.ndarray:
+        spec = self.budgets_spec
+        if isinstance(spec, str):
+            names = getattr(dataset, "column_names", None)
+            if names is None or spec not in names:
+                raise ValueError(f"budgets={spec!r} names a column, but train_dataset has no such column"
+                                 + (f" (columns: {names})" if names else ""))
+            return _per_record(dataset[spec], len(dataset), "budgets")
+        return _per_record(spec, len(dataset), "budgets")
+
+    def _make_private(self) -> None:
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("DPTrainer needs a train_dataset")
+        n = len(dataset)
+        budgets = self._budgets(dataset) if self.budgets_spec is not None else None
+        if isinstance(self.budgets_spec, str) and hasattr(dataset, "remove_columns"):
+            dataset = dataset.remove_columns(self.budgets_spec)
+        physical = int(self.args.per_device_train_batch_size)
+        expected = physical * self.accumulation_steps
+        if expected > n:
+            raise ValueError(f"the expected batch (per_device_train_batch_size × gradient_accumulation_steps = "
+                             f"{expected}) is larger than the dataset ({n} records)")
+        sample_rate = expected / n
+        collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        base = DataLoader(dataset, batch_size=physical, collate_fn=collate,
+                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        optimizer = self.create_optimizer()
+        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        common = dict(module=self.model, optimizer=optimizer, data_loader=base, mode=self.dp_mode,
+                      clipping=self.dp_clipping, physical_batch_size=physical, loss_reduction="mean")
+        if self.dp_mode == "ghost":
+            common["criterion"] = nn.CrossEntropyLoss()  # unused: compute_loss builds the per-sample losses
+        engine = self.privacy_engine
+        if budgets is not None:
+            steps = self._plan_steps(steps_per_epoch)
+            # "dpsgd": standard DP-SGD, every record held to the strictest budget
+            plan_budgets, method = ((np.full(n, budgets.min()), "sample") if self.method == "dpsgd"
+                                    else (budgets, self.method))
+            out = engine.make_private_with_budgets(
+                budgets=plan_budgets, delta=self.delta, steps=steps, method=method, sample_rate=sample_rate,
+                max_grad_norm=self.dp_max_grad_norm, accountant=self.dp_accountant, **common)
+            self._groups = self._privacy_groups(budgets)
+        else:
+            from ..accounting.ledger import IndividualAccountant
+
+            out = engine.make_private(noise_multiplier=self.dp_noise_multiplier, max_grad_norm=self.dp_max_grad_norm,
+                                      sample_rates=sample_rate, steps_per_epoch=steps_per_epoch, **common)
+            self.uniform_ledger = IndividualAccountant(engine.sample_rates, self.dp_noise_multiplier)
+            engine.optimizer.post_step_hooks.append(lambda _: self.uniform_ledger.step())
+        self.optimizer, self._train_loader = out[1], out[-1]
+
+    @staticmethod
+    def _privacy_groups(budgets: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        values = np.unique(budgets)
+        if values.size > MAX_LOGGED_GROUPS:
+            return []
+        return [(f"epsilon_budget_{v:g}", budgets == v) for v in values]
+
+    # ------------------------------------------------------------------ Trainer hooks
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            super().create_optimizer(model)
+        return self.optimizer
+
+    def get_train_dataloader(self):
+        if self._train_loader is None:
+            self._make_private()
+        return _DrawLoader(self._train_loader)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError("DPTrainer needs labels in every batch (a 'labels' or 'label' column) to form "
+                             "per-record losses")
+        outputs = model(**inputs)
+        per_sample = self.per_sample_loss(outputs, labels)
+        rows = labels.shape[0]
+        if per_sample.shape != (rows,):
+            raise ValueError(f"per_sample_loss must return one loss per record, shape ({rows},); "
+                             f"got {tuple(per_sample.shape)}")
+        if self.dp_mode == "ghost":
+            loss = DPLoss(per_sample, self.privacy_engine.state, "mean")
+        else:
+            loss = per_sample.sum() / rows  # loss_reduction="mean": the engine undoes the 1/rows exactly
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Forward and backward over every physical batch of one Poisson draw."""
+        model.train()
+        total, batches = None, 0
+        for batch in inputs:
+            batch = self._prepare_inputs(batch)
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, batch)
+            loss.backward()
+            value = loss.detach()
+            total = value if total is None else total + value
+            batches += 1
+        return total / batches
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # the norm of the clipped sum before noise is not private: never logged
+
+    def floating_point_ops(self, inputs) -> int:
+        return 0
+
+    def log(self, logs: dict, start_time=None) -> None:
+        if self._train_loader is not None and "loss" in logs:
+            eps = self.epsilons()
+            logs["epsilon"] = float(eps.max())
+            for name, members in self._groups:
+                logs[name] = float(eps[members].max())
+        super().log(logs, start_time)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        state = self.privacy_engine.state_dict()
+        if self.uniform_ledger is not None:
+            state["uniform_ledger"] = self.uniform_ledger.state_dict()
+        atomic_write(os.path.join(output_dir, ENGINE_FILE), lambda f: torch.save(state, f))
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ENGINE_FILE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
+                                    "privacy ledger is unknown and training cannot resume from it")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.privacy_engine.load_state_dict(state)
+        if "uniform_ledger" in state:
+            self.uniform_ledger.load_state_dict(state["uniform_ledger"])

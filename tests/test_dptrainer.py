@@ -1,0 +1,163 @@
+"""``DPTrainer``: Hugging Face Trainer with per-record budgets (tiny BERT and GPT-2 on the CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from pdpfast.integrations.transformers import DPTrainer, default_per_sample_loss  # noqa: E402
+
+N, T, VOCAB = 48, 8, 40
+
+
+class Records(Dataset):
+    """Token records whose label is set by their first token (learnable in a few steps)."""
+
+    def __init__(self, n=N, lm=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (n, T), generator=g)
+        self.labels = self.ids.clone() if lm else (self.ids[:, 0] % 2)
+        self.lm = lm
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(T, dtype=torch.long), "labels": self.labels[i]}
+
+
+def bert():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def arguments(tmp_path, **overrides):
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                   learning_rate=5e-3, max_steps=6, logging_steps=2, save_strategy="no", report_to=[],
+                   use_cpu=True, seed=3, disable_tqdm=True)
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+BUDGETS = np.r_[np.full(N // 2, 2.0), np.full(N - N // 2, 8.0)]
+
+
+@pytest.mark.parametrize("make_model,lm", [(bert, False), (gpt2, True)], ids=["bert", "gpt2"])
+def test_every_record_stays_within_its_budget_and_epsilon_is_logged(tmp_path, make_model, lm):
+    trainer = DPTrainer(model=make_model(), args=arguments(tmp_path), train_dataset=Records(lm=lm),
+                        budgets=BUDGETS, delta=1e-5, method="hybrid")
+    trainer.train()
+    eps = trainer.epsilons()
+    assert trainer.privacy_engine.steps == 6
+    assert np.all(eps <= BUDGETS) and np.all(eps > 0)
+    np.testing.assert_array_equal(eps, trainer.privacy_engine.epsilons())
+    logged = [h for h in trainer.state.log_history if "epsilon" in h]
+    assert logged and {"epsilon_budget_2", "epsilon_budget_8"} <= set(logged[-1])
+    assert logged[-1]["epsilon_budget_2"] <= 2.0 and logged[-1]["epsilon_budget_8"] <= 8.0
+    assert not any("grad_norm" in h for h in trainer.state.log_history)  # pre-noise norm: never logged
+
+
+@pytest.mark.parametrize("mode,clipping", [("ghost", "flat"), ("bk", "per_layer")])
+def test_other_clipping_modes(tmp_path, mode, clipping):
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=2), train_dataset=Records(),
+                        budgets=BUDGETS, delta=1e-5, mode=mode, clipping=clipping)
+    trainer.train()
+    assert trainer.privacy_engine.steps == 2 and np.all(trainer.epsilons() <= BUDGETS)
+
+
+def test_gradient_accumulation_is_physical_batches_of_one_step(tmp_path):
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=2), train_dataset=Records(),
+                        budgets=BUDGETS, delta=1e-5)
+    trainer.train()
+    loader = trainer.privacy_engine.data_loader
+    assert loader.physical_batch_size == 4
+    assert loader.expected_batch_size == pytest.approx(8.0, rel=0.05)  # 4 rows × 2 accumulation steps
+    assert trainer.args.gradient_accumulation_steps == 1 and trainer.accumulation_steps == 2
+    assert trainer.privacy_engine.steps == trainer.state.global_step == 2
+
+
+def test_the_loss_falls(tmp_path):
+    budgets = np.full(N, 50.0)
+    data = Records(n=N)
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=30, learning_rate=2e-2, logging_steps=10),
+                        train_dataset=data, budgets=budgets, delta=1e-5, method="dpsgd")
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0]
+
+
+def test_resume_from_a_checkpoint_continues_the_ledger_exactly(tmp_path):
+    def run(out, resume=None, **extra):
+        args = arguments(out, max_steps=4, save_strategy="steps", save_steps=2, **extra)
+        trainer = DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5,
+                            method="hybrid")
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run(tmp_path / "whole")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    np.testing.assert_array_equal(resumed.epsilons(), whole.epsilons())
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_uniform_dp_with_a_noise_multiplier(tmp_path):
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=3), train_dataset=Records(),
+                        noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)
+    trainer.train()
+    eps = trainer.epsilons()
+    assert eps.shape == (N,) and np.all(eps == eps[0]) and eps[0] > 0
+
+
+def test_budgets_from_a_column_name(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    data = Records()
+    table = datasets.Dataset.from_dict({"input_ids": data.ids.tolist(), "attention_mask": [[1] * T] * N,
+                                        "labels": data.labels.tolist(), "epsilon": BUDGETS.tolist()})
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=2), train_dataset=table.with_format("torch"),
+                        budgets="epsilon", delta=1e-5)
+    trainer.train()
+    assert np.all(trainer.epsilons() <= BUDGETS)
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    data = Records()
+    with pytest.raises(ValueError, match="exactly one"):
+        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data)
+    with pytest.raises(ValueError, match="method"):
+        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS, method="fast")
+    with pytest.raises(ValueError, match="delta"):
+        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS, delta=1.5)
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS[:-1])
+    with pytest.raises(ValueError, match="one value per training record"):
+        trainer.train()
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=-1, num_train_epochs=1.5),
+                        train_dataset=data, budgets=BUDGETS)
+    with pytest.raises(ValueError, match="whole number"):
+        trainer.train()
+
+
+def test_per_sample_loss_of_a_causal_lm_ignores_padding_and_is_per_record():
+    model = gpt2()
+    ids = torch.randint(3, VOCAB, (3, T))
+    labels = ids.clone()
+    labels[1, 5:] = -100
+    out = model(input_ids=ids)
+    losses = default_per_sample_loss(model)(out, labels)
+    for i in range(3):
+        alone = default_per_sample_loss(model)(model(input_ids=ids[i:i + 1]), labels[i:i + 1])
+        torch.testing.assert_close(losses[i:i + 1], alone, rtol=1e-5, atol=1e-6)
