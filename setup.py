@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 RUNTIME = ["numpy", "scipy", "tqdm", "matplotlib", "scikit-learn", "dp-accounting"]
-TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "triton", "flwr"]
+TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "peft", "triton", "flwr"]
 # Each quick command: the runs it makes inside the venv, as (arguments, extra environment).
 # The Triton kernels are tested in a process of their own: TRITON_INTERPRET=1 must be set before
 # Triton defines them, and would route every op of the other tests through the slow interpreter.

@@ -1,8 +1,8 @@
 """End-to-end training throughput and peak memory: BERT-base (seq 128, batch 32), ResNet-18 with
-GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8), ViT-B/16 (224×224, batch 64); non-private vs pdpfast (bk,
+GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8) in full and with LoRA r=8, ViT-B/16 (224×224, batch 64); non-private vs pdpfast (bk,
 ghost, per-layer) vs Opacus 1.6 (hooks, ghost), in one process, on a CUDA device.
 
-    python -m bench.bench_e2e [--models bert,resnet18,gpt2,vit] [--dtype fp32|bf16] [--repeats 20]
+    python -m bench.bench_e2e [--models bert,resnet18,gpt2,gpt2-lora,vit] [--dtype fp32|bf16] [--repeats 20]
     python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
 
 Writes JSON rows (model, provider, batch, seq, dtype, device, versions, date, throughput, peak
@@ -60,6 +60,15 @@ def build(name: str, size: str, device, dtype):
         batch, seq = (8, 512) if size == "full" else (2, 16)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
         inputs, y, loss = _with_positions(ids), ids, _lm_loss
+    elif name == "gpt2-lora":  # DP fine-tuning of frozen GPT-2 small with LoRA r=8 on every attention/MLP map
+        import peft
+
+        base = models.gpt2("small" if size == "full" else size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, fan_in_fan_out=True,
+                                                          target_modules=["c_attn", "c_proj", "c_fc"]))
+        batch, seq = (8, 512) if size == "full" else (2, 16)
+        ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=g)
+        inputs, y, loss = _with_positions(ids), ids, _lm_loss
     elif name == "vit":
         model = models.vit("base" if size == "full" else size, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0)
@@ -68,7 +77,7 @@ def build(name: str, size: str, device, dtype):
         inputs = (torch.randn(batch, 3, pixels, pixels, generator=g),)
         y, loss = torch.randint(0, 10, (batch,), generator=g), _classification_loss
     else:
-        raise ValueError(f"unknown model {name!r}; choose from bert, resnet18, gpt2, vit")
+        raise ValueError(f"unknown model {name!r}; choose from bert, resnet18, gpt2, gpt2-lora, vit")
     model = model.to(device=device, dtype=dtype)
     move = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
     inputs = {k: move(t) for k, t in inputs.items()} if isinstance(inputs, dict) else tuple(map(move, inputs))
@@ -77,7 +86,7 @@ def build(name: str, size: str, device, dtype):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="bert,resnet18,gpt2,vit")
+    parser.add_argument("--models", default="bert,resnet18,gpt2,gpt2-lora,vit")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="full", help="full (the issue's sizes) | tiny | micro (smoke tests)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
