@@ -68,10 +68,31 @@ def _demo(args) -> int:
 def _train(args) -> int:
     from .train import TrainConfig, run
 
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be ≥ 1, got {args.nproc}")
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_processes(args.nproc)
+
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and k != "log"})
     run(cfg)        # checks every output path before it loads the data
     return 0
+
+
+def _launch_processes(nproc: int) -> int:
+    """Run this same command in ``nproc`` processes under torchrun (one machine): each rank takes its
+    share of every Poisson draw; see pdpfast.distributed."""
+    import subprocess
+
+    argv = _ARGV[:]
+    i = argv.index("--nproc") if "--nproc" in argv else None
+    if i is not None:
+        del argv[i:i + 2]
+    else:
+        argv = [a for a in argv if not a.startswith("--nproc=")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "pdpfast", *argv]
+    return subprocess.call(command)
 
 
 # ---------------------------------------------------------------------------------------------- calibrate
@@ -295,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     g.add_argument("--threads", type=int, help="torch threads")
+    g.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes on this machine (torchrun; gloo on CPU, NCCL on GPUs); the "
+                        "trained model and the ledger equal a one-process run with the same --seed")
     g = train.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger); an existing one is "
                                         "refused unless --resume or --overwrite")
@@ -346,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ARGV: list[str] = []  # the command line main() parsed (--nproc re-runs it under torchrun)
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _ARGV
+    _ARGV = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

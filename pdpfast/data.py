@@ -103,12 +103,22 @@ class DPDataLoader:
     several batches of K rows and the last is padded with masked rows, so every batch has K rows.
     seed: of the counter-based draw (a fresh random one by default); draw t depends only on
     (seed, t), so a resumed run continues the same sequence from ``next_step``.
+
+    rank, world_size: under data parallelism every process draws the same global sample (same
+    seed) and takes its share, drawn records ``rank::world_size``. Every rank yields the same number
+    of physical batches per draw (those with a smaller share pad with masked rows), so collectives
+    stay in step; without a physical batch size each rank yields one batch per draw, possibly empty.
     """
 
     def __init__(self, dataset: Dataset, sample_rates, *, steps_per_epoch: int | None = None,
                  physical_batch_size: int | None = None, seed: int | None = None,
-                 collate_fn: Callable | None = None, start_step: int = 0, **loader_kwargs):
+                 collate_fn: Callable | None = None, start_step: int = 0, rank: int = 0, world_size: int = 1,
+                 **loader_kwargs):
         n = len(dataset)
+        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, world_size) and world_size ≥ 1, got rank={rank!r}, "
+                             f"world_size={world_size!r}")
+        self.rank, self.world_size = rank, world_size
         if n == 0:
             raise ValueError("dataset is empty")
         self.dataset = dataset
@@ -152,10 +162,15 @@ class DPDataLoader:
 
     def split(self, drawn: torch.Tensor, step: int) -> list[PhysicalBatch]:
         """The physical batches of one draw: all of it, in chunks of the capacity if one is set."""
-        K = self.physical_batch_size
+        K, W = self.physical_batch_size, self.world_size
+        share = drawn if W == 1 else drawn[self.rank::W]
         if K is None:
-            return [PhysicalBatch(drawn, None, step, True)]
-        chunks = list(drawn.split(K)) or [drawn]
+            return [PhysicalBatch(share, None, step, True)]
+        chunks = list(share.split(K)) or [share]
+        # every rank makes as many batches as the largest share needs (rank 0's: ⌈n/W⌉ records)
+        largest_share = -(-drawn.numel() // W)
+        count = max(1, -(-largest_share // K))
+        chunks += [share[:0]] * (count - len(chunks))
         batches = []
         for j, chunk in enumerate(chunks):
             mask = torch.zeros(K)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from ._io import atomic_write
 from .clipping import ClippingState, Phase, check_choice
 from .data import DPDataLoader, PhysicalBatch, as_per_record
+from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert
 from .optimizer import DPOptimizer
 
@@ -75,6 +76,7 @@ class PrivacyEngine:
 
     def __init__(self, *, seed: int | None = None):
         self.seed = seed
+        self.distributed = None  # a DistributedContext when the model is DDP-wrapped
         self.state: ClippingState | None = None
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DPDataLoader | None = None
@@ -113,16 +115,25 @@ class PrivacyEngine:
         self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
         self.mode, self.loss_reduction = mode, loss_reduction
 
-        convert(module)
-        self.state = ClippingState(module, mode=mode, clipping=clipping, layer_shares=layer_shares,
+        inner, self.distributed = unwrap(module)  # a DDP-wrapped model: see pdpfast.distributed
+        seed, shard = self.seed, {}
+        if self.distributed is not None:
+            seed = self.seed = self.distributed.agree_seed(self.seed)
+            self.distributed.check_same("privacy plan (sample rates, clip bounds, noise)", plan_fingerprint(
+                self.sample_rates, self.clip_norms, self.noise_multiplier, self.max_grad_norm))
+            shard = dict(rank=self.distributed.rank, world_size=self.distributed.world_size)
+        convert(inner)
+        self.state = ClippingState(inner, mode=mode, clipping=clipping, layer_shares=layer_shares,
                                    automatic_gamma=automatic_gamma)
         self.state.attach()
         self.data_loader = DPDataLoader.from_data_loader(
-            data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=self.seed,
-            steps_per_epoch=steps_per_epoch)
+            data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=seed,
+            steps_per_epoch=steps_per_epoch, **shard)
         self.optimizer = DPOptimizer(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                                      expected_batch_size=self.data_loader.expected_batch_size,
-                                     seed=None if self.seed is None else self.seed + 1)
+                                     seed=None if seed is None else seed + 1)
+        if self.distributed is not None:
+            self.optimizer.reduce_grads = self.distributed.all_reduce_sum_
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)
         self._at_boundary = True
         self.optimizer.at_step_boundary = lambda: self._at_boundary
@@ -265,12 +276,17 @@ class PrivacyEngine:
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
         crash leaves the previous checkpoint or the new one, never a half-written file."""
+        module = inner_module(module)
         state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}
-        atomic_write(path, lambda f: torch.save(state, f))
+        if self.distributed is None or self.distributed.rank == 0:  # every rank holds the same state
+            atomic_write(path, lambda f: torch.save(state, f))
+        if self.distributed is not None:
+            self.distributed.barrier()  # no rank reads or replaces it before it is complete
 
     def load_checkpoint(self, path, module: nn.Module) -> dict:
         """Restore what ``save_checkpoint`` wrote; returns its ``extra`` fields."""
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        module = inner_module(module)
         module.load_state_dict(checkpoint["model"])
         self.load_state_dict(checkpoint["engine"])
         return checkpoint["extra"]

@@ -46,6 +46,7 @@ class DPOptimizer(Optimizer):
         self.pre_step_hooks: list[Callable[["DPOptimizer"], None]] = []
         self.post_step_hooks: list[Callable[["DPOptimizer"], None]] = []
         self.post_zero_grad_hooks: list[Callable[["DPOptimizer"], None]] = []
+        self.reduce_grads: Callable[[list, int], None] | None = None
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
@@ -96,6 +97,8 @@ class DPOptimizer(Optimizer):
             if p.grad is None:  # no record reached it (e.g. an empty draw): noise all the same
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
+        if self.reduce_grads is not None:  # data parallel: Σ over ranks first, then the same noise on each
+            self.reduce_grads(grads, self.steps)
         add_noise_(grads, self.noise_std, self.seed, self.steps)
         torch._foreach_div_(grads, self.expected_batch_size)
 

@@ -17,6 +17,7 @@ Building blocks (also used by the demo and by :mod:`pdpfast.pdp_sgd`):
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
 import os
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+
+from .distributed import inner_module
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
            "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device",
@@ -309,6 +312,7 @@ class TrainConfig:
     threads: int | None = None
     quiet: bool = False
     out_json: str | None = None
+    nproc: int = 1
     log: object = field(default=None, repr=False)
 
 
@@ -587,12 +591,49 @@ def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> N
 
 def run(cfg: TrainConfig) -> dict:
     """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``).
-    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved)."""
-    from ._io import remove_stale_temporaries
-
+    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved). Under
+    torchrun (WORLD_SIZE > 1) it is one rank of a data-parallel run (``--nproc``)."""
     _check_config(cfg)
     _check_outputs(cfg)
     device = resolve_device(cfg.device)
+    rank, world_size = _start_distributed(cfg, device)
+    if world_size > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        if rank != 0:  # one rank speaks and writes (checkpoints: the engine writes them on rank 0)
+            cfg = dataclasses.replace(cfg, quiet=True, out_json=None)
+    try:
+        return _run(cfg, device, rank, world_size)
+    finally:
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _start_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
+    """(rank, world size): under torchrun (WORLD_SIZE > 1) the process group is initialized here,
+    NCCL on CUDA and gloo on the CPU, with a timeout so that a dead rank stops the others."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if cfg.method == "pdp":
+        raise ValueError("--method pdp does not run data parallel (its rounds retrain on subsets); use one process")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
+    return dist.get_rank(), dist.get_world_size()
+
+
+# a rank that has not reached a collective this long after the others is taken to be dead
+DISTRIBUTED_TIMEOUT_S = 600
+
+
+def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> dict:
+    from ._io import remove_stale_temporaries
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     train, test, budgets = load_training_data(cfg)
@@ -610,9 +651,11 @@ def run(cfg: TrainConfig) -> dict:
         resume_state = _load_checkpoint_file(cfg.resume)
         _check_resume(resume_state, cfg, fingerprint, model_config)
     for path in (checkpoint_path, cfg.out_json):
-        if path:
+        if path and rank == 0:
             remove_stale_temporaries(path)
     model.to(device)
+    if world_size > 1:  # one global Poisson draw shared out, noise once: see pdpfast.distributed
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = _optimizer(cfg, model)
     sample_rate = min(1.0, cfg.batch_size / n)
     steps_per_epoch = max(1, round(1.0 / sample_rate))
@@ -623,7 +666,7 @@ def run(cfg: TrainConfig) -> dict:
     _say(cfg, f"pdpfast train: {n} training records ({train.source}), {len(np.unique(budgets))} distinct budgets "
               f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
               f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
-              f"δ={cfg.delta:g}, device {device}")
+              f"δ={cfg.delta:g}, device {device}" + (f", {world_size} processes" if world_size > 1 else ""))
     run_method = _run_pdp if cfg.method == "pdp" else _run_idp
     with _StopOnSignal() as stop:
         summary = run_method(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
@@ -704,7 +747,7 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
     plan = engine.plan
     if resume_state is not None:
         def load():
-            model.load_state_dict(resume_state["model"])
+            inner_module(model).load_state_dict(resume_state["model"])
             engine.load_state_dict(resume_state["engine"])
 
         _restore(cfg, load)

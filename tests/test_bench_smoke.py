@@ -29,3 +29,13 @@ def test_e2e_benchmark_without_cuda_says_so(capsys):
         pytest.skip("a CUDA device is present")
     assert bench_e2e.main(["--models", "resnet18"]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_ddp_scaling_benchmark_runs_and_writes_json(tmp_path):
+    from bench import bench_ddp
+
+    out = tmp_path / "ddp.json"
+    assert bench_ddp.main(["--nprocs", "1,2", "--steps", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["processes"] for r in rows] == [1, 2] and rows[0]["speedup_vs_one_process"] == 1.0
+    assert all(r["records_per_second"] > 0 and r["device"].startswith("cpu") for r in rows)

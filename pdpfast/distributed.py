@@ -1,0 +1,104 @@
+"""Data parallelism: individualized DP-SGD under ``torch.distributed``, identical to one process.
+
+A model wrapped in ``DistributedDataParallel`` is made private like any other; the engine then
+closes the three traps of a careless port:
+
+1. **One global Poisson draw.** Every rank runs the counter-based sampler with the same seed and
+   step, so all ranks see the same drawn records, and each takes its share (records
+   ``rank::world_size`` of the draw). Ranks with a smaller share pad with masked rows, so every
+   rank runs the same number of physical batches.
+2. **Noise once.** Clipping is local; the clipped sums are all-reduced (summed) once per step by
+   the optimizer, and every rank then adds the *same* noise N(0, σ²C²), drawn from (seed, step):
+   the ranks hold identical parameters and the run equals the single-process run with that seed.
+3. **Global normalization.** The sum is divided by Σ_i q_i over the whole dataset.
+
+DDP's own gradient synchronization is switched off for the wrapped model
+(``require_backward_grad_sync = False``): DP layers write clipped sums into ``.grad`` themselves,
+which DDP's reducer never sees, and averaging (DDP divides by the world size) is not what DP needs.
+A rank that dies makes the next collective on the others fail after the process group's timeout
+(set it in ``init_process_group(timeout=...)``); the error says so instead of hanging silently.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class DistributedContext:
+    """rank and world size of the default process group, and the collectives the engine needs."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def agree_seed(self, seed: int | None) -> int:
+        """The same seed on every rank: rank 0's random one when ``seed`` is None; refused if the
+        ranks were given different seeds (their draws would differ)."""
+        if seed is None:
+            seed = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
+            box = [seed]
+            self.dist.broadcast_object_list(box, src=0)
+            return int(box[0])
+        self.check_same("seed", int(seed))
+        return int(seed)
+
+    def check_same(self, what: str, value) -> None:
+        """Refuse to go on unless every rank holds the same ``value`` (compared by hash)."""
+        values = [None] * self.world_size
+        self.dist.all_gather_object(values, value)
+        if any(v != values[0] for v in values):
+            raise ValueError(f"{what} differs between ranks; every rank must be given the same {what} "
+                             "(the draws, clip bounds and noise must agree across ranks)")
+
+    def all_reduce_sum_(self, grads: list[torch.Tensor], step: int) -> None:
+        """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket."""
+        buckets: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            buckets.setdefault((g.device, g.dtype), []).append(g)
+        for group in buckets.values():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            try:
+                self.dist.all_reduce(flat, op=self.dist.ReduceOp.SUM)
+            except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
+                raise RuntimeError(
+                    f"rank {self.rank}: summing the clipped gradients of step {step} across {self.world_size} "
+                    "ranks failed; another rank stopped (crashed, killed or out of memory) or did not reach this "
+                    f"step within the process group's timeout ({type(exc).__name__}: {exc})") from exc
+            torch._foreach_copy_(group, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in group]), group)])
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+
+def inner_module(module: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (state_dict names without "module.")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def unwrap(module: nn.Module) -> tuple[nn.Module, DistributedContext | None]:
+    """(the model inside, its distributed context) for a DDP-wrapped model; (module, None) otherwise."""
+    if inner_module(module) is module:
+        return module, None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the model is wrapped in DistributedDataParallel but torch.distributed is not "
+                           "initialized; call torch.distributed.init_process_group first")
+    module.require_backward_grad_sync = False  # the optimizer sums the clipped gradients itself
+    return module.module, DistributedContext()
+
+
+def plan_fingerprint(sample_rates: np.ndarray, clip_norms: np.ndarray, noise_multiplier: float,
+                     max_grad_norm: float) -> str:
+    h = hashlib.sha256()
+    for arr in (sample_rates, clip_norms, np.array([noise_multiplier, max_grad_norm])):
+        h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
+    return h.hexdigest()
