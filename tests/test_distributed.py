@@ -43,8 +43,9 @@ def model():
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
-def train(config, wrap=None):
-    """STEPS private steps of ``config``; returns (final parameters, per-record ε)."""
+def train(config, wrap=None, stop_at=None, checkpoint=None, resume=None):
+    """STEPS private steps of ``config``; returns (final parameters, per-record ε). stop_at: save
+    ``checkpoint`` and stop after that many steps; resume: continue from ``checkpoint``."""
     mode, clipping, method, rate, physical = config
     dataset, budgets = data()
     net = model()
@@ -60,11 +61,18 @@ def train(config, wrap=None):
         physical_batch_size=physical, **extra)
     net, optimizer, loader = out[0], out[1], out[-1]
     criterion = out[2] if mode == "ghost" else criterion
+    if resume:
+        engine.load_checkpoint(checkpoint, net)
     for x, y in loader:
         loss = criterion(net(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if engine.steps == stop_at:
+            engine.save_checkpoint(checkpoint, net)
+            break
+        if engine.steps == STEPS:  # a resumed loader's epoch runs past the plan's last step
+            break
     inner = net.module if hasattr(net, "module") else net
     return {n: p.detach().clone() for n, p in inner.named_parameters()}, engine.epsilons()
 
@@ -76,6 +84,9 @@ def _worker(rank, world, init_file, out_dir, scenario):
         if scenario == "train":
             wrap = lambda m: nn.parallel.DistributedDataParallel(m)  # noqa: E731
             results = [train(config, wrap) for config in CONFIGS]
+            checkpoint = os.path.join(out_dir, "resume.pt")  # written once, by rank 0
+            train(CONFIGS[0], wrap, stop_at=2, checkpoint=checkpoint)
+            results.append(train(CONFIGS[0], wrap, checkpoint=checkpoint, resume=True))
             torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         elif scenario == "killed":
             net = nn.parallel.DistributedDataParallel(model())
@@ -117,6 +128,15 @@ def test_two_processes_train_the_single_process_model(two_process_results, index
     for rank in (0, 1):
         rank_params, rank_eps = two_process_results[rank][index]
         np.testing.assert_array_equal(rank_eps, eps)  # the same ledger on every rank
+        for name, p in params.items():
+            torch.testing.assert_close(rank_params[name], p, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: {name}")
+
+
+def test_a_resumed_two_process_run_continues_exactly(two_process_results):
+    params, eps = train(CONFIGS[0])
+    for rank in (0, 1):
+        rank_params, rank_eps = two_process_results[rank][len(CONFIGS)]
+        np.testing.assert_array_equal(rank_eps, eps)
         for name, p in params.items():
             torch.testing.assert_close(rank_params[name], p, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: {name}")
 
