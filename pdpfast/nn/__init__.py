@@ -1,10 +1,17 @@
-"""Drop-in DP modules and ``convert(model)``."""
-from .convert import convert, register_module, replace_batchnorm
-from .layers import (DPConv1D, DPConv1d, DPConv2d, DPConv3d, DPEmbedding, DPGroupNorm, DPInstanceNorm,
-                     DPLayerFunction, DPLayerNorm, DPLinear, DPModule, DPRMSNorm)
-from .rules import LayerRule, register_rule, rule_for
+"""Drop-in DP modules and ``convert(model)``.
+
+One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``), each registering itself
+with ``register_layer``; importing them here is what makes ``convert`` know them.
+"""
+from .conv import DPConv1d, DPConv2d, DPConv3d
+from .convert import convert, replace_batchnorm
+from .embedding import DPEmbedding
+from .layers import DPLayerFunction, DPModule
+from .linear import DPConv1D, DPLinear
+from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
+from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
 
 __all__ = ["DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm", "DPInstanceNorm",
            "DPLayerFunction", "DPLayerNorm",
-           "DPLinear", "DPModule", "DPRMSNorm", "LayerRule", "convert", "register_module", "register_rule",
-           "replace_batchnorm", "rule_for"]
+           "DPLinear", "DPModule", "DPRMSNorm", "LayerRule", "convert", "register_layer", "register_module",
+           "register_rule", "replace_batchnorm", "rule_for"]
