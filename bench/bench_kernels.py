@@ -3,6 +3,9 @@
     python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,conv_weight_sq_norms] [--dtypes bf16,fp32]
     python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
+The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``); each has one
+benchmark function here, registered under the op's name with ``@benchmark(name)`` (an undeclared
+name raises at import), which times the op's registered kernel against its registered reference.
 For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
 launcher and of the plain-torch reference in the same process, the bytes each must move at least
 and the FLOPs of the algorithm, achieved GB/s and TFLOP/s, and the speed-up over the reference.
@@ -26,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from pdpfast.ops import dispatch
+
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -43,6 +48,26 @@ class Row:
     speedup_vs_torch: float | None = None
     peak_extra_mib: float | None = None   # memory allocated above the inputs while it runs (where measured)
     graph_ms: float | None = None         # GPU time alone: CUDA-graph replay, no host launch cost (where measured)
+
+
+BENCHMARKS: dict[str, Callable] = {}
+
+
+def benchmark(name: str):
+    """Decorator: ``fn(rows, op, dtype_name, quick, reps)`` benchmarks the kernel of the op ``name``
+    (``op``: its ``dispatch.Op``, whose ``kernel`` and ``reference`` it times)."""
+    dispatch.op(name)  # an undeclared name raises here, at import
+
+    def wrap(fn):
+        BENCHMARKS[name] = fn
+        return fn
+
+    return wrap
+
+
+def kernel_ops() -> list[str]:
+    """The ops with a registered kernel (imports the kernels)."""
+    return sorted(name for name, op in dispatch.registered().items() if op.kernel is not None)
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup_ms: float = 25.0, reps: int = 50) -> float:
@@ -102,9 +127,9 @@ def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn
                         (ms_torch / ms_triton) if (provider == "triton" and ms_torch) else None))
 
 
-def bench_linear_norms(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import norms
-    from pdpfast.ops.linear import linear_weight_sq_norms_reference, use_gram
+@benchmark("linear_weight_sq_norms")
+def bench_linear_norms(rows, op, dtype_name, quick, reps):
+    from pdpfast.ops.linear import use_gram
 
     dtype = DTYPES[dtype_name]
     shapes = [(256, 1, 4096, 4096), (64, 128, 768, 768), (32, 512, 1024, 4096), (16, 2048, 768, 768),
@@ -120,9 +145,9 @@ def bench_linear_norms(rows, dtype_name, quick, reps):
             chosen = auto if path == "auto" else path
             flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
                      "direct": 2 * B * T * d * p + 2 * B * d * p}[chosen]
-            _bench_pair(rows, "linear_weight_sq_norms", (B, T, d, p), dtype_name, f"{path}->{chosen}",
-                        lambda path=path: norms.linear_weight_sq_norms(a, o, path=path),
-                        (lambda: linear_weight_sq_norms_reference(a, o)) if path == "auto" else None,
+            _bench_pair(rows, op.name, (B, T, d, p), dtype_name, f"{path}->{chosen}",
+                        lambda path=path: op.kernel(a, o, path=path),
+                        (lambda: op.reference(a, o)) if path == "auto" else None,
                         nbytes, flops, reps)
 
 
@@ -146,7 +171,8 @@ def _peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
 
 
-def bench_conv_norms(rows, dtype_name, quick, reps, batch=256):
+@benchmark("conv_weight_sq_norms")
+def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
     """Per-sample conv weight norms: the fused kernels (auto, and each path forced, with the cost
     model's estimate in the variant) against the current torch path (``*_reference``: im2col for
     small layers, else per-sample gradients from a batch-grouped cuDNN weight gradient), and the
@@ -173,54 +199,48 @@ def bench_conv_norms(rows, dtype_name, quick, reps, batch=256):
             ms = cuda_time_ms(fn, reps=reps)
             return ms, _peak_extra_mib(fn), cuda_graph_ms(fn)
 
-        reference = (lambda: conv_ops.conv_weight_sq_norms_reference(x_pad, o, module))
+        reference = (lambda: op.reference(x_pad, o, module))
         ms_torch, mib, graph = measure(reference)
         unfolds = x_pad[0].numel() * batch * k * k <= conv_ops._UNFOLD_LIMIT
-        rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name,
+        rows.append(Row(op.name, "torch", shape, dtype_name,
                         "reference: " + ("unfold" if unfolds else "per-sample wgrad"), ms_torch,
                         nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib, graph))
         for path in ("auto", "direct", "gram"):
             used = chosen if path == "auto" else path
-            ms, mib, graph = measure(lambda path=path: conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path))
-            rows.append(Row("conv_weight_sq_norms", "triton", shape, dtype_name,
+            ms, mib, graph = measure(lambda path=path: op.kernel(x_pad, o, module, path=path))
+            rows.append(Row(op.name, "triton", shape, dtype_name,
                             f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms", ms, nbytes / ms / 1e6,
                             costs[used].flops / ms / 1e9, ms_torch / ms, mib, graph))
         ms, mib, graph = measure(lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
-        rows.append(Row("conv_weight_sq_norms", "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
+        rows.append(Row(op.name, "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
                         nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms, mib, graph))
         del x_pad, o
 
 
-def bench_bias_norms(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import norms
-    from pdpfast.ops.linear import bias_sq_norms_reference
-
+@benchmark("bias_sq_norms")
+def bench_bias_norms(rows, op, dtype_name, quick, reps):
     dtype = DTYPES[dtype_name]
     for B, T, p in [(256, 1, 4096), (64, 512, 1024), (16, 2048, 4096)][: 2 if quick else None]:
         o = torch.randn(B, T, p, device="cuda", dtype=dtype)
-        _bench_pair(rows, "bias_sq_norms", (B, T, p), dtype_name, "", lambda: norms.bias_sq_norms(o),
-                    lambda: bias_sq_norms_reference(o), o.numel() * o.element_size(), 0, reps)
+        _bench_pair(rows, op.name, (B, T, p), dtype_name, "", lambda: op.kernel(o),
+                    lambda: op.reference(o), o.numel() * o.element_size(), 0, reps)
 
 
-def bench_embedding_norms(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import norms
-    from pdpfast.ops.embedding import embedding_sq_norms_reference
-
+@benchmark("embedding_sq_norms")
+def bench_embedding_norms(rows, op, dtype_name, quick, reps):
     dtype = DTYPES[dtype_name]
     for B, T, p, V in [(64, 512, 768, 50257), (32, 2048, 1024, 32000), (64, 512, 768, 100)][: 1 if quick else None]:
         ids = torch.randint(0, V, (B, T), device="cuda")
         ids[:, T - T // 4:] = 0  # right padding
         o = torch.randn(B, T, p, device="cuda", dtype=dtype)
-        _bench_pair(rows, "embedding_sq_norms", (B, T, p, V), dtype_name, "padding_idx=0",
-                    lambda: norms.embedding_sq_norms(ids, o, V, 0),
-                    lambda: embedding_sq_norms_reference(ids, o, V, 0),
+        _bench_pair(rows, op.name, (B, T, p, V), dtype_name, "padding_idx=0",
+                    lambda: op.kernel(ids, o, V, 0),
+                    lambda: op.reference(ids, o, V, 0),
                     o.numel() * o.element_size() + ids.numel() * 8, 0, reps)
 
 
-def bench_noise(rows, dtype_name, quick, reps):
-    from pdpfast.kernels import noise
-    from pdpfast.ops.noise import add_noise_reference_
-
+@benchmark("add_noise_")
+def bench_noise(rows, op, dtype_name, quick, reps):
     dtype = DTYPES[dtype_name]
     # a GPT-2-small-like parameter list (~124M values) and one large matrix
     gpt2 = [(50257, 768), (1024, 768)] + [(768, 2304), (2304,), (768, 768), (768,), (768, 3072), (3072,),
@@ -229,25 +249,17 @@ def bench_noise(rows, dtype_name, quick, reps):
         grads = [torch.zeros(s, device="cuda", dtype=dtype) for s in shapes]
         numel = sum(g.numel() for g in grads)
         step = iter(range(1 << 30))
-        _bench_pair(rows, "add_noise_", (name, len(grads), numel), dtype_name, "one launch",
-                    lambda: noise.add_noise_(grads, 1.0, 0, next(step)),
-                    lambda: add_noise_reference_(grads, 1.0, 0, next(step)),
+        _bench_pair(rows, op.name, (name, len(grads), numel), dtype_name, "one launch",
+                    lambda: op.kernel(grads, 1.0, 0, next(step)),
+                    lambda: op.reference(grads, 1.0, 0, next(step)),
                     2 * numel * grads[0].element_size(), 0, reps)
-
-
-BENCHMARKS = {
-    "linear_weight_sq_norms": bench_linear_norms,
-    "conv_weight_sq_norms": bench_conv_norms,
-    "bias_sq_norms": bench_bias_norms,
-    "embedding_sq_norms": bench_embedding_norms,
-    "add_noise_": bench_noise,
-}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
-    parser.add_argument("--ops", default=",".join(BENCHMARKS), help="comma-separated subset of: " + ", ".join(BENCHMARKS))
+    parser.add_argument("--ops", default=None, help="comma-separated subset of the ops with a kernel "
+                        "(default: all of them): " + ", ".join(sorted(BENCHMARKS)))
     parser.add_argument("--dtypes", default="bf16", help="comma-separated subset of fp32, fp16, bf16")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
@@ -265,14 +277,20 @@ def main(argv=None) -> int:
         print(f"bench_kernels: the Triton kernels do not import ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 1
 
-    unknown = set(args.ops.split(",")) - set(BENCHMARKS)
+    with_kernel = kernel_ops()
+    unbenchmarked = set(with_kernel) - set(BENCHMARKS)
+    if unbenchmarked:
+        print(f"bench_kernels: no benchmark for the kernels of {sorted(unbenchmarked)}; add one with "
+              "@benchmark(name)", file=sys.stderr)
+    selected = args.ops.split(",") if args.ops else [name for name in with_kernel if name in BENCHMARKS]
+    unknown = set(selected) - (set(with_kernel) & set(BENCHMARKS))
     if unknown:
-        parser.error(f"unknown ops: {sorted(unknown)}")
+        parser.error(f"no kernel or no benchmark for: {sorted(unknown)}")
     torch.manual_seed(0)
     rows: list[Row] = []
-    for op in args.ops.split(","):
+    for name in selected:
         for dtype_name in args.dtypes.split(","):
-            BENCHMARKS[op](rows, dtype_name, args.quick, args.reps)
+            BENCHMARKS[name](rows, dispatch.op(name), dtype_name, args.quick, args.reps)
             torch.cuda.empty_cache()
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \

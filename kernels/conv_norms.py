@@ -32,7 +32,9 @@ stages, Gram on 8/4 px) against 0.3-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, 
 stride-1 3×3 layers at 32 and 16 px, where exact fp32 FMA products
 (``_utils.FP32_DOT_PRECISION="ieee"``) lose to cuDNN's TF32 per-sample gradients (1.46 vs 0.49 ms
 and 0.98 vs 0.70 ms). The cost model picked the faster form on 21 of 22 (layer, dtype) cases; the
-miss was a 5% tie.
+miss was a 5% tie. The launcher is registered for every dtype although those two fp32 layers are
+slower than the previous path: that path materialized B x |W| per-sample gradients (up to 4.6 GiB
+a layer), which book-keeping and per-layer clipping must not.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ import triton
 import triton.language as tl
 
 from pdpfast.ops.conv import conv_weight_sq_norms_reference
+from pdpfast.ops.dispatch import register
 
 from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
 
@@ -307,6 +310,7 @@ def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation,
                    dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
 
 
+@register("conv_weight_sq_norms")
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto") -> torch.Tensor:
     """‖∂ℓ_i/∂W‖²_F per sample of a Conv1d/Conv2d weight, the unfolding done inside the kernel.
 

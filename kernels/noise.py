@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdpfast.ops.dispatch import register
 from pdpfast.ops.noise import step_seed
 
 from ._utils import device_guard
@@ -85,6 +86,7 @@ def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> to
     return table
 
 
+@register("add_noise_")
 def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
     """g += std · N(0, 1) elementwise, in place, for every tensor in ``grads``.
 

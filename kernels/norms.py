@@ -6,6 +6,16 @@ Gram matrix ever reaches memory, and the reduction is deterministic (no atomics)
 
 References: ``pdpfast.ops.linear.linear_sq_norms_reference`` (weight, or weight + bias),
 ``bias_sq_norms_reference`` and ``pdpfast.ops.embedding.embedding_sq_norms_reference``.
+
+Each launcher registers itself under its op's name (``pdpfast.ops.dispatch.register``), with where
+it was measured faster. Measured on an H100, 2026-11-23
+(bench/results/bench_kernels-NVIDIA_H100_80GB_HBM3.json):
+
+- linear norms win in fp16/bf16 (1.5-7.1x); in fp32 the kernel's exact FMA dots lose to cuBLAS's
+  fp32 Gram (0.40-0.87x), so fp32 runs the reference;
+- the bias kernel wins only on fp16/bf16 sequences (1.7x at (64, 512, 1024)); torch's three ops
+  win in fp32 (0.6x) and on one-row samples (0.8x);
+- embedding norms win everywhere measured (1.7-4.5x).
 """
 from __future__ import annotations
 
@@ -13,10 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pdpfast.ops.dispatch import register
 from pdpfast.ops.embedding import embedding_sq_norms_reference
 from pdpfast.ops.linear import bias_sq_norms_reference, linear_sq_norms_reference, use_gram
 
 from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +149,7 @@ def _unit_inner(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
+@register("linear_weight_sq_norms", when=lambda a, o: o.dtype in _LOW_PRECISION)
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
                            with_bias: bool = False) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample, never forming o_iᵀ a_i nor the T×T Grams in memory.
@@ -213,6 +227,7 @@ def _bias_sq_norms_kernel(o_ptr, partial_ptr, T, P, stride_ob, stride_ot, stride
     tl.store(partial_ptr + pid, tl.sum(grad * grad, axis=0))
 
 
+@register("bias_sq_norms", when=lambda o: o.dim() == 3 and o.shape[1] > 1 and o.dtype in _LOW_PRECISION)
 def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) fp32/fp16/bf16 → (B,) fp32 (fp64: reference)."""
     if o.dim() != 3 or o.dtype not in KERNEL_DTYPES:
@@ -283,6 +298,7 @@ def _embedding_sq_norms_kernel(
     tl.store(partial_ptr + pid, tl.sum(tl.sum(total, axis=1), axis=0))
 
 
+@register("embedding_sq_norms")
 def embedding_sq_norms(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
                        padding_idx: int | None) -> torch.Tensor:
     """Exact per-sample squared norms of an embedding table's gradient.

@@ -8,7 +8,6 @@ import torch
 from .ops import dispatch
 
 
-
 def report() -> str:
     import pdpfast
     from pdpfast import sampling
@@ -23,10 +22,10 @@ def report() -> str:
         reason = "no CUDA device (TRITON_INTERPRET=1 runs the kernels on the CPU, for tests)"
     else:
         reason = dispatch.triton_import_error()
-    kernels = dispatch.registered() if reason is None else {}
-    for op in sorted(dispatch.OPS):
-        impl = "triton kernel" if op in kernels else f"torch reference ({reason or 'no kernel registered'})"
-        lines.append(f"  {op:<24} {impl}")
+    for name, op in sorted(dispatch.registered(load_kernels=reason is None).items()):
+        impl = "triton kernel" if reason is None and op.kernel is not None else \
+            f"torch reference ({reason or 'no kernel registered'})"
+        lines.append(f"  {name:<24} {impl}")
     why = sampling.unavailable_reason()
     lines.append(f"  {'poisson_sample':<24} {sampling.backend()}" + (f" ({why})" if why else ""))
     return "\n".join(lines)

@@ -1,11 +1,18 @@
-"""Drop-in DP modules and ``convert(model)``."""
-from .broadcast import DPBroadcastHost, DPLayerScale
-from .convert import convert, register_broadcast_host, register_module, replace_batchnorm
-from .layers import (DPConv1D, DPConv1d, DPConv2d, DPConv3d, DPEmbedding, DPGroupNorm, DPInstanceNorm,
-                     DPLayerFunction, DPLayerNorm, DPLinear, DPModule, DPRMSNorm)
-from .rules import LayerRule, register_rule, rule_for
+"""Drop-in DP modules and ``convert(model)``.
 
-__all__ = ["DPBroadcastHost", "DPLayerScale", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm", "DPInstanceNorm",
-           "DPLayerFunction", "DPLayerNorm",
-           "DPLinear", "DPModule", "DPRMSNorm", "LayerRule", "convert", "register_broadcast_host", "register_module", "register_rule",
+One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``, ``broadcast``), each
+registering itself with ``register_layer``; importing them here is what makes ``convert`` know them.
+"""
+from .broadcast import DPBroadcastHost, DPLayerScale, register_broadcast_host
+from .conv import DPConv1d, DPConv2d, DPConv3d
+from .convert import convert, replace_batchnorm
+from .embedding import DPEmbedding
+from .layers import DPLayerFunction, DPModule
+from .linear import DPConv1D, DPLinear
+from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
+from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
+
+__all__ = ["DPBroadcastHost", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm",
+           "DPInstanceNorm", "DPLayerFunction", "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
+           "LayerRule", "convert", "register_broadcast_host", "register_layer", "register_module", "register_rule",
            "replace_batchnorm", "rule_for"]

@@ -20,9 +20,10 @@ layer-scale vector multiplying every activation. Each has an exact, cheap per-sa
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .layers import DPModule
-from .rules import LayerRule, register_rule
+from .rules import LayerRule, register_layer, register_rule
 
 
 class BroadcastParameterFunction(torch.autograd.Function):
@@ -49,6 +50,10 @@ class DPBroadcastHost(DPModule):
     """
 
     broadcast_names: tuple[str, ...] = ()
+
+    @classmethod
+    def unsupported_options(cls, module):
+        return check_broadcast_host(cls.broadcast_names, module)
 
     def forward(self, *args, **kwargs):
         host_forward = super(DPModule, self).forward  # the host class's own forward (after the mixins)
@@ -87,6 +92,11 @@ class DPLayerScale(DPModule):
     """A leaf module computing ``x * γ`` (γ its one trainable parameter, broadcast against x's
     trailing dims), e.g. Hugging Face's ``Dinov2LayerScale``."""
 
+    @classmethod
+    def unsupported_options(cls, module):
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        return None if len(own) == 1 else f"a layer scale has exactly one parameter; got {own}"
+
     def _scale_name(self) -> str:
         (name,) = [n for n, p in self.named_parameters(recurse=False)]
         return name
@@ -106,7 +116,6 @@ def _layer_scale_per_sample(module, x, o):
     return {name: per_sample.reshape(B, *shape)}
 
 
-register_rule(DPLayerScale, rule=LayerRule(_layer_scale_per_sample))
 
 
 def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
@@ -117,15 +126,30 @@ def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
         return (f"trainable parameters {', '.join(others)} are not registered as batch-broadcast "
                 "(freeze them, or register them with pdpfast.nn.register_broadcast_host)")
     wrong = [f"{n} {tuple(p.shape)}" for n, p in own.items() if p.dim() == 0 or p.shape[0] != 1]
-    # (a (1, d) parameter used as p.unsqueeze(0), like Dinov2's mask token, also has a leading 1 but
-    # is not batch-aligned: that is why hosts are registered by name, never inferred)
+    # (a (1, d) parameter used as p.expand(B, T, -1), like DINOv2's mask token, also has a leading 1
+    # but is not batch-aligned: that is why hosts are registered by name, never inferred)
     if wrong:
         return "batch-broadcast parameters must have a leading dim of size 1; got " + ", ".join(wrong)
     return None
 
 
-def check_layer_scale(module) -> str | None:
-    own = [n for n, _ in module.named_parameters(recurse=False)]
-    if len(own) != 1:
-        return f"a layer scale has exactly one parameter; got {own}"
-    return None
+def register_broadcast_host(module_class: type | str, *names: str) -> None:
+    """Make ``convert`` treat ``module_class`` (a class or its qualified name) as a host of the
+    batch-broadcast parameters ``names`` (shape (1, ...): class tokens, position embeddings, register
+    tokens), exact per sample when its forward uses them batch-aligned (see the module docstring).
+    A later registration of the same class replaces the earlier one."""
+    if not (isinstance(module_class, str) or (isinstance(module_class, type) and issubclass(module_class, nn.Module))):
+        raise TypeError(f"module_class must be an nn.Module subclass or its qualified name, got {module_class!r}")
+    register_layer(module_class, broadcast_parameters(*names), replace=True)
+
+
+# vision transformers: class / distillation / mask tokens and position embeddings, and layer scale
+register_broadcast_host("transformers.models.vit.modeling_vit.ViTEmbeddings",
+                        "cls_token", "mask_token", "position_embeddings")
+register_broadcast_host("transformers.models.deit.modeling_deit.DeiTEmbeddings",
+                        "cls_token", "distillation_token", "mask_token", "position_embeddings")
+# DINOv2's (1, d) mask token is used as mask_token.expand(B, T, -1): not batch-aligned, so not listed
+register_broadcast_host("transformers.models.dinov2.modeling_dinov2.Dinov2Embeddings", "cls_token",
+                        "position_embeddings")
+register_layer("transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale", DPLayerScale,
+               LayerRule(_layer_scale_per_sample))

@@ -10,90 +10,34 @@ import functools
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .broadcast import DPBroadcastHost, DPLayerScale, broadcast_parameters, check_broadcast_host, check_layer_scale
-from .layers import (DPConv1D, DPConv1d, DPConv2d, DPConv3d, DPEmbedding, DPGroupNorm, DPInstanceNorm, DPLayerNorm,
-                     DPLinear, DPModule, DPRMSNorm)
-
-# torch layer → its DP class. Lookup walks the MRO, so subclasses that keep the base forward work.
-_DP_CLASSES: dict[type, type] = {
-    nn.Linear: DPLinear,
-    nn.Conv1d: DPConv1d,
-    nn.Conv2d: DPConv2d,
-    nn.Conv3d: DPConv3d,
-    nn.InstanceNorm1d: DPInstanceNorm,
-    nn.InstanceNorm2d: DPInstanceNorm,
-    nn.InstanceNorm3d: DPInstanceNorm,
-    nn.Embedding: DPEmbedding,
-    nn.LayerNorm: DPLayerNorm,
-    nn.GroupNorm: DPGroupNorm,
-    nn.RMSNorm: DPRMSNorm,
-}
-# Layers of optional libraries, by qualified name so their libraries are never imported here.
-_DP_CLASSES_BY_NAME: dict[str, type] = {
-    "transformers.pytorch_utils.Conv1D": DPConv1D,
-    # vision transformers: class/distillation/mask tokens and position embeddings (pdpfast.nn.broadcast)
-    "transformers.models.vit.modeling_vit.ViTEmbeddings":
-        broadcast_parameters("cls_token", "mask_token", "position_embeddings"),
-    "transformers.models.deit.modeling_deit.DeiTEmbeddings":
-        broadcast_parameters("cls_token", "distillation_token", "mask_token", "position_embeddings"),
-    "transformers.models.dinov2.modeling_dinov2.Dinov2Embeddings":  # its (1, d) mask token is not batch-aligned
-        broadcast_parameters("cls_token", "position_embeddings"),
-    "transformers.models.dinov2.modeling_dinov2.Dinov2LayerScale": DPLayerScale,
-}
+from . import rules
+from .layers import DPModule
 
 
-def register_module(torch_class: type, dp_class: type) -> None:
-    """Make ``convert`` swap ``torch_class`` (and subclasses keeping its forward) for ``dp_class``."""
-    _DP_CLASSES[torch_class] = dp_class
-    _dp_class_for.cache_clear()
-
-
-def register_broadcast_host(module_class: type | str, *names: str) -> None:
-    """Make ``convert`` treat ``module_class`` (a class or its qualified name) as a host of the
-    batch-broadcast parameters ``names`` (shape (1, ...): class tokens, position embeddings, register
-    tokens), exact per sample when its forward uses them batch-aligned; see ``pdpfast.nn.broadcast``."""
-    dp_class = broadcast_parameters(*names)
-    if isinstance(module_class, str):
-        _DP_CLASSES_BY_NAME[module_class] = dp_class
-    elif isinstance(module_class, type) and issubclass(module_class, nn.Module):
-        _DP_CLASSES[module_class] = dp_class
-    else:
-        raise TypeError(f"module_class must be an nn.Module subclass or its qualified name, got {module_class!r}")
-    _dp_class_for.cache_clear()
+def _dp_class_for(cls: type) -> type | None:
+    """The DP class ``convert`` swaps ``cls`` for: the registration (``rules.register_layer``) of
+    the first class of its MRO that has one, or None."""
+    return _dp_class_cached(cls, rules.generation())
 
 
 @functools.lru_cache(maxsize=None)
-def _dp_class_for(cls: type) -> type | None:
+def _dp_class_cached(cls: type, generation: int) -> type | None:
+    # ``generation``: part of the key only, so a registration after a lookup is seen
     for base in cls.__mro__:
-        dp = _DP_CLASSES.get(base) or _DP_CLASSES_BY_NAME.get(f"{base.__module__}.{base.__qualname__}")
+        dp = rules.dp_class_registered(base)
         if dp is None:
             continue
         if cls.forward is not base.forward:
             return None  # a subclass with its own forward: its math is unknown to the rule
-        if issubclass(dp, cls):
-            return dp
-        # keep the user's class in the MRO (isinstance checks, its extra methods)
-        return type(f"DP{cls.__name__}", (dp, cls), {"__module__": dp.__module__})
+        return dp if issubclass(dp, cls) else _subclass(dp, cls)
     return None
 
 
-def _options_error(module: nn.Module, dp_class: type) -> str | None:
-    """Layer options that would make per-sample clipping wrong or leak, explained."""
-    if issubclass(dp_class, DPBroadcastHost):
-        return check_broadcast_host(dp_class.broadcast_names, module)
-    if issubclass(dp_class, DPLayerScale):
-        return check_layer_scale(module)
-    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
-        return ("track_running_stats=True updates running statistics from the batch's data, outside any "
-                "privacy accounting; set track_running_stats=False (training normalizes each sample on its own)")
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None:
-            return "max_norm renormalizes table rows in place from the batch's tokens; set max_norm=None"
-        if module.scale_grad_by_freq:
-            return "scale_grad_by_freq scales gradients by batch-wide token counts; set it to False"
-        if module.sparse:
-            return "sparse gradients are not supported; set sparse=False"
-    return None
+@functools.lru_cache(maxsize=None)
+def _subclass(dp: type, cls: type) -> type:
+    # keep the user's class in the MRO (isinstance checks, its extra methods); one class per pair,
+    # however often the registry changes
+    return type(f"DP{cls.__name__}", (dp, cls), {"__module__": dp.__module__})
 
 
 def _path(name: str) -> str:
@@ -103,10 +47,11 @@ def _path(name: str) -> str:
 def convert(model: nn.Module) -> nn.Module:
     """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
 
-    Supported: Linear (any leading dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same",
-    dilation, groups, padding modes), Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm,
-    InstanceNorm1d/2d/3d (without running statistics) and Hugging Face's Conv1D. Modules without trainable parameters of their own are left alone; frozen
-    parameters cost nothing.
+    Supported: every registered layer family (``pdpfast.nn.register_layer``): Linear (any leading
+    dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same", dilation, groups, padding modes),
+    Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm, InstanceNorm1d/2d/3d (without running
+    statistics) and Hugging Face's Conv1D. Modules without trainable parameters of their own are
+    left alone; frozen parameters cost nothing.
 
     Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample
     gradient exists; use GroupNorm, e.g. ``pdpfast.nn.replace_batchnorm``) and, in one message,
@@ -127,7 +72,7 @@ def convert(model: nn.Module) -> nn.Module:
             if trainable:
                 unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
             continue
-        problem = _options_error(module, dp_class)
+        problem = dp_class.unsupported_options(module)
         if problem:
             unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
             continue

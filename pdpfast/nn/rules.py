@@ -1,4 +1,9 @@
-"""Registry: DP module type → its per-sample norm and clipped-gradient rule (STYLE.md).
+"""The layer registry: torch layer → its DP class → its per-sample rule, one call per family.
+
+A layer family lives in one file under ``pdpfast/nn/`` (``linear.py``, ``conv.py``, ...): its DP
+classes, its rule, and one ``register_layer(torch_classes, dp_class, rule)``. ``convert`` swaps
+the registered torch classes (and subclasses keeping their forward) for the DP class; the
+clipping state finds the rule through the DP class's MRO.
 
 A rule works on one call of a layer: ``x`` the saved input (the module's own preprocessing
 applied, e.g. the padded conv input), ``o`` the gradient of the summed loss w.r.t. the output.
@@ -17,6 +22,8 @@ from typing import Callable, Hashable
 
 import torch
 from torch import nn
+
+from .layers import DPModule
 
 PerSampleGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
 SqNorms = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], torch.Tensor]
@@ -87,18 +94,107 @@ def weighted_sum(weights: torch.Tensor, per_sample: torch.Tensor) -> torch.Tenso
 
 
 _RULES: dict[type, LayerRule] = {}
+_DP_CLASSES: dict[type, type] = {}
+# Layers of optional libraries, by qualified name so their libraries are never imported here.
+_DP_CLASSES_BY_NAME: dict[str, type] = {}
+_generation = 0  # bumped by every torch → DP mapping, so lookups cached elsewhere know to redo
+
+
+def register_layer(torch_classes, dp_class: type, rule: LayerRule | None = None, *, replace: bool = False) -> None:
+    """Register a layer family: ``convert`` swaps ``torch_classes`` for ``dp_class``, whose
+    per-sample gradients come from ``rule``.
+
+    torch_classes: an ``nn.Module`` subclass, its qualified name as a string (e.g.
+    ``"transformers.pytorch_utils.Conv1D"``: the optional library is never imported here), or a
+    tuple/list of them. Subclasses that keep the registered forward are converted too; those with
+    their own forward are not (their math is unknown to the rule). dp_class: a ``DPModule``
+    subclass (typically also a subclass of the torch class); layer options it cannot train
+    privately are refused by its ``unsupported_options``. rule: the rule of ``dp_class`` and its
+    subclasses; None when ``dp_class`` inherits one from a registered base. Registering a class or
+    a rule a second time raises unless ``replace=True``.
+    """
+    keys = _keys(torch_classes, dp_class)
+    if rule is None and rule_for_class(dp_class) is None:
+        raise ValueError(f"{dp_class.__name__} has no rule: pass rule=, or subclass a DP class that has one")
+    if not replace:
+        taken = [_name(k) for k in keys if _table(k).get(k) not in (None, dp_class)]
+        if taken:
+            raise ValueError(f"{', '.join(taken)} already convert to another DP class; pass replace=True")
+    if rule is not None:
+        register_rule(dp_class, rule=rule, replace=replace or _RULES.get(dp_class) is rule)
+    _map(keys, dp_class)
+
+
+def register_module(torch_class: type | str, dp_class: type) -> None:
+    """Make ``convert`` swap ``torch_class`` (and subclasses keeping its forward) for ``dp_class``,
+    replacing any earlier mapping. Kept for existing callers: ``register_layer(torch_class,
+    dp_class, rule)`` registers the mapping and the rule in one call."""
+    _map(_keys(torch_class, dp_class), dp_class)
+
+
+def _keys(torch_classes, dp_class: type) -> list:
+    keys = list(torch_classes) if isinstance(torch_classes, (tuple, list)) else [torch_classes]
+    for key in keys:
+        if isinstance(key, str):
+            if "." not in key:
+                raise ValueError(f"a class given by name needs its qualified name (module.Class), got {key!r}")
+        elif not (isinstance(key, type) and issubclass(key, nn.Module)):
+            raise TypeError(f"torch_classes must be nn.Module subclasses or qualified names, got {key!r}")
+    if not (isinstance(dp_class, type) and issubclass(dp_class, DPModule)):
+        raise TypeError(f"dp_class must be a subclass of pdpfast.nn.DPModule, got {dp_class!r}")
+    return keys
+
+
+def _table(key) -> dict:
+    return _DP_CLASSES_BY_NAME if isinstance(key, str) else _DP_CLASSES
+
+
+def _map(keys: list, dp_class: type) -> None:
+    global _generation
+    for key in keys:
+        _table(key)[key] = dp_class
+    _generation += 1
+
+
+def _name(key) -> str:
+    return key if isinstance(key, str) else f"{key.__module__}.{key.__qualname__}"
 
 
 def register_rule(*types: type, rule: LayerRule, replace: bool = False) -> None:
-    """Register ``rule`` for DP module classes ``types`` (subclasses inherit it through the MRO)."""
+    """Register ``rule`` for DP module classes ``types`` (subclasses inherit it through the MRO).
+
+    ``register_layer`` does this and the torch-class mapping in one call; use this alone only for
+    a DP class that ``convert`` never produces (one a model instantiates directly).
+    """
     for t in types:
         if t in _RULES and not replace:
             raise ValueError(f"a rule for {t.__name__} is already registered; pass replace=True")
         _RULES[t] = rule
 
 
-def rule_for(module: nn.Module) -> LayerRule | None:
-    for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
+def rule_for_class(cls: type) -> LayerRule | None:
+    """The rule of DP class ``cls``: the first registered class of its MRO, or None."""
+    for base in cls.__mro__:
+        if base in _RULES:
+            return _RULES[base]
     return None
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    return rule_for_class(type(module))
+
+
+def dp_class_registered(cls: type) -> type | None:
+    """The DP class registered for exactly ``cls`` (by class, else by qualified name), or None.
+    ``convert`` walks a module's MRO with this."""
+    return _DP_CLASSES.get(cls) or _DP_CLASSES_BY_NAME.get(_name(cls))
+
+
+def generation() -> int:
+    """Changes whenever a torch → DP mapping is registered (a key for caches of lookups)."""
+    return _generation
+
+
+def registered_layers() -> dict:
+    """Every registered torch class (or qualified name) → its DP class, in registration order."""
+    return {**_DP_CLASSES, **_DP_CLASSES_BY_NAME}

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .dispatch import pick
+from .dispatch import declare
 from .linear import linear_weight_sq_norms
 
 
@@ -80,9 +80,12 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module)
     return linear_weight_sq_norms(a, out).view(B, module.groups).sum(1)
 
 
+_CONV_WEIGHT_SQ_NORMS = declare("conv_weight_sq_norms", conv_weight_sq_norms_reference)
+
+
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
     """Per-sample squared weight-gradient norms (B,): the fused kernel on CUDA, else the reference."""
-    return pick("conv_weight_sq_norms", conv_weight_sq_norms_reference, x_pad, o)(x_pad, o, module)
+    return _CONV_WEIGHT_SQ_NORMS.pick(x_pad, o)(x_pad, o, module)
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:

@@ -1,53 +1,94 @@
 """The one place that decides which implementation an op runs.
 
-Every op in :mod:`pdpfast.ops` has a plain-torch reference. A faster implementation (a Triton
-kernel from ``pdpfast.kernels``) registers itself under the op's name with :func:`register`;
-:func:`pick` returns it when :func:`use_triton` holds for the op's tensors, else the reference.
-No op carries its own ad-hoc device checks.
+Every op that can run a kernel is declared once, next to its plain-torch reference, in its
+family's file under :mod:`pdpfast.ops` (``_BIAS_SQ_NORMS = declare("bias_sq_norms",
+bias_sq_norms_reference)``); its entry point asks the returned :class:`Op` which implementation to
+run. A faster implementation (a Triton kernel in ``pdpfast.kernels``) registers itself under the
+op's name with :func:`register` when its module is imported; :meth:`Op.pick` returns it when
+:func:`use_triton` holds for the op's tensors (and its ``when``), else the reference. No op carries
+its own ad-hoc device checks. Registering under a name no op declared raises
+:class:`RegistrationError` at import, so a typo can never silently fall back to the reference.
+Tests, benchmarks and ``pdpfast info`` iterate over :func:`registered`.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-# Every op that can run a kernel, named once: registering or picking any other name is an error,
-# so a typo can never silently fall back to the reference. Tests, `pdpfast info` and
-# bench/bench_kernels.py iterate over this set.
-OPS = frozenset({"linear_weight_sq_norms", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms",
-                 "add_noise_"})
 
-_KERNELS: dict[str, Callable] = {}
-_WHEN: dict[str, Callable[..., bool]] = {}
+class RegistrationError(ValueError):
+    """A kernel registered under an undeclared op name, or an op or kernel registered twice."""
 
 
-def _known(name: str) -> str:
-    if name not in OPS:
-        raise ValueError(f"unknown op {name!r}; ops that dispatch: {sorted(OPS)}")
-    return name
+@dataclass
+class Op:
+    """One dispatching op: ``reference`` always works; ``kernel`` (with ``when``) is registered by
+    ``pdpfast.kernels`` and runs where :func:`use_triton` holds and ``when(*tensors)`` is true."""
+
+    name: str
+    reference: Callable
+    kernel: Callable | None = None
+    when: Callable[..., bool] | None = None
+
+    def pick(self, *tensors: torch.Tensor) -> Callable:
+        """The implementation to run on ``tensors``: the registered kernel or the reference."""
+        # use_triton first: it imports pdpfast.kernels, which is what registers the kernel
+        if use_triton(*tensors) and self.kernel is not None and (self.when is None or self.when(*tensors)):
+            return self.kernel
+        return self.reference
+
+
+_OPS: dict[str, Op] = {}
+
+
+def declare(name: str, reference: Callable) -> Op:
+    """Declare the dispatching op ``name`` with its plain-torch ``reference``; returns its :class:`Op`."""
+    if name in _OPS:
+        raise RegistrationError(f"op {name!r} is already declared (by {_OPS[name].reference.__module__})")
+    _OPS[name] = Op(name, reference)
+    return _OPS[name]
+
+
+def op(name: str) -> Op:
+    """The declared op ``name``; RegistrationError for any other name."""
+    if name not in _OPS:
+        raise RegistrationError(f"unknown op {name!r}; ops that dispatch: {sorted(_OPS)}")
+    return _OPS[name]
 
 
 def register(name: str, when: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as the fast implementation of op ``name``.
+    """Decorator: register ``fn`` as the fast implementation of op ``name`` (raises at once,
+    i.e. when the kernel's module is imported, if no op of that name is declared).
 
     ``when(*tensors)``: the inputs on which the kernel beats the torch reference (as measured by
     ``bench/bench_kernels.py``); elsewhere ``pick`` returns the reference. None: everywhere.
     """
 
-    _known(name)
+    target = op(name)
 
     def wrap(fn: Callable) -> Callable:
-        _KERNELS[name] = fn
-        if when is None:
-            _WHEN.pop(name, None)
-        else:
-            _WHEN[name] = when
+        old = target.kernel
+        if old is not None:
+            if _source(old) != _source(fn):
+                raise RegistrationError(f"op {name!r} already has the kernel {old.__module__}.{old.__qualname__}")
+            # the same launcher from the same file, loaded again: transformers imports a top-level
+            # package named ``kernels``, which the repository's kernels/ is when its root is on
+            # sys.path (the tests). Keep the first.
+            return fn
+        target.kernel, target.when = fn, when
         return fn
 
     return wrap
+
+
+def _source(fn: Callable) -> tuple:
+    code = getattr(fn, "__code__", None)
+    return fn.__qualname__, os.path.realpath(code.co_filename) if code is not None else fn.__module__
 
 
 def triton_disabled() -> bool:
@@ -64,6 +105,8 @@ def triton_import_error() -> str | None:
     try:
         importlib.import_module("triton")
         importlib.import_module("pdpfast.kernels")
+    except RegistrationError:
+        raise  # a bug in pdpfast.kernels, not a missing Triton: never hide it behind the reference
     except Exception as exc:  # ImportError, or a broken Triton install
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -85,19 +128,15 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return triton_import_error() is None
 
 
-def pick(name: str, reference: Callable, *tensors: torch.Tensor) -> Callable:
-    """The implementation of op ``name`` to run on ``tensors``: a registered kernel or ``reference``."""
-    _known(name)
-    if use_triton(*tensors):
-        kernel = _KERNELS.get(name)
-        if kernel is not None:
-            when = _WHEN.get(name)
-            if when is None or when(*tensors):
-                return kernel
-    return reference
+def pick(name: str, *tensors: torch.Tensor) -> Callable:
+    """The implementation of op ``name`` to run on ``tensors``: its registered kernel or its reference."""
+    return op(name).pick(*tensors)
 
 
-def registered() -> dict[str, Callable]:
-    """Ops with a registered fast implementation (imports the kernels if possible)."""
-    triton_import_error()
-    return dict(_KERNELS)
+def registered(load_kernels: bool = True) -> dict[str, Op]:
+    """Every declared op by name, with its reference and the kernel registered for it, if any.
+    ``load_kernels``: import the kernels first (when they can be imported), so each op's kernel is
+    known; False leaves Triton unimported (kernels may then be missing)."""
+    if load_kernels:
+        triton_import_error()
+    return dict(_OPS)

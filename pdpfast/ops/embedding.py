@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .dispatch import pick
+from .dispatch import declare
 from .linear import acc_dtype
 
 
@@ -36,9 +36,11 @@ def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddi
     return out.index_add_(0, unique // num_embeddings, summed.pow(2).sum(-1))
 
 
+_EMBEDDING_SQ_NORMS = declare("embedding_sq_norms", embedding_sq_norms_reference)
+
+
 def embedding_sq_norms(ids, o, num_embeddings, padding_idx):
-    fn = pick("embedding_sq_norms", embedding_sq_norms_reference, o)
-    return fn(ids, o, num_embeddings, padding_idx)
+    return _EMBEDDING_SQ_NORMS.pick(o)(ids, o, num_embeddings, padding_idx)
 
 
 def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None,

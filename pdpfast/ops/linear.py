@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import pick
+from .dispatch import declare
 
 # A chunk of per-sample work holds at most this many elements (~128 MiB in fp32), so the direct
 # path never materializes B·p·d floats at once on large layers.
@@ -107,12 +107,16 @@ def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
     return _as(o, acc_dtype(o)).sum(1).pow(2).sum(-1)
 
 
+_LINEAR_WEIGHT_SQ_NORMS = declare("linear_weight_sq_norms", linear_weight_sq_norms_reference)
+_BIAS_SQ_NORMS = declare("bias_sq_norms", bias_sq_norms_reference)
+
+
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    return pick("linear_weight_sq_norms", linear_weight_sq_norms_reference, a, o)(a, o)
+    return _LINEAR_WEIGHT_SQ_NORMS.pick(a, o)(a, o)
 
 
 def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
-    return pick("bias_sq_norms", bias_sq_norms_reference, o)(o)
+    return _BIAS_SQ_NORMS.pick(o)(o)
 
 
 def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.Tensor:
@@ -121,10 +125,10 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.
     Both forms take the bias into the weight's Gram (``linear_sq_norms_reference``; the kernel does
     it in the same launch on its rank-one and Gram paths).
     """
-    kernel = pick("linear_weight_sq_norms", None, a, o)
-    if kernel is None:
+    fn = _LINEAR_WEIGHT_SQ_NORMS.pick(a, o)
+    if fn is _LINEAR_WEIGHT_SQ_NORMS.reference:
         return linear_sq_norms_reference(a, o, with_bias)
-    return kernel(a, o, with_bias=with_bias)
+    return fn(a, o, with_bias=with_bias)
 
 
 def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,

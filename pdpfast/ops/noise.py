@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .dispatch import pick
+from .dispatch import declare
 
 # CPU noise for this many elements or more is drawn on several threads (torch releases the GIL).
 _PARALLEL_MIN_ELEMENTS = 1 << 18
@@ -79,5 +79,8 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
             fill(k)
 
 
+_ADD_NOISE = declare("add_noise_", add_noise_reference_)
+
+
 def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
-    pick("add_noise_", add_noise_reference_, *grads)(grads, std, seed, step)
+    _ADD_NOISE.pick(*grads)(grads, std, seed, step)

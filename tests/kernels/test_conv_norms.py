@@ -173,7 +173,7 @@ def test_conv_weight_sq_norms_rejects_bad_arguments(tools, gen):
 
 def test_kernel_path_never_materializes_per_sample_grads(tools, gen, monkeypatch):
     """Issue 12 item 3: nothing of size B × |W| (and no im2col) on the dispatched kernel path."""
-    registered = dispatch.registered()["conv_weight_sq_norms"]  # the fused launcher, not the reference
+    registered = dispatch.registered()["conv_weight_sq_norms"].kernel  # the fused launcher, not the reference
     assert registered.__qualname__ == conv_norms.conv_weight_sq_norms.__qualname__
     assert registered is not conv_ops.conv_weight_sq_norms_reference
 

@@ -1,5 +1,8 @@
-"""End to end: the dispatching ops run the kernels, and PDPFAST_DISABLE_TRITON=1 runs the references."""
+"""Dispatch: every op is declared once with its reference, kernels register themselves under those
+names (a typo raises at import), and the tests and benchmarks iterate over what is registered."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -10,24 +13,156 @@ import pdpfast.kernels as kernels  # noqa: E402
 from pdpfast import ops  # noqa: E402
 from pdpfast.ops import dispatch  # noqa: E402
 
-def test_every_op_has_a_registered_kernel():
+KERNEL_OPS = sorted(name for name, op in dispatch.registered().items() if op.kernel is not None)
+
+
+def test_every_declared_op_has_a_reference_and_a_kernel_of_its_own_name():
     registered = dispatch.registered()
-    assert set(registered) == dispatch.OPS
-    for name in dispatch.OPS:
-        assert registered[name] is getattr(kernels, name), name
+    assert registered and KERNEL_OPS == sorted(registered)
+    for name, op in registered.items():
+        assert op.name == name
+        assert callable(op.reference) and op.reference.__module__.startswith("pdpfast.ops."), name
+        assert op.kernel is getattr(kernels, name), name  # the launcher is named after its op
+        assert op.kernel.__module__.startswith("pdpfast.kernels."), name  # registered by its own file
 
 
-def test_an_unknown_op_name_is_an_error_not_a_silent_fallback():
-    with pytest.raises(ValueError, match="unknown op"):
+def test_a_kernel_registered_under_an_unknown_op_name_raises():
+    with pytest.raises(dispatch.RegistrationError, match="unknown op"):
         dispatch.register("linear_weight_sq_norm")
-    with pytest.raises(ValueError, match="unknown op"):
-        dispatch.pick("bias_sq_norm", None, torch.zeros(1))
+    with pytest.raises(dispatch.RegistrationError, match="unknown op"):
+        dispatch.pick("bias_sq_norm", torch.zeros(1))
+    assert issubclass(dispatch.RegistrationError, ValueError)
 
 
-def test_every_op_has_a_benchmark():
-    from bench.bench_kernels import BENCHMARKS
+def test_a_typo_in_a_kernel_file_raises_at_its_import(tmp_path, monkeypatch):
+    (tmp_path / "pdpfast_typo_kernel.py").write_text(
+        "from pdpfast.ops.dispatch import register\n\n"
+        "@register('bias_sq_norm')\n"
+        "def bias_sq_norms(o):\n"
+        "    return o\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(dispatch.RegistrationError, match="unknown op 'bias_sq_norm'"):
+        __import__("pdpfast_typo_kernel")
 
-    assert set(BENCHMARKS) == dispatch.OPS
+
+def test_a_registration_error_is_not_taken_for_a_missing_triton(monkeypatch):
+    """A broken Triton falls back to the references; a broken registration must not."""
+
+    def import_module(name):
+        if name == "pdpfast.kernels":
+            raise dispatch.RegistrationError("unknown op 'bias_sq_norm'")
+        return __import__(name)
+
+    dispatch.triton_import_error.cache_clear()
+    monkeypatch.setattr(dispatch, "importlib", types.SimpleNamespace(import_module=import_module))
+    try:
+        with pytest.raises(dispatch.RegistrationError):
+            dispatch.triton_import_error()
+    finally:
+        monkeypatch.undo()
+        dispatch.triton_import_error.cache_clear()
+    assert dispatch.triton_import_error() is None
+
+
+def test_an_op_has_one_reference_and_one_kernel():
+    op = dispatch.op("bias_sq_norms")
+    kernel, when = op.kernel, op.when
+    with pytest.raises(dispatch.RegistrationError, match="already declared"):
+        dispatch.declare("bias_sq_norms", lambda o: o)
+    with pytest.raises(dispatch.RegistrationError, match="already has the kernel"):
+        dispatch.register("bias_sq_norms")(lambda o: o)
+    dispatch.register("bias_sq_norms", when=when)(kernel)  # the same launcher again (a reload) is fine
+    assert (op.reference, op.kernel, op.when) == (ops.linear.bias_sq_norms_reference, kernel, when)
+
+
+def test_every_kernel_has_a_benchmark():
+    from bench.bench_kernels import BENCHMARKS, benchmark, kernel_ops
+
+    assert kernel_ops() == KERNEL_OPS
+    assert sorted(BENCHMARKS) == KERNEL_OPS
+    with pytest.raises(dispatch.RegistrationError, match="unknown op"):
+        benchmark("bias_sq_norm")
+
+
+# Inputs on which each op's kernel runs (its ``when`` holds), and how its output is compared with
+# the reference's. Every op with a kernel needs an entry: test_every_kernel_agrees_with_its_reference
+# runs over the registry, so a new kernel without one fails there, by name.
+def _noise_alike(kernel_grads, reference_grads):
+    # not the same stream (Philox vs torch's generator): both i.i.d. N(0, 1) here
+    k, r = torch.cat([g.flatten() for g in kernel_grads]), torch.cat([g.flatten() for g in reference_grads])
+    assert abs(k.mean().item()) < 0.1 and abs(k.std().item() - 1) < 0.1, (k.mean(), k.std())
+    assert abs(r.mean().item()) < 0.1 and abs(r.std().item() - 1) < 0.1, (r.mean(), r.std())
+
+
+def _linear_case(tools, gen):
+    return (tools.randn(gen, 3, 33, 65, dtype=torch.bfloat16, device=tools.device),
+            tools.randn(gen, 3, 33, 7, dtype=torch.bfloat16, device=tools.device)), None
+
+
+def _conv_case(tools, gen):
+    module = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(tools.device)
+    x_pad = ops.conv.conv_pad(tools.randn(gen, 2, 3, 9, 7, device=tools.device), module)
+    return (x_pad, tools.randn(gen, 2, 5, 5, 4, device=tools.device), module), None
+
+
+def _bias_case(tools, gen):
+    return (tools.randn(gen, 3, 7, 5, dtype=torch.bfloat16, device=tools.device),), None
+
+
+def _embedding_case(tools, gen):
+    ids = torch.randint(0, 4, (3, 7), generator=gen).to(tools.device)
+    return (ids, tools.randn(gen, 3, 7, 5, device=tools.device), 4, 0), None
+
+
+def _noise_case(tools, gen):
+    grads = [torch.zeros(5000, device=tools.device), torch.zeros(3, 7, device=tools.device)]
+    return (grads, 1.0, 1, 2), _noise_alike
+
+
+CASES = {
+    "linear_weight_sq_norms": _linear_case,
+    "conv_weight_sq_norms": _conv_case,
+    "bias_sq_norms": _bias_case,
+    "embedding_sq_norms": _embedding_case,
+    "add_noise_": _noise_case,
+}
+
+
+def _clone(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.clone()
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_clone(a) for a in arg)
+    return arg
+
+
+def _tensors(args):
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, list):
+            yield from _tensors(arg)
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_every_kernel_agrees_with_its_reference(name, tools, gen, monkeypatch):
+    if name not in CASES:
+        pytest.fail(f"the kernel of {name!r} has no case in CASES: add inputs on which it runs")
+    op = dispatch.op(name)
+    args, compare = CASES[name](tools, gen)
+    tensors = list(_tensors(args))
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    assert op.pick(*tensors) is op.kernel, f"{name}: the case does not exercise the kernel"
+    monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+    assert op.pick(*tensors) is op.reference
+    kernel_args, reference_args = _clone(args), _clone(args)
+    fast, slow = op.kernel(*kernel_args), op.reference(*reference_args)
+    if fast is None:  # in place: what changed is the first argument
+        fast, slow = kernel_args[0], reference_args[0]
+    if compare is None:
+        torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5, msg=name)
+    else:
+        compare(fast, slow)
 
 
 def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
@@ -40,32 +175,26 @@ def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
 
     monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
     assert not dispatch.use_triton(a, o)
-    assert dispatch.pick("linear_weight_sq_norms", ops.linear_weight_sq_norms_reference, a, o) \
-        is ops.linear_weight_sq_norms_reference
+    assert dispatch.pick("linear_weight_sq_norms", a, o) is ops.linear_weight_sq_norms_reference
     with_reference = ops.linear_weight_sq_norms(a, o)
     assert torch.equal(with_reference, ops.linear_weight_sq_norms_reference(a, o))
     torch.testing.assert_close(with_kernel, with_reference, rtol=1e-5, atol=0)
     monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)  # fp32: cuBLAS's Gram was measured faster
-    assert dispatch.pick("linear_weight_sq_norms", ops.linear_weight_sq_norms_reference, a.float(), o.float()) \
-        is ops.linear_weight_sq_norms_reference
+    assert dispatch.pick("linear_weight_sq_norms", a.float(), o.float()) is ops.linear_weight_sq_norms_reference
 
 
-def test_every_dispatching_op_agrees_with_its_reference(tools, gen, monkeypatch):
-    a = tools.randn(gen, 3, 7, 9, device=tools.device)
-    o = tools.randn(gen, 3, 7, 5, device=tools.device)
-    ids = torch.randint(0, 4, (3, 7), generator=gen).to(tools.device)
-    calls = {
-        "bias_sq_norms": lambda: ops.bias_sq_norms(o),
-        "embedding_sq_norms": lambda: ops.embedding_sq_norms(ids, o, 4, 0),
-        "linear_sq_norms": lambda: ops.linear_sq_norms(a, o, with_bias=True),
-    }
-    for name, call in calls.items():
-        monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
-        fast = call()
-        monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
-        slow = call()
-        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6, msg=name)
+def test_linear_sq_norms_with_bias_through_the_kernel(tools, gen, monkeypatch):
+    """The kernel takes the bias into the weight's launch; the reference into the weight's Gram."""
+    a = tools.randn(gen, 3, 7, 9, dtype=torch.bfloat16, device=tools.device)
+    o = tools.randn(gen, 3, 7, 5, dtype=torch.bfloat16, device=tools.device)
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    fast = ops.linear_sq_norms(a, o, with_bias=True)
+    monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+    slow = ops.linear_sq_norms(a, o, with_bias=True)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-6)
 
+
+def test_add_noise_runs_the_kernels_stream(tools, monkeypatch):
     monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
     g = torch.zeros(1000, device=tools.device)
     ops.add_noise_([g], 1.0, 1, 2)
@@ -79,6 +208,6 @@ def test_dispatch_never_picks_a_kernel_measured_slower_than_torch(tools, monkeyp
     monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
     reference = ops.linear.bias_sq_norms_reference
     on = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype, device=tools.device)  # noqa: E731
-    assert dispatch.pick("bias_sq_norms", reference, on(2, 8, 4, dtype=torch.float32)) is reference
-    assert dispatch.pick("bias_sq_norms", reference, on(2, 1, 4, dtype=torch.bfloat16)) is reference
-    assert dispatch.pick("bias_sq_norms", reference, on(2, 8, 4, dtype=torch.bfloat16)) is kernels.bias_sq_norms
+    assert dispatch.pick("bias_sq_norms", on(2, 8, 4, dtype=torch.float32)) is reference
+    assert dispatch.pick("bias_sq_norms", on(2, 1, 4, dtype=torch.bfloat16)) is reference
+    assert dispatch.pick("bias_sq_norms", on(2, 8, 4, dtype=torch.bfloat16)) is kernels.bias_sq_norms

@@ -1,0 +1,110 @@
+"""Linear layers: ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2), with one rule for both.
+
+Per-sample norms by the Gram or the direct form (``pdpfast.ops.linear``); the clipped sum is the
+weight-gradient GEMM on row-scaled output gradients; same-shape calls stack into one batch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import linear as lin_ops
+from .layers import DPModule
+from .rules import LayerRule, Stacked, register_layer
+
+
+class _FlatLinear(DPModule):
+    """Linear maps on (B, ..., d) inputs compute on the flattened (B·T, d) input: F.linear on a
+    3-D input returns a view, and a view passing through DPLayerFunction (which marks its input
+    modified in place) would make autograd copy every output gradient (CopySlices)."""
+
+    def _linear(self, x, p):
+        raise NotImplementedError
+
+    def _compute(self, x, p):
+        return self._linear(x.reshape(-1, x.shape[-1]), p)
+
+    def _unflatten(self, out, x):
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class DPLinear(_FlatLinear, nn.Linear):
+    def _linear(self, x, p):
+        return F.linear(x, p["weight"], p.get("bias"))
+
+
+class DPConv1D(_FlatLinear):
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2): y = x W + b with W (in, out)."""
+
+    def _linear(self, x, p):
+        return F.linear(x, p["weight"].t(), p.get("bias"))
+
+
+def _as_btd(x: torch.Tensor, o: torch.Tensor):
+    """Input (B, ..., d) and output gradient (B·T, p) as (B, T, d) and (B, T, p), T the product of
+    the middle dims of x (1 for 2-D inputs)."""
+    B, T = x.shape[0], math.prod(x.shape[1:-1])
+    return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
+
+
+def _linear_rule(transposed: bool) -> LayerRule:
+    def fix(g):  # Conv1D stores W as (in, out): every weight quantity is the transpose
+        return g.transpose(-1, -2) if transposed else g
+
+    def per_sample(m, x, o):
+        a, g = _as_btd(x, o)
+        out = {"weight": fix(lin_ops.linear_per_sample_grads(a, g))}
+        if getattr(m, "bias", None) is not None:
+            out["bias"] = g.sum(1)
+        return out
+
+    def sq_norms(m, x, o, names):
+        a, g = _as_btd(x, o)
+        if "weight" in names:
+            return lin_ops.linear_sq_norms(a, g, with_bias="bias" in names)
+        return lin_ops.bias_sq_norms(g)
+
+    def clipped(m, x, o, weights, names):
+        a, g = _as_btd(x, o)
+        grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, "weight" in names, "bias" in names, transposed)
+        return {n: grad for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None}
+
+    # same-shape calls (the projections of every transformer block) stack into one batch
+    def key(m, x, o, names):
+        if not x.is_floating_point():
+            return None
+        return x.shape, o.shape, o.dtype, o.device, "weight" in names, "bias" in names
+
+    def stack(calls):  # (n, B, T, d), (n, B, T, p): one copy each, shapes fixed by the key
+        B, T, d, p = calls[0][1].shape[0], math.prod(calls[0][1].shape[1:-1]), calls[0][1].shape[-1], calls[0][2].shape[-1]
+        n = len(calls)
+        a = torch.stack([x for _, x, _, _ in calls]).view(n, B, T, d)
+        g = torch.stack([o for _, _, o, _ in calls]).view(n, B, T, p)
+        return a, g
+
+    def stacked_sq_norms(calls):
+        a, g = stack(calls)
+        n, B, T, d = a.shape
+        names = calls[0][3]
+        g = g.view(n * B, T, g.shape[-1])
+        if "weight" in names:
+            return lin_ops.linear_sq_norms(a.view(n * B, T, d), g, with_bias="bias" in names).view(n, B)
+        return lin_ops.bias_sq_norms(g).view(n, B)
+
+    def stacked_clipped(calls, weights):
+        a, g = stack(calls)
+        names = calls[0][3]
+        grad_w, grad_b = lin_ops.linear_clipped_grads_stacked(a, g, weights, "weight" in names, "bias" in names,
+                                                              transposed)
+        per_call = [(n, grad.unbind(0)) for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None]
+        return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
+
+    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped))
+
+
+register_layer(nn.Linear, DPLinear, _linear_rule(transposed=False))
+# by qualified name: transformers is never imported here
+register_layer("transformers.pytorch_utils.Conv1D", DPConv1D, _linear_rule(transposed=True))

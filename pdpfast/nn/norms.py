@@ -1,0 +1,93 @@
+"""Normalization layers: ``nn.LayerNorm``, ``GroupNorm``, ``RMSNorm`` and ``InstanceNorm1d/2d/3d``.
+
+Each normalizes every sample on its own, so its affine parameters have exact per-sample gradients
+as small as the parameters themselves (``pdpfast.ops.norm``): they are formed directly. BatchNorm
+is not here: it mixes the samples of a batch (``convert`` refuses it).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import norm as norm_ops
+from .layers import DPModule
+from .rules import LayerRule, Stacked, register_layer
+
+
+class DPLayerNorm(DPModule, nn.LayerNorm):
+    def _compute(self, x, p):
+        return F.layer_norm(x, self.normalized_shape, p.get("weight"), p.get("bias"), self.eps)
+
+
+class DPGroupNorm(DPModule, nn.GroupNorm):
+    def _compute(self, x, p):
+        return F.group_norm(x, self.num_groups, p.get("weight"), p.get("bias"), self.eps)
+
+
+class DPRMSNorm(DPModule, nn.RMSNorm):
+    def _compute(self, x, p):
+        return F.rms_norm(x, self.normalized_shape, p.get("weight"), self.eps)
+
+
+class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
+    """InstanceNorm1d/2d/3d with ``track_running_stats=False`` (``convert`` refuses running stats:
+    they would be updated from the batch's data outside any privacy accounting)."""
+
+    @classmethod
+    def unsupported_options(cls, module):
+        if module.track_running_stats:
+            return ("track_running_stats=True updates running statistics from the batch's data, outside any "
+                    "privacy accounting; set track_running_stats=False (training normalizes each sample on its own)")
+        return None
+
+    def _compute(self, x, p):
+        return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
+
+
+def _norm_rule(per_sample_grads, config) -> LayerRule:
+    """Normalization layers: per-sample gradients as small as the parameters, formed directly.
+
+    Their math is per sample, so n same-shape calls stack along the batch: one normalization over
+    (n·B, ...) forms every call's per-sample gradients. ``config(module)``: what the math reads
+    from the module (calls stack only when it is equal).
+    """
+    def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
+        return per_sample_grads(x, o, m)
+
+    def key(m, x, o, names):
+        return type(m), config(m), x.shape, o.shape, o.dtype, o.device, names
+
+    def stacked_grads(calls) -> list:
+        n, B = len(calls), calls[0][1].shape[0]
+        x = torch.stack([c[1] for c in calls]).flatten(0, 1)
+        o = torch.stack([c[2] for c in calls]).flatten(0, 1)
+        grads = per_sample(calls[0][0], x, o)
+        return [(name, grads[name].reshape(n, B, math.prod(grads[name].shape[1:]))) for name in calls[0][3]]
+
+    def stacked_sq_norms(calls):
+        total = None
+        for _, g in stacked_grads(calls):
+            sq = (g if g.dtype in (torch.float32, torch.float64) else g.float()).pow(2).sum(2)
+            total = sq if total is None else total.add_(sq)
+        return total
+
+    def stacked_clipped(calls, weights):  # weights (B,) shared or (n, B) per call
+        w = weights.unsqueeze(-2)  # (1, B) or (n, 1, B): a batched row vector
+        per_name = [(name, torch.matmul(w.to(g.dtype), g).flatten(0, -2).unbind(0))
+                    for name, g in stacked_grads(calls)]
+        return [{name: grads[i] for name, grads in per_name} for i in range(len(calls))]
+
+    return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped))
+
+
+register_layer(nn.LayerNorm, DPLayerNorm, _norm_rule(norm_ops.layer_norm_per_sample_grads,
+                                                     lambda m: (tuple(m.normalized_shape), m.eps)))
+register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sample_grads,
+                                                     lambda m: (m.num_groups, m.eps)))
+register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_grads,
+                                                 lambda m: (tuple(m.normalized_shape), m.eps)))
+register_layer((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), DPInstanceNorm,
+               _norm_rule(norm_ops.instance_norm_per_sample_grads, lambda m: (m.num_features, m.eps)))
