@@ -1,8 +1,9 @@
 """Drop-in DP modules and ``convert(model)``.
 
-One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``, ``broadcast``), each
+One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``, ``attention``, ``broadcast``), each
 registering itself with ``register_layer``; importing them here is what makes ``convert`` know them.
 """
+from .attention import DPMultiheadAttention
 from .broadcast import DPBroadcastHost, DPLayerScale, register_broadcast_host
 from .conv import DPConv1d, DPConv2d, DPConv3d
 from .convert import convert, replace_batchnorm
@@ -12,7 +13,7 @@ from .linear import DPConv1D, DPLinear
 from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
 from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
 
-__all__ = ["DPBroadcastHost", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm",
+__all__ = ["DPBroadcastHost", "DPMultiheadAttention", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm",
            "DPInstanceNorm", "DPLayerFunction", "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
            "LayerRule", "convert", "register_broadcast_host", "register_layer", "register_module", "register_rule",
            "replace_batchnorm", "rule_for"]

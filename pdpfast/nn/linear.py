@@ -50,33 +50,36 @@ def _as_btd(x: torch.Tensor, o: torch.Tensor):
     return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
 
 
-def _linear_rule(transposed: bool) -> LayerRule:
+def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "bias") -> LayerRule:
+    """The rule of y = x Wᵀ + b on (B, ..., d) inputs, for a module whose W and b are the parameters
+    named ``weight`` and ``bias`` (e.g. ``in_proj_weight`` of attention); ``transposed``: W is
+    stored (in, out), as in Hugging Face's Conv1D."""
     def fix(g):  # Conv1D stores W as (in, out): every weight quantity is the transpose
         return g.transpose(-1, -2) if transposed else g
 
     def per_sample(m, x, o):
         a, g = _as_btd(x, o)
-        out = {"weight": fix(lin_ops.linear_per_sample_grads(a, g))}
-        if getattr(m, "bias", None) is not None:
-            out["bias"] = g.sum(1)
+        out = {weight: fix(lin_ops.linear_per_sample_grads(a, g))}
+        if getattr(m, bias, None) is not None:
+            out[bias] = g.sum(1)
         return out
 
     def sq_norms(m, x, o, names):
         a, g = _as_btd(x, o)
-        if "weight" in names:
-            return lin_ops.linear_sq_norms(a, g, with_bias="bias" in names)
+        if weight in names:
+            return lin_ops.linear_sq_norms(a, g, with_bias=bias in names)
         return lin_ops.bias_sq_norms(g)
 
     def clipped(m, x, o, weights, names):
         a, g = _as_btd(x, o)
-        grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, "weight" in names, "bias" in names, transposed)
-        return {n: grad for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None}
+        grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, weight in names, bias in names, transposed)
+        return {n: grad for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None}
 
     # same-shape calls (the projections of every transformer block) stack into one batch
     def key(m, x, o, names):
         if not x.is_floating_point():
             return None
-        return x.shape, o.shape, o.dtype, o.device, "weight" in names, "bias" in names
+        return x.shape, o.shape, o.dtype, o.device, weight in names, bias in names
 
     def stack(calls):  # (n, B, T, d), (n, B, T, p): one copy each, shapes fixed by the key
         B, T, d, p = calls[0][1].shape[0], math.prod(calls[0][1].shape[1:-1]), calls[0][1].shape[-1], calls[0][2].shape[-1]
@@ -90,21 +93,21 @@ def _linear_rule(transposed: bool) -> LayerRule:
         n, B, T, d = a.shape
         names = calls[0][3]
         g = g.view(n * B, T, g.shape[-1])
-        if "weight" in names:
-            return lin_ops.linear_sq_norms(a.view(n * B, T, d), g, with_bias="bias" in names).view(n, B)
+        if weight in names:
+            return lin_ops.linear_sq_norms(a.view(n * B, T, d), g, with_bias=bias in names).view(n, B)
         return lin_ops.bias_sq_norms(g).view(n, B)
 
     def stacked_clipped(calls, weights):
         a, g = stack(calls)
         names = calls[0][3]
-        grad_w, grad_b = lin_ops.linear_clipped_grads_stacked(a, g, weights, "weight" in names, "bias" in names,
+        grad_w, grad_b = lin_ops.linear_clipped_grads_stacked(a, g, weights, weight in names, bias in names,
                                                               transposed)
-        per_call = [(n, grad.unbind(0)) for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None]
+        per_call = [(n, grad.unbind(0)) for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None]
         return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
 
     return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped))
 
 
-register_layer(nn.Linear, DPLinear, _linear_rule(transposed=False))
+register_layer(nn.Linear, DPLinear, linear_rule())
 # by qualified name: transformers is never imported here
-register_layer("transformers.pytorch_utils.Conv1D", DPConv1D, _linear_rule(transposed=True))
+register_layer("transformers.pytorch_utils.Conv1D", DPConv1D, linear_rule(transposed=True))

@@ -1,0 +1,109 @@
+"""``nn.MultiheadAttention``: its input projection as a DP linear call, the rest in plain torch.
+
+nn.MultiheadAttention hands its parameters to ``F.multi_head_attention_forward``, which no
+per-sample rule can see into. ``DPMultiheadAttention`` keeps the module, its parameters and their
+names, and computes the same function in the open during a private forward:
+
+* the packed input projection [q; k; v] = x W_inᵀ + b_in is one call of the linear rule on
+  (``in_proj_weight``, ``in_proj_bias``). Self-attention (query is key is value, as in
+  ``nn.TransformerEncoderLayer``) projects once. When query, key and value differ, each is
+  projected with the whole packed weight and its block kept: the per-sample gradient is then a sum
+  over uses, formed exactly (materialized, B × 3E × E) — more memory, same result;
+* ``out_proj`` is called as a module, so it is an ordinary DP linear layer;
+* attention itself (masks, dropout, head averaging of the returned weights) has no parameters.
+
+Supported: ``key_padding_mask`` and ``attn_mask`` (bool or float),
+``is_causal``, ``need_weights`` / ``average_attn_weights``, dropout. Refused by ``convert`` (with the
+reason): ``add_bias_kv``, ``add_zero_attn`` and key/value dims other than ``embed_dim``; and, like
+every module laid out (T, B, ...), ``batch_first=False`` is refused by the engine (a model that
+passes (T, B, E) tensors between its layers would make every DP layer clip per position).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import DPModule
+from .linear import linear_rule
+from .rules import register_layer
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask (True = not allowed) as -inf where True; a float mask as it is."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
+    @classmethod
+    def unsupported_options(cls, module):
+        if module.bias_k is not None:
+            return "add_bias_kv=True is not supported; use add_bias_kv=False"
+        if module.add_zero_attn:
+            return "add_zero_attn=True is not supported; use add_zero_attn=False"
+        if not module._qkv_same_embed_dim:
+            return "kdim/vdim other than embed_dim are not supported (separate q/k/v projection weights)"
+        return None
+
+    def _compute(self, x, p):  # the packed input projection, on the flattened (B·T, E) input
+        return F.linear(x.reshape(-1, x.shape[-1]), p["in_proj_weight"], p.get("in_proj_bias"))
+
+    def _unflatten(self, out, x):
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        state = self._pdpfast_state
+        if state is None or not self.training or not torch.is_grad_enabled():
+            return super(DPModule, self).forward(query, key, value, key_padding_mask=key_padding_mask,
+                                                 need_weights=need_weights, attn_mask=attn_mask,
+                                                 average_attn_weights=average_attn_weights, is_causal=is_causal)
+        if query.dim() != 3:
+            raise ValueError("DPMultiheadAttention needs batched (3-D) inputs in a private batch")
+        E = self.embed_dim
+        project = lambda x: state.forward(self, x)  # noqa: E731
+        if query is key and key is value:
+            q, k, v = project(query).split(E, dim=-1)
+        elif key is value:
+            q = project(query)[..., :E]
+            k, v = project(key)[..., E:].split(E, dim=-1)
+        else:
+            q, k, v = project(query)[..., :E], project(key)[..., E:2 * E], project(value)[..., 2 * E:]
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
+        out = self.out_proj(out)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        return out, weights
+
+    def _attend(self, q, k, v, key_padding_mask, attn_mask, is_causal, need_weights):
+        B, T, E = q.shape
+        S, H = k.shape[1], self.num_heads
+        d = E // H
+        q, k, v = (t.reshape(B, t.shape[1], H, d).transpose(1, 2) for t in (q, k, v))  # (B, H, ·, d)
+        if attn_mask is None and is_causal:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1)
+        bias = _additive(attn_mask, q.dtype)
+        if bias is not None and bias.dim() == 3:  # (B·H, T, S)
+            bias = bias.view(B, H, T, S)
+        padding = _additive(key_padding_mask, q.dtype)
+        if padding is not None:
+            padding = padding.view(B, 1, 1, S)
+            bias = padding if bias is None else bias + padding
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)
+        if bias is not None:
+            scores = scores + bias
+        probs = torch.softmax(scores, dim=-1)
+        if self.dropout > 0.0:
+            probs = F.dropout(probs, p=self.dropout)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(B, T, E)
+        return out, (probs if need_weights else None)
+
+
+register_layer(nn.MultiheadAttention, DPMultiheadAttention,
+               linear_rule(weight="in_proj_weight", bias="in_proj_bias"))
