@@ -391,6 +391,11 @@ class ClippingState:
 
     def _batch_first(self, module, x: torch.Tensor) -> torch.Tensor:
         B = self.batch_size
+        if isinstance(x, tuple):  # a packed input (see DPLayerFunction): its tensors share dim 0
+            if any(t.shape[0] != B for t in x):
+                raise ValueError(f"{self._names[module]} got inputs of shapes {[tuple(t.shape) for t in x]} but "
+                                 f"the batch has {B} samples")
+            return x
         n = x.shape[0] if x.dim() else None
         if n == B:
             return x
@@ -407,7 +412,7 @@ class ClippingState:
         # here instead of one in every reshape of every rule
         if not o.is_contiguous():
             o = o.contiguous()
-        if x.is_floating_point() and x.dtype != o.dtype:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != o.dtype:
             # autocast ran the layer in o's dtype on a cast of x: per-sample math sees what it saw
             x = x.to(o.dtype)
         self._layer_backward(layer, names, x, o)

@@ -7,13 +7,13 @@ from .attention import DPMultiheadAttention
 from .broadcast import DPBroadcastHost, DPLayerScale, register_broadcast_host
 from .conv import DPConv1d, DPConv2d, DPConv3d
 from .convert import convert, replace_batchnorm
-from .embedding import DPEmbedding
+from .embedding import DPEmbedding, DPEmbeddingBag
 from .layers import DPLayerFunction, DPModule
 from .linear import DPConv1D, DPLinear
 from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
 from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
 
-__all__ = ["DPBroadcastHost", "DPMultiheadAttention", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPGroupNorm",
+__all__ = ["DPBroadcastHost", "DPMultiheadAttention", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPEmbeddingBag", "DPGroupNorm",
            "DPInstanceNorm", "DPLayerFunction", "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
            "LayerRule", "convert", "register_broadcast_host", "register_layer", "register_module", "register_rule",
            "replace_batchnorm", "rule_for"]

@@ -1,7 +1,8 @@
 """``nn.Embedding`` (``padding_idx``): exact per-sample norms over the tokens a sample contains,
-repeated tokens included (``pdpfast.ops.embedding``)."""
+repeated tokens included (``pdpfast.ops.embedding``); ``nn.EmbeddingBag`` (sum, mean)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -38,3 +39,100 @@ def _embedding_clipped(m, ids, o, weights, names):
 
 
 register_layer(nn.Embedding, DPEmbedding, LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
+
+
+class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
+    """``nn.EmbeddingBag`` with mode "sum" or "mean" (``per_sample_weights``, ``padding_idx``,
+    2-D input or 1-D input with ``offsets``, one bag per sample).
+
+    In a private batch the bags are laid out as (B, L) ids and weights (0 for padding and
+    ``padding_idx`` entries, 1/|bag| for "mean"), so every mode is one weighted sum: sample i's
+    gradient puts w_ij·o_i on row ids_ij, its squared norm is ‖o_i‖² Σ_u (Σ_{j: ids_ij = u} w_ij)².
+    """
+
+    @classmethod
+    def unsupported_options(cls, module):
+        if module.mode == "max":
+            return "mode='max' is not supported (its gradient follows per-dimension maxima); use 'sum' or 'mean'"
+        return DPEmbedding.unsupported_options(module)
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        state = self._pdpfast_state
+        if state is None or not self.training or not torch.is_grad_enabled():
+            return super(DPModule, self).forward(input, offsets, per_sample_weights)
+        return state.forward(self, self._bags(input, offsets, per_sample_weights))
+
+    def _bags(self, ids, offsets, per_sample_weights):
+        """(ids (B, L), weights (B, L)) for any input form (1-D input costs one host sync: the
+        longest bag)."""
+        if per_sample_weights is not None and self.mode != "sum":
+            raise ValueError(f"per_sample_weights are only supported for mode='sum', not mode={self.mode!r}")
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets must be None for 2-D input (one bag per row)")
+            valid = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+            weights = per_sample_weights
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise ValueError("1-D input needs offsets (one bag per sample)")
+            starts = offsets[:-1] if self.include_last_offset else offsets
+            end = offsets[-1:] if self.include_last_offset else offsets.new_tensor([ids.numel()])
+            lengths = torch.cat([starts[1:], end]) - starts
+            B, L = starts.numel(), int(lengths.max()) if starts.numel() else 0
+            row = torch.repeat_interleave(torch.arange(B, device=ids.device), lengths)
+            col = torch.arange(row.numel(), device=ids.device) - starts[row]
+            padded = ids.new_zeros(B, L)
+            padded[row, col] = ids[: row.numel()]
+            valid = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
+            valid[row, col] = True
+            if per_sample_weights is not None:
+                weights = per_sample_weights.new_zeros(B, L)
+                weights[row, col] = per_sample_weights[: row.numel()]
+            else:
+                weights = None
+            ids = padded
+        else:
+            raise ValueError(f"EmbeddingBag input must be 1-D (with offsets) or 2-D, got {ids.dim()}-D")
+        if self.padding_idx is not None:
+            valid = valid & (ids != self.padding_idx)
+        dtype = self.weight.dtype
+        w = valid.to(dtype) if weights is None else weights.to(dtype) * valid
+        if self.mode == "mean":
+            w = w / valid.sum(1, keepdim=True).clamp_min(1).to(dtype)
+        return ids, w
+
+    def _compute(self, x, p):
+        ids, w = x
+        return F.embedding_bag(ids, p["weight"], mode="sum", per_sample_weights=w)
+
+
+def _bag_per_sample(m, x, o):
+    ids, w = x
+    B, d = o.shape
+    grads = o.new_zeros(B, m.num_embeddings, d)
+    rows = torch.arange(B, device=o.device).unsqueeze(1).expand_as(ids)
+    grads.index_put_((rows, ids), w.unsqueeze(-1) * o.unsqueeze(1), accumulate=True)
+    return {"weight": grads}
+
+
+def _bag_sq_norms(m, x, o, names):
+    ids, w = x
+    B = ids.shape[0]
+    # coefficient of o_i on table row u: Σ_j w_ij over the bag's entries equal to u
+    keys = torch.arange(B, device=ids.device).unsqueeze(1) * m.num_embeddings + ids
+    unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
+    acc = torch.float64 if o.dtype == torch.float64 else torch.float32
+    coef = torch.zeros(unique.numel(), dtype=acc, device=o.device).index_add_(0, inverse, w.flatten().to(acc))
+    per_row = torch.zeros(B, dtype=acc, device=o.device).index_add_(0, unique // m.num_embeddings, coef.pow(2))
+    return per_row * o.to(coef.dtype).pow(2).sum(1)
+
+
+def _bag_clipped(m, x, o, weights, names):
+    ids, w = x
+    scale = w if weights is None else w * weights.to(w.dtype).unsqueeze(1)
+    rows = (scale.unsqueeze(-1) * o.unsqueeze(1)).flatten(0, 1)
+    grad = o.new_zeros(m.num_embeddings, o.shape[1]).index_add_(0, ids.flatten(), rows.to(o.dtype))
+    return {"weight": grad}
+
+
+register_layer(nn.EmbeddingBag, DPEmbeddingBag, LayerRule(_bag_per_sample, _bag_sq_norms, _bag_clipped))

@@ -26,14 +26,17 @@ class DPLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, x, call, *params):
         ctx.call = call
-        ctx.save_for_backward(x)
+        # x: the rule's input, a tensor or a tuple of tensors (e.g. an embedding bag's ids and weights)
+        ctx.packed = isinstance(x, tuple)
+        ctx.save_for_backward(*x) if ctx.packed else ctx.save_for_backward(x)
         # in place in autograd's eyes, so later in-place ops (ReLU(inplace=True)) stay legal
         ctx.mark_dirty(out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x = tuple(saved) if ctx.packed else saved[0]
         layer = ctx.call[0]
         layer.state.on_backward(ctx.call, x, grad_out)
         return (grad_out, None, None) + (None,) * (len(ctx.needs_input_grad) - 3)
