@@ -356,6 +356,23 @@ class ClippingState:
         return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *trainable),
                                  prepared)
 
+    def partial_forward(self, module: DPModule, x: torch.Tensor, names: tuple, compute) -> torch.Tensor:
+        """One call of ``module`` that uses only its parameters ``names`` (e.g. one gate projection of
+        a recurrent layer): ``compute(x, params)`` with the parameters detached; the call reaches the
+        rule with these names. ``compute`` returns a 2-D (rows, features) tensor, not a view."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+        x = self._batch_first(module, x)
+        params = module._parameters
+        used = tuple(n for n in names if params.get(n) is not None and params[n].requires_grad)
+        if not used:
+            return compute(x, {n: params.get(n) for n in names})
+        trainable = [params[n] for n in used]
+        for p in trainable:
+            self._uses[p] = self._uses.get(p, 0) + 1
+        out = compute(x, {n: (params[n].detach() if params.get(n) is not None else None) for n in names})
+        return DPLayerFunction.apply(out, x, (self._layer[module], used), *trainable)
+
     def broadcast_forward(self, module, forward, args, kwargs):
         """The forward of a module with batch-broadcast parameters (``pdpfast.nn.broadcast``): each
         trainable one is seen as its (B, ...) expansion, whose gradient is per sample."""

@@ -1,6 +1,6 @@
 """Drop-in DP modules and ``convert(model)``.
 
-One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``, ``attention``, ``broadcast``), each
+One file per layer family (``linear``, ``conv``, ``embedding``, ``norms``, ``attention``, ``rnn``, ``broadcast``), each
 registering itself with ``register_layer``; importing them here is what makes ``convert`` know them.
 """
 from .attention import DPMultiheadAttention
@@ -10,10 +10,11 @@ from .convert import convert, replace_batchnorm
 from .embedding import DPEmbedding, DPEmbeddingBag
 from .layers import DPLayerFunction, DPModule
 from .linear import DPConv1D, DPLinear
+from .rnn import DPGRU, DPLSTM, DPRNN
 from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
 from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
 
 __all__ = ["DPBroadcastHost", "DPMultiheadAttention", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding", "DPEmbeddingBag", "DPGroupNorm",
-           "DPInstanceNorm", "DPLayerFunction", "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
+           "DPGRU", "DPInstanceNorm", "DPLSTM", "DPRNN", "DPLayerFunction", "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
            "LayerRule", "convert", "register_broadcast_host", "register_layer", "register_module", "register_rule",
            "replace_batchnorm", "rule_for"]

@@ -43,7 +43,7 @@ class DPConv1D(_FlatLinear):
         return F.linear(x, p["weight"].t(), p.get("bias"))
 
 
-def _as_btd(x: torch.Tensor, o: torch.Tensor):
+def as_btd(x: torch.Tensor, o: torch.Tensor):
     """Input (B, ..., d) and output gradient (B·T, p) as (B, T, d) and (B, T, p), T the product of
     the middle dims of x (1 for 2-D inputs)."""
     B, T = x.shape[0], math.prod(x.shape[1:-1])
@@ -58,20 +58,20 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         return g.transpose(-1, -2) if transposed else g
 
     def per_sample(m, x, o):
-        a, g = _as_btd(x, o)
+        a, g = as_btd(x, o)
         out = {weight: fix(lin_ops.linear_per_sample_grads(a, g))}
         if getattr(m, bias, None) is not None:
             out[bias] = g.sum(1)
         return out
 
     def sq_norms(m, x, o, names):
-        a, g = _as_btd(x, o)
+        a, g = as_btd(x, o)
         if weight in names:
             return lin_ops.linear_sq_norms(a, g, with_bias=bias in names)
         return lin_ops.bias_sq_norms(g)
 
     def clipped(m, x, o, weights, names):
-        a, g = _as_btd(x, o)
+        a, g = as_btd(x, o)
         grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, weight in names, bias in names, transposed)
         return {n: grad for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None}
 
