@@ -280,3 +280,15 @@ def test_sample_finds_a_plan_that_exists_when_budgets_are_far_apart():
     assert plan.sample_rates.mean() == pytest.approx(0.9, rel=1e-9)
     assert (plan.epsilons() <= budgets).all()
     assert plan.epsilons()[:5].min() >= 0.99 * 0.01
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_scale_sampling_does_not_reveal_budgets(accountant):
+    """IDP Scale: every record is drawn at the same rate whatever its budget (no budget leakage
+    through sampling, Kaiser et al.); only the clip bounds differ. Sample's rates do depend on it."""
+    budgets = np.random.default_rng(0).choice([0.5, 1.0, 2.0, 8.0], size=400)
+    scale = calibrate(budgets, delta=1e-5, steps=200, sample_rate=0.05, method="scale", accountant=accountant)
+    assert np.all(scale.sample_rates == scale.sample_rates[0])
+    assert len(np.unique(scale.clip_norms)) == 4
+    sample = calibrate(budgets, delta=1e-5, steps=200, sample_rate=0.05, method="sample", accountant=accountant)
+    assert len(np.unique(sample.sample_rates)) == 4

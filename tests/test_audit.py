@@ -1,0 +1,87 @@
+"""The one-run privacy audit (``pdpfast.audit``, ``pdpfast audit``).
+
+Named after what they guard: a training without clipping or without noise is caught (its lower
+bound exceeds the ε it claims, in every group); correct training stays below its certified ε;
+the bound itself agrees with the binomial tail when δ = 0 and is monotone where it should be.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from pdpfast import audit
+from pdpfast.cli import main
+
+SMALL = dict(canaries_count=1500, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def correct_run():
+    return audit.run_audit(methods=("sample", "scale", "hybrid", "dpsgd"), **SMALL)
+
+
+def test_correct_training_stays_below_its_certified_epsilon(correct_run):
+    for row in correct_run["rows"]:
+        assert row["epsilon_lower_bound"] <= row["certified_epsilon"], row
+        assert row["certified_epsilon"] <= row["group_budget"]
+
+
+@pytest.mark.parametrize("broken", ["no-clipping", "no-noise"])
+def test_broken_training_is_caught_in_every_group(broken):
+    result = audit.run_audit(methods=("hybrid",), broken=broken, **SMALL)
+    for row in result["rows"]:
+        assert row["epsilon_lower_bound"] > row["group_budget"], row
+
+
+def test_non_private_training_is_caught():
+    (row,) = audit.run_audit(methods=("non-private",), **SMALL)["rows"]
+    assert row["group_budget"] is None and row["epsilon_lower_bound"] > 3.0
+
+
+def test_pure_dp_p_value_is_the_binomial_tail():
+    for r, v, eps in [(100, 70, 0.5), (40, 40, 2.0), (200, 90, 1.0)]:
+        q = math.exp(eps) / (1 + math.exp(eps))
+        assert audit.p_value(1000, r, v, eps, 0.0) == pytest.approx(binom.sf(v - 1, r, q), rel=1e-12)
+
+
+def test_lower_bound_solves_the_test_and_grows_with_correct_guesses():
+    m, r, delta = 1000, 200, 1e-5
+    bounds = [audit.epsilon_lower_bound(m, r, v, delta) for v in (100, 130, 160, 190, 200)]
+    assert bounds[0] == 0.0 and all(a < b for a, b in zip(bounds[1:], bounds[2:]))
+    for v, eps in zip((130, 160, 190), bounds[1:4]):
+        assert audit.p_value(m, r, v, eps, delta) <= 0.05 < audit.p_value(m, r, v, eps + 1e-6, delta)
+    assert audit.p_value(m, r, 190, 1.0, 1e-3) > audit.p_value(m, r, 190, 1.0, 0.0)  # δ only weakens the test
+
+
+def test_guessing_uses_the_extremes_of_the_scores():
+    rng = np.random.default_rng(0)
+    included = rng.random(400) < 0.5
+    scores = included + 0.01 * rng.normal(size=400)  # perfectly separable
+    bound, correct, guesses = audit.guess_and_bound(scores, included, 1e-5)
+    assert correct == guesses >= 160 and bound > 3  # as many guesses as the smaller side allows
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="canaries_count"):
+        audit.run_audit(canaries_count=2, quiet=True)
+    with pytest.raises(ValueError, match="confidence"):
+        audit.run_audit(confidence=1.5, quiet=True)
+    with pytest.raises(ValueError, match="0 ≤ v ≤ r ≤ m"):
+        audit.p_value(10, 20, 5, 1.0, 0.0)
+
+
+def test_cli_writes_the_json_and_the_plot(tmp_path, capsys):
+    out = tmp_path / "audit"
+    assert main(["audit", "--methods", "sample,non-private", "--canaries", "600", "--epochs", "3", "--quiet",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "audit.json").read_text())
+    assert result["delta"] == 1e-5 and (out / "audit.png").stat().st_size > 0
+    keys = {"method", "group_budget", "epsilon_lower_bound", "canaries", "correct", "guesses", "confidence"}
+    assert all(keys <= set(r) for r in result["rows"])
+    assert [r["method"] for r in result["rows"]] == ["sample"] * 3 + ["non-private"]
+    assert "| sample | 1 |" in capsys.readouterr().out
+    assert main(["audit", "--methods", "fast"]) != 0
