@@ -338,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid-weight", type=float, default=d.hybrid_weight, help="λ of hybrid (0=Scale, 1=Sample)")
     g.add_argument("--accountant", default=d.accountant, choices=("rdp", "pld"))
     g.add_argument("--rounds", type=int, default=d.rounds, help="PDP-SGD rounds (default 2)")
-    g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive"), help="PDP-SGD threshold loss")
+    g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive", "harmonic"),
+                   help="PDP-SGD threshold loss: fixed weights, adaptive (balanced normalized wastes) or the "
+                        "paper's harmonic form (degenerate: always the smallest budget)")
     g.add_argument("--pdp-charge", default=d.pdp_charge, choices=("all", "sampled"),
                    help="PDP-SGD charging rule: all (default) or sampled (the paper's)")
     g = train.add_argument_group("optimization")

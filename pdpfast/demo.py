@@ -135,10 +135,10 @@ def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int
 
 def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
                   seed: int, max_grad_norm: float = 1.0, progress: bool = False, eval_every: int = 10,
-                  rounds: int = 2) -> RunResult:
+                  rounds: int = 2, pdp_loss: str = "fixed") -> RunResult:
     """One private run. method: "sample" / "scale" / "hybrid" (IDP through
     ``make_private_with_budgets``), "dpsgd" (every record at the smallest budget) or "pdp" (PDP-SGD,
-    ``rounds`` rounds). ε per group comes from the per-record ledger."""
+    ``rounds`` rounds, thresholds by ``pdp_loss``). ε per group comes from the per-record ledger."""
     from .train import Task, private_engine, private_steps
 
     x_tr, y_tr, x_te, y_te = data
@@ -156,7 +156,7 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
         # each round: epochs/rounds expected passes over its subset, at the same expected batch
         driver = PDPSGD(model, dataset, budgets, optimizer=opt, delta=DELTA, rounds=rounds,
                         epochs_per_round=epochs / rounds, expected_batch_size=batch_size, task=task,
-                        max_grad_norm=max_grad_norm, seed=seed)
+                        max_grad_norm=max_grad_norm, seed=seed, loss=pdp_loss)
         bar = _progress(driver.total_steps, f"{method:>11} s{seed}", progress)
         record = _Recorder(result, model, data, budgets, eval_every, driver.epsilons_now)
         out = driver.run(on_step=_with_bar(bar, record))

@@ -82,7 +82,8 @@ class PDPSGD:
     (the subset's expected size Σ_i π_i is a function of the budgets, not of which records were
     drawn, so q_R is data-independent and every round has the same expected batch).
     task: a :class:`pdpfast.train.Task` (default: classification, ``model(x)`` → logits).
-    loss / w1 / w2: threshold loss ("fixed" or "adaptive"); rule: "all" (default) or "sampled".
+    loss / w1 / w2: threshold loss ("fixed", "adaptive" or the paper's degenerate "harmonic"; see
+    ``pdpfast.accounting.pdp.threshold_losses``); rule: "all" (default) or "sampled".
     """
 
     def __init__(self, model: nn.Module, dataset, budgets, *, optimizer: torch.optim.Optimizer, delta: float,
@@ -112,8 +113,8 @@ class PDPSGD:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
         if rule not in ("all", "sampled"):
             raise ValueError(f"rule must be 'all' (default) or 'sampled' (the paper's rule), got {rule!r}")
-        if loss not in ("fixed", "adaptive"):
-            raise ValueError(f"loss must be 'fixed' or 'adaptive', got {loss!r}")
+        if loss not in ("fixed", "adaptive", "harmonic"):
+            raise ValueError(f"loss must be 'fixed', 'adaptive' or 'harmonic', got {loss!r}")
         if not 0 < delta < 1:
             raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
         self.delta, self.rounds = float(delta), int(rounds)
