@@ -355,7 +355,7 @@ def _check_budgets(budgets) -> np.ndarray:
 
 
 def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=0.5,
-              accountant="rdp", orders=None) -> PrivacyPlan:
+              accountant="rdp", orders=None, pld_classes: int = _PLD_MAX_PAIRS) -> PrivacyPlan:
     """Turn per-record budgets into a :class:`PrivacyPlan`.
 
     Args:
@@ -366,8 +366,11 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         method: "sample", "scale" or "hybrid".
         max_grad_norm: reference clip norm C > 0 (the plan's mean clip norm for Scale/hybrid).
         hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample).
-        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions; ≤ 64 distinct
-            budgets, else falls back to RDP with a warning).
+        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions). With more than
+            ``pld_classes`` distinct budgets, PLD serves each budget from the largest of
+            ``pld_classes`` class values below it (``pld.bin_budgets_down``: the fewest classes
+            losing ≤ 0.5% of any budget, a warning when more would be needed); the plan's
+            ``budget_values`` are then the class values. Its time grows with the classes.
         orders: RDP orders (default ``DEFAULT_ORDERS``).
     Returns:
         PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
@@ -397,13 +400,19 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     orders_arr = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    if not (isinstance(pld_classes, int) and pld_classes >= 1):
+        raise ValueError(f"pld_classes must be a positive int, got {pld_classes!r}")
     problem = _Problem(arr, delta, steps, q, c, lam, orders_arr)
     if accountant == "pld":
-        from . import pld  # noqa: F401  (registers the PLD methods)
-        if problem.values.shape[0] > _PLD_MAX_PAIRS:
-            warnings.warn(f"accountant='pld' supports at most {_PLD_MAX_PAIRS} distinct budgets, got "
-                          f"{problem.values.shape[0]}; falling back to accountant='rdp'", stacklevel=2)
-            accountant = "rdp"
+        from . import pld  # registers the PLD methods
+        if problem.values.shape[0] > pld_classes:
+            # one PLD per class: budgets are served by the largest class value below them
+            class_values, class_of, loss = pld.bin_budgets_down(problem.values, pld_classes)
+            if loss > 0.005:
+                warnings.warn(f"accountant='pld' with {problem.values.shape[0]} distinct budgets: {pld_classes} PLD "
+                              f"classes give up to {loss:.2%} of a budget; pass pld_classes= (cost ∝ classes) "
+                              "for a finer binning", stacklevel=2)
+            problem = _Problem(class_values[class_of][problem.inverse], delta, steps, q, c, lam, orders_arr)
     sol = _METHODS[(method, accountant)](problem)
     clip_u = sol.sigma * c / sol.noise_multipliers
     group_orders = None

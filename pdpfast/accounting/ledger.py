@@ -346,7 +346,9 @@ class PLDIndividualAccountant(_RecordLedger):
 
     @classmethod
     def for_plan(cls, plan, budgets) -> "PLDIndividualAccountant":
-        return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps)
+        # as many pairs as the plan made (``calibrate(pld_classes=...)``): each was certified there
+        return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps,
+                   max_pairs=max(pld.MAX_PAIRS, len(plan.budget_values)))
 
     def _reset_caches(self):
         self._certified = {}    # δ → (G,) int64: a step count up to which every member is within budget

@@ -16,7 +16,7 @@ import numpy as np
 from . import _grid
 from .calibration import _Problem, _Solution, _budget_error, _renormalize_capped, register_method
 
-__all__ = ["MAX_PAIRS", "pld_epsilon", "epsilons", "pld_noise_multiplier", "pld_sample_rate"]
+__all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "epsilons", "pld_noise_multiplier", "pld_sample_rate"]
 
 MAX_PAIRS = 64
 VALUE_DISCRETIZATION = 1e-3     # dp_accounting's default is 1e-4: ~8x slower, ε lower by ~1e-4
@@ -54,6 +54,40 @@ def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS)
                          f"pairs, got {pairs.shape[0]}; use the RDP accountant")
     eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in pairs])
     return eps[inverse.ravel()].reshape(q.shape)
+
+
+def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 0.005):
+    """Budget classes for PLD calibration of many distinct budgets: each budget is served by the
+    largest class value ≤ it (never above its budget), with the fewest classes whose relative loss
+    1 − class/budget is ≤ ``target_loss``; if that needs more than ``max_classes``, the loss is
+    raised (bisection) until ``max_classes`` suffice.
+
+    values: sorted distinct budgets. Returns (class values (K,), class of each value (G,), the
+    largest relative loss)."""
+    values = np.asarray(values, dtype=np.float64)
+
+    def classes(loss):
+        starts, k = [0], 0
+        while True:  # the next class starts at the first budget the current one serves too poorly
+            k = int(np.searchsorted(values, values[k] / (1.0 - loss), side="right"))
+            if k >= values.shape[0]:
+                return starts
+            starts.append(k)
+
+    loss = float(target_loss)
+    starts = classes(loss)
+    if len(starts) > max_classes:
+        lo, hi = loss, 1.0 - float(values[0] / values[-1]) + 1e-12
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if len(classes(mid)) > max_classes:
+                lo = mid
+            else:
+                hi = mid
+        starts = classes(hi)
+    class_values = values[starts]
+    class_of = np.searchsorted(class_values, values, side="right") - 1
+    return class_values, class_of, float(np.max(1.0 - class_values[class_of] / values))
 
 
 def _root(f, safe, unsafe, target, rtol=_RTOL, max_iter=60):

@@ -246,11 +246,30 @@ def test_pld_plan_meets_budgets_and_beats_rdp_on_the_same_plan(pld_plans, method
     assert plan.noise_multiplier < rdp_plan.noise_multiplier      # tighter accounting, less noise
 
 
-def test_pld_falls_back_to_rdp_for_many_budgets():
-    budgets = np.linspace(1, 3, 100)
-    with pytest.warns(UserWarning, match="falling back"):
-        plan = calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.05, method="scale", accountant="pld")
-    assert plan.accountant == "rdp"
+def test_pld_serves_any_number_of_distinct_budgets_from_classes_below_them():
+    """1000 distinct budgets: PLD classes, each budget served by the largest class value below it;
+    every record's PLD ε ≤ its own budget, and the engine's PLD ledger accepts the plan."""
+    from pdpfast.accounting import ledger_for_plan, pld
+
+    budgets = np.random.default_rng(0).uniform(2.0, 2.04, 1000)
+    plan = calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.05, method="scale", accountant="pld")
+    assert plan.accountant == "pld" and len(plan.budget_values) <= 5  # a 2% span: a few 0.5% classes
+    eps = pld.epsilons(plan.sample_rates, plan.noise_multipliers, plan.steps, plan.delta)
+    assert np.all(eps <= budgets) and np.all(eps >= 0.99 * (1 - 0.005) * budgets)
+    assert np.all(ledger_for_plan(plan, budgets).epsilons(DELTA) <= budgets)
+
+
+def test_budget_classes_lose_at_most_the_target_or_say_so():
+    from pdpfast.accounting import pld
+
+    values = np.sort(np.random.default_rng(1).uniform(0.5, 8.0, 10_000))
+    classes, class_of, loss = pld.bin_budgets_down(values, max_classes=10_000)
+    assert loss <= 0.005 and np.all(classes[class_of] <= values) and classes[0] == values[0]
+    classes, class_of, loss = pld.bin_budgets_down(values, max_classes=64)
+    assert len(classes) <= 64 and np.all(classes[class_of] <= values) and 0.005 < loss < 0.05
+    with pytest.warns(UserWarning, match="pld_classes"):
+        calibrate(np.linspace(1, 3, 100), delta=DELTA, steps=20, sample_rate=0.05, method="scale",
+                  accountant="pld", pld_classes=2)
 
 
 def test_optimum_at_the_edge_of_the_order_grid_is_reported():
