@@ -45,6 +45,7 @@ from torch import nn
 
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
+from .ops import workspace
 from .ops.clip import clip_weights
 
 MODES = ("bk", "ghost")
@@ -274,6 +275,7 @@ class ClippingState:
         for handle in self._guards:
             handle.remove()
         self._guards = []
+        workspace.clear()
 
     @staticmethod
     def _refuse_plain_grad(name: str, grad) -> None:
@@ -436,7 +438,7 @@ class ClippingState:
             key, stacked = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
-            elif layer.rule.materializes:
+            elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
                 self._add_sq(layer.rule.norms(layer.module, x, o, normal))
@@ -461,7 +463,7 @@ class ClippingState:
                 self._flush_per_layer_stacks()
             self._queue_finish(self._finish_per_layer)
             return
-        if layer.rule.materializes:  # small per-sample gradients: form them once, clip them now
+        if layer.rule.materializes_call(layer.module, x, o):  # form them once, clip them now
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             sq = sq_norms_of(grads)
@@ -469,6 +471,7 @@ class ClippingState:
             params = layer.module._parameters
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
+            workspace.recycle(grads)
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
             weights = self._group_weights(sq, k, o)
@@ -586,6 +589,7 @@ class ClippingState:
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         for p, g in self._materialized.items():
             self._accumulate_param(p, weighted_sum(weights, g))
+        workspace.recycle(self._materialized.values())
         self._close_backward(total, weights)
 
     def _flush_per_layer_stacks(self) -> None:
@@ -612,6 +616,7 @@ class ClippingState:
             weights = self._group_weights(sq, k, grads[0])
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
+            workspace.recycle(grads)
             self._add_sq(sq)
         self._materialized = {}
         self._close_backward(self._batch_sq(), None)

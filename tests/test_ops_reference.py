@@ -322,3 +322,36 @@ def test_clip_weights_dtypes():
     assert clip_weights(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
     assert clip_weights(sq_norms.double(), torch.ones(4)).dtype == torch.float64
     assert clip_weights(torch.zeros(0), torch.ones(0)).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------ workspace
+
+
+def test_workspace_reuses_only_buffers_it_lent_and_got_back(monkeypatch):
+    from pdpfast.ops import workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    workspace.clear()
+    a = workspace.empty((3, 4), torch.float32, "cpu")
+    held = workspace.empty((3, 4), torch.float32, "cpu")
+    assert a.data_ptr() != held.data_ptr()
+    workspace.recycle([a, torch.empty(3, 4), held.view(12)])  # a foreign tensor and a view are ignored
+    assert workspace.empty((3, 4), torch.float32, "cpu") is a
+    fresh = workspace.empty((3, 4), torch.float32, "cpu")
+    assert fresh is not held and fresh.data_ptr() != held.data_ptr()  # held was never returned
+    assert workspace.empty((4, 3), torch.float32, "cpu").shape == (4, 3)
+    workspace.recycle([fresh])
+    assert workspace.empty((3, 4), torch.float64, "cpu").dtype == torch.float64  # keyed by dtype too
+
+
+def test_workspace_keeps_at_most_max_bytes(monkeypatch):
+    from pdpfast.ops import workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    monkeypatch.setattr(workspace, "MAX_BYTES", 100)
+    workspace.clear()
+    big, small = workspace.empty((200,), torch.uint8, "cpu"), workspace.empty((50,), torch.uint8, "cpu")
+    workspace.recycle([big, small])
+    assert workspace.empty((200,), torch.uint8, "cpu") is not big
+    assert workspace.empty((50,), torch.uint8, "cpu") is small
+    workspace.clear()

@@ -158,13 +158,18 @@ def _as_btd(x: torch.Tensor, o: torch.Tensor):
     return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
 
 
-def _linear_rule(transposed: bool) -> LayerRule:
-    def fix(g):  # Conv1D stores W as (in, out): every weight quantity is the transpose
-        return g.transpose(-1, -2) if transposed else g
+def _small_per_sample_weight(m, x, o) -> bool:
+    """Linear and conv calls form per-sample gradients where they are small (``prefer_per_sample``)."""
+    return lin_ops.prefer_per_sample(x.shape[0] * m.weight.numel(), x, o)
 
+
+def _linear_rule(transposed: bool) -> LayerRule:
     def per_sample(m, x, o):
         a, g = _as_btd(x, o)
-        out = {"weight": fix(lin_ops.linear_per_sample_grads(a, g))}
+        # Conv1D stores W as (in, out): its per-sample gradients a_iᵀ o_i come from the same bmm
+        # with the operands swapped, laid out as the weight is, never through a transpose copy
+        grads = lin_ops.linear_per_sample_grads(g, a) if transposed else lin_ops.linear_per_sample_grads(a, g)
+        out = {"weight": grads}
         if getattr(m, "bias", None) is not None:
             out["bias"] = g.sum(1)
         return out
@@ -210,7 +215,8 @@ def _linear_rule(transposed: bool) -> LayerRule:
         per_call = [(n, grad.unbind(0)) for n, grad in (("weight", grad_w), ("bias", grad_b)) if grad is not None]
         return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
 
-    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped))
+    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped),
+                     _small_per_sample_weight)
 
 
 def _conv_per_sample(m, x, o):
@@ -247,7 +253,8 @@ def _embedding_clipped(m, ids, o, weights, names):
 
 register_rule(DPLinear, rule=_linear_rule(transposed=False))
 register_rule(DPConv1D, rule=_linear_rule(transposed=True))
-register_rule(DPConv1d, DPConv2d, DPConv3d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped))
+register_rule(DPConv1d, DPConv2d, DPConv3d, rule=LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped,
+                                                            materialize_when=_small_per_sample_weight))
 register_rule(DPEmbedding, rule=LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
 
 
