@@ -322,7 +322,7 @@ class ClippingState:
         if self.mask is not None and not ((self.mask == 0) | (self.mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1")
         self.loss_scale = float(loss_scale)
-        self._uses: dict[nn.Parameter, int] = {}
+        self._uses: dict[int, int] = {}  # id(parameter) → calls in this batch's forward
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
             self.pending = False
@@ -347,13 +347,16 @@ class ClippingState:
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
             return module._unflatten(module._compute(prepared, params), prepared)
-        uses = self._uses
+        uses = self._uses  # keyed by id: a Parameter's __hash__ is a Python call, this runs per layer call
         trainable = [params[n] for n in names]
         for p in trainable:
-            uses[p] = uses.get(p, 0) + 1
+            uses[id(p)] = uses.get(id(p), 0) + 1
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
         out = module._compute(prepared, detached)
-        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *trainable),
+        # the parameters are inputs only where nothing else makes autograd reach the layer (its input
+        # needs no gradient): every input costs host time in apply and in the backward graph
+        anchors = () if out.requires_grad else trainable
+        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *anchors),
                                  prepared)
 
     def _refuse_forward(self) -> None:
@@ -417,7 +420,7 @@ class ClippingState:
         """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
         uses = self._uses
         params = layer.module._parameters
-        reused = tuple(n for n in names if uses[params[n]] > 1)
+        reused = tuple(n for n in names if uses[id(params[n])] > 1)
         if not reused:
             return names, ()
         return tuple(n for n in names if n not in reused), reused
@@ -448,7 +451,7 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
-        if self._group_layers[k] > 1 or any(self._uses[p] > 1 for p in self._group_params[k]):
+        if self._group_layers[k] > 1 or any(self._uses[id(p)] > 1 for p in self._group_params[k]):
             # tied across layers or calls: the group's per-sample gradient is a sum over its uses
             self._materialize(layer, names, x, o)
             self._queue_finish(self._finish_per_layer)
@@ -674,8 +677,10 @@ class ClippingState:
             self._accumulate_param(params[name], g)
 
     @staticmethod
-    @torch.no_grad()
     def _accumulate_param(p: nn.Parameter, g: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # a backward with create_graph=True; a no_grad decorator would cost
+            with torch.no_grad():    # ~10 µs on every call, hundreds of times per step
+                return ClippingState._accumulate_param(p, g)
         if g.dtype != p.dtype:
             g = g.to(p.dtype)
         if g.shape != p.shape:
