@@ -245,15 +245,18 @@ NORM_OPS = {nn.LayerNorm: norm_ops.layer_norm_per_sample_grads, nn.GroupNorm: no
             nn.RMSNorm: norm_ops.rms_norm_per_sample_grads}
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 40], ids=["whole-batch", "sample-by-sample", "chunks-of-samples"])
 @pytest.mark.parametrize("name", list(NORM_CASES))
-def test_norm_layer_per_sample_grads(name):
+def test_norm_layer_per_sample_grads(name, chunk, monkeypatch):
+    if chunk is not None:  # CPU batches are taken a few samples at a time: any chunking is exact
+        monkeypatch.setattr(norm_ops, "_CPU_CHUNK_ELEMENTS", chunk)
     build, shape = NORM_CASES[name]
     module = build().double()
     with torch.no_grad():
         for p in module.parameters():
             p.normal_()
-    x = torch.randn(4, *shape, dtype=torch.float64)
-    o = torch.randn(4, *shape, dtype=torch.float64)
+    x = torch.randn(7, *shape, dtype=torch.float64)
+    o = torch.randn(7, *shape, dtype=torch.float64)
     names = [n for n, _ in module.named_parameters()]
     params = {n: p.detach() for n, p in module.named_parameters()}
 
