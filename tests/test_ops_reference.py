@@ -358,3 +358,19 @@ def test_workspace_keeps_at_most_max_bytes(monkeypatch):
     assert workspace.empty((200,), torch.uint8, "cpu") is not big
     assert workspace.empty((50,), torch.uint8, "cpu") is small
     workspace.clear()
+
+
+def test_per_sample_gradients_are_formed_within_the_workspace_budget(monkeypatch):
+    from pdpfast.ops import workspace
+
+    a, o = torch.randn(4, 8, 5), torch.randn(4, 8, 3)
+    base = workspace.lent_bytes()
+    monkeypatch.setattr(workspace, "MAX_BYTES", base + 2 * 4 * 15 * 4)  # room for two (4, 3, 5) fp32 buffers
+    assert linear_ops.prefer_per_sample(4 * 15, a, o)
+    held = [linear_ops.linear_per_sample_grads(a, o) for _ in range(2)]
+    assert workspace.lent_bytes() == base + 2 * 4 * 15 * 4
+    assert not linear_ops.prefer_per_sample(4 * 15, a, o)  # a third would exceed the budget
+    workspace.recycle(held[:1])
+    del held
+    assert linear_ops.prefer_per_sample(4 * 15, a, o)
+

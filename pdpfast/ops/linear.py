@@ -44,7 +44,8 @@ def use_gram(T: int, d: int, p: int) -> bool:
 # per-sample GEMMs large enough to run near a GEMM's pace (d·p ≤ 4·T·(d + p) for a linear layer).
 MATERIALIZE_RATIO = 4
 # ... or when they are this small whatever the activations (32 MiB in fp32: e.g. the last
-# convolutions of a CNN, whose weights outweigh their few output positions).
+# convolutions of a CNN, whose weights outweigh their few output positions). Either way, at most
+# ``workspace.MAX_BYTES`` of them are kept at once; later calls of the backward take the other route.
 MATERIALIZE_MIN_ELEMENTS = 1 << 23
 
 
@@ -53,6 +54,8 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
     form them (see ``MATERIALIZE_RATIO``). Never where a kernel computes the norms: on a GPU, memory
     is the scarce resource and the fused norm kernels form no per-sample gradient."""
     if use_triton(x, o):
+        return False
+    if workspace.lent_bytes() + per_sample_elements * o.element_size() > workspace.MAX_BYTES:
         return False
     return per_sample_elements <= max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel()))
 
