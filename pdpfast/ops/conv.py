@@ -120,7 +120,7 @@ def _per_sample_grad_chunks(x_pad, o, module):
     """
     B, w = x_pad.shape[0], module.weight
     n = x_pad.dim() - 2
-    chunk = _CPU_CHUNK_ELEMENTS if o.device.type == "cpu" else _CHUNK_ELEMENTS
+    chunk = min(_CHUNK_ELEMENTS, _CPU_CHUNK_ELEMENTS) if o.device.type == "cpu" else _CHUNK_ELEMENTS
     step = max(1, chunk // max(1, w.numel()))
     for start in range(0, B, step):
         b = min(B, start + step) - start
