@@ -5,6 +5,10 @@ one process, providers interleaved round by round, medians, ratios to the non-pr
 same run.
 
     python -m bench.bench_cpu [--repeats 15] [--models transformer,cnn] [--out bench/results/cpu_step_time.json]
+    python -m bench.bench_cpu --repeats 5 --providers "non-private,pdpfast bk" --threads 1   # a quick look
+
+On a shared machine, threads of another job stall each multi-threaded op here; one thread and
+CPU time (``--threads 1 --clock cpu``) give ratios that depend far less on the load.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness import environment, measure, with_ratios
+from bench.harness import PROVIDERS, environment, measure, with_ratios
 from bench.models import TinyTransformer, groupnorm_cnn
 
 CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=None)}
@@ -33,17 +37,25 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--models", default="transformer,cnn")
     parser.add_argument("--out", default="bench/results/cpu_step_time.json")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time, steadier than wall time on a shared machine")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     torch.manual_seed(0)
     env, rows = environment(torch.device("cpu")), []
     loss = lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")  # noqa: E731
     for name in args.models.split(","):
         cfg = CONFIGS[name]
         model, inputs, y = _case(name, cfg["batch"], cfg["seq"])
-        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats), cfg["batch"])
+        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, providers=providers,
+                                           clock=args.clock), cfg["batch"])
         for provider, r in results.items():
             rows.append({"benchmark": "cpu_step_time", "model": name, "provider": provider, **cfg, **r, **env,
-                         "repeats": args.repeats})
+                         "repeats": args.repeats, "clock": args.clock})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print("| model | provider | median step (ms) | × non-private |\n|---|---|---:|---:|")

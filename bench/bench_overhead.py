@@ -44,6 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: time is host work only)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the process's CPU time, steadier than wall time on a shared machine")
     parser.add_argument("--providers", default="non-private,pdpfast bk,pdpfast per-layer,pdpfast ghost,opacus hooks")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -51,11 +53,12 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     model, inputs, y, loss = build(device)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
-    results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers),
+    results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
+                                  clock=args.clock),
                           y.shape[0])
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
-             "repeats": args.repeats} for name, r in results.items()]
+             "repeats": args.repeats, "clock": args.clock} for name, r in results.items()]
     out = Path(args.out or f"bench/results/overhead_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

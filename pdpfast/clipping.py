@@ -46,6 +46,7 @@ from torch import nn
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
+from .ops import workspace
 from .ops.clip import clip_weights
 
 MODES = ("bk", "ghost")
@@ -276,6 +277,7 @@ class ClippingState:
         for handle in self._guards:
             handle.remove()
         self._guards = []
+        workspace.clear()
 
     @staticmethod
     def _refuse_plain_grad(name: str, grad) -> None:
@@ -322,7 +324,7 @@ class ClippingState:
         if self.mask is not None and not ((self.mask == 0) | (self.mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1")
         self.loss_scale = float(loss_scale)
-        self._uses: dict[nn.Parameter, int] = {}
+        self._uses: dict[int, int] = {}  # id(parameter) → calls in this batch's forward
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
             self.pending = False
@@ -347,13 +349,16 @@ class ClippingState:
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
             return module._unflatten(module._compute(prepared, params), prepared)
-        uses = self._uses
+        uses = self._uses  # keyed by id: a Parameter's __hash__ is a Python call, this runs per layer call
         trainable = [params[n] for n in names]
         for p in trainable:
-            uses[p] = uses.get(p, 0) + 1
+            uses[id(p)] = uses.get(id(p), 0) + 1
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
         out = module._compute(prepared, detached)
-        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *trainable),
+        # the parameters are inputs only where nothing else makes autograd reach the layer (its input
+        # needs no gradient): every input costs host time in apply and in the backward graph
+        anchors = () if out.requires_grad else trainable
+        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *anchors),
                                  prepared)
 
     def partial_forward(self, module: DPModule, x: torch.Tensor, names: tuple, compute) -> torch.Tensor:
@@ -369,7 +374,7 @@ class ClippingState:
             return compute(x, {n: params.get(n) for n in names})
         trainable = [params[n] for n in used]
         for p in trainable:
-            self._uses[p] = self._uses.get(p, 0) + 1
+            self._uses[id(p)] = self._uses.get(id(p), 0) + 1
         out = compute(x, {n: (params[n].detach() if params.get(n) is not None else None) for n in names})
         return DPLayerFunction.apply(out, x, (self._layer[module], used), *trainable)
 
@@ -384,7 +389,7 @@ class ClippingState:
         try:
             for n in names:
                 p = saved[n] = params[n]
-                self._uses[p] = self._uses.get(p, 0) + 1
+                self._uses[id(p)] = self._uses.get(id(p), 0) + 1
                 params[n] = BroadcastParameterFunction.apply(p, self.batch_size, (layer, (n,)))
             return forward(*args, **kwargs)
         except RuntimeError as e:
@@ -461,7 +466,7 @@ class ClippingState:
         """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
         uses = self._uses
         params = layer.module._parameters
-        reused = tuple(n for n in names if uses[params[n]] > 1)
+        reused = tuple(n for n in names if uses[id(params[n])] > 1)
         if not reused:
             return names, ()
         return tuple(n for n in names if n not in reused), reused
@@ -482,7 +487,7 @@ class ClippingState:
             key, stacked = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
-            elif layer.rule.materializes:
+            elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
                 self._add_sq(layer.rule.norms(layer.module, x, o, normal))
@@ -492,7 +497,7 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
-        if self._group_calls[k] > 1 or any(self._uses[p] > 1 for p in self._group_params[k]):
+        if self._group_calls[k] > 1 or any(self._uses[id(p)] > 1 for p in self._group_params[k]):
             # tied across layers or calls, or one host's parameters in separate calls: the group's
             # per-sample gradient is formed from all of them
             self._materialize(layer, names, x, o)
@@ -508,7 +513,7 @@ class ClippingState:
                 self._flush_per_layer_stacks()
             self._queue_finish(self._finish_per_layer)
             return
-        if layer.rule.materializes:  # small per-sample gradients: form them once, clip them now
+        if layer.rule.materializes_call(layer.module, x, o):  # form them once, clip them now
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             sq = sq_norms_of(grads)
@@ -516,6 +521,7 @@ class ClippingState:
             params = layer.module._parameters
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
+            workspace.recycle(grads)
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
             weights = self._group_weights(sq, k, o)
@@ -633,6 +639,7 @@ class ClippingState:
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         for p, g in self._materialized.items():
             self._accumulate_param(p, weighted_sum(weights, g))
+        workspace.recycle(self._materialized.values())
         self._close_backward(total, weights)
 
     def _flush_per_layer_stacks(self) -> None:
@@ -659,6 +666,7 @@ class ClippingState:
             weights = self._group_weights(sq, k, grads[0])
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
+            workspace.recycle(grads)
             self._add_sq(sq)
         self._materialized = {}
         self._close_backward(self._batch_sq(), None)
@@ -716,8 +724,10 @@ class ClippingState:
             self._accumulate_param(params[name], g)
 
     @staticmethod
-    @torch.no_grad()
     def _accumulate_param(p: nn.Parameter, g: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # a backward with create_graph=True; a no_grad decorator would cost
+            with torch.no_grad():    # ~10 µs on every call, hundreds of times per step
+                return ClippingState._accumulate_param(p, g)
         if g.dtype != p.dtype:
             g = g.to(p.dtype)
         if g.shape != p.shape:

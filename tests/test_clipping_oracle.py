@@ -136,6 +136,27 @@ def test_layer_matches_oracle_whether_calls_stack_or_not(name, style, oracle, st
     oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
 
 
+@pytest.mark.parametrize("route", ["per-sample-gradients", "norms-and-clipped-sums"])
+@pytest.mark.parametrize("name", [n for n in LAYERS if n.startswith(("linear", "conv"))])
+def test_layer_matches_oracle_whether_per_sample_gradients_are_formed_or_not(name, route, style, oracle, monkeypatch):
+    """Without kernels, a linear or conv call whose per-sample gradients are small forms them once
+    (norms and clipped sum from them); a large one computes norms and a clipped-sum GEMM instead.
+    Both routes equal the oracle, whatever the threshold (here forced to each extreme); calls are
+    computed alone (not stacked), so the route is the one under test."""
+    import pdpfast.clipping
+    import pdpfast.ops.linear as linear_ops
+    from pdpfast.ops import workspace
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+    formed = route == "per-sample-gradients"
+    monkeypatch.setattr(linear_ops, "MATERIALIZE_RATIO", 1 << 40 if formed else 0)
+    monkeypatch.setattr(linear_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # pool even these small buffers
+    model, reference, x, target = build(name)
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)  # a second batch reuses buffers
+
+
 def _repeats_shape(model, x) -> bool:
     """Whether model(model(x)) is defined: then two copies in a row give same-shape calls to stack."""
     try:

@@ -125,7 +125,7 @@ class Scale(nn.Module):
 class RNNHead(nn.Module):
     def __init__(self):
         super().__init__()
-        self.rnn = nn.LSTM(4, 4, batch_first=True)
+        self.rnn = nn.LSTM(4, 4, batch_first=True, proj_size=2)
 
     def forward(self, x):
         return self.rnn(x)[0]
@@ -134,11 +134,12 @@ class RNNHead(nn.Module):
 def test_unsupported_modules_are_all_listed_in_one_error():
     model = nn.Sequential(OrderedDict(
         proj=nn.Linear(4, 4),
-        blocks=nn.ModuleList([nn.MultiheadAttention(4, 2, batch_first=True), RNNHead(), Scale(4)])))
+        blocks=nn.ModuleList([nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True), RNNHead(),
+                              Scale(4)])))
     with pytest.raises(ValueError) as error:
         convert(model)
     message = str(error.value)
-    for path in ("blocks.0 (MultiheadAttention", "blocks.1.rnn (LSTM", "blocks.2 (Scale: gain)"):
+    for path in ("blocks.0 (MultiheadAttention: add_bias_kv", "blocks.1.rnn (LSTM: proj_size", "blocks.2 (Scale: gain)"):
         assert path in message
     assert "proj (Linear" not in message and "out_proj" not in message
     assert "requires_grad_(False)" in message
@@ -150,7 +151,7 @@ def test_frozen_unsupported_modules_are_left_alone():
     model[1].requires_grad_(False)
     model[2].requires_grad_(False)
     convert(model)
-    assert dp_modules(model) == ["0"]
+    assert dp_modules(model) == ["0", "2"]  # a frozen LSTM becomes a DP LSTM that does no DP work
 
 
 class LinearWithOwnForward(nn.Linear):

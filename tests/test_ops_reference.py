@@ -245,15 +245,18 @@ NORM_OPS = {nn.LayerNorm: norm_ops.layer_norm_per_sample_grads, nn.GroupNorm: no
             nn.RMSNorm: norm_ops.rms_norm_per_sample_grads}
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 40], ids=["whole-batch", "sample-by-sample", "chunks-of-samples"])
 @pytest.mark.parametrize("name", list(NORM_CASES))
-def test_norm_layer_per_sample_grads(name):
+def test_norm_layer_per_sample_grads(name, chunk, monkeypatch):
+    if chunk is not None:  # CPU batches are taken a few samples at a time: any chunking is exact
+        monkeypatch.setattr(norm_ops, "_CPU_CHUNK_ELEMENTS", chunk)
     build, shape = NORM_CASES[name]
     module = build().double()
     with torch.no_grad():
         for p in module.parameters():
             p.normal_()
-    x = torch.randn(4, *shape, dtype=torch.float64)
-    o = torch.randn(4, *shape, dtype=torch.float64)
+    x = torch.randn(7, *shape, dtype=torch.float64)
+    o = torch.randn(7, *shape, dtype=torch.float64)
     names = [n for n, _ in module.named_parameters()]
     params = {n: p.detach() for n, p in module.named_parameters()}
 
@@ -322,3 +325,52 @@ def test_clip_weights_dtypes():
     assert clip_weights(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
     assert clip_weights(sq_norms.double(), torch.ones(4)).dtype == torch.float64
     assert clip_weights(torch.zeros(0), torch.ones(0)).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------ workspace
+
+
+def test_workspace_reuses_only_buffers_it_lent_and_got_back(monkeypatch):
+    from pdpfast.ops import workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    workspace.clear()
+    a = workspace.empty((3, 4), torch.float32, "cpu")
+    held = workspace.empty((3, 4), torch.float32, "cpu")
+    assert a.data_ptr() != held.data_ptr()
+    workspace.recycle([a, torch.empty(3, 4), held.view(12)])  # a foreign tensor and a view are ignored
+    assert workspace.empty((3, 4), torch.float32, "cpu") is a
+    fresh = workspace.empty((3, 4), torch.float32, "cpu")
+    assert fresh is not held and fresh.data_ptr() != held.data_ptr()  # held was never returned
+    assert workspace.empty((4, 3), torch.float32, "cpu").shape == (4, 3)
+    workspace.recycle([fresh])
+    assert workspace.empty((3, 4), torch.float64, "cpu").dtype == torch.float64  # keyed by dtype too
+
+
+def test_workspace_keeps_at_most_max_bytes(monkeypatch):
+    from pdpfast.ops import workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    monkeypatch.setattr(workspace, "MAX_BYTES", 100)
+    workspace.clear()
+    big, small = workspace.empty((200,), torch.uint8, "cpu"), workspace.empty((50,), torch.uint8, "cpu")
+    workspace.recycle([big, small])
+    assert workspace.empty((200,), torch.uint8, "cpu") is not big
+    assert workspace.empty((50,), torch.uint8, "cpu") is small
+    workspace.clear()
+
+
+def test_per_sample_gradients_are_formed_within_the_workspace_budget(monkeypatch):
+    from pdpfast.ops import workspace
+
+    a, o = torch.randn(4, 8, 5), torch.randn(4, 8, 3)
+    base = workspace.lent_bytes()
+    monkeypatch.setattr(workspace, "MAX_BYTES", base + 2 * 4 * 15 * 4)  # room for two (4, 3, 5) fp32 buffers
+    assert linear_ops.prefer_per_sample(4 * 15, a, o)
+    held = [linear_ops.linear_per_sample_grads(a, o) for _ in range(2)]
+    assert workspace.lent_bytes() == base + 2 * 4 * 15 * 4
+    assert not linear_ops.prefer_per_sample(4 * 15, a, o)  # a third would exceed the budget
+    workspace.recycle(held[:1])
+    del held
+    assert linear_ops.prefer_per_sample(4 * 15, a, o)
+

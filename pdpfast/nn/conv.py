@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import conv as conv_ops
+from ..ops import linear as lin_ops
 from .layers import DPModule
 from .rules import LayerRule, register_layer
 
@@ -58,7 +59,12 @@ def _conv_clipped(m, x, o, weights, names):
     return {n: g for n, g in (("weight", grad_w), ("bias", grad_b)) if n in names}
 
 
-_CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped)
+def _small_per_sample_weight(m, x, o) -> bool:
+    """Conv calls form per-sample gradients where they are small next to the call (``prefer_per_sample``)."""
+    return lin_ops.prefer_per_sample(x.shape[0] * m.weight.numel(), x, o)
+
+
+_CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight)
 register_layer(nn.Conv1d, DPConv1d, _CONV_RULE)
 register_layer(nn.Conv2d, DPConv2d, _CONV_RULE)
 register_layer(nn.Conv3d, DPConv3d, _CONV_RULE)

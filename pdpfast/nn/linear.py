@@ -54,12 +54,15 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     """The rule of y = x Wᵀ + b on (B, ..., d) inputs, for a module whose W and b are the parameters
     named ``weight`` and ``bias`` (e.g. ``in_proj_weight`` of attention); ``transposed``: W is
     stored (in, out), as in Hugging Face's Conv1D."""
-    def fix(g):  # Conv1D stores W as (in, out): every weight quantity is the transpose
-        return g.transpose(-1, -2) if transposed else g
+    def small_per_sample(m, x, o) -> bool:  # formed where small next to the call (``prefer_per_sample``)
+        return lin_ops.prefer_per_sample(x.shape[0] * getattr(m, weight).numel(), x, o)
 
     def per_sample(m, x, o):
         a, g = as_btd(x, o)
-        out = {weight: fix(lin_ops.linear_per_sample_grads(a, g))}
+        # Conv1D stores W as (in, out): its per-sample gradients a_iᵀ o_i come from the same bmm
+        # with the operands swapped, laid out as the weight is, never through a transpose copy
+        grads = lin_ops.linear_per_sample_grads(g, a) if transposed else lin_ops.linear_per_sample_grads(a, g)
+        out = {weight: grads}
         if getattr(m, bias, None) is not None:
             out[bias] = g.sum(1)
         return out
@@ -105,7 +108,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         per_call = [(n, grad.unbind(0)) for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None]
         return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
 
-    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped))
+    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped), small_per_sample)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

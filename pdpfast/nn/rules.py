@@ -10,6 +10,9 @@ applied, e.g. the padded conv input), ``o`` the gradient of the summed loss w.r.
 Only ``per_sample_grads`` is required; the other two default to exact formulas on its result,
 which is the right choice for layers whose per-sample gradients are as small as their parameters
 (the clipping state then forms them once per backward and keeps them, see ``materializes``).
+A rule with norm formulas may still ask for that route call by call (``materialize_when``): where
+the per-sample gradients are small next to the call's activations, forming them once makes the
+clipped sum a B×|W| weighted sum instead of a second GEMM-sized pass.
 
 A rule may also say how same-shape calls are computed together (``Stacked``): book-keeping then
 forms the norms and clipped sums of n such calls (BERT's 48 attention projections, say) with one
@@ -52,11 +55,18 @@ class LayerRule:
     sq_norms: SqNorms | None = None            # (module, x, o, names) -> (B,) summed over names, fp32+
     clipped_grads: ClippedGrads | None = None  # (module, x, o, weights (B,) | None, names) -> {name: grad}
     stacked: Stacked | None = None
+    # (module, x, o) -> True where this call's per-sample gradients are better formed and kept
+    materialize_when: Callable[[nn.Module, torch.Tensor, torch.Tensor], bool] | None = None
 
     @property
     def materializes(self) -> bool:
         """True when per-sample gradients are the layer's cheapest exact route (no norm rule)."""
         return self.sq_norms is None
+
+    def materializes_call(self, module, x, o) -> bool:
+        """Whether this call's per-sample gradients are formed (then norms and clipped sums come
+        from them) rather than its norms and clipped sums computed without them."""
+        return self.sq_norms is None or (self.materialize_when is not None and self.materialize_when(module, x, o))
 
     def norms(self, module, x, o, names) -> torch.Tensor:
         """(B,) per-sample squared gradient norm summed over the parameters ``names``."""
@@ -78,9 +88,10 @@ def sq_norms_of(per_sample: list[torch.Tensor]) -> torch.Tensor:
     """(B,) Σ over tensors of ‖g_i‖², each (B, ...), accumulated in fp32 (fp64 kept)."""
     total = None
     for g in per_sample:
-        if g.dtype not in (torch.float32, torch.float64):
-            g = g.float()
-        sq = (g if g.dim() == 2 else g.flatten(1)).pow(2).sum(1)
+        # one read of g, no temporary of its size (g.pow(2) would allocate and fault in one);
+        # the root is squared back to within a few ulps, as exact as summing the squares
+        dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
+        sq = torch.linalg.vector_norm(g if g.dim() == 2 else g.flatten(1), dim=1, dtype=dtype).square_()
         total = sq if total is None else total.add_(sq)
     return total
 

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import workspace
 from .dispatch import declare
 from .linear import linear_weight_sq_norms
 
@@ -108,6 +109,11 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
 
 # Per-sample gradient values held at once by the reference paths (~128 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 25
+# On a CPU, chunks of about an L2 cache per thread (512 KiB in fp32): the grouped weight-gradient
+# routine runs 1.5-2.5x faster on 1-16 samples at a time than on 64 (measured on the GroupNorm
+# CNN's layers), and a chunk's gradients are still in cache when they are copied out. Fewer,
+# larger chunks with more threads: each op is a synchronisation point of the threads.
+_CPU_CHUNK_ELEMENTS = 1 << 17
 
 
 def _per_sample_grad_chunks(x_pad, o, module):
@@ -118,7 +124,9 @@ def _per_sample_grad_chunks(x_pad, o, module):
     """
     B, w = x_pad.shape[0], module.weight
     n = x_pad.dim() - 2
-    step = max(1, _CHUNK_ELEMENTS // max(1, w.numel()))
+    on_cpu = o.device.type == "cpu"
+    chunk = min(_CHUNK_ELEMENTS, _CPU_CHUNK_ELEMENTS * torch.get_num_threads()) if on_cpu else _CHUNK_ELEMENTS
+    step = max(1, chunk // max(1, w.numel()))
     for start in range(0, B, step):
         b = min(B, start + step) - start
         xs = x_pad[start:start + b].reshape(1, b * x_pad.shape[1], *x_pad.shape[2:])
@@ -133,7 +141,7 @@ def _per_sample_grad_chunks(x_pad, o, module):
 def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
     """Materialized (B, *weight.shape) per-sample gradients (tied parameters, oracles)."""
     w = module.weight
-    out = torch.empty(x_pad.shape[0], *w.shape, dtype=o.dtype, device=o.device)
+    out = workspace.empty((x_pad.shape[0], *w.shape), o.dtype, o.device)
     for samples, grads in _per_sample_grad_chunks(x_pad, o, module):
         out[samples] = grads
     return out

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import declare
+from . import workspace
+from .dispatch import declare, use_triton
 
 # A chunk of per-sample work holds at most this many elements (~128 MiB in fp32), so the direct
 # path never materializes B·p·d floats at once on large layers.
@@ -33,6 +34,30 @@ def direct_cost(T: int, d: int, p: int) -> int:
 def use_gram(T: int, d: int, p: int) -> bool:
     """Per call (T varies between calls), the cheaper of the two exact norm computations."""
     return gram_cost(T, d, p) < direct_cost(T, d, p)
+
+
+# Without the kernels (the CPU path), a layer call's per-sample gradients are formed and kept when
+# they hold at most this many times the values book-keeping keeps for the call anyway (its input
+# and output gradient). Their norms then cost one pass over them, and the clipped sum becomes the
+# B×|W| product w·G instead of a second GEMM-sized pass over the activations (B·T·d·p multiply-adds
+# for a linear layer): one GEMM-sized pass per layer instead of two. The bound also keeps the
+# per-sample GEMMs large enough to run near a GEMM's pace (d·p ≤ 4·T·(d + p) for a linear layer).
+MATERIALIZE_RATIO = 4
+# ... or when they are this small whatever the activations (32 MiB in fp32: e.g. the last
+# convolutions of a CNN, whose weights outweigh their few output positions). Either way, at most
+# ``workspace.MAX_BYTES`` of them are kept at once; later calls of the backward take the other route.
+MATERIALIZE_MIN_ELEMENTS = 1 << 23
+
+
+def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether a call whose per-sample gradients take ``per_sample_elements`` values (B·|W|) should
+    form them (see ``MATERIALIZE_RATIO``). Never where a kernel computes the norms: on a GPU, memory
+    is the scarce resource and the fused norm kernels form no per-sample gradient."""
+    if use_triton(x, o):
+        return False
+    if workspace.lent_bytes() + per_sample_elements * o.element_size() > workspace.MAX_BYTES:
+        return False
+    return per_sample_elements <= max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel()))
 
 
 def _chunks(B: int, per_sample: int):
@@ -175,5 +200,7 @@ def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torc
 
 
 def linear_per_sample_grads(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Materialized per-sample weight gradients (B, p, d); for tied parameters and oracles."""
-    return torch.bmm(o.transpose(1, 2), a)
+    """Materialized per-sample weight gradients o_iᵀ a_i: a (B, T, d), o (B, T, p) → (B, p, d), in
+    a buffer of ``workspace`` (the clipping state returns it when done)."""
+    out = workspace.empty((a.shape[0], o.shape[-1], a.shape[-1]), torch.promote_types(a.dtype, o.dtype), o.device)
+    return torch.bmm(o.transpose(1, 2), a, out=out)

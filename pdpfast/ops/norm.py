@@ -5,8 +5,37 @@ the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are mat
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+# On a CPU, a large batch is taken a few samples at a time, so that x̂ and o ⊙ x̂ (each as large as
+# the input) stay in an L2 cache instead of costing two fresh full-size buffers and their page
+# faults (GroupNorm CNN benchmark, 64 x 32 x 32 x 32 input: 2.2 -> 1.7 ms alone, ~2x more in a
+# step). This many elements per thread (512 KiB in fp32).
+_CPU_CHUNK_ELEMENTS = 1 << 17
+
+
+def _by_batch_chunks(per_sample_grads):
+    """``per_sample_grads(x, o, module)`` run on cache-sized slices of the batch on a CPU."""
+    @functools.wraps(per_sample_grads)
+    def wrapper(x, o, module):
+        B = x.shape[0]
+        per_sample = x[0].numel() if B else 0
+        chunk = _CPU_CHUNK_ELEMENTS * torch.get_num_threads()
+        if x.device.type != "cpu" or B * per_sample <= chunk:
+            return per_sample_grads(x, o, module)
+        step = max(1, chunk // per_sample)
+        out = None
+        for start in range(0, B, step):
+            part = per_sample_grads(x[start:start + step], o[start:start + step], module)
+            if out is None:
+                out = {name: g.new_empty((B, *g.shape[1:])) for name, g in part.items()}
+            for name, g in part.items():
+                out[name][start:start + step] = g
+        return out
+    return wrapper
 
 
 def _sum_to(per_elem: torch.Tensor, trailing: int) -> torch.Tensor:
@@ -15,36 +44,40 @@ def _sum_to(per_elem: torch.Tensor, trailing: int) -> torch.Tensor:
     return per_elem.sum(middle) if middle else per_elem
 
 
+@_by_batch_chunks
 def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     shape = tuple(module.normalized_shape)
     x_hat = F.layer_norm(x, shape, None, None, module.eps)
-    out = {"weight": _sum_to(o * x_hat, len(shape))}
+    out = {"weight": _sum_to(x_hat.mul_(o), len(shape))}  # x_hat is fresh: o ⊙ x̂ in place
     if getattr(module, "bias", None) is not None:
         out["bias"] = _sum_to(o, len(shape))
     return out
 
 
+@_by_batch_chunks
 def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     shape = tuple(module.normalized_shape)
     x_hat = F.rms_norm(x, shape, None, module.eps)
-    return {"weight": _sum_to(o * x_hat, len(shape))}
+    return {"weight": _sum_to(x_hat.mul_(o), len(shape))}
 
 
+@_by_batch_chunks
 def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     # weights are per channel (dim 1): sum over the spatial dims only
     x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
     spatial = list(range(2, x.dim()))
-    out = {"weight": (o * x_hat).sum(spatial) if spatial else o * x_hat}
+    out = {"weight": x_hat.mul_(o).sum(spatial) if spatial else x_hat.mul_(o)}
     if module.bias is not None:
         out["bias"] = o.sum(spatial) if spatial else o
     return out
 
 
+@_by_batch_chunks
 def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     # instance norm normalizes each (sample, channel) over its positions: GroupNorm with C groups
     x_hat = F.instance_norm(x, eps=module.eps)
     spatial = list(range(2, x.dim()))
-    out = {"weight": (o * x_hat).sum(spatial)}
+    out = {"weight": x_hat.mul_(o).sum(spatial)}
     if module.bias is not None:
         out["bias"] = o.sum(spatial)
     return out
