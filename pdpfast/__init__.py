@@ -19,7 +19,7 @@ _LAZY = {
     "calibrate": "pdpfast.accounting",
     "PrivacyPlan": "pdpfast.accounting",
 }
-_SUBMODULES = {"accounting", "fl", "functional", "nn", "ops", "data", "engine", "optimizer", "sampling"}
+_SUBMODULES = {"accounting", "fl", "functional", "nn", "ops", "data", "engine", "optimizer", "sampling", "validators"}
 
 
 def __getattr__(name: str):

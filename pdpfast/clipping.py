@@ -404,8 +404,9 @@ class ClippingState:
         if self.phase is Phase.IDLE:
             raise RuntimeError("a private forward needs an open batch: iterate the data loader returned by "
                                "PrivacyEngine.make_private (each batch it yields opens one, optimizer.step() closes "
-                               "it), or use pdpfast.functional.clipped_gradients. A batch built by hand has no "
-                               "known records, so its clip bounds and privacy cost are unknown")
+                               "it), name the records of a batch you built with `with privacy_engine.records("
+                               "indices): ...`, or use pdpfast.functional.clipped_gradients. A batch built by hand "
+                               "has no known records, so its clip bounds and privacy cost are unknown")
         raise RuntimeError("this batch's clipped gradients were already computed; another forward and backward "
                            "on it would add a second contribution of up to c_i per record. Call optimizer.step() "
                            "and take the next batch from the loader (to combine several losses of one batch, add "

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -13,7 +15,7 @@ from ._io import atomic_write
 from .clipping import ClippingState, Phase, check_choice
 from .data import DPDataLoader, PhysicalBatch, as_per_record
 from .distributed import inner_module, plan_fingerprint, unwrap
-from .nn.convert import convert
+from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
 
 
@@ -65,6 +67,43 @@ class DPCriterion:
         return DPLoss(per_sample, self.state, self.reduction)
 
 
+# Opacus's accountant names → the accountant that computes them here. PRV (Gopi et al. 2021) and
+# PLD are both numerically tight accountants of the same mechanism; pdpfast computes PLD.
+_ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
+# Opacus's grad_sample_mode → pdpfast's mode: every per-sample method gives the same clipped sum.
+_GRAD_SAMPLE_MODES = {"hooks": "bk", "functorch": "bk", "ew": "bk", "ghost": "ghost"}
+_USER_BATCH_WARNING = (
+    "a private forward on a batch that the Poisson loader did not draw (your own loop, or "
+    "poisson_sampling=False): its gradients are clipped exactly, but the privacy accounting assumes "
+    "every record is drawn independently with its sample rate at every step (Poisson sampling), which "
+    "your batches do not do; the reported ε is then an approximation, as in Opacus")
+
+
+class _Hooks:
+    """What ``make_private(wrap_model=False)`` returns in Opacus: the model stays the user's; ``cleanup()``
+    returns its layers to plain torch behaviour."""
+
+    def __init__(self, engine: "PrivacyEngine"):
+        self._engine = engine
+
+    def cleanup(self) -> None:
+        self._engine.detach()
+
+
+def _first_batch_dim(args, kwargs) -> int | None:
+    """Size of dim 0 of the first tensor in a forward's arguments (searched through lists and dicts)."""
+    stack = [*args, *kwargs.values()]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() else None
+        if isinstance(item, dict):
+            stack = [*item.values(), *stack]
+        elif isinstance(item, (list, tuple)):
+            stack = [*item, *stack]
+    return None
+
+
 class PrivacyEngine:
     """Makes (model, optimizer, data loader) private with per-record sample rates and clip bounds.
 
@@ -72,40 +111,102 @@ class PrivacyEngine:
     ``loss = criterion(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()``
     performs individualized DP-SGD: weighted Poisson sampling with rates q_i, per-sample clipping
     to c_i, noise N(0, σ²C²) once per step and normalization by the expected batch size Σ_i q_i.
+
+    The arguments and return values of Opacus 1.6's ``PrivacyEngine`` are accepted (``make_private``,
+    ``make_private_with_epsilon``, ``get_epsilon``, ``accountant``, ``is_compatible``, ``validate``).
+
+    accountant: "rdp" (default), "pld", or "prv" (Opacus's default name; computed here by PLD, also
+    numerically tight). secure_mode: only False (pdpfast's noise is not drawn from a CSPRNG).
+    seed: of the Poisson draws and the noise (default: fresh random seeds).
     """
 
-    def __init__(self, *, seed: int | None = None):
+    def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False, seed: int | None = None):
+        from .accounting.history import create_accountant
+
+        if accountant == "gdp":
+            raise ValueError("accountant='gdp' (Opacus's Gaussian accountant) is not offered: its CLT "
+                             "approximation is not an upper bound on ε. Use 'rdp', 'pld' or 'prv'")
+        check_choice("accountant", accountant, tuple(_ACCOUNTANTS))
+        if secure_mode:
+            raise ValueError("secure_mode=True is not supported: pdpfast draws Poisson masks and noise from "
+                             "seeded counter-based generators, not from a cryptographically secure one")
         self.seed = seed
         self.distributed = None  # a DistributedContext when the model is DDP-wrapped
+        self.accountant = create_accountant(_ACCOUNTANTS[accountant])
+        self.plan = None
         self.state: ClippingState | None = None
         self.optimizer: DPOptimizer | None = None
         self.data_loader: DPDataLoader | None = None
+        self.uniform = False
+        self._warned_user_batch = False
+        self._user_batches = 0
+        self._implicit_open = False
+        self._forward_done = True
+        self._hooks: list = []
+        self._mechanism_name = _ACCOUNTANTS[accountant]
+
+    # ------------------------------------------------------------------ Opacus's checks
+
+    def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:
+        """Whether ``module`` can be trained privately (see ``pdpfast.validators.ModuleValidator``)."""
+        from .validators import ModuleValidator
+
+        return ModuleValidator.is_valid(module)
+
+    def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:
+        """Raise ``UnsupportedModuleError`` listing every module ``make_private`` would refuse."""
+        from .validators import ModuleValidator
+
+        ModuleValidator.validate(module, strict=True)
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """A fixed copy of ``module`` (BatchNorm → GroupNorm, ...), validated."""
+        from .validators import ModuleValidator
+
+        return ModuleValidator.fix_and_validate(module)
+
+    # ------------------------------------------------------------------ making a run private
 
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     noise_multiplier: float, max_grad_norm: float, sample_rates=None, clip_norms=None,
-                     clipping: str = "flat", mode: str = "bk", criterion: nn.Module | None = None,
-                     loss_reduction: str = "mean", layer_shares=None, automatic_gamma: float | None = None,
-                     physical_batch_size: int | None = None, steps_per_epoch: int | None = None):
+                     noise_multiplier: float, max_grad_norm: float, criterion: nn.Module | None = None,
+                     batch_first: bool = True, loss_reduction: str = "mean", poisson_sampling: bool = True,
+                     clipping: str = "flat", noise_generator: torch.Generator | None = None,
+                     grad_sample_mode: str = "hooks", wrap_model: bool = True, rand_on_empty: bool = False,
+                     sample_rates=None, clip_norms=None, mode: str | None = None, layer_shares=None,
+                     automatic_gamma: float | None = None, physical_batch_size: int | None = None,
+                     steps_per_epoch: int | None = None):
         """Returns (module, optimizer, data_loader), or (module, optimizer, criterion, data_loader)
-        for ``mode="ghost"`` (which needs ``criterion``: a torch loss module).
+        for ``mode="ghost"`` / ``grad_sample_mode="ghost"`` (which needs ``criterion``: a torch loss
+        module), as Opacus does. The module is converted in place and returned (with
+        ``wrap_model=False``, an object whose ``cleanup()`` detaches the engine, as in Opacus).
 
-        sample_rates: q_i, a float or (N,) in [0, 1] (default 1/len(data_loader), Opacus's).
-        clip_norms: c_i, (N,) > 0 (default: max_grad_norm for every record). max_grad_norm: the
-        reference bound C of the noise N(0, σ²C²). loss_reduction: "mean" if the loss is the batch
-        mean of per-sample losses (torch's default), "sum" if it is their sum.
+        Opacus's arguments: noise_multiplier σ; max_grad_norm: the reference bound C of the noise
+        N(0, σ²C²) and every record's clip bound unless ``clip_norms`` is given; loss_reduction:
+        "mean" if the loss is the batch mean of per-sample losses (torch's default), "sum" if it is
+        their sum; poisson_sampling: True draws each batch by Poisson sampling at rate q = 1/len(
+        data_loader); False returns ``data_loader`` unchanged, and each forward of the model on a
+        batch of your own opens a private batch (every record must then have the same clip bound
+        and sample rate; a one-time warning says the accounting assumes Poisson sampling); clipping:
+        "flat" or "per_layer"; noise_generator: seeds the noise; grad_sample_mode: "hooks",
+        "functorch", "ew" (all exact book-keeping here) or "ghost".
+
+        pdpfast's arguments: sample_rates: q_i, a float or (N,) in [0, 1] (default 1/len(data_loader),
+        Opacus's); clip_norms: c_i, (N,) > 0 (default: max_grad_norm for every record); mode: "bk" or
+        "ghost" (instead of grad_sample_mode); layer_shares, automatic_gamma: see ``ClippingState``;
+        physical_batch_size: split large draws into batches of this many rows (padded, masked);
+        steps_per_epoch: draws per pass over the loader.
+
+        With per-record bounds or rates, a batch you build yourself must name its records:
+        ``with engine.records(indices): ...`` (see ``records``).
         """
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if not isinstance(data_loader, DataLoader):
-            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
-        if mode == "ghost" and criterion is None:
-            raise ValueError("mode='ghost' needs criterion= (a torch loss module): its two backward passes "
-                             "need per-sample losses")
-        if self.state is not None:
-            raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model")
+        mode = self._check_make_private_args(
+            module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
+            max_grad_norm=max_grad_norm, criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
+            poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
+            grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, rand_on_empty=rand_on_empty,
+            sample_rates=sample_rates, mode=mode, physical_batch_size=physical_batch_size,
+            steps_per_epoch=steps_per_epoch)
         n = len(data_loader.dataset)
         if sample_rates is None:
             sample_rates = 1.0 / len(data_loader)
@@ -114,24 +215,36 @@ class PrivacyEngine:
         self.clip_norms = as_per_record("clip_norms", clip_norms, n, low=0.0, low_inclusive=False)
         self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
         self.mode, self.loss_reduction = mode, loss_reduction
-
+        # a uniform run (one q, one c for every record) is plain DP-SGD: any batch of distinct records
+        # is clipped right without knowing which records they are, and one history accounts it
+        self.uniform = bool((self.sample_rates == self.sample_rates[0]).all()
+                            and (self.clip_norms == self.clip_norms[0]).all())
+        self.poisson_sampling = bool(poisson_sampling)
         inner, self.distributed = unwrap(module)  # a DDP-wrapped model: see pdpfast.distributed
         seed, shard = self.seed, {}
         if self.distributed is not None:
+            if not poisson_sampling:
+                raise ValueError("poisson_sampling=False is not supported with DistributedDataParallel: the ranks "
+                                 "must share one Poisson draw (pdpfast.distributed)")
             seed = self.seed = self.distributed.agree_seed(self.seed)
             self.distributed.check_same("privacy plan (sample rates, clip bounds, noise)", plan_fingerprint(
                 self.sample_rates, self.clip_norms, self.noise_multiplier, self.max_grad_norm))
             shard = dict(rank=self.distributed.rank, world_size=self.distributed.world_size)
+        noise_seed = None if seed is None else seed + 1
+        if noise_generator is not None:
+            noise_seed = int(torch.randint(0, 2 ** 62, (1,), generator=noise_generator))
         convert(inner)
         self.state = ClippingState(inner, mode=mode, clipping=clipping, layer_shares=layer_shares,
                                    automatic_gamma=automatic_gamma)
         self.state.attach()
-        self.data_loader = DPDataLoader.from_data_loader(
-            data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=seed,
-            steps_per_epoch=steps_per_epoch, **shard)
+        expected_batch_size = float(self.sample_rates.sum())
+        if poisson_sampling:
+            self.data_loader = DPDataLoader.from_data_loader(
+                data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=seed,
+                steps_per_epoch=steps_per_epoch, **shard)
+            self.data_loader.on_batch = self._on_batch
         self.optimizer = DPOptimizer(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                                     expected_batch_size=self.data_loader.expected_batch_size,
-                                     seed=None if seed is None else seed + 1)
+                                     expected_batch_size=expected_batch_size, seed=noise_seed)
         if self.distributed is not None:
             self.optimizer.reduce_grads = self.distributed.all_reduce_sum_
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)
@@ -139,11 +252,232 @@ class PrivacyEngine:
         self.optimizer.at_step_boundary = lambda: self._at_boundary
         self.optimizer.may_zero_grad = self._may_zero_grad
         self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
+        self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
-        self.data_loader.on_batch = self._on_batch
+        if self.uniform and self.plan is None:
+            # a budgets run spends each record's budget through its sampling rate: its batches come
+            # from the Poisson loader (or name their records)
+            self._hooks = [module.register_forward_pre_hook(self._open_user_batch, with_kwargs=True),
+                           module.register_forward_hook(self._forward_finished, with_kwargs=True)]
+        if not self.uniform:
+            self.accountant = None  # per-record ε: get_epsilon() takes the largest (see there)
+        loader = self.data_loader if poisson_sampling else data_loader
+        returned = module if wrap_model else _Hooks(self)
         if mode == "ghost":
-            return module, self.optimizer, DPCriterion(criterion, self.state, loss_reduction), self.data_loader
-        return module, self.optimizer, self.data_loader
+            return returned, self.optimizer, DPCriterion(criterion, self.state, loss_reduction), loader
+        return returned, self.optimizer, loader
+
+    def _check_make_private_args(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,
+                                 batch_first, loss_reduction, poisson_sampling, clipping, noise_generator,
+                                 grad_sample_mode, wrap_model, rand_on_empty, sample_rates, mode,
+                                 physical_batch_size, steps_per_epoch) -> str:
+        """Every argument checked before anything changes; returns the clipping mode ("bk" | "ghost")."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        if isinstance(max_grad_norm, (list, tuple)):
+            raise TypeError("max_grad_norm must be one number; per-parameter bounds (Opacus's per_layer clipping) "
+                            "are given here as clipping='per_layer' with layer_shares= (shares C_k, Σ C_k² = 1)")
+        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float, np.floating)):
+            raise TypeError(f"noise_multiplier must be a number, got {type(noise_multiplier).__name__}")
+        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating)):
+            raise TypeError(f"max_grad_norm must be a number, got {type(max_grad_norm).__name__}")
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+        check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
+        check_choice("grad_sample_mode", grad_sample_mode, tuple(_GRAD_SAMPLE_MODES))
+        if clipping == "adaptive":
+            raise ValueError("clipping='adaptive' is not offered: adaptive clipping spends privacy on a quantile "
+                             "estimate that this engine does not account; use 'flat' or 'per_layer'")
+        for name, value in (("batch_first", batch_first), ("poisson_sampling", poisson_sampling),
+                            ("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if not batch_first:
+            raise ValueError("batch_first=False is not supported: DP layers need batch-first inputs (per-sample = "
+                             "per row of dim 0)")
+        if rand_on_empty:
+            raise ValueError("rand_on_empty=True is not needed: an empty Poisson draw yields a batch with zero "
+                             "rows, which the model, the clipping and the noise handle")
+        if noise_generator is not None and not isinstance(noise_generator, torch.Generator):
+            raise TypeError(f"noise_generator must be a torch.Generator, got {type(noise_generator).__name__}")
+        if mode is None:
+            mode = _GRAD_SAMPLE_MODES[grad_sample_mode]
+        elif grad_sample_mode != "hooks" and _GRAD_SAMPLE_MODES[grad_sample_mode] != mode:
+            raise ValueError(f"mode={mode!r} and grad_sample_mode={grad_sample_mode!r} disagree; give one of them")
+        if mode == "ghost" and criterion is None:
+            raise ValueError("mode='ghost' needs criterion= (a torch loss module): its two backward passes "
+                             "need per-sample losses")
+        if not poisson_sampling:
+            for name, value in (("sample_rates", sample_rates), ("physical_batch_size", physical_batch_size),
+                                ("steps_per_epoch", steps_per_epoch)):
+                if value is not None:
+                    raise ValueError(f"{name} configures the Poisson loader; with poisson_sampling=False batches "
+                                     "come from your data_loader and the accounting uses q = 1/len(data_loader)")
+        if unsupported_modules(module):
+            convert(module)  # raises the message that names every such module, and changes nothing
+        params = {id(p) for p in module.parameters()}
+        if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("optimizer holds parameters that are not the module's: build it from "
+                             "module.parameters()")
+        if self.state is not None:
+            raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model")
+        return mode
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int,
+                                  max_grad_norm: float, epsilon_tolerance: float | None = None, **kwargs):
+        """``make_private`` with the smallest noise multiplier σ whose ε after ``epochs`` passes
+        (epochs · len(data_loader) steps at q = 1/len(data_loader)) is ≤ ``target_epsilon`` at
+        ``target_delta``, by this engine's accountant. Returns what ``make_private`` returns.
+
+        σ is the root of ε(σ) = target (found to 1e-9 relative), so ε ≤ target and never above;
+        ``epsilon_tolerance`` (Opacus's bisection tolerance) is accepted and not needed. Other
+        keyword arguments go to ``make_private`` (``sample_rates``/``clip_norms`` are not
+        accepted: use ``make_private_with_budgets`` for per-record budgets)."""
+        from .accounting.rdp import check_epsilons, get_noise_multiplier
+
+        for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
+            if key in kwargs:
+                raise TypeError(f"make_private_with_epsilon sets {key} itself; do not pass it "
+                                "(per-record budgets: make_private_with_budgets)")
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs <= 0:
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        if np.ndim(target_epsilon) != 0:
+            raise TypeError("target_epsilon must be one number (per-record budgets: make_private_with_budgets)")
+        check_epsilons(target_epsilon, "target_epsilon")
+        if self.accountant is not None and self.accountant.history:
+            warnings.warn("make_private_with_epsilon on an engine that has already spent privacy: the noise "
+                          "multiplier is chosen from zero spending, so the total ε will exceed target_epsilon",
+                          stacklevel=2)
+        sample_rate = 1.0 / len(data_loader)
+        mechanism = self.accountant.mechanism() if self.accountant is not None else "rdp"
+        sigma = get_noise_multiplier(target_epsilon, target_delta, sample_rate, int(epochs) * len(data_loader),
+                                     accountant=mechanism)
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=float(sigma), max_grad_norm=max_grad_norm, **kwargs)
+
+    # ------------------------------------------------------------------ accounting
+
+    def _charge(self) -> None:
+        """Account the step just taken: the uniform history, or the per-record ledger of a plan."""
+        if self.plan is not None:
+            self.accountant.step()
+        elif self.uniform and self.accountant is not None:
+            z = self.noise_multiplier * self.max_grad_norm / float(self.clip_norms[0])
+            self.accountant.step(noise_multiplier=z, sample_rate=float(self.sample_rates[0]))
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε spent so far at ``delta`` (a float), as Opacus's ``PrivacyEngine.get_epsilon``.
+
+        A uniform run: the accountant's ε of its history. A run with per-record rates or bounds: the
+        largest ε of any record (the guarantee every record has), by the plan's ledger after
+        ``make_private_with_budgets``, else by this engine's accountant over the distinct (q_i, z_i)."""
+        from .accounting.ledger import IndividualAccountant, PLDIndividualAccountant
+        from .accounting.rdp import check_delta
+
+        delta = check_delta(delta)
+        if self.state is None:
+            return self.accountant.get_epsilon(delta) if self.accountant is not None else 0.0
+        if self.plan is not None:
+            return float(self.accountant.epsilons(delta).max())
+        if self.uniform:
+            return float(self.accountant.get_epsilon(delta))
+        if self.steps == 0:
+            return 0.0
+        noise = self.noise_multiplier * self.max_grad_norm / self.clip_norms
+        ledger = {"rdp": IndividualAccountant, "pld": PLDIndividualAccountant}[self._mechanism]
+        return float(ledger(self.sample_rates, noise).step(self.steps).epsilons(delta).max())
+
+    # ------------------------------------------------------------------ batches the loader did not draw
+
+    @contextmanager
+    def records(self, indices):
+        """Name the records of a batch you built yourself: ``with engine.records(idx): loss =
+        criterion(model(x), y); loss.backward()``, then ``optimizer.step()``.
+
+        indices: (B,) distinct record indices in [0, N) of the rows of the batch, in row order; row j
+        is clipped to c_{indices[j]}. The batch then has the usual lifecycle (one backward; the step
+        closes it). Needed when records have different clip bounds or rates; with one bound for all,
+        a plain forward opens the batch itself. The accounting still assumes Poisson sampling at
+        the records' rates (a one-time warning says so)."""
+        if self.state is None:
+            raise RuntimeError("records() needs make_private first")
+        idx = torch.as_tensor(indices)
+        if idx.dim() != 1 or idx.dtype in (torch.bool,) or idx.is_floating_point() or idx.is_complex():
+            raise TypeError(f"indices must be a 1-D sequence of ints, got {tuple(idx.shape)} of {idx.dtype}")
+        idx = idx.long().cpu()
+        n = self.clip_norms.shape[0]
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError(f"indices must lie in [0, {n}) (records of the dataset), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        if torch.unique(idx).numel() != idx.numel():
+            raise ValueError("indices name a record twice: a record in two rows of one batch would contribute "
+                             "twice its clip bound")
+        if self.state.pending:
+            raise RuntimeError("the previous batch's clipped gradients wait for optimizer.step() (or zero_grad() "
+                               "to discard them); call it before opening the next batch")
+        self._warn_user_batch(stacklevel=4)
+        self._open(self._clip_norms_tensor[idx], implicit=False)
+        try:
+            yield idx
+        except BaseException:
+            if self.state.phase is Phase.OPEN:  # nothing was released: close the batch
+                self.state.end_draw()
+            raise
+
+    def _open(self, clip_norms: torch.Tensor, *, implicit: bool) -> None:
+        rows = clip_norms.shape[0]
+        self._user_batches += 1
+        scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
+        self.state.begin_batch(clip_norms, None, loss_scale=scale, draw=("user", self._user_batches))
+        self._at_boundary = True
+        self._implicit_open = implicit
+
+    def _open_user_batch(self, module, args, kwargs) -> None:
+        """Forward pre-hook of a uniform run's model: a private forward with no open batch opens one
+        of the input's rows, each clipped to the common bound c (Opacus's behaviour)."""
+        state = self.state
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if state.phase is Phase.OPEN and self._implicit_open and self._forward_done:
+            raise RuntimeError(
+                "a second forward of the model into a batch that its first forward opened: its rows would be "
+                "clipped together with the first forward's rows as if they were the same records. Call "
+                "backward and optimizer.step() first; to run several forwards over the same records, name "
+                "them: `with privacy_engine.records(indices): ...`")
+        if state.phase is Phase.OPEN and self._implicit_open:
+            # the batch's first forward raised before it finished: nothing was recorded that a
+            # backward could release, so the batch starts again
+            state.end_draw()
+        elif state.phase is not Phase.IDLE:
+            return  # a batch of the loader or of records(), or a clipped one (forward refuses that)
+        rows = _first_batch_dim(args, kwargs)
+        if rows is None:
+            raise RuntimeError("a private forward with no tensor argument: the batch size is unknown. Name the "
+                               "batch's records with `with privacy_engine.records(indices): ...`")
+        self._warn_user_batch(stacklevel=6)  # through torch's Module.__call__ to the user's forward call
+        self._open(self._clip_norms_tensor[:1].expand(rows), implicit=True)
+        self._forward_done = False
+
+    def _forward_finished(self, module, args, kwargs, output) -> None:
+        self._forward_done = True
+
+    def _warn_user_batch(self, stacklevel: int) -> None:
+        if not self._warned_user_batch:
+            self._warned_user_batch = True
+            warnings.warn(_USER_BATCH_WARNING, UserWarning, stacklevel=stacklevel)
+
+    @property
+    def _mechanism(self) -> str:
+        return self.plan.accountant if self.plan is not None else self._mechanism_name
 
     def _on_batch(self, batch: PhysicalBatch) -> None:
         # a draw opens its batches here; optimizer.step() (or zero_grad() discarding it) closes it
@@ -151,6 +485,7 @@ class PrivacyEngine:
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
         self.state.begin_batch(self._clip_norms_tensor[batch.indices], batch.mask, loss_scale=scale, draw=batch.step)
         self._at_boundary = batch.is_last
+        self._implicit_open = False
 
     def _may_zero_grad(self) -> bool:
         """zero_grad() must not drop the clipped sums of a draw's earlier physical batches: it acts
@@ -158,7 +493,9 @@ class PrivacyEngine:
         return not self.state.pending or (self._at_boundary and self.state.phase is Phase.CLIPPED)
 
     def _after_zero_grad(self, _) -> None:
-        if self.state.pending:  # the draw's gradients were discarded, not released: close it
+        # the draw's gradients were discarded, not released: close it (as well as a batch that a
+        # forward opened and no backward used, so the next forward opens a fresh one)
+        if self.state.pending or (self._implicit_open and self.state.phase is Phase.OPEN):
             self.state.end_draw()
 
     def make_private_with_budgets(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -183,6 +520,9 @@ class PrivacyEngine:
         for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
             if key in kwargs:
                 raise TypeError(f"make_private_with_budgets sets {key} from the plan; do not pass it")
+        if kwargs.get("poisson_sampling", True) is not True:
+            raise ValueError("make_private_with_budgets needs poisson_sampling=True: each record's budget is spent "
+                             "through its own sampling rate, which only the Poisson loader applies")
         n = len(data_loader.dataset)
         budgets = np.asarray(budgets, dtype=np.float64)
         if budgets.ndim != 1 or budgets.shape[0] != n:
@@ -207,7 +547,6 @@ class PrivacyEngine:
         # reports every record at 1.1-1.6x its budget although the PLD guarantee holds
         self.accountant = ledger_for_plan(self.plan, budgets)
         self.optimizer.pre_step_hooks.append(self._refuse_overspending)
-        self.optimizer.post_step_hooks.append(lambda _: self.accountant.step())
         return out
 
     def _refuse_overspending(self, optimizer: DPOptimizer) -> None:
@@ -226,17 +565,21 @@ class PrivacyEngine:
     def epsilons(self) -> np.ndarray:
         """(N,) ε each record has spent so far, at the plan's δ, by the ledger of the plan's accountant
         (``engine.accountant.name``: "rdp" or "pld"), so it is ≤ the budgets the plan was made for."""
-        if getattr(self, "accountant", None) is None:
-            raise RuntimeError("epsilons() needs the ledger of make_private_with_budgets")
+        if self.plan is None:
+            raise RuntimeError("epsilons() needs the ledger of make_private_with_budgets (get_epsilon(delta) gives "
+                               "the ε of any run)")
         return self.accountant.epsilons(self.delta)
 
     def state_dict(self) -> dict:
         """Everything needed to resume: optimizer (with its step count and noise seed), the loader's
         next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``."""
-        state = {"optimizer": self.optimizer.state_dict(),
-                 "loader": {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}}
-        if getattr(self, "accountant", None) is not None:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.data_loader is not None:
+            state["loader"] = {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}
+        if self.plan is not None:
             state.update(plan=self.plan.to_dict(), ledger=self.accountant.state_dict(), delta=self.delta)
+        elif self.accountant is not None:
+            state["accountant"] = self.accountant.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,7 +587,7 @@ class PrivacyEngine:
         # the engine as it was
         ledger = None
         if "ledger" in state:
-            if getattr(self, "accountant", None) is None:
+            if self.plan is None:
                 raise RuntimeError("the checkpoint holds a privacy ledger: resume with make_private_with_budgets")
             from .accounting import ledger_for_plan
 
@@ -267,11 +610,26 @@ class PrivacyEngine:
                     ledger.step(taken)
             else:
                 ledger.load_state_dict(state["ledger"])
+        elif self.plan is not None:
+            raise ValueError("the checkpoint holds no privacy ledger but this engine has a plan: resume a "
+                             "make_private_with_budgets run from its own checkpoint")
+        if ("loader" in state) != (self.data_loader is not None):
+            raise ValueError("the checkpoint and this engine disagree on poisson_sampling")
+        history = None
+        if self.plan is None and self.accountant is not None:
+            if "accountant" not in state:
+                raise ValueError("the checkpoint holds no accountant history; it was not written by a uniform "
+                                 "make_private run")
+            history = type(self.accountant)()
+            history.load_state_dict(state["accountant"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.data_loader.seed = int(state["loader"]["seed"])
-        self.data_loader.next_step = int(state["loader"]["next_step"])
+        if self.data_loader is not None:
+            self.data_loader.seed = int(state["loader"]["seed"])
+            self.data_loader.next_step = int(state["loader"]["next_step"])
         if ledger is not None:
             self.accountant = ledger
+        if history is not None:
+            self.accountant = history
 
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
@@ -304,3 +662,6 @@ class PrivacyEngine:
         """Return the model's DP layers to plain torch behaviour."""
         if self.state is not None:
             self.state.detach()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []

@@ -18,7 +18,7 @@ STYLES = [dict(mode="bk", clipping="flat"), dict(mode="bk", clipping="per_layer"
 STYLE_IDS = ["bk", "per_layer", "ghost"]
 
 
-def _engine(n=1, d=4, sample_rates=1.0, clip=1.0, physical_batch_size=None, seed=0, **style):
+def _engine(n=1, d=4, sample_rates=1.0, clip=1.0, physical_batch_size=None, seed=0, clip_norms=None, **style):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d, generator=g) * 10  # large gradients: every record is clipped
     y = torch.randint(0, 3, (n,), generator=g)
@@ -29,7 +29,7 @@ def _engine(n=1, d=4, sample_rates=1.0, clip=1.0, physical_batch_size=None, seed
     kwargs = dict(criterion=nn.CrossEntropyLoss(reduction="sum")) if style.get("mode") == "ghost" else {}
     out = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
                               noise_multiplier=0.0, max_grad_norm=clip, sample_rates=sample_rates,
-                              loss_reduction="sum", physical_batch_size=physical_batch_size, **style, **kwargs)
+                              clip_norms=clip_norms, loss_reduction="sum", physical_batch_size=physical_batch_size, **style, **kwargs)
     if style.get("mode") == "ghost":
         model, opt, criterion, loader = out
     else:
@@ -104,8 +104,9 @@ def test_draw_skipped_without_backward_is_not_a_step():
 
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 def test_forward_without_an_open_batch_is_refused(style):
-    """A batch built by hand after the loader's batch was stepped has no known records or bounds."""
-    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, **style)
+    """With per-record bounds, a batch built by hand after the loader's batch was stepped has no
+    known records or bounds (it must name them: ``engine.records``)."""
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, clip_norms=[0.5, 1.0, 1.0, 2.0], **style)
     x, y = next(iter(loader))
     criterion(model(x), y).backward()
     opt.step()
@@ -114,9 +115,25 @@ def test_forward_without_an_open_batch_is_refused(style):
         model(torch.randn_like(x))
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_hand_built_batch_with_one_bound_for_all_records_is_clipped_to_it(style):
+    """With the same bound c for every record (Opacus's setting), a hand-built batch opens itself:
+    each of its rows is clipped to c, whatever its records are."""
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, clip=0.01, **style)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    x = torch.randn_like(x) * 100
+    with pytest.warns(UserWarning, match="Poisson sampling"):
+        criterion(model(x), y).backward()
+    assert _grad_norm(model) <= x.shape[0] * 0.01 * (1 + 1e-6)
+
+
 def test_stale_batch_context_is_never_reused_for_a_hand_built_batch():
     """The issue's attack: records with c = 0.01, then a hand-built batch of the same size."""
-    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, clip=0.01)
+    engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, clip=0.01,
+                                                    clip_norms=[0.01, 0.01, 0.01, 0.02])
     x, y = next(iter(loader))
     criterion(model(x), y).backward()
     opt.step()

@@ -106,6 +106,7 @@ def _worker(rank, world, init_file, out_dir, scenario):
                 message = str(exc)
             with open(os.path.join(out_dir, "killed.txt"), "w") as f:
                 f.write(message)
+            os._exit(0)  # the process group is broken: skip its destructors (gloo may abort in them)
     finally:
         if scenario != "killed":
             dist.destroy_process_group()
@@ -171,8 +172,9 @@ def _mismatch_worker(rank, init_file, out_dir):
                             timeout=datetime.timedelta(seconds=20))
     dataset, budgets = data()
     try:
+        net = nn.parallel.DistributedDataParallel(model())
         pdpfast.PrivacyEngine(seed=rank).make_private_with_budgets(
-            module=nn.parallel.DistributedDataParallel(model()), optimizer=None, data_loader=DataLoader(dataset),
+            module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), data_loader=DataLoader(dataset),
             budgets=budgets, delta=1e-5, steps=STEPS)
         message = "no error"
     except (ValueError, TypeError) as exc:

@@ -44,21 +44,8 @@ def _path(name: str) -> str:
     return name or "<model>"
 
 
-def convert(model: nn.Module) -> nn.Module:
-    """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
-
-    Supported: every registered layer family (``pdpfast.nn.register_layer``): Linear (any leading
-    dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same", dilation, groups, padding modes),
-    Embedding (padding_idx), LayerNorm, GroupNorm, RMSNorm, InstanceNorm1d/2d/3d (without running
-    statistics) and Hugging Face's Conv1D. Modules without trainable parameters of their own are
-    left alone; frozen parameters cost nothing.
-
-    Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample
-    gradient exists; use GroupNorm, e.g. ``pdpfast.nn.replace_batchnorm``) and, in one message,
-    every module with trainable parameters that has no DP version. Nothing is changed on error.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+def _scan(model: nn.Module):
+    """(BatchNorm modules, modules with trainable parameters and no DP version, planned swaps)."""
     batchnorms, unsupported, swaps = [], [], []
     for name, module in model.named_modules():
         if isinstance(module, DPModule):
@@ -77,6 +64,34 @@ def convert(model: nn.Module) -> nn.Module:
             unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
             continue
         swaps.append((module, dp_class))
+    return batchnorms, unsupported, swaps
+
+
+def unsupported_modules(model: nn.Module) -> list[str]:
+    """What ``convert(model)`` would refuse, one "name (Type: why)" entry per module; [] when it
+    would succeed. Changes nothing."""
+    batchnorms, unsupported, _ = _scan(model)
+    return [f"{b[:-1]}: mixes the samples of a batch, use GroupNorm)" for b in batchnorms] + unsupported
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
+
+    Supported: every registered layer family (``pdpfast.nn.register_layer``): Linear (any leading
+    dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same", dilation, groups, padding modes),
+    Embedding (padding_idx), EmbeddingBag (sum, mean), LayerNorm, GroupNorm, RMSNorm,
+    InstanceNorm1d/2d/3d (without running statistics), MultiheadAttention, RNN/LSTM/GRU, Hugging
+    Face's Conv1D, and hosts of batch-broadcast parameters (ViT/DeiT/DINOv2 embeddings, layer
+    scale; ``register_broadcast_host``). Modules without trainable parameters of their own are left
+    alone; frozen parameters cost nothing.
+
+    Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample
+    gradient exists; use GroupNorm, e.g. ``pdpfast.nn.replace_batchnorm``) and, in one message,
+    every module with trainable parameters that has no DP version. Nothing is changed on error.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    batchnorms, unsupported, swaps = _scan(model)
     if batchnorms:
         raise ValueError(
             "BatchNorm cannot be trained with differential privacy: it normalizes each sample with "

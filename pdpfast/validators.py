@@ -1,0 +1,74 @@
+"""``ModuleValidator``: will a model train privately, and a copy of it that will (Opacus 1.6's API).
+
+``validate`` lists what ``PrivacyEngine.make_private`` would refuse: BatchNorm (it mixes the samples
+of a batch, so no per-sample gradient exists), modules with trainable parameters that have no DP
+version (or options that leak, e.g. InstanceNorm with running statistics) and modules that lay
+tensors out sequence-first. ``fix`` returns a copy with the fixable ones replaced.
+"""
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from .nn.convert import replace_batchnorm, unsupported_modules
+
+__all__ = ["ModuleValidator", "UnsupportedModuleError"]
+
+
+class UnsupportedModuleError(ValueError):
+    """A model (or one of its modules) that cannot be trained privately; the message says why."""
+
+
+class ModuleValidator:
+    """Checks and fixes models for private training, with the methods of Opacus's ``ModuleValidator``."""
+
+    @classmethod
+    def validate(cls, module: nn.Module, *, strict: bool = False) -> list[UnsupportedModuleError]:
+        """One ``UnsupportedModuleError`` per problem (empty when the model can be trained privately);
+        with ``strict=True`` raise one error listing them all instead."""
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        problems = list(unsupported_modules(module))
+        problems += [f"{name or '<model>'} ({type(m).__name__}: batch_first=False; DP layers need batch-first "
+                     "tensors, construct it with batch_first=True)"
+                     for name, m in module.named_modules() if getattr(m, "batch_first", None) is False]
+        errors = [UnsupportedModuleError(p) for p in problems]
+        if strict and errors:
+            raise UnsupportedModuleError("the model cannot be trained privately: " + "; ".join(problems))
+        return errors
+
+    @classmethod
+    def is_valid(cls, module: nn.Module) -> bool:
+        return not cls.validate(module, strict=False)
+
+    @classmethod
+    def fix(cls, module: nn.Module, **kwargs) -> nn.Module:
+        """A deep copy of ``module`` with BatchNorm replaced by GroupNorm(gcd(32, C), C) and
+        InstanceNorm running statistics turned off; the original is left as it was.
+
+        kwargs: ``max_groups`` (default 32) of the GroupNorm replacing a BatchNorm."""
+        unknown = set(kwargs) - {"max_groups"}
+        if unknown:
+            raise TypeError(f"fix() got unexpected keyword arguments {sorted(unknown)}")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        module = copy.deepcopy(module)
+        if isinstance(module, _BatchNorm):  # the root itself: nothing holds it to swap in place
+            wrapper = replace_batchnorm(nn.Sequential(module), **kwargs)
+            return wrapper[0]
+        replace_batchnorm(module, **kwargs)
+        for m in module.modules():
+            if isinstance(m, _InstanceNorm) and m.track_running_stats:
+                # per-sample statistics in training either way; the running ones leak the batch's data
+                m.track_running_stats = False
+                m.running_mean = m.running_var = m.num_batches_tracked = None
+        return module
+
+    @classmethod
+    def fix_and_validate(cls, module: nn.Module, **kwargs) -> nn.Module:
+        fixed = cls.fix(module, **kwargs)
+        cls.validate(fixed, strict=True)
+        return fixed
