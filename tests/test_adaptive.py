@@ -66,7 +66,8 @@ def _budgets():
     return np.repeat([0.8, 2.0, 4.0], [80, 100, 60])[np.random.default_rng(3).permutation(N)]
 
 
-def _engine(*, method="scale", clipping="flat", mode="bk", adaptive=None, schedule=None, steps=25, seed=0):
+def _engine(*, method="scale", clipping="flat", mode="bk", adaptive=None, schedule=None, steps=25, seed=0,
+            automatic_gamma=None):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -75,7 +76,8 @@ def _engine(*, method="scale", clipping="flat", mode="bk", adaptive=None, schedu
     out = engine.make_private_with_budgets(
         module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=40), budgets=_budgets(),
         delta=DELTA, steps=steps, method=method, clipping=clipping, mode=mode, loss_reduction="sum",
-        criterion=criterion if mode == "ghost" else None, adaptive_clipping=adaptive, noise_schedule=schedule)
+        criterion=criterion if mode == "ghost" else None, adaptive_clipping=adaptive, noise_schedule=schedule,
+        automatic_gamma=automatic_gamma)
     if mode == "ghost":
         model, opt, criterion, loader = out
     else:
@@ -156,12 +158,13 @@ def _pair_epsilons(engine):
 
 
 @pytest.mark.parametrize("per_group", [False, True])
-@pytest.mark.parametrize("clipping, mode, method", [("flat", "bk", "scale"), ("per_layer", "bk", "hybrid"),
-                                                    ("flat", "ghost", "sample")])
-def test_every_group_epsilon_within_budget_including_the_adaptive_counts(per_group, clipping, mode, method):
+@pytest.mark.parametrize("clipping, mode, method, gamma", [
+    ("flat", "bk", "scale", None), ("per_layer", "bk", "hybrid", None), ("flat", "ghost", "sample", None),
+    ("flat", "bk", "scale", 0.01)])
+def test_every_group_epsilon_within_budget_including_the_adaptive_counts(per_group, clipping, mode, method, gamma):
     adaptive = QuantileClipping(target_quantile=0.6, learning_rate=0.5, count_share=0.05, per_group=per_group)
     engine, *rest = _engine(method=method, clipping=clipping, mode=mode, adaptive=adaptive,
-                            schedule="exponential:0.02" if per_group else None)
+                            schedule="exponential:0.02" if per_group else None, automatic_gamma=gamma)
     _train(engine, *rest)
     bounds = np.array([rec["clip_norms"] for rec in engine.adaptive.history])
     assert not np.allclose(bounds[-1], bounds[0])            # the bounds did move
