@@ -39,6 +39,8 @@ def _demo(args) -> int:
     from .plots import Staging
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if args.adaptive:
+        return _demo_adaptive(args, methods)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -62,6 +64,31 @@ def _demo(args) -> int:
         staging.commit()
     print(f"plots: {accuracy_png}, {epsilon_png}; results: {summary}; total {time.perf_counter() - start:.0f}s")
     return 0
+
+
+def _demo_adaptive(args, methods) -> int:
+    from .demo_adaptive import METHODS, VARIANTS, adaptive_json, format_adaptive, run_adaptive_demo, save_adaptive_plot
+    from .plots import Staging
+
+    methods = tuple(m for m in methods if m in METHODS) or METHODS   # dpsgd / pdp have no adaptive variant
+    for name in ("epochs", "seeds", "batch_size"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a file; give a directory for the plot and adaptive.json")
+    print(f"pdpfast demo --adaptive: digits, ε = 1/2/3; {', '.join(methods)} × {', '.join(VARIANTS)}; "
+          f"{args.epochs} epochs, {args.seeds} seed(s)", flush=True)
+    start = time.perf_counter()
+    runs = run_adaptive_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, lr=args.lr,
+                             batch_size=args.batch_size, threads=args.threads, progress=not args.quiet)
+    print(format_adaptive(runs))
+    with Staging() as staging:
+        png, summary = out / "adaptive.png", out / "adaptive.json"
+        save_adaptive_plot(runs, staging.path(png))
+        Path(staging.path(summary)).write_text(json.dumps(adaptive_json(runs), indent=1))
+        staging.commit()
+    print(f"plot: {png}; results: {summary}; total {time.perf_counter() - start:.0f}s")
 
 
 # ---------------------------------------------------------------------------------------------- audit
@@ -302,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
     demo.add_argument("--out", default="demo_out", help="directory for the plots and results.json")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.add_argument("--adaptive", action="store_true",
+                      help="instead: fixed vs adaptive (quantile) clipping and fixed vs decaying noise for IDP "
+                           "Sample / Scale / hybrid; writes adaptive.png and adaptive.json into --out")
     demo.set_defaults(run=_demo)
 
     train = sub.add_parser("train", help="private training on your data with per-record budgets",

@@ -166,6 +166,11 @@ class ClippingState:
         self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
+        self._last_group_sq: torch.Tensor | None = None
+        # called as hook(state) once a batch's clipped sums are formed (e.g. adaptive clipping
+        # reads last_norms / last_group_norms there: a draw's physical batches each report)
+        self.post_backward_hooks: list = []
+        self.keep_group_norms = False  # per-layer clipping: keep each group's norms (last_group_norms)
         self._reset_backward()
         self._enter(Phase.IDLE)
 
@@ -305,6 +310,10 @@ class ClippingState:
     def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0, *, draw=None) -> None:
         """Open a batch of B = len(clip_norms) samples (padded rows have mask 0).
 
+        clip_norms: (B,) c_i; with ``clipping="per_layer"`` also (K, B), row k the bounds of
+        clipping group k itself (then the layer shares are not applied: record i's sensitivity is
+        sqrt(Σ_k c_{k,i}²)), which is how per-layer adaptive clipping moves each layer's bound.
+
         loss_scale: how much the backward's output gradients are scaled down relative to
         per-sample losses (B for a loss that is the batch mean, 1 for a sum). draw: the id of the
         Poisson draw this (physical) batch belongs to. With a draw id, a batch of a new draw is
@@ -318,8 +327,8 @@ class ClippingState:
                 "twice its clip bound. Call optimizer.step() after every draw's backward; to bound memory for a "
                 "large logical batch, pass physical_batch_size= to make_private (it splits one draw into "
                 "physical batches that form one step)")
-        self.clip_norms = as_per_sample("clip_norms", clip_norms)
-        self.batch_size = int(self.clip_norms.shape[0])
+        self.clip_norms = self._as_clip_norms(clip_norms)
+        self.batch_size = int(self.clip_norms.shape[-1])
         self.mask = None if mask is None else as_per_sample("mask", mask, self.batch_size, positive=False)
         if self.mask is not None and not ((self.mask == 0) | (self.mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1")
@@ -331,6 +340,17 @@ class ClippingState:
         self.draw = draw
         self._reset_backward()
         self._enter(Phase.OPEN)
+
+    def _as_clip_norms(self, clip_norms) -> torch.Tensor:
+        t = torch.as_tensor(clip_norms) if not isinstance(clip_norms, (int, float)) else clip_norms
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and self.clipping == "per_layer":
+            K = len(self.group_names)
+            if t.shape[0] != K:
+                raise ValueError(f"per-layer clip_norms of shape (K, B) need K = {K} rows (one per clipping "
+                                 f"group: {self.group_names}), got shape {tuple(t.shape)}")
+            rows = [as_per_sample("clip_norms", row) for row in t.unbind(0)]
+            return torch.stack(rows)
+        return as_per_sample("clip_norms", clip_norms)
 
     def end_draw(self) -> None:
         """The draw's clipped sums were consumed (optimizer step) or discarded: no batch is open."""
@@ -527,6 +547,7 @@ class ClippingState:
             sq = layer.rule.norms(layer.module, x, o, names)
             weights = self._group_weights(sq, k, o)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+        self._add_group_sq(k, sq)
         self._add_sq(sq)
         self._queue_finish(self._finish_per_layer)
 
@@ -549,6 +570,13 @@ class ClippingState:
         else:
             self._sq.add_(sq if sq.dtype == self._sq.dtype else sq.to(self._sq.dtype))
 
+    def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
+        """Per-layer clipping: keep clipping group k's own per-sample squared norms (for
+        ``last_group_norms``, when ``keep_group_norms`` is set); each group reports once per backward.
+        A copy: the batch total may be accumulated into the same tensor in place."""
+        if self.keep_group_norms:
+            self._group_sq[group] = sq.detach().clone()
+
     def _queue_finish(self, finish) -> None:
         if not self._queued:
             self._queued = True
@@ -568,7 +596,7 @@ class ClippingState:
                 c = c * self.mask.double()
             if margin:
                 c = c * (1.0 - margin)
-            if self.shares is not None:
+            if self.shares is not None and c.dim() == 1:
                 c = self.shares.unsqueeze(1) * c.unsqueeze(0)
             c = c.to(dtype)
             if device.type == "cuda":
@@ -652,6 +680,8 @@ class ClippingState:
             weights = self._weights(sq, bounds)
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
                 self._accumulate(module, grads)
+            for call, row in zip(calls, sq.unbind(0)):
+                self._add_group_sq(self._layer[call[0]].group, row)
             self._add_sq(sq.sum(0))
         self._stacks, self._stack_bytes = {}, 0
 
@@ -668,6 +698,7 @@ class ClippingState:
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
             workspace.recycle(grads)
+            self._add_group_sq(k, sq)
             self._add_sq(sq)
         self._materialized = {}
         self._close_backward(self._batch_sq(), None)
@@ -675,9 +706,16 @@ class ClippingState:
     def _close_backward(self, total_sq, weights) -> None:
         self._total_sq = total_sq
         self.last_weights = None if weights is None else weights / self.loss_scale
+        self._last_group_sq = None
+        if self.keep_group_norms and self.clipping == "per_layer":
+            zeros = torch.zeros_like(total_sq)  # a group no record reached this backward: norm 0
+            self._last_group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
+                                               for k in range(len(self.group_names))])
         self._reset_backward()
         self.pending = True
         self._enter(Phase.CLIPPED)
+        for hook in self.post_backward_hooks:
+            hook(self)
 
     def _reset_backward(self) -> None:
         self._sq: torch.Tensor | None = None
@@ -685,6 +723,7 @@ class ClippingState:
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self._group_sq: dict[int, torch.Tensor] = {}
         self._queued = False
         self._margin = 0.0
 
@@ -694,6 +733,14 @@ class ClippingState:
         if self._total_sq is None:
             return None
         return self._total_sq.clamp_min(0).sqrt() * self.loss_scale
+
+    @property
+    def last_group_norms(self) -> torch.Tensor | None:
+        """(K, B) per-sample gradient norms of each clipping group before clipping, of the last
+        backward (per-layer clipping with ``keep_group_norms`` set; None otherwise)."""
+        if self._last_group_sq is None:
+            return None
+        return self._last_group_sq.clamp_min(0).sqrt() * self.loss_scale
 
     def ghost_backward(self, losses: torch.Tensor) -> None:
         """Two backwards over per-sample losses (B,): norms, then Σ_i w_i ℓ_i."""

@@ -483,9 +483,14 @@ class PrivacyEngine:
         # a draw opens its batches here; optimizer.step() (or zero_grad() discarding it) closes it
         rows = batch.indices.numel()
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
-        self.state.begin_batch(self._clip_norms_tensor[batch.indices], batch.mask, loss_scale=scale, draw=batch.step)
+        self.state.begin_batch(self.batch_clip_norms(batch.indices), batch.mask, loss_scale=scale, draw=batch.step)
         self._at_boundary = batch.is_last
         self._implicit_open = False
+
+    def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
+        """The clip bounds of a physical batch's rows, (B,) (an extension point: adaptive clipping
+        replaces it on the instance to move the bounds between steps, (K, B) per layer)."""
+        return self._clip_norms_tensor[indices]
 
     def _may_zero_grad(self) -> bool:
         """zero_grad() must not drop the clipped sums of a draw's earlier physical batches: it acts
@@ -502,7 +507,7 @@ class PrivacyEngine:
                                   data_loader: DataLoader, budgets, delta: float, epochs: int | None = None,
                                   steps: int | None = None, method: str = "sample", sample_rate: float | None = None,
                                   max_grad_norm: float = 1.0, hybrid_weight: float = 0.5, accountant: str = "rdp",
-                                  **kwargs):
+                                  noise_schedule=None, adaptive_clipping=None, **kwargs):
         """Calibrate per-record (q_i, c_i, σ) from budgets ε_i and make the training private with them.
 
         budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``; delta: δ in (0, 1); the
@@ -514,6 +519,12 @@ class PrivacyEngine:
         "pld"; ``engine.accountant.name`` says which): ``optimizer.step()`` raises
         PrivacyBudgetExceeded rather than take a step that would take any record past its budget,
         and ``engine.epsilons()`` is every record's ε spent so far, by that accountant.
+
+        noise_schedule: σ_t = σ₀·h(t) (a ``pdpfast.accounting.schedules.NoiseSchedule``, a callable
+        h(t) or a spec string such as "exponential:0.01"; RDP only): calibration finds σ₀ and the
+        ledger charges every step's σ_t. adaptive_clipping: a ``pdpfast.adaptive.QuantileClipping``:
+        the groups' clip bounds follow a quantile of their gradient norms, the noised counts paid
+        from the plan's own multipliers. ``engine.adaptive`` then holds the per-step history.
         """
         from .accounting import calibrate, ledger_for_plan
 
@@ -536,8 +547,18 @@ class PrivacyEngine:
             if not isinstance(epochs, int) or epochs <= 0:
                 raise ValueError(f"epochs must be a positive int, got {epochs!r}")
             steps = epochs * steps_per_epoch
-        self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
-                              max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
+        if noise_schedule is None:
+            self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
+                                  max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
+        else:
+            from .accounting.schedules import calibrate_scheduled
+
+            if accountant != "rdp":
+                raise ValueError(f"noise_schedule needs accountant='rdp' (the ledger composes each step's σ_t in RDP), "
+                                 f"got accountant={accountant!r}")
+            self.plan = calibrate_scheduled(budgets, delta=delta, steps=steps, sample_rate=sample_rate,
+                                            noise_schedule=noise_schedule, method=method,
+                                            max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight)
         self.delta, self.budgets = float(delta), budgets
         out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                 noise_multiplier=self.plan.noise_multiplier, max_grad_norm=self.plan.max_grad_norm,
@@ -547,6 +568,16 @@ class PrivacyEngine:
         # reports every record at 1.1-1.6x its budget although the PLD guarantee holds
         self.accountant = ledger_for_plan(self.plan, budgets)
         self.optimizer.pre_step_hooks.append(self._refuse_overspending)
+        self.adaptive = None
+        if noise_schedule is not None or adaptive_clipping is not None:
+            from .adaptive import AdaptiveTraining
+
+            if adaptive_clipping is not None and self.distributed is not None:
+                raise ValueError("adaptive_clipping is not supported with DistributedDataParallel (the counts of "
+                                 "unclipped records would need an all-reduce)")
+            self.adaptive = AdaptiveTraining(self, self.plan, clipping=adaptive_clipping,
+                                             factors=getattr(self.plan, "noise_factors", None),
+                                             seed=None if self.seed is None else self.seed + 2).attach()
         return out
 
     def _refuse_overspending(self, optimizer: DPOptimizer) -> None:
@@ -580,6 +611,8 @@ class PrivacyEngine:
             state.update(plan=self.plan.to_dict(), ledger=self.accountant.state_dict(), delta=self.delta)
         elif self.accountant is not None:
             state["accountant"] = self.accountant.state_dict()
+        if getattr(self, "adaptive", None) is not None:
+            state["adaptive"] = self.adaptive.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -630,6 +663,8 @@ class PrivacyEngine:
             self.accountant = ledger
         if history is not None:
             self.accountant = history
+        if getattr(self, "adaptive", None) is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
 
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a

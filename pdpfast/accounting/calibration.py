@@ -287,7 +287,7 @@ def _scale(p: _Problem) -> _Solution:
 # ----------------------------------------------------------------------------------------------
 # Hybrid
 # ----------------------------------------------------------------------------------------------
-def _renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
+def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
     """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable."""
     rates = rates.astype(np.float64).copy()
     n = counts.sum()
@@ -316,7 +316,7 @@ def _hybrid(p: _Problem) -> _Solution:
                            f"{err}; hybrid_weight=0 is Scale") from None
     except ValueError as err:
         raise ValueError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates: {err}") from None
-    rates = _renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
+    rates = renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
     # Distinct budgets sharing a rate and within a factor 1.002 of each other form a cell, solved
     # for its smallest budget (many budgets on the Sample grid share a rate; few are each their own cell).
     if p.values.shape[0] <= _grid.REFINE_MAX:

@@ -209,6 +209,17 @@ class IndividualAccountant(_RecordLedger):
         self.steps_taken += n
         return self
 
+    def set_rates(self, *, sample_rates=None, noise_multipliers=None, record_ids=None):
+        """Set the current (q, z) of every record (or of ``record_ids``) without taking a step: what
+        the next ``step()`` and ``would_exceed`` use (a noise schedule sets each step's z this way
+        before the step is checked and charged). Scalars or one value per record. Returns self."""
+        ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
+        if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
+            raise ValueError(f"record_ids must lie in [0, {self.num_records})")
+        if sample_rates is not None or noise_multipliers is not None:
+            self._update_rates(sample_rates, noise_multipliers, ids)
+        return self
+
     def _current_step_rdp(self) -> np.ndarray:
         """(G, n_orders) RDP of one step of every row at its current (q, z), kept until rows change
         (a training loop calls ``step()`` once per optimizer step)."""

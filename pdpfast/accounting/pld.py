@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from . import _grid
-from .calibration import _Problem, _Solution, _budget_error, _renormalize_capped, register_method
+from .calibration import _Problem, _Solution, _budget_error, renormalize_capped, register_method
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
            "pld_sample_rate"]
@@ -292,6 +292,6 @@ def _scale(p: _Problem) -> _Solution:
 def _hybrid(p: _Problem) -> _Solution:
     _, rates_s = _sample_pld(p)
     q = p.sample_rate
-    rates = _renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
+    rates = renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
     zs = _noises_at(p, rates, "hybrid")
     return _Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))

@@ -1,0 +1,281 @@
+"""Adaptive DP-SGD with individual budgets: per-group quantile clipping and noise schedules.
+
+Quantile clipping (Andrew, Thakkar, McMahan & Ramaswamy, "Differentially Private Learning with
+Adaptive Clipping", NeurIPS 2021, Alg. 1). Every step each clip bound C moves geometrically
+towards the γ-quantile of the gradient norms it clips:
+
+    C ← C · exp(−η (b̄ − γ)),   b̄ = (Σ_{i ∈ batch} (b_i − ½) + N(0, σ_b²)) / E + ½,
+
+with b_i = 1 if ‖g_i‖ ≤ C (record i was not clipped) and E the *expected* number of records the
+count covers (Σ q_i over them: a constant, never the realized count). Centering the bits makes
+the count's sensitivity ½ under adding or removing a record. Per layer (He et al., "Exploring the
+limits of differentially private deep learning with group-wise clipping", ICLR 2023) every
+clipping group k of ``clipping="per_layer"`` has its own bound and its own bit, so a record
+contributes K bits and the counts' L2 sensitivity is ½√K.
+
+Privacy of the pair (gradient sum, counts). Both are Gaussian queries on the same Poisson sample,
+i.e. one subsampled Gaussian mechanism whose noise multiplier z satisfies
+
+    z^-2 = z_grad^-2 + (s_count / σ_b)^2          (Andrew et al., Thm. 1; s_count = ½ gives
+                                                   (z_grad^-2 + (2σ_b)^-2)^-1/2).
+
+The plan's per-record effective multiplier z_i (calibrated from the budgets as usual, and what
+the ledger charges) is the pair's: a share ``count_share`` f of the precision z^-2 goes to the
+counts and the rest to the gradient, z_grad = z/√(1−f) and σ_b = s_count·z/√f (``split_noise``).
+
+IDP. Under Scale every privacy group g has its own bound c_g and multiplier z_g = σC/c_g. Two
+ways to adapt:
+
+* ``per_group=False`` (default) — the bounds move together: one factor s (per layer: s_k) from
+  one count over all groups, c_g(t) = s·c_g(0), so Scale's ratios and every z_g stay as planned
+  and the noise std follows, σ·C·s. The count's noise must satisfy the group with the largest
+  z_g (each group's pair is then at least its planned z_g).
+* ``per_group=True`` — each group tracks the quantile of its own members' norms with its own
+  count (a record is in one group, so the group counts together still have sensitivity ½√K, and
+  group g's count noise is s_count·z_g/√f). The groups' ratios drift, so the noise std is set to
+  max_g z_g·c_g(t)/√(1−f): every group keeps at least its planned z_g, the group that drifted
+  up sets the noise for all, and the others get more privacy than they pay for.
+
+Either way each step's multiplier for record i is at least the planned z_i·h(t), a bound fixed
+before training, so the ledger charges exactly the plan (adaptive composition of steps each
+within a fixed RDP bound) and ``PrivacyBudgetExceeded`` guards every step as before.
+
+Noise schedules (``pdpfast.accounting.schedules``): step t uses σ₀·h(t); before every step the
+ledger's multipliers are set to z_i·h(t), so the refusal check and the charge use that step's σ.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["QuantileClipping", "GeometricQuantileTracker", "split_noise", "pair_noise_multiplier",
+           "AdaptiveTraining"]
+
+
+def _number(name: str, value, low: float, high: float, *, low_open=False, high_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    below = v <= low if low_open else v < low
+    above = v >= high if high_open else v > high
+    if not math.isfinite(v) or below or above:
+        raise ValueError(f"{name} must lie in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}, "
+                         f"got {value!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class QuantileClipping:
+    """Settings of per-group quantile clipping.
+
+    target_quantile: γ in (0, 1), the fraction of each group's members that should be unclipped
+        (Andrew et al.'s default 0.5: the median norm).
+    learning_rate: η > 0 of the geometric update (default 0.2, Andrew et al.'s).
+    count_share: f in (0, 1), the share of each step's privacy (of z^-2) spent on the counts
+        (default 0.01: the gradient noise grows by 1/√(1 − f) ≈ 0.5%).
+    per_group: False: the groups' bounds move together (Scale's ratios kept); True: each group
+        adapts on its own.
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_share: float = 0.01
+    per_group: bool = False
+
+    def __post_init__(self):
+        _number("target_quantile", self.target_quantile, 0.0, 1.0, low_open=True, high_open=True)
+        _number("learning_rate", self.learning_rate, 0.0, 1e3, low_open=True)
+        _number("count_share", self.count_share, 0.0, 1.0, low_open=True, high_open=True)
+        if not isinstance(self.per_group, bool):
+            raise TypeError(f"per_group must be a bool, got {type(self.per_group).__name__}")
+
+
+def split_noise(noise_multiplier, count_share: float, count_sensitivity: float = 0.5):
+    """(z_grad, σ_count): gradient noise multiplier and count noise std whose pair has effective
+    multiplier ``noise_multiplier`` z (broadcast over arrays): z_grad = z/√(1−f), σ_count =
+    count_sensitivity·z/√f."""
+    f = _number("count_share", count_share, 0.0, 1.0, low_open=True, high_open=True)
+    z = np.asarray(noise_multiplier, dtype=np.float64)
+    return z / math.sqrt(1.0 - f), count_sensitivity * z / math.sqrt(f)
+
+
+def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: float = 0.5):
+    """Effective noise multiplier of a Gaussian gradient query (multiplier z_grad) released with a
+    Gaussian count (std σ_count, L2 sensitivity s) on the same sample:
+    (z_grad^-2 + (s/σ_count)^2)^-1/2 (Andrew et al., Thm. 1)."""
+    zg = np.asarray(grad_noise_multiplier, dtype=np.float64)
+    sc = np.asarray(count_std, dtype=np.float64)
+    return 1.0 / np.sqrt(zg ** -2.0 + (count_sensitivity / sc) ** 2)
+
+
+class GeometricQuantileTracker:
+    """Clip bounds that follow a target quantile: C ← C·exp(−η(b̄ − γ)) (Andrew et al., Alg. 1).
+
+    bounds: initial bounds, any shape S (e.g. (G, K) groups × layers). ``update`` takes the noised
+    centered counts Σ(b_i − ½) + noise (shape S) and the expected number of records behind each
+    count E (shape S, constant), and returns the new bounds."""
+
+    def __init__(self, bounds, target_quantile: float, learning_rate: float):
+        self.bounds = np.array(bounds, dtype=np.float64)
+        if np.any(~np.isfinite(self.bounds)) or np.any(self.bounds <= 0):
+            raise ValueError("bounds must be finite and > 0")
+        self.target_quantile = _number("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
+        self.learning_rate = _number("learning_rate", learning_rate, 0.0, 1e3, low_open=True)
+
+    def unclipped_fraction(self, noisy_centered_count, expected_count) -> np.ndarray:
+        """b̄ = count / E + ½, the noised fraction of unclipped records (may leave [0, 1])."""
+        return np.asarray(noisy_centered_count, dtype=np.float64) / np.asarray(expected_count) + 0.5
+
+    def update(self, noisy_centered_count, expected_count) -> np.ndarray:
+        b = self.unclipped_fraction(noisy_centered_count, expected_count)
+        self.bounds = self.bounds * np.exp(-self.learning_rate * (b - self.target_quantile))
+        return self.bounds
+
+
+class AdaptiveTraining:
+    """Attached by ``PrivacyEngine.make_private_with_budgets(adaptive_clipping=..., noise_schedule=...)``:
+    sets each step's clip bounds, noise and ledger multipliers. ``history`` holds, per step, the
+    groups' total clip bounds (G,), the noise std of the gradient sum and the counts' noise stds.
+
+    engine: the PrivacyEngine (after ``make_private``); plan: its PrivacyPlan (a ScheduledPlan for
+    a schedule); clipping: QuantileClipping or None; factors: (T,) h(t) or None (constant noise).
+    """
+
+    def __init__(self, engine, plan, *, clipping: QuantileClipping | None = None, factors=None, seed=None):
+        if clipping is not None and not isinstance(clipping, QuantileClipping):
+            raise TypeError(f"adaptive_clipping must be a QuantileClipping, got {type(clipping).__name__}")
+        state = engine.state
+        self.engine, self.plan, self.clipping = engine, plan, clipping
+        self.factors = None if factors is None else np.asarray(factors, dtype=np.float64)
+        self.group_of = np.asarray(plan.group_index, dtype=np.int64)
+        self._group_of_t = torch.from_numpy(self.group_of)
+        self.num_groups = int(plan.budget_values.shape[0])
+        self.per_layer = state.clipping == "per_layer"
+        shares = state.shares.numpy() if self.per_layer else np.ones(1)
+        self.num_layers = int(shares.shape[0])
+        self.initial_bounds = plan.group_clip_norms[:, None] * shares[None, :]           # (G, K)
+        self.base_noise = plan.group_noise_multipliers                                 # (G,) z_g at h = 1
+        self.expected = np.bincount(self.group_of, weights=plan.sample_rates, minlength=self.num_groups)
+        self.count_sensitivity = 0.5 * math.sqrt(self.num_layers)
+        self._counts = np.zeros((self.num_groups, self.num_layers))
+        self._rows: torch.Tensor | None = None
+        self.history: list[dict] = []
+        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
+        if clipping is not None:
+            start = self.initial_bounds if clipping.per_group else np.ones(self.num_layers)
+            self.tracker = GeometricQuantileTracker(start, clipping.target_quantile, clipping.learning_rate)
+        self._bounds_tensor = torch.from_numpy(self.initial_bounds.copy())
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self) -> "AdaptiveTraining":
+        engine = self.engine
+        if self.clipping is not None:
+            engine.batch_clip_norms = self.batch_clip_norms
+            loader_hook = engine.data_loader.on_batch
+
+            def on_batch(batch):
+                self._rows = self._group_of_t[batch.indices]
+                loader_hook(batch)
+
+            engine.data_loader.on_batch = on_batch
+            engine.state.keep_group_norms = self.per_layer
+            engine.state.post_backward_hooks.append(self._count)
+        engine.optimizer.pre_step_hooks.append(self._set_step_noise)
+        engine.optimizer.post_step_hooks.append(self._after_step)
+        self._set_ledger(engine.optimizer.steps)
+        return self
+
+    # ------------------------------------------------------------------ bounds
+    @property
+    def bounds(self) -> np.ndarray:
+        """(G, K) current clip bound of every group (and clipping group k; K = 1 for flat)."""
+        if self.clipping is None:
+            return self.initial_bounds
+        if self.clipping.per_group:
+            return self.tracker.bounds
+        return self.initial_bounds * self.tracker.bounds[None, :]
+
+    @property
+    def group_clip_norms(self) -> np.ndarray:
+        """(G,) each group's total sensitivity sqrt(Σ_k c_{g,k}²) now."""
+        return np.sqrt(np.sum(self.bounds ** 2, axis=1))
+
+    def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
+        """The bounds of a batch's rows: (B,) for flat clipping, (K, B) per layer."""
+        rows = self._bounds_tensor[self._group_of_t[indices]]        # (B, K)
+        return rows[:, 0].contiguous() if not self.per_layer else rows.t().contiguous()
+
+    def _count(self, state) -> None:
+        """After each physical batch's backward: Σ (b_i − ½) over its members, per group (and layer)."""
+        if self._rows is None:
+            return
+        norms = state.last_group_norms if self.per_layer else state.last_norms[None, :]
+        bounds = state.clip_norms if self.per_layer else state.clip_norms[None, :]
+        bits = (norms.detach().double().cpu() <= bounds.double().cpu()).double() - 0.5     # (K, B)
+        if state.mask is not None:
+            bits = bits * state.mask.double().cpu()[None, :]
+        counts = torch.zeros(self.num_groups, self.num_layers, dtype=torch.float64)
+        counts.index_add_(0, self._rows, bits.t())
+        self._counts += counts.numpy()
+
+    # ------------------------------------------------------------------ steps
+    def _factor(self, step: int) -> float:
+        if self.factors is None:
+            return 1.0
+        return float(self.factors[min(step, self.factors.shape[0] - 1)])
+
+    def _set_ledger(self, step: int) -> None:
+        ledger = getattr(self.engine, "accountant", None)
+        if self.factors is not None and ledger is not None:
+            ledger.set_rates(noise_multipliers=self.plan.noise_multipliers * self._factor(step))
+
+    def _grad_inflation(self) -> float:
+        return 1.0 if self.clipping is None else 1.0 / math.sqrt(1.0 - self.clipping.count_share)
+
+    def _set_step_noise(self, optimizer) -> None:
+        """Before the noise of step t: σ_t/√(1−f) and the reference bound at which every group's
+        gradient multiplier is at least z_g·h(t)/√(1−f)."""
+        t = optimizer.steps
+        optimizer.noise_multiplier = self.plan.noise_multiplier * self._factor(t) * self._grad_inflation()
+        ratio = self.group_clip_norms / self.plan.group_clip_norms
+        optimizer.max_grad_norm = self.plan.max_grad_norm * float(ratio.max())
+
+    def _after_step(self, optimizer) -> None:
+        t = optimizer.steps - 1                                   # the step just taken
+        record = {"step": t, "clip_norms": self.group_clip_norms.tolist(), "noise_std": optimizer.noise_std}
+        if self.clipping is not None:
+            record["count_std"] = self._update_bounds(t).tolist()
+        self.history.append(record)
+        self._set_ledger(optimizer.steps)
+
+    def _update_bounds(self, t: int) -> np.ndarray:
+        c = self.clipping
+        rng = np.random.default_rng([self.seed, t])
+        z_t = self.base_noise * self._factor(t)                                        # (G,)
+        if c.per_group:
+            _, count_std = split_noise(z_t, c.count_share, self.count_sensitivity)      # (G,)
+            noisy = self._counts + rng.normal(size=self._counts.shape) * count_std[:, None]
+            self.tracker.update(noisy, np.broadcast_to(self.expected[:, None], noisy.shape))
+        else:
+            _, count_std = split_noise(float(z_t.max()), c.count_share, self.count_sensitivity)
+            count_std = np.atleast_1d(count_std)
+            noisy = self._counts.sum(0) + rng.normal(size=self.num_layers) * count_std
+            self.tracker.update(noisy, np.full(self.num_layers, self.expected.sum()))
+        self._counts[:] = 0.0
+        self._bounds_tensor = torch.from_numpy(self.bounds.copy())
+        return count_std
+
+    # ------------------------------------------------------------------ persistence
+    def state_dict(self) -> dict:
+        return {"bounds": None if self.clipping is None else self.tracker.bounds.copy(), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = int(state["seed"])
+        if self.clipping is not None and state.get("bounds") is not None:
+            self.tracker.bounds = np.array(state["bounds"], dtype=np.float64)
+            self._bounds_tensor = torch.from_numpy(self.bounds.copy())
+        self._set_ledger(self.engine.optimizer.steps)

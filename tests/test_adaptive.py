@@ -1,0 +1,247 @@
+"""Adaptive DP-SGD with individual budgets: quantile clipping and noise schedules in the engine."""
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast.accounting import compute_rdp, get_privacy_spent
+from pdpfast.accounting import schedules as S
+from pdpfast.accounting.rdp import DEFAULT_ORDERS
+from pdpfast.adaptive import GeometricQuantileTracker, QuantileClipping, pair_noise_multiplier, split_noise
+
+DELTA = 1e-5
+
+
+@pytest.mark.parametrize("target", [0.3, 0.5, 0.9])
+def test_quantile_estimate_converges_to_the_target_quantile(target):
+    """A synthetic stream of log-normal norms, batches of 200, noised centered counts: the bound
+    ends where a fraction ≈ γ of the norms lies below it."""
+    rng = np.random.default_rng(1)
+    tracker = GeometricQuantileTracker([0.01], target, 0.2)
+    for _ in range(600):
+        norms = rng.lognormal(mean=1.0, sigma=0.8, size=200)
+        count = np.sum((norms <= tracker.bounds[0]) - 0.5) + rng.normal(scale=2.0)
+        tracker.update([count], [200.0])
+    late = []
+    for _ in range(200):
+        norms = rng.lognormal(mean=1.0, sigma=0.8, size=200)
+        count = np.sum((norms <= tracker.bounds[0]) - 0.5) + rng.normal(scale=2.0)
+        late.append(tracker.update([count], [200.0])[0])
+    true_quantile = np.exp(1.0 + 0.8 * __import__("scipy").stats.norm.ppf(target))
+    assert abs(np.median(late) / true_quantile - 1) < 0.1
+
+
+def test_split_noise_pairs_to_the_planned_multiplier():
+    z = np.array([0.7, 1.3, 4.0])
+    for share, sens in ((0.01, 0.5), (0.3, 0.5 * np.sqrt(3))):
+        zg, sc = split_noise(z, share, sens)
+        np.testing.assert_allclose(pair_noise_multiplier(zg, sc, sens), z, rtol=1e-12)
+    # Andrew et al.'s formula with a sensitivity-1/2 count: (z_grad^-2 + (2σ_b)^-2)^-1/2
+    assert pair_noise_multiplier(1.2, 5.0) == pytest.approx((1.2 ** -2 + 10.0 ** -2) ** -0.5)
+
+
+@pytest.mark.parametrize("kwargs, err, name", [
+    (dict(target_quantile=1.0), ValueError, "target_quantile"), (dict(learning_rate=0), ValueError, "learning_rate"),
+    (dict(count_share=1.0), ValueError, "count_share"), (dict(count_share="a"), TypeError, "count_share"),
+    (dict(per_group=1), TypeError, "per_group")])
+def test_bad_quantile_settings_raise_naming_the_argument(kwargs, err, name):
+    with pytest.raises(err, match=name):
+        QuantileClipping(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+N = 240
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 7, generator=g)
+    y = (x[:, 0] + 0.3 * torch.randn(N, generator=g) > 0).long()
+    return TensorDataset(x, y)
+
+
+def _budgets():
+    return np.repeat([0.8, 2.0, 4.0], [80, 100, 60])[np.random.default_rng(3).permutation(N)]
+
+
+def _engine(*, method="scale", clipping="flat", mode="bk", adaptive=None, schedule=None, steps=25, seed=0,
+            automatic_gamma=None):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    criterion = nn.CrossEntropyLoss(reduction="sum")
+    out = engine.make_private_with_budgets(
+        module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=40), budgets=_budgets(),
+        delta=DELTA, steps=steps, method=method, clipping=clipping, mode=mode, loss_reduction="sum",
+        criterion=criterion if mode == "ghost" else None, adaptive_clipping=adaptive, noise_schedule=schedule,
+        automatic_gamma=automatic_gamma)
+    if mode == "ghost":
+        model, opt, criterion, loader = out
+    else:
+        model, opt, loader = out
+    return engine, model, opt, loader, criterion
+
+
+def _train(engine, model, opt, loader, criterion, steps=None):
+    steps = engine.plan.steps if steps is None else steps
+    while engine.steps < steps:
+        for x, y in loader:
+            criterion(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if engine.steps >= steps:
+                return
+
+
+def test_ledger_of_a_scheduled_run_equals_an_independent_composition_of_its_steps():
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    schedule = S.ExponentialDecay(0.03)
+    engine, *rest = _engine(method="hybrid", schedule=schedule, steps=20)
+    _train(engine, *rest, steps=13)
+    plan = engine.plan
+    sigmas = [engine.adaptive.history[t]["noise_std"] / plan.max_grad_norm for t in range(13)]
+    np.testing.assert_allclose(sigmas, plan.noise_multiplier * schedule.factors(13), rtol=1e-12)
+    spent = engine.epsilons()
+    for g, budget in enumerate(plan.budget_values):
+        q, z = plan.group_sample_rates[g], plan.group_noise_multipliers[g]
+        # pdpfast's own RDP, one step at a time
+        rdp = sum(compute_rdp(q, z * h, 1, DEFAULT_ORDERS) for h in schedule.factors(13))
+        mine = get_privacy_spent(DEFAULT_ORDERS, rdp, DELTA)[0]
+        # Google's dp_accounting, one event per step
+        acc = RdpAccountant(orders=list(DEFAULT_ORDERS))
+        for h in schedule.factors(13):
+            acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z * h)))
+        ledger = spent[plan.budgets == budget]
+        np.testing.assert_allclose(ledger, mine, rtol=1e-9)
+        # dp_accounting converts RDP to ε its own way: compare the composed RDP itself (its only
+        # record of it is the accountant's _rdp), and its ε within its looser conversion
+        # (integer orders: both exact; fractional ones: dp_accounting uses an upper bound)
+        ours, integer = engine.accountant.rdp()[plan.budgets == budget][0], np.mod(DEFAULT_ORDERS, 1) == 0
+        np.testing.assert_allclose(ours[integer], acc._rdp[integer], rtol=1e-6)
+        assert np.all(acc._rdp[~integer] >= ours[~integer] * (1 - 1e-6))
+        assert acc.get_epsilon(DELTA) >= ledger[0] * (1 - 1e-9)
+
+
+def test_scheduled_run_spends_its_budgets_and_refuses_the_step_after():
+    engine, *rest = _engine(method="sample", schedule="step:0.6,8", steps=20)
+    _train(engine, *rest)
+    spent = engine.epsilons()
+    assert np.all(spent <= engine.budgets)
+    assert np.all(spent >= engine.budgets * (1 - 1e-3))
+    model, opt, loader, criterion = rest
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    with pytest.raises(pdpfast.engine.PrivacyBudgetExceeded):
+        opt.step()
+
+
+def _pair_epsilons(engine):
+    """ε of every group recomputed from what the run actually did: per step the gradient
+    multiplier noise_std / c_g(t) and the count noise, paired (Andrew et al. Thm. 1) and composed."""
+    ad, plan = engine.adaptive, engine.plan
+    sens = ad.count_sensitivity
+    out = []
+    for g in range(plan.budget_values.shape[0]):
+        rdp = 0.0
+        for rec in ad.history:
+            z_grad = rec["noise_std"] / rec["clip_norms"][g]
+            count_std = rec["count_std"][g] if ad.clipping.per_group else rec["count_std"][0]
+            z = pair_noise_multiplier(z_grad, count_std, sens)
+            rdp = rdp + compute_rdp(plan.group_sample_rates[g], z, 1, DEFAULT_ORDERS)
+        out.append(get_privacy_spent(DEFAULT_ORDERS, rdp, DELTA)[0])
+    return np.array(out)
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+@pytest.mark.parametrize("clipping, mode, method, gamma", [
+    ("flat", "bk", "scale", None), ("per_layer", "bk", "hybrid", None), ("flat", "ghost", "sample", None),
+    ("flat", "bk", "scale", 0.01)])
+def test_every_group_epsilon_within_budget_including_the_adaptive_counts(per_group, clipping, mode, method, gamma):
+    adaptive = QuantileClipping(target_quantile=0.6, learning_rate=0.5, count_share=0.05, per_group=per_group)
+    engine, *rest = _engine(method=method, clipping=clipping, mode=mode, adaptive=adaptive,
+                            schedule="exponential:0.02" if per_group else None, automatic_gamma=gamma)
+    _train(engine, *rest)
+    bounds = np.array([rec["clip_norms"] for rec in engine.adaptive.history])
+    assert not np.allclose(bounds[-1], bounds[0])            # the bounds did move
+    eps = _pair_epsilons(engine)
+    assert np.all(eps <= engine.plan.budget_values * (1 + 1e-9))
+    ledger = engine.epsilons()
+    for g, b in enumerate(engine.plan.budget_values):
+        assert np.all(ledger[engine.plan.budgets == b] <= b)
+        assert eps[g] <= ledger[engine.plan.budgets == b].max() * (1 + 1e-9)   # the ledger never under-charges
+    if not per_group:   # bounds move together: Scale's ratios kept; the shared count is noised for the
+        # group with the largest multiplier, which pays exactly its plan (the others a little less)
+        np.testing.assert_allclose(bounds[-1] / bounds[0], bounds[-1, 0] / bounds[0, 0], rtol=1e-9)
+        top = np.argmax(engine.plan.group_noise_multipliers)
+        np.testing.assert_allclose(eps[top], engine.plan.group_epsilons[top], rtol=1e-6)
+
+
+def test_counts_are_the_unclipped_members_of_each_group():
+    """After one backward the counts are Σ(1[‖g_i‖ ≤ c_i] − ½) per group and layer, against the
+    per-sample gradients of a micro-batched oracle."""
+    adaptive = QuantileClipping(per_group=True)
+    engine, model, opt, loader, criterion = _engine(clipping="per_layer", adaptive=adaptive)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    counts = engine.adaptive._counts.copy()
+    rows = engine.adaptive._rows.numpy()
+    state = engine.state
+    # oracle: per-sample gradients of each layer
+    ref = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 2))
+    ref.load_state_dict({k: v for k, v in model.state_dict().items()})
+    norms = np.zeros((2, x.shape[0]))
+    for i in range(x.shape[0]):
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        norms[0, i] = torch.cat([ref[0].weight.grad.flatten(), ref[0].bias.grad]).norm().item()
+        norms[1, i] = torch.cat([ref[2].weight.grad.flatten(), ref[2].bias.grad]).norm().item()
+    np.testing.assert_allclose(state.last_group_norms.numpy(), norms, rtol=1e-5)
+    bits = (norms <= state.clip_norms.numpy()) - 0.5
+    want = np.zeros_like(counts)
+    np.add.at(want, rows, bits.T)
+    np.testing.assert_allclose(counts, want)
+
+
+def test_per_layer_bounds_per_group_clip_each_layer_to_its_own_bound():
+    """(K, B) bounds in begin_batch: each clipping group's clipped contribution is ≤ its row."""
+    from pdpfast.clipping import ClippingState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    pdpfast.nn.convert(model)
+    state = ClippingState(model, clipping="per_layer")
+    state.keep_group_norms = True
+    state.attach()
+    x, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
+    bounds = torch.tensor([[0.05, 1e3, 0.2, 0.01], [1e3, 0.03, 0.1, 0.02]], dtype=torch.float64)
+    state.begin_batch(bounds)
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    norms = state.last_group_norms
+    w = torch.clamp(bounds / (norms + 1e-6), max=1.0)
+    # the clipped sum of layer 0 equals Σ_i w_{0,i} g_{0,i} (oracle by micro-batching)
+    grads = []
+    for i in range(4):
+        model_i = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+        model_i.load_state_dict(model.state_dict())
+        nn.functional.cross_entropy(model_i(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        grads.append(model_i[0].weight.grad)
+    want = sum(w[0, i].float() * grads[i] for i in range(4))
+    torch.testing.assert_close(model[0].weight.grad, want, rtol=1e-4, atol=1e-6)
+    state.detach()
+
+
+def test_bad_engine_inputs_raise_naming_the_argument():
+    with pytest.raises(TypeError, match="adaptive_clipping"):
+        _engine(adaptive="quantile")
+    with pytest.raises(ValueError, match="noise_schedule"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 2))
+        pdpfast.PrivacyEngine().make_private_with_budgets(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=40), budgets=_budgets(), delta=DELTA, steps=10,
+            accountant="pld", noise_schedule="exponential:0.01")
