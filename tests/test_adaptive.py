@@ -245,3 +245,26 @@ def test_bad_engine_inputs_raise_naming_the_argument():
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
             data_loader=DataLoader(_data(), batch_size=40), budgets=_budgets(), delta=DELTA, steps=10,
             accountant="pld", noise_schedule="exponential:0.01")
+
+
+@pytest.mark.parametrize("schedule", [None, "exponential:0.02"])
+def test_a_resumed_adaptive_run_continues_exactly(tmp_path, schedule):
+    """Checkpoint after 6 of 12 steps, resume in a fresh engine: the clip bounds, the noise, the
+    ledger and the weights end exactly where the uninterrupted run ends."""
+    from pdpfast.adaptive import QuantileClipping
+
+    def run(stop_at=None, resume=None):
+        engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5), schedule=schedule, steps=12)
+        if resume is not None:
+            engine.load_checkpoint(resume, model)
+        _train(engine, model, opt, loader, criterion, steps=stop_at)
+        return engine, model
+
+    whole, whole_model = run()
+    half, half_model = run(stop_at=6)
+    half.save_checkpoint(tmp_path / "half.pt", half_model)
+    resumed, resumed_model = run(resume=tmp_path / "half.pt")
+    assert resumed.steps == whole.steps == 12
+    np.testing.assert_array_equal(resumed.epsilons(), whole.epsilons())
+    for (name, a), (_, b) in zip(whole_model.named_parameters(), resumed_model.named_parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
