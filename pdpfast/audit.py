@@ -167,6 +167,7 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
     """One training run of ``method`` with the canaries; one AuditRow per privacy group."""
     from .accounting import calibrate
     from .engine import PrivacyEngine
+    from .train import Task, private_steps
 
     if method not in AUDITED_METHODS:
         raise ValueError(f"method must be one of {', '.join(AUDITED_METHODS)}, got {method!r}")
@@ -201,20 +202,13 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
         loss_reduction="sum", steps_per_epoch=round(1 / sample_rate))
     optimizer.expected_batch_size = plan.expected_batch_size  # fixed before the coin flips (module docstring)
     scorer = _Scorer(model, cx, cy, torch.arange(x.shape[1] - len(cx), x.shape[1]))
-    criterion = nn.CrossEntropyLoss(reduction="sum")
-    model.train()
-    while engine.steps < steps:
-        for xb, yb in loader:
-            criterion(model(xb), yb).backward()
-            before = engine.steps
-            optimizer.step()
-            optimizer.zero_grad()
-            if engine.steps != before:
-                scorer.step()
-                if progress is not None:
-                    progress.update(1)
-                if engine.steps >= steps:
-                    break
+    def on_step(step, loss):
+        scorer.step()
+        if progress is not None:
+            progress.update(1)
+
+    task = Task()
+    private_steps(engine, model, optimizer, loader, task, task.criterion(), until=steps, on_step=on_step)
     engine.detach()
     scores = scorer.scores.numpy()
     rows = []

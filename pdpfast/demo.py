@@ -191,6 +191,16 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def demo_task(epochs, seeds):
+    """The demo's (data, budgets), after checking the run's ``epochs`` and ``seeds``."""
+    if not (isinstance(epochs, int) and epochs > 0):
+        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    if not seeds:
+        raise ValueError("seeds must not be empty")
+    data = load_digits_split()
+    return data, assign_budgets(len(data[0]))
+
+
 def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2), methods=METHODS,
              progress: bool = True, rounds: int = 2, threads: int | None = 1,
              eval_every: int | None = None) -> dict[str, list[RunResult]]:
@@ -199,12 +209,7 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    if not (isinstance(epochs, int) and epochs > 0):
-        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
-    if not seeds:
-        raise ValueError("seeds must not be empty")
-    data = load_digits_split()
-    budgets = assign_budgets(len(data[0]))
+    data, budgets = demo_task(epochs, seeds)
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
     results: dict[str, list[RunResult]] = {"non-private": []}

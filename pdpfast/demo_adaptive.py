@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, assign_budgets, load_digits_split, make_model
+from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, demo_task, make_model
+from .train import Task, private_steps
 
 METHODS = ("sample", "scale", "hybrid")
 VARIANTS = ("fixed", "adaptive", "adaptive-per-group", "decay", "fixed C=0.05", "adaptive C=0.05")
@@ -70,14 +70,8 @@ def train_variant(data, budgets, *, method: str, variant: str, epochs: int, batc
         budgets=budgets, delta=DELTA, steps=steps, method=method, sample_rate=sample_rate, max_grad_norm=clip,
         loss_reduction="sum", noise_schedule=schedule, adaptive_clipping=adaptive)
     # a bound of C scales the noisy mean gradient by ~C where it clips: lr·C stays comparable
-    criterion = nn.CrossEntropyLoss(reduction="sum")
-    while engine.steps < steps:
-        for x, y in loader:
-            criterion(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if engine.steps >= steps:
-                break
+    task = Task()
+    private_steps(engine, model, opt, loader, task, task.criterion(), until=steps)
     spent = engine.epsilons()
     bounds = engine.adaptive.group_clip_norms if engine.adaptive is not None else engine.plan.group_clip_norms
     run = AdaptiveRun(method, variant, seed, accuracy(model, x_te, y_te), time.perf_counter() - start,
@@ -94,12 +88,7 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
         unknown = [m for m in given if m not in known]
         if unknown:
             raise ValueError(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-    if not (isinstance(epochs, int) and epochs > 0):
-        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
-    if not seeds:
-        raise ValueError("seeds must not be empty")
-    data = load_digits_split()
-    budgets = assign_budgets(len(data[0]))
+    data, budgets = demo_task(epochs, seeds)
     runs = []
     with _threads(threads):
         for method in methods:

@@ -268,3 +268,14 @@ def test_a_resumed_adaptive_run_continues_exactly(tmp_path, schedule):
     np.testing.assert_array_equal(resumed.epsilons(), whole.epsilons())
     for (name, a), (_, b) in zip(whole_model.named_parameters(), resumed_model.named_parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+def test_demo_adaptive_command_writes_its_results(tmp_path):
+    import json
+
+    from pdpfast.cli import main
+
+    out = tmp_path / "adaptive"
+    assert main(["demo", "--adaptive", "--epochs", "1", "--seeds", "1", "--methods", "scale", "--quiet",
+                 "--out", str(out)]) == 0
+    assert (out / "adaptive.png").stat().st_size > 0 and json.loads((out / "adaptive.json").read_text())
