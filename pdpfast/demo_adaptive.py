@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, demo_task, make_model
-from .train import Task, private_steps
+from .loop import Task, private_steps
 
 METHODS = ("sample", "scale", "hybrid")
 VARIANTS = ("fixed", "adaptive", "adaptive-per-group", "decay", "fixed C=0.05", "adaptive C=0.05")

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ._io import atomic_write
 from .accounting import pdp
-from .train import Task, pin_memory_for, private_steps
+from .loop import Task, pin_memory_for, private_steps
 
 __all__ = ["PDPResult", "PDPSGD", "RoundRecord", "train_pdp_sgd"]
 
@@ -81,7 +81,7 @@ class PDPSGD:
     ``sample_rate`` q in every round, or ``expected_batch_size`` B, giving q_R = min(1, B / Σ_i π_i)
     (the subset's expected size Σ_i π_i is a function of the budgets, not of which records were
     drawn, so q_R is data-independent and every round has the same expected batch).
-    task: a :class:`pdpfast.train.Task` (default: classification, ``model(x)`` → logits).
+    task: a :class:`pdpfast.loop.Task` (default: classification, ``model(x)`` → logits).
     loss / w1 / w2: threshold loss ("fixed", "adaptive" or the paper's degenerate "harmonic"; see
     ``pdpfast.accounting.pdp.threshold_losses``); rule: "all" (default) or "sampled".
     """
@@ -222,20 +222,17 @@ class PDPSGD:
         criterion = self.task.criterion()
         subset = Subset(self.dataset, cur["kept"].tolist())
         # the subset's training is uniform DP-SGD at (τ_R, δ): q for everyone, σ_R for τ_R
-        out = engine.make_private_with_budgets(
+        made = engine.make_private_with_budgets(
             module=self.model, optimizer=self.optimizer,
             data_loader=DataLoader(subset, pin_memory=pin_memory_for(self.model)),
             budgets=np.full(len(subset), cur["threshold"]), delta=self.delta, steps=cur["steps"],
             method="scale", sample_rate=cur["sample_rate"], max_grad_norm=self.max_grad_norm, clipping=self.clipping,
             mode=self.mode, loss_reduction="sum", physical_batch_size=self.physical_batch_size,
             criterion=criterion if self.mode == "ghost" else None)
-        if self.mode == "ghost":
-            _, optimizer, criterion, loader = out
-        else:
-            _, optimizer, loader = out
         if cur["engine"] is not None:
             engine.load_state_dict(cur["engine"])
-        return engine, optimizer, loader, criterion
+        # ghost mode wraps the loss (its two backward passes); otherwise the task's own loss is used as it is
+        return engine, made.optimizer, made.data_loader, made.criterion if self.mode == "ghost" else criterion
 
     def _finish_round(self, engine_epsilon: float, sigma: float) -> None:
         cur = self.current

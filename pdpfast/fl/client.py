@@ -97,6 +97,7 @@ def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: t
 
 def _local_train(model_fn, weights, features, labels, sample_rates, config, seed):
     from ..engine import PrivacyEngine
+    from ..loop import Task, private_steps
 
     model = fresh_model(model_fn)
     set_weights(model, weights)
@@ -116,19 +117,19 @@ def _local_train(model_fn, weights, features, labels, sample_rates, config, seed
         noise_multiplier=config.noise_multiplier, max_grad_norm=config.max_grad_norm, sample_rates=sample_rates,
         mode=config.mode, clipping=config.clipping, criterion=criterion if config.mode == "ghost" else None,
         steps_per_epoch=config.local_steps)
-    if config.mode == "ghost":
-        model, optimizer, criterion, loader = made
-    else:
-        model, optimizer, loader = made
+    loader = made.data_loader
+
+    def count_draw(step, loss):   # one draw per step: the loader's current batch is the whole draw
+        np.add.at(draws, loader.current.indices.numpy(), 1)
+
     try:
-        for xb, yb in loader:
-            np.add.at(draws, loader.current.indices.numpy(), 1)
-            criterion(model(xb), yb).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        # τ steps = one pass over the loader (steps_per_epoch=τ), the mean loss of the draw (torch's default)
+        private_steps(engine, made.module, made.optimizer, loader, Task(),
+                      made.criterion if config.mode == "ghost" else criterion, until=config.local_steps,
+                      on_step=count_draw)
     finally:
         engine.detach()
-    return get_weights(model), draws
+    return get_weights(made.module), draws
 
 
 class Silo:

@@ -226,7 +226,7 @@ class DPTrainer(transformers.Trainer):
                                       sample_rates=sample_rate, steps_per_epoch=steps_per_epoch, **common)
             self.uniform_ledger = IndividualAccountant(engine.sample_rates, self.dp_noise_multiplier)
             engine.optimizer.post_step_hooks.append(lambda _: self.uniform_ledger.step())
-        self.optimizer, self._train_loader = out[1], out[-1]
+        self.optimizer, self._train_loader = out.optimizer, out.data_loader
 
     @staticmethod
     def _privacy_groups(budgets: np.ndarray) -> list[tuple[str, np.ndarray]]:
