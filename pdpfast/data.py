@@ -17,24 +17,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
+from ._checks import as_per_record
 from .sampling import poisson_sample
-
-
-def as_per_record(name: str, values, n: int, *, low: float, high: float | None = None,
-                  low_inclusive: bool = True) -> np.ndarray:
-    """(n,) float64 from a scalar or an array of n values, checked against [low, high]."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values, dtype=np.float64) if not np.isscalar(values) else np.full(n, float(values))
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"{name} must be a number or have one value per record ({n}), got shape {arr.shape}")
-    if not np.isfinite(arr).all():
-        raise ValueError(f"{name} must be finite; found NaN or inf")
-    below = arr < low if low_inclusive else arr <= low
-    if below.any() or (high is not None and (arr > high).any()):
-        bound = f"[{low}, {high}]" if high is not None else (f"≥ {low}" if low_inclusive else f"> {low}")
-        raise ValueError(f"{name} must be {bound}; found values in [{arr.min():g}, {arr.max():g}]")
-    return arr
 
 
 @dataclass(frozen=True)

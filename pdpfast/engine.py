@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ._checks import as_per_record, check_choice
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
-from .clipping import ClippingState, Phase, check_choice
-from .data import DPDataLoader, PhysicalBatch, as_per_record
+from .clipping import ClippingState, Phase
+from .data import DPDataLoader, PhysicalBatch
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer

@@ -7,7 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .clipping import ClippingState, as_per_sample
+from ._checks import as_per_sample
+from .clipping import ClippingState
 
 
 @dataclass

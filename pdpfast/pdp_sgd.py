@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from ._checks import check_budgets, check_delta, check_rate
 from ._io import atomic_write
 from .accounting import pdp
 from .loop import Task, pin_memory_for, private_steps
@@ -93,8 +94,6 @@ class PDPSGD:
                  task: Task | None = None, max_grad_norm: float = 1.0, loss: str = "fixed", w1: float = 0.7,
                  w2: float = 0.3, rule: str = "all", seed: int = 0, mode: str = "bk", clipping: str = "flat",
                  physical_batch_size: int | None = None, min_remaining: float = 1e-9):
-        from .datasets import check_budgets
-
         self.model, self.dataset, self.optimizer = model, dataset, optimizer
         self.budgets = check_budgets(budgets, len(dataset), "budgets")
         for name, value in (("rounds", rounds), ("steps_per_round", steps_per_round)):
@@ -107,17 +106,15 @@ class PDPSGD:
         if (sample_rate is None) == (expected_batch_size is None):
             raise ValueError("give exactly one of sample_rate (the same q in every round) and expected_batch_size "
                              "(q_R = B / Σ_i π_i in round R)")
-        if sample_rate is not None and not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+        if sample_rate is not None:
+            check_rate("sample_rate", sample_rate)
         if expected_batch_size is not None and not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
         if rule not in ("all", "sampled"):
             raise ValueError(f"rule must be 'all' (default) or 'sampled' (the paper's rule), got {rule!r}")
         if loss not in ("fixed", "adaptive", "harmonic"):
             raise ValueError(f"loss must be 'fixed', 'adaptive' or 'harmonic', got {loss!r}")
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-        self.delta, self.rounds = float(delta), int(rounds)
+        self.delta, self.rounds = check_delta("delta", delta), int(rounds)
         self.steps_per_round = None if steps_per_round is None else int(steps_per_round)
         self.epochs_per_round = None if epochs_per_round is None else float(epochs_per_round)
         self.sample_rate = None if sample_rate is None else float(sample_rate)

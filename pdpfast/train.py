@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ._checks import check_delta
 from .distributed import inner_module
 from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
@@ -203,8 +204,7 @@ def _check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
     if not (math.isfinite(cfg.momentum) and cfg.momentum >= 0):
         raise ValueError(f"--momentum must be a number ≥ 0, got {cfg.momentum!r}")
-    if not 0 < cfg.delta < 1:
-        raise ValueError(f"--delta must lie in (0, 1), got {cfg.delta!r}")
+    check_delta("--delta", cfg.delta)
     if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
         raise ValueError(f"--epsilon must be a finite number > 0 (ε = inf would promise no privacy at all), got "
                          f"{cfg.epsilon!r}")
