@@ -37,8 +37,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ class _Layer:
 
     __slots__ = ("state", "module", "rule", "name", "group")
 
-    def __init__(self, state: "ClippingState", module: DPModule, rule: LayerRule, name: str, group: int | None):
+    def __init__(self, state: ClippingState, module: DPModule, rule: LayerRule, name: str, group: int | None):
         self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
 
 

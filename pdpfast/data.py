@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
@@ -63,7 +62,7 @@ def _take_zero_rows(batch):
 class _PhysicalBatches:
     """Batch sampler for the inner DataLoader; queues each batch's metadata in draw order."""
 
-    def __init__(self, loader: "DPDataLoader"):
+    def __init__(self, loader: DPDataLoader):
         self.loader = loader
 
     def __iter__(self):
@@ -133,7 +132,7 @@ class DPDataLoader:
                                   collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate), **loader_kwargs)
 
     @classmethod
-    def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> "DPDataLoader":
+    def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> DPDataLoader:
         """Same dataset, collate function and worker settings as ``data_loader``."""
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
                                                       "multiprocessing_context", "persistent_workers", "generator")}

@@ -72,12 +72,12 @@ class TrainData:
     def dataset(self) -> TensorDataset:
         return TensorDataset(self.features, self.labels)
 
-    def subset(self, index: np.ndarray) -> "TrainData":
+    def subset(self, index: np.ndarray) -> TrainData:
         index = torch.as_tensor(np.asarray(index, dtype=np.int64))
         return replace(self, features=self.features[index], labels=self.labels[index],
                        budgets=None if self.budgets is None else self.budgets[index.numpy()])
 
-    def as_images(self, shape) -> "TrainData":
+    def as_images(self, shape) -> TrainData:
         """View flat features (N, C·H·W) as images (N, C, H, W)."""
         shape = tuple(int(s) for s in shape)
         if self.kind not in ("features", "image") or len(shape) != 3 or math.prod(shape) != math.prod(self.input_shape):
@@ -208,7 +208,7 @@ def _tokenize(texts, tokenizer, max_length: int):
         return HashingTokenizer(tokenizer or 30522, max_length)(texts)
     if callable(tokenizer) and not isinstance(tokenizer, str):
         return tokenizer(texts)
-    from transformers import AutoTokenizer     # a named Hugging Face tokenizer (may download)
+    from transformers import AutoTokenizer  # a named Hugging Face tokenizer (may download)
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     return tok(list(map(str, texts)), padding="max_length", truncation=True, max_length=max_length,

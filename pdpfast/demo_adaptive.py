@@ -112,7 +112,8 @@ def format_adaptive(runs) -> str:
         rs = [r for r in runs if r.method == method and r.variant == variant]
         acc = np.array([r.accuracy for r in rs])
         spent = "/".join(f"{max(r.epsilons[b] for r in rs):.3f}" for b in sorted(rs[0].epsilons))
-        bounds = "/".join(f"{np.mean([r.final_clip_norms[g] for r in rs]):.2f}" for g in range(len(rs[0].final_clip_norms)))
+        bounds = "/".join(f"{np.mean([r.final_clip_norms[g] for r in rs]):.2f}"
+                          for g in range(len(rs[0].final_clip_norms)))
         lines.append(f"{method:<7} {variant:<19} {acc.mean():>8.3f} ± {acc.std():.3f}   {spent:<26} {bounds}")
     return "\n".join(lines)
 

@@ -85,7 +85,7 @@ class _Hooks:
     """What ``make_private(wrap_model=False)`` returns in Opacus: the model stays the user's; ``cleanup()``
     returns its layers to plain torch behaviour."""
 
-    def __init__(self, engine: "PrivacyEngine"):
+    def __init__(self, engine: PrivacyEngine):
         self._engine = engine
 
     def cleanup(self) -> None:
@@ -267,7 +267,8 @@ class PrivacyEngine:
         loader = self.data_loader if poisson_sampling else data_loader
         returned = module if wrap_model else _Hooks(self)
         if mode == "ghost":
-            return MadePrivateGhost(returned, self.optimizer, DPCriterion(criterion, self.state, loss_reduction), loader)
+            criterion = DPCriterion(criterion, self.state, loss_reduction)
+            return MadePrivateGhost(returned, self.optimizer, criterion, loader)
         return MadePrivate(returned, self.optimizer, loader)
 
     def _check_make_private_args(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,

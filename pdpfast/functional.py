@@ -1,8 +1,8 @@
 """Functional entry point: the clipped per-sample gradient sum of one batch."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -8,7 +8,6 @@ simulation and a Flower deployment make exactly the same draws.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -54,7 +53,7 @@ class FLConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from ..clipping import CLIPPINGS, MODES   # the engine's own choices (imports torch: lazily)
+        from ..clipping import CLIPPINGS, MODES  # the engine's own choices (imports torch: lazily)
         from .methods import METHODS
 
         check_int("rounds", self.rounds, 1)
