@@ -19,25 +19,39 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-__all__ = ["SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for", "private_engine",
+__all__ = ["PrivateRun", "SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for", "private_engine",
            "private_steps", "to_device"]
 
 
 # ---------------------------------------------------------------------------------------------- devices
 def model_device(model: nn.Module) -> torch.device:
-    """Where the model's parameters live (the CPU for a model without parameters)."""
+    """Where the model's parameters live.
+
+    Args:
+        model: any module.
+    Returns:
+        the device of its first parameter (the CPU for a model without parameters).
+    """
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def to_device(batch, device: torch.device):
-    """``batch`` (a tensor, or lists / tuples / dicts of them) on ``device``. Copies from pinned
-    memory are non-blocking: the host goes on to the next batch while the copy runs."""
+    """Move a batch to a device. Copies from pinned memory are non-blocking: the host goes on to the
+    next batch while the copy runs.
+
+    Args:
+        batch: a tensor, or lists / tuples / dicts of them (other values are returned as they are).
+        device: where to put it.
+    Returns:
+        the batch, of the same structure, with every tensor on ``device``.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
@@ -49,9 +63,14 @@ def to_device(batch, device: torch.device):
 
 def pin_memory_for(model: nn.Module) -> bool:
     """Whether loaders feeding ``model`` should pin their batches (page-locked host memory makes
-    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model."""
-    return model_device(model).type == "cuda"
+    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model.
 
+    Args:
+        model: the model the batches are for.
+    Returns:
+        True when its parameters are on a CUDA device.
+    """
+    return model_device(model).type == "cuda"
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -66,6 +85,8 @@ class SequenceCrossEntropy(nn.Module):
         self.reduction = reduction
 
     def forward(self, logits, targets):
+        """Args: logits (B, T, V) float; targets (B, T) int64 token ids. Returns: (B,) per-record
+        mean losses in nats for reduction "none", else their sum or mean (a scalar)."""
         b = targets.shape[0]
         per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                                 reduction="none")
@@ -85,7 +106,9 @@ class Task:
     pad_id: int = 0
 
     @classmethod
-    def for_model(cls, name: str) -> "Task":
+    def for_model(cls, name: str) -> Task:
+        """The task of a model of :mod:`pdpfast.models` by name (its kind, and the input family
+        of "bert*" / "gpt2*" models)."""
         from .models import model_spec
 
         spec = model_spec(name)
@@ -93,9 +116,13 @@ class Task:
         return cls(spec.task, family)
 
     def criterion(self) -> nn.Module:
+        """The summed loss module: cross-entropy of logits (B, K) against labels (B,), or
+        :class:`SequenceCrossEntropy` for "lm"; a scalar, the sum of the B per-record losses."""
         return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
 
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, ...) the model's input (token ids (B, T) for "bert" / "gpt2"). Returns: the
+        logits, (B, K) for classification or (B, T, V) for "lm" (``.logits`` of a HF output)."""
         if self.family == "bert":
             out = model(input_ids=x, attention_mask=(x != self.pad_id).long())
         elif self.family == "gpt2":
@@ -105,7 +132,9 @@ class Task:
         return out.logits if hasattr(out, "logits") else out
 
     def loss(self, model: nn.Module, batch, criterion):
-        """Sum of the batch's per-record losses (a ``DPLoss`` in ghost mode)."""
+        """Args: batch (x, y, ...) from the loader; criterion: from :meth:`criterion` (or its
+        ghost-mode wrapper). Returns: the scalar sum of the batch's per-record losses (a
+        ``DPLoss`` in ghost mode); for "lm" the targets are x shifted by one token."""
         x, y = batch[0], batch[1]
         logits = self.logits(model, x)
         if self.kind == "lm":
@@ -114,7 +143,9 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
-        """{"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm) on ``dataset``."""
+        """Args: dataset: map-style, yielding (x, y); batch_size: rows per forward. Returns:
+        {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the
+        mean per-record loss in nats. The model's train / eval mode is restored afterwards."""
         was_training = model.training
         model.eval()
         total, correct, loss_sum = 0, 0, 0.0
@@ -139,19 +170,50 @@ class Task:
 
 
 def evaluate(model, dataset, task: Task | None = None) -> dict:
+    """Evaluate ``model`` on ``dataset`` (see :meth:`Task.evaluate`).
+
+    Args:
+        model: the model; dataset: map-style, yielding (x, y); task: default classification.
+    Returns:
+        {"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm); loss in nats per record.
+    """
     return (task or Task()).evaluate(model, dataset)
 
 
 # ---------------------------------------------------------------------------------------------- engine
+class PrivateRun(NamedTuple):
+    """What :func:`private_engine` returns; unpacks as (engine, model, optimizer, loader, criterion)."""
+
+    engine: Any            # the PrivacyEngine, holding the plan and the per-record ledger
+    model: nn.Module
+    optimizer: Any         # the DPOptimizer
+    loader: Any            # the Poisson DPDataLoader
+    criterion: Any         # the loss module to call on (logits, targets)
+
+
 def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
                    sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
                    clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float = 0.5,
                    accountant: str = "rdp", physical_batch_size: int | None = None):
-    """(engine, model, optimizer, loader, criterion) for one of "sample", "scale", "hybrid" (IDP with
-    the records' own budgets) or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
+    """Make ``model`` private for a method: IDP with the records' own budgets ("sample", "scale",
+    "hybrid") or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
 
     The engine's ledger holds the budgets the plan was made for; for "dpsgd" that is min ε_i for
-    everyone, so ``engine.epsilons()`` is what DP-SGD spends of each record's own budget."""
+    everyone, so ``engine.epsilons()`` is what DP-SGD spends of each record's own budget.
+
+    Args:
+        method: "sample" | "scale" | "hybrid" | "dpsgd" (PDP-SGD: :mod:`pdpfast.pdp_sgd`).
+        model, optimizer: the model (converted in place) and a torch optimizer over its parameters.
+        dataset: map-style, N records yielding (x, y). budgets: (N,) ε_i > 0.
+        delta: δ in (0, 1). steps: optimizer steps T of the plan. sample_rate: mean Poisson rate q in
+            (0, 1]. batch_size: of the loader the engine replaces (sets nothing else).
+        task: how a batch becomes a loss (default classification). max_grad_norm: reference clip
+            bound C > 0. clipping, mode, hybrid_weight, accountant, physical_batch_size: as in
+            ``PrivacyEngine.make_private_with_budgets``. seed: of the draws and the noise.
+    Returns:
+        :class:`PrivateRun` (engine, model, optimizer, loader, criterion): criterion is the task's
+        summed loss, wrapped for its two backward passes in ghost mode.
+    """
     if method not in ("sample", "scale", "hybrid", "dpsgd"):
         raise ValueError(f"method must be one of sample, scale, hybrid, dpsgd (pdp: pdpfast.pdp_sgd), got {method!r}")
     import pdpfast
@@ -169,16 +231,27 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
         clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
         criterion=criterion if mode == "ghost" else None)
     # ghost mode wraps the loss (its two backward passes); otherwise the task's own loss is used as it is
-    return engine, made.module, made.optimizer, made.data_loader, made.criterion if mode == "ghost" else criterion
+    return PrivateRun(engine, made.module, made.optimizer, made.data_loader,
+                      made.criterion if mode == "ghost" else criterion)
 
 
 def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
                   on_step=None) -> None:
-    """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader.
+    """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader
+    (forward, backward, ``optimizer.step()``, ``zero_grad()``), for as many passes as it takes.
+    Batches are moved to the model's device (non-blocking from pinned memory).
 
-    ``on_step(step, loss)`` runs after every optimizer step (``step`` = engine.steps, ``loss`` the
-    mean per-record loss of the draw's last physical batch); it may return True to stop early.
-    Batches are moved to the model's device (non-blocking from pinned memory)."""
+    Args:
+        engine: the ``PrivacyEngine`` (its ``steps`` count the optimizer steps taken).
+        model, optimizer, loader: what ``make_private`` returned. task: turns a batch into a loss;
+            criterion: the loss module it calls (a ``DPCriterion`` in ghost mode).
+        until: the engine step to stop at (a resumed run takes only the steps that remain).
+        on_step: ``on_step(step, loss)`` after every optimizer step: step = engine.steps, loss = the
+            criterion's value on the draw's last physical batch divided by its rows (the mean
+            per-record loss for a summed loss). Returning True stops early.
+    Returns:
+        None; the model and the engine's ledger have advanced.
+    """
     model.train()
     device = model_device(model)
     while engine.steps < until:

@@ -243,7 +243,13 @@ class PDPSGD:
     def run(self, on_step=None, max_steps: int | None = None) -> PDPResult:
         """Train the remaining rounds (or ``max_steps`` more steps, then stop resumably).
 
-        on_step(global_step, loss): after every optimizer step; may return True to stop."""
+        Args:
+            on_step: ``on_step(global_step, loss)`` after every optimizer step (loss: the mean
+                per-record loss of the draw); returning True stops after that step, resumably.
+            max_steps: the most optimizer steps this call takes (None: to the end).
+        Returns:
+            :class:`PDPResult` of the rounds so far: (N,) ε charged, δ_i, remaining ε, ledger ε.
+        """
         stop_at = None if max_steps is None else self.steps + int(max_steps)
         stopped = False
         while self.round < self.rounds and not stopped:
@@ -260,7 +266,7 @@ class PDPSGD:
             until = round_steps if stop_at is None else min(round_steps, stop_at - offset)
             halt = []
 
-            def step_hook(step, loss):
+            def step_hook(step, loss, offset=offset, halt=halt):   # this round's offset and flag
                 if on_step is not None and on_step(offset + step, loss):
                     halt.append(True)
                     return True
@@ -289,6 +295,7 @@ class PDPSGD:
         return self.result()
 
     def result(self) -> PDPResult:
+        """Returns: the :class:`PDPResult` of the steps taken so far (arrays (N,), ε in nats)."""
         return PDPResult(self.budgets - self.remaining, self.spent_delta.copy(), self.remaining.copy(),
                          self.epsilons_now(), list(self.history))
 
@@ -351,11 +358,17 @@ def train_pdp_sgd(model: nn.Module, dataset, budgets, *, delta: float, rounds: i
                   sample_rate: float | None = None, expected_batch_size: float | None = None,
                   optimizer: torch.optim.Optimizer | None = None, lr: float = 0.1,
                   on_step=None, **kwargs) -> PDPResult:
-    """Train ``model`` in place with PDP-SGD; returns per-record ε spent and δ_i (:class:`PDPResult`).
+    """Train ``model`` in place with PDP-SGD.
 
-    dataset: N records yielding (x, y); budgets: (N,) ε_i; sample_rate q (every round) or
-    expected_batch_size B (q_R = B / Σ_i π_i); optimizer: default SGD(lr, momentum 0.9).
-    Other keyword arguments go to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
+    Args:
+        model: trained in place. dataset: N records yielding (x, y). budgets: (N,) ε_i > 0.
+        delta: δ in (0, 1) of each round. rounds: k ≥ 1. steps_per_round or epochs_per_round: the
+            length of a round. sample_rate: q in (0, 1] in every round, or expected_batch_size: B
+            records per step (q_R = B / Σ_i π_i). optimizer: default SGD(lr, momentum 0.9).
+        on_step: ``on_step(global_step, loss)`` after every optimizer step; True stops.
+        **kwargs: to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
+    Returns:
+        :class:`PDPResult`: per record (N,) ε spent and δ_i, remaining budgets, ledger ε.
     """
     if optimizer is None:
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)

@@ -36,8 +36,15 @@ METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
 
 # ---------------------------------------------------------------------------------------------- devices
 def resolve_device(name: str | None) -> torch.device:
-    """The device ``--device name`` asks for: None → CUDA when present, else the CPU. Raises
-    ValueError naming the option for a device that is not a cpu / cuda[:N] name or is not here."""
+    """The device ``--device name`` asks for.
+
+    Args:
+        name: "cpu", "cuda", "cuda:N", or None (CUDA when present, else the CPU).
+    Returns:
+        the torch device.
+    Raises:
+        ValueError naming the option, for a device that is not a cpu / cuda[:N] name or is not here.
+    """
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -59,8 +66,15 @@ def resolve_device(name: str | None) -> torch.device:
 # ---------------------------------------------------------------------------------------------- reports
 def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -> list[dict]:
     """ε spent per budget group: one group per distinct budget (≤ max_groups of them), else
-    budget quantile bins. Rows: {"budget": label, "low", "high", "records", "max_spent",
-    "mean_spent", "max_ratio"} with max_ratio = max_i spent_i/ε_i (≤ 1 means within budget)."""
+    budget quantile bins.
+
+    Args:
+        budgets: (N,) ε_i > 0. spent: (N,) ε each record has spent (same δ). max_groups: the most
+            groups before quantile bins are used.
+    Returns:
+        one row per group: {"budget": label, "low", "high", "records", "max_spent", "mean_spent",
+        "max_ratio"} with max_ratio = max_i spent_i / ε_i (≤ 1 means within budget).
+    """
     budgets, spent = np.asarray(budgets, dtype=np.float64), np.asarray(spent, dtype=np.float64)
     values = np.unique(budgets)
     if values.shape[0] <= max_groups:
@@ -80,6 +94,7 @@ def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -
 
 
 def format_groups(rows: list[dict], title: str = "ε spent per budget group") -> str:
+    """Args: rows from :func:`group_report`; title: the first line. Returns: the table as text."""
     lines = [title, f"  {'budget ε':>14} {'records':>8} {'max spent':>10} {'mean spent':>11} {'max spent/ε':>12}"]
     for r in rows:
         lines.append(f"  {r['budget']:>14} {r['records']:>8d} {r['max_spent']:>10.4f} {r['mean_spent']:>11.4f} "
@@ -162,7 +177,7 @@ class _StopOnSignal:
         self.received: int | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "_StopOnSignal":
+    def __enter__(self) -> _StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -285,7 +300,14 @@ def _say(cfg: TrainConfig, text: str) -> None:
 
 
 def load_training_data(cfg: TrainConfig):
-    """(train, test or None, budgets (N_train,)) with the config's data options applied."""
+    """Load the data ``cfg`` names and split off the test set.
+
+    Args:
+        cfg: the data options (data / labels / hf_dataset / budget_column / budgets / epsilon /
+            text and image settings, test_fraction, seed).
+    Returns:
+        (train, test or None, budgets): ``TrainData`` splits and the (N_train,) float64 ε_i.
+    """
     from .datasets import load_data, train_test_split
     from .models import model_spec
 
@@ -392,8 +414,14 @@ def _warn_about_batch_size(cfg: TrainConfig, n: int) -> None:
 
 
 def under_spending_groups(budgets: np.ndarray, guaranteed: np.ndarray, ratio: float = 0.99) -> str:
-    """The budget groups (as in :func:`group_report`) whose guaranteed ε stays below ``ratio`` ×
-    their budget, as text ("ε=2 (spends ≤ 1.23), ..."); empty when every group spends its budget."""
+    """The budget groups (as in :func:`group_report`) that under-spend.
+
+    Args:
+        budgets: (N,) ε_i; guaranteed: (N,) the ε the plan guarantees each record; ratio: a group
+            under-spends when its largest guaranteed ε / budget is below this.
+    Returns:
+        "ε=2 (spends ≤ 1.23), ..." for those groups; empty when every group spends its budget.
+    """
     short = [r for r in group_report(budgets, guaranteed) if r["max_ratio"] < ratio]
     return ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
 
@@ -413,9 +441,18 @@ def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> N
 
 
 def run(cfg: TrainConfig) -> dict:
-    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``).
-    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved). Under
-    torchrun (WORLD_SIZE > 1) it is one rank of a data-parallel run (``--nproc``)."""
+    """The whole ``pdpfast train`` job. Under torchrun (WORLD_SIZE > 1) it is one rank of a
+    data-parallel run (``--nproc``).
+
+    Args:
+        cfg: the command's settings (see ``pdpfast train --help``).
+    Returns:
+        the summary (also written to ``cfg.out_json``): method, steps, total_steps, finished,
+        seconds, device, records_per_second, test metrics, ε per budget group ("groups"), ...
+    Raises:
+        ValueError for settings, data or a checkpoint that do not fit; :class:`TrainingInterrupted`
+        after SIGINT / SIGTERM (the final checkpoint saved).
+    """
     _check_config(cfg)
     _check_outputs(cfg)
     device = resolve_device(cfg.device)

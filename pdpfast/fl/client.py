@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ def get_weights(model: nn.Module) -> Weights:
 
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
+    """Load ``weights`` (arrays in ``state_dict`` order, as :func:`get_weights` gives) into ``model``."""
     keys = list(model.state_dict().keys())
     if len(keys) != len(weights):
         raise ValueError(f"the model has {len(keys)} tensors, got {len(weights)} arrays")
@@ -63,8 +64,14 @@ def check_budgets(name: str, budgets, n: int) -> np.ndarray:
 
 
 def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
-    """(n,) sampling rates: ``rpdp.sample_rates`` (SCF + exact re-accounting) for the records with
-    a finite target budget, 0 for records left out (NaN), 1 without privacy (∞)."""
+    """Per-record sampling rates for the targets a method gives the records.
+
+    Args:
+        targets: (n,) target ε per record (NaN: left out, ∞: no privacy). config: the run's settings.
+    Returns:
+        (n,) q_j in [0, 1]: ``rpdp.sample_rates`` (SCF + exact re-accounting) for finite targets,
+        0 for records left out, 1 without privacy.
+    """
     q = np.zeros(targets.shape[0])
     q[np.isposinf(targets)] = 1.0
     train = np.isfinite(targets)
@@ -84,7 +91,14 @@ def _scf_estimator(key: tuple) -> rpdp.SCFEstimator:
 
 def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor, labels: torch.Tensor,
                 sample_rates: np.ndarray, config: FLConfig, seed: int) -> tuple[Weights, np.ndarray]:
-    """τ local steps from ``weights``; returns (new weights, (n,) times each record was drawn).
+    """τ local steps from ``weights``.
+
+    Args:
+        model_fn: builds the model. weights: the global model's arrays. features: (n, ...) float;
+            labels: (n,) int64. sample_rates: (n,) q_j in [0, 1]. config: the run's settings.
+            seed: of this round's draws and noise.
+    Returns:
+        (new weights, (n,) int64 times each record was drawn).
 
     Private methods: DP-SGD through the pdpfast engine, record j drawn with probability q_j each
     step, clip bound C, noise N(0, σ²C²), normalization by the expected batch Σ q_j; the draws and
