@@ -60,24 +60,23 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
 
 def check_delta(name: str, value) -> float:
     """δ of an (ε, δ) guarantee: a float in (0, 1). TypeError if not a number."""
-    try:
-        d = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in (0, 1), got {value!r}") from None
-    if not 0.0 < d < 1.0:
-        raise ValueError(f"{name} must lie in (0, 1), got {value!r}")
-    return d
+    return _in_unit_interval(name, value, one_allowed=False)
 
 
 def check_rate(name: str, value) -> float:
     """A Poisson sampling rate q: a float in (0, 1]. TypeError if not a number."""
+    return _in_unit_interval(name, value, one_allowed=True)
+
+
+def _in_unit_interval(name: str, value, *, one_allowed: bool) -> float:
+    interval = "(0, 1]" if one_allowed else "(0, 1)"
     try:
-        r = float(value)
+        v = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in (0, 1], got {value!r}") from None
-    if not 0.0 < r <= 1.0:
-        raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
-    return r
+        raise TypeError(f"{name} must be a number in {interval}, got {value!r}") from None
+    if not (0.0 < v <= 1.0 if one_allowed else 0.0 < v < 1.0):
+        raise ValueError(f"{name} must lie in {interval}, got {value!r}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------- arrays
