@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 __all__ = ["as_per_record", "as_per_sample", "check_budgets", "check_choice", "check_delta", "check_epsilons",
-           "check_in_range", "check_int", "check_positive_integer", "check_rate"]
+           "check_in_range", "check_int", "check_positive", "check_positive_integer", "check_positive_per_record",
+           "check_rate"]
 
 
 # ---------------------------------------------------------------------------------------------- scalars
@@ -55,6 +56,18 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
     too_high = v >= high if high_open else v > high
     if not math.isfinite(v) or too_low or too_high:
         raise ValueError(f"{where}, got {value!r}")
+    return v
+
+
+def check_positive(name: str, value) -> float:
+    """``value`` as a finite float > 0 (a noise multiplier, a clip bound, a threshold). TypeError
+    if not a number."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number > 0, got {value!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
     return v
 
 
@@ -119,6 +132,17 @@ def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
                          "every budget ε must be > 0")
     if n is not None and arr.shape[0] != n:
         raise ValueError(f"{what} has {arr.shape[0]} values but the data have {n} records")
+    return arr
+
+
+def check_positive_per_record(name: str, values, n: int, *, records: str = "record") -> np.ndarray:
+    """(n,) float64 values, every one finite and > 0 (budgets a program built, so the messages
+    are short). ``records``: what one value belongs to, as the shape message says it."""
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"{name} must have one value per {records} ({n}), got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError(f"{name} must be finite and > 0")
     return arr
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._checks import check_positive_per_record
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
 from .config import FLConfig, sampled_clients
@@ -167,12 +168,7 @@ def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
                 raise ValueError(f"budgets[{k}] has {len(b)} values but client {k} holds {idx.shape[0]} records")
             out[idx] = b
         budgets = out
-    arr = np.asarray(budgets, dtype=np.float64)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"budgets must have one value per training record ({n}), got shape {arr.shape}")
-    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
-        raise ValueError("budgets must be finite and > 0")
-    return arr
+    return check_positive_per_record("budgets", budgets, n, records="training record")
 
 
 def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, client_id: int) -> Silo:
