@@ -420,6 +420,24 @@ class ClippingState:
         finally:
             params.update(saved)
 
+    def require_open(self) -> None:
+        """Raise, as a private forward would, unless a batch is open (phase ``OPEN``)."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+
+    def rebind_batch(self, clip_norms: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Point the open batch at other tensors holding the same clip bounds and mask (a captured
+        step's static device buffers, into which it copied the values ``begin_batch`` checked), so
+        a graph captured from this batch reads whatever they hold at replay. No checks of values
+        here: they would synchronise with the device."""
+        self.require_open()
+        if tuple(clip_norms.shape) != tuple(self.clip_norms.shape) or (mask is None) != (self.mask is None) or (
+                mask is not None and tuple(mask.shape) != tuple(self.mask.shape)):
+            raise ValueError("rebind_batch needs tensors of the open batch's shapes: clip_norms "
+                             f"{tuple(self.clip_norms.shape)}, mask {None if self.mask is None else tuple(self.mask.shape)}")
+        self.clip_norms, self.mask = clip_norms, mask
+        self._bounds = {}
+
     def _refuse_forward(self) -> None:
         if self.phase is Phase.IDLE:
             raise RuntimeError("a private forward needs an open batch: iterate the data loader returned by "
@@ -599,7 +617,9 @@ class ClippingState:
             if self.shares is not None and c.dim() == 1:
                 c = self.shares.unsqueeze(1) * c.unsqueeze(0)
             c = c.to(dtype)
-            if device.type == "cuda":
+            if device.type == "cuda" and c.device.type == "cpu":
+                if torch.cuda.is_current_stream_capturing():  # a captured step keeps its bounds on the device
+                    raise RuntimeError("clip bounds on the host cannot be copied inside a CUDA graph capture")
                 # a copy from pageable memory waits for the GPU to drain: from pinned memory it is queued
                 c = c.pin_memory()
             bounds = c.to(device=device, non_blocking=True)
@@ -711,6 +731,25 @@ class ClippingState:
             zeros = torch.zeros_like(total_sq)  # a group no record reached this backward: norm 0
             self._last_group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
                                                for k in range(len(self.group_names))])
+        self._reset_backward()
+        self.pending = True
+        self._enter(Phase.CLIPPED)
+        for hook in self.post_backward_hooks:
+            hook(self)
+
+    def clipped_outputs(self) -> tuple:
+        """What a backward leaves besides ``param.grad``: (total squared norms, last weights, group
+        squared norms). A captured step (``pdpfast.graphs``) holds these tensors of its capture: every
+        replay rewrites them in place."""
+        return self._total_sq, self.last_weights, self._last_group_sq
+
+    def replayed_backward(self, outputs: tuple) -> None:
+        """Record that a replayed backward (a CUDA graph of the open batch's forward and backward)
+        wrote the batch's clipped sums: the batch is CLIPPED and its draw pending, as after a
+        backward run here; ``outputs`` are ``clipped_outputs()`` of the capture."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+        self._total_sq, self.last_weights, self._last_group_sq = outputs
         self._reset_backward()
         self.pending = True
         self._enter(Phase.CLIPPED)
