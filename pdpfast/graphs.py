@@ -188,7 +188,8 @@ class PrivateStep:
                               "each is captured in a graph of its own. Give every batch the same shapes "
                               "(physical_batch_size= pads Poisson batches to a fixed size)", stacklevel=2)
         eager = not self.cuda_graph or self.eager_steps < self.warmup
-        loss = accumulate(leaves, eager)
+        # a signature's first batch runs eagerly (its kernels' lazy set-up), the next is captured
+        loss = accumulate(leaves, eager or accumulate.calls == 0)
         if self.optimizer.at_step_boundary():
             self.optimizer.before_step()
             self._step(eager)
@@ -257,6 +258,7 @@ class _Accumulate:
         self.clip_norms = torch.empty(state.clip_norms.shape, dtype=state.clip_norms.dtype, device=device)
         self.mask = None if state.mask is None else torch.empty(state.mask.shape, dtype=state.mask.dtype, device=device)
         self.body = _Body(self._run, device, lambda: step.body_guard())
+        self.calls = 0
 
     def _run(self) -> tuple:
         args, kwargs = pytree.tree_unflatten(self.inputs, self.spec)
@@ -269,6 +271,7 @@ class _Accumulate:
 
     def __call__(self, leaves: list, eager: bool) -> torch.Tensor:
         device, state = self.step.device, self.step.state
+        self.calls += 1
         with torch.no_grad():
             for static, x in zip(self.inputs, leaves):
                 if isinstance(static, torch.Tensor):
