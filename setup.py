@@ -15,18 +15,23 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 RUNTIME = ["numpy", "scipy", "tqdm", "matplotlib", "scikit-learn", "dp-accounting"]
-TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "peft", "triton", "flwr"]
+TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "peft", "triton",
+           "flwr", "ruff"]
+# `python3 setup.py test` lints first (settings in pyproject.toml); it takes no pytest arguments.
+LINT = ["-m", "ruff", "check", "pdpfast", "tests", "bench", "kernels", "setup.py"]
 # Each quick command: the runs it makes inside the venv, as (arguments, extra environment).
 # The Triton kernels are tested in a process of their own: TRITON_INTERPRET=1 must be set before
 # Triton defines them, and would route every op of the other tests through the slow interpreter.
 QUICK_COMMANDS = {
     "demo": [(["-m", "pdpfast", "demo"], {})],
-    "test": [(["-m", "pytest", "-q", "tests", "--ignore=tests/kernels"], {}),
+    "test": [(LINT, {}),
+             (["-m", "pytest", "-q", "tests", "--ignore=tests/kernels"], {}),
              (["-m", "pytest", "-q", "tests/kernels"], {"TRITON_INTERPRET": "1"})],
     "bench": [(["-m", "bench.bench_cpu"], {})],
 }
@@ -39,7 +44,9 @@ def _has_nvidia_gpu() -> bool:
 
 def _bootstrap(command: str, extra_args: list[str]) -> int:
     python = VENV / "bin" / "python"
-    stamp = VENV / f".pdpfast-{command}-installed"
+    # the stamp names the requirements, so a venv made before one was added installs it
+    wanted = RUNTIME + (TESTING if command in ("test", "bench") else [])
+    stamp = VENV / f".pdpfast-{command}-{zlib.crc32(' '.join(wanted).encode()):08x}-installed"
     if not python.exists():
         subprocess.check_call([sys.executable, "-m", "venv", str(VENV)])
     if not stamp.exists():
@@ -47,13 +54,14 @@ def _bootstrap(command: str, extra_args: list[str]) -> int:
         torch_req = "torch" if _has_nvidia_gpu() else "torch==2.13.0"
         # torch first and alone: every later requirement then sees it installed and adds nothing
         subprocess.check_call(pip + [torch_req])
-        subprocess.check_call(pip + RUNTIME + (TESTING if command in ("test", "bench") else []))
+        subprocess.check_call(pip + wanted)
         subprocess.check_call(pip + ["--no-build-isolation", "--no-deps", "-e", str(ROOT)])
         stamp.touch()
     status = 0
     for args, extra_env in QUICK_COMMANDS[command]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **extra_env)
-        status = subprocess.call([str(python), *args, *extra_args], cwd=ROOT, env=env) or status
+        extra = [] if args is LINT else extra_args
+        status = subprocess.call([str(python), *args, *extra], cwd=ROOT, env=env) or status
     return status
 
 

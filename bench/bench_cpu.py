@@ -28,7 +28,8 @@ CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=Non
 def _case(name: str, batch: int, seq: int | None):
     g = torch.Generator().manual_seed(0)
     if name == "transformer":
-        return TinyTransformer(seq=seq), (torch.randint(0, 1000, (batch, seq), generator=g),), torch.randint(0, 2, (batch,), generator=g)
+        return (TinyTransformer(seq=seq), (torch.randint(0, 1000, (batch, seq), generator=g),),
+                torch.randint(0, 2, (batch,), generator=g))
     return groupnorm_cnn(), (torch.randn(batch, 3, 32, 32, generator=g),), torch.randint(0, 10, (batch,), generator=g)
 
 
@@ -65,7 +66,8 @@ def main(argv=None) -> None:
             print(f"| {r['model']} | {r['provider']} | {r['median_ms']:.1f} | {r['time_ratio_vs_nonprivate']:.2f} |")
         else:
             print(f"| {r['model']} | {r['provider']} | {r['error']} | |")
-    print(f"device: {env['device']}, torch {env['torch']}, opacus {env['opacus']}, {env['date']}; written to {args.out}")
+    print(f"device: {env['device']}, torch {env['torch']}, opacus {env['opacus']}, {env['date']}; "
+          f"written to {args.out}")
 
 
 if __name__ == "__main__":

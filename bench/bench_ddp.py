@@ -40,8 +40,9 @@ def _worker(rank, world, init_file, device_type, steps, out_file):
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(TinyTransformer(vocab=VOCAB, d=128, layers=2, heads=4, seq=SEQ).to(device),
-                                                device_ids=[rank] if device_type == "cuda" else None)
+    model = nn.parallel.DistributedDataParallel(
+        TinyTransformer(vocab=VOCAB, d=128, layers=2, heads=4, seq=SEQ).to(device),
+        device_ids=[rank] if device_type == "cuda" else None)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, VOCAB, (N, SEQ), generator=g), torch.randint(0, 2, (N,), generator=g))
     budgets = np.where(np.arange(N) % 2 == 0, 2.0, 8.0)

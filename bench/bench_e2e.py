@@ -1,6 +1,7 @@
 """End-to-end training throughput and peak memory: BERT-base (seq 128, batch 32), ResNet-18 with
-GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8) in full and with LoRA r=8, ViT-B/16 (224×224, batch 64); non-private vs pdpfast (bk,
-ghost, per-layer) vs Opacus 1.6 (hooks, ghost), in one process, on a CUDA device.
+GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8) in full and with LoRA r=8, ViT-B/16
+(224×224, batch 64); non-private vs pdpfast (bk, ghost, per-layer) vs Opacus 1.6 (hooks, ghost), in one
+process, on a CUDA device.
 
     python -m bench.bench_e2e [--models bert,resnet18,gpt2,gpt2-lora,vit] [--dtype fp32|bf16] [--repeats 20]
     python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
@@ -30,7 +31,8 @@ def _classification_loss(out, y):
 
 def _lm_loss(out, y):
     logits = out.logits[:, :-1].float()
-    per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1), reduction="none")
+    per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1),
+                                            reduction="none")
     return per_token.view(y.shape[0], -1).mean(1)
 
 
@@ -45,7 +47,8 @@ def build(name: str, size: str, device, dtype):
 
     g = torch.Generator().manual_seed(0)
     if name == "bert":
-        model = models.bert("base" if size == "full" else size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = models.bert("base" if size == "full" else size, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
         batch, seq = (32, 128) if size == "full" else (4, 16)
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
         y = torch.randint(0, 2, (batch,), generator=g)
@@ -117,12 +120,13 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"| {r['model']} | {r['provider']} | {r['error']} | | | | | |")
             continue
-        mem = f"{r['peak_memory_mb']:.0f} | {r.get('memory_ratio_vs_nonprivate', float('nan')):.2f}" if "peak_memory_mb" in r else "– | –"
+        mem = (f"{r['peak_memory_mb']:.0f} | {r.get('memory_ratio_vs_nonprivate', float('nan')):.2f}"
+               if "peak_memory_mb" in r else "– | –")
         print(f"| {r['model']} | {r['provider']} | {r['throughput_samples_per_s']:.1f} | "
               f"{r.get('throughput_ratio_vs_nonprivate', float('nan')):.2f} | {mem} | {r['median_ms']:.1f} | "
               f"{r.get('host_ms', float('nan')):.1f} |")
-    print(f"device: {env['device']}, torch {env['torch']}, triton {env['triton']}, opacus {env['opacus']}, {env['date']}; "
-          f"written to {out}")
+    print(f"device: {env['device']}, torch {env['torch']}, triton {env['triton']}, opacus {env['opacus']}, "
+          f"{env['date']}; written to {out}")
     return 0
 
 

@@ -23,9 +23,9 @@ import platform
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -199,7 +199,9 @@ def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
             ms = cuda_time_ms(fn, reps=reps)
             return ms, _peak_extra_mib(fn), cuda_graph_ms(fn)
 
-        reference = (lambda: op.reference(x_pad, o, module))
+        def reference():
+            return op.reference(x_pad, o, module)
+
         ms_torch, mib, graph = measure(reference)
         unfolds = x_pad[0].numel() * batch * k * k <= conv_ops._UNFOLD_LIMIT
         rows.append(Row(op.name, "torch", shape, dtype_name,
@@ -214,7 +216,7 @@ def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
         ms, mib, graph = measure(lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
         rows.append(Row(op.name, "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
                         nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms, mib, graph))
-        del x_pad, o
+        x_pad = o = None     # free this shape's tensors before the next one's (the closures above share them)
 
 
 @benchmark("bias_sq_norms")
@@ -272,6 +274,7 @@ def main(argv=None) -> int:
         return 1
     try:
         import triton
+
         import pdpfast.kernels  # noqa: F401
     except Exception as exc:
         print(f"bench_kernels: the Triton kernels do not import ({type(exc).__name__}: {exc})", file=sys.stderr)

@@ -137,7 +137,8 @@ def main(argv=None) -> list[dict]:
                 median_ms, min_ms, repeats = _time_ms_cuda(fn, args.min_repeats, args.budget_s)
                 baseline_ms = median_ms if baseline_ms is None else baseline_ms
                 cuda_rows.append({**common, "backend": name, "N": num_records, "median_ms": round(median_ms, 4),
-                                  "min_ms": round(min_ms, 4), "threads": None, "device": cuda_device, "repeats": repeats,
+                                  "min_ms": round(min_ms, 4), "threads": None, "device": cuda_device,
+                                  "repeats": repeats,
                                   "speedup_vs_bernoulli": round(baseline_ms / median_ms, 3)})
                 print(f"N={num_records:>9,d}  {name:<26s} {cuda_device}  {median_ms:10.4f} ms")
 

@@ -13,7 +13,7 @@ import platform
 import statistics
 import time
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

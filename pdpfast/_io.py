@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 
 def atomic_write(path, write: Callable[[BinaryIO], None]) -> None:

@@ -171,7 +171,7 @@ class AdaptiveTraining:
         self._bounds_tensor = torch.from_numpy(self.initial_bounds.copy())
 
     # ------------------------------------------------------------------ wiring
-    def attach(self) -> "AdaptiveTraining":
+    def attach(self) -> AdaptiveTraining:
         engine = self.engine
         if self.clipping is not None:
             engine.batch_clip_norms = self.batch_clip_norms

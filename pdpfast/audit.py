@@ -167,7 +167,7 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
     """One training run of ``method`` with the canaries; one AuditRow per privacy group."""
     from .accounting import calibrate
     from .engine import PrivacyEngine
-    from .train import Task, private_steps
+    from .loop import Task, private_steps
 
     if method not in AUDITED_METHODS:
         raise ValueError(f"method must be one of {', '.join(AUDITED_METHODS)}, got {method!r}")

@@ -34,8 +34,16 @@ def _fail(command: str, exc: BaseException) -> int:
 
 # ---------------------------------------------------------------------------------------------- demo
 def _demo(args) -> int:
-    from .demo import (DELTA, GROUP_EPSILONS, GROUP_FRACTIONS, METHODS, format_results, results_json, run_demo,
-                       save_plots)
+    from .demo import (
+        DELTA,
+        GROUP_EPSILONS,
+        GROUP_FRACTIONS,
+        METHODS,
+        format_results,
+        results_json,
+        run_demo,
+        save_plots,
+    )
     from .plots import Staging
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -165,6 +173,7 @@ def _calibrate(args) -> int:
     import numpy as np
 
     import pdpfast
+
     from . import plots
     from ._io import check_output_path
     from .datasets import read_budgets

@@ -37,12 +37,13 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from ._checks import as_per_sample, check_choice
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
@@ -90,38 +91,12 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
-def check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-def as_per_sample(name: str, values, batch_size: int | None = None, *, positive: bool = True) -> torch.Tensor:
-    """A (B,) float tensor from ``values``, checked: finite, > 0 if ``positive``, of length B."""
-    if isinstance(values, (int, float)) and not isinstance(values, bool):
-        if batch_size is None:
-            raise TypeError(f"{name} must be a 1-D tensor or array of per-sample values")
-        values = torch.full((batch_size,), float(values))
-    t = torch.as_tensor(values)
-    if not (t.is_floating_point() or t.dtype in (torch.bool, torch.int64, torch.int32)):
-        raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}")
-    t = t.double() if not t.is_floating_point() else t
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D (one value per sample), got shape {tuple(t.shape)}")
-    if batch_size is not None and t.shape[0] != batch_size:
-        raise ValueError(f"{name} has {t.shape[0]} values but the batch has {batch_size} samples")
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{name} must be finite; found NaN or inf")
-    if positive and (t <= 0).any():
-        raise ValueError(f"{name} must be > 0; found {t.min().item():g}")
-    return t
-
-
 class _Layer:
     """What the state knows of one DP layer, fixed at construction: its rule, name and group."""
 
     __slots__ = ("state", "module", "rule", "name", "group")
 
-    def __init__(self, state: "ClippingState", module: DPModule, rule: LayerRule, name: str, group: int | None):
+    def __init__(self, state: ClippingState, module: DPModule, rule: LayerRule, name: str, group: int | None):
         self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
 
 
@@ -438,8 +413,9 @@ class ClippingState:
         self.require_open()
         if tuple(clip_norms.shape) != tuple(self.clip_norms.shape) or (mask is None) != (self.mask is None) or (
                 mask is not None and tuple(mask.shape) != tuple(self.mask.shape)):
+            mask_shape = None if self.mask is None else tuple(self.mask.shape)
             raise ValueError("rebind_batch needs tensors of the open batch's shapes: clip_norms "
-                             f"{tuple(self.clip_norms.shape)}, mask {None if self.mask is None else tuple(self.mask.shape)}")
+                             f"{tuple(self.clip_norms.shape)}, mask {mask_shape}")
         self.clip_norms, self.mask = clip_norms, mask
         self._bounds = {}
 

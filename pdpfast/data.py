@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
+from ._checks import as_per_record
 from .sampling import poisson_sample
-
-
-def as_per_record(name: str, values, n: int, *, low: float, high: float | None = None,
-                  low_inclusive: bool = True) -> np.ndarray:
-    """(n,) float64 from a scalar or an array of n values, checked against [low, high]."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values, dtype=np.float64) if not np.isscalar(values) else np.full(n, float(values))
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"{name} must be a number or have one value per record ({n}), got shape {arr.shape}")
-    if not np.isfinite(arr).all():
-        raise ValueError(f"{name} must be finite; found NaN or inf")
-    below = arr < low if low_inclusive else arr <= low
-    if below.any() or (high is not None and (arr > high).any()):
-        bound = f"[{low}, {high}]" if high is not None else (f"≥ {low}" if low_inclusive else f"> {low}")
-        raise ValueError(f"{name} must be {bound}; found values in [{arr.min():g}, {arr.max():g}]")
-    return arr
 
 
 @dataclass(frozen=True)
@@ -79,7 +62,7 @@ def _take_zero_rows(batch):
 class _PhysicalBatches:
     """Batch sampler for the inner DataLoader; queues each batch's metadata in draw order."""
 
-    def __init__(self, loader: "DPDataLoader"):
+    def __init__(self, loader: DPDataLoader):
         self.loader = loader
 
     def __iter__(self):
@@ -149,7 +132,7 @@ class DPDataLoader:
                                   collate_fn=_EmptySafeCollate(dataset, collate_fn or default_collate), **loader_kwargs)
 
     @classmethod
-    def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> "DPDataLoader":
+    def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> DPDataLoader:
         """Same dataset, collate function and worker settings as ``data_loader``."""
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
                                                       "multiprocessing_context", "persistent_workers", "generator")}

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from ._checks import check_budgets
+
 __all__ = ["HashingTokenizer", "TrainData", "check_budgets", "load_csv", "load_data", "load_hf", "load_image_folder",
            "load_numpy", "read_budgets", "train_test_split"]
 
@@ -70,12 +72,12 @@ class TrainData:
     def dataset(self) -> TensorDataset:
         return TensorDataset(self.features, self.labels)
 
-    def subset(self, index: np.ndarray) -> "TrainData":
+    def subset(self, index: np.ndarray) -> TrainData:
         index = torch.as_tensor(np.asarray(index, dtype=np.int64))
         return replace(self, features=self.features[index], labels=self.labels[index],
                        budgets=None if self.budgets is None else self.budgets[index.numpy()])
 
-    def as_images(self, shape) -> "TrainData":
+    def as_images(self, shape) -> TrainData:
         """View flat features (N, C·H·W) as images (N, C, H, W)."""
         shape = tuple(int(s) for s in shape)
         if self.kind not in ("features", "image") or len(shape) != 3 or math.prod(shape) != math.prod(self.input_shape):
@@ -84,31 +86,7 @@ class TrainData:
 
 
 # ---------------------------------------------------------------------------------------------- budgets
-def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
-    """(N,) float64 budgets, each finite and > 0; ``n``: the number of records they must match."""
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be numbers") from None
-    if arr.ndim == 2 and 1 in arr.shape:
-        arr = arr.ravel()
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be one ε per record (1-D), got shape {arr.shape}")
-    if arr.size == 0:
-        raise ValueError(f"{what} is empty")
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        raise ValueError(f"{what} has a missing or non-finite value at record {int(np.flatnonzero(bad)[0])} "
-                         f"({float(arr[bad][0])!r}); every record needs a budget ε > 0")
-    bad = arr <= 0
-    if bad.any():
-        raise ValueError(f"{what} has a value ≤ 0 at record {int(np.flatnonzero(bad)[0])} ({float(arr[bad][0]):g}); "
-                         "every budget ε must be > 0")
-    if n is not None and arr.shape[0] != n:
-        raise ValueError(f"{what} has {arr.shape[0]} values but the data have {n} records")
-    return arr
-
-
+# check_budgets (re-exported here, where users import it from) lives in pdpfast._checks
 def _number(text: str, what: str) -> float:
     try:
         return float(text)
@@ -230,7 +208,7 @@ def _tokenize(texts, tokenizer, max_length: int):
         return HashingTokenizer(tokenizer or 30522, max_length)(texts)
     if callable(tokenizer) and not isinstance(tokenizer, str):
         return tokenizer(texts)
-    from transformers import AutoTokenizer     # a named Hugging Face tokenizer (may download)
+    from transformers import AutoTokenizer  # a named Hugging Face tokenizer (may download)
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     return tok(list(map(str, texts)), padding="max_length", truncation=True, max_length=max_length,

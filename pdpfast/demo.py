@@ -139,7 +139,7 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
     """One private run. method: "sample" / "scale" / "hybrid" (IDP through
     ``make_private_with_budgets``), "dpsgd" (every record at the smallest budget) or "pdp" (PDP-SGD,
     ``rounds`` rounds, thresholds by ``pdp_loss``). ε per group comes from the per-record ledger."""
-    from .train import Task, private_engine, private_steps
+    from .loop import Task, private_engine, private_steps
 
     x_tr, y_tr, x_te, y_te = data
     n = len(x_tr)

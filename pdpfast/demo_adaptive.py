@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, demo_task, make_model
-from .train import Task, private_steps
+from .loop import Task, private_steps
 
 METHODS = ("sample", "scale", "hybrid")
 VARIANTS = ("fixed", "adaptive", "adaptive-per-group", "decay", "fixed C=0.05", "adaptive C=0.05")
@@ -112,7 +112,8 @@ def format_adaptive(runs) -> str:
         rs = [r for r in runs if r.method == method and r.variant == variant]
         acc = np.array([r.accuracy for r in rs])
         spent = "/".join(f"{max(r.epsilons[b] for r in rs):.3f}" for b in sorted(rs[0].epsilons))
-        bounds = "/".join(f"{np.mean([r.final_clip_norms[g] for r in rs]):.2f}" for g in range(len(rs[0].final_clip_norms)))
+        bounds = "/".join(f"{np.mean([r.final_clip_norms[g] for r in rs]):.2f}"
+                          for g in range(len(rs[0].final_clip_norms)))
         lines.append(f"{method:<7} {variant:<19} {acc.mean():>8.3f} ± {acc.std():.3f}   {spent:<26} {bounds}")
     return "\n".join(lines)
 

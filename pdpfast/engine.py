@@ -11,9 +11,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ._checks import as_per_record, check_choice
 from ._io import atomic_write
-from .clipping import ClippingState, Phase, check_choice
-from .data import DPDataLoader, PhysicalBatch, as_per_record
+from ._private import MadePrivate, MadePrivateGhost
+from .clipping import ClippingState, Phase
+from .data import DPDataLoader, PhysicalBatch
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
@@ -83,7 +85,7 @@ class _Hooks:
     """What ``make_private(wrap_model=False)`` returns in Opacus: the model stays the user's; ``cleanup()``
     returns its layers to plain torch behaviour."""
 
-    def __init__(self, engine: "PrivacyEngine"):
+    def __init__(self, engine: PrivacyEngine):
         self._engine = engine
 
     def cleanup(self) -> None:
@@ -176,9 +178,10 @@ class PrivacyEngine:
                      sample_rates=None, clip_norms=None, mode: str | None = None, layer_shares=None,
                      automatic_gamma: float | None = None, physical_batch_size: int | None = None,
                      steps_per_epoch: int | None = None):
-        """Returns (module, optimizer, data_loader), or (module, optimizer, criterion, data_loader)
-        for ``mode="ghost"`` / ``grad_sample_mode="ghost"`` (which needs ``criterion``: a torch loss
-        module), as Opacus does. The module is converted in place and returned (with
+        """Returns ``MadePrivate(module, optimizer, data_loader)``, or ``MadePrivateGhost(module,
+        optimizer, criterion, data_loader)`` for ``mode="ghost"`` / ``grad_sample_mode="ghost"``
+        (which needs ``criterion``: a torch loss module): tuples that unpack as Opacus's, with the
+        parts also named. The module is converted in place and returned (with
         ``wrap_model=False``, an object whose ``cleanup()`` detaches the engine, as in Opacus).
 
         Opacus's arguments: noise_multiplier σ; max_grad_norm: the reference bound C of the noise
@@ -264,8 +267,9 @@ class PrivacyEngine:
         loader = self.data_loader if poisson_sampling else data_loader
         returned = module if wrap_model else _Hooks(self)
         if mode == "ghost":
-            return returned, self.optimizer, DPCriterion(criterion, self.state, loss_reduction), loader
-        return returned, self.optimizer, loader
+            criterion = DPCriterion(criterion, self.state, loss_reduction)
+            return MadePrivateGhost(returned, self.optimizer, criterion, loader)
+        return MadePrivate(returned, self.optimizer, loader)
 
     def _check_make_private_args(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,
                                  batch_first, loss_reduction, poisson_sampling, clipping, noise_generator,

@@ -1,13 +1,14 @@
 """Functional entry point: the clipped per-sample gradient sum of one batch."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
-from .clipping import ClippingState, as_per_sample
+from ._checks import as_per_sample
+from .clipping import ClippingState
 
 
 @dataclass

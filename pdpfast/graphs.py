@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree

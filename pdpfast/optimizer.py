@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.optim import Optimizer
@@ -43,9 +43,9 @@ class DPOptimizer(Optimizer):
         self.steps = 0
         self.at_step_boundary: Callable[[], bool] = lambda: True
         self.may_zero_grad: Callable[[], bool] = lambda: True
-        self.pre_step_hooks: list[Callable[["DPOptimizer"], None]] = []
-        self.post_step_hooks: list[Callable[["DPOptimizer"], None]] = []
-        self.post_zero_grad_hooks: list[Callable[["DPOptimizer"], None]] = []
+        self.pre_step_hooks: list[Callable[[DPOptimizer], None]] = []
+        self.post_step_hooks: list[Callable[[DPOptimizer], None]] = []
+        self.post_zero_grad_hooks: list[Callable[[DPOptimizer], None]] = []
         self.reduce_grads: Callable[[list, int], None] | None = None
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",

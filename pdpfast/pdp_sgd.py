@@ -32,9 +32,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
+from ._checks import check_budgets, check_delta, check_rate
 from ._io import atomic_write
 from .accounting import pdp
-from .train import Task, pin_memory_for, private_steps
+from .loop import Task, pin_memory_for, private_steps
 
 __all__ = ["PDPResult", "PDPSGD", "RoundRecord", "train_pdp_sgd"]
 
@@ -81,7 +82,7 @@ class PDPSGD:
     ``sample_rate`` q in every round, or ``expected_batch_size`` B, giving q_R = min(1, B / Σ_i π_i)
     (the subset's expected size Σ_i π_i is a function of the budgets, not of which records were
     drawn, so q_R is data-independent and every round has the same expected batch).
-    task: a :class:`pdpfast.train.Task` (default: classification, ``model(x)`` → logits).
+    task: a :class:`pdpfast.loop.Task` (default: classification, ``model(x)`` → logits).
     loss / w1 / w2: threshold loss ("fixed", "adaptive" or the paper's degenerate "harmonic"; see
     ``pdpfast.accounting.pdp.threshold_losses``); rule: "all" (default) or "sampled".
     """
@@ -93,8 +94,6 @@ class PDPSGD:
                  task: Task | None = None, max_grad_norm: float = 1.0, loss: str = "fixed", w1: float = 0.7,
                  w2: float = 0.3, rule: str = "all", seed: int = 0, mode: str = "bk", clipping: str = "flat",
                  physical_batch_size: int | None = None, min_remaining: float = 1e-9):
-        from .datasets import check_budgets
-
         self.model, self.dataset, self.optimizer = model, dataset, optimizer
         self.budgets = check_budgets(budgets, len(dataset), "budgets")
         for name, value in (("rounds", rounds), ("steps_per_round", steps_per_round)):
@@ -107,17 +106,15 @@ class PDPSGD:
         if (sample_rate is None) == (expected_batch_size is None):
             raise ValueError("give exactly one of sample_rate (the same q in every round) and expected_batch_size "
                              "(q_R = B / Σ_i π_i in round R)")
-        if sample_rate is not None and not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate!r}")
+        if sample_rate is not None:
+            check_rate("sample_rate", sample_rate)
         if expected_batch_size is not None and not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
         if rule not in ("all", "sampled"):
             raise ValueError(f"rule must be 'all' (default) or 'sampled' (the paper's rule), got {rule!r}")
         if loss not in ("fixed", "adaptive", "harmonic"):
             raise ValueError(f"loss must be 'fixed', 'adaptive' or 'harmonic', got {loss!r}")
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
-        self.delta, self.rounds = float(delta), int(rounds)
+        self.delta, self.rounds = check_delta("delta", delta), int(rounds)
         self.steps_per_round = None if steps_per_round is None else int(steps_per_round)
         self.epochs_per_round = None if epochs_per_round is None else float(epochs_per_round)
         self.sample_rate = None if sample_rate is None else float(sample_rate)
@@ -222,20 +219,17 @@ class PDPSGD:
         criterion = self.task.criterion()
         subset = Subset(self.dataset, cur["kept"].tolist())
         # the subset's training is uniform DP-SGD at (τ_R, δ): q for everyone, σ_R for τ_R
-        out = engine.make_private_with_budgets(
+        made = engine.make_private_with_budgets(
             module=self.model, optimizer=self.optimizer,
             data_loader=DataLoader(subset, pin_memory=pin_memory_for(self.model)),
             budgets=np.full(len(subset), cur["threshold"]), delta=self.delta, steps=cur["steps"],
             method="scale", sample_rate=cur["sample_rate"], max_grad_norm=self.max_grad_norm, clipping=self.clipping,
             mode=self.mode, loss_reduction="sum", physical_batch_size=self.physical_batch_size,
             criterion=criterion if self.mode == "ghost" else None)
-        if self.mode == "ghost":
-            _, optimizer, criterion, loader = out
-        else:
-            _, optimizer, loader = out
         if cur["engine"] is not None:
             engine.load_state_dict(cur["engine"])
-        return engine, optimizer, loader, criterion
+        # ghost mode wraps the loss (its two backward passes); otherwise the task's own loss is used as it is
+        return engine, made.optimizer, made.data_loader, made.criterion if self.mode == "ghost" else criterion
 
     def _finish_round(self, engine_epsilon: float, sigma: float) -> None:
         cur = self.current
@@ -249,7 +243,13 @@ class PDPSGD:
     def run(self, on_step=None, max_steps: int | None = None) -> PDPResult:
         """Train the remaining rounds (or ``max_steps`` more steps, then stop resumably).
 
-        on_step(global_step, loss): after every optimizer step; may return True to stop."""
+        Args:
+            on_step: ``on_step(global_step, loss)`` after every optimizer step (loss: the mean
+                per-record loss of the draw); returning True stops after that step, resumably.
+            max_steps: the most optimizer steps this call takes (None: to the end).
+        Returns:
+            :class:`PDPResult` of the rounds so far: (N,) ε charged, δ_i, remaining ε, ledger ε.
+        """
         stop_at = None if max_steps is None else self.steps + int(max_steps)
         stopped = False
         while self.round < self.rounds and not stopped:
@@ -266,7 +266,7 @@ class PDPSGD:
             until = round_steps if stop_at is None else min(round_steps, stop_at - offset)
             halt = []
 
-            def step_hook(step, loss):
+            def step_hook(step, loss, offset=offset, halt=halt):   # this round's offset and flag
                 if on_step is not None and on_step(offset + step, loss):
                     halt.append(True)
                     return True
@@ -295,6 +295,7 @@ class PDPSGD:
         return self.result()
 
     def result(self) -> PDPResult:
+        """Returns: the :class:`PDPResult` of the steps taken so far (arrays (N,), ε in nats)."""
         return PDPResult(self.budgets - self.remaining, self.spent_delta.copy(), self.remaining.copy(),
                          self.epsilons_now(), list(self.history))
 
@@ -357,11 +358,17 @@ def train_pdp_sgd(model: nn.Module, dataset, budgets, *, delta: float, rounds: i
                   sample_rate: float | None = None, expected_batch_size: float | None = None,
                   optimizer: torch.optim.Optimizer | None = None, lr: float = 0.1,
                   on_step=None, **kwargs) -> PDPResult:
-    """Train ``model`` in place with PDP-SGD; returns per-record ε spent and δ_i (:class:`PDPResult`).
+    """Train ``model`` in place with PDP-SGD.
 
-    dataset: N records yielding (x, y); budgets: (N,) ε_i; sample_rate q (every round) or
-    expected_batch_size B (q_R = B / Σ_i π_i); optimizer: default SGD(lr, momentum 0.9).
-    Other keyword arguments go to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
+    Args:
+        model: trained in place. dataset: N records yielding (x, y). budgets: (N,) ε_i > 0.
+        delta: δ in (0, 1) of each round. rounds: k ≥ 1. steps_per_round or epochs_per_round: the
+            length of a round. sample_rate: q in (0, 1] in every round, or expected_batch_size: B
+            records per step (q_R = B / Σ_i π_i). optimizer: default SGD(lr, momentum 0.9).
+        on_step: ``on_step(global_step, loss)`` after every optimizer step; True stops.
+        **kwargs: to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
+    Returns:
+        :class:`PDPResult`: per record (N,) ε spent and δ_i, remaining budgets, ledger ε.
     """
     if optimizer is None:
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)

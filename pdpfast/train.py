@@ -1,18 +1,10 @@
-"""The ``pdpfast train`` driver: data + model + method → a private training run with a per-record
-ledger, checkpoints and resume.
+"""The ``pdpfast train`` job: data + model + method → a private training run with a per-record
+ledger, checkpoints and resume (:func:`run`, from a :class:`TrainConfig`), and the per-group report
+of ε spent (:func:`group_report`).
 
-Building blocks (also used by the demo and by :mod:`pdpfast.pdp_sgd`):
-
-* :class:`Task` — how a batch becomes a loss and how a model is evaluated (classification with
-  logits (B, K), or next-token language modelling for GPT-2); losses are sums of per-record losses
-  (``loss_reduction="sum"``), which keeps empty Poisson draws well defined.
-* :func:`private_engine` — ``PrivacyEngine.make_private_with_budgets`` for "sample" / "scale" /
-  "hybrid", and for "dpsgd" (every record at the smallest budget: what standard DP-SGD must use).
-* :func:`private_steps` — the ordinary training loop, run until the engine has taken a given
-  number of optimizer steps (so a resumed run takes exactly the steps that remain).
-* :func:`group_report` — ε spent per budget group, from the engine's ledger.
-
-:func:`run` is the whole CLI job, from a :class:`TrainConfig`.
+The training loop it runs is :mod:`pdpfast.loop`'s (``Task``, ``private_engine``,
+``private_steps``), shared with the demos, PDP-SGD and the federated clients; those names are also
+importable from here, where they used to live.
 """
 from __future__ import annotations
 
@@ -30,9 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
+from ._checks import check_delta
 from .distributed import inner_module
+from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
            "format_groups", "model_device", "private_engine", "private_steps", "resolve_device", "run", "to_device",
@@ -43,8 +36,15 @@ METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
 
 # ---------------------------------------------------------------------------------------------- devices
 def resolve_device(name: str | None) -> torch.device:
-    """The device ``--device name`` asks for: None → CUDA when present, else the CPU. Raises
-    ValueError naming the option for a device that is not a cpu / cuda[:N] name or is not here."""
+    """The device ``--device name`` asks for.
+
+    Args:
+        name: "cpu", "cuda", "cuda:N", or None (CUDA when present, else the CPU).
+    Returns:
+        the torch device.
+    Raises:
+        ValueError naming the option, for a device that is not a cpu / cuda[:N] name or is not here.
+    """
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -63,180 +63,18 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """Where the model's parameters live (the CPU for a model without parameters)."""
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
-def to_device(batch, device: torch.device):
-    """``batch`` (a tensor, or lists / tuples / dicts of them) on ``device``. Copies from pinned
-    memory are non-blocking: the host goes on to the next batch while the copy runs."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def pin_memory_for(model: nn.Module) -> bool:
-    """Whether loaders feeding ``model`` should pin their batches (page-locked host memory makes
-    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model."""
-    return model_device(model).type == "cuda"
-
-
-# ---------------------------------------------------------------------------------------------- tasks
-class SequenceCrossEntropy(nn.Module):
-    """Next-token cross-entropy; a record's loss is the mean over its positions.
-
-    forward(logits (B, T, V), targets (B, T)) → (B,) with reduction "none", else their sum / mean.
-    (A torch loss module with a ``reduction`` attribute, so ghost mode can wrap it.)"""
-
-    def __init__(self, reduction: str = "sum"):
-        super().__init__()
-        self.reduction = reduction
-
-    def forward(self, logits, targets):
-        b = targets.shape[0]
-        per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                                reduction="none")
-        per_record = per_token.reshape(b, -1).mean(1) if per_token.numel() else per_token.reshape(b)
-        if self.reduction == "none":
-            return per_record
-        return per_record.sum() if self.reduction == "sum" else per_record.mean()
-
-
-@dataclass(frozen=True)
-class Task:
-    """kind: "classification" or "lm"; family: "plain" (``model(x)``), "bert" (token ids with an
-    attention mask hiding ``pad_id``) or "gpt2"."""
-
-    kind: str = "classification"
-    family: str = "plain"
-    pad_id: int = 0
-
-    @classmethod
-    def for_model(cls, name: str) -> "Task":
-        from .models import model_spec
-
-        spec = model_spec(name)
-        family = "bert" if name.startswith("bert") else "gpt2" if name.startswith("gpt2") else "plain"
-        return cls(spec.task, family)
-
-    def criterion(self) -> nn.Module:
-        return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
-
-    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if self.family == "bert":
-            out = model(input_ids=x, attention_mask=(x != self.pad_id).long())
-        elif self.family == "gpt2":
-            out = model(input_ids=x)
-        else:
-            out = model(x)
-        return out.logits if hasattr(out, "logits") else out
-
-    def loss(self, model: nn.Module, batch, criterion):
-        """Sum of the batch's per-record losses (a ``DPLoss`` in ghost mode)."""
-        x, y = batch[0], batch[1]
-        logits = self.logits(model, x)
-        if self.kind == "lm":
-            return criterion(logits[:, :-1], x[:, 1:])
-        return criterion(logits, y)
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
-        """{"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm) on ``dataset``."""
-        was_training = model.training
-        model.eval()
-        total, correct, loss_sum = 0, 0, 0.0
-        criterion = self.criterion()
-        device = model_device(model)
-        try:
-            for x, y in DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda"):
-                x, y = to_device(x, device), to_device(y, device)
-                logits = self.logits(model, x)
-                if self.kind == "lm":
-                    loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
-                else:
-                    loss_sum += float(criterion(logits, y))
-                    correct += int((logits.argmax(-1) == y).sum())
-                total += x.shape[0]
-        finally:
-            model.train(was_training)
-        mean = loss_sum / max(total, 1)
-        if self.kind == "lm":
-            return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
-        return {"accuracy": correct / max(total, 1), "loss": mean}
-
-
-def evaluate(model, dataset, task: Task | None = None) -> dict:
-    return (task or Task()).evaluate(model, dataset)
-
-
-# ---------------------------------------------------------------------------------------------- engine
-def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
-                   sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
-                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float = 0.5,
-                   accountant: str = "rdp", physical_batch_size: int | None = None):
-    """(engine, model, optimizer, loader, criterion) for one of "sample", "scale", "hybrid" (IDP with
-    the records' own budgets) or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
-
-    The engine's ledger holds the budgets the plan was made for; for "dpsgd" that is min ε_i for
-    everyone, so ``engine.epsilons()`` is what DP-SGD spends of each record's own budget."""
-    if method not in ("sample", "scale", "hybrid", "dpsgd"):
-        raise ValueError(f"method must be one of sample, scale, hybrid, dpsgd (pdp: pdpfast.pdp_sgd), got {method!r}")
-    import pdpfast
-
-    task = task or Task()
-    budgets = np.asarray(budgets, dtype=np.float64)
-    plan_budgets = np.full_like(budgets, budgets.min()) if method == "dpsgd" else budgets
-    criterion = task.criterion()
-    engine = pdpfast.PrivacyEngine(seed=seed)
-    out = engine.make_private_with_budgets(
-        module=model, optimizer=optimizer,
-        data_loader=DataLoader(dataset, batch_size=batch_size, pin_memory=pin_memory_for(model)),
-        budgets=plan_budgets, delta=delta, steps=steps, method="sample" if method == "dpsgd" else method,
-        sample_rate=sample_rate, max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant,
-        clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
-        criterion=criterion if mode == "ghost" else None)
-    if mode == "ghost":
-        model, optimizer, criterion, loader = out
-    else:
-        model, optimizer, loader = out
-    return engine, model, optimizer, loader, criterion
-
-
-def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
-                  on_step=None) -> None:
-    """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader.
-
-    ``on_step(step, loss)`` runs after every optimizer step (``step`` = engine.steps, ``loss`` the
-    mean per-record loss of the draw's last physical batch); it may return True to stop early.
-    Batches are moved to the model's device (non-blocking from pinned memory)."""
-    model.train()
-    device = model_device(model)
-    while engine.steps < until:
-        for batch in loader:
-            if device.type != "cpu":
-                batch = to_device(batch, device)
-            loss = task.loss(model, batch, criterion)
-            loss.backward()
-            before = engine.steps
-            optimizer.step()
-            optimizer.zero_grad()
-            if engine.steps != before:
-                rows = max(int(batch[0].shape[0]), 1)
-                stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False
-                if stop or engine.steps >= until:
-                    return
-
-
 # ---------------------------------------------------------------------------------------------- reports
 def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -> list[dict]:
     """ε spent per budget group: one group per distinct budget (≤ max_groups of them), else
-    budget quantile bins. Rows: {"budget": label, "low", "high", "records", "max_spent",
-    "mean_spent", "max_ratio"} with max_ratio = max_i spent_i/ε_i (≤ 1 means within budget)."""
+    budget quantile bins.
+
+    Args:
+        budgets: (N,) ε_i > 0. spent: (N,) ε each record has spent (same δ). max_groups: the most
+            groups before quantile bins are used.
+    Returns:
+        one row per group: {"budget": label, "low", "high", "records", "max_spent", "mean_spent",
+        "max_ratio"} with max_ratio = max_i spent_i / ε_i (≤ 1 means within budget).
+    """
     budgets, spent = np.asarray(budgets, dtype=np.float64), np.asarray(spent, dtype=np.float64)
     values = np.unique(budgets)
     if values.shape[0] <= max_groups:
@@ -256,6 +94,7 @@ def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -
 
 
 def format_groups(rows: list[dict], title: str = "ε spent per budget group") -> str:
+    """Args: rows from :func:`group_report`; title: the first line. Returns: the table as text."""
     lines = [title, f"  {'budget ε':>14} {'records':>8} {'max spent':>10} {'mean spent':>11} {'max spent/ε':>12}"]
     for r in rows:
         lines.append(f"  {r['budget']:>14} {r['records']:>8d} {r['max_spent']:>10.4f} {r['mean_spent']:>11.4f} "
@@ -338,7 +177,7 @@ class _StopOnSignal:
         self.received: int | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> "_StopOnSignal":
+    def __enter__(self) -> _StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -380,8 +219,7 @@ def _check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
     if not (math.isfinite(cfg.momentum) and cfg.momentum >= 0):
         raise ValueError(f"--momentum must be a number ≥ 0, got {cfg.momentum!r}")
-    if not 0 < cfg.delta < 1:
-        raise ValueError(f"--delta must lie in (0, 1), got {cfg.delta!r}")
+    check_delta("--delta", cfg.delta)
     if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
         raise ValueError(f"--epsilon must be a finite number > 0 (ε = inf would promise no privacy at all), got "
                          f"{cfg.epsilon!r}")
@@ -462,7 +300,14 @@ def _say(cfg: TrainConfig, text: str) -> None:
 
 
 def load_training_data(cfg: TrainConfig):
-    """(train, test or None, budgets (N_train,)) with the config's data options applied."""
+    """Load the data ``cfg`` names and split off the test set.
+
+    Args:
+        cfg: the data options (data / labels / hf_dataset / budget_column / budgets / epsilon /
+            text and image settings, test_fraction, seed).
+    Returns:
+        (train, test or None, budgets): ``TrainData`` splits and the (N_train,) float64 ε_i.
+    """
     from .datasets import load_data, train_test_split
     from .models import model_spec
 
@@ -569,8 +414,14 @@ def _warn_about_batch_size(cfg: TrainConfig, n: int) -> None:
 
 
 def under_spending_groups(budgets: np.ndarray, guaranteed: np.ndarray, ratio: float = 0.99) -> str:
-    """The budget groups (as in :func:`group_report`) whose guaranteed ε stays below ``ratio`` ×
-    their budget, as text ("ε=2 (spends ≤ 1.23), ..."); empty when every group spends its budget."""
+    """The budget groups (as in :func:`group_report`) that under-spend.
+
+    Args:
+        budgets: (N,) ε_i; guaranteed: (N,) the ε the plan guarantees each record; ratio: a group
+            under-spends when its largest guaranteed ε / budget is below this.
+    Returns:
+        "ε=2 (spends ≤ 1.23), ..." for those groups; empty when every group spends its budget.
+    """
     short = [r for r in group_report(budgets, guaranteed) if r["max_ratio"] < ratio]
     return ", ".join(f"ε={r['budget']} (spends ≤ {r['max_spent']:.3g})" for r in short)
 
@@ -590,9 +441,18 @@ def _warn_about_under_spending(cfg: TrainConfig, plan, budgets: np.ndarray) -> N
 
 
 def run(cfg: TrainConfig) -> dict:
-    """The whole ``pdpfast train`` job. Returns a summary dict (also written to ``cfg.out_json``).
-    Raises :class:`TrainingInterrupted` after SIGINT / SIGTERM (final checkpoint saved). Under
-    torchrun (WORLD_SIZE > 1) it is one rank of a data-parallel run (``--nproc``)."""
+    """The whole ``pdpfast train`` job. Under torchrun (WORLD_SIZE > 1) it is one rank of a
+    data-parallel run (``--nproc``).
+
+    Args:
+        cfg: the command's settings (see ``pdpfast train --help``).
+    Returns:
+        the summary (also written to ``cfg.out_json``): method, steps, total_steps, finished,
+        seconds, device, records_per_second, test metrics, ε per budget group ("groups"), ...
+    Raises:
+        ValueError for settings, data or a checkpoint that do not fit; :class:`TrainingInterrupted`
+        after SIGINT / SIGTERM (the final checkpoint saved).
+    """
     _check_config(cfg)
     _check_outputs(cfg)
     device = resolve_device(cfg.device)
@@ -669,8 +529,8 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
               f"δ={cfg.delta:g}, device {device}" + (f", {world_size} processes" if world_size > 1 else ""))
     run_method = _run_pdp if cfg.method == "pdp" else _run_idp
     with _StopOnSignal() as stop:
-        summary = run_method(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra,
-                             checkpoint_path, resume_state, stop)
+        job = _Job(cfg, checkpoint_path, extra, resume_state, stop)
+        summary = run_method(job, model, optimizer, train, task, budgets, sample_rate, total_steps)
     if stop.received is not None:
         raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
@@ -737,46 +597,75 @@ class _Progress:
         self.bar.close()
 
 
-def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state, stop) -> dict:
+@dataclass
+class _Job:
+    """What a run's method shares, whichever it is: the settings, where and with what to save, the
+    checkpoint being resumed (or None) and the stop signal. One place for resume → train → save."""
+
+    cfg: TrainConfig
+    checkpoint_path: str | None
+    extra: dict                  # written into every checkpoint (model config, settings, data fingerprint)
+    resume_state: dict | None
+    stop: _StopOnSignal
+
+    def resume(self, load, model: nn.Module, where) -> None:
+        """Restore the checkpoint, if any: ``load()`` puts the state into the run's objects, then
+        torch's random states; ``where()`` → (step, total steps) for the message."""
+        if self.resume_state is None:
+            return
+        _restore(self.cfg, load)
+        _set_rng_states(self.resume_state["extra"], model_device(model))
+        step, total = where()
+        _say(self.cfg, f"resumed from {self.cfg.resume} at step {step} of {total}")
+
+    def train(self, train, save_state, model: nn.Module, progress: _Progress, postfix=dict):
+        """``train(on_step)`` with the progress bar, a checkpoint every ``--checkpoint-every`` steps
+        and a final one (``save_state(path, **extra)`` writes it); returns what ``train`` returns.
+        A signal stops training after the step in progress (``on_step`` returns True)."""
+        cfg, stop = self.cfg, self.stop
+
+        def save():
+            if self.checkpoint_path:
+                save_state(self.checkpoint_path, **_rng_states(model_device(model)),
+                           interrupted=stop.received is not None, **self.extra)
+
+        def on_step(step, loss):
+            progress.step(loss, **postfix())
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
+                save()
+            return stop.received is not None
+
+        try:
+            result = train(on_step)
+        finally:
+            progress.close()
+        save()
+        return result
+
+
+def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, total_steps) -> dict:
+    cfg = job.cfg
     engine, model, optimizer, loader, criterion = private_engine(
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
         clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed, hybrid_weight=cfg.hybrid_weight,
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
-    if resume_state is not None:
-        def load():
-            inner_module(model).load_state_dict(resume_state["model"])
-            engine.load_state_dict(resume_state["engine"])
 
-        _restore(cfg, load)
-        _set_rng_states(resume_state["extra"], model_device(model))
-        _say(cfg, f"resumed from {cfg.resume} at step {engine.steps} of {plan.steps}")
+    def load():
+        inner_module(model).load_state_dict(job.resume_state["model"])
+        engine.load_state_dict(job.resume_state["engine"])
+
+    job.resume(load, model, lambda: (engine.steps, plan.steps))
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
               f"expected batch {plan.expected_batch_size:.1f}{note}")
     _warn_about_under_spending(cfg, plan, budgets)
     until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
-
-    def save():
-        if checkpoint_path:
-            engine.save_checkpoint(checkpoint_path, model, **_rng_states(model_device(model)),
-                                   interrupted=stop.received is not None, **extra)
-
     progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
-
-    def on_step(step, loss):
-        progress.step(loss)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
-            save()
-        return stop.received is not None
-
-    try:
-        private_steps(engine, model, optimizer, loader, task, criterion, until=until, on_step=on_step)
-    finally:
-        progress.close()
-    save()
+    job.train(lambda on_step: private_steps(engine, model, optimizer, loader, task, criterion, until=until,
+                                            on_step=on_step),
+              lambda path, **extra: engine.save_checkpoint(path, model, **extra), model, progress)
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
             "ledger": f"{engine.accountant.name.upper()} ledger at δ={cfg.delta:g}",
@@ -784,39 +673,22 @@ def _run_idp(cfg, model, optimizer, train, task, budgets, sample_rate, total_ste
             "records_per_second": progress.records_per_second()}
 
 
-def _run_pdp(cfg, model, optimizer, train, task, budgets, sample_rate, total_steps, extra, checkpoint_path,
-             resume_state, stop) -> dict:
+def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, total_steps) -> dict:
     from .pdp_sgd import PDPSGD
 
+    cfg = job.cfg
     # each round: epochs/rounds expected passes over its subset, at the run's expected batch size
     expected_batch_size = sample_rate * len(train)
     driver = PDPSGD(model, train.dataset(), budgets, optimizer=optimizer, delta=cfg.delta, rounds=cfg.rounds,
                     epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=expected_batch_size, task=task,
                     max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.seed,
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
-    if resume_state is not None:
-        _restore(cfg, lambda: driver.load_checkpoint_state(resume_state))
-        _set_rng_states(resume_state["extra"], model_device(model))
-        _say(cfg, f"resumed from {cfg.resume} at step {driver.steps} of {driver.total_steps}")
+    job.resume(lambda: driver.load_checkpoint_state(job.resume_state), model,
+               lambda: (driver.steps, driver.total_steps))
     progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
-
-    def save():
-        if checkpoint_path:
-            driver.save_checkpoint(checkpoint_path, **_rng_states(model_device(model)),
-                                   interrupted=stop.received is not None, **extra)
-
-    def on_step(step, loss):
-        progress.step(loss, round=driver.round + 1)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
-            save()
-        return stop.received is not None
-
-    try:
-        result = driver.run(on_step=on_step, max_steps=cfg.stop_after_steps)
-    finally:
-        progress.close()
-    save()
-    if stop.received is None:
+    result = job.train(lambda on_step: driver.run(on_step=on_step, max_steps=cfg.stop_after_steps),
+                       driver.save_checkpoint, model, progress, postfix=lambda: {"round": driver.round + 1})
+    if job.stop.received is None:
         for r in result.rounds:
             _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
                       f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")

@@ -29,7 +29,8 @@ def _engine(n=1, d=4, sample_rates=1.0, clip=1.0, physical_batch_size=None, seed
     kwargs = dict(criterion=nn.CrossEntropyLoss(reduction="sum")) if style.get("mode") == "ghost" else {}
     out = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=1),
                               noise_multiplier=0.0, max_grad_norm=clip, sample_rates=sample_rates,
-                              clip_norms=clip_norms, loss_reduction="sum", physical_batch_size=physical_batch_size, **style, **kwargs)
+                              clip_norms=clip_norms, loss_reduction="sum", physical_batch_size=physical_batch_size,
+                              **style, **kwargs)
     if style.get("mode") == "ghost":
         model, opt, criterion, loader = out
     else:
@@ -208,7 +209,7 @@ def test_low_precision_clipped_contribution_stays_within_bound(style, dtype):
     margin), over many random records."""
     torch.manual_seed(0)
     worst = 0.0
-    for trial in range(20):
+    for _trial in range(20):
         model = pdpfast.nn.convert(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype))
         x = (torch.randn(1, 16) * 10).to(dtype)
         y = torch.randint(0, 4, (1,))

@@ -139,7 +139,8 @@ def test_unsupported_modules_are_all_listed_in_one_error():
     with pytest.raises(ValueError) as error:
         convert(model)
     message = str(error.value)
-    for path in ("blocks.0 (MultiheadAttention: add_bias_kv", "blocks.1.rnn (LSTM: proj_size", "blocks.2 (Scale: gain)"):
+    for path in ("blocks.0 (MultiheadAttention: add_bias_kv", "blocks.1.rnn (LSTM: proj_size",
+                 "blocks.2 (Scale: gain)"):
         assert path in message
     assert "proj (Linear" not in message and "out_proj" not in message
     assert "requires_grad_(False)" in message

@@ -18,10 +18,21 @@ import pdpfast.ops.linear as linear_ops
 from pdpfast.ops import conv as conv_ops
 from pdpfast.ops import norm as norm_ops
 from pdpfast.ops.clip import CLIP_EPS, clip_weights
-from pdpfast.ops.embedding import (embedding_clipped_grad_reference, embedding_per_sample_grads, embedding_sq_norms,
-                                   embedding_sq_norms_reference)
-from pdpfast.ops.linear import (bias_sq_norms, bias_sq_norms_reference, linear_clipped_grads, linear_per_sample_grads,
-                                linear_weight_sq_norms, linear_weight_sq_norms_reference, use_gram)
+from pdpfast.ops.embedding import (
+    embedding_clipped_grad_reference,
+    embedding_per_sample_grads,
+    embedding_sq_norms,
+    embedding_sq_norms_reference,
+)
+from pdpfast.ops.linear import (
+    bias_sq_norms,
+    bias_sq_norms_reference,
+    linear_clipped_grads,
+    linear_per_sample_grads,
+    linear_weight_sq_norms,
+    linear_weight_sq_norms_reference,
+    use_gram,
+)
 
 
 def close(actual, expected, rtol=1e-10):

@@ -63,8 +63,8 @@ class StateFirst(nn.Module):
 
 
 @pytest.mark.parametrize("kind,layers,bidirectional,bias,with_state", GRID,
-                         ids=[f"{k}-l{l}-{'bi' if b else 'uni'}-{'bias' if bb else 'nobias'}"
-                              f"{'-h0' if s else ''}" for k, l, b, bb, s in GRID])
+                         ids=[f"{k}-l{n}-{'bi' if b else 'uni'}-{'bias' if bb else 'nobias'}"
+                              f"{'-h0' if s else ''}" for k, n, b, bb, s in GRID])
 def test_recurrent_layer_matches_oracle(kind, layers, bidirectional, bias, with_state, style, oracle):
     reference, model, inputs = case(kind, layers, bidirectional, bias, with_state)
     reference, model = StateFirst(reference), StateFirst(model)

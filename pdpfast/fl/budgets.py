@@ -11,7 +11,7 @@ never on the records themselves (DESIGN.md §3.2).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

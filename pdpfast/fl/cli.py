@@ -34,21 +34,21 @@ _CHOICES = {"method": tuple(METHODS), "threat": THREATS, "conversion": CONVERSIO
             "clipping": ("flat", "per_layer")}   # the engine's (FLConfig checks against it)
 
 
-def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default="digits", choices=datasets())
-    p.add_argument("--clients", type=int, default=5, help="M, number of clients (silos)")
-    p.add_argument("--split", default="iid", choices=SPLITS, help="how records are split across clients")
-    p.add_argument("--dirichlet-alpha", type=float, default=0.5, help="α of --split dirichlet")
-    p.add_argument("--budgets", default="ThreeLevels", choices=distributions(),
-                   help="per-record budget distribution")
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default="digits", choices=datasets())
+    parser.add_argument("--clients", type=int, default=5, help="M, number of clients (silos)")
+    parser.add_argument("--split", default="iid", choices=SPLITS, help="how records are split across clients")
+    parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="α of --split dirichlet")
+    parser.add_argument("--budgets", default="ThreeLevels", choices=distributions(),
+                        help="per-record budget distribution")
 
 
-def _add_config_args(p: argparse.ArgumentParser, skip=()) -> None:
+def _add_config_args(parser: argparse.ArgumentParser, skip=()) -> None:
     for f in dataclasses.fields(FLConfig):
         if f.name in skip:
             continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                       choices=_CHOICES.get(f.name), help=f"{_HELP.get(f.name, '')} (default {f.default})")
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                            choices=_CHOICES.get(f.name), help=f"{_HELP.get(f.name, '')} (default {f.default})")
 
 
 def _config(args, **override) -> FLConfig:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ def get_weights(model: nn.Module) -> Weights:
 
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
+    """Load ``weights`` (arrays in ``state_dict`` order, as :func:`get_weights` gives) into ``model``."""
     keys = list(model.state_dict().keys())
     if len(keys) != len(weights):
         raise ValueError(f"the model has {len(keys)} tensors, got {len(weights)} arrays")
@@ -63,8 +64,14 @@ def check_budgets(name: str, budgets, n: int) -> np.ndarray:
 
 
 def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
-    """(n,) sampling rates: ``rpdp.sample_rates`` (SCF + exact re-accounting) for the records with
-    a finite target budget, 0 for records left out (NaN), 1 without privacy (∞)."""
+    """Per-record sampling rates for the targets a method gives the records.
+
+    Args:
+        targets: (n,) target ε per record (NaN: left out, ∞: no privacy). config: the run's settings.
+    Returns:
+        (n,) q_j in [0, 1]: ``rpdp.sample_rates`` (SCF + exact re-accounting) for finite targets,
+        0 for records left out, 1 without privacy.
+    """
     q = np.zeros(targets.shape[0])
     q[np.isposinf(targets)] = 1.0
     train = np.isfinite(targets)
@@ -84,7 +91,14 @@ def _scf_estimator(key: tuple) -> rpdp.SCFEstimator:
 
 def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor, labels: torch.Tensor,
                 sample_rates: np.ndarray, config: FLConfig, seed: int) -> tuple[Weights, np.ndarray]:
-    """τ local steps from ``weights``; returns (new weights, (n,) times each record was drawn).
+    """τ local steps from ``weights``.
+
+    Args:
+        model_fn: builds the model. weights: the global model's arrays. features: (n, ...) float;
+            labels: (n,) int64. sample_rates: (n,) q_j in [0, 1]. config: the run's settings.
+            seed: of this round's draws and noise.
+    Returns:
+        (new weights, (n,) int64 times each record was drawn).
 
     Private methods: DP-SGD through the pdpfast engine, record j drawn with probability q_j each
     step, clip bound C, noise N(0, σ²C²), normalization by the expected batch Σ q_j; the draws and
@@ -97,6 +111,7 @@ def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: t
 
 def _local_train(model_fn, weights, features, labels, sample_rates, config, seed):
     from ..engine import PrivacyEngine
+    from ..loop import Task, private_steps
 
     model = fresh_model(model_fn)
     set_weights(model, weights)
@@ -116,19 +131,19 @@ def _local_train(model_fn, weights, features, labels, sample_rates, config, seed
         noise_multiplier=config.noise_multiplier, max_grad_norm=config.max_grad_norm, sample_rates=sample_rates,
         mode=config.mode, clipping=config.clipping, criterion=criterion if config.mode == "ghost" else None,
         steps_per_epoch=config.local_steps)
-    if config.mode == "ghost":
-        model, optimizer, criterion, loader = made
-    else:
-        model, optimizer, loader = made
+    loader = made.data_loader
+
+    def count_draw(step, loss):   # one draw per step: the loader's current batch is the whole draw
+        np.add.at(draws, loader.current.indices.numpy(), 1)
+
     try:
-        for xb, yb in loader:
-            np.add.at(draws, loader.current.indices.numpy(), 1)
-            criterion(model(xb), yb).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        # τ steps = one pass over the loader (steps_per_epoch=τ), the mean loss of the draw (torch's default)
+        private_steps(engine, made.module, made.optimizer, loader, Task(),
+                      made.criterion if config.mode == "ghost" else criterion, until=config.local_steps,
+                      on_step=count_draw)
     finally:
         engine.detach()
-    return get_weights(model), draws
+    return get_weights(made.module), draws
 
 
 class Silo:

@@ -8,10 +8,11 @@ simulation and a Flower deployment make exactly the same draws.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from .._checks import check_choice, check_in_range, check_int
 
 THREATS = ("clients", "server")
 CONVERSIONS = ("standard", "improved")
@@ -19,32 +20,6 @@ CONVERSIONS = ("standard", "improved")
 # Salts keep the client-sampling stream and the local-training stream independent.
 _CLIENT_SAMPLING_SALT = 0x5EED_C11E
 _LOCAL_TRAINING_SALT = 0x10CA_1DB5
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int ≥ {minimum}, got {value!r}")
-    return int(value)
-
-
-def _check_float(name: str, value, *, low: float, high: float = math.inf, low_open: bool = True,
-                 high_open: bool = False) -> float:
-    lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-    where = f"{name} must lie in {lo}{low:g}, {high:g}{hi}"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}, got {value!r} (not a number)") from None
-    too_low = v <= low if low_open else v < low
-    too_high = v >= high if high_open else v > high
-    if not math.isfinite(v) or too_low or too_high:
-        raise ValueError(f"{where}, got {value!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -78,22 +53,22 @@ class FLConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from ..clipping import CLIPPINGS, MODES   # the engine's own choices (imports torch: lazily)
+        from ..clipping import CLIPPINGS, MODES  # the engine's own choices (imports torch: lazily)
         from .methods import METHODS
 
-        _check_int("rounds", self.rounds, 1)
-        _check_int("local_steps", self.local_steps, 1)
-        _check_float("client_rate", self.client_rate, low=0.0, high=1.0)
-        _check_float("noise_multiplier", self.noise_multiplier, low=0.0)
-        _check_float("max_grad_norm", self.max_grad_norm, low=0.0)
-        _check_float("delta", self.delta, low=0.0, high=1.0, high_open=True)
-        _check_float("lr", self.lr, low=0.0)
-        _check_choice("method", self.method, tuple(METHODS))
-        _check_choice("threat", self.threat, THREATS)
-        _check_choice("conversion", self.conversion, CONVERSIONS)
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("clipping", self.clipping, CLIPPINGS)
-        _check_int("seed", self.seed, 0)
+        check_int("rounds", self.rounds, 1)
+        check_int("local_steps", self.local_steps, 1)
+        check_in_range("client_rate", self.client_rate, low=0.0, high=1.0)
+        check_in_range("noise_multiplier", self.noise_multiplier, low=0.0)
+        check_in_range("max_grad_norm", self.max_grad_norm, low=0.0)
+        check_in_range("delta", self.delta, low=0.0, high=1.0, high_open=True)
+        check_in_range("lr", self.lr, low=0.0)
+        check_choice("method", self.method, tuple(METHODS))
+        check_choice("threat", self.threat, THREATS)
+        check_choice("conversion", self.conversion, CONVERSIONS)
+        check_choice("mode", self.mode, MODES)
+        check_choice("clipping", self.clipping, CLIPPINGS)
+        check_int("seed", self.seed, 0)
 
     @property
     def private(self) -> bool:

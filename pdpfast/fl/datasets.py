@@ -17,8 +17,9 @@ Dirichlet(α), α = ``dirichlet_alpha``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -77,7 +78,7 @@ def datasets() -> tuple[str, ...]:
     return tuple(_LOADERS)
 
 
-def model_factory(dataset: str) -> Callable[[], "torch.nn.Module"]:
+def model_factory(dataset: str) -> Callable[[], torch.nn.Module]:
     """A function building a fresh model for ``dataset`` (initialized from torch's global RNG)."""
     if dataset not in _MODEL_SHAPES:
         raise ValueError(f"dataset must be one of {', '.join(map(repr, _MODEL_SHAPES))}, got {dataset!r}")

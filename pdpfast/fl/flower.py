@@ -32,8 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
@@ -90,7 +90,7 @@ class PDPClient(NumPyClient):
     def fit(self, parameters, config):
         server_round = int(config["server_round"])
         self.last_round = server_round
-        update = self.silo.fit([np.asarray(p) for p in parameters], server_round)
+        update = self.silo.fit([np.asarray(array) for array in parameters], server_round)
         if self.ledger_path is not None and self.silo.ledger is not None:
             self.silo.ledger.save(self.ledger_path)
         if update is None:
@@ -242,7 +242,8 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
     # register in reverse order under opaque ids: the strategy must rely on get_properties only
     for silo in reversed(silos):
         manager.register(_DirectProxy(f"node-{1000 - silo.client_id}", PDPClient(silo).to_client()))
-    strategy = PoissonFedAvg(num_clients=data.num_clients, config=config, initial=initial_weights(model_fn, config.seed),
+    strategy = PoissonFedAvg(num_clients=data.num_clients, config=config,
+                             initial=initial_weights(model_fn, config.seed),
                              evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=5)
     server = Server(client_manager=manager, strategy=strategy)
     server.max_workers = 1
@@ -292,7 +293,8 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=clients,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init_args})
     if len(strategy.accuracy) != config.rounds + 1:
-        raise RuntimeError(f"the Flower simulation stopped after {len(strategy.accuracy) - 1} of {config.rounds} rounds")
+        raise RuntimeError(f"the Flower simulation stopped after {len(strategy.accuracy) - 1} of {config.rounds} "
+                           "rounds")
     silos = [build_silo(data, per_record, config, k) for k in range(clients)]
     for silo in silos:
         path = ledger_dir / f"client{silo.client_id}.npz"
@@ -419,19 +421,19 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
                              "--out", str(workdir / f"client{k}.json"), "--max-wait-time", wait, *common])
     deadline = time.monotonic() + timeout
     try:
-        for name, p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for _name, process in procs:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"Flower processes did not finish within {timeout:g} s; logs in {workdir}:\n"
                            + _tails(workdir)) from None
     finally:
-        for _, p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        for _, process in procs:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
         for log in logs:
             log.close()
-    bad = [(name, p.returncode) for name, p in procs if p.returncode != 0]
+    bad = [(name, process.returncode) for name, process in procs if process.returncode != 0]
     if bad:
         raise RuntimeError(f"Flower processes failed {bad}; logs in {workdir}:\n" + _tails(workdir))
     server = json.loads((workdir / "server.json").read_text())

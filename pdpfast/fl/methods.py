@@ -12,8 +12,8 @@ calibrated for and the ledger enforces. NaN means the record is left out of trai
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

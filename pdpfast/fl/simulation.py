@@ -14,8 +14,8 @@ building block the Flower front end shares: ``sampled_clients``, ``aggregate`` a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

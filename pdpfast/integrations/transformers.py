@@ -23,9 +23,9 @@ What changes against the plain Trainer, and why:
   a function of the private data that no noise protects). The logged training loss is, as in
   Opacus' examples, not privatized. ``ignore_data_skip`` is forced on: a resumed run continues the
   Poisson draws from the checkpointed step instead of replaying and discarding them.
-* **The ledger.** ``trainer.epsilons()`` (= ``trainer.privacy_engine.epsilons()`` with budgets), ``epsilon`` and ``epsilon_<group>`` (max ε of the
-  records with that budget, for up to ``MAX_LOGGED_GROUPS`` distinct budgets) are logged with the
-  other metrics; checkpoints hold the engine's state (``pdpfast_engine.pt``), so
+* **The ledger.** ``trainer.epsilons()`` (= ``trainer.privacy_engine.epsilons()`` with budgets), ``epsilon``
+  and ``epsilon_<group>`` (max ε of the records with that budget, for up to ``MAX_LOGGED_GROUPS`` distinct
+  budgets) are logged with the other metrics; checkpoints hold the engine's state (``pdpfast_engine.pt``), so
   ``train(resume_from_checkpoint=...)`` continues the ledger, the draws and the noise exactly.
 """
 from __future__ import annotations
@@ -120,8 +120,8 @@ class DPTrainer(transformers.Trainer):
 
     budgets: one ε per training record (array of N), or the name of a column of ``train_dataset``
     (a ``datasets.Dataset``) holding them; delta: δ in (0, 1); method: "sample" | "scale" |
-    "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at the smallest budget). Or, for uniform DP without budgets,
-    ``noise_multiplier`` (σ) and ``max_grad_norm`` (C). accountant: "rdp" | "pld". mode: "bk" |
+    "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at the smallest budget). Or, for uniform DP
+    without budgets, ``noise_multiplier`` (σ) and ``max_grad_norm`` (C). accountant: "rdp" | "pld". mode: "bk" |
     "ghost"; clipping: "flat" | "per_layer". seed: of the draws and the noise (default
     ``args.seed``). The remaining arguments are the Trainer's.
     """
@@ -149,7 +149,8 @@ class DPTrainer(transformers.Trainer):
             kwargs["args"] = private_args
         super().__init__(*args, **kwargs)
         self.budgets_spec, self.delta, self.method = budgets, float(delta), method
-        self.dp_noise_multiplier, self.dp_max_grad_norm, self.dp_accountant = noise_multiplier, max_grad_norm, accountant
+        self.dp_noise_multiplier, self.dp_max_grad_norm = noise_multiplier, max_grad_norm
+        self.dp_accountant = accountant
         self.dp_mode, self.dp_clipping = mode, clipping
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
         self.privacy_engine = PrivacyEngine(seed=self.args.seed if seed is None else seed)
@@ -226,7 +227,7 @@ class DPTrainer(transformers.Trainer):
                                       sample_rates=sample_rate, steps_per_epoch=steps_per_epoch, **common)
             self.uniform_ledger = IndividualAccountant(engine.sample_rates, self.dp_noise_multiplier)
             engine.optimizer.post_step_hooks.append(lambda _: self.uniform_ledger.step())
-        self.optimizer, self._train_loader = out[1], out[-1]
+        self.optimizer, self._train_loader = out.optimizer, out.data_loader
 
     @staticmethod
     def _privacy_groups(budgets: np.ndarray) -> list[tuple[str, np.ndarray]]:

@@ -20,7 +20,7 @@ def _dp_class_for(cls: type) -> type | None:
     return _dp_class_cached(cls, rules.generation())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dp_class_cached(cls: type, generation: int) -> type | None:
     # ``generation``: part of the key only, so a registration after a lookup is seen
     for base in cls.__mro__:
@@ -33,7 +33,7 @@ def _dp_class_cached(cls: type, generation: int) -> type | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _subclass(dp: type, cls: type) -> type:
     # keep the user's class in the MRO (isinstance checks, its extra methods); one class per pair,
     # however often the registry changes

@@ -85,7 +85,8 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         return x.shape, o.shape, o.dtype, o.device, weight in names, bias in names
 
     def stack(calls):  # (n, B, T, d), (n, B, T, p): one copy each, shapes fixed by the key
-        B, T, d, p = calls[0][1].shape[0], math.prod(calls[0][1].shape[1:-1]), calls[0][1].shape[-1], calls[0][2].shape[-1]
+        B, T = calls[0][1].shape[0], math.prod(calls[0][1].shape[1:-1])
+        d, p = calls[0][1].shape[-1], calls[0][2].shape[-1]
         n = len(calls)
         a = torch.stack([x for _, x, _, _ in calls]).view(n, B, T, d)
         g = torch.stack([o for _, _, o, _ in calls]).view(n, B, T, p)

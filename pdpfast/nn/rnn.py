@@ -60,7 +60,8 @@ class DPRNNBase(DPModule):
                 k = layer * dirs + direction
                 suffix = f"_l{layer}" + ("_reverse" if direction else "")
                 seq = layer_input.flip(1) if direction else layer_input
-                names_ih, names_hh = (f"weight_ih{suffix}", f"bias_ih{suffix}"), (f"weight_hh{suffix}", f"bias_hh{suffix}")
+                names_ih = (f"weight_ih{suffix}", f"bias_ih{suffix}")
+                names_hh = (f"weight_hh{suffix}", f"bias_hh{suffix}")
                 gates_x = state.partial_forward(self, seq, names_ih, lambda x, p, n=names_ih: _projection(x, p, *n))
                 gates_x = gates_x.view(B, T, -1)
                 h, c, steps = h0[k], (c0[k] if lstm else None), []

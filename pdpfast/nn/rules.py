@@ -20,8 +20,8 @@ launch each instead of n, which is most of the host time a private step adds.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 import torch
 from torch import nn

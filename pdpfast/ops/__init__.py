@@ -9,8 +9,15 @@ from .clip import clip_weights
 from .conv import conv_weight_sq_norms, conv_weight_sq_norms_reference
 from .dispatch import pick, register, registered, use_triton
 from .embedding import embedding_clipped_grad_reference, embedding_sq_norms, embedding_sq_norms_reference
-from .linear import (bias_sq_norms, linear_clipped_grads, linear_sq_norms, linear_sq_norms_reference,
-                     linear_weight_sq_norms, linear_weight_sq_norms_reference, use_gram)
+from .linear import (
+    bias_sq_norms,
+    linear_clipped_grads,
+    linear_sq_norms,
+    linear_sq_norms_reference,
+    linear_weight_sq_norms,
+    linear_weight_sq_norms_reference,
+    use_gram,
+)
 from .noise import add_noise_, add_noise_reference_
 
 __all__ = [

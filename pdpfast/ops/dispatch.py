@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -99,7 +99,7 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_import_error() -> str | None:
     """None when Triton and pdpfast's kernels import, else the reason they do not."""
     try:

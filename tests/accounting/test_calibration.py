@@ -287,7 +287,7 @@ def test_extreme_settings_keep_the_guarantees(method):
     plan = calibrate(budgets, delta=1e-3, steps=10, sample_rate=0.5, method=method)
     used = plan.epsilons() / budgets
     assert np.all(used <= 1.0) and np.all((used >= 0.99) | (plan.sample_rates >= 1.0))
-    for budget, eps, q in reaccount_plan(plan, budgets, np.random.default_rng(2), k=4):
+    for budget, eps, _q in reaccount_plan(plan, budgets, np.random.default_rng(2), k=4):
         assert eps <= budget
 
 

@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from pdpfast.accounting import get_noise_multiplier, pdp
-from pdpfast.accounting.rdp import epsilon as rdp_epsilon
+from pdpfast.accounting import pdp
 
 
 def _naive_losses(budgets, tau, w1=0.7, w2=0.3):

@@ -2,8 +2,7 @@
 import numpy as np
 import pytest
 
-from pdpfast.accounting import IndividualAccountant, PLDIndividualAccountant, calibrate, ledger_for_plan
-from pdpfast.accounting import pld
+from pdpfast.accounting import IndividualAccountant, PLDIndividualAccountant, calibrate, ledger_for_plan, pld
 
 DELTA = 1e-5
 

@@ -4,12 +4,11 @@ import warnings
 import mpmath
 import numpy as np
 import pytest
-from dp_accounting import PoissonSampledDpEvent, GaussianDpEvent, SelfComposedDpEvent
+from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
 from dp_accounting.rdp import RdpAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 
-from pdpfast.accounting import DEFAULT_ORDERS, compute_rdp, get_privacy_spent
-from pdpfast.accounting import _grid
+from pdpfast.accounting import DEFAULT_ORDERS, _grid, compute_rdp, get_privacy_spent
 from pdpfast.accounting.rdp import OPACUS_ORDERS
 
 # Opacus evaluates log Σ_k terms directly, so its own rounding error is ~1e-16 absolute per step in

@@ -206,7 +206,8 @@ def test_resume_with_another_optimizer_names_the_option(cli, data_dir, tmp_path)
     assert "--optimizer" in message and "sgd" in message and "adam" in message
 
 
-@pytest.mark.parametrize("command,args", [("demo", ("--out", "a_file")), ("bench", ("--suite", "cpu", "--out", "a_dir")),
+@pytest.mark.parametrize("command,args", [("demo", ("--out", "a_file")),
+                                          ("bench", ("--suite", "cpu", "--out", "a_dir")),
                                           ("bench", ("--suite", "cpu", "--out", "r.json", "--plot", "r.json"))])
 def test_other_commands_check_their_output_paths_before_any_work(cli, tmp_path, monkeypatch, command, args):
     import pdpfast.demo

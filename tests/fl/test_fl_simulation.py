@@ -38,7 +38,8 @@ def test_bounded_mix_gauss_components():
 
 
 def test_budgets_are_data_independent_and_seeded():
-    np.testing.assert_array_equal(fl.sample_budgets("BoundedPareto", 100, 4), fl.sample_budgets("BoundedPareto", 100, 4))
+    np.testing.assert_array_equal(fl.sample_budgets("BoundedPareto", 100, 4),
+                                  fl.sample_budgets("BoundedPareto", 100, 4))
     assert not np.array_equal(fl.sample_budgets("BoundedPareto", 100, 4), fl.sample_budgets("BoundedPareto", 100, 5))
 
 

@@ -58,8 +58,8 @@ def _load_kernels():
 TRITON_ERROR = _triton_error()
 if TRITON_ERROR is None:
     _load_kernels()
-    from pdpfast.ops import dispatch as _dispatch
     from pdpfast.kernels import _utils as _kernel_utils
+    from pdpfast.ops import dispatch as _dispatch
 
     _dispatch.triton_import_error.cache_clear()  # in case it was asked before the fallback load
     # every launcher allocates its outputs and partial buffers through new_buffer: fill them with

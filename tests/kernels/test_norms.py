@@ -10,8 +10,7 @@ pytest.importorskip("triton")
 
 from pdpfast.kernels import norms  # noqa: E402
 from pdpfast.ops.embedding import embedding_per_sample_grads, embedding_sq_norms_reference  # noqa: E402
-from pdpfast.ops.linear import (bias_sq_norms_reference, linear_per_sample_grads,  # noqa: E402
-                                linear_weight_sq_norms_reference)
+from pdpfast.ops.linear import bias_sq_norms_reference, linear_per_sample_grads, linear_weight_sq_norms_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PATHS = ["auto", "gram", "direct"]

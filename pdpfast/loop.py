@@ -1,0 +1,270 @@
+"""The shared training loop: how a batch becomes a loss, how a model is made private for a method,
+and the ordinary loop that takes a given number of private steps.
+
+Used by every driver — ``pdpfast train`` (:mod:`pdpfast.train`), PDP-SGD (:mod:`pdpfast.pdp_sgd`),
+the demos, the audit and the federated clients (:mod:`pdpfast.fl.client`) — so they train alike:
+
+* :class:`Task` — how a batch becomes a loss and how a model is evaluated (classification with
+  logits (B, K), or next-token language modelling for GPT-2); losses are sums of per-record losses
+  (``loss_reduction="sum"``), which keeps empty Poisson draws well defined.
+* :func:`private_engine` — ``PrivacyEngine.make_private_with_budgets`` for "sample" / "scale" /
+  "hybrid", and for "dpsgd" (every record at the smallest budget: what standard DP-SGD must use).
+* :func:`private_steps` — the ordinary training loop, run until the engine has taken a given
+  number of optimizer steps (so a resumed run takes exactly the steps that remain).
+
+It sits above the engine and below the drivers: it imports :mod:`pdpfast.engine` (lazily, through
+``pdpfast.PrivacyEngine``) and nothing of the drivers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = ["PrivateRun", "SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for", "private_engine",
+           "private_steps", "to_device"]
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live.
+
+    Args:
+        model: any module.
+    Returns:
+        the device of its first parameter (the CPU for a model without parameters).
+    """
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def to_device(batch, device: torch.device):
+    """Move a batch to a device. Copies from pinned memory are non-blocking: the host goes on to the
+    next batch while the copy runs.
+
+    Args:
+        batch: a tensor, or lists / tuples / dicts of them (other values are returned as they are).
+        device: where to put it.
+    Returns:
+        the batch, of the same structure, with every tensor on ``device``.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def pin_memory_for(model: nn.Module) -> bool:
+    """Whether loaders feeding ``model`` should pin their batches (page-locked host memory makes
+    host-to-GPU copies asynchronous); only worth it, and only possible, for a CUDA model.
+
+    Args:
+        model: the model the batches are for.
+    Returns:
+        True when its parameters are on a CUDA device.
+    """
+    return model_device(model).type == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+class SequenceCrossEntropy(nn.Module):
+    """Next-token cross-entropy; a record's loss is the mean over its positions.
+
+    forward(logits (B, T, V), targets (B, T)) → (B,) with reduction "none", else their sum / mean.
+    (A torch loss module with a ``reduction`` attribute, so ghost mode can wrap it.)"""
+
+    def __init__(self, reduction: str = "sum"):
+        super().__init__()
+        self.reduction = reduction
+
+    def forward(self, logits, targets):
+        """Args: logits (B, T, V) float; targets (B, T) int64 token ids. Returns: (B,) per-record
+        mean losses in nats for reduction "none", else their sum or mean (a scalar)."""
+        b = targets.shape[0]
+        per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                                reduction="none")
+        per_record = per_token.reshape(b, -1).mean(1) if per_token.numel() else per_token.reshape(b)
+        if self.reduction == "none":
+            return per_record
+        return per_record.sum() if self.reduction == "sum" else per_record.mean()
+
+
+@dataclass(frozen=True)
+class Task:
+    """kind: "classification" or "lm"; family: "plain" (``model(x)``), "bert" (token ids with an
+    attention mask hiding ``pad_id``) or "gpt2"."""
+
+    kind: str = "classification"
+    family: str = "plain"
+    pad_id: int = 0
+
+    @classmethod
+    def for_model(cls, name: str) -> Task:
+        """The task of a model of :mod:`pdpfast.models` by name (its kind, and the input family
+        of "bert*" / "gpt2*" models)."""
+        from .models import model_spec
+
+        spec = model_spec(name)
+        family = "bert" if name.startswith("bert") else "gpt2" if name.startswith("gpt2") else "plain"
+        return cls(spec.task, family)
+
+    def criterion(self) -> nn.Module:
+        """The summed loss module: cross-entropy of logits (B, K) against labels (B,), or
+        :class:`SequenceCrossEntropy` for "lm"; a scalar, the sum of the B per-record losses."""
+        return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
+
+    def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, ...) the model's input (token ids (B, T) for "bert" / "gpt2"). Returns: the
+        logits, (B, K) for classification or (B, T, V) for "lm" (``.logits`` of a HF output)."""
+        if self.family == "bert":
+            out = model(input_ids=x, attention_mask=(x != self.pad_id).long())
+        elif self.family == "gpt2":
+            out = model(input_ids=x)
+        else:
+            out = model(x)
+        return out.logits if hasattr(out, "logits") else out
+
+    def loss(self, model: nn.Module, batch, criterion):
+        """Args: batch (x, y, ...) from the loader; criterion: from :meth:`criterion` (or its
+        ghost-mode wrapper). Returns: the scalar sum of the batch's per-record losses (a
+        ``DPLoss`` in ghost mode); for "lm" the targets are x shifted by one token."""
+        x, y = batch[0], batch[1]
+        logits = self.logits(model, x)
+        if self.kind == "lm":
+            return criterion(logits[:, :-1], x[:, 1:])
+        return criterion(logits, y)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
+        """Args: dataset: map-style, yielding (x, y); batch_size: rows per forward. Returns:
+        {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the
+        mean per-record loss in nats. The model's train / eval mode is restored afterwards."""
+        was_training = model.training
+        model.eval()
+        total, correct, loss_sum = 0, 0, 0.0
+        criterion = self.criterion()
+        device = model_device(model)
+        try:
+            for x, y in DataLoader(dataset, batch_size=batch_size, pin_memory=device.type == "cuda"):
+                x, y = to_device(x, device), to_device(y, device)
+                logits = self.logits(model, x)
+                if self.kind == "lm":
+                    loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
+                else:
+                    loss_sum += float(criterion(logits, y))
+                    correct += int((logits.argmax(-1) == y).sum())
+                total += x.shape[0]
+        finally:
+            model.train(was_training)
+        mean = loss_sum / max(total, 1)
+        if self.kind == "lm":
+            return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+        return {"accuracy": correct / max(total, 1), "loss": mean}
+
+
+def evaluate(model, dataset, task: Task | None = None) -> dict:
+    """Evaluate ``model`` on ``dataset`` (see :meth:`Task.evaluate`).
+
+    Args:
+        model: the model; dataset: map-style, yielding (x, y); task: default classification.
+    Returns:
+        {"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm); loss in nats per record.
+    """
+    return (task or Task()).evaluate(model, dataset)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class PrivateRun(NamedTuple):
+    """What :func:`private_engine` returns; unpacks as (engine, model, optimizer, loader, criterion)."""
+
+    engine: Any            # the PrivacyEngine, holding the plan and the per-record ledger
+    model: nn.Module
+    optimizer: Any         # the DPOptimizer
+    loader: Any            # the Poisson DPDataLoader
+    criterion: Any         # the loss module to call on (logits, targets)
+
+
+def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
+                   sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
+                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float = 0.5,
+                   accountant: str = "rdp", physical_batch_size: int | None = None):
+    """Make ``model`` private for a method: IDP with the records' own budgets ("sample", "scale",
+    "hybrid") or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
+
+    The engine's ledger holds the budgets the plan was made for; for "dpsgd" that is min ε_i for
+    everyone, so ``engine.epsilons()`` is what DP-SGD spends of each record's own budget.
+
+    Args:
+        method: "sample" | "scale" | "hybrid" | "dpsgd" (PDP-SGD: :mod:`pdpfast.pdp_sgd`).
+        model, optimizer: the model (converted in place) and a torch optimizer over its parameters.
+        dataset: map-style, N records yielding (x, y). budgets: (N,) ε_i > 0.
+        delta: δ in (0, 1). steps: optimizer steps T of the plan. sample_rate: mean Poisson rate q in
+            (0, 1]. batch_size: of the loader the engine replaces (sets nothing else).
+        task: how a batch becomes a loss (default classification). max_grad_norm: reference clip
+            bound C > 0. clipping, mode, hybrid_weight, accountant, physical_batch_size: as in
+            ``PrivacyEngine.make_private_with_budgets``. seed: of the draws and the noise.
+    Returns:
+        :class:`PrivateRun` (engine, model, optimizer, loader, criterion): criterion is the task's
+        summed loss, wrapped for its two backward passes in ghost mode.
+    """
+    if method not in ("sample", "scale", "hybrid", "dpsgd"):
+        raise ValueError(f"method must be one of sample, scale, hybrid, dpsgd (pdp: pdpfast.pdp_sgd), got {method!r}")
+    import pdpfast
+
+    task = task or Task()
+    budgets = np.asarray(budgets, dtype=np.float64)
+    plan_budgets = np.full_like(budgets, budgets.min()) if method == "dpsgd" else budgets
+    criterion = task.criterion()
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    made = engine.make_private_with_budgets(
+        module=model, optimizer=optimizer,
+        data_loader=DataLoader(dataset, batch_size=batch_size, pin_memory=pin_memory_for(model)),
+        budgets=plan_budgets, delta=delta, steps=steps, method="sample" if method == "dpsgd" else method,
+        sample_rate=sample_rate, max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant,
+        clipping=clipping, mode=mode, loss_reduction="sum", physical_batch_size=physical_batch_size,
+        criterion=criterion if mode == "ghost" else None)
+    # ghost mode wraps the loss (its two backward passes); otherwise the task's own loss is used as it is
+    return PrivateRun(engine, made.module, made.optimizer, made.data_loader,
+                      made.criterion if mode == "ghost" else criterion)
+
+
+def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
+                  on_step=None) -> None:
+    """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader
+    (forward, backward, ``optimizer.step()``, ``zero_grad()``), for as many passes as it takes.
+    Batches are moved to the model's device (non-blocking from pinned memory).
+
+    Args:
+        engine: the ``PrivacyEngine`` (its ``steps`` count the optimizer steps taken).
+        model, optimizer, loader: what ``make_private`` returned. task: turns a batch into a loss;
+            criterion: the loss module it calls (a ``DPCriterion`` in ghost mode).
+        until: the engine step to stop at (a resumed run takes only the steps that remain).
+        on_step: ``on_step(step, loss)`` after every optimizer step: step = engine.steps, loss = the
+            criterion's value on the draw's last physical batch divided by its rows (the mean
+            per-record loss for a summed loss). Returning True stops early.
+    Returns:
+        None; the model and the engine's ledger have advanced.
+    """
+    model.train()
+    device = model_device(model)
+    while engine.steps < until:
+        for batch in loader:
+            if device.type != "cpu":
+                batch = to_device(batch, device)
+            loss = task.loss(model, batch, criterion)
+            loss.backward()
+            before = engine.steps
+            optimizer.step()
+            optimizer.zero_grad()
+            if engine.steps != before:
+                rows = max(int(batch[0].shape[0]), 1)
+                stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False
+                if stop or engine.steps >= until:
+                    return
