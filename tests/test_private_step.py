@@ -271,3 +271,51 @@ def test_private_step_keeps_user_state_untouched_by_deepcopy():
     twin = copy.deepcopy(model)
     _stepped(step, opt, loader, 2)
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_private_step_second_call_into_a_clipped_batch_never_adds_a_second_contribution():
+    """A batch's clipped sums are in .grad after one call: calling the step again on the same batch
+    (mid-draw: the batch is CLIPPED; at a draw's end: the step closed it) is refused, never added."""
+    engine, model, opt, loader = _engine(_mlp(), physical_batch_size=2)
+    step = engine.make_step(_loss(model))
+    batches = iter(loader)
+    x, y = next(batches)
+    step(x, y)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="already computed|needs an open batch"):
+        step(x, y)
+    if not loader.current.is_last:
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    while not loader.current.is_last:
+        step(*next(batches))
+    with pytest.raises(RuntimeError, match="needs an open batch"):
+        step(x, y)
+    assert opt.steps == 1
+
+
+def test_private_step_under_autocast_equals_the_ordinary_loop():
+    """bf16 autocast inside the loss function: the same steps as the ordinary loop under autocast
+    (norms and clip weights in fp32, the rounding margin on the bounds)."""
+    def autocast_loss(model):
+        def loss(x, y):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return nn.functional.cross_entropy(model(x.float()).float(), y)
+        return loss
+
+    def mlp32():
+        return _mlp().float()
+
+    a_engine, a_model, a_opt, a_loader = _engine(mlp32())
+    b_engine, b_model, b_opt, b_loader = _engine(mlp32())
+    draws = 3
+    while a_opt.steps < draws:
+        for x, y in a_loader:
+            autocast_loss(a_model)(x, y).backward()
+            a_opt.step()
+            a_opt.zero_grad()
+            if a_opt.steps == draws and a_loader.current.is_last:
+                break
+    _stepped(b_engine.make_step(autocast_loss(b_model)), b_opt, b_loader, draws)
+    for p, q in zip(b_model.parameters(), a_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
