@@ -38,7 +38,8 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--models", default="transformer,cnn")
     parser.add_argument("--out", default="bench/results/cpu_step_time.json")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--providers", default=",".join(n for n in PROVIDERS if not n.endswith(" graph")),
+                        help="comma-separated; the \"... graph\" providers need CUDA")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the process's CPU time, steadier than wall time on a shared machine")

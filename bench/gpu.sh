@@ -42,7 +42,8 @@ for step in $steps; do
                run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
         kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
                      --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_ ;;
-        overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 ;;
+        overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
+                      --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks" ;;
         e2e) run e2e_fp32 python3 -m bench.bench_e2e --dtype fp32
              run e2e_bf16 python3 -m bench.bench_e2e --dtype bf16 ;;
         *) echo "unknown step $step (build tests kernels overhead e2e)"; status=2 ;;

@@ -71,6 +71,57 @@ def pdpfast_provider(mode: str, clipping: str):
     return make
 
 
+def nonprivate_graph(model, inputs, y, loss: PerSampleLoss):
+    """The non-private step captured whole in one CUDA graph (torch's recipe): what graphs buy
+    without privacy, beside what they buy pdpfast."""
+    device = y.device
+    if device.type != "cuda":
+        raise ValueError("CUDA graphs need a CUDA device")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            _mean_loss(loss)(call(model, inputs), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _mean_loss(loss)(call(model, inputs), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return graph.replay
+
+
+def pdpfast_graph_provider(clipping: str):
+    """pdpfast's step captured in CUDA graphs (``pdpfast.graphs.PrivateStep``), bounds on the host
+    opened per step as the engine's loader opens them."""
+    def make(model, inputs, y, loss: PerSampleLoss):
+        from pdpfast.clipping import ClippingState
+        from pdpfast.graphs import PrivateStep
+        from pdpfast.nn import convert
+        from pdpfast.optimizer import DPOptimizer
+
+        if y.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        convert(model)
+        state = ClippingState(model, mode="bk", clipping=clipping)
+        state.attach()
+        B = y.shape[0]
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
+                          expected_batch_size=B, seed=0)
+        clip_norms, mask = torch.ones(B, dtype=torch.float64), torch.ones(B)
+        private_step = PrivateStep(state, opt, lambda inputs, y: _mean_loss(loss)(call(model, inputs), y),
+                                   cuda_graph=True)
+
+        def step():
+            state.begin_batch(clip_norms, mask, loss_scale=B)
+            private_step(inputs, y)
+        return step
+    return make
+
+
 class _PerSampleCriterion(nn.Module):
     """A loss module for Opacus's ghost mode, which calls it with reduction='none'."""
 
@@ -117,6 +168,9 @@ PROVIDERS = {
     "pdpfast bk": pdpfast_provider("bk", "flat"),
     "pdpfast ghost": pdpfast_provider("ghost", "flat"),
     "pdpfast per-layer": pdpfast_provider("bk", "per_layer"),
+    "non-private graph": nonprivate_graph,
+    "pdpfast bk graph": pdpfast_graph_provider("flat"),
+    "pdpfast per-layer graph": pdpfast_graph_provider("per_layer"),
     "opacus hooks": opacus_provider("hooks"),
     "opacus ghost": opacus_provider("ghost"),
 }

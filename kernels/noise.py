@@ -42,8 +42,11 @@ def _add_noise_chunk(ptr, idx, numel, noise, std, COMPUTE_FP64: tl.constexpr):
 
 @triton.jit(do_not_specialize=["seed"])
 def _add_noise_kernel(first_ptr, table_ptr, n_tensors, seed, std,
-                      SEARCH_STEPS: tl.constexpr, COMPUTE_FP64: tl.constexpr, BLOCK: tl.constexpr):
+                      SEARCH_STEPS: tl.constexpr, COMPUTE_FP64: tl.constexpr, BLOCK: tl.constexpr,
+                      SEED_FROM_PTR: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    if SEED_FROM_PTR:  # a captured graph: the step's seed is read at run time, not baked in at capture
+        seed = tl.load(seed)
     # table rows: 0 address, 1 numel, 2 first Philox counter, 3 first block (ascending)
     lo = pid * 0
     hi = lo + n_tensors
@@ -74,6 +77,10 @@ def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> to
     key = (device, tuple(entries))
     table = _TABLE_CACHE.get(key)
     if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a copy from a temporary host buffer would be replayed from freed memory
+            raise RuntimeError("the noise kernel's table must be built before CUDA graph capture: run the step "
+                               "once eagerly on the same gradient tensors first (pdpfast.graphs warms up)")
         table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
         if device.type == "cuda":  # queued, not a host sync: grads move between steps, tables with them
             table = table.pin_memory()
@@ -87,16 +94,21 @@ def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> to
 
 
 @register("add_noise_")
-def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
+def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
+               device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
     """g += std · N(0, 1) elementwise, in place, for every tensor in ``grads``.
 
     grads: floating tensors of any shapes (fp64/fp32/fp16/bf16; non-contiguous ones go through a
     contiguous copy); std: noise standard deviation (σ·C); (seed, step): the stream, via
     ``pdpfast.ops.noise.step_seed``. One launch per (device, dtype) group.
+    device_seed: a () int64 tensor on the grads' device holding ``step_seed(seed, step)``
+    (``pdpfast.ops.noise.step_seed_tensor``), read by the kernel instead of (seed, step): the same
+    noise, for a CUDA graph that replays the launch step after step. keep: a list that receives the
+    launch's tables (a captured graph reads them at every replay, so they must outlive the cache).
     """
     if not grads or std == 0:
         return
-    philox_seed = step_seed(seed, step)
+    philox_seed = step_seed(seed, step) if device_seed is None else device_seed
     quarter = NOISE_BLOCK // 4
     groups: dict[tuple, list] = {}
     writebacks = []
@@ -118,10 +130,12 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> N
             entries.append((target.data_ptr(), target.numel(), first_counter, first_block))
             first_block += n_blocks
         table = _table(entries, device)
+        if keep is not None:
+            keep.append(table)
         with device_guard(members[0][0]):
             _add_noise_kernel[(first_block,)](
                 members[0][0], table, len(entries), philox_seed, float(std),
                 SEARCH_STEPS=max(1, (len(entries) - 1).bit_length()), COMPUTE_FP64=dtype == torch.float64,
-                BLOCK=NOISE_BLOCK, num_warps=8)
+                BLOCK=NOISE_BLOCK, SEED_FROM_PTR=device_seed is not None, num_warps=8)
     for g, target in writebacks:
         g.copy_(target)

@@ -386,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="expected batch size (Poisson)")
     g.add_argument("--physical-batch-size", type=int, help="memory cap per physical batch (draws are split)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="capture the step in CUDA graphs and replay it (needs CUDA and --physical-batch-size)")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--momentum", type=float, default=d.momentum)
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))

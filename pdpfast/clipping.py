@@ -135,7 +135,10 @@ class ClippingState:
         self._build_groups()
         self._layer = {m: _Layer(self, m, rule_for(m), self._names[m], self._group_of.get(m)) for m in self.layers}
         self.shares = self._resolve_shares(layer_shares) if clipping == "per_layer" else None
+        self._multi_call_groups = frozenset(k for k, calls in enumerate(self._group_calls) if calls > 1)
         self._guards: list = []
+        self._group_index: dict = {}  # (device, groups) → index of their rows in the per-layer bounds
+        self._shares_by_device: dict = {}
         self.batch_size: int | None = None
         self.draw = None
         self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
@@ -185,6 +188,7 @@ class ClippingState:
         self.group_names: list[str] = []
         self._group_params: list[list[nn.Parameter]] = []
         self._group_calls: list[int] = []  # backward calls per forward of the group's layers
+        self._param_group: dict[int, int] = {}  # id(parameter) → its clipping group
         for i, m in enumerate(self.layers):
             if not _trainable(m):
                 continue
@@ -201,6 +205,7 @@ class ClippingState:
             for p in _trainable(m).values():
                 if not any(p is q for q in self._group_params[k]):
                     self._group_params[k].append(p)
+                    self._param_group[id(p)] = k
 
     def _resolve_shares(self, layer_shares) -> torch.Tensor:
         K = len(self.group_names)
@@ -395,6 +400,25 @@ class ClippingState:
         finally:
             params.update(saved)
 
+    def require_open(self) -> None:
+        """Raise, as a private forward would, unless a batch is open (phase ``OPEN``)."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+
+    def rebind_batch(self, clip_norms: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Point the open batch at other tensors holding the same clip bounds and mask (a captured
+        step's static device buffers, into which it copied the values ``begin_batch`` checked), so
+        a graph captured from this batch reads whatever they hold at replay. No checks of values
+        here: they would synchronise with the device."""
+        self.require_open()
+        if tuple(clip_norms.shape) != tuple(self.clip_norms.shape) or (mask is None) != (self.mask is None) or (
+                mask is not None and tuple(mask.shape) != tuple(self.mask.shape)):
+            mask_shape = None if self.mask is None else tuple(self.mask.shape)
+            raise ValueError("rebind_batch needs tensors of the open batch's shapes: clip_norms "
+                             f"{tuple(self.clip_norms.shape)}, mask {mask_shape}")
+        self.clip_norms, self.mask = clip_norms, mask
+        self._bounds = {}
+
     def _refuse_forward(self) -> None:
         if self.phase is Phase.IDLE:
             raise RuntimeError("a private forward needs an open batch: iterate the data loader returned by "
@@ -451,12 +475,15 @@ class ClippingState:
 
     @staticmethod
     def _stack_key(layer: _Layer, names: tuple, x, o):
-        """(key, rule.stacked) when this call is small enough to be host-bound and its rule stacks
-        same-shape calls; (None, None) when it is computed on its own, without a copy."""
+        """(key, rule.stacked, bytes of x and o) when this call is small enough to be host-bound and
+        its rule stacks same-shape calls; (None, None, 0) when it is computed on its own, without a copy."""
         stacked = layer.rule.stacked
-        if stacked is None or x.numel() * x.element_size() + o.numel() * o.element_size() > SMALL_CALL_BYTES:
-            return None, None
-        return stacked.key(layer.module, x, o, names), stacked
+        if stacked is None:
+            return None, None, 0
+        nbytes = x.numel() * x.element_size() + o.numel() * o.element_size()
+        if nbytes > SMALL_CALL_BYTES:
+            return None, None, 0
+        return stacked.key(layer.module, x, o, names), stacked, nbytes
 
     def _split_reused(self, layer: _Layer, names: tuple) -> tuple[tuple, tuple]:
         """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
@@ -480,7 +507,7 @@ class ClippingState:
         if reused:
             self._materialize(layer, reused, x, o)
         if normal:
-            key, stacked = self._stack_key(layer, normal, x, o)
+            key, stacked, _ = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
             elif layer.rule.materializes_call(layer.module, x, o):
@@ -493,18 +520,18 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
-        if self._group_calls[k] > 1 or any(self._uses[id(p)] > 1 for p in self._group_params[k]):
+        if k in self._reused_groups():
             # tied across layers or calls, or one host's parameters in separate calls: the group's
             # per-sample gradient is formed from all of them
             self._materialize(layer, names, x, o)
             self._queue_finish(self._finish_per_layer)
             return
-        key, stacked = self._stack_key(layer, names, x, o)
+        key, stacked, nbytes = self._stack_key(layer, names, x, o)
         if key is not None:
             # a small call is host-bound: held briefly and clipped with its same-shape peers (per-layer
             # weights need only the call's own norms, so the buffer can be flushed at any point)
             self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, names))
-            self._stack_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
+            self._stack_bytes += nbytes
             if self._stack_bytes > STACK_BYTES:
                 self._flush_per_layer_stacks()
             self._queue_finish(self._finish_per_layer)
@@ -525,6 +552,17 @@ class ClippingState:
         self._add_group_sq(k, sq)
         self._add_sq(sq)
         self._queue_finish(self._finish_per_layer)
+
+    def _reused_groups(self) -> frozenset:
+        """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
+        layers or calls, or one broadcast host's parameters in separate calls): found once per
+        backward, when the forward's use counts are complete."""
+        reused = self._reused
+        if reused is None:
+            group = self._param_group
+            reused = self._reused = self._multi_call_groups.union(
+                group[pid] for pid, count in self._uses.items() if count > 1 and pid in group)
+        return reused
 
     def _ghost_norms_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         normal, reused = self._split_reused(layer, names)
@@ -560,8 +598,8 @@ class ClippingState:
     # ------------------------------------------------------------------ weights
 
     def _bounds_for(self, device: torch.device, dtype: torch.dtype, margin: float = 0.0):
-        """c_i·m_i (masked rows get bound 0) on ``device``, (B,) for flat clipping or a tuple of K
-        rows c_i·C_k·m_i for per-layer clipping; moved once per batch, whatever the number of layers.
+        """c_i·m_i (masked rows get bound 0) on ``device``, (B,) for flat clipping or (K, B), row k
+        c_i·C_k·m_i, for per-layer clipping; moved once per batch, whatever the number of layers.
         ``margin``: the rounding margin of the dtype the clipped sums are computed in."""
         key = (device, dtype, margin)
         bounds = self._bounds.get(key)
@@ -572,16 +610,27 @@ class ClippingState:
             if margin:
                 c = c * (1.0 - margin)
             if self.shares is not None and c.dim() == 1:
-                c = self.shares.unsqueeze(1) * c.unsqueeze(0)
+                c = self._shares_on(c.device).unsqueeze(1) * c.unsqueeze(0)
             c = c.to(dtype)
-            if device.type == "cuda":
+            if device.type == "cuda" and c.device.type == "cpu":
+                if torch.cuda.is_current_stream_capturing():  # a captured step keeps its bounds on the device
+                    raise RuntimeError("clip bounds on the host cannot be copied inside a CUDA graph capture")
                 # a copy from pageable memory waits for the GPU to drain: from pinned memory it is queued
                 c = c.pin_memory()
             bounds = c.to(device=device, non_blocking=True)
-            if self.shares is not None:
-                bounds = bounds.unbind(0)
             self._bounds[key] = bounds
         return bounds
+
+    def _shares_on(self, device: torch.device) -> torch.Tensor:
+        """The layer shares C_k (K,) float64 on ``device``, moved there once (a captured step's
+        bounds live on the GPU: its capture must find them there)."""
+        shares = self._shares_by_device.get(device)
+        if shares is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the layer shares must reach the GPU before CUDA graph capture (warm up first)")
+            shares = self.shares.pin_memory() if device.type == "cuda" else self.shares
+            shares = self._shares_by_device[device] = shares.to(device, non_blocking=True)
+        return shares
 
     def _note_precision(self, o: torch.Tensor) -> None:
         self._margin = max(self._margin, rounding_margin(o))
@@ -647,26 +696,56 @@ class ClippingState:
         self._close_backward(total, weights)
 
     def _flush_per_layer_stacks(self) -> None:
-        """Clip the held small calls: per call, its own norms against its group's bound c_i·C_k."""
-        for stacked, calls in self._stack_chunks():
-            sq = stacked.sq_norms(calls)  # (n, B)
-            rows = self._bounds_for(sq.device, sq.dtype, rounding_margin(calls[0][2]))
-            bounds = torch.stack([rows[self._layer[call[0]].group] for call in calls])
-            weights = self._weights(sq, bounds)
-            for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
-                self._accumulate(module, grads)
-            for call, row in zip(calls, sq.unbind(0)):
-                self._add_group_sq(self._layer[call[0]].group, row)
-            self._add_sq(sq.sum(0))
+        """Clip the held small calls: per call, its own norms against its group's bound c_i·C_k.
+        The weights of every held call come from one clip-weight computation over their (n, B)
+        norms, whatever the number of stacks (host time: a few ops per flush, not per stack)."""
+        chunks = self._stack_chunks()
         self._stacks, self._stack_bytes = {}, 0
+        if not chunks:
+            return
+        sq = [stacked.sq_norms(calls) for stacked, calls in chunks]  # (n_j, B) each
+        sq = sq[0] if len(sq) == 1 else torch.cat(sq)
+        groups = [tuple(self._layer[call[0]].group for call in calls) for _, calls in chunks]
+        margins = [rounding_margin(calls[0][2]) for _, calls in chunks]
+        if len(set(margins)) == 1:
+            bounds = self._group_bounds(sq, margins[0], sum(groups, ()))
+        else:  # stacks computed in different precisions keep their own margins
+            bounds = torch.cat([self._group_bounds(sq, m, g) for m, g in zip(margins, groups)])
+        weights = self._weights(sq, bounds)
+        start = 0
+        for stacked, calls in chunks:
+            for (module, *_), grads in zip(calls, stacked.clipped(calls, weights[start:start + len(calls)])):
+                self._accumulate(module, grads)
+            start += len(calls)
+        if self.keep_group_norms:
+            for group, row in zip(sum(groups, ()), sq.unbind(0)):
+                self._add_group_sq(group, row)
+        self._add_sq(sq.sum(0))
+
+    def _group_bounds(self, sq: torch.Tensor, margin: float, groups: tuple) -> torch.Tensor:
+        """(n, B) bounds c_i·C_k of clipping groups ``groups`` (one row each), gathered in one op;
+        the gather's index is kept across batches (the same stacks recur every step)."""
+        key = (sq.device, sq.dtype, margin, groups)
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            index = self._group_index.get((sq.device, groups))
+            if index is None:
+                if sq.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("a per-layer stack index must be built before CUDA graph capture (warm up "
+                                       "the step eagerly first)")
+                index = torch.tensor(groups, dtype=torch.int64)
+                if sq.device.type == "cuda":
+                    index = index.pin_memory()
+                index = self._group_index[(sq.device, groups)] = index.to(sq.device, non_blocking=True)
+            bounds = self._bounds[key] = self._bounds_for(sq.device, sq.dtype, margin).index_select(0, index)
+        return bounds
 
     def _finish_per_layer(self) -> None:
         """End of a per-layer backward: held small calls, and groups used more than once."""
         self._flush_per_layer_stacks()
-        for k, params in enumerate(self._group_params):
-            done = [p for p in params if p in self._materialized]
-            if not done:
-                continue
+        groups = sorted({self._param_group[id(p)] for p in self._materialized})
+        for k in groups:
+            done = [p for p in self._group_params[k] if p in self._materialized]
             grads = [self._materialized[p] for p in done]
             sq = sq_norms_of(grads)
             weights = self._group_weights(sq, k, grads[0])
@@ -692,6 +771,25 @@ class ClippingState:
         for hook in self.post_backward_hooks:
             hook(self)
 
+    def clipped_outputs(self) -> tuple:
+        """What a backward leaves besides ``param.grad``: (total squared norms, last weights, group
+        squared norms). A captured step (``pdpfast.graphs``) holds these tensors of its capture: every
+        replay rewrites them in place."""
+        return self._total_sq, self.last_weights, self._last_group_sq
+
+    def replayed_backward(self, outputs: tuple) -> None:
+        """Record that a replayed backward (a CUDA graph of the open batch's forward and backward)
+        wrote the batch's clipped sums: the batch is CLIPPED and its draw pending, as after a
+        backward run here; ``outputs`` are ``clipped_outputs()`` of the capture."""
+        if self.phase is not Phase.OPEN:
+            self._refuse_forward()
+        self._total_sq, self.last_weights, self._last_group_sq = outputs
+        self._reset_backward()
+        self.pending = True
+        self._enter(Phase.CLIPPED)
+        for hook in self.post_backward_hooks:
+            hook(self)
+
     def _reset_backward(self) -> None:
         self._sq: torch.Tensor | None = None
         self._tape: list = []
@@ -701,6 +799,7 @@ class ClippingState:
         self._group_sq: dict[int, torch.Tensor] = {}
         self._queued = False
         self._margin = 0.0
+        self._reused: frozenset | None = None
 
     @property
     def last_norms(self) -> torch.Tensor | None:

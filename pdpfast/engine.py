@@ -368,6 +368,45 @@ class PrivacyEngine:
         return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
                                  noise_multiplier=float(sigma), max_grad_norm=max_grad_norm, **kwargs)
 
+    def make_step(self, loss_fn, *, cuda_graph: bool | None = None, warmup: int = 2):
+        """One call per physical batch of the loader: forward, backward and clipping, and the noisy
+        optimizer step at each draw's last batch, captured in CUDA graphs and replayed
+        (``pdpfast.graphs.PrivateStep``)::
+
+            step = engine.make_step(lambda x, y: criterion(model(x), y))
+            for x, y in train_loader:        # the loader make_private returned
+                loss = step(x, y)            # replaces forward, backward, step() and zero_grad()
+
+        Args:
+            loss_fn: ``loss_fn(*batch)`` → the scalar loss of a physical batch, reduced as
+                ``loss_reduction`` says (a mean over its rows by default).
+            cuda_graph: capture and replay (default: when the model is on a CUDA device). Needs
+                ``physical_batch_size`` in ``make_private`` (batches of a fixed size), the Triton
+                noise kernel, and an optimizer whose step can be captured (``capturable=True``
+                for Adam/AdamW). False runs the same step eagerly.
+            warmup: eager steps before the capture (real steps, accounted as any other).
+
+        Returns:
+            a ``PrivateStep``; its call returns the batch's loss.
+        """
+        from .graphs import PrivateStep
+
+        if self.state is None:
+            raise RuntimeError("make_step needs make_private (or make_private_with_budgets) first")
+        if self.data_loader is None:
+            raise ValueError("make_step needs the Poisson data loader (poisson_sampling=True): each batch it yields "
+                             "opens the physical batch the step runs")
+        device = self.optimizer.trainable_params()[0].device
+        if cuda_graph or (cuda_graph is None and device.type == "cuda"):
+            if self.data_loader.physical_batch_size is None:
+                raise ValueError("cuda_graph=True needs make_private(..., physical_batch_size=K): a captured graph "
+                                 "replays fixed shapes, and Poisson batches of a random size would each need a capture "
+                                 "of their own. Physical batches of K rows (masked padding) keep one graph")
+            if getattr(self, "adaptive", None) is not None:
+                raise ValueError("cuda_graph=True is not supported with adaptive clipping or a noise schedule (their "
+                                 "bounds and noise move every step); use cuda_graph=False")
+        return PrivateStep(self.state, self.optimizer, loss_fn, cuda_graph=cuda_graph, warmup=warmup)
+
     # ------------------------------------------------------------------ accounting
 
     def _charge(self) -> None:

@@ -236,7 +236,7 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
 
 
 def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
-                  on_step=None) -> None:
+                  on_step=None, cuda_graph: bool = False) -> None:
     """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader
     (forward, backward, ``optimizer.step()``, ``zero_grad()``), for as many passes as it takes.
     Batches are moved to the model's device (non-blocking from pinned memory).
@@ -249,20 +249,27 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
         on_step: ``on_step(step, loss)`` after every optimizer step: step = engine.steps, loss = the
             criterion's value on the draw's last physical batch divided by its rows (the mean
             per-record loss for a summed loss). Returning True stops early.
+        cuda_graph: run each physical batch through ``engine.make_step`` (the step captured in CUDA
+            graphs and replayed; needs a physical batch size and a CUDA model) instead of the
+            ordinary loop. The same steps, the same noise.
     Returns:
         None; the model and the engine's ledger have advanced.
     """
     model.train()
     device = model_device(model)
+    step = engine.make_step(lambda *batch: task.loss(model, batch, criterion), cuda_graph=True) if cuda_graph else None
     while engine.steps < until:
         for batch in loader:
-            if device.type != "cpu":
-                batch = to_device(batch, device)
-            loss = task.loss(model, batch, criterion)
-            loss.backward()
             before = engine.steps
-            optimizer.step()
-            optimizer.zero_grad()
+            if step is not None:  # copies the batch into the graph's inputs itself
+                loss = step(*batch)
+            else:
+                if device.type != "cpu":
+                    batch = to_device(batch, device)
+                loss = task.loss(model, batch, criterion)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
             if engine.steps != before:
                 rows = max(int(batch[0].shape[0]), 1)
                 stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False

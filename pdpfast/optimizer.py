@@ -81,7 +81,8 @@ class DPOptimizer(Optimizer):
         """Standard deviation of the noise added to the clipped sum: σ·C."""
         return self.noise_multiplier * self.max_grad_norm
 
-    def _params(self) -> list[torch.Tensor]:
+    def trainable_params(self) -> list[torch.Tensor]:
+        """The parameters the optimizer updates that require a gradient, in param_groups order."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -91,15 +92,19 @@ class DPOptimizer(Optimizer):
                 hook(self)
 
     @torch.no_grad()
-    def add_noise_and_normalize(self) -> None:
+    def add_noise_and_normalize(self, device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
+        """ĝ = (Σ_i w_i g_i + N(0, σ²C²)) / B_exp in every ``param.grad``, noise from (seed, steps).
+
+        device_seed, keep: see ``pdpfast.ops.noise.add_noise_`` (a captured step reads the step from
+        a device-side counter)."""
         grads = []
-        for p in self._params():
+        for p in self.trainable_params():
             if p.grad is None:  # no record reached it (e.g. an empty draw): noise all the same
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         if self.reduce_grads is not None:  # data parallel: Σ over ranks first, then the same noise on each
             self.reduce_grads(grads, self.steps)
-        add_noise_(grads, self.noise_std, self.seed, self.steps)
+        add_noise_(grads, self.noise_std, self.seed, self.steps, device_seed=device_seed, keep=keep)
         torch._foreach_div_(grads, self.expected_batch_size)
 
     def step(self, closure: Callable | None = None):
@@ -109,14 +114,27 @@ class DPOptimizer(Optimizer):
                 loss = closure()
         if not self.at_step_boundary():
             return loss
-        for hook in self.pre_step_hooks:
-            hook(self)
+        self.before_step()
         self.add_noise_and_normalize()
         self.original_optimizer.step()
+        self.after_step()
+        return loss
+
+    def before_step(self) -> None:
+        """The host side of a step before its device work: the pre-step hooks (e.g. the ledger
+        refusing a step past a budget). ``step`` and a captured step (``pdpfast.graphs``) call it."""
+        for hook in self.pre_step_hooks:
+            hook(self)
+
+    def after_step(self) -> None:
+        """The host side of a step after its device work: count it, run the post-step hooks (close
+        the draw, charge the ledger)."""
         self.steps += 1
+        # torch's LR schedulers learn that a step happened through their wrapper of step(); a
+        # captured step (pdpfast.graphs) steps without calling it
+        self._opt_called = True
         for hook in self.post_step_hooks:
             hook(self)
-        return loss
 
     def state_dict(self):
         return {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps, "seed": self.seed}

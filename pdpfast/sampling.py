@@ -30,7 +30,8 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason"]
+__all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason",
+           "as_int64", "logical_shift_right", "mix64_", "mix64_int", "GOLDEN_GAMMA"]
 
 try:  # the compiled extension is optional: the package works without it
     from pdpfast import _C
@@ -43,7 +44,7 @@ else:
         "`pip install --no-build-isolation -e .`)")
 
 _MASK64 = (1 << 64) - 1
-_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _SEED_SALT = 0x243F6A8885A308D3
 _OUTPUT_SALT = 0x13198A2E03707344
 _MIX_MULTIPLIERS = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -148,13 +149,14 @@ def _check_rate_values(sample_rates: torch.Tensor) -> None:
 # The plain-torch generator (bit for bit the C++/CUDA one)
 # ---------------------------------------------------------------------------------------------
 
-def _to_int64(value: int) -> int:
+def as_int64(value: int) -> int:
     """The int64 with the same 64 bits as the unsigned ``value``."""
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _mix64_int(z: int) -> int:
+def mix64_int(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (modulo 2^64)."""
     z &= _MASK64
     z = ((z ^ (z >> 30)) * _MIX_MULTIPLIERS[0]) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX_MULTIPLIERS[1]) & _MASK64
@@ -162,34 +164,34 @@ def _mix64_int(z: int) -> int:
 
 
 def _stream_keys(seed: int, step: int) -> tuple[int, int]:
-    stream = _mix64_int(_mix64_int(seed ^ _SEED_SALT) + step * _GOLDEN_GAMMA)
-    return stream, _mix64_int(stream ^ _OUTPUT_SALT)
+    stream = mix64_int(mix64_int(seed ^ _SEED_SALT) + step * GOLDEN_GAMMA)
+    return stream, mix64_int(stream ^ _OUTPUT_SALT)
 
 
-def _logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+def logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
     # int64 >> is arithmetic; masking off the copies of the sign bit makes it the uint64 shift
     shifted = z >> shift
     shifted &= (1 << (64 - shift)) - 1
     return shifted
 
 
-def _mix64_(z: torch.Tensor) -> torch.Tensor:
+def mix64_(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finalizer in place on int64 bits (int64 + and * wrap like uint64)."""
-    z ^= _logical_shift_right(z, 30)
-    z *= _to_int64(_MIX_MULTIPLIERS[0])
-    z ^= _logical_shift_right(z, 27)
-    z *= _to_int64(_MIX_MULTIPLIERS[1])
-    z ^= _logical_shift_right(z, 31)
+    z ^= logical_shift_right(z, 30)
+    z *= as_int64(_MIX_MULTIPLIERS[0])
+    z ^= logical_shift_right(z, 27)
+    z *= as_int64(_MIX_MULTIPLIERS[1])
+    z ^= logical_shift_right(z, 31)
     return z
 
 
 def _random_bits(start: int, stop: int, keys: tuple[int, int], device: torch.device) -> torch.Tensor:
     z = torch.arange(start, stop, dtype=torch.int64, device=device)
-    z *= _to_int64(_GOLDEN_GAMMA)
-    z += _to_int64(keys[0])
-    _mix64_(z)
-    z ^= _to_int64(keys[1])
-    return _mix64_(z)
+    z *= as_int64(GOLDEN_GAMMA)
+    z += as_int64(keys[0])
+    mix64_(z)
+    z ^= as_int64(keys[1])
+    return mix64_(z)
 
 
 def random_bits_reference(count: int, seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -212,7 +214,7 @@ def _poisson_sample_torch(sample_rates: torch.Tensor, seed: int, step: int) -> t
     pieces = []
     for start in range(0, num_records, _REFERENCE_CHUNK):
         stop = min(start + _REFERENCE_CHUNK, num_records)
-        top_bits = _logical_shift_right(_random_bits(start, stop, keys, sample_rates.device), 11)
+        top_bits = logical_shift_right(_random_bits(start, stop, keys, sample_rates.device), 11)
         # u < q  <=>  (z >> 11) < q * 2^53, both sides exact in float64
         drawn = top_bits.to(torch.float64) < sample_rates[start:stop].to(torch.float64) * _TWO_POW_53
         pieces.append(drawn.nonzero().flatten() + start)

@@ -138,6 +138,7 @@ class TrainConfig:
     hybrid_weight: float = 0.5
     accountant: str = "rdp"
     physical_batch_size: int | None = None
+    cuda_graph: bool = False
     rounds: int = 2
     pdp_loss: str = "fixed"
     pdp_charge: str = "all"
@@ -235,6 +236,14 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
     if cfg.optimizer not in ("sgd", "adam"):
         raise ValueError(f"--optimizer must be sgd or adam, got {cfg.optimizer!r}")
+    if cfg.cuda_graph:
+        if cfg.physical_batch_size is None:
+            raise ValueError("--cuda-graph needs --physical-batch-size K: a captured step replays fixed shapes, and "
+                             "Poisson draws are padded to physical batches of K rows")
+        if cfg.mode == "ghost":
+            raise ValueError("--cuda-graph captures one backward; --mode ghost needs two (use bk, the default)")
+        if cfg.method == "pdp" or cfg.nproc > 1:
+            raise ValueError("--cuda-graph is offered for --method sample/scale/hybrid/dpsgd in one process")
 
 
 def _hidden_widths(cfg: TrainConfig) -> list[int]:
@@ -355,7 +364,8 @@ def _build(cfg: TrainConfig, train):
 def _optimizer(cfg: TrainConfig, model):
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr)
+        # a captured step (--cuda-graph) keeps Adam's step count on the GPU
+        return torch.optim.Adam(params, lr=cfg.lr, capturable=cfg.cuda_graph)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
 
 
@@ -664,7 +674,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
     progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
     job.train(lambda on_step: private_steps(engine, model, optimizer, loader, task, criterion, until=until,
-                                            on_step=on_step),
+                                            on_step=on_step, cuda_graph=cfg.cuda_graph),
               lambda path, **extra: engine.save_checkpoint(path, model, **extra), model, progress)
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),

@@ -17,6 +17,9 @@ def test_e2e_benchmark_runs_every_provider_and_writes_json(tmp_path):
     assert {r["provider"] for r in rows} == set(PROVIDERS)
     for r in rows:
         assert r["device"].startswith("cpu") and r["date"] and r["torch"]
+        if r["provider"].endswith(" graph"):  # CUDA graphs: the row says why it has no timing
+            assert "CUDA" in r["error"], r
+            continue
         assert r["median_ms"] > 0 and r["throughput_samples_per_s"] > 0, r
 
 

@@ -106,3 +106,95 @@ def test_cuda_autocast_bf16_trains_under_budgets(style):
     assert engine.steps == len(loader)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert (engine.epsilons() <= budgets).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The captured step (pdpfast.graphs): replays equal the eager step
+# ---------------------------------------------------------------------------------------------
+
+def _graph_run(model_fn, inputs_fn, criterion, *, graph, draws=6, clipping="flat", lr_schedule=False,
+               optimizer="sgd", dtype=torch.float32, checkpoint=None):
+    """``draws`` Poisson draws of a model under per-record budgets, physical batches of 4 rows (so
+    draws span several of them); eager (forward/backward/step) or ``make_step(cuda_graph=True)``."""
+    n = 48
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(inputs_fn(g, n), torch.randint(0, 3, (n,), generator=g))
+    torch.manual_seed(0)
+    model = model_fn().cuda().to(dtype)
+    if optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = pdpfast.PrivacyEngine(seed=3)
+    model, opt, loader = engine.make_private_with_budgets(
+        module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=8, pin_memory=True),
+        budgets=np.repeat([1.0, 3.0], n // 2), delta=1e-5, steps=draws + 2, method="hybrid",
+        physical_batch_size=4, clipping=clipping)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if lr_schedule else None
+    loss_fn = lambda x, y: criterion(model(x), y)  # noqa: E731
+    step = engine.make_step(loss_fn, cuda_graph=True) if graph else None
+    losses = []
+    while opt.steps < draws:
+        for x, y in loader:
+            if step is not None:
+                losses.append(step(x, y))
+            else:
+                loss = loss_fn(x.cuda(), y.cuda())
+                loss.backward()
+                losses.append(loss.detach())
+                opt.step()
+                opt.zero_grad()
+            if loader.current.is_last and scheduler is not None:
+                scheduler.step()
+            if opt.steps == draws and loader.current.is_last:
+                break
+    return model, engine, torch.stack(losses), step
+
+
+def _mlp_cuda():
+    return nn.Sequential(nn.Linear(6, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 3))
+
+
+_GRAPH_MODELS = {
+    "mlp": (_mlp_cuda, lambda g, n: torch.randn(n, 6, generator=g), nn.functional.cross_entropy),
+    "bert": (lambda: __import__("pdpfast.models", fromlist=["bert"]).bert(
+                 "micro", num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+             lambda g, n: torch.randint(1, 128, (n, 12), generator=g),
+             lambda out, y: nn.functional.cross_entropy(out.logits, y)),
+    "resnet18-gn": (lambda: __import__("pdpfast.models", fromlist=["resnet18_gn"]).resnet18_gn(num_classes=3),
+                    lambda g, n: torch.randn(n, 3, 16, 16, generator=g), nn.functional.cross_entropy),
+}
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("name", list(_GRAPH_MODELS))
+def test_cuda_captured_step_equals_the_eager_step(name, clipping, exact_fp32):
+    """Replayed graphs give the eager step's weights, losses and ledger: same kernels, noise from the
+    same (seed, step) through the device-side counter. Tolerance 1e-5 relative (the replay may pick
+    other cuBLAS/cuDNN algorithms than the eager warm-up did)."""
+    eager_model, eager_engine, eager_losses, _ = _graph_run(*_GRAPH_MODELS[name], graph=False, clipping=clipping)
+    model, engine, losses, step = _graph_run(*_GRAPH_MODELS[name], graph=True, clipping=clipping)
+    assert step.eager_steps == step.warmup and step._update.graph is not None
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(engine.epsilons(), eager_engine.epsilons())
+
+
+def test_cuda_captured_step_follows_a_learning_rate_schedule_and_adam():
+    eager_model, *_ = _graph_run(*_GRAPH_MODELS["mlp"], graph=False, lr_schedule=True, optimizer="adam")
+    with pytest.warns(UserWarning, match="captured again"):
+        model, *_ = _graph_run(*_GRAPH_MODELS["mlp"], graph=True, lr_schedule=True, optimizer="adam")
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_captured_step_refuses_adam_without_capturable():
+    model = _mlp_cuda().cuda()
+    engine = pdpfast.PrivacyEngine(seed=0)
+    data = TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,)))
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.Adam(model.parameters()),
+                                             data_loader=DataLoader(data, batch_size=4), noise_multiplier=1.0,
+                                             max_grad_norm=1.0, physical_batch_size=4)
+    with pytest.raises(ValueError, match="capturable=True"):
+        engine.make_step(lambda x, y: nn.functional.cross_entropy(model(x), y))

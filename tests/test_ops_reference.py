@@ -230,6 +230,48 @@ def test_conv_norms_and_clipped_sums(name, B, path, monkeypatch):
     close(grad_b, gb.sum(0))
 
 
+ZERO_PADDED_CONVS = {
+    "conv1d": CONV_CASES["conv1d"],
+    "conv2d": CONV_CASES["conv2d"],
+    "conv2d-same-odd-dilated": lambda: nn.Conv2d(3, 4, 3, padding="same", dilation=2, groups=1),
+    "conv2d-asym-pad-groups": lambda: nn.Conv2d(4, 6, (3, 5), padding=(1, 2), groups=2, stride=(2, 1)),
+    "conv3d": lambda: nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO_PADDED_CONVS))
+@pytest.mark.parametrize("path", ["unfold", "grouped-backward"])
+def test_conv_ops_pad_themselves_exactly_as_conv_pad(name, path, monkeypatch):
+    """A DP conv with symmetric zero padding keeps its input unpadded (no copy) and hands its
+    padding to the ops: every op equals the same op on the padded input."""
+    from pdpfast.nn.conv import DPConv1d, DPConv2d, DPConv3d
+
+    monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0 if path == "grouped-backward" else 1 << 40)
+    module = ZERO_PADDED_CONVS[name]().double()
+    dp_class = {1: DPConv1d, 2: DPConv2d, 3: DPConv3d}[module.weight.dim() - 2]
+    padding = dp_class.own_padding(module)
+    assert padding is not None and any(padding)
+    spatial = {1: (9,), 2: (7, 8), 3: (5, 6, 4)}[module.weight.dim() - 2]
+    x = torch.randn(3, module.in_channels, *spatial, dtype=torch.float64)
+    x_pad = conv_ops.conv_pad(x, module)
+    o = torch.randn_like(module(x)).detach()
+    w = torch.rand(3, dtype=torch.float64)
+    close(conv_ops.conv_weight_sq_norms(x, o, module, padding), conv_ops.conv_weight_sq_norms(x_pad, o, module))
+    close(conv_ops.conv_per_sample_grads(x, o, module, padding), conv_ops.conv_per_sample_grads(x_pad, o, module))
+    for a, b in zip(conv_ops.conv_clipped_grads(x, o, w, module, padding=padding),
+                    conv_ops.conv_clipped_grads(x_pad, o, w, module)):
+        close(a, b)
+
+
+def test_dp_conv_pads_its_input_only_where_the_convolution_cannot():
+    from pdpfast.nn.conv import DPConv1d, DPConv2d
+
+    assert DPConv2d.own_padding(nn.Conv2d(3, 4, 3, padding=1)) == (1, 1)
+    assert DPConv1d.own_padding(nn.Conv1d(3, 4, 5, padding="same")) == (2,)
+    assert DPConv2d.own_padding(nn.Conv2d(3, 4, 2, padding="same")) is None  # asymmetric
+    assert DPConv2d.own_padding(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")) is None
+
+
 @pytest.mark.parametrize("name", ["conv1d", "conv2d-groups-nobias"])
 def test_conv_empty_batch(name):
     module = CONV_CASES[name]().double()

@@ -164,14 +164,14 @@ def test_mix_function_is_the_splitmix64_finalizer():
     # uint64 wrap-around of the int64 tensor arithmetic are right
     published = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
                  16408922859458223821]
-    states = [(1234567 + k * sampling._GOLDEN_GAMMA) & sampling._MASK64 for k in range(1, 6)]
-    assert [sampling._mix64_int(state) for state in states] == published
-    as_tensor = torch.tensor([sampling._to_int64(state) for state in states], dtype=torch.int64)
-    assert [value & sampling._MASK64 for value in sampling._mix64_(as_tensor).tolist()] == published
+    states = [(1234567 + k * sampling.GOLDEN_GAMMA) & sampling._MASK64 for k in range(1, 6)]
+    assert [sampling.mix64_int(state) for state in states] == published
+    as_tensor = torch.tensor([sampling.as_int64(state) for state in states], dtype=torch.int64)
+    assert [value & sampling._MASK64 for value in sampling.mix64_(as_tensor).tolist()] == published
 
 
 def test_torch_generator_follows_the_documented_formula():
-    mix, mask, gamma = sampling._mix64_int, sampling._MASK64, 0x9E3779B97F4A7C15
+    mix, mask, gamma = sampling.mix64_int, sampling._MASK64, 0x9E3779B97F4A7C15
     seed, step = 2**64 - 3, 12345
     key_stream = mix((mix(seed ^ 0x243F6A8885A308D3) + step * gamma) & mask)
     key_out = mix(key_stream ^ 0x13198A2E03707344)

@@ -1,8 +1,9 @@
 """Convolutions: ``nn.Conv1d``/``Conv2d``/``Conv3d`` (stride, padding incl. "same", dilation,
 groups, padding modes), one rule for all three (``pdpfast.ops.conv``).
 
-The layer pads its input itself (``_prepare``), so the rule sees the padded input and every
-padding mode is exact.
+A layer whose padding is symmetric zeros lets its convolution pad (no copy of the input) and its
+rule's ops apply the same padding; any other padding (modes, asymmetric "same") pads the input
+itself (``_prepare``), so the rule sees the padded input and every padding mode is exact.
 """
 from __future__ import annotations
 
@@ -15,39 +16,50 @@ from .layers import DPModule
 from .rules import LayerRule, register_layer
 
 
-class DPConv1d(DPModule, nn.Conv1d):
+class _DPConv(DPModule):
+    """Pads in the convolution itself where it can (zero padding, the same on both sides of each
+    dim: the usual case), so the input is kept as it is; otherwise (padding modes, "same" with an
+    even kernel) ``_prepare`` pads the input and the convolution runs unpadded."""
+
+    _conv = None  # F.conv1d / conv2d / conv3d
+
+    def own_padding(self) -> tuple[int, ...] | None:
+        """The zero padding the layer's convolution applies itself (one int per spatial dim), or
+        None when its input is padded beforehand (``conv_ops.conv_pad``)."""
+        pads = self._reversed_padding_repeated_twice
+        if self.padding_mode != "zeros" or any(pads[k] != pads[k + 1] for k in range(0, len(pads), 2)):
+            return None
+        return tuple(reversed(pads[0::2]))
+
     def _prepare(self, x):
-        return conv_ops.conv_pad(x, self)
+        return x if self.own_padding() is not None else conv_ops.conv_pad(x, self)
 
     def _compute(self, x, p):
-        return F.conv1d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+        return type(self)._conv(x, p["weight"], p.get("bias"), self.stride, self.own_padding() or 0, self.dilation,
+                                self.groups)
 
 
-class DPConv2d(DPModule, nn.Conv2d):
-    def _prepare(self, x):
-        return conv_ops.conv_pad(x, self)
-
-    def _compute(self, x, p):
-        return F.conv2d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+class DPConv1d(_DPConv, nn.Conv1d):
+    _conv = F.conv1d
 
 
-class DPConv3d(DPModule, nn.Conv3d):
-    def _prepare(self, x):
-        return conv_ops.conv_pad(x, self)
+class DPConv2d(_DPConv, nn.Conv2d):
+    _conv = F.conv2d
 
-    def _compute(self, x, p):
-        return F.conv3d(x, p["weight"], p.get("bias"), self.stride, 0, self.dilation, self.groups)
+
+class DPConv3d(_DPConv, nn.Conv3d):
+    _conv = F.conv3d
 
 
 def _conv_per_sample(m, x, o):
-    out = {"weight": conv_ops.conv_per_sample_grads(x, o, m)}
+    out = {"weight": conv_ops.conv_per_sample_grads(x, o, m, m.own_padding())}
     if m.bias is not None:
         out["bias"] = o.flatten(2).sum(-1)
     return out
 
 
 def _conv_sq_norms(m, x, o, names):
-    total = conv_ops.conv_weight_sq_norms(x, o, m) if "weight" in names else None
+    total = conv_ops.conv_weight_sq_norms(x, o, m, m.own_padding()) if "weight" in names else None
     if "bias" in names:
         bias = conv_ops.conv_bias_sq_norms(o)
         total = bias if total is None else total.add_(bias)
@@ -55,7 +67,8 @@ def _conv_sq_norms(m, x, o, names):
 
 
 def _conv_clipped(m, x, o, weights, names):
-    grad_w, grad_b = conv_ops.conv_clipped_grads(x, o, weights, m, "weight" in names, "bias" in names)
+    grad_w, grad_b = conv_ops.conv_clipped_grads(x, o, weights, m, "weight" in names, "bias" in names,
+                                                 m.own_padding())
     return {n: g for n, g in (("weight", grad_w), ("bias", grad_b)) if n in names}
 
 

@@ -21,8 +21,9 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         return torch.zeros_like(sq_norms)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
     root = sq_norms.clamp_min(0).sqrt_()
-    shape = torch.broadcast_shapes(root.shape, clip_norms.shape)
-    out = root if root.shape == shape else None
+    # in place where the bounds do not broadcast the result larger (torch.broadcast_shapes is a
+    # Python function that costs more than the division on small tensors)
+    out = root if root.shape == clip_norms.shape else None
     if automatic_gamma is None:
         weights = torch.div(clip_norms, root.add_(CLIP_EPS / loss_scale), out=out).clamp_(max=loss_scale)
     else:

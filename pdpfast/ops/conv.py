@@ -5,8 +5,12 @@ and o_i ∈ R^{L×(C_out/G)} with L output positions, and the per-sample squared
 groups of the linear norms. The clipped sum needs no unfolding: it is the ordinary weight gradient
 of the convolution with output-gradient rows scaled by w_i.
 
-Inputs are the *padded* activations (``conv_pad``), so stride, dilation, groups, padding="same"
-and every padding_mode reduce to one unfold with zero padding.
+Inputs are the padded activations (``conv_pad``), so stride, dilation, groups, padding="same"
+and every padding_mode reduce to one unfold with zero padding — or, with ``padding=`` (symmetric
+zero padding per spatial dim), the unpadded activations: the DP layers keep those where the
+convolution can pad itself, since a padded copy of every conv input costs a full pass (and its
+gradient another) on a CPU. The ops then pad inside their own routines (unfold, the weight-gradient
+routine), and only the fused kernel gets a padded copy.
 
 ``conv_weight_sq_norms`` dispatches (``pdpfast.ops.dispatch``): on CUDA (and under
 ``TRITON_INTERPRET=1``) the fused kernel ``pdpfast.kernels.conv_norms.conv_weight_sq_norms`` does
@@ -42,11 +46,25 @@ def as_conv2d(x: torch.Tensor, o: torch.Tensor, module):
     return x, o, module.kernel_size, module.stride, module.dilation
 
 
-def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
-    """(a, o) of the equivalent linear layers, one per (sample, group): (B·G, L, d_g), (B·G, L, p_g)."""
+def _padding(padding, n: int) -> list[int]:
+    """The zero padding still to apply, one int per spatial dim (none: [0] * n)."""
+    return [0] * n if padding is None else [int(v) for v in padding]
+
+
+def pad_input(x: torch.Tensor, padding) -> torch.Tensor:
+    """``x`` with ``padding`` (symmetric zeros, one int per spatial dim, or None) applied: a copy."""
+    if padding is None or not any(padding):
+        return x
+    return F.pad(x, [v for v in reversed(padding) for _ in range(2)])
+
+
+def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None):
+    """(a, o) of the equivalent linear layers, one per (sample, group): (B·G, L, d_g), (B·G, L, p_g).
+    padding: zero padding still to apply to ``x_pad`` (see the module docstring), or None."""
     B, G = x_pad.shape[0], module.groups
     x2, o2, kernel, stride, dilation = as_conv2d(x_pad, o, module)
-    cols = F.unfold(x2, kernel, dilation=dilation, stride=stride)  # (B, C_in·k, L)
+    pad = _padding(padding, x_pad.dim() - 2)
+    cols = F.unfold(x2, kernel, dilation=dilation, stride=stride, padding=([0] + pad) if len(pad) == 1 else pad)
     L, d_g, p_g = cols.shape[-1], cols.shape[1] // G, o.shape[1] // G
     a = cols.view(B, G, d_g, L).transpose(2, 3).reshape(B * G, L, d_g)
     out = o2.reshape(B, G, p_g, L).transpose(2, 3).reshape(B * G, L, p_g)
@@ -59,9 +77,10 @@ def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module):
 _UNFOLD_LIMIT = 1 << 22
 
 
-def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
-    """‖∂ℓ_i/∂W‖²_F per sample, in plain torch: x_pad (B, C_in, *spatial) padded by ``conv_pad``,
-    o (B, C_out, *out_spatial) → (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
+def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
+    """‖∂ℓ_i/∂W‖²_F per sample, in plain torch: x_pad (B, C_in, *spatial) padded by ``conv_pad``
+    (or unpadded, with ``padding`` the symmetric zero padding to apply), o (B, C_out, *out_spatial)
+    → (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
 
     Small layers: im2col (``F.unfold``, B·C_in·k·L elements) and the linear norms per group.
     Larger ones: per-sample gradients from the convolution's own weight-gradient routine with the
@@ -74,34 +93,39 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module)
     if B == 0 or x_pad.dim() == 5 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)
         out = torch.empty(B, dtype=dtype, device=o.device)
-        for samples, grads in _per_sample_grad_chunks(x_pad, o, module):
+        for samples, grads in _per_sample_grad_chunks(x_pad, o, module, padding):
             out[samples] = grads.flatten(1).to(dtype).pow(2).sum(1)
         return out
-    a, out = conv_as_linear(x_pad, o, module)
+    a, out = conv_as_linear(x_pad, o, module, padding)
     return linear_weight_sq_norms(a, out).view(B, module.groups).sum(1)
 
 
 _CONV_WEIGHT_SQ_NORMS = declare("conv_weight_sq_norms", conv_weight_sq_norms_reference)
 
 
-def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module) -> torch.Tensor:
-    """Per-sample squared weight-gradient norms (B,): the fused kernel on CUDA, else the reference."""
-    return _CONV_WEIGHT_SQ_NORMS.pick(x_pad, o)(x_pad, o, module)
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
+    """Per-sample squared weight-gradient norms (B,): the fused kernel on CUDA, else the reference.
+    padding: zero padding still to apply to ``x_pad`` (the kernel is given a padded copy)."""
+    fn = _CONV_WEIGHT_SQ_NORMS.pick(x_pad, o)
+    if fn is _CONV_WEIGHT_SQ_NORMS.reference:
+        return fn(x_pad, o, module, padding)
+    return fn(pad_input(x_pad, padding), o, module)
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     return o.flatten(2).sum(-1).to(torch.promote_types(o.dtype, torch.float32)).pow(2).sum(-1)
 
 
-def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=True):
-    """(Σ_i w_i ∂ℓ_i/∂W, Σ_i w_i ∂ℓ_i/∂b) through the convolution's own weight-gradient routine."""
+def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=True, padding=None):
+    """(Σ_i w_i ∂ℓ_i/∂W, Σ_i w_i ∂ℓ_i/∂b) through the convolution's own weight-gradient routine.
+    padding: zero padding still to apply to ``x_pad`` (the routine applies it), or None."""
     if weights is not None:
         o = o * weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
     n = x_pad.dim() - 2
     grad_w = None
     if need_weight:
         _, grad_w, _ = torch.ops.aten.convolution_backward(
-            o, x_pad, module.weight.detach().to(o.dtype), None, list(module.stride), [0] * n,
+            o, x_pad, module.weight.detach().to(o.dtype), None, list(module.stride), _padding(padding, n),
             list(module.dilation), False, [0] * n, module.groups, [False, True, False])
     grad_b = o.sum([0, *range(2, o.dim())]) if need_bias else None
     return grad_w, grad_b
@@ -116,7 +140,7 @@ _CHUNK_ELEMENTS = 1 << 25
 _CPU_CHUNK_ELEMENTS = 1 << 17
 
 
-def _per_sample_grad_chunks(x_pad, o, module):
+def _per_sample_grad_chunks(x_pad, o, module, padding=None):
     """(slice of samples, their (b, *weight.shape) gradients), chunk by chunk.
 
     The batch becomes b·G convolution groups, so the convolution's own weight-gradient kernel
@@ -133,15 +157,16 @@ def _per_sample_grad_chunks(x_pad, o, module):
         os = o[start:start + b].reshape(1, b * o.shape[1], *o.shape[2:])
         weight = torch.empty(b * w.shape[0], *w.shape[1:], dtype=o.dtype, device=o.device)
         _, grad, _ = torch.ops.aten.convolution_backward(
-            os, xs.to(o.dtype), weight, None, list(module.stride), [0] * n, list(module.dilation), False, [0] * n,
-            b * module.groups, [False, True, False])
+            os, xs.to(o.dtype), weight, None, list(module.stride), _padding(padding, n), list(module.dilation), False,
+            [0] * n, b * module.groups, [False, True, False])
         yield slice(start, start + b), grad.view(b, *w.shape)
 
 
-def conv_per_sample_grads(x_pad, o, module) -> torch.Tensor:
-    """Materialized (B, *weight.shape) per-sample gradients (tied parameters, oracles)."""
+def conv_per_sample_grads(x_pad, o, module, padding=None) -> torch.Tensor:
+    """Materialized (B, *weight.shape) per-sample gradients (tied parameters, oracles).
+    padding: zero padding still to apply to ``x_pad``, or None."""
     w = module.weight
     out = workspace.empty((x_pad.shape[0], *w.shape), o.dtype, o.device)
-    for samples, grads in _per_sample_grad_chunks(x_pad, o, module):
+    for samples, grads in _per_sample_grad_chunks(x_pad, o, module, padding):
         out[samples] = grads
     return out

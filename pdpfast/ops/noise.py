@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..sampling import GOLDEN_GAMMA, as_int64, logical_shift_right, mix64_, mix64_int
 from .dispatch import declare
 
 # CPU noise for this many elements or more is drawn on several threads (torch releases the GIL).
@@ -15,21 +16,35 @@ _PARALLEL_MIN_ELEMENTS = 1 << 18
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def step_seed(seed: int, step: int, index: int | None = None) -> int:
     """A 63-bit seed for one step (and one tensor), independent across (seed, step, index).
 
-    SplitMix64 absorbs each word in turn (a few hundred ns: this runs once per tensor per step)."""
+    SplitMix64 absorbs each word in turn: z ← mix64(z ⊕ word + γ), then z >> 1 (a few hundred ns:
+    this runs once per tensor per step). ``step_seed_tensor`` is the same function on the device."""
     z = 0
     for word in (seed, step) if index is None else (seed, step, index):
-        z = _splitmix64(z ^ (int(word) & _MASK64))
+        z = mix64_int((z ^ (int(word) & _MASK64)) + GOLDEN_GAMMA)
     return z >> 1
+
+
+def step_seed_tensor(seed_and_step: torch.Tensor) -> torch.Tensor:
+    """``step_seed(seed, step)`` computed on ``seed_and_step``'s device, from a (2,) int64 tensor
+    holding (seed, step) as uint64 bits: a () int64 tensor, equal to the host value bit for bit.
+
+    A captured CUDA graph reads the step from device memory, so its noise follows (seed, step)
+    replay after replay with no host value baked in (``pdpfast.graphs``)."""
+    z = seed_and_step[0].clone()
+    for k in (0, 1):
+        if k:
+            z ^= seed_and_step[1]
+        z += as_int64(GOLDEN_GAMMA)
+        mix64_(z)
+    return logical_shift_right(z, 1)
+
+
+def seed_and_step_tensor(seed: int, step: int, device) -> torch.Tensor:
+    """(2,) int64 (seed, step) on ``device``, as ``step_seed_tensor`` takes them."""
+    return torch.tensor([as_int64(seed), as_int64(step)], dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,13 +58,21 @@ def _pool() -> ThreadPoolExecutor:
 _OWN_GENERATOR_MIN_ELEMENTS = 1 << 16
 
 
-def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
+def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
+                         device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
     """g += N(0, std²) elementwise, in place, for every tensor in ``grads``.
+
+    ``device_seed`` and ``keep`` are for the kernel (``add_noise_``); torch's generators are seeded
+    on the host, so the reference refuses a device-side seed.
 
     Tensor k of ≥ 2^16 elements draws from a generator seeded by (seed, step, k); the smaller ones
     draw, in list order, from one generator per (device, dtype) group j seeded by
     (seed, step, len(grads) + j). The noise depends only on (seed, step) and the list.
     """
+    if device_seed is not None:
+        raise RuntimeError("noise from a device-side step counter (a captured CUDA graph) needs the Triton noise "
+                           "kernel; it is not available here (pdpfast.ops.dispatch.triton_import_error(), or "
+                           "PDPFAST_DISABLE_TRITON is set)")
     if not grads or std == 0:
         return
     n = len(grads)
@@ -82,5 +105,12 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
 _ADD_NOISE = declare("add_noise_", add_noise_reference_)
 
 
-def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int) -> None:
-    _ADD_NOISE.pick(*grads)(grads, std, seed, step)
+def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
+               device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
+    """g += N(0, std²) in place for every g in ``grads``, from (seed, step): the kernel on CUDA.
+
+    device_seed: None, or ``step_seed_tensor(...)`` on the grads' device, read by the kernel at run
+    time instead of (seed, step) (the same noise: a CUDA graph replays it with a new step). keep: a
+    list that receives the device tensors the launch reads besides the grads (a captured graph must
+    keep them alive)."""
+    _ADD_NOISE.pick(*grads)(grads, std, seed, step, device_seed=device_seed, keep=keep)

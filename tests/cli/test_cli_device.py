@@ -64,3 +64,33 @@ def test_train_on_cuda_matches_the_budgets(cli, data_dir, tmp_path, method):
     assert summary["device"].startswith("cuda")
     assert all(row["max_ratio"] <= 1.0 for row in summary["groups"])
     assert summary["test"]["accuracy"] > 0.2
+
+
+@pytest.mark.parametrize("extra,message", [((), "--physical-batch-size"),
+                                           (("--physical-batch-size", 8, "--mode", "ghost"), "--mode ghost"),
+                                           (("--physical-batch-size", 8, "--method", "pdp"), "--method")])
+def test_cuda_graph_needs_fixed_batches_one_backward_and_no_rounds(cli, data_dir, extra, message):
+    rc, out, err = cli("train", *_args(data_dir), "--cuda-graph", *extra, *SMALL, "--quiet")
+    assert rc != 0 and message in err and "--cuda-graph" in err
+
+
+def test_cuda_graph_on_the_cpu_is_a_clear_error(cli, data_dir):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    rc, out, err = cli("train", *_args(data_dir), "--cuda-graph", "--physical-batch-size", 8, "--device", "cpu",
+                       *SMALL, "--quiet")
+    assert rc != 0 and "CUDA device" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_trains_like_the_eager_step(cli, data_dir, tmp_path):
+    """The captured step takes the same steps with the same noise: the same summary as eager."""
+    summaries = []
+    for flag in ((), ("--cuda-graph",)):
+        out_json = tmp_path / f"s{len(summaries)}.json"
+        rc, out, err = cli("train", *_args(data_dir), "--physical-batch-size", 16, *flag, "--out-json", out_json,
+                           *SMALL, "--quiet")
+        assert rc == 0, err
+        summaries.append(json.loads(out_json.read_text()))
+    assert summaries[0]["steps"] == summaries[1]["steps"]
+    assert abs(summaries[0]["test"]["accuracy"] - summaries[1]["test"]["accuracy"]) < 0.02

@@ -124,3 +124,24 @@ def test_noise_gpu_sizes(tools):
     noise.add_noise_(grads, 1.0, 0, 0)
     flat = torch.cat([g.float().flatten() for g in grads])
     assert abs(flat.mean().item()) < 1e-3 and abs(flat.std().item() - 1) < 2e-3
+
+
+@pytest.mark.parametrize("seed,step", [(7, 3), (2 ** 56 - 5, 123456789), (2 ** 64 - 1, 2 ** 40 + 17)])
+def test_noise_from_a_device_side_step_counter_equals_host_seed_and_step(tools, seed, step):
+    """A captured CUDA graph reads (seed, step) from device memory (``step_seed_tensor``): its noise
+    is the eager step's bit for bit, and the tables it reads are handed to ``keep``."""
+    from pdpfast.ops.noise import seed_and_step_tensor, step_seed_tensor
+
+    shapes = [(5000,), (3, 7), (1,)]
+    eager = _noise(tools, shapes, seed=seed, step=step)
+    grads = [torch.zeros(s, device=tools.device) for s in shapes]
+    keep = []
+    counter = seed_and_step_tensor(seed, step, tools.device)
+    noise.add_noise_(grads, 1.0, 0, 0, device_seed=step_seed_tensor(counter), keep=keep)
+    for x, y in zip(grads, eager):
+        assert torch.equal(x.cpu(), y)
+    assert len(keep) == 1 and keep[0].device == grads[0].device
+    counter[1] += 1  # the graph's counter moves on: the next step's noise
+    nxt = [torch.zeros(s, device=tools.device) for s in shapes]
+    noise.add_noise_(nxt, 1.0, 0, 0, device_seed=step_seed_tensor(counter))
+    assert torch.equal(nxt[0].cpu(), _noise(tools, shapes, seed=seed, step=step + 1)[0])

@@ -1,0 +1,314 @@
+"""A private training step replayed from CUDA graphs: the step with the host out of the way.
+
+On a fast GPU a private step is host-bound: every DP layer's backward issues its norms, clip
+weights and clipped sums from Python, and the GPU waits for them (``bench/README.md``). A
+``PrivateStep`` captures the step once and replays it, so a step costs two graph launches.
+
+Two graphs, because a Poisson draw may span several physical batches and the optimizer steps
+after the last of them only:
+
+* **accumulate** — forward, loss, backward, per-sample norms, clip weights and the clipped sums
+  added into ``param.grad``, for one physical batch. One graph per input signature (shapes, dtypes,
+  tree of the inputs); physical batches of a fixed size (``physical_batch_size``, padded with
+  masked rows) keep it to one.
+* **update** — noise, normalization by the expected batch size, the wrapped optimizer's step, and
+  ``param.grad`` zeroed, for the draw's last batch.
+
+What changes from step to step lives in static device buffers that the graphs read: the batch's
+inputs, its rows' clip bounds and mask (copied in before each replay from pinned host memory, so
+the copy is queued, not waited for), and the noise's (seed, step) counter, which the update graph
+advances itself; the noise kernel derives its Philox seed from it on the device
+(``pdpfast.ops.noise.step_seed_tensor``), so a replayed step draws exactly the noise the eager step
+``t`` draws. Everything the host must know — the batch lifecycle (``ClippingState``), the ledger's
+check before a step and its charge after, the step count — runs on the host around each replay,
+as the eager step runs it.
+
+``cuda_graph=False`` runs the same two bodies eagerly every time (the first ``warmup`` steps of a
+captured step do too, on a side stream, as CUDA graph capture requires): the same static buffers,
+the same host lifecycle, no capture. Tests on the CPU check that path against the ordinary loop,
+and that nothing in a step's body synchronises with the host.
+
+Rebuilt rather than replayed: a new input signature (new accumulate graph), and a change of the
+optimizer's hyperparameters, state or noise (new update graph: a learning rate baked in as a
+number would go stale; give the optimizer a tensor learning rate to change it without recapture).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .clipping import ClippingState
+from .ops.dispatch import use_triton
+from .ops.noise import seed_and_step_tensor, step_seed_tensor
+from .optimizer import DPOptimizer
+from .sampling import as_int64
+
+# Distinct input signatures before a warning: each has its own accumulate graph and memory pool.
+_SIGNATURES_WARN = 4
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` ready for a queued copy to ``device``: host tensors go through pinned memory."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        return t.pin_memory()
+    return t
+
+
+class _Body:
+    """One step body: run eagerly, or captured once in a CUDA graph and then replayed."""
+
+    def __init__(self, fn: Callable[[], tuple], device: torch.device, guard: Callable = contextlib.nullcontext):
+        self.fn, self.device, self.guard = fn, device, guard
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple | None = None
+
+    def run_eagerly(self, side_stream: bool) -> tuple:
+        if not side_stream:
+            with self.guard():
+                return self.fn()
+        # CUDA graph warm-up runs on a side stream (lazy initialisation off the capturing stream)
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side), self.guard():
+            outputs = self.fn()
+        current.wait_stream(side)
+        return outputs
+
+    def replay(self) -> tuple[tuple, bool]:
+        """(outputs, captured now): the first call captures the body (its host code runs once,
+        then) and replays it; later calls only replay."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs, False
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph), self.guard():
+                outputs = self.fn()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"capturing the private step in a CUDA graph failed: {exc}. Everything the step runs must stay on "
+                "the GPU with no host synchronisation: no .item(), .tolist(), .cpu(), printing or branching on a "
+                "tensor's value, and no data-dependent shapes (nonzero, unique, boolean indexing), in the loss "
+                "function and the model's forward. Make the step capture-safe, or use cuda_graph=False") from exc
+        self.graph, self.outputs = graph, outputs
+        graph.replay()
+        return outputs, True
+
+
+class PrivateStep:
+    """One private training step per call, captured in CUDA graphs and replayed (module docstring).
+
+    Args:
+        state: the model's ``ClippingState`` (``mode="bk"``, flat or per-layer clipping; ghost mode
+            runs two backwards over per-sample losses and is not offered here).
+        optimizer: the ``DPOptimizer`` of the model's parameters. Optimizers with a ``capturable``
+            option (Adam, AdamW, ...) need ``capturable=True`` for a captured step.
+        loss_fn: ``loss_fn(*inputs, **kw_inputs)`` → the scalar loss of one physical batch, reduced as
+            the batch was opened (mean over its rows for ``loss_reduction="mean"``, else the sum).
+        cuda_graph: capture and replay (default: when the parameters are on a CUDA device); False
+            runs the same step eagerly.
+        warmup: steps run eagerly before the capture (CUDA graphs need the lazy initialisation of
+            cuBLAS, the optimizer's state and the kernels' tables done first). Each is a real step.
+
+    A call takes the physical batch the state has open (``state.begin_batch`` — the engine's data
+    loader opens each batch it yields), runs forward, backward and clipping into ``param.grad``,
+    and, when the optimizer is at a step boundary (the draw's last physical batch), the noisy
+    optimizer step. Returns the batch's loss (a fresh tensor, safe to keep).
+    """
+
+    def __init__(self, state: ClippingState, optimizer: DPOptimizer, loss_fn: Callable, *,
+                 cuda_graph: bool | None = None, warmup: int = 2):
+        if not isinstance(state, ClippingState):
+            raise TypeError(f"state must be a pdpfast ClippingState, got {type(state).__name__}")
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(f"optimizer must be a pdpfast DPOptimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (inputs → scalar loss), got {type(loss_fn).__name__}")
+        if state.mode == "ghost":
+            raise ValueError("a captured step runs one backward; mode='ghost' needs two over per-sample losses. Use "
+                             "mode='bk' (book-keeping, the default) or clipping='per_layer'")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup must be an int ≥ 1 (eager steps before the capture), got {warmup!r}")
+        params = optimizer.trainable_params()
+        if not params:
+            raise ValueError("the optimizer has no trainable parameters")
+        self.device = params[0].device
+        if cuda_graph is None:
+            cuda_graph = self.device.type == "cuda"
+        if cuda_graph:
+            self._check_capturable(optimizer)
+        self.state, self.optimizer, self.loss_fn = state, optimizer, loss_fn
+        self.cuda_graph, self.warmup = bool(cuda_graph), warmup
+        self.eager_steps = 0  # optimizer steps run eagerly (the warm-up)
+        # wraps every run of a body (tests: ``no_host_sync`` shows a synchronisation on the CPU)
+        self.body_guard: Callable = contextlib.nullcontext
+        self._accumulate: dict[tuple, _Accumulate] = {}
+        self._update: _Body | None = None
+        self._update_key = None
+        self._counter: torch.Tensor | None = None  # (seed, step) of the noise, on the device
+        self._counter_step: int | None = None      # the step the counter holds
+        self._tables: list = []                    # device tables the captured noise launch reads
+        with torch.no_grad():
+            for p in params:  # static gradient buffers: the graphs add into them and zero them
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+    def _check_capturable(self, optimizer: DPOptimizer) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device; its parameters are on {self.device}")
+        if optimizer.reduce_grads is not None:
+            raise ValueError("cuda_graph=True is not supported with DistributedDataParallel (the all-reduce of the "
+                             "clipped sums runs between the graphs' steps); use cuda_graph=False")
+        if any(group.get("capturable") is False for group in optimizer.param_groups):
+            name = type(optimizer.original_optimizer).__name__
+            raise ValueError(f"cuda_graph=True needs {name}(..., capturable=True): its step count must live on the GPU "
+                             "to be replayed")
+        if optimizer.noise_std > 0 and not use_triton(torch.empty(0, device=self.device)):
+            raise ValueError("cuda_graph=True needs the Triton noise kernel (its noise follows a step counter on the "
+                             "GPU); Triton is not available or PDPFAST_DISABLE_TRITON is set (python -m pdpfast.info)")
+
+    # ------------------------------------------------------------------ a call
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        state = self.state
+        state.require_open()
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves),
+               tuple(state.clip_norms.shape), state.mask is None, state.loss_scale)
+        accumulate = self._accumulate.get(key)
+        if accumulate is None:
+            accumulate = self._accumulate[key] = _Accumulate(self, spec, leaves)
+            if len(self._accumulate) == _SIGNATURES_WARN + 1 and self.cuda_graph:
+                warnings.warn(f"the captured step has seen {len(self._accumulate)} input signatures (shapes, dtypes): "
+                              "each is captured in a graph of its own. Give every batch the same shapes "
+                              "(physical_batch_size= pads Poisson batches to a fixed size)", stacklevel=2)
+        eager = not self.cuda_graph or self.eager_steps < self.warmup
+        # a signature's first batch runs eagerly (its kernels' lazy set-up), the next is captured
+        loss = accumulate(leaves, eager or accumulate.calls == 0)
+        if self.optimizer.at_step_boundary():
+            self.optimizer.before_step()
+            self._step(eager)
+            self.optimizer.after_step()
+            if eager:
+                self.eager_steps += 1
+        return loss.clone()
+
+    # ------------------------------------------------------------------ the update
+
+    def _update_body(self, captured: bool = True) -> tuple:
+        """Noise (from the device counter when captured), normalization, the optimizer step, grads zeroed."""
+        optimizer = self.optimizer
+        if captured:
+            optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=self._tables)
+        else:
+            optimizer.add_noise_and_normalize()
+        optimizer.original_optimizer.step()
+        torch._foreach_zero_([p.grad for p in optimizer.trainable_params()])
+        if captured:
+            self._counter[1] += 1
+        return ()
+
+    def _step(self, eager: bool) -> None:
+        optimizer = self.optimizer
+        if eager:
+            with torch.no_grad():
+                _Body(lambda: self._update_body(captured=False), self.device,
+                      lambda: self.body_guard()).run_eagerly(self.cuda_graph)
+            return
+        key = self._hyper_key()
+        if self._update is None or key != self._update_key:
+            if self._update is not None:
+                warnings.warn("the optimizer's hyperparameters, state or noise changed: the update graph is captured "
+                              "again (a learning-rate schedule does this every step; give the optimizer a tensor "
+                              "learning rate, e.g. lr=torch.tensor(1e-3, device='cuda'), to avoid it)", stacklevel=3)
+            self._update = _Body(self._update_body, self.device, lambda: self.body_guard())
+            self._update_key, self._tables = key, []
+        if self._counter is None:
+            self._counter = seed_and_step_tensor(optimizer.seed, optimizer.steps, self.device)
+            self._counter_step = optimizer.steps
+        elif self._counter_step != optimizer.steps:  # eager steps, or a checkpoint loaded: queued, no sync
+            self._counter[1:].fill_(as_int64(optimizer.steps))
+        with torch.no_grad():
+            self._update.replay()
+        self._counter_step = optimizer.steps + 1
+
+    def _hyper_key(self) -> tuple:
+        """What the update graph bakes in: each group's hyperparameters (tensors by identity), the
+        optimizer's state and groups objects (replaced by load_state_dict), the noise and B_exp."""
+        optimizer = self.optimizer
+        groups = tuple(tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(g.items())
+                             if k != "params") for g in optimizer.param_groups)
+        return (groups, id(optimizer.state), id(optimizer.param_groups), optimizer.noise_std,
+                optimizer.expected_batch_size, optimizer.seed)
+
+
+class _Accumulate:
+    """The accumulate body of one input signature: static inputs, bounds and mask, and its graph."""
+
+    def __init__(self, step: PrivateStep, spec, leaves: list):
+        self.step, self.spec = step, spec
+        device = step.device
+        self.inputs = [torch.empty_like(x, device=device) if isinstance(x, torch.Tensor) else x for x in leaves]
+        state = step.state
+        self.clip_norms = torch.empty(state.clip_norms.shape, dtype=state.clip_norms.dtype, device=device)
+        self.mask = None if state.mask is None else torch.empty(state.mask.shape, dtype=state.mask.dtype, device=device)
+        self.body = _Body(self._run, device, lambda: step.body_guard())
+        self.calls = 0
+
+    def _run(self) -> tuple:
+        args, kwargs = pytree.tree_unflatten(self.inputs, self.spec)
+        loss = self.step.loss_fn(*args, **kwargs)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TypeError(f"loss_fn must return a scalar loss tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+        loss.backward()
+        return (loss.detach(), *self.step.state.clipped_outputs())
+
+    def __call__(self, leaves: list, eager: bool) -> torch.Tensor:
+        device, state = self.step.device, self.step.state
+        self.calls += 1
+        with torch.no_grad():
+            for static, x in zip(self.inputs, leaves):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(_pinned(x, device), non_blocking=True)
+            self.clip_norms.copy_(_pinned(state.clip_norms, device), non_blocking=True)
+            if self.mask is not None:
+                self.mask.copy_(_pinned(state.mask, device), non_blocking=True)
+        if eager or self.body.graph is None:
+            # the graph reads the static bounds and mask: bind them to the batch the host opened
+            state.rebind_batch(self.clip_norms, self.mask)
+        if eager:
+            outputs = self.body.run_eagerly(side_stream=self.step.cuda_graph)
+            return outputs[0]
+        outputs, captured = self.body.replay()
+        if not captured:  # the capture ran the host side of the backward itself
+            state.replayed_backward(outputs[1:])
+        return outputs[0]
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise on the tensor methods that synchronise with the host (``.item()``, ``.tolist()``,
+    ``.cpu()``, ``bool(t)``, ``nonzero``, ...) while the block runs: what a CUDA graph capture
+    forbids, made visible on the CPU (tests wrap a step's body in it)."""
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+             "unique", "equal")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise RuntimeError(f"Tensor.{name} synchronises with the host inside a step body")
+        return method
+
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse(n))
+        yield
+    finally:
+        for n, method in saved.items():
+            setattr(torch.Tensor, n, method)
