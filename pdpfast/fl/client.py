@@ -26,12 +26,24 @@ Weights = list[np.ndarray]
 
 
 def get_weights(model: nn.Module) -> Weights:
-    """The model's state as float32 numpy arrays, in ``state_dict`` order (Flower's NDArrays)."""
+    """The model's state as Flower's NDArrays.
+
+    Args:
+        model: any module.
+    Returns:
+        copies of its ``state_dict`` tensors as numpy arrays (float32 for float32 models), in order.
+    """
     return [t.detach().cpu().numpy().copy() for t in model.state_dict().values()]
 
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
-    """Load ``weights`` (arrays in ``state_dict`` order, as :func:`get_weights` gives) into ``model``."""
+    """Load arrays into a model.
+
+    Args:
+        model: the module; weights: arrays in ``state_dict`` order, as :func:`get_weights` gives.
+    Returns:
+        None. Raises ValueError when their number differs from the model's tensors.
+    """
     keys = list(model.state_dict().keys())
     if len(keys) != len(weights):
         raise ValueError(f"the model has {len(keys)} tensors, got {len(weights)} arrays")
@@ -49,7 +61,13 @@ class LocalUpdate:
 
 
 def fresh_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """``model_fn()`` without consuming torch's global RNG (its initial values are overwritten)."""
+    """Build a model without consuming torch's global RNG (its initial values are overwritten).
+
+    Args:
+        model_fn: builds the model.
+    Returns:
+        ``model_fn()``.
+    """
     with torch.random.fork_rng(devices=[]):
         return model_fn()
 
