@@ -48,6 +48,11 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 
     Theorem 3 of the paper: with f(k) = P[Binomial(r, e^ε/(1+e^ε)) ≥ k], the probability is at
     most f(v) + 2mδ · max_{1≤i≤v} (f(v−i) − f(v)) / i.
+
+    Args:
+        m: canaries; r: guesses; v: correct guesses; epsilon, delta: the (ε, δ) tested.
+    Returns:
+        that bound on the probability, in [0, 1].
     """
     from scipy.stats import binom
 
