@@ -17,25 +17,51 @@ import numpy as np
 import torch
 
 __all__ = ["as_per_record", "as_per_sample", "check_budgets", "check_choice", "check_delta", "check_epsilons",
-           "check_in_range", "check_int", "check_positive_integer", "check_rate"]
+           "check_in_range", "check_int", "check_positive", "check_positive_integer", "check_positive_per_record",
+           "check_rate"]
 
 
 # ---------------------------------------------------------------------------------------------- scalars
 def check_choice(name: str, value, choices) -> None:
-    """Raise ValueError unless ``value`` is one of ``choices`` (a tuple of the allowed values)."""
+    """Check that a value is one of the allowed choices.
+
+    Args:
+        name: the argument, as the message names it; value: what was given; choices: a tuple of the allowed
+            values.
+    Returns:
+        None.
+    Raises:
+        ValueError unless ``value`` is one of them.
+    """
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def check_int(name: str, value, minimum: int) -> int:
-    """``value`` as an int ≥ ``minimum``; a bool or a float (even 2.0) is refused."""
+    """Check an int with a lower bound.
+
+    Args:
+        name; value: an int (a bool or a float, even 2.0, is refused); minimum: the least allowed.
+    Returns:
+        int(value).
+    Raises:
+        ValueError ("an int ≥ minimum").
+    """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int ≥ {minimum}, got {value!r}")
     return int(value)
 
 
 def check_positive_integer(name: str, value) -> int:
-    """``value`` as an int ≥ 1; an integral float (2.0) is accepted, a bool is not."""
+    """Check a positive integer (a count of steps, rounds).
+
+    Args:
+        name; value: an int ≥ 1 (an integral float such as 2.0 is accepted, a bool is not).
+    Returns:
+        int(value).
+    Raises:
+        ValueError ("a positive integer").
+    """
     if isinstance(value, bool) or not float(value).is_integer() or float(value) < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
@@ -43,8 +69,16 @@ def check_positive_integer(name: str, value) -> int:
 
 def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_open: bool = True,
                    high_open: bool = False) -> float:
-    """``value`` as a finite float in the interval from ``low`` to ``high`` (open or closed at
-    each end, as given; default (low, ∞)). The message writes the interval out, e.g. "(0, 1]"."""
+    """Check a finite number inside an interval.
+
+    Args:
+        name; value: a number; low, high: the interval's ends (default (low, ∞)); low_open, high_open: whether
+            each end is excluded.
+    Returns:
+        float(value), finite and inside.
+    Raises:
+        ValueError naming the interval, e.g. "must lie in (0, 1]".
+    """
     lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
     where = f"{name} must lie in {lo}{low:g}, {high:g}{hi}"
     try:
@@ -58,13 +92,48 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
     return v
 
 
+def check_positive(name: str, value) -> float:
+    """Check a finite number > 0.
+
+    Args:
+        name; value: a noise multiplier, a clip bound, a threshold.
+    Returns:
+        float(value), finite and > 0.
+    Raises:
+        TypeError if not a number, ValueError ("finite and > 0").
+    """
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number > 0, got {value!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return v
+
+
 def check_delta(name: str, value) -> float:
-    """δ of an (ε, δ) guarantee: a float in (0, 1). TypeError if not a number."""
+    """Check δ of an (ε, δ) guarantee.
+
+    Args:
+        name; value: δ of an (ε, δ) guarantee.
+    Returns:
+        float(value) in (0, 1).
+    Raises:
+        TypeError if not a number, ValueError outside (0, 1).
+    """
     return _in_unit_interval(name, value, one_allowed=False)
 
 
 def check_rate(name: str, value) -> float:
-    """A Poisson sampling rate q: a float in (0, 1]. TypeError if not a number."""
+    """Check a Poisson sampling rate.
+
+    Args:
+        name; value: a Poisson sampling rate q.
+    Returns:
+        float(value) in (0, 1].
+    Raises:
+        TypeError if not a number, ValueError outside (0, 1].
+    """
     return _in_unit_interval(name, value, one_allowed=True)
 
 
@@ -81,7 +150,16 @@ def _in_unit_interval(name: str, value, *, one_allowed: bool) -> float:
 
 # ---------------------------------------------------------------------------------------------- arrays
 def check_epsilons(name: str, values) -> np.ndarray:
-    """Privacy budgets ε of any shape: a non-empty float64 array, every entry finite and > 0."""
+    """Check privacy budgets ε of any shape.
+
+    Args:
+        name; values: privacy budgets ε, a scalar or an array of any shape.
+    Returns:
+        them as a non-empty float64 array, every entry finite and > 0.
+    Raises:
+        TypeError if not numbers, ValueError if empty or an entry is not finite and > 0 (the message counts
+            them).
+    """
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
@@ -96,9 +174,15 @@ def check_epsilons(name: str, values) -> np.ndarray:
 
 
 def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
-    """Per-record budgets read from a user's data: (N,) float64, each finite and > 0 (a column
-    vector (N, 1) is accepted). ``n``: the number of records they must match (None: any). The
-    messages name the first bad record, for a user fixing a file."""
+    """Per-record budgets read from a user's data; the messages name the first bad record, for a
+    user fixing a file.
+
+    Args:
+        values: (N,) or a column (N, 1) of ε_i. n: the number of records they must match (None:
+            any). what: how the messages name them ("budgets in 'b.txt'").
+    Returns:
+        (N,) float64 ε_i, each finite and > 0.
+    """
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
@@ -122,10 +206,34 @@ def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
     return arr
 
 
+def check_positive_per_record(name: str, values, n: int, *, records: str = "record") -> np.ndarray:
+    """Per-record values a program built (so the messages are short), e.g. a client's budgets.
+
+    Args:
+        name; values: (n,) numbers; n: how many; records: what one value belongs to, as the shape
+            message says it ("record", "training record").
+    Returns:
+        (n,) float64, every value finite and > 0.
+    """
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ValueError(f"{name} must have one value per {records} ({n}), got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError(f"{name} must be finite and > 0")
+    return arr
+
+
 def as_per_record(name: str, values, n: int, *, low: float, high: float | None = None,
                   low_inclusive: bool = True) -> np.ndarray:
-    """(n,) float64 from a scalar or an array (or tensor) of n values, each finite and in
-    [low, high] (or (low, high] with ``low_inclusive=False``; no upper bound when high is None)."""
+    """A per-record quantity (sampling rates q_i, clip bounds c_i).
+
+    Args:
+        name; values: a scalar (the same for every record) or an array / tensor of n values;
+            n: the number of records; low, high: bounds (high None: none); low_inclusive: whether
+            ``low`` itself is allowed.
+    Returns:
+        (n,) float64, each finite and in [low, high] (or (low, high]).
+    """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     arr = np.asarray(values, dtype=np.float64) if not np.isscalar(values) else np.full(n, float(values))
@@ -141,9 +249,15 @@ def as_per_record(name: str, values, n: int, *, low: float, high: float | None =
 
 
 def as_per_sample(name: str, values, batch_size: int | None = None, *, positive: bool = True) -> torch.Tensor:
-    """A (B,) tensor of one batch's per-sample values (float, or float64 from ints / bools),
-    checked: 1-D, of length ``batch_size`` B when given, finite, and > 0 if ``positive``. A
-    Python number is broadcast to (B,) float32 (and needs ``batch_size``)."""
+    """One batch's per-sample values (clip bounds, a padding mask).
+
+    Args:
+        name; values: a 1-D tensor / array, or a Python number (broadcast to (B,) float32, which
+            needs ``batch_size``); batch_size: B, the length they must have (None: any);
+            positive: whether every value must be > 0.
+    Returns:
+        (B,) tensor: float as given, or float64 from ints / bools; finite.
+    """
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         if batch_size is None:
             raise TypeError(f"{name} must be a 1-D tensor or array of per-sample values")

@@ -10,8 +10,14 @@ from typing import BinaryIO
 
 
 def atomic_write(path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through ``write(file)`` so a crash leaves the old file or the new one, never a
-    half-written one: temp file in the same directory, fsync, os.replace, fsync the directory."""
+    """Write a file atomically: a crash leaves the old file or the new one, never a half-written
+    one (temp file in the same directory, fsync, os.replace, fsync the directory).
+
+    Args:
+        path: the file; write: ``write(binary file)`` writes the contents.
+    Returns:
+        None.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -37,10 +43,15 @@ def atomic_write(path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def check_output_path(path, option: str) -> str:
-    """The absolute path ``path`` will be written to, or ValueError naming ``option``: it must not
-    be a directory, and its nearest existing parent must be a writable directory (missing parents
-    are created when the file is written). Checked before a command does any work, so a bad path
-    fails in a second rather than after a whole training run."""
+    """Check an output path before a command does any work, so a bad path fails in a second rather
+    than after a whole training run.
+
+    Args:
+        path: where the command will write; option: the option that named it (for the message).
+    Returns:
+        the absolute path. Raises ValueError naming ``option`` if it is a directory or its nearest
+        existing parent is not a writable directory (missing parents are created when writing).
+    """
     shown = os.fspath(path)
     full = os.path.abspath(shown)
     if os.path.isdir(full):
@@ -57,9 +68,15 @@ def check_output_path(path, option: str) -> str:
 
 def remove_stale_temporaries(path) -> list[str]:
     """Remove temporary files that an atomic write of ``path`` left behind when its process was
-    killed (SIGKILL, power loss) between creating and renaming them; returns the removed paths.
-    Call it when a command starts writing ``path`` again: a live writer of the same path would be
-    a second run on the same output, which is refused anyway."""
+    killed (SIGKILL, power loss) between creating and renaming them. Call it when a command starts
+    writing ``path`` again: a live writer of the same path would be a second run on the same
+    output, which is refused anyway.
+
+    Args:
+        path: the output file.
+    Returns:
+        the removed paths.
+    """
     full = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(full)
     if not os.path.isdir(directory):

@@ -95,18 +95,28 @@ class QuantileClipping:
 
 
 def split_noise(noise_multiplier, count_share: float, count_sensitivity: float = 0.5):
-    """(z_grad, σ_count): gradient noise multiplier and count noise std whose pair has effective
-    multiplier ``noise_multiplier`` z (broadcast over arrays): z_grad = z/√(1−f), σ_count =
-    count_sensitivity·z/√f."""
+    """Split a noise multiplier between the gradient and the count of unclipped records.
+
+    Args:
+        noise_multiplier: z, the pair's effective multiplier (a float or an array); count_share: f
+            in (0, 1); count_sensitivity: s, the count's L2 sensitivity.
+    Returns:
+        (z_grad, σ_count), broadcast over arrays: z_grad = z/√(1−f), σ_count = s·z/√f.
+    """
     f = _number("count_share", count_share, 0.0, 1.0, low_open=True, high_open=True)
     z = np.asarray(noise_multiplier, dtype=np.float64)
     return z / math.sqrt(1.0 - f), count_sensitivity * z / math.sqrt(f)
 
 
 def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: float = 0.5):
-    """Effective noise multiplier of a Gaussian gradient query (multiplier z_grad) released with a
-    Gaussian count (std σ_count, L2 sensitivity s) on the same sample:
-    (z_grad^-2 + (s/σ_count)^2)^-1/2 (Andrew et al., Thm. 1)."""
+    """Effective noise multiplier of a Gaussian gradient query released with a Gaussian count on
+    the same sample (Andrew et al., Thm. 1).
+
+    Args:
+        grad_noise_multiplier: z_grad; count_std: σ_count; count_sensitivity: s (floats or arrays).
+    Returns:
+        (z_grad^-2 + (s/σ_count)^2)^-1/2, broadcast over arrays.
+    """
     zg = np.asarray(grad_noise_multiplier, dtype=np.float64)
     sc = np.asarray(count_std, dtype=np.float64)
     return 1.0 / np.sqrt(zg ** -2.0 + (count_sensitivity / sc) ** 2)

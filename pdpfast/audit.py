@@ -48,6 +48,11 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 
     Theorem 3 of the paper: with f(k) = P[Binomial(r, e^ε/(1+e^ε)) ≥ k], the probability is at
     most f(v) + 2mδ · max_{1≤i≤v} (f(v−i) − f(v)) / i.
+
+    Args:
+        m: canaries; r: guesses; v: correct guesses; epsilon, delta: the (ε, δ) tested.
+    Returns:
+        that bound on the probability, in [0, 1].
     """
     from scipy.stats import binom
 
@@ -63,7 +68,13 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
 
 
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: float = 0.05) -> float:
-    """The largest ε that v correct guesses out of r reject at ``significance`` (0 if none)."""
+    """The audit's lower bound.
+
+    Args:
+        m: canaries; r: guesses; v: correct guesses; delta: δ; significance: of the test.
+    Returns:
+        the largest ε that v correct out of r reject at ``significance`` (0 if none).
+    """
     if r == 0 or p_value(m, r, v, 0.0, delta) > significance:
         return 0.0
     low, high = 0.0, 1.0
@@ -80,8 +91,15 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: floa
 
 def guess_and_bound(scores: np.ndarray, included: np.ndarray, delta: float, confidence: float = 0.95,
                     fractions=GUESS_FRACTIONS) -> tuple[float, int, int]:
-    """(ε lower bound, correct, guesses): guess "in" for the top k/2 scores and "out" for the bottom
-    k/2, for each k in ``fractions`` of the canaries, Bonferroni over the choices of k."""
+    """Guess which canaries were included and bound ε from the guesses.
+
+    Args:
+        scores: (m,) one per canary (higher: more likely included); included: (m,) bool, the truth;
+            delta: δ; confidence: of the bound; fractions: the k/m tried (Bonferroni over them).
+    Returns:
+        (ε lower bound, correct, guesses) of the best k: "in" for the top k/2 scores, "out" for the
+        bottom k/2.
+    """
     m = len(scores)
     order = np.argsort(-scores, kind="stable")
     significance = (1.0 - confidence) / len(fractions)
@@ -157,14 +175,24 @@ def canaries(m: int, features: int, classes: int, groups: int, scale: float, see
 
 
 def audit_model(inputs: int, hidden: int = 128, classes: int = 10) -> nn.Sequential:
-    """The demo's MLP, with one more input per canary."""
+    """Args: inputs: features plus one per canary; hidden, classes: widths. Returns: the demo's
+    MLP with that many inputs."""
     return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
 
 
 def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_epsilons, delta: float, epochs: int,
                  batch_size: int, lr: float, seed: int, broken: str | None = None, progress=None,
                  confidence: float = 0.95) -> list[AuditRow]:
-    """One training run of ``method`` with the canaries; one AuditRow per privacy group."""
+    """One training run of ``method`` with the canaries.
+
+    Args:
+        method: one of AUDITED_METHODS; data: (x, y) real records; budgets: (N,) their ε_i;
+            canary_set: (features, labels, group, included); group_epsilons: ε per group; delta,
+            epochs, batch_size, lr, seed: of the run; broken: a deliberately broken variant
+            ("no-noise", "no-clipping") or None; progress: a bar; confidence: of the bounds.
+    Returns:
+        one :class:`AuditRow` per privacy group.
+    """
     from .accounting import calibrate
     from .engine import PrivacyEngine
     from .loop import Task, private_steps
@@ -257,6 +285,7 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
 
 
 def format_table(result: dict) -> str:
+    """Args: result from :func:`run_audit`. Returns: a Markdown table, one row per method and group."""
     lines = ["| method | group budget ε | certified ε | ε lower bound | correct / guesses | canaries |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -269,7 +298,14 @@ def format_table(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    """Lower bound against budget per group, one series per method, with the line bound = budget."""
+    """Plot the audit.
+
+    Args:
+        result: from :func:`run_audit`; path: the image, lower bound against budget per group, one
+            series per method, with the line bound = budget.
+    Returns:
+        None.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

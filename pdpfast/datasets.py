@@ -95,9 +95,15 @@ def _number(text: str, what: str) -> float:
 
 
 def read_budgets(path, *, column: str | None = None, n: int | None = None) -> np.ndarray:
-    """Per-record budgets from a file: .npy (1-D array), .npz (key ``budgets`` or its only array),
-    .csv (``column``, or the only column; a header row is detected) or .txt (one number per line).
-    Checked: finite, > 0, and ``n`` values when ``n`` is given."""
+    """Per-record budgets from a file.
+
+    Args:
+        path: .npy (1-D array), .npz (key ``budgets`` or its only array), .csv (``column``, or the
+            only column; a header row is detected) or .txt (one number per line).
+        column: the CSV column. n: the number of records they must match (None: any).
+    Returns:
+        (N,) float64 ε_i, each finite and > 0.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"budgets file {path!r} does not exist")
@@ -249,11 +255,18 @@ def _labels(values, what: str):
 # ---------------------------------------------------------------------------------------------- loaders
 def load_csv(path, *, label_column: str | None, budget_column: str | None = None, text_column: str | None = None,
              tokens: bool = False, tokenizer=None, max_length: int = 64) -> TrainData:
-    """A CSV file with a header row. Features: every column other than the label / budget / text
-    columns, all numeric (float32). ``tokens=True``: those columns are integer token ids (N, T)
-    instead. ``text_column``: a text column tokenized (``tokenizer``: None → :class:`HashingTokenizer`,
-    an int vocabulary size, a callable, or a Hugging Face tokenizer name) into token ids.
-    ``label_column`` None: no labels (language modelling)."""
+    """A CSV file with a header row.
+
+    Args:
+        path: the file. label_column: the labels (None: no labels, language modelling).
+        budget_column: per-record ε_i (optional). text_column: a text column tokenized into token
+            ids (``tokenizer``: None → :class:`HashingTokenizer`, an int vocabulary size, a
+            callable, or a Hugging Face tokenizer name; ``max_length`` tokens per record).
+        tokens: the feature columns are integer token ids (N, T) rather than numbers.
+    Returns:
+        ``TrainData``: features (N, D) float32 from every other column (all numeric), or token
+        ids (N, T) int64; labels (N,) int64; budgets (N,) float64 or None.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
@@ -310,9 +323,15 @@ def _from_matrix(matrix: np.ndarray, labels, names, budgets, tokens: bool, sourc
 
 
 def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
-    """Features from .npy (N, ...) with labels from ``labels`` (.npy), or an .npz holding ``x``
-    (or ``features``), ``y`` (or ``labels``) and optionally ``budgets``. (N, C, H, W) arrays are
-    images; ``tokens=True`` reads integer token ids (N, T)."""
+    """Records from numpy files.
+
+    Args:
+        path: .npy features (N, ...), or an .npz holding ``x`` (or ``features``), ``y`` (or
+            ``labels``) and optionally ``budgets``. labels: a .npy of (N,) labels for a .npy path.
+        tokens: read integer token ids (N, T).
+    Returns:
+        ``TrainData`` ((N, C, H, W) arrays are images).
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file {path!r} does not exist")
@@ -353,7 +372,13 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
 
 
 def load_image_folder(path, *, image_size: int = 32) -> TrainData:
-    """torchvision's ImageFolder (``path/<class>/<image>``), resized to image_size², RGB, in [0, 1]."""
+    """Images in torchvision's ImageFolder layout.
+
+    Args:
+        path: ``path/<class>/<image>``; image_size: the side S they are resized to.
+    Returns:
+        ``TrainData``: images (N, 3, S, S) float32 RGB in [0, 1], labels (N,) class indices.
+    """
     try:
         from torchvision import datasets as tv_datasets
         from torchvision import transforms
@@ -373,9 +398,15 @@ def load_image_folder(path, *, image_size: int = 32) -> TrainData:
 def load_hf(name: str, *, split: str = "train", config: str | None = None, label_column: str | None = "label",
             text_column: str | None = None, budget_column: str | None = None, tokenizer=None,
             max_length: int = 64, limit: int | None = None) -> TrainData:
-    """A Hugging Face dataset (``datasets.load_dataset(name, config, split=split)``). Text columns
-    are tokenized (see :func:`load_csv`); an ``input_ids`` column is used as is; otherwise every
-    numeric column other than the label / budget columns is a feature."""
+    """A Hugging Face dataset (``datasets.load_dataset(name, config, split=split)``).
+
+    Args:
+        name, split, config: of ``load_dataset``. label_column, text_column, budget_column,
+            tokenizer, max_length: as in :func:`load_csv`. limit: the first ``limit`` records only.
+    Returns:
+        ``TrainData``: text columns tokenized; an ``input_ids`` column used as is; otherwise every
+        numeric column other than the label / budget columns a feature.
+    """
     try:
         import datasets as hf_datasets
     except ImportError:
@@ -424,8 +455,14 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
 def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
               text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split="train",
               hf_config=None) -> TrainData:
-    """Dispatch on what ``data`` is (a directory → image folder, .csv, .npy/.npz) or ``hf_dataset``;
-    then attach budgets from ``budgets`` (a file) when given. Budgets given twice is an error."""
+    """Load records by what ``data`` is (a directory → image folder, .csv, .npy/.npz) or from
+    ``hf_dataset``, then attach budgets from ``budgets`` (a file) when given.
+
+    Args:
+        data / hf_dataset: where the records are; the other arguments as in the loaders above.
+    Returns:
+        ``TrainData`` (budgets None when none were given). Raises ValueError for budgets given twice.
+    """
     if (data is None) == (hf_dataset is None):
         raise ValueError("give exactly one of --data and --hf-dataset")
     if hf_dataset is not None:
@@ -455,7 +492,13 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
 
 
 def train_test_split(data: TrainData, test_fraction: float, seed: int = 0):
-    """(train, test or None): a seeded random split that depends only on (N, seed), never on values."""
+    """A seeded random split that depends only on (N, seed), never on the records' values.
+
+    Args:
+        data: N records; test_fraction: in [0, 1) (0: no test set); seed: of the split.
+    Returns:
+        (train, test or None), ``TrainData`` each, budgets split with their records.
+    """
     if not 0.0 <= test_fraction < 1.0:
         raise ValueError(f"test fraction (--test-fraction) must lie in [0, 1), got {test_fraction!r}")
     n = len(data)

@@ -28,7 +28,13 @@ NAMES = {"non-private": "non-private", "dpsgd": "DP-SGD (ε=1 for all)", "sample
 
 
 def load_digits_split(seed: int = 0):
-    """(x_train, y_train, x_test, y_test) float32 / int64 tensors, a stratified 80/20 split."""
+    """scikit-learn's digits, split.
+
+    Args:
+        seed: of the stratified 80/20 split.
+    Returns:
+        (x_train (N, 64) float32 in [0, 1], y_train (N,) int64, x_test, y_test).
+    """
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -39,7 +45,13 @@ def load_digits_split(seed: int = 0):
 
 
 def assign_budgets(n: int, seed: int = 0) -> np.ndarray:
-    """(n,) per-record ε: groups of the demo's fractions, assigned at random (data-independent)."""
+    """The demo's per-record budgets, assigned at random (data-independent).
+
+    Args:
+        n: records; seed: of the assignment.
+    Returns:
+        (n,) float64 ε_i: GROUP_EPSILONS in the proportions GROUP_FRACTIONS.
+    """
     rng = np.random.default_rng(seed)
     sizes = np.floor(np.array(GROUP_FRACTIONS) * n).astype(int)
     sizes[-1] = n - sizes[:-1].sum()
@@ -47,6 +59,7 @@ def assign_budgets(n: int, seed: int = 0) -> np.ndarray:
 
 
 def make_model() -> nn.Module:
+    """Returns: the demo's MLP, 64 inputs → 128 (tanh) → 10 logits."""
     return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))
 
 
@@ -62,6 +75,7 @@ class RunResult:
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Args: model; x (N, 64); y (N,) labels. Returns: the fraction of argmax hits, in [0, 1]."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -111,6 +125,14 @@ def _with_bar(bar, fn):
 
 def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int, eval_every: int = 10,
                      progress: bool = False) -> RunResult:
+    """One non-private run of the demo's model (the accuracy to aim at).
+
+    Args:
+        data: from :func:`load_digits_split`; epochs, batch_size, lr, seed: of plain SGD;
+            eval_every: steps between points of the accuracy curve; progress: show a bar.
+    Returns:
+        :class:`RunResult` (ε None: no privacy).
+    """
     x_tr, y_tr, x_te, y_te = data
     torch.manual_seed(seed)
     model, start = make_model(), time.perf_counter()
@@ -136,9 +158,17 @@ def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int
 def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
                   seed: int, max_grad_norm: float = 1.0, progress: bool = False, eval_every: int = 10,
                   rounds: int = 2, pdp_loss: str = "fixed") -> RunResult:
-    """One private run. method: "sample" / "scale" / "hybrid" (IDP through
-    ``make_private_with_budgets``), "dpsgd" (every record at the smallest budget) or "pdp" (PDP-SGD,
-    ``rounds`` rounds, thresholds by ``pdp_loss``). ε per group comes from the per-record ledger."""
+    """One private run of the demo's model.
+
+    Args:
+        data: from :func:`load_digits_split`; budgets: (N,) ε_i. method: "sample" / "scale" /
+            "hybrid" (IDP through ``make_private_with_budgets``), "dpsgd" (every record at the
+            smallest budget) or "pdp" (PDP-SGD, ``rounds`` rounds, thresholds by ``pdp_loss``).
+        epochs, batch_size (expected), lr, seed, max_grad_norm: of the run; eval_every, progress:
+            as in :func:`train_nonprivate`.
+    Returns:
+        :class:`RunResult` with ε per group from the per-record ledger.
+    """
     from .loop import Task, private_engine, private_steps
 
     x_tr, y_tr, x_te, y_te = data
@@ -192,7 +222,13 @@ def _threads(n: int | None):
 
 
 def demo_task(epochs, seeds):
-    """The demo's (data, budgets), after checking the run's ``epochs`` and ``seeds``."""
+    """The demo's data and budgets, after checking the run's settings.
+
+    Args:
+        epochs: a positive int; seeds: a non-empty sequence.
+    Returns:
+        (data from :func:`load_digits_split`, (N,) budgets from :func:`assign_budgets`).
+    """
     if not (isinstance(epochs, int) and epochs > 0):
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
     if not seeds:
@@ -204,8 +240,16 @@ def demo_task(epochs, seeds):
 def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2), methods=METHODS,
              progress: bool = True, rounds: int = 2, threads: int | None = 1,
              eval_every: int | None = None) -> dict[str, list[RunResult]]:
-    """{method: [RunResult per seed]}, "non-private" first. threads: torch threads for the run (1 by
-    default: the model is tiny, and more threads only contend with each other on a shared machine)."""
+    """The whole demo.
+
+    Args:
+        epochs, batch_size, lr, rounds: of every run; seeds: one run per seed and method; methods:
+            which private methods; progress: bars; threads: torch threads for the run (1 by default:
+            the model is tiny, and more threads only contend on a shared machine); eval_every:
+            steps between curve points.
+    Returns:
+        {method: [RunResult per seed]}, "non-private" first.
+    """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -225,8 +269,14 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
 
 
 def format_results(results: dict[str, list[RunResult]]) -> str:
-    """The demo's table: test accuracy (mean ± std over seeds), the largest ε any record of each
-    group spent (ledger, worst seed) against the group's budget, and mean wall time per run."""
+    """The demo's table.
+
+    Args:
+        results: from :func:`run_demo`.
+    Returns:
+        text: test accuracy (mean ± std over seeds), the largest ε any record of each group spent
+        (ledger, worst seed) against the group's budget, and mean wall time per run in seconds.
+    """
     budgets = sorted({b for runs in results.values() for r in runs if r.epsilons for b in r.epsilons})
     spent_head = f"ε spent per group (budget {'/'.join(f'{b:g}' for b in budgets)})" if budgets else "ε spent"
     width = max(len(spent_head), 16)
@@ -245,7 +295,8 @@ def format_results(results: dict[str, list[RunResult]]) -> str:
 
 
 def results_json(results: dict[str, list[RunResult]]) -> dict:
-    """JSON-able summary: per method, per seed accuracy, seconds, ε per group and the curves."""
+    """Args: results from :func:`run_demo`. Returns: a JSON-able dict: per method, per seed
+    accuracy, seconds, ε per group and the curves."""
     from dataclasses import asdict
 
     return {"groups": {"fractions": GROUP_FRACTIONS, "epsilons": GROUP_EPSILONS, "delta": DELTA},
@@ -255,8 +306,15 @@ def results_json(results: dict[str, list[RunResult]]) -> dict:
 
 
 def save_plots(results: dict[str, list[RunResult]], accuracy_path, epsilon_path) -> None:
-    """Test accuracy vs step per method (mean ± std over seeds); ε spent per group over training
-    (first seed, ledger) per private method, with each group's budget dashed."""
+    """Write the demo's two plots.
+
+    Args:
+        results: from :func:`run_demo`. accuracy_path: test accuracy vs step per method (mean ±
+            std over seeds). epsilon_path: ε spent per group over training (first seed, ledger) per
+            private method, with each group's budget dashed.
+    Returns:
+        None.
+    """
     from . import plots
 
     curves = {NAMES.get(m, m): [(r.steps, r.accuracies) for r in runs] for m, runs in results.items()}

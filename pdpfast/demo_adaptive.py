@@ -55,6 +55,14 @@ def _settings(variant: str, steps: int):
 
 def train_variant(data, budgets, *, method: str, variant: str, epochs: int, batch_size: int, lr: float,
                   seed: int) -> AdaptiveRun:
+    """One run of an adaptive variant.
+
+    Args:
+        data: from ``demo.load_digits_split``; budgets: (N,) ε_i; method: "sample" / "scale" /
+            "hybrid"; variant: one of VARIANTS; epochs, batch_size (expected), lr, seed: of the run.
+    Returns:
+        :class:`AdaptiveRun`: accuracy, seconds, ε per group (ledger), final clip bounds per group.
+    """
     import pdpfast
 
     x_tr, y_tr, x_te, y_te = data
@@ -83,7 +91,14 @@ def train_variant(data, budgets, *, method: str, variant: str, epochs: int, batc
 
 def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2),
                       methods=METHODS, variants=VARIANTS, threads: int | None = 1, progress: bool = True):
-    """[AdaptiveRun] for every (method, variant, seed)."""
+    """The adaptive demo.
+
+    Args:
+        epochs, batch_size, lr: of every run; seeds, methods, variants: one run per combination;
+            threads: torch threads (1 by default); progress: a bar.
+    Returns:
+        [AdaptiveRun] for every (method, variant, seed).
+    """
     for name, given, known in (("method", methods, METHODS), ("variant", variants, VARIANTS)):
         unknown = [m for m in given if m not in known]
         if unknown:
@@ -104,7 +119,8 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
 
 
 def format_adaptive(runs) -> str:
-    """Accuracy mean ± std over seeds, largest ε spent per group (worst seed), final clip bounds."""
+    """Args: runs from :func:`run_adaptive_demo`. Returns: a text table: accuracy mean ± std over
+    seeds, largest ε spent per group (worst seed), final clip bounds."""
     lines = [f"{'method':<7} {'variant':<19} {'test accuracy':>15}   "
              f"{'ε spent (budget ' + '/'.join(f'{e:g}' for e in GROUP_EPSILONS) + ')':<26} final clip bounds"]
     keys = list(dict.fromkeys((r.method, r.variant) for r in runs))
@@ -119,12 +135,14 @@ def format_adaptive(runs) -> str:
 
 
 def adaptive_json(runs) -> dict:
+    """Args: runs from :func:`run_adaptive_demo`. Returns: a JSON-able dict of the groups and runs."""
     return {"groups": {"epsilons": GROUP_EPSILONS, "delta": DELTA},
             "runs": [asdict(r) | {"epsilons": {str(k): v for k, v in r.epsilons.items()}} for r in runs]}
 
 
 def save_adaptive_plot(runs, path) -> None:
-    """Grouped bars: test accuracy (mean ± std over seeds) per method and variant."""
+    """Args: runs from :func:`run_adaptive_demo`; path: the image, grouped bars of test accuracy
+    (mean ± std over seeds) per method and variant. Returns: None."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -27,11 +27,18 @@ def clipped_gradients(model: nn.Module, loss_fn: Callable, *inputs, clip_norms, 
                       automatic_gamma: float | None = None) -> ClippedGradients:
     """Σ_i w_i g_i for one batch, with per-sample clip bounds.
 
-    model: converted with ``pdpfast.nn.convert``; ``model(*inputs)`` is batch-first.
-    loss_fn(outputs) → per-sample losses (B,). clip_norms: (B,) bounds c_i > 0. mask: optional (B,)
-    0/1, rows with 0 contribute nothing (padding of fixed-shape batches). clipping: "flat" |
-    "per_layer"; mode: "bk" | "ghost"; automatic_gamma: γ for automatic clipping c_i/(‖g_i‖+γ).
     The model's existing ``.grad`` fields are left as they were.
+
+    Args:
+        model: converted with ``pdpfast.nn.convert``; ``model(*inputs)`` is batch-first.
+        loss_fn: ``loss_fn(outputs)`` → per-sample losses (B,). inputs: the batch, B rows each.
+        clip_norms: (B,) bounds c_i > 0. mask: optional (B,) 0/1; rows with 0 contribute nothing
+            (padding of fixed-shape batches). clipping: "flat" | "per_layer"; mode: "bk" | "ghost";
+            layer_shares: per-layer shares C_k (Σ C_k² = 1); automatic_gamma: γ for automatic
+            clipping c_i/(‖g_i‖+γ).
+    Returns:
+        ``ClippedGradients``: {parameter name: Σ_i w_i g_i} (no noise, no normalization), the (B,)
+        per-sample norms ‖g_i‖ and the (B,) clip weights w_i (None for per-layer clipping).
     """
     clip_norms = as_per_sample("clip_norms", clip_norms)
     for k, x in enumerate(inputs):

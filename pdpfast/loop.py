@@ -85,8 +85,13 @@ class SequenceCrossEntropy(nn.Module):
         self.reduction = reduction
 
     def forward(self, logits, targets):
-        """Args: logits (B, T, V) float; targets (B, T) int64 token ids. Returns: (B,) per-record
-        mean losses in nats for reduction "none", else their sum or mean (a scalar)."""
+        """Per-record next-token losses.
+
+        Args:
+            logits (B, T, V) float; targets (B, T) int64 token ids.
+        Returns:
+            (B,) per-record mean losses in nats for reduction "none", else their sum or mean (a scalar).
+        """
         b = targets.shape[0]
         per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                                                 reduction="none")
@@ -121,8 +126,13 @@ class Task:
         return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
 
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, ...) the model's input (token ids (B, T) for "bert" / "gpt2"). Returns: the
-        logits, (B, K) for classification or (B, T, V) for "lm" (``.logits`` of a HF output)."""
+        """The model's logits for a batch's inputs.
+
+        Args:
+            x (B, ...) the model's input (token ids (B, T) for "bert" / "gpt2").
+        Returns:
+            the logits, (B, K) for classification or (B, T, V) for "lm" (``.logits`` of a HF output).
+        """
         if self.family == "bert":
             out = model(input_ids=x, attention_mask=(x != self.pad_id).long())
         elif self.family == "gpt2":
@@ -132,9 +142,15 @@ class Task:
         return out.logits if hasattr(out, "logits") else out
 
     def loss(self, model: nn.Module, batch, criterion):
-        """Args: batch (x, y, ...) from the loader; criterion: from :meth:`criterion` (or its
-        ghost-mode wrapper). Returns: the scalar sum of the batch's per-record losses (a
-        ``DPLoss`` in ghost mode); for "lm" the targets are x shifted by one token."""
+        """The loss to call backward on for one batch.
+
+        Args:
+            batch (x, y, ...) from the loader; criterion: from :meth:`criterion` (or its ghost-mode
+                wrapper).
+        Returns:
+            the scalar sum of the batch's per-record losses (a ``DPLoss`` in ghost mode); for "lm" the
+                targets are x shifted by one token.
+        """
         x, y = batch[0], batch[1]
         logits = self.logits(model, x)
         if self.kind == "lm":
@@ -143,9 +159,14 @@ class Task:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
-        """Args: dataset: map-style, yielding (x, y); batch_size: rows per forward. Returns:
-        {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the
-        mean per-record loss in nats. The model's train / eval mode is restored afterwards."""
+        """Evaluate the model on a dataset, in eval mode.
+
+        Args:
+            dataset: map-style, yielding (x, y); batch_size: rows per forward.
+        Returns:
+            {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the mean
+                per-record loss in nats. The model's train / eval mode is restored afterwards.
+        """
         was_training = model.training
         model.eval()
         total, correct, loss_sum = 0, 0, 0.0

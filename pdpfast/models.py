@@ -70,11 +70,24 @@ class ResNetGN(nn.Module):
 
 
 def resnet18_gn(num_classes: int = 10, cifar_stem: bool = True) -> ResNetGN:
+    """ResNet-18 with GroupNorm in place of BatchNorm (per-sample gradients stay per sample).
+
+    Args:
+        num_classes: K; cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs).
+    Returns:
+        the model: images (B, 3, H, W) → logits (B, K).
+    """
     return ResNetGN((2, 2, 2, 2), num_classes, cifar_stem)
 
 
 def bert(size: str = "base", num_labels: int = 2, **overrides):
-    """BertForSequenceClassification, random init. size: "base" (12×768), "tiny" (2×128) or "micro"."""
+    """A Hugging Face BertForSequenceClassification, random init.
+
+    Args:
+        size: "base" (12×768), "tiny" (2×128) or "micro"; num_labels: K; overrides: BertConfig fields.
+    Returns:
+        the model: input_ids (B, T) → logits (B, K).
+    """
     from transformers import BertConfig, BertForSequenceClassification
 
     sizes = {"base": {}, "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -89,7 +102,13 @@ def bert(size: str = "base", num_labels: int = 2, **overrides):
 
 
 def gpt2(size: str = "small", **overrides):
-    """GPT2LMHeadModel (lm_head tied to wte), random init. size: "small" (12×768), "tiny" or "micro"."""
+    """A Hugging Face GPT2LMHeadModel (lm_head tied to wte), random init.
+
+    Args:
+        size: "small" (12×768), "tiny" or "micro"; overrides: GPT2Config fields.
+    Returns:
+        the model: input_ids (B, T) → logits (B, T, V).
+    """
     from transformers import GPT2Config, GPT2LMHeadModel
 
     sizes = {"small": {}, "tiny": dict(n_embd=128, n_layer=2, n_head=2),
@@ -103,8 +122,15 @@ def gpt2(size: str = "small", **overrides):
 
 def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None, num_channels: int = 3,
         **overrides):
-    """ViTForImageClassification, random init. size: "base" (ViT-B/16, 12×768, 224 px), "tiny" (2×128,
-    16 px patches of 32 px images, unless image_size says otherwise) or "micro" (1×32, 4 px patches of 8 px)."""
+    """A Hugging Face ViTForImageClassification, random init.
+
+    Args:
+        size: "base" (ViT-B/16, 12×768, 224 px), "tiny" (2×128, 16 px patches of 32 px images) or
+            "micro" (1×32, 4 px patches of 8 px); num_labels: K; image_size, num_channels: of the
+            input; overrides: ViTConfig fields.
+    Returns:
+        the model: images (B, C, H, W) → logits (B, K).
+    """
     from transformers import ViTConfig, ViTForImageClassification
 
     sizes = {"base": dict(image_size=224, patch_size=16),
@@ -128,8 +154,14 @@ def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None,
 # Small models for user data, and a registry of every builder by name (the CLI's --model)
 # ----------------------------------------------------------------------------------------------
 def mlp(in_features: int, num_classes: int, hidden=(128,), activation: str = "tanh") -> nn.Sequential:
-    """Flatten → [Linear → activation]* → Linear. activation: "tanh" (DP-SGD's usual choice: bounded
-    activations keep gradient norms small) or "relu"."""
+    """Flatten → [Linear → activation]* → Linear.
+
+    Args:
+        in_features: D after flattening; num_classes: K; hidden: the hidden widths; activation:
+            "tanh" (DP-SGD's usual choice: bounded activations keep gradient norms small) or "relu".
+    Returns:
+        the model: (B, ...) → logits (B, K).
+    """
     acts = {"tanh": nn.Tanh, "relu": nn.ReLU}
     if activation not in acts:
         raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
@@ -143,7 +175,13 @@ def mlp(in_features: int, num_classes: int, hidden=(128,), activation: str = "ta
 
 def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Sequential:
     """A small GroupNorm CNN for images of any size: two conv/GroupNorm/ReLU blocks with pooling,
-    a third conv, global average pooling and a linear head."""
+    a third conv, global average pooling and a linear head.
+
+    Args:
+        in_channels: C; num_classes: K; width: channels of the first block.
+    Returns:
+        the model: images (B, C, H, W) → logits (B, K).
+    """
     w = int(width)
     return nn.Sequential(
         nn.Conv2d(in_channels, w, 3, padding=1), _norm(w, 8), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
@@ -170,7 +208,14 @@ _MODELS: dict[str, ModelSpec] = {}
 
 
 def register_model(name: str, *, inputs, task: str = "classification", help: str = "", vocab_size: int | None = None):
-    """Decorator: register ``fn(input_shape, num_classes, vocab_size, **options) -> nn.Module``."""
+    """Decorator: register a model builder for ``pdpfast train --model``.
+
+    Args:
+        name: the model's name; inputs: the input kinds it takes; task: "classification" or "lm";
+            help: one line for ``--help``; vocab_size: its own vocabulary, if it has one.
+    Returns:
+        a decorator taking ``fn(input_shape, num_classes, vocab_size, **options) -> nn.Module``.
+    """
     def deco(fn):
         _MODELS[name] = ModelSpec(name, fn, tuple(inputs), task, help, vocab_size)
         return fn
@@ -178,10 +223,13 @@ def register_model(name: str, *, inputs, task: str = "classification", help: str
 
 
 def model_names() -> list[str]:
+    """Returns: the registered model names, sorted."""
     return sorted(_MODELS)
 
 
 def model_spec(name: str) -> ModelSpec:
+    """Args: name: a registered model. Returns: its ``ModelSpec`` (inputs, task, vocabulary).
+    Raises ValueError naming the choices for an unknown name."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}")
     return _MODELS[name]
@@ -193,6 +241,12 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
 
     Deterministic given torch's RNG state; the same (name, arguments) rebuild the same
     architecture, which is what a checkpoint stores (``model_config``).
+
+    Args:
+        name: a registered model; input_shape: one record's shape; num_classes: K; vocab_size: of
+            token inputs; input_kind: "features", "image" or "tokens"; options: the builder's own.
+    Returns:
+        the model.
     """
     spec = model_spec(name)
     if input_kind not in spec.inputs:

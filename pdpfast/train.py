@@ -94,7 +94,13 @@ def group_report(budgets: np.ndarray, spent: np.ndarray, max_groups: int = 12) -
 
 
 def format_groups(rows: list[dict], title: str = "ε spent per budget group") -> str:
-    """Args: rows from :func:`group_report`; title: the first line. Returns: the table as text."""
+    """The rows of :func:`group_report` as a text table.
+
+    Args:
+        rows from :func:`group_report`; title: the first line.
+    Returns:
+        the table as text.
+    """
     lines = [title, f"  {'budget ε':>14} {'records':>8} {'max spent':>10} {'mean spent':>11} {'max spent/ε':>12}"]
     for r in rows:
         lines.append(f"  {r['budget']:>14} {r['records']:>8d} {r['max_spent']:>10.4f} {r['mean_spent']:>11.4f} "

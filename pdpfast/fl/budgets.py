@@ -24,7 +24,13 @@ _DISTRIBUTIONS: dict[str, Callable[[int, np.random.Generator], np.ndarray]] = {}
 
 
 def register_distribution(name: str):
-    """Register ``fn(n, rng) -> (n,) budgets`` under ``name``."""
+    """Decorator: register a budget distribution.
+
+    Args:
+        name: what ``sample_budgets`` and ``--budgets`` call it.
+    Returns:
+        a decorator taking ``fn(n, rng) -> (n,) float64 budgets`` and returning it unchanged.
+    """
     def wrap(fn):
         _DISTRIBUTIONS[name] = fn
         return fn
@@ -52,11 +58,18 @@ def _bounded_mix_gauss(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def distributions() -> tuple[str, ...]:
+    """Returns: the names of the registered budget distributions."""
     return tuple(_DISTRIBUTIONS)
 
 
 def sample_budgets(distribution: str, n: int, seed: int = 0) -> np.ndarray:
-    """(n,) float64 per-record budgets ε_j drawn from ``distribution`` (see the module docstring)."""
+    """Draw per-record budgets (data-independent).
+
+    Args:
+        distribution: a registered name (see the module docstring); n: records; seed: of the draw.
+    Returns:
+        (n,) float64 ε_j > 0.
+    """
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"budgets must be one of {', '.join(map(repr, _DISTRIBUTIONS))} or an array of "
                          f"per-record budgets, got {distribution!r}")

@@ -61,7 +61,7 @@ def _data_kwargs(args) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table of ``FederatedResult.summary()`` rows (plus "seconds")."""
+    """Args: rows: ``FederatedResult.summary()`` rows (plus "seconds"). Returns: a plain-text table."""
     head = ("method", "final acc", "best acc", "records trained", "max ε/budget clients", "max ε/budget server",
             "seconds")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
@@ -74,6 +74,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_accuracy(results: dict, path, title: str) -> None:
+    """Args: results: {method: FederatedResult}; path: the image, test accuracy per round per
+    method; title: its title. Returns: None."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,7 +166,8 @@ def _launch(args) -> int:
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
-    """Add ``fl`` (with its own subcommands) to a parent parser's ``subparsers``."""
+    """Args: subparsers: a parent parser's. Returns: the ``fl`` parser added there (with its own
+    subcommands)."""
     fl = subparsers.add_parser("fl", help="rPDP-FL: personalized DP in cross-silo federated learning",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _fill(fl)
@@ -216,6 +219,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Args: argv: the arguments (default sys.argv[1:]). Returns: the exit status (0: success)."""
     parser = argparse.ArgumentParser(prog="python -m pdpfast.fl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _fill(parser)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .._checks import check_positive_per_record
 from ..accounting import rpdp
 from .config import FLConfig, local_seed
 from .ledger import FederatedLedger
@@ -25,12 +26,24 @@ Weights = list[np.ndarray]
 
 
 def get_weights(model: nn.Module) -> Weights:
-    """The model's state as float32 numpy arrays, in ``state_dict`` order (Flower's NDArrays)."""
+    """The model's state as Flower's NDArrays.
+
+    Args:
+        model: any module.
+    Returns:
+        copies of its ``state_dict`` tensors as numpy arrays (float32 for float32 models), in order.
+    """
     return [t.detach().cpu().numpy().copy() for t in model.state_dict().values()]
 
 
 def set_weights(model: nn.Module, weights: Weights) -> None:
-    """Load ``weights`` (arrays in ``state_dict`` order, as :func:`get_weights` gives) into ``model``."""
+    """Load arrays into a model.
+
+    Args:
+        model: the module; weights: arrays in ``state_dict`` order, as :func:`get_weights` gives.
+    Returns:
+        None. Raises ValueError when their number differs from the model's tensors.
+    """
     keys = list(model.state_dict().keys())
     if len(keys) != len(weights):
         raise ValueError(f"the model has {len(keys)} tensors, got {len(weights)} arrays")
@@ -48,19 +61,15 @@ class LocalUpdate:
 
 
 def fresh_model(model_fn: Callable[[], nn.Module]) -> nn.Module:
-    """``model_fn()`` without consuming torch's global RNG (its initial values are overwritten)."""
+    """Build a model without consuming torch's global RNG (its initial values are overwritten).
+
+    Args:
+        model_fn: builds the model.
+    Returns:
+        ``model_fn()``.
+    """
     with torch.random.fork_rng(devices=[]):
         return model_fn()
-
-
-def check_budgets(name: str, budgets, n: int) -> np.ndarray:
-    """(n,) float64 budgets, each finite and > 0."""
-    b = np.asarray(budgets, dtype=np.float64)
-    if b.ndim != 1 or b.shape[0] != n:
-        raise ValueError(f"{name} must have one value per record ({n}), got shape {b.shape}")
-    if not np.all(np.isfinite(b)) or np.any(b <= 0):
-        raise ValueError(f"{name} must be finite and > 0")
-    return b
 
 
 def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
@@ -168,7 +177,7 @@ class Silo:
             raise ValueError(f"labels of client {client_id} has {labels.shape[0]} values but features has {n} rows")
         self.client_id, self.config, self.model_fn = int(client_id), config, model_fn
         self.features, self.labels = features, labels
-        self.budgets = check_budgets(f"budgets of client {client_id}", budgets, n)
+        self.budgets = check_positive_per_record(f"budgets of client {client_id}", budgets, n)
         federation = self.budgets if federation_budgets is None else np.asarray(federation_budgets, dtype=np.float64)
         self.targets = target_budgets(config.method, self.budgets, federation)
         self.sample_rates = calibrate_rates(self.targets, config)

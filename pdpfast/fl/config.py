@@ -91,12 +91,23 @@ def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate:
     Client-level Poisson sampling: every client independently with probability λ = client_rate
     (never a fixed fraction), so a round may sample no client at all. A pure function of
     (seed, round): the simulation and the Flower strategy draw the same clients.
+
+    Args:
+        seed: the run's; server_round: 1-based; num_clients: M; client_rate: λ in (0, 1].
+    Returns:
+        (M,) bool, True for the sampled clients.
     """
     rng = np.random.default_rng([_CLIENT_SAMPLING_SALT, int(seed), int(server_round)])
     return rng.random(int(num_clients)) < float(client_rate)
 
 
 def local_seed(seed: int, server_round: int, client_id: int) -> int:
-    """Seed of client ``client_id``'s local DP-SGD in round ``server_round`` (record draws and noise)."""
+    """The seed of one client's local DP-SGD in one round (its record draws and noise).
+
+    Args:
+        seed: the run's; server_round: 1-based; client_id: 0..M−1.
+    Returns:
+        a seed ≥ 0, a pure function of the three.
+    """
     state = np.random.SeedSequence([_LOCAL_TRAINING_SALT, int(seed), int(server_round), int(client_id)])
     return int(state.generate_state(1, np.uint64)[0] >> np.uint64(2))

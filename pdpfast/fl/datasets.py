@@ -75,11 +75,18 @@ SPLITS = ("iid", "label", "dirichlet")
 
 
 def datasets() -> tuple[str, ...]:
+    """Returns: the names of the federated datasets."""
     return tuple(_LOADERS)
 
 
 def model_factory(dataset: str) -> Callable[[], torch.nn.Module]:
-    """A function building a fresh model for ``dataset`` (initialized from torch's global RNG)."""
+    """The model builder of a dataset.
+
+    Args:
+        dataset: "digits" or "breast_cancer".
+    Returns:
+        a function building a fresh model for it (initialized from torch's global RNG).
+    """
     if dataset not in _MODEL_SHAPES:
         raise ValueError(f"dataset must be one of {', '.join(map(repr, _MODEL_SHAPES))}, got {dataset!r}")
     return functools.partial(_linear, *_MODEL_SHAPES[dataset])
@@ -93,7 +100,14 @@ def _linear(features: int, classes: int):
 
 def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
               dirichlet_alpha: float = 0.5) -> np.ndarray:
-    """(N,) client index of each record. Raises ValueError if a client would get no record."""
+    """Share the records out across clients.
+
+    Args:
+        labels: (N,) int labels. num_clients: M. split: "iid", "label" or "dirichlet"
+            (Dirichlet(α) label proportions, α = ``dirichlet_alpha``). seed: of the split.
+    Returns:
+        (N,) int client index of each record. Raises ValueError if a client would get no record.
+    """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
     if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
@@ -131,7 +145,14 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
 
 def load_federated(dataset: str = "digits", clients: int = 5, split: str = "iid", *, seed: int = 0,
                    dirichlet_alpha: float = 0.5, test_fraction: float = 0.2) -> FederatedData:
-    """Load ``dataset``, split off a stratified test set, partition the rest across ``clients``."""
+    """Load a dataset for a federation.
+
+    Args:
+        dataset: "digits" or "breast_cancer". clients: M. split, seed, dirichlet_alpha: as in
+            :func:`partition`. test_fraction: of the stratified test set.
+    Returns:
+        ``FederatedData``: training features and labels with each record's client, and the test set.
+    """
     import torch
     from sklearn.model_selection import train_test_split
 

@@ -330,8 +330,16 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
           dirichlet_alpha: float = 0.5, out: str | os.PathLike | None = None, wait_timeout: float = 120.0,
           round_timeout: float | None = 300.0) -> dict:
     """Run the Flower server of an rPDP-FL federation at ``address`` (e.g. "127.0.0.1:8080") until
-    T rounds are done. Writes ``out`` (JSON: accuracy per round, sampled / contributed clients) and
-    ``out`` with suffix .npz (the final global weights) when given; returns the JSON dict."""
+    T rounds are done.
+
+    Args:
+        address: host:port; dataset, clients, split, dirichlet_alpha: the federation; config: the
+            run's settings; out: the JSON to write (accuracy per round, sampled / contributed
+            clients; the final global weights beside it with suffix .npz); wait_timeout,
+            round_timeout: seconds to wait for the clients and for one round.
+    Returns:
+        the JSON dict.
+    """
     _require_flwr()
     from flwr.server import start_server
 
@@ -383,6 +391,7 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """Args: host: the interface. Returns: a TCP port free on it now (the OS's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -391,9 +400,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid", budgets: str = "ThreeLevels",
                  config: FLConfig, dirichlet_alpha: float = 0.5, timeout: float = 300.0,
                  workdir: str | os.PathLike | None = None, python: str | None = None) -> dict:
-    """Start one server and ``clients`` client processes on 127.0.0.1 (a free port), wait for them
-    (at most ``timeout`` seconds, then kill them all) and return {"server": ..., "clients": [...]}
-    read from their JSON outputs. Raises RuntimeError with the logs if a process fails."""
+    """Start one server and ``clients`` client processes on 127.0.0.1 (a free port) and wait for
+    them (at most ``timeout`` seconds, then kill them all).
+
+    Args:
+        dataset, clients, split, budgets, dirichlet_alpha: the federation; config: the settings;
+            timeout: seconds; workdir: for logs and outputs (a temporary one by default); python:
+            the interpreter of the processes (default this one).
+    Returns:
+        {"server": ..., "clients": [...]} read from their JSON outputs. Raises RuntimeError with the
+        logs if a process fails.
+    """
     _require_flwr()
     if not isinstance(budgets, str):
         raise ValueError("budgets must be a distribution name for launch_local (processes rebuild them)")
@@ -452,7 +469,8 @@ def _tails(workdir: Path, n: int = 30) -> str:
 
 
 def config_to_argv(config: FLConfig) -> list[str]:
-    """Command-line flags reproducing ``config`` (for the server and client processes)."""
+    """Args: config: the run's settings. Returns: the command-line flags reproducing it (for the
+    server and client processes)."""
     argv = []
     for key, value in config.to_dict().items():
         argv += [f"--{key.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]

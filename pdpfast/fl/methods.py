@@ -30,6 +30,7 @@ METHODS: dict[str, Method] = {}
 
 
 def register_method(method: Method) -> Method:
+    """Args: method: a :class:`Method` (its name, its targets). Returns: it, now registered."""
     METHODS[method.name] = method
     return method
 
@@ -59,7 +60,14 @@ register_method(Method("nonprivate", False, _unbounded, "FedAvg without clipping
 
 
 def target_budgets(method: str, budgets, federation) -> np.ndarray:
-    """(n,) target ε per record for ``method`` (NaN: left out; ∞: no privacy)."""
+    """The ε each record is trained for under a method.
+
+    Args:
+        method: a registered method ("rpdp", "minimum", "dropout", "nonprivate"). budgets: (n,) the
+            client's ε_j. federation: (N,) every record's ε_j, for federation-wide baselines.
+    Returns:
+        (n,) target ε per record (NaN: left out; ∞: no privacy).
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
     return METHODS[method].targets(budgets, federation)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._checks import check_positive_per_record
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
 from .config import FLConfig, sampled_clients
@@ -31,8 +32,13 @@ from .datasets import FederatedData, load_federated, model_factory
 # The server's two operations (shared with the Flower strategy)
 # ----------------------------------------------------------------------------------------------
 def initial_weights(model_fn: Callable[[], nn.Module], seed: int) -> Weights:
-    """The global model of round 0: ``model_fn()`` under ``torch.manual_seed(seed)`` (the global
-    RNG state is restored afterwards)."""
+    """The global model of round 0 (torch's global RNG state is restored afterwards).
+
+    Args:
+        model_fn: builds the model; seed: ``torch.manual_seed`` for its initialization.
+    Returns:
+        its weights, float32 arrays in ``state_dict`` order.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         return get_weights(model_fn())
@@ -42,7 +48,12 @@ def aggregate(weights: Weights, updates: Sequence[LocalUpdate]) -> Weights:
     """FedAvg of model deltas weighted by client size: θ + Σ_k n_k Δ_k / Σ_k n_k.
 
     Summed in float64 in client-id order (the order results arrive in does not matter, so a
-    Flower server gets the same bits as the simulation); no update leaves ``weights`` unchanged.
+    Flower server gets the same bits as the simulation).
+
+    Args:
+        weights: θ, the global model's arrays. updates: the sampled clients' deltas Δ_k and sizes n_k.
+    Returns:
+        the new global arrays (float32); ``weights`` unchanged when there is no update.
     """
     if not updates:
         return [w.copy() for w in weights]
@@ -59,7 +70,13 @@ def aggregate(weights: Weights, updates: Sequence[LocalUpdate]) -> Weights:
 
 def evaluate(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor,
              labels: torch.Tensor) -> tuple[float, float]:
-    """(mean cross-entropy loss, accuracy) of the model ``weights`` on (features, labels)."""
+    """Test the global model.
+
+    Args:
+        model_fn: builds the model; weights: its arrays. features: (n, ...) float; labels: (n,) int64.
+    Returns:
+        (mean cross-entropy loss in nats, accuracy in [0, 1]).
+    """
     from .client import fresh_model, set_weights
 
     model = fresh_model(model_fn)
@@ -152,8 +169,15 @@ def _json_float(v):
 # Building a federation
 # ----------------------------------------------------------------------------------------------
 def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
-    """(N,) per-record budgets of the training set from a distribution name, an (N,) array, or a
-    list of M per-client arrays (client k's in the order of ``data.records_of(k)``)."""
+    """The per-record budgets of the training set.
+
+    Args:
+        budgets: a distribution name (drawn per record with ``seed``), an (N,) array, or a list of
+            M per-client arrays (client k's in the order of ``data.records_of(k)``).
+        data: the federation; seed: of the draw.
+    Returns:
+        (N,) float64 ε_i, each finite and > 0.
+    """
     n = int(data.y_train.shape[0])
     if isinstance(budgets, str):
         return sample_budgets(budgets, n, seed)
@@ -167,16 +191,18 @@ def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
                 raise ValueError(f"budgets[{k}] has {len(b)} values but client {k} holds {idx.shape[0]} records")
             out[idx] = b
         budgets = out
-    arr = np.asarray(budgets, dtype=np.float64)
-    if arr.ndim != 1 or arr.shape[0] != n:
-        raise ValueError(f"budgets must have one value per training record ({n}), got shape {arr.shape}")
-    if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
-        raise ValueError("budgets must be finite and > 0")
-    return arr
+    return check_positive_per_record("budgets", budgets, n, records="training record")
 
 
 def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, client_id: int) -> Silo:
-    """Client ``client_id`` of the federation (what a Flower client process builds for itself)."""
+    """One client of the federation (what a Flower client process builds for itself).
+
+    Args:
+        data: the federation; budgets: (N,) ε_i of the training set; config: the run's settings;
+            client_id: 0..M−1.
+    Returns:
+        its :class:`Silo` (records, budgets, sampling rates, ledger).
+    """
     if not 0 <= client_id < data.num_clients:
         raise ValueError(f"client_id must lie in [0, {data.num_clients}), got {client_id!r}")
     x, y = data.client_data(client_id)
@@ -224,7 +250,14 @@ def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test
 
 def collect_result(silos: Sequence[Silo], data: FederatedData, budgets: np.ndarray, config: FLConfig,
                    run: dict, info: dict | None = None) -> FederatedResult:
-    """Gather per-record and per-client outcomes into a ``FederatedResult``."""
+    """Gather per-record and per-client outcomes.
+
+    Args:
+        silos: the M clients after the run; data, budgets (N,), config: the run's; run: its
+            history (accuracy per round, ...); info: extra fields to keep.
+    Returns:
+        the ``FederatedResult``.
+    """
     n = budgets.shape[0]
     targets, rates, eps_c, eps_s = (np.empty(n) for _ in range(4))
     for silo in silos:
@@ -244,11 +277,15 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
              dirichlet_alpha: float = 0.5, seed: int = 0, progress: bool = False) -> FederatedResult:
     """Simulate rPDP-FL (or a baseline) in process and return a ``FederatedResult``.
 
-    dataset: "digits" or "breast_cancer". clients: M. split: "iid", "label" or "dirichlet".
-    budgets: "ThreeLevels", "BoundedPareto", "BoundedMixGauss" (drawn per record with ``seed``),
-    an (N,) array over the training set, or a list of M per-client arrays. method: "rpdp",
-    "minimum", "dropout" or "nonprivate". rounds: T; local_steps: τ; client_rate: λ ∈ (0, 1];
-    noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
+    Args:
+        dataset: "digits" or "breast_cancer". clients: M. split: "iid", "label" or "dirichlet".
+        budgets: "ThreeLevels", "BoundedPareto", "BoundedMixGauss" (drawn per record with
+            ``seed``), an (N,) array over the training set, or a list of M per-client arrays.
+        method: "rpdp", "minimum", "dropout" or "nonprivate". rounds: T; local_steps: τ;
+            client_rate: λ ∈ (0, 1]; noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
+    Returns:
+        the ``FederatedResult``: accuracy per round, (N,) ε spent per record under both threat
+        models, per-client statistics.
     """
     config = FLConfig(rounds=rounds, local_steps=local_steps, client_rate=client_rate,
                       noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=delta, lr=lr,

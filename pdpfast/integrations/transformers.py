@@ -96,7 +96,8 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def default_per_sample_loss(model: nn.Module):
-    """The per-record loss for ``model``'s outputs and labels (see the module docstring)."""
+    """Args: model: a Hugging Face model. Returns: ``loss(outputs, labels)`` → (B,) per-record
+    losses in nats for its outputs (see the module docstring)."""
     causal = _is_causal_lm(model)
 
     def loss(outputs, labels):
