@@ -135,10 +135,11 @@ def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int
 
 def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
                   seed: int, max_grad_norm: float = 1.0, progress: bool = False, eval_every: int = 10,
-                  rounds: int = 2, pdp_loss: str = "fixed") -> RunResult:
+                  rounds: int = 2, pdp_loss: str = "fixed", accountant: str = "rdp") -> RunResult:
     """One private run. method: "sample" / "scale" / "hybrid" (IDP through
     ``make_private_with_budgets``), "dpsgd" (every record at the smallest budget) or "pdp" (PDP-SGD,
-    ``rounds`` rounds, thresholds by ``pdp_loss``). ε per group comes from the per-record ledger."""
+    ``rounds`` rounds, thresholds by ``pdp_loss``). ε per group comes from the per-record ledger.
+    accountant: "rdp" or "pld", what calibrates (and accounts) the IDP methods' plans."""
     from .train import Task, private_engine, private_steps
 
     x_tr, y_tr, x_te, y_te = data
@@ -165,7 +166,7 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
         bar = _progress(steps, f"{method:>11} s{seed}", progress)
         engine, model, opt, loader, criterion = private_engine(
             method, model, opt, dataset, budgets, delta=DELTA, steps=steps, sample_rate=sample_rate,
-            batch_size=batch_size, task=task, max_grad_norm=max_grad_norm, seed=seed)
+            batch_size=batch_size, task=task, max_grad_norm=max_grad_norm, seed=seed, accountant=accountant)
         record = _Recorder(result, model, data, budgets, eval_every, engine.epsilons)
         private_steps(engine, model, opt, loader, task, criterion, until=engine.plan.steps,
                       on_step=_with_bar(bar, record))
@@ -203,12 +204,14 @@ def demo_task(epochs, seeds):
 
 def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2), methods=METHODS,
              progress: bool = True, rounds: int = 2, threads: int | None = 1,
-             eval_every: int | None = None) -> dict[str, list[RunResult]]:
+             eval_every: int | None = None, accountant: str = "rdp") -> dict[str, list[RunResult]]:
     """{method: [RunResult per seed]}, "non-private" first. threads: torch threads for the run (1 by
     default: the model is tiny, and more threads only contend with each other on a shared machine)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     data, budgets = demo_task(epochs, seeds)
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
@@ -220,7 +223,8 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
             for method in methods:
                 results.setdefault(method, []).append(
                     train_private(data, budgets, method=method, epochs=epochs, batch_size=batch_size, lr=lr,
-                                  seed=seed, progress=progress, eval_every=every, rounds=rounds))
+                                  seed=seed, progress=progress, eval_every=every, rounds=rounds,
+                                  accountant=accountant))
     return results
 
 
