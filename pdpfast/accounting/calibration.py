@@ -401,7 +401,8 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         orders: RDP orders (default ``DEFAULT_ORDERS``).
     Returns:
         PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
-        never above the budget, and within 1% of it unless q_i = 1.
+        never above the budget, and ≥ 99.8% of it unless q_i = 1. Each group is certified at its
+        own RDP order (``plan.group_orders``, fractional; ``ledger_for_plan`` accounts at them).
     Raises:
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """

@@ -22,9 +22,9 @@ __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed
 MAX_PAIRS = 64
 VALUE_DISCRETIZATION = 1e-3     # dp_accounting's default is 1e-4: ~8x slower, ε lower by ~1e-4
 # Sample's search for σ runs on PLDs this coarse (a composition at small q costs up to ~20x less),
-# then a second search at VALUE_DISCRETIZATION starts from its answer and needs only a few steps
-# there; every ε the plan reports is certified at VALUE_DISCRETIZATION.
-SEARCH_DISCRETIZATION = 1e-2
+# then searches at each finer one start from the last answer and need only a few steps there;
+# every ε the plan reports is certified at VALUE_DISCRETIZATION.
+SEARCH_DISCRETIZATIONS = (3e-3,)
 _RTOL = 2e-4                    # root-finding stops once ε is within this of the target (safe side)
 
 
@@ -262,36 +262,37 @@ def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
 _MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
 
 
-def _sample_pld_fine(p: _Problem, sigma, guess, slope):
-    """The fine search, started from the coarse answer: secant steps on log mean(log σ) (the first
+def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
+    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on log mean(log σ) (the first
     with the coarse search's slope), aiming at the middle of the accepted window; the bracketing
     search if that does not land in it."""
     q = p.sample_rate
     guess = np.asarray(guess, dtype=np.float64).copy()
     prev = None
     for _ in range(6):
-        rates = np.array([_pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), VALUE_DISCRETIZATION,
-                                    1.03)[0] for t, g_ in zip(p.values, guess)])
+        rates = np.array([_pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), vdi, 1.03)[0]
+                          for t, g_ in zip(p.values, guess)])
         g = math.log(p.mean(rates) / q)
         if 0.0 <= g <= _MEAN_WINDOW:
-            return sigma, rates
+            return sigma, rates, slope
         if prev is not None and g != prev[1] and sigma != prev[0]:
             slope = max((g - prev[1]) / math.log(sigma / prev[0]), 1e-3)
         prev = (sigma, g)
         step = -(g - 0.5 * _MEAN_WINDOW) / max(slope, 1e-3)
         sigma *= math.exp(step)
         guess = np.minimum(1.0, rates * math.exp(step * slope))
-    return _sample_pld(p, sigma, guess, VALUE_DISCRETIZATION, 0.98, 1.03)[:2]
+    return _sample_pld(p, sigma, guess, vdi, 0.98, 1.03)
 
 
 def _sample_pld_rates(p: _Problem):
     """σ and rates with mean exactly q under PLD: a coarse search from the RDP plan (RDP-feasible,
-    so PLD rates at its σ are ≥ its rates), then a fine one from the coarse answer."""
+    so PLD rates at its σ are ≥ its rates), then finer ones, each from the last answer."""
     from .calibration import _METHODS
 
     start = _METHODS[("sample", "rdp")](p)
-    sigma, rates, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATION, 0.85, 1.5)
-    sigma, rh = _sample_pld_fine(p, sigma, rates, slope)
+    sigma, rh, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
+    for vdi in SEARCH_DISCRETIZATIONS[1:] + (VALUE_DISCRETIZATION,):
+        sigma, rh, slope = _sample_pld_fine(p, sigma, rh, slope, vdi)
     q = p.sample_rate
     capped = rh >= 1.0
     mass = float(np.dot(p.counts[~capped], rh[~capped]))
