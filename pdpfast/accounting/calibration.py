@@ -109,7 +109,10 @@ def _rates_at(p: _Problem, sigma: float, own_orders: bool = True):
     """Safe rates of every distinct budget at σ, each at its own RDP order (or at the grid's best
     order without ``own_orders``): (q, ε, grid order index, order), each (U,)."""
     try:
-        rates, eps, idx = _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders, ratio=_GRID_RATIO)
+        # without own orders the rates only shape hybrid's (which solves its own noise per cell): a
+        # coarser grid there gives fewer cells
+        rates, eps, idx = _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders,
+                                           ratio=_GRID_RATIO if own_orders else 2 * _GRID_RATIO)
         if not own_orders:
             return rates, eps, idx, p.orders[idx]
         rates, _, eps, alpha = _own_orders("rate", p, rates, np.array([sigma]), idx, p.values, rates)
@@ -252,7 +255,9 @@ def _solve_sample(p: _Problem, own_orders: bool = True):
             eps_t = _certify_rates(p, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
-            if slack < 1e-10 or np.all((eps_t >= (1 - _WASTE) * p.values) | capped):
+            # (rates that only shape hybrid's sit on a coarser grid: judge their cut alone)
+            waste = _WASTE if own_orders else _WASTE + 2 * _GRID_RATIO
+            if slack < 1e-10 or np.all((eps_t >= (1 - waste) * p.values) | capped):
                 return sigma, trial, eps_t, idx, alpha
             slack *= 0.1
             aim = q * (1.0 + 0.5 * slack)

@@ -41,7 +41,7 @@ def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool 
     out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
     h = np.minimum(0.5, 0.4 * z)
     n_nodes = np.ceil((alpha / z + 2 * _grid._QUAD_WIDTH) / h).astype(np.int64) + 1
-    bucket = np.ceil(np.log2(n_nodes)).astype(np.int64)      # similar node counts together (padding ≤ 2×)
+    bucket = np.ceil(np.log2(n_nodes) * 4).astype(np.int64)  # similar node counts together (padding ≤ 19%)
     logit = np.log(q) - np.log1p(-q)
     for b in np.unique(bucket):
         pts = np.flatnonzero(bucket == b)
@@ -149,7 +149,7 @@ def optimal_orders(q, z, steps, delta, start, lo, hi, max_iter=60):
     return best_eps, best_alpha
 
 
-def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=None):
+def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=None, first_factor=None):
     """The largest rate (free = "rate") / smallest noise multiplier (free = "noise") whose ε at the
     fixed order α is ≤ goal, starting from a point that meets it. Returns (parameter, ε), (P,) each.
 
@@ -168,6 +168,8 @@ def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=
     e_safe = evaluate(start, None, None, everyone)[0] if eps_start is None else eps_start.copy()
     unsafe, e_unsafe = np.full(p, np.nan), np.full(p, np.nan)
     factor = 1.0 + np.clip(2.0 * (goal / np.maximum(e_safe, 1e-300) - 1.0), 1e-5, 1.0)
+    if first_factor is not None:        # a close guess of the root's factor: step just past it
+        factor = np.maximum(first_factor * (1.0 + 1e-4), 1.0 + 1e-5)
     todo = np.flatnonzero(safe < ceiling)
     for _ in range(64):
         if todo.size == 0:
@@ -185,11 +187,11 @@ def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=
         # refine() certifies against target·(1 − MARGIN): hand it the goal divided back
         safe[bracketed], e_safe[bracketed], _ = _grid.refine(
             lambda x, lo, hi, which: evaluate(x, lo, hi, bracketed[which]), safe[bracketed], unsafe[bracketed],
-            e_safe[bracketed], zeros, zeros, e_unsafe[bracketed], goal[bracketed] / (1.0 - _grid.MARGIN), rtol=1e-7)
+            e_safe[bracketed], zeros, zeros, e_unsafe[bracketed], goal[bracketed] / (1.0 - _grid.MARGIN), rtol=1e-5)
     return to_param(safe), e_safe
 
 
-def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=256):
+def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
     """Push each point's free parameter to its budget at the point's own optimal order.
 
     free: "rate" (raise q_p, at most 1) or "noise" (lower z_p, at least ``_grid._Z_FLOOR``);
@@ -207,8 +209,11 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=256)
     goal = np.asarray(targets, dtype=np.float64) * (1.0 - _grid.MARGIN)
     if pilots and p > 4 * pilots:
         at = np.unique(np.linspace(0, p - 1, pilots).round().astype(np.intp))
-        _, _, _, alpha_p = polish(free, q[at], z[at], steps, delta, orders, idx[at], targets[at], rounds, 0)
+        q_p, z_p, _, alpha_p = polish(free, q[at], z[at], steps, delta, orders, idx[at], targets[at], rounds, 0)
         alpha = np.exp(np.interp(np.arange(p), at, np.log(alpha_p)))
+        # how far the pilots' increasing parameter (q, or 1/z) moved: the others move about as far
+        moved = q_p / q[at] if free == "rate" else z[at] / z_p
+        factor = np.exp(np.interp(np.arange(p), at, np.log(moved)))
         eps = eps_at(q, z, steps, delta, alpha)
         grid_alpha = orders[idx]
         off = eps > goal              # interpolated order worse than the grid's here: keep the grid's
@@ -218,7 +223,8 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=256)
                               & (q > 0.0))
         if todo.size:
             new, eps[todo] = _fixed_order_root(free, q[todo], z[todo], steps, delta, alpha[todo], goal[todo],
-                                               1.0 if free == "rate" else 1.0 / _grid._Z_FLOOR, eps[todo])
+                                               1.0 if free == "rate" else 1.0 / _grid._Z_FLOOR, eps[todo],
+                                               factor[todo])
             if free == "rate":
                 q[todo] = new
             else:
