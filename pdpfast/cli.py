@@ -63,7 +63,8 @@ def _demo(args) -> int:
           f"{args.epochs} epochs, {args.seeds} seed(s), PDP-SGD in {args.rounds} rounds", flush=True)
     start = time.perf_counter()
     results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, progress=not args.quiet,
-                       rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size)
+                       rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size,
+                       accountant=args.accountant)
     print(format_results(results))
     with Staging() as staging:
         accuracy_png, epsilon_png, summary = (out / "accuracy.png", out / "epsilon.png", out / "results.json")
@@ -334,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--methods", default=",".join(DEMO_METHODS),
                       help=f"private methods, comma-separated (default {','.join(DEMO_METHODS)})")
     demo.add_argument("--rounds", type=int, default=2, help="PDP-SGD rounds (default 2)")
+    demo.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                      help="accountant that calibrates sample/scale/hybrid plans (default rdp)")
     demo.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
     demo.add_argument("--lr", type=float, default=0.2, help="private learning rate (non-private uses lr/5)")
     demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")

@@ -157,7 +157,7 @@ def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int
 
 def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_size: int, lr: float,
                   seed: int, max_grad_norm: float = 1.0, progress: bool = False, eval_every: int = 10,
-                  rounds: int = 2, pdp_loss: str = "fixed") -> RunResult:
+                  rounds: int = 2, pdp_loss: str = "fixed", accountant: str = "rdp") -> RunResult:
     """One private run of the demo's model.
 
     Args:
@@ -165,7 +165,8 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
             "hybrid" (IDP through ``make_private_with_budgets``), "dpsgd" (every record at the
             smallest budget) or "pdp" (PDP-SGD, ``rounds`` rounds, thresholds by ``pdp_loss``).
         epochs, batch_size (expected), lr, seed, max_grad_norm: of the run; eval_every, progress:
-            as in :func:`train_nonprivate`.
+            as in :func:`train_nonprivate`. accountant: "rdp" or "pld", what calibrates (and
+            accounts) the IDP methods' plans.
     Returns:
         :class:`RunResult` with ε per group from the per-record ledger.
     """
@@ -195,7 +196,7 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
         bar = _progress(steps, f"{method:>11} s{seed}", progress)
         engine, model, opt, loader, criterion = private_engine(
             method, model, opt, dataset, budgets, delta=DELTA, steps=steps, sample_rate=sample_rate,
-            batch_size=batch_size, task=task, max_grad_norm=max_grad_norm, seed=seed)
+            batch_size=batch_size, task=task, max_grad_norm=max_grad_norm, seed=seed, accountant=accountant)
         record = _Recorder(result, model, data, budgets, eval_every, engine.epsilons)
         private_steps(engine, model, opt, loader, task, criterion, until=engine.plan.steps,
                       on_step=_with_bar(bar, record))
@@ -239,20 +240,22 @@ def demo_task(epochs, seeds):
 
 def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=(0, 1, 2), methods=METHODS,
              progress: bool = True, rounds: int = 2, threads: int | None = 1,
-             eval_every: int | None = None) -> dict[str, list[RunResult]]:
+             eval_every: int | None = None, accountant: str = "rdp") -> dict[str, list[RunResult]]:
     """The whole demo.
 
     Args:
         epochs, batch_size, lr, rounds: of every run; seeds: one run per seed and method; methods:
             which private methods; progress: bars; threads: torch threads for the run (1 by default:
             the model is tiny, and more threads only contend on a shared machine); eval_every:
-            steps between curve points.
+            steps between curve points; accountant: "rdp" or "pld" for the IDP methods' plans.
     Returns:
         {method: [RunResult per seed]}, "non-private" first.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     data, budgets = demo_task(epochs, seeds)
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
@@ -264,7 +267,8 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
             for method in methods:
                 results.setdefault(method, []).append(
                     train_private(data, budgets, method=method, epochs=epochs, batch_size=batch_size, lr=lr,
-                                  seed=seed, progress=progress, eval_every=every, rounds=rounds))
+                                  seed=seed, progress=progress, eval_every=every, rounds=rounds,
+                                  accountant=accountant))
     return results
 
 

@@ -147,13 +147,15 @@ def _pair_epsilons(engine):
     sens = ad.count_sensitivity
     out = []
     for g in range(plan.budget_values.shape[0]):
+        # the grid and the group's own order, at which the plan certified it
+        orders = list(DEFAULT_ORDERS) + ([] if plan.group_orders is None else [float(plan.group_orders[g])])
         rdp = 0.0
         for rec in ad.history:
             z_grad = rec["noise_std"] / rec["clip_norms"][g]
             count_std = rec["count_std"][g] if ad.clipping.per_group else rec["count_std"][0]
             z = pair_noise_multiplier(z_grad, count_std, sens)
-            rdp = rdp + compute_rdp(plan.group_sample_rates[g], z, 1, DEFAULT_ORDERS)
-        out.append(get_privacy_spent(DEFAULT_ORDERS, rdp, DELTA)[0])
+            rdp = rdp + compute_rdp(plan.group_sample_rates[g], z, 1, orders)
+        out.append(get_privacy_spent(orders, rdp, DELTA)[0])
     return np.array(out)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 from scipy import interpolate, optimize
 
 from . import _grid
+from .orders import eps_at, polish
 from .plan import GroupSummary, PrivacyPlan
 from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int, check_rate
 
@@ -29,7 +30,8 @@ __all__ = ["calibrate", "PrivacyPlan", "GroupSummary", "register_method"]
 
 _PLD_MAX_PAIRS = 64
 _MEAN_SLACK = 2e-3      # Sample: accept a mean rate in [q, q·(1 + slack)] before scaling it down to q
-_WASTE = 5e-3           # ... unless that cut leaves a record more than 0.5% under its budget
+_WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
+_GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
 
 
 class _Problem:
@@ -50,10 +52,10 @@ class _Problem:
 class _Solution:
     """Per distinct budget: sample rate, effective noise multiplier, certified ε; shared σ."""
 
-    def __init__(self, sample_rates, noise_multipliers, epsilons, sigma, order_idx=None):
+    def __init__(self, sample_rates, noise_multipliers, epsilons, sigma, orders=None):
         self.sample_rates, self.noise_multipliers, self.epsilons, self.sigma = (
             sample_rates, noise_multipliers, epsilons, sigma)
-        self.order_idx = order_idx      # (U,) index of the RDP order certifying each ε (RDP only)
+        self.orders = orders            # (U,) the RDP order certifying each ε (RDP only; fractional)
 
 
 _METHODS: dict[tuple[str, str], Callable[[_Problem], _Solution]] = {}
@@ -92,10 +94,29 @@ class _SpreadError(ValueError):
     """IDP-Sample failed because the budgets are too far apart for one shared noise multiplier."""
 
 
-def _rates_at(p: _Problem, sigma: float):
-    """Safe rates of every distinct budget at σ: (q, ε, order index), each (U,)."""
+def _own_orders(free: str, p: _Problem, q, z, idx, targets, key):
+    """``polish`` once per run of equal ``key`` (non-decreasing): each run's parameter pushed to the
+    smallest budget of the run at the run's own RDP order. Returns (q, z, ε, order), each (U,)."""
+    first, run = _runs(key)
+    z = np.broadcast_to(z, q.shape)
+    q1, z1, e1, a1 = polish(free, q[first], z[first], p.steps, p.delta, p.orders, idx[first], targets[first])
+    if np.any(e1 > targets[first]):      # polish certifies every iterate: never pass silently
+        raise RuntimeError("internal error: a certified epsilon exceeds its budget")
+    return q1[run], z1[run], e1[run], a1[run]
+
+
+def _rates_at(p: _Problem, sigma: float, own_orders: bool = True):
+    """Safe rates of every distinct budget at σ, each at its own RDP order (or at the grid's best
+    order without ``own_orders``): (q, ε, grid order index, order), each (U,)."""
     try:
-        return _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders, ratio=0.002)
+        # without own orders the rates only shape hybrid's (which solves its own noise per cell): a
+        # coarser grid there gives fewer cells
+        rates, eps, idx = _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders,
+                                           ratio=_GRID_RATIO if own_orders else 2 * _GRID_RATIO)
+        if not own_orders:
+            return rates, eps, idx, p.orders[idx]
+        rates, _, eps, alpha = _own_orders("rate", p, rates, np.array([sigma]), idx, p.values, rates)
+        return rates, eps, idx, alpha
     except _grid.BudgetError as err:
         # σ lies below the smallest budget's own σ at rate q (probes stay in [σ_lo, σ_hi]): only
         # the large budgets, whose records reach rate 1 quickly, pull the mean rate up to q at so
@@ -134,8 +155,9 @@ def _runs(sorted_keys: np.ndarray):
     return first, run
 
 
-def _solve_sample(p: _Problem):
-    """σ and safe rates whose mean is exactly sample_rate. Returns (σ, q_u, ε_u, order index_u)."""
+def _solve_sample(p: _Problem, own_orders: bool = True):
+    """σ and safe rates whose mean is exactly sample_rate, each certified at its own RDP order (at the
+    grid's without ``own_orders``). Returns (σ, q_u, ε_u, grid order index_u, order_u)."""
     q = p.sample_rate
     try:        # σ_hi: every q_i ≥ q there (smallest budget at q); σ_lo: every q_i ≤ q (largest budget)
         ends, _, ends_idx = _grid.solve_noise(q, p.steps, p.delta, p.values[[0, -1]], p.orders)
@@ -145,9 +167,12 @@ def _solve_sample(p: _Problem):
     p.noise_range = (sigma_lo, sigma_hi)
     if p.values.shape[0] == 1 or q == 1.0:
         # one budget: q_i = q for all; q = 1: every rate must be 1, the smallest budget sets σ
-        rates = np.full(p.values.shape[0], q)
-        eps, idx = _certify_rates(p, sigma_hi, rates, np.full(p.values.shape[0], idx_min))
-        return sigma_hi, rates, eps, idx
+        u = p.values.shape[0]
+        _, sigma, _, alpha = polish("noise", np.array([q]), np.array([sigma_hi]), p.steps, p.delta, p.orders,
+                                    np.array([idx_min]), p.values[:1])
+        rates, idx = np.full(u, q), np.full(u, idx_min)
+        eps = np.full(u, eps_at(np.array([q]), sigma, p.steps, p.delta, alpha)[0])
+        return float(sigma[0]), rates, eps, idx, np.full(u, alpha[0])
     # The surrogate: a fixed grid of rates spanning every budget's rate for σ in [σ_lo, σ_hi],
     # exact ε there (orders near the relevant ones), monotone cubic interpolation in log-log.
     try:
@@ -203,7 +228,7 @@ def _solve_sample(p: _Problem):
     spread_error = None
     for _ in range(120):
         try:
-            rates, eps, idx = _rates_at(p, sigma)
+            rates, eps, idx, alpha = _rates_at(p, sigma, own_orders)
         except _SpreadError as err:
             # Some budget would need a rate below the floor: the probe σ is below the root (rates grow
             # with σ, and at σ_hi the smallest budget meets rate q). Bisect upwards instead of failing:
@@ -227,11 +252,13 @@ def _solve_sample(p: _Problem):
             uncapped_mass = float(np.dot(p.counts[~capped], rates[~capped]))
             target_mass = p.n * q - float(p.counts[capped].sum())
             trial = np.where(capped, 1.0, rates * (target_mass / uncapped_mass))
-            eps_t, idx_t = _certify_rates(p, sigma, trial, idx)
+            eps_t = _certify_rates(p, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
-            if slack < 1e-10 or np.all((eps_t >= (1 - _WASTE) * p.values) | capped):
-                return sigma, trial, eps_t, idx_t
+            # (rates that only shape hybrid's sit on a coarser grid: judge their cut alone)
+            waste = _WASTE if own_orders else _WASTE + 2 * _GRID_RATIO
+            if slack < 1e-10 or np.all((eps_t >= (1 - waste) * p.values) | capped):
+                return sigma, trial, eps_t, idx, alpha
             slack *= 0.1
             aim = q * (1.0 + 0.5 * slack)
         if mean < q:
@@ -250,21 +277,21 @@ def _solve_sample(p: _Problem):
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
 
 
-def _certify_rates(p: _Problem, sigma, rates, idx):
-    """Exact ε at each distinct rate (near its known optimal order); check every budget holds."""
+def _certify_rates(p: _Problem, sigma, rates, alpha):
+    """Exact ε at each distinct rate at the order that certified a higher rate (at a fixed order ε
+    is monotone in q, so it still certifies; the cut is ≤ 0.2%, too small to move the optimal
+    order); check every budget holds. Returns ε (U,)."""
     first, run = _runs(rates)
-    e, i = _grid.eps_windowed(rates[first], np.array([sigma]), p.steps, p.delta, p.orders, idx[first] - 1,
-                              idx[first] + 1)
-    eps = e[run]
+    eps = eps_at(rates[first], np.array([sigma]), p.steps, p.delta, alpha[first])[run]
     if np.any(eps > p.values * (1 - _grid.MARGIN)):   # impossible by monotonicity: never pass silently
         raise RuntimeError("internal error: a certified epsilon exceeds its budget")
-    return eps, i[run]
+    return eps
 
 
 @register_method("sample")
 def _sample(p: _Problem) -> _Solution:
-    sigma, rates, eps, idx = _solve_sample(p)
-    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, idx)
+    sigma, rates, eps, _, alpha = _solve_sample(p)
+    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, alpha)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,10 +305,12 @@ def _harmonic_sigma(p: _Problem, z_u: np.ndarray) -> float:
 def _scale(p: _Problem) -> _Solution:
     q = p.sample_rate
     try:
-        z_u, eps, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=0.002)
+        z_u, _, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=_GRID_RATIO)
     except _grid.BudgetError as err:
         raise _budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
-    return _Solution(np.full(z_u.shape[0], q), z_u, eps, _harmonic_sigma(p, z_u), idx)
+    rates = np.full(z_u.shape[0], q)
+    _, z_u, eps, alpha = _own_orders("noise", p, rates, z_u, idx, p.values, -z_u)
+    return _Solution(rates, z_u, eps, _harmonic_sigma(p, z_u), alpha)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,19 +339,21 @@ def _hybrid(p: _Problem) -> _Solution:
     if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
         return _scale(p)
     try:            # hybrid interpolates from Sample's rates: say so, not only "IDP-Sample"
-        sigma_s, rates_s, _, idx_s = _solve_sample(p)
+        # Sample's rates set the shape of hybrid's (λ = 1: Sample's rates). With many budgets the
+        # grid's orders are good enough for a shape, and polishing them would double the time.
+        sigma_s, rates_s, _, idx_s, _ = _solve_sample(p, own_orders=p.values.shape[0] <= _grid.REFINE_MAX)
     except _SpreadError as err:
         raise _SpreadError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates, which fail here: "
                            f"{err}; hybrid_weight=0 is Scale") from None
     except ValueError as err:
         raise ValueError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates: {err}") from None
     rates = renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
-    # Distinct budgets sharing a rate and within a factor 1.002 of each other form a cell, solved
+    # Distinct budgets sharing a rate and within a factor 1 + _GRID_RATIO of each other form a cell, solved
     # for its smallest budget (many budgets on the Sample grid share a rate; few are each their own cell).
     if p.values.shape[0] <= _grid.REFINE_MAX:
         first, cell_of = np.arange(p.values.shape[0]), np.arange(p.values.shape[0])
     else:
-        bucket = np.floor(np.log(p.values) / np.log1p(0.002)).astype(np.int64)
+        bucket = np.floor(np.log(p.values) / np.log1p(_GRID_RATIO)).astype(np.int64)
         bucket -= bucket.min()
         _, rate_run = _runs(rates)
         first, cell_of = _runs(rate_run.astype(np.int64) * (int(bucket.max()) + 1) + bucket)
@@ -333,11 +364,12 @@ def _hybrid(p: _Problem) -> _Solution:
     guess, guess_idx = np.clip(sigma_s * cells / rates_s[first], z_lo, z_hi), idx_s[first]
     try:
         z_c, eps_c, idx_c = _grid.solve_noise_pairs(cells, targets, p.steps, p.delta, p.orders, guess,
-                                                    guess_idx)
+                                                    guess_idx, rtol=1e-5)      # _own_orders finishes the root
     except _grid.BudgetError as err:
         raise _budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+    _, z_c, eps_c, alpha_c = _own_orders("noise", p, cells, z_c, idx_c, targets, np.arange(cells.shape[0]))
     z_u = z_c[cell_of]
-    return _Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), idx_c[cell_of])
+    return _Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), alpha_c[cell_of])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +406,8 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         orders: RDP orders (default ``DEFAULT_ORDERS``).
     Returns:
         PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
-        never above the budget, and within 1% of it unless q_i = 1.
+        never above the budget, and ≥ 99.8% of it unless q_i = 1. Each group is certified at its
+        own RDP order (``plan.group_orders``, fractional; ``ledger_for_plan`` accounts at them).
     Raises:
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """
@@ -415,10 +448,9 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
             problem = _Problem(class_values[class_of][problem.inverse], delta, steps, q, c, lam, orders_arr)
     sol = _METHODS[(method, accountant)](problem)
     clip_u = sol.sigma * c / sol.noise_multipliers
-    group_orders = None
-    if sol.order_idx is not None:
-        group_orders = orders_arr[sol.order_idx]
-        edge = (sol.order_idx == 0) | (sol.order_idx == orders_arr.shape[0] - 1)
+    group_orders = sol.orders
+    if group_orders is not None:
+        edge = (group_orders <= orders_arr[0]) | (group_orders >= orders_arr[-1])
         if edge.any():
             warnings.warn(f"the optimal RDP order of {int(edge.sum())} budget group(s) (e.g. epsilon="
                           f"{problem.values[edge][0]:.4g}) is at the edge of the order grid "

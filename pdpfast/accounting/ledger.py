@@ -12,7 +12,10 @@ RDP ledger
 ----------
 
 Records whose whole history is identical (same (q, z) at every step so far) share one row of
-accumulated RDP; ``group_of[i]`` maps record i to its row. A step that changes some records'
+accumulated RDP; ``group_of[i]`` maps record i to its row. Besides the shared grid of orders,
+a record may carry its own order (``record_orders``: a calibrated plan's ``group_orders``, found
+off the grid for its (q, z)); its row accumulates RDP at that order too, so the ledger certifies
+at the very order the plan did and reports the plan's ε. A step that changes some records'
 (q, z) (a new plan, a record dropping out with q = 0, a ``record_ids`` subset) splits rows, never
 merges them. RDP per step is evaluated once per distinct (q, z) pair with the same engine as
 calibration (integer orders exact, fractional orders by quadrature; within ~1e-16 per step of
@@ -43,6 +46,7 @@ import numpy as np
 from .._io import atomic_write
 
 from . import _grid, pld
+from .orders import rdp_at
 from .rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_positive_int, distinct_rows
 
 __all__ = ["IndividualAccountant", "PLDIndividualAccountant", "ledger_for_plan", "register_ledger"]
@@ -150,24 +154,35 @@ class IndividualAccountant(_RecordLedger):
         noise_multipliers: (N,) or scalar effective z_i = σC/c_i ≥ 0.
         orders: RDP orders (default ``DEFAULT_ORDERS``).
         budgets: optional (N,) ε_i, for ``would_exceed`` and ``remaining``.
+        record_orders: optional (N,) one more RDP order per record (> 1; NaN: none), accounted
+            alongside ``orders``: a calibrated plan's own order of each record's group.
     """
 
     name = "rdp"
 
-    def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None):
+    def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None, record_orders=None):
         q, z = _per_record(sample_rates, noise_multipliers)
         self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
-        pairs, inverse = _pair_keys(q, z)
+        own = np.full(q.shape[0], np.nan)
+        if record_orders is not None:
+            own = np.broadcast_to(np.asarray(record_orders, dtype=np.float64), q.shape).copy()
+            if np.any(~np.isnan(own) & ~(own > 1.0)) or np.any(np.isinf(own)):
+                raise ValueError("record_orders must be finite and > 1 (NaN for none)")
+        first, inverse = distinct_rows(q + 0.0, z + 0.0, np.nan_to_num(own, nan=0.0))
         self.group_of = inverse.astype(np.int64)                  # (N,) record → history row
-        self.group_rates = pairs[:, 0].copy()                     # (G,) current q of each row
-        self.group_noise = pairs[:, 1].copy()                     # (G,) current z of each row
-        self.group_rdp = np.zeros((pairs.shape[0], self.orders.shape[0]))   # (G, n_orders)
+        self.group_rates = q[first].copy()                        # (G,) current q of each row
+        self.group_noise = z[first].copy()                        # (G,) current z of each row
+        self.group_rdp = np.zeros((first.shape[0], self.orders.shape[0]))   # (G, n_orders)
+        self.group_own_order = own[first].copy()                  # (G,) the row's own order (NaN: none)
+        self.group_own_rdp = np.zeros(first.shape[0])             # (G,) its RDP at that order
         self.steps_taken = 0
 
     @classmethod
     def for_plan(cls, plan, budgets) -> "IndividualAccountant":
-        return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets)
+        own = None if plan.group_orders is None else plan.group_orders[plan.group_index]
+        return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets,
+                   record_orders=own)
 
     # ------------------------------------------------------------------ composition
     def _rdp_per_step(self, rates, noises) -> np.ndarray:
@@ -200,12 +215,15 @@ class IndividualAccountant(_RecordLedger):
         if sample_rates is not None or noise_multipliers is not None:
             self._update_rates(sample_rates, noise_multipliers, ids)
         if ids is None:
-            self.group_rdp += n * self._current_step_rdp()
+            grid, own = self._current_step_rdp()
+            self.group_rdp += n * grid
+            self.group_own_rdp += n * own
         else:
             # participating records leave their rows (a row is split when only part of it steps)
             self._split(ids, self.group_rates[self.group_of[ids]], self.group_noise[self.group_of[ids]])
             rows = np.unique(self.group_of[ids])
             self.group_rdp[rows] += n * self._rdp_per_step(self.group_rates[rows], self.group_noise[rows])
+            self.group_own_rdp[rows] += n * self._own_rdp_per_step(rows)
         self.steps_taken += n
         return self
 
@@ -220,12 +238,23 @@ class IndividualAccountant(_RecordLedger):
             self._update_rates(sample_rates, noise_multipliers, ids)
         return self
 
-    def _current_step_rdp(self) -> np.ndarray:
-        """(G, n_orders) RDP of one step of every row at its current (q, z), kept until rows change
-        (a training loop calls ``step()`` once per optimizer step)."""
+    def _own_rdp_per_step(self, rows) -> np.ndarray:
+        """(len(rows),) RDP of one step of each row at its own order (0 where it has none)."""
+        own = self.group_own_order[rows]
+        out = np.zeros(own.shape[0])
+        has = ~np.isnan(own)
+        if has.any():
+            out[has] = rdp_at(self.group_rates[rows][has], self.group_noise[rows][has], own[has])
+        return out
+
+    def _current_step_rdp(self):
+        """((G, n_orders), (G,)) RDP of one step of every row at its current (q, z) at the grid and
+        at its own order, kept until rows change (a training loop calls ``step()`` once per step)."""
         cached = self.__dict__.get("_step_rdp")
-        if cached is None or cached.shape[0] != self.group_rates.shape[0]:
-            cached = self._step_rdp = self._rdp_per_step(self.group_rates, self.group_noise)
+        if cached is None or cached[0].shape[0] != self.group_rates.shape[0]:
+            rows = np.arange(self.group_rates.shape[0])
+            cached = self._step_rdp = (self._rdp_per_step(self.group_rates, self.group_noise),
+                                       self._own_rdp_per_step(rows))
         return cached
 
     def _update_rates(self, sample_rates, noise_multipliers, ids):
@@ -248,6 +277,8 @@ class IndividualAccountant(_RecordLedger):
         self.__dict__.pop("_step_rdp", None)
         first, inverse = distinct_rows(self.group_of, member, key_q + 0.0, key_z + 0.0)
         self.group_rdp = self.group_rdp[self.group_of[first]].copy()
+        self.group_own_order = self.group_own_order[self.group_of[first]].copy()
+        self.group_own_rdp = self.group_own_rdp[self.group_of[first]].copy()
         self.group_rates, self.group_noise = key_q[first].copy(), key_z[first].copy()
         self.group_of = inverse.astype(np.int64)
 
@@ -257,10 +288,13 @@ class IndividualAccountant(_RecordLedger):
         return self.group_rdp[self.group_of]
 
     def _group_eps(self, delta, extra_steps=0):
-        rdp = self.group_rdp
+        rdp, own = self.group_rdp, self.group_own_rdp
         if extra_steps:
-            rdp = rdp + extra_steps * self._current_step_rdp()
-        return _eps_from_rdp(self.orders, rdp, check_delta(delta))[0]
+            grid, own_step = self._current_step_rdp()
+            rdp, own = rdp + extra_steps * grid, own + extra_steps * own_step
+        # each row's own order is one more column (NaN where it has none: never the minimum)
+        orders = np.concatenate([np.broadcast_to(self.orders, rdp.shape), self.group_own_order[:, None]], axis=1)
+        return _eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta(delta))[0]
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far (the conversion of ``get_privacy_spent``; 0 before any step)."""
@@ -288,6 +322,7 @@ class IndividualAccountant(_RecordLedger):
                 "orders": self.orders.copy(),
                 "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
                 "group_noise": self.group_noise.copy(), "group_rdp": self.group_rdp.copy(),
+                "group_own_order": self.group_own_order.copy(), "group_own_rdp": self.group_own_rdp.copy(),
                 "steps_taken": np.int64(self.steps_taken),
                 "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
                 "has_budgets": np.bool_(self.budgets is not None)}
@@ -305,7 +340,14 @@ class IndividualAccountant(_RecordLedger):
             raise ValueError("ledger state: group_of out of range")
         self.__dict__.pop("_pair_cache", None)
         self.__dict__.pop("_step_rdp", None)
+        g = group_rdp.shape[0]
+        # states written before rows had their own order: none
+        own_order = np.asarray(state.get("group_own_order", np.full(g, np.nan)), dtype=np.float64)
+        own_rdp = np.asarray(state.get("group_own_rdp", np.zeros(g)), dtype=np.float64)
+        if own_order.shape != (g,) or own_rdp.shape != (g,):
+            raise ValueError("ledger state: group_own_order / group_own_rdp do not match group_rdp")
         self.orders, self.group_of, self.group_rdp = orders, group_of, group_rdp
+        self.group_own_order, self.group_own_rdp = own_order, own_rdp
         self.group_rates = np.asarray(state["group_rates"], dtype=np.float64)
         self.group_noise = np.asarray(state["group_noise"], dtype=np.float64)
         self.steps_taken = int(state["steps_taken"])

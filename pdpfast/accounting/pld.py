@@ -21,6 +21,10 @@ __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed
 
 MAX_PAIRS = 64
 VALUE_DISCRETIZATION = 1e-3     # dp_accounting's default is 1e-4: ~8x slower, ε lower by ~1e-4
+# Sample's search for σ runs on PLDs this coarse (a composition at small q costs up to ~20x less),
+# then searches at each finer one start from the last answer and need only a few steps there;
+# every ε the plan reports is certified at VALUE_DISCRETIZATION.
+SEARCH_DISCRETIZATIONS = (3e-3,)
 _RTOL = 2e-4                    # root-finding stops once ε is within this of the target (safe side)
 
 
@@ -170,16 +174,18 @@ def pld_sample_rate(target_epsilon, delta, noise_multiplier, steps):
     return _pld_rate(t, delta, noise_multiplier, steps, q_rdp)[0]
 
 
-def _pld_rate(t, delta, z, steps, q_safe):
-    f = lambda q: pld_epsilon(q, z, steps, delta)   # noqa: E731
+def _pld_rate(t, delta, z, steps, q_safe, vdi=VALUE_DISCRETIZATION, growth=1.5):
+    """Largest q with PLD ε ≤ t at discretization ``vdi``, from a guess ``q_safe`` expected to be
+    within a factor ``growth`` of it (a close guess: a small growth, fewer PLD compositions)."""
+    f = lambda q: pld_epsilon(q, z, steps, delta, vdi)   # noqa: E731
     goal = t * (1 - _grid.MARGIN)
     while f(q_safe) > goal:
-        q_safe *= 0.95
+        q_safe /= growth
     if q_safe >= 1.0 or f(1.0) <= goal:
         return 1.0, f(1.0)
     q_unsafe = q_safe
     while f(q_unsafe) <= goal:
-        q_unsafe = min(1.0, q_unsafe * 1.5)
+        q_unsafe = min(1.0, q_unsafe * growth)
     return _root(f, q_safe, q_unsafe, t)
 
 
@@ -202,35 +208,38 @@ def _eps_groups(p: _Problem, rates, zs):
     return eps
 
 
-def _sample_pld(p: _Problem):
-    from .calibration import _METHODS
-
-    start = _METHODS[("sample", "rdp")](p)          # RDP-feasible: PLD rates at its σ are ≥ these
-    q, sigma_hi = p.sample_rate, start.sigma
-    guess = start.sample_rates.copy()
+def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
+    """σ with mean PLD rate q (to 0.2%), searched at discretization ``vdi`` from ``sigma_hi``
+    (mean rate ≥ q there, else σ is raised until it is) and rate guesses ``guess``; σ moves by
+    factors ``shrink`` while bracketing, rates by ``growth``. Returns (σ, rates, d log mean / d log σ)."""
+    q = p.sample_rate
+    guess = np.asarray(guess, dtype=np.float64).copy()
 
     def rates_at(sigma):
         out = np.empty(p.values.shape[0])
         for k, (t, g) in enumerate(zip(p.values, guess)):
-            out[k] = _pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g)))[0]
+            out[k] = _pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g)), vdi, growth)[0]
         return out
 
     def g(sigma):
         r = rates_at(sigma)
         return math.log(p.mean(r) / q), r
 
-    # bracket: σ_hi (mean ≥ q) from RDP; walk σ down until the mean drops below q
     gh, rh = g(sigma_hi)
-    sigma_lo = sigma_hi
-    gl = gh
+    while gh < 0:               # a start from another discretization may sit just below the root
+        sigma_hi /= shrink
+        guess = rh / shrink
+        gh, rh = g(sigma_hi)
+    # bracket: walk σ down until the mean drops below q
+    sigma_lo, gl = sigma_hi, gh
     while gl >= 0:
-        sigma_lo *= 0.85
-        guess *= 0.85
+        sigma_lo *= shrink
+        guess *= shrink
         gl, _ = g(sigma_lo)
     lh, ll = math.log(sigma_hi), math.log(sigma_lo)
     side = 0
     for _ in range(40):
-        if gh <= math.log1p(2e-3):
+        if gh <= _MEAN_WINDOW:
             break
         x = lh - gh * (ll - lh) / (gl - gh) if gl != gh else 0.5 * (lh + ll)
         if not min(lh, ll) < x < max(lh, ll):
@@ -245,20 +254,58 @@ def _sample_pld(p: _Problem):
             if side == -1:
                 gh *= 0.5
             ll, gl, side = x, gx, -1
-    sigma = math.exp(lh)
+    # a first slope for the fine search (the residuals may be Illinois-halved: it corrects it)
+    slope = (gh - gl) / (lh - ll) if lh != ll else 1.0
+    return math.exp(lh), rh, slope
+
+
+_MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
+
+
+def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
+    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on log mean(log σ) (the first
+    with the coarse search's slope), aiming at the middle of the accepted window; the bracketing
+    search if that does not land in it."""
+    q = p.sample_rate
+    guess = np.asarray(guess, dtype=np.float64).copy()
+    prev = None
+    for _ in range(6):
+        rates = np.array([_pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), vdi, 1.03)[0]
+                          for t, g_ in zip(p.values, guess)])
+        g = math.log(p.mean(rates) / q)
+        if 0.0 <= g <= _MEAN_WINDOW:
+            return sigma, rates, slope
+        if prev is not None and g != prev[1] and sigma != prev[0]:
+            slope = max((g - prev[1]) / math.log(sigma / prev[0]), 1e-3)
+        prev = (sigma, g)
+        step = -(g - 0.5 * _MEAN_WINDOW) / max(slope, 1e-3)
+        sigma *= math.exp(step)
+        guess = np.minimum(1.0, rates * math.exp(step * slope))
+    return _sample_pld(p, sigma, guess, vdi, 0.98, 1.03)
+
+
+def _sample_pld_rates(p: _Problem):
+    """σ and rates with mean exactly q under PLD: a coarse search from the RDP plan (RDP-feasible,
+    so PLD rates at its σ are ≥ its rates), then finer ones, each from the last answer."""
+    from .calibration import _METHODS
+
+    start = _METHODS[("sample", "rdp")](p)
+    sigma, rh, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
+    for vdi in SEARCH_DISCRETIZATIONS[1:] + (VALUE_DISCRETIZATION,):
+        sigma, rh, slope = _sample_pld_fine(p, sigma, rh, slope, vdi)
+    q = p.sample_rate
     capped = rh >= 1.0
     mass = float(np.dot(p.counts[~capped], rh[~capped]))
     want = p.n * q - float(p.counts[capped].sum())
     if want <= 0 or mass <= 0:
         raise _budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
                             "sample_rate", sample_rate=q)
-    rates = np.where(capped, 1.0, rh * (want / mass))
-    return sigma, rates
+    return sigma, np.where(capped, 1.0, rh * (want / mass))
 
 
 @register_method("sample", accountant="pld")
 def _sample(p: _Problem) -> _Solution:
-    sigma, rates = _sample_pld(p)
+    sigma, rates = _sample_pld_rates(p)
     eps = np.array([pld_epsilon(q, sigma, p.steps, p.delta) for q in rates])
     # the shared σ cannot move per group: a group the final rescaling left over budget (PLD is
     # not smooth at the discretization scale) gets its rate lowered a little instead
@@ -290,7 +337,7 @@ def _scale(p: _Problem) -> _Solution:
 
 @register_method("hybrid", accountant="pld")
 def _hybrid(p: _Problem) -> _Solution:
-    _, rates_s = _sample_pld(p)
+    _, rates_s = _sample_pld_rates(p)
     q = p.sample_rate
     rates = renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
     zs = _noises_at(p, rates, "hybrid")

@@ -26,7 +26,32 @@ from scipy import optimize
 from . import _grid
 from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int
 
-__all__ = ["SCFEstimator", "epsilon", "fit_scf", "sample_rates"]
+__all__ = ["SCFEstimator", "client_sampled_rdp", "epsilon", "fit_scf", "rdp_to_epsilon", "sample_rates"]
+
+
+def client_sampled_rdp(rho_local: np.ndarray, orders: np.ndarray, client_rate: float) -> np.ndarray:
+    """RDP after client-level Poisson sampling at rate λ of a client whose local RDP is ρ^τ:
+    ρ^{τ,λ}(α) = log(1 − λ + λ·e^{(α−1)ρ^τ(α)})/(α−1) (Liu et al. 2024). rho_local: (..., n); orders (n,).
+
+    The one place this privacy-critical bound is written (the rPDP-FL accountant and the federated
+    ledger both call it). log1p(λ·expm1 x) is exact for small x = (α−1)ρ^τ, logaddexp for large."""
+    x = (orders - 1.0) * rho_local
+    lam = float(client_rate)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
+        large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
+    return np.where(x < 30.0, small, large) / (orders - 1.0)
+
+
+def rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion: str):
+    """(ε, optimal order index) per row of rdp (P, n), minimized over orders: "standard" (the
+    paper's) ε = ρ(α) + log(1/δ)/(α − 1), or "improved" (Balle et al. 2020, as ``rdp.get_privacy_spent``)."""
+    if conversion == "improved":
+        from .rdp import _eps_from_rdp
+        return _eps_from_rdp(orders, rdp, delta)
+    eps = rdp + np.log(1.0 / delta) / (orders - 1.0)
+    idx = np.argmin(eps, axis=-1)
+    return np.take_along_axis(eps, idx[..., None], axis=-1)[..., 0], idx
 
 _THREATS = ("clients", "server")
 _CONVERSIONS = ("standard", "improved")
@@ -67,19 +92,8 @@ def _eps(q: np.ndarray, s: _Setting):
     if s.threat == "server":
         rho_fl = s.client_rate * s.rounds * rho_local
     else:
-        x = (orders - 1.0) * rho_local
-        lam = s.client_rate
-        with np.errstate(over="ignore", divide="ignore"):
-            # log(1 − λ + λe^x): log1p(λ·expm1 x) is exact for small x; logaddexp for large x
-            small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
-            large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
-        rho_fl = s.rounds * np.where(x < 30.0, small, large) / (orders - 1.0)
-    if s.conversion == "improved":
-        from .rdp import _eps_from_rdp
-        return _eps_from_rdp(orders, rho_fl, s.delta)
-    eps = rho_fl + np.log(1.0 / s.delta) / (orders - 1.0)
-    idx = np.argmin(eps, axis=1)
-    return eps[np.arange(eps.shape[0]), idx], idx
+        rho_fl = s.rounds * client_sampled_rdp(rho_local, orders, s.client_rate)
+    return rdp_to_epsilon(orders, rho_fl, s.delta, s.conversion)
 
 
 def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, threat="clients",

@@ -29,34 +29,22 @@ import numpy as np
 
 from .._io import atomic_write
 from ..accounting import _grid
-from ..accounting.rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp
+from ..accounting.rdp import DEFAULT_ORDERS, _as_orders
+from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon
 from .config import CONVERSIONS, THREATS
-
-
-def _to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion: str) -> np.ndarray:
-    """ε per row of rdp (P, n_orders), minimized over orders; the conversions of ``rpdp.epsilon``."""
-    if conversion == "improved":
-        return _eps_from_rdp(orders, rdp, delta)[0]
-    return np.min(rdp + np.log(1.0 / delta) / (orders - 1.0), axis=-1)
 
 
 def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client_rate: float,
               orders=None) -> dict[str, np.ndarray]:
     """RDP of ONE round per record, {"clients": (P, n), "server": (P, n)}, for q = sample_rates (P,).
 
-    "server": ρ^τ(α) = τ·ρ_SGM(α; q, σ). "clients": log(1 − λ + λ·e^{(α−1)ρ^τ})/(α−1), evaluated
-    as in ``rpdp``: log1p(λ·expm1 x) for x = (α−1)ρ^τ < 30, logaddexp above (exact for both).
+    "server": ρ^τ(α) = τ·ρ_SGM(α; q, σ). "clients": log(1 − λ + λ·e^{(α−1)ρ^τ})/(α−1), the one
+    ``rpdp.client_sampled_rdp``.
     """
     orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
     rho_local = int(local_steps) * _grid.rdp_one_step(q, np.array([float(noise_multiplier)]), orders)
-    x = (orders - 1.0) * rho_local
-    lam = float(client_rate)
-    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-        small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
-        large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
-    rho_clients = np.where(x < 30.0, small, large) / (orders - 1.0)
-    rho_clients = np.where(q[:, None] == 0.0, 0.0, rho_clients)
+    rho_clients = np.where(q[:, None] == 0.0, 0.0, client_sampled_rdp(rho_local, orders, client_rate))
     return {"clients": rho_clients, "server": rho_local}
 
 
@@ -109,7 +97,7 @@ class FederatedLedger:
         keys = np.stack([self._rate_index[charged], counts[charged]], axis=1)
         pairs, inverse = np.unique(keys, axis=0, return_inverse=True)
         rdp = pairs[:, 1:2] * self._round_rdp[threat][pairs[:, 0]]
-        out[charged] = _to_epsilon(self.orders, rdp, self.delta, self.conversion)[inverse.ravel()]
+        out[charged] = rdp_to_epsilon(self.orders, rdp, self.delta, self.conversion)[0][inverse.ravel()]
         return out
 
     def epsilons(self, threat: str) -> np.ndarray:

