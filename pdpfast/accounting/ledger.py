@@ -44,10 +44,9 @@ import os
 import numpy as np
 
 from .._io import atomic_write
-
-from . import _grid, pld
-from .orders import rdp_at
-from .rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_positive_int, distinct_rows
+from . import pld
+from .rdp import check_delta, check_positive_int
+from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
 
 __all__ = ["IndividualAccountant", "PLDIndividualAccountant", "ledger_for_plan", "register_ledger"]
 
@@ -162,7 +161,7 @@ class IndividualAccountant(_RecordLedger):
 
     def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None, record_orders=None):
         q, z = _per_record(sample_rates, noise_multipliers)
-        self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+        self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
         own = np.full(q.shape[0], np.nan)
         if record_orders is not None:
@@ -179,7 +178,7 @@ class IndividualAccountant(_RecordLedger):
         self.steps_taken = 0
 
     @classmethod
-    def for_plan(cls, plan, budgets) -> "IndividualAccountant":
+    def for_plan(cls, plan, budgets) -> IndividualAccountant:
         own = None if plan.group_orders is None else plan.group_orders[plan.group_index]
         return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets,
                    record_orders=own)
@@ -194,7 +193,7 @@ class IndividualAccountant(_RecordLedger):
         missing = [k for k in keys if k not in cache]
         if missing:
             arr = np.array(missing, dtype=np.float64)
-            rows = _grid.rdp_one_step(arr[:, 0].copy(), arr[:, 1].copy(), self.orders)
+            rows = rdp_one_step(arr[:, 0].copy(), arr[:, 1].copy(), self.orders)
             if len(cache) + len(missing) > 1 << 16:
                 cache.clear()
             cache.update(zip(missing, rows))
@@ -294,7 +293,7 @@ class IndividualAccountant(_RecordLedger):
             rdp, own = rdp + extra_steps * grid, own + extra_steps * own_step
         # each row's own order is one more column (NaN where it has none: never the minimum)
         orders = np.concatenate([np.broadcast_to(self.orders, rdp.shape), self.group_own_order[:, None]], axis=1)
-        return _eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta(delta))[0]
+        return eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta(delta))[0]
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far (the conversion of ``get_privacy_spent``; 0 before any step)."""
@@ -398,7 +397,7 @@ class PLDIndividualAccountant(_RecordLedger):
         self._reset_caches()
 
     @classmethod
-    def for_plan(cls, plan, budgets) -> "PLDIndividualAccountant":
+    def for_plan(cls, plan, budgets) -> PLDIndividualAccountant:
         # as many pairs as the plan made (``calibrate(pld_classes=...)``): each was certified there
         return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps,
                    max_pairs=max(pld.MAX_PAIRS, len(plan.budget_values)))

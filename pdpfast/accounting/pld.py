@@ -14,7 +14,8 @@ import math
 import numpy as np
 
 from . import _grid
-from .calibration import _Problem, _Solution, _budget_error, renormalize_capped, register_method
+from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
+from .sgm import DEFAULT_ORDERS
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
            "pld_sample_rate"]
@@ -190,14 +191,13 @@ def _pld_rate(t, delta, z, steps, q_safe, vdi=VALUE_DISCRETIZATION, growth=1.5):
 
 
 def _grid_orders():
-    from .rdp import DEFAULT_ORDERS
     return np.asarray(DEFAULT_ORDERS, dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------------------------
 # Calibration methods under PLD
 # ----------------------------------------------------------------------------------------------
-def _eps_groups(p: _Problem, rates, zs):
+def _eps_groups(p: Problem, rates, zs):
     """Guaranteed PLD ε of each group at its final (q, z); a group the final rounding pushed over
     its budget (PLD is not smooth at the discretization scale) gets its z raised a little."""
     eps = np.array([pld_epsilon(q, z, p.steps, p.delta) for q, z in zip(rates, zs)])
@@ -208,7 +208,7 @@ def _eps_groups(p: _Problem, rates, zs):
     return eps
 
 
-def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
+def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
     """σ with mean PLD rate q (to 0.2%), searched at discretization ``vdi`` from ``sigma_hi``
     (mean rate ≥ q there, else σ is raised until it is) and rate guesses ``guess``; σ moves by
     factors ``shrink`` while bracketing, rates by ``growth``. Returns (σ, rates, d log mean / d log σ)."""
@@ -262,10 +262,10 @@ def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
 _MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
 
 
-def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
-    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on log mean(log σ) (the first
-    with the coarse search's slope), aiming at the middle of the accepted window; the bracketing
-    search if that does not land in it."""
+def _sample_pld_fine(p: Problem, sigma, guess, slope, vdi):
+    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on
+    log mean(log σ) (the first with the coarse search's slope), aiming at the middle of the accepted
+    window; the bracketing search if that does not land in it."""
     q = p.sample_rate
     guess = np.asarray(guess, dtype=np.float64).copy()
     prev = None
@@ -284,12 +284,10 @@ def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
     return _sample_pld(p, sigma, guess, vdi, 0.98, 1.03)
 
 
-def _sample_pld_rates(p: _Problem):
+def _sample_pld_rates(p: Problem):
     """σ and rates with mean exactly q under PLD: a coarse search from the RDP plan (RDP-feasible,
     so PLD rates at its σ are ≥ its rates), then finer ones, each from the last answer."""
-    from .calibration import _METHODS
-
-    start = _METHODS[("sample", "rdp")](p)
+    start = METHODS[("sample", "rdp")](p)
     sigma, rh, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
     for vdi in SEARCH_DISCRETIZATIONS[1:] + (VALUE_DISCRETIZATION,):
         sigma, rh, slope = _sample_pld_fine(p, sigma, rh, slope, vdi)
@@ -298,13 +296,13 @@ def _sample_pld_rates(p: _Problem):
     mass = float(np.dot(p.counts[~capped], rh[~capped]))
     want = p.n * q - float(p.counts[capped].sum())
     if want <= 0 or mass <= 0:
-        raise _budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
+        raise budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
                             "sample_rate", sample_rate=q)
     return sigma, np.where(capped, 1.0, rh * (want / mass))
 
 
 @register_method("sample", accountant="pld")
-def _sample(p: _Problem) -> _Solution:
+def _sample(p: Problem) -> Solution:
     sigma, rates = _sample_pld_rates(p)
     eps = np.array([pld_epsilon(q, sigma, p.steps, p.delta) for q in rates])
     # the shared σ cannot move per group: a group the final rescaling left over budget (PLD is
@@ -313,32 +311,32 @@ def _sample(p: _Problem) -> _Solution:
         while eps[k] > p.values[k] * (1 - _grid.MARGIN):
             rates[k] *= 0.9999
             eps[k] = pld_epsilon(rates[k], sigma, p.steps, p.delta)
-    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma)
+    return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma)
 
 
-def _noises_at(p: _Problem, rates, method):
+def _noises_at(p: Problem, rates, method):
     zs = np.empty(rates.shape[0])
     for k, (t, r) in enumerate(zip(p.values, rates)):
         try:
             z_rdp = float(_grid.solve_noise(float(r), p.steps, p.delta, np.array([t]), p.orders)[0][0])
         except _grid.BudgetError as err:
-            raise _budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
+            raise budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
                                 delta=p.delta) from None
         zs[k] = _pld_noise(float(t), p.delta, float(r), p.steps, z_rdp)[0]
     return zs
 
 
 @register_method("scale", accountant="pld")
-def _scale(p: _Problem) -> _Solution:
+def _scale(p: Problem) -> Solution:
     rates = np.full(p.values.shape[0], p.sample_rate)
     zs = _noises_at(p, rates, "Scale")
-    return _Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
+    return Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
 
 
 @register_method("hybrid", accountant="pld")
-def _hybrid(p: _Problem) -> _Solution:
+def _hybrid(p: Problem) -> Solution:
     _, rates_s = _sample_pld_rates(p)
     q = p.sample_rate
     rates = renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
     zs = _noises_at(p, rates, "hybrid")
-    return _Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
+    return Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
