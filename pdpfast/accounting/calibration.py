@@ -20,11 +20,11 @@ import warnings
 import numpy as np
 from scipy import interpolate, optimize
 
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid, pld
 from .orders import eps_at, polish
 from .plan import GroupSummary, PrivacyPlan
 from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
-from .rdp import check_delta, check_epsilons, check_positive_int, check_rate
 from .sgm import DEFAULT_ORDERS, as_orders
 
 __all__ = ["calibrate", "PrivacyPlan", "GroupSummary", "register_method"]
@@ -324,7 +324,7 @@ def _check_budgets(budgets) -> np.ndarray:
         raise TypeError("budgets must be an array of per-record epsilons, got None")
     if hasattr(budgets, "detach"):           # a torch tensor
         budgets = budgets.detach().cpu().numpy()
-    arr = check_epsilons(budgets, "budgets")
+    arr = check_epsilons("budgets", budgets)
     if arr.ndim != 1:
         raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
     return arr
@@ -356,9 +356,9 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """
     arr = _check_budgets(budgets)
-    delta = check_delta(delta)
-    steps = check_positive_int(steps, "steps")
-    q = check_rate(sample_rate)
+    delta = check_delta("delta", delta)
+    steps = check_positive_integer("steps", steps)
+    q = check_rate("sample_rate", sample_rate)
     try:
         c = float(max_grad_norm)
     except (TypeError, ValueError):

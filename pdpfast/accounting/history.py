@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_delta
 from . import pld
-from .rdp import check_delta, compute_rdp, get_privacy_spent
+from .rdp import compute_rdp, get_privacy_spent
 from .sgm import DEFAULT_ORDERS, as_orders
 
 __all__ = ["HistoryAccountant", "PLDAccountant", "RDPAccountant", "create_accountant", "register_accountant"]
@@ -97,7 +98,7 @@ class RDPAccountant(HistoryAccountant):
 
     def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, float]:
         """(ε, best order α) at ``delta``; (0, nan) before the first step."""
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         if not self.history:
             return 0.0, float("nan")
         orders = self.orders if alphas is None else as_orders(alphas)[0]
@@ -116,5 +117,5 @@ class PLDAccountant(HistoryAccountant):
     name = "pld"
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         return pld.pld_epsilon_composed(self.history, delta) if self.history else 0.0

@@ -43,9 +43,9 @@ import os
 
 import numpy as np
 
+from .._checks import check_delta, check_positive_integer
 from .._io import atomic_write
 from . import pld
-from .rdp import check_delta, check_positive_int
 from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
 
 __all__ = ["IndividualAccountant", "PLDIndividualAccountant", "ledger_for_plan", "register_ledger"]
@@ -207,7 +207,7 @@ class IndividualAccountant(_RecordLedger):
         first (they persist). With ``record_ids`` only those records take part in these steps;
         the others are charged nothing (as with q = 0). Returns self.
         """
-        n = check_positive_int(n, "n")
+        n = check_positive_integer("n", n)
         ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
         if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
             raise ValueError(f"record_ids must lie in [0, {self.num_records})")
@@ -293,7 +293,7 @@ class IndividualAccountant(_RecordLedger):
             rdp, own = rdp + extra_steps * grid, own + extra_steps * own_step
         # each row's own order is one more column (NaN where it has none: never the minimum)
         orders = np.concatenate([np.broadcast_to(self.orders, rdp.shape), self.group_own_order[:, None]], axis=1)
-        return eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta(delta))[0]
+        return eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta("delta", delta))[0]
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far (the conversion of ``get_privacy_spent``; 0 before any step)."""
@@ -306,7 +306,7 @@ class IndividualAccountant(_RecordLedger):
         their budget. Needs ``budgets``."""
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to IndividualAccountant)")
-        n = check_positive_int(n, "n")
+        n = check_positive_integer("n", n)
         return self._group_eps(delta, extra_steps=n)[self.group_of] > self.budgets
 
     def remaining(self, delta) -> np.ndarray:
@@ -388,7 +388,7 @@ class PLDIndividualAccountant(_RecordLedger):
         self.group_rates = pairs[:, 0].copy()                     # (G,) q of each group
         self.group_noise = pairs[:, 1].copy()                     # (G,) z of each group
         self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
-        self.horizon = None if horizon is None else check_positive_int(horizon, "horizon")
+        self.horizon = None if horizon is None else check_positive_integer("horizon", horizon)
         vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
         if not (float(vdi) > 0 and np.isfinite(vdi)):
             raise ValueError(f"value_discretization_interval must be > 0, got {vdi!r}")
@@ -416,7 +416,7 @@ class PLDIndividualAccountant(_RecordLedger):
         if sample_rates is not None or noise_multipliers is not None or record_ids is not None:
             raise NotImplementedError("the PLD ledger composes whole-dataset steps at fixed (q_i, z_i); for subsets "
                                       "of records or changing rates use the RDP IndividualAccountant")
-        self.steps_taken += check_positive_int(n, "n")
+        self.steps_taken += check_positive_integer("n", n)
         return self
 
     # ------------------------------------------------------------------ queries
@@ -428,7 +428,7 @@ class PLDIndividualAccountant(_RecordLedger):
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far by PLD (0 before any step). Cached per (steps, δ)."""
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         eps = np.array([self._epsilon(g, self.steps_taken, delta) for g in range(self.group_rates.shape[0])])
         return eps[self.group_of] if eps.size else np.zeros(self.num_records)
 
@@ -437,8 +437,8 @@ class PLDIndividualAccountant(_RecordLedger):
         ``budgets``. With a ``horizon`` this costs one PLD per group for the whole run."""
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to PLDIndividualAccountant)")
-        delta = check_delta(delta)
-        steps = self.steps_taken + check_positive_int(n, "n")
+        delta = check_delta("delta", delta)
+        steps = self.steps_taken + check_positive_integer("n", n)
         certified = self._certified.setdefault(delta, np.zeros(self.group_rates.shape[0], dtype=np.int64))
         over = np.zeros(self.num_records, dtype=bool)
         for g in np.flatnonzero(certified < steps):

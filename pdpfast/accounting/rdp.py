@@ -21,6 +21,7 @@ import warnings
 
 import numpy as np
 
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
 from .sgm import DEFAULT_ORDERS, OPACUS_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_one_step_series
 
@@ -108,46 +109,6 @@ def epsilon(q, noise_multiplier, steps, delta, orders=DEFAULT_ORDERS) -> np.ndar
 # ----------------------------------------------------------------------------------------------
 # Public: inversions (the grid engine lives in _grid)
 # ----------------------------------------------------------------------------------------------
-def check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not float(value).is_integer() or float(value) < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def check_delta(delta, name: str = "delta") -> float:
-    try:
-        d = float(delta)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in (0, 1), got {delta!r}") from None
-    if not 0.0 < d < 1.0:
-        raise ValueError(f"{name} must lie in (0, 1), got {delta!r}")
-    return d
-
-
-def check_epsilons(eps, name: str) -> np.ndarray:
-    try:
-        arr = np.asarray(eps, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be numbers (scalar or array), got {type(eps).__name__}") from None
-    if arr.size == 0:
-        raise ValueError(f"{name} is empty")
-    bad = ~np.isfinite(arr) | (arr <= 0)
-    if bad.any():
-        first = arr.ravel()[np.flatnonzero(bad.ravel())[0]]
-        raise ValueError(f"{name} must be finite and > 0; {int(bad.sum())} entries are not (e.g. {first})")
-    return arr
-
-
-def check_rate(rate, name: str = "sample_rate") -> float:
-    try:
-        r = float(rate)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in (0, 1], got {rate!r}") from None
-    if not 0.0 < r <= 1.0:
-        raise ValueError(f"{name} must lie in (0, 1], got {rate!r}")
-    return r
-
-
 def _orders_or_default(orders) -> np.ndarray:
     return as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
 
@@ -170,10 +131,10 @@ def get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, accou
     Raises:
         ValueError naming the argument for invalid input, or a budget no σ ≤ 1e6 meets.
     """
-    eps = check_epsilons(target_epsilon, "target_epsilon")
-    delta = check_delta(target_delta, "target_delta")
-    q = check_rate(sample_rate, "sample_rate")
-    steps = check_positive_int(steps, "steps")
+    eps = check_epsilons("target_epsilon", target_epsilon)
+    delta = check_delta("target_delta", target_delta)
+    q = check_rate("sample_rate", sample_rate)
+    steps = check_positive_integer("steps", steps)
     if accountant == "pld":
         from .pld import pld_noise_multiplier
         flat = np.array([pld_noise_multiplier(e, delta, q, steps) for e in eps.ravel()])
@@ -209,12 +170,12 @@ def get_sample_rate(target_epsilon, target_delta, noise_multiplier, steps, order
     Raises:
         ValueError if a budget needs q below 1e-12 (too small for this σ and T).
     """
-    eps = check_epsilons(target_epsilon, "target_epsilon")
-    delta = check_delta(target_delta, "target_delta")
+    eps = check_epsilons("target_epsilon", target_epsilon)
+    delta = check_delta("target_delta", target_delta)
     z = float(noise_multiplier)
     if not (np.isfinite(z) and z > 0):
         raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier!r}")
-    steps = check_positive_int(steps, "steps")
+    steps = check_positive_integer("steps", steps)
     orders_arr = _orders_or_default(orders)
     uniq, inverse = np.unique(eps.ravel(), return_inverse=True)
     try:

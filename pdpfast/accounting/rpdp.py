@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from .._checks import check_delta, check_epsilons, check_positive_integer
 from . import _grid
-from .rdp import check_delta, check_epsilons, check_positive_int
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["SCFEstimator", "client_sampled_rdp", "epsilon", "fit_scf", "rdp_to_epsilon", "sample_rates"]
@@ -80,8 +80,8 @@ def _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, 
         raise ValueError(f"threat must be one of {_THREATS}, got {threat!r}")
     if conversion not in _CONVERSIONS:
         raise ValueError(f"conversion must be one of {_CONVERSIONS}, got {conversion!r}")
-    return _Setting(z, check_delta(delta), check_positive_int(local_steps, "local_steps"),
-                    check_positive_int(rounds, "rounds"), lam, threat, conversion,
+    return _Setting(z, check_delta("delta", delta), check_positive_integer("local_steps", local_steps),
+                    check_positive_integer("rounds", rounds), lam, threat, conversion,
                     as_orders(DEFAULT_ORDERS if orders is None else orders)[0])
 
 
@@ -176,7 +176,7 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     Raises ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ).
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
-    arr = check_epsilons(budgets, "budgets").ravel()
+    arr = check_epsilons("budgets", budgets).ravel()
     values, inverse = np.unique(arr, return_inverse=True)
     est = estimator if estimator is not None else fit_scf(
         noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,

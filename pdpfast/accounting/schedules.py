@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
 from .plan import PrivacyPlan
 from .problem import renormalize_capped
-from .rdp import check_delta, check_epsilons, check_positive_int, check_rate
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["NoiseSchedule", "ConstantNoise", "TimeDecay", "ExponentialDecay", "StepDecay", "PolynomialDecay",
@@ -73,7 +73,7 @@ class NoiseSchedule:
 
     def factors(self, steps: int) -> np.ndarray:
         """(steps,) float64 h(0..steps−1), checked finite and > 0."""
-        steps = check_positive_int(steps, "steps")
+        steps = check_positive_integer("steps", steps)
         h = np.asarray(self.factor(np.arange(steps, dtype=np.int64)), dtype=np.float64)
         if h.shape != (steps,):
             raise ValueError(f"{self!r}: the schedule must give one factor per step, got shape {h.shape}")
@@ -121,7 +121,7 @@ class StepDecay(NoiseSchedule):
 
     def __init__(self, k: float, period: int):
         self.k = _check_number("k", k, low=0.0, low_inclusive=False)
-        self.period = check_positive_int(period, "period")
+        self.period = check_positive_integer("period", period)
 
     def factor(self, t):
         return self.k ** (t // self.period).astype(np.float64)
@@ -134,7 +134,7 @@ class PolynomialDecay(NoiseSchedule):
     so that the shape does not depend on the scale calibration finds."""
 
     def __init__(self, period: int, power: float = 1.0, end_fraction: float = 0.5):
-        self.period = check_positive_int(period, "period")
+        self.period = check_positive_integer("period", period)
         self.power = _check_number("power", power, low=0.0, low_inclusive=False)
         self.end_fraction = _check_number("end_fraction", end_fraction, low=0.0, low_inclusive=False, high=1.0)
 
@@ -225,7 +225,7 @@ def scheduled_epsilons(sample_rates, noise_multipliers, factors, delta, orders=D
     """(G,) ε(δ) of ``scheduled_rdp`` (the conversion of ``get_privacy_spent``, clamped at 0)."""
     orders_arr = as_orders(orders)[0]
     rdp = scheduled_rdp(sample_rates, noise_multipliers, factors, orders_arr)
-    return np.maximum(eps_from_rdp(orders_arr, rdp, check_delta(delta))[0], 0.0)
+    return np.maximum(eps_from_rdp(orders_arr, rdp, check_delta("delta", delta))[0], 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,12 +446,12 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
     """
 
     schedule = as_schedule(noise_schedule)
-    arr = check_epsilons(budgets, "budgets")
+    arr = check_epsilons("budgets", budgets)
     if arr.ndim != 1:
         raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
-    delta = check_delta(delta)
-    steps = check_positive_int(steps, "steps")
-    q = check_rate(sample_rate)
+    delta = check_delta("delta", delta)
+    steps = check_positive_integer("steps", steps)
+    q = check_rate("sample_rate", sample_rate)
     c = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_inclusive=False)
     lam = _check_number("hybrid_weight", hybrid_weight, low=0.0, high=1.0)
     if method not in ("sample", "scale", "hybrid"):
