@@ -210,9 +210,7 @@ def _solve_sample(p: Problem, own_orders: bool = True):
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
-            uncapped_mass = float(np.dot(p.counts[~capped], rates[~capped]))
-            target_mass = p.n * q - float(p.counts[capped].sum())
-            trial = np.where(capped, 1.0, rates * (target_mass / uncapped_mass))
+            trial = renormalize_capped(rates, p.counts, q)
             eps_t = _certify_rates(p, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _grid
 from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
-from .sgm import DEFAULT_ORDERS
+from .sgm import DEFAULT_ORDERS, distinct_rows
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
            "pld_sample_rate"]
@@ -77,12 +77,13 @@ def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS)
     """(N,) PLD ε per record, computed once per distinct (q_i, z_i) pair (at most ``max_pairs``)."""
     q = np.asarray(sample_rates, dtype=np.float64)
     z = np.broadcast_to(np.asarray(noise_multipliers, dtype=np.float64), q.shape)
-    pairs, inverse = np.unique(np.stack([q.ravel(), z.ravel()], axis=1), axis=0, return_inverse=True)
-    if pairs.shape[0] > max_pairs:
+    qf, zf = q.ravel() + 0.0, z.ravel() + 0.0            # + 0.0: −0.0 and 0.0 are one value
+    first, inverse = distinct_rows(qf, zf)
+    if first.shape[0] > max_pairs:
         raise ValueError(f"PLD accounting supports at most {max_pairs} distinct (sample_rate, noise_multiplier) "
-                         f"pairs, got {pairs.shape[0]}; use the RDP accountant")
-    eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in pairs])
-    return eps[inverse.ravel()].reshape(q.shape)
+                         f"pairs, got {first.shape[0]}; use the RDP accountant")
+    eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in zip(qf[first], zf[first])])
+    return eps[inverse].reshape(q.shape)
 
 
 def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 0.005):
@@ -298,7 +299,7 @@ def _sample_pld_rates(p: Problem):
     if want <= 0 or mass <= 0:
         raise budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
                             "sample_rate", sample_rate=q)
-    return sigma, np.where(capped, 1.0, rh * (want / mass))
+    return sigma, renormalize_capped(rh, p.counts, q)
 
 
 @register_method("sample", accountant="pld")

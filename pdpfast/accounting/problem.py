@@ -50,7 +50,8 @@ def budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
 
 
 def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
-    """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable."""
+    """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable (the one
+    renormalisation: Sample's final cut to mean q, hybrid's rates, the scheduled plans')."""
     rates = rates.astype(np.float64).copy()
     n = counts.sum()
     for _ in range(rates.shape[0] + 1):

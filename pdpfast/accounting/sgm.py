@@ -225,10 +225,23 @@ def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.
     Nodes u = −13 + m·h on [−13, α_max/z + 13] with h = min(0.5, 0.4·z): the integrand is two
     Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz."""
     out = np.full(mask.shape, np.inf)
-    h = np.minimum(0.5, 0.4 * z)
-    n_nodes = np.ceil((alphas.max() / z + 2 * QUAD_WIDTH) / h).astype(np.int64) + 1
     # points needing similar node counts are processed together (padding ≤ 2×)
-    bucket = np.ceil(np.log2(n_nodes)).astype(np.int64)
+    for e, u, base, log_w in _quadrature_chunks(q, z, alphas.max(), 1):
+        gauss = -0.5 * u * u
+        for f in range(alphas.shape[0]):
+            rows = np.flatnonzero(mask[e, f])
+            if rows.size:
+                out[e[rows], f] = _logsumexp_rows(gauss[rows] + alphas[f] * base[rows]) + log_w[rows]
+    return out
+
+
+def _quadrature_chunks(q, z, alpha, buckets_per_octave):
+    """The trapezoidal rule's nodes, chunk by chunk: points whose node counts (set by α/z) share one
+    of ``buckets_per_octave`` buckets per doubling are processed together. Yields (point indices e,
+    nodes u (E, m), log(1 − q + q·e^{u/z − 1/(2z²)}) (E, m), log weight (E,))."""
+    h = np.minimum(0.5, 0.4 * z)
+    n_nodes = np.ceil((alpha / z + 2 * QUAD_WIDTH) / h).astype(np.int64) + 1
+    bucket = np.ceil(np.log2(n_nodes) * buckets_per_octave).astype(np.int64)
     logit = np.log(q) - np.log1p(-q)
     for b in np.unique(bucket):
         pts = np.flatnonzero(bucket == b)
@@ -239,13 +252,7 @@ def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.
             u = -QUAD_WIDTH + np.arange(n_b) * h[e, None]
             base = np.log1p(-q[e])[:, None] + np.logaddexp(0.0, u / z[e, None] - 0.5 / z[e, None] ** 2
                                                            + logit[e, None])
-            gauss = -0.5 * u * u
-            log_w = np.log(h[e] / np.sqrt(2.0 * np.pi))
-            for f in range(alphas.shape[0]):
-                rows = np.flatnonzero(mask[e, f])
-                if rows.size:
-                    out[e[rows], f] = _logsumexp_rows(gauss[rows] + alphas[f] * base[rows]) + log_w[rows]
-    return out
+            yield e, u, base, np.log(h[e] / np.sqrt(2.0 * np.pi))
 
 
 def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool = False):
@@ -254,28 +261,17 @@ def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool 
     With ``derivatives``: (log A, d/dα log A, d²/dα² log A), each (P,)."""
     p = q.shape[0]
     out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
-    h = np.minimum(0.5, 0.4 * z)
-    n_nodes = np.ceil((alpha / z + 2 * QUAD_WIDTH) / h).astype(np.int64) + 1
-    bucket = np.ceil(np.log2(n_nodes) * 4).astype(np.int64)  # similar node counts together (padding ≤ 19%)
-    logit = np.log(q) - np.log1p(-q)
-    for b in np.unique(bucket):
-        pts = np.flatnonzero(bucket == b)
-        n_b = int(n_nodes[pts].max())
-        step = max(1, ROWS_CHUNK // n_b)
-        for s in range(0, pts.shape[0], step):
-            e = pts[s:s + step]
-            u = -QUAD_WIDTH + np.arange(n_b) * h[e, None]
-            base = np.log1p(-q[e])[:, None] + np.logaddexp(0.0, u / z[e, None] - 0.5 / z[e, None] ** 2
-                                                           + logit[e, None])
-            x = -0.5 * u * u + alpha[e, None] * base
-            top = x.max(axis=1)
-            w = np.exp(x - top[:, None])
-            total = w.sum(axis=1)
-            out[e] = top + np.log(total) + np.log(h[e] / np.sqrt(2.0 * np.pi))
-            if derivatives:
-                mean = (w * base).sum(axis=1) / total
-                d1[e] = mean
-                d2[e] = np.maximum((w * (base - mean[:, None]) ** 2).sum(axis=1) / total, 0.0)
+    # similar node counts together (padding ≤ 19%)
+    for e, u, base, log_w in _quadrature_chunks(q, z, alpha, 4):
+        x = -0.5 * u * u + alpha[e, None] * base
+        top = x.max(axis=1)
+        w = np.exp(x - top[:, None])
+        total = w.sum(axis=1)
+        out[e] = top + np.log(total) + log_w
+        if derivatives:
+            mean = (w * base).sum(axis=1) / total
+            d1[e] = mean
+            d2[e] = np.maximum((w * (base - mean[:, None]) ** 2).sum(axis=1) / total, 0.0)
     return (out, d1, d2) if derivatives else out
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from .._io import atomic_write
 from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon
-from ..accounting.sgm import DEFAULT_ORDERS, as_orders, rdp_one_step
+from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
 from .config import CONVERSIONS, THREATS
 
 
@@ -93,10 +93,10 @@ class FederatedLedger:
         charged = counts > 0
         if not charged.any():
             return out
-        keys = np.stack([self._rate_index[charged], counts[charged]], axis=1)
-        pairs, inverse = np.unique(keys, axis=0, return_inverse=True)
-        rdp = pairs[:, 1:2] * self._round_rdp[threat][pairs[:, 0]]
-        out[charged] = rdp_to_epsilon(self.orders, rdp, self.delta, self.conversion)[0][inverse.ravel()]
+        rate, count = self._rate_index[charged], counts[charged]
+        first, inverse = distinct_rows(rate, count)
+        rdp = count[first, None] * self._round_rdp[threat][rate[first]]
+        out[charged] = rdp_to_epsilon(self.orders, rdp, self.delta, self.conversion)[0][inverse]
         return out
 
     def epsilons(self, threat: str) -> np.ndarray:
