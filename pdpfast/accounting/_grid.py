@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .roots import illinois
 from .sgm import eps_from_rdp, rdp_one_step
 
 MARGIN = 1e-7          # certify ε ≤ budget·(1 − MARGIN); covers other accountants' rounding
@@ -230,7 +231,7 @@ def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=Z_FLOOR, 
 # ----------------------------------------------------------------------------------------------
 def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, targets, rtol=1e-9,
            max_iter=60):
-    """Vectorized Illinois regula falsi in log-parameter space on a monotone ε.
+    """Illinois regula falsi (``roots.illinois``) in log-parameter space on a monotone ε.
 
     ``evaluate(params, lo, hi, which) -> (eps, idx)`` evaluates the targets ``which`` at params
     with order windows [lo, hi].
@@ -239,31 +240,21 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
     (safe params, their ε, their optimal order index): always parameters that were evaluated."""
     goal = targets * (1.0 - MARGIN)
     ps = safe.astype(np.float64).copy()
-    ls, lu = np.log(ps), np.log(unsafe)
-    fs, fu = np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal)
     es, is_, iu = eps_safe.astype(np.float64).copy(), idx_safe.copy(), idx_unsafe.copy()
-    side = np.zeros(ps.shape[0], dtype=np.int8)
-    active = np.flatnonzero((es < goal * (1 - rtol)) & (np.abs(lu - ls) > 1e-12))
-    for _ in range(max_iter):
-        if active.size == 0:
-            break
-        a = active
-        with np.errstate(invalid="ignore", divide="ignore"):
-            x = ls[a] - fs[a] * (lu[a] - ls[a]) / (fu[a] - fs[a])
-        bad = ~np.isfinite(x) | (x <= np.minimum(ls[a], lu[a])) | (x >= np.maximum(ls[a], lu[a]))
-        x = np.where(bad, 0.5 * (ls[a] + lu[a]), x)
+
+    def step(x, a, _):
         px = np.exp(x)
         e, i = evaluate(px, np.minimum(is_[a], iu[a]) - 1, np.maximum(is_[a], iu[a]) + 1, a)
-        fx = np.log(e) - np.log(goal[a])
         ok = e <= goal[a]          # the safe test itself is direct: logs only steer the interpolation
-        s_ok, s_bad = a[ok], a[~ok]
-        # Illinois: halve the residual of an end that is retained twice in a row
-        fu[s_ok[side[s_ok] == 1]] *= 0.5
-        fs[s_bad[side[s_bad] == -1]] *= 0.5
-        ps[s_ok], ls[s_ok], fs[s_ok], es[s_ok], is_[s_ok] = px[ok], x[ok], fx[ok], e[ok], i[ok]
-        lu[s_bad], fu[s_bad], iu[s_bad] = x[~ok], fx[~ok], i[~ok]
-        side[s_ok], side[s_bad] = 1, -1
-        active = a[(es[a] < goal[a] * (1 - rtol)) & (np.abs(lu[a] - ls[a]) > 1e-12)]
+        ps[a[ok]], es[a[ok]], is_[a[ok]] = px[ok], e[ok], i[ok]
+        iu[a[~ok]] = i[~ok]
+        return np.log(e) - np.log(goal[a]), ok
+
+    def active(a, b):
+        return (es[a] < goal[a] * (1 - rtol)) & (np.abs(b.other[a] - b.kept[a]) > 1e-12)
+
+    illinois(step, np.log(ps), np.log(unsafe), np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal),
+             active, max_iter)
     return ps, es, is_
 
 

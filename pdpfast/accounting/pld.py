@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _grid
 from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
+from .roots import illinois
 from .sgm import DEFAULT_ORDERS, distinct_rows
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
@@ -121,31 +122,27 @@ def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 
 
 
 def _root(f, safe, unsafe, target, rtol=_RTOL, max_iter=60):
-    """Illinois regula falsi in log-parameter space on a monotone f; ``safe`` has f ≤ goal,
-    ``unsafe`` f > goal. Returns (safe parameter, its f): always an evaluated point."""
+    """Illinois regula falsi (``roots.illinois``) in log-parameter space on a monotone f; ``safe``
+    has f ≤ goal, ``unsafe`` f > goal. Returns (safe parameter, its f): always an evaluated point."""
     goal = target * (1.0 - _grid.MARGIN)
     fs, fu = f(safe), f(unsafe)
-    ls, lu = math.log(safe), math.log(unsafe)
-    rs, ru = math.log(fs / goal) if fs > 0 else -50.0, math.log(fu / goal)
-    best, best_f, side = safe, fs, 0
-    for _ in range(max_iter):
-        if best_f >= goal * (1 - rtol) or abs(lu - ls) < 1e-12:
-            break
-        x = ls - rs * (lu - ls) / (ru - rs) if ru != rs else 0.5 * (ls + lu)
-        if not min(ls, lu) < x < max(ls, lu):
-            x = 0.5 * (ls + lu)
-        px = math.exp(x)
+    best = [safe, fs]
+
+    def residual(fx):
+        return math.log(fx / goal) if fx > 0 else -50.0
+
+    def step(x, _, __):
+        px = math.exp(float(x[0]))
         fx = f(px)
-        rx = math.log(fx / goal) if fx > 0 else -50.0
         if fx <= goal:
-            if side == 1:
-                ru *= 0.5
-            ls, rs, best, best_f, side = x, rx, px, fx, 1
-        else:
-            if side == -1:
-                rs *= 0.5
-            lu, ru, side = x, rx, -1
-    return best, best_f
+            best[:] = [px, fx]
+        return np.array([residual(fx)]), np.array([fx <= goal])
+
+    def active(_, b):
+        return np.array([not (best[1] >= goal * (1 - rtol) or abs(b.other[0] - b.kept[0]) < 1e-12)])
+
+    illinois(step, math.log(safe), math.log(unsafe), residual(fs), math.log(fu / goal), active, max_iter)
+    return best[0], best[1]
 
 
 def pld_noise_multiplier(target_epsilon, delta, sample_rate, steps):
@@ -237,27 +234,23 @@ def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
         sigma_lo *= shrink
         guess *= shrink
         gl, _ = g(sigma_lo)
-    lh, ll = math.log(sigma_hi), math.log(sigma_lo)
-    side = 0
-    for _ in range(40):
-        if gh <= _MEAN_WINDOW:
-            break
-        x = lh - gh * (ll - lh) / (gl - gh) if gl != gh else 0.5 * (lh + ll)
-        if not min(lh, ll) < x < max(lh, ll):
-            x = 0.5 * (lh + ll)
-        guess = np.minimum(1.0, rh * math.exp(x - lh))
+    rates_hi = [rh]        # the rates at the kept (high) end
+
+    def step(x, _, b):
+        nonlocal guess
+        x = float(x[0])
+        guess = np.minimum(1.0, rates_hi[0] * math.exp(x - float(b.kept[0])))
         gx, rx = g(math.exp(x))
         if gx >= 0:
-            if side == 1:
-                gl *= 0.5
-            lh, gh, rh, side = x, gx, rx, 1
-        else:
-            if side == -1:
-                gh *= 0.5
-            ll, gl, side = x, gx, -1
+            rates_hi[0] = rx
+        return np.array([gx]), np.array([gx >= 0])
+
+    b = illinois(step, math.log(sigma_hi), math.log(sigma_lo), gh, gl,
+                 lambda _, b: np.array([not b.r_kept[0] <= _MEAN_WINDOW]), 40)
+    lh, ll, gh, gl = (float(v[0]) for v in (b.kept, b.other, b.r_kept, b.r_other))
     # a first slope for the fine search (the residuals may be Illinois-halved: it corrects it)
     slope = (gh - gl) / (lh - ll) if lh != ll else 1.0
-    return math.exp(lh), rh, slope
+    return math.exp(lh), rates_hi[0], slope
 
 
 _MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
