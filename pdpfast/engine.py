@@ -344,7 +344,8 @@ class PrivacyEngine:
         ``epsilon_tolerance`` (Opacus's bisection tolerance) is accepted and not needed. Other
         keyword arguments go to ``make_private`` (``sample_rates``/``clip_norms`` are not
         accepted: use ``make_private_with_budgets`` for per-record budgets)."""
-        from .accounting.rdp import check_epsilons, get_noise_multiplier
+        from ._checks import check_epsilons
+        from .accounting.rdp import get_noise_multiplier
 
         for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
             if key in kwargs:
@@ -356,7 +357,7 @@ class PrivacyEngine:
             raise ValueError(f"epochs must be a positive int, got {epochs!r}")
         if np.ndim(target_epsilon) != 0:
             raise TypeError("target_epsilon must be one number (per-record budgets: make_private_with_budgets)")
-        check_epsilons(target_epsilon, "target_epsilon")
+        check_epsilons("target_epsilon", target_epsilon)
         if self.accountant is not None and self.accountant.history:
             warnings.warn("make_private_with_epsilon on an engine that has already spent privacy: the noise "
                           "multiplier is chosen from zero spending, so the total ε will exceed target_epsilon",
@@ -423,10 +424,10 @@ class PrivacyEngine:
         A uniform run: the accountant's ε of its history. A run with per-record rates or bounds: the
         largest ε of any record (the guarantee every record has), by the plan's ledger after
         ``make_private_with_budgets``, else by this engine's accountant over the distinct (q_i, z_i)."""
+        from ._checks import check_delta
         from .accounting.ledger import IndividualAccountant, PLDIndividualAccountant
-        from .accounting.rdp import check_delta
 
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         if self.state is None:
             return self.accountant.get_epsilon(delta) if self.accountant is not None else 0.0
         if self.plan is not None:

@@ -7,5 +7,5 @@ from .plan import GroupSummary, PrivacyPlan
 from .rdp import DEFAULT_ORDERS, compute_rdp, get_noise_multiplier, get_privacy_spent, get_sample_rate
 
 __all__ = ["DEFAULT_ORDERS", "GroupSummary", "IndividualAccountant", "PLDIndividualAccountant", "PrivacyPlan",
-           "calibrate", "compute_rdp", "get_noise_multiplier", "get_privacy_spent", "get_sample_rate", "ledger_for_plan",
-           "pdp", "register_ledger", "register_method", "rpdp"]
+           "calibrate", "compute_rdp", "get_noise_multiplier", "get_privacy_spent", "get_sample_rate",
+           "ledger_for_plan", "pdp", "register_ledger", "register_method", "rpdp"]

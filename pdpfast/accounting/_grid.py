@@ -16,99 +16,20 @@ Speed comes from two facts:
   q·e^{u/z − 1/(2z²)})^α], which converges exponentially for this analytic integrand (strip of
   half-width πz around the real axis) and agrees with the Opacus series to ~1e-16 in A_α, at a
   fixed cost, instead of the series whose tail decays only polynomially when q is large
-  (thousands of terms). Integer orders use the all-positive-terms sum of ``rdp._log_a_int``.
+  (thousands of terms). Integer orders use the all-positive-terms sum of ``sgm.log_a_int``; the
+  math of one step (``rdp_one_step``) lives in the leaf ``sgm``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .rdp import _eps_from_rdp, _log_a_int
+from .roots import illinois
+from .sgm import eps_from_rdp, rdp_one_step
 
 MARGIN = 1e-7          # certify ε ≤ budget·(1 − MARGIN); covers other accountants' rounding
 Q_FLOOR = 1e-12        # smallest sampling rate a calibration will hand out
 Z_MAX = 1e6            # largest noise multiplier a calibration will search
-_Z_FLOOR = 0.05        # smallest one (quadrature cost grows as 1/z²; below it ε is huge anyway)
-_QUAD_WIDTH = 13.0     # Gaussian tails beyond 13 std are < e^-84 of the mass
-_ROWS_CHUNK = 1 << 20  # elements per temporary (points × quadrature nodes) array
-
-
-def _is_integer_order(orders: np.ndarray) -> np.ndarray:
-    return np.array([float(a).is_integer() for a in orders])
-
-
-def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
-    """log Σ_j exp(x[:, j]) (plain numpy: scipy's version costs more in overhead than in math here)."""
-    m = x.max(axis=1)
-    m = np.where(np.isfinite(m), m, 0.0)
-    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))
-
-
-def _log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """log A_α by the trapezoidal rule; q, z: (P,); alphas: (F,); mask (P, F). Returns (P, F), inf off-mask.
-
-    Nodes u = −13 + m·h on [−13, α_max/z + 13] with h = min(0.5, 0.4·z): the integrand is two
-    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz."""
-    out = np.full(mask.shape, np.inf)
-    h = np.minimum(0.5, 0.4 * z)
-    n_nodes = np.ceil((alphas.max() / z + 2 * _QUAD_WIDTH) / h).astype(np.int64) + 1
-    # points needing similar node counts are processed together (padding ≤ 2×)
-    bucket = np.ceil(np.log2(n_nodes)).astype(np.int64)
-    logit = np.log(q) - np.log1p(-q)
-    for b in np.unique(bucket):
-        pts = np.flatnonzero(bucket == b)
-        n_b = int(n_nodes[pts].max())
-        step = max(1, _ROWS_CHUNK // n_b)
-        for s in range(0, pts.shape[0], step):
-            e = pts[s:s + step]
-            u = -_QUAD_WIDTH + np.arange(n_b) * h[e, None]
-            base = np.log1p(-q[e])[:, None] + np.logaddexp(0.0, u / z[e, None] - 0.5 / z[e, None] ** 2
-                                                           + logit[e, None])
-            gauss = -0.5 * u * u
-            log_w = np.log(h[e] / np.sqrt(2.0 * np.pi))
-            for f in range(alphas.shape[0]):
-                rows = np.flatnonzero(mask[e, f])
-                if rows.size:
-                    out[e[rows], f] = _logsumexp_rows(gauss[rows] + alphas[f] * base[rows]) + log_w[rows]
-    return out
-
-
-def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """RDP of one SGM step at the (point, order) pairs selected by ``mask``; +inf elsewhere.
-
-    q, z: (P,) float64 (z may be (1,)); orders: (n,); mask: (P, n) bool or None (all).
-    """
-    p = q.shape[0]
-    z = np.broadcast_to(z, (p,))
-    n = orders.shape[0]
-    mask = np.ones((p, n), dtype=bool) if mask is None else mask
-    out = np.full((p, n), np.inf)
-    zero, full = q == 0.0, q == 1.0
-    no_noise = (z == 0.0) & ~zero
-    out[zero] = 0.0
-    fz = full & ~no_noise
-    if fz.any():
-        out[fz] = orders[None, :] / (2.0 * z[fz, None] ** 2)
-    general = np.flatnonzero(~(zero | full | no_noise))
-    if general.size == 0:
-        return np.where(mask, out, np.inf)
-    qg, zg, mg = q[general], z[general], mask[general]
-    log_q, log1m_q = np.log(qg), np.log1p(-qg)
-    shared = bool(np.all(zg == zg[0]))
-    inv_2z2 = 1.0 / (2.0 * (zg[:1] if shared else zg) ** 2)
-    is_int = _is_integer_order(orders)
-    sub = np.full((general.size, n), np.inf)
-    for col in np.flatnonzero(is_int & mg.any(axis=0)):
-        rows = np.flatnonzero(mg[:, col])
-        alpha = int(orders[col])
-        zz = inv_2z2 if shared else inv_2z2[rows]
-        sub[rows, col] = _log_a_int(log_q[rows], log1m_q[rows], zz, alpha) / (alpha - 1)
-    frac = np.flatnonzero(~is_int & mg.any(axis=0))
-    if frac.size:
-        rows = np.flatnonzero(mg[:, frac].any(axis=1))
-        la = _log_a_quadrature(qg[rows], zg[rows], orders[frac], mg[np.ix_(rows, frac)])
-        sub[np.ix_(rows, frac)] = la / (orders[frac] - 1.0)
-    out[general] = sub
-    return np.where(mask, out, np.inf)
+Z_FLOOR = 0.05         # smallest one (quadrature cost grows as 1/z²; below it ε is huge anyway)
 
 
 def eps_masked(q, z, steps, delta, orders, mask=None):
@@ -117,7 +38,7 @@ def eps_masked(q, z, steps, delta, orders, mask=None):
     ε is clamped at 0: the conversion of Balle et al. can go negative for tiny RDP and large δ
     (Opacus reports that as is), which as a guarantee means (0, δ)."""
     rdp = rdp_one_step(q, z, orders, mask) * float(steps)
-    eps, idx = _eps_from_rdp(orders, rdp, delta)
+    eps, idx = eps_from_rdp(orders, rdp, delta)
     return np.maximum(eps, 0.0), idx
 
 
@@ -220,7 +141,7 @@ class Curve:
         return np.exp(np.interp(np.log(budgets), le, lp))
 
 
-def _fine_points(coarse_p, coarse_e, a, b, ratio, floor):
+def fine_points(coarse_p, coarse_e, a, b, ratio, floor):
     """Log-spaced points on [p_a, p_b] so consecutive ε differ by ≤ ratio (from the coarse
     elasticity |d log ε / d log p| with a safety factor; ε below ``floor`` is not resolved)."""
     pa, pb = coarse_p[a], coarse_p[b]
@@ -271,7 +192,7 @@ def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q
     b = max(b, min(a + 1, n_coarse - 1))
     if ratio is None:                   # coarse curve only
         return Curve(coarse, ce, ci, True)
-    fine = _fine_points(coarse, ce, a, b, ratio, 0.5 * eps_lo)
+    fine = fine_points(coarse, ce, a, b, ratio, 0.5 * eps_lo)
     if b == n_coarse - 1:
         fine[-1] = 1.0
     fe, fi = eps_curve(fine, np.array([z]), steps, delta, orders)
@@ -280,7 +201,7 @@ def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q
     return Curve(fine, fe, fi, True)
 
 
-def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=_Z_FLOOR, z_hi=Z_MAX):
+def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=Z_FLOOR, z_hi=Z_MAX):
     """ε(z) at fixed q over the noise multipliers whose ε spans [eps_lo, eps_hi] (z ascending,
     ε descending). The last grid point has ε ≤ eps_lo unless even z_hi cannot meet it."""
     # Coarse scan from z = 0.3 up (ratio 1.5); below 0.3 (costly quadrature) only when needed.
@@ -297,7 +218,7 @@ def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=_Z_FLOOR,
     lo_i = max(0, min(int(np.searchsorted(-ce, -eps_hi, side="right")) - 1, hi_i - 1))
     if ratio is None:
         return Curve(coarse, ce, ci, False)
-    fine = _fine_points(coarse, ce, lo_i, hi_i, ratio, 0.5 * eps_lo)
+    fine = fine_points(coarse, ce, lo_i, hi_i, ratio, 0.5 * eps_lo)
     fe, fi = eps_curve(np.full(fine.shape[0], float(q)), fine, steps, delta, orders)
     fine, fe, fi = _close_gaps(fine, fe, fi, lambda zs, lo, hi: eps_windowed(np.full(zs.shape[0], float(q)), zs,
                                                                            steps, delta, orders, lo, hi), ratio,
@@ -310,7 +231,7 @@ def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=_Z_FLOOR,
 # ----------------------------------------------------------------------------------------------
 def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, targets, rtol=1e-9,
            max_iter=60):
-    """Vectorized Illinois regula falsi in log-parameter space on a monotone ε.
+    """Illinois regula falsi (``roots.illinois``) in log-parameter space on a monotone ε.
 
     ``evaluate(params, lo, hi, which) -> (eps, idx)`` evaluates the targets ``which`` at params
     with order windows [lo, hi].
@@ -319,31 +240,21 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
     (safe params, their ε, their optimal order index): always parameters that were evaluated."""
     goal = targets * (1.0 - MARGIN)
     ps = safe.astype(np.float64).copy()
-    ls, lu = np.log(ps), np.log(unsafe)
-    fs, fu = np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal)
     es, is_, iu = eps_safe.astype(np.float64).copy(), idx_safe.copy(), idx_unsafe.copy()
-    side = np.zeros(ps.shape[0], dtype=np.int8)
-    active = np.flatnonzero((es < goal * (1 - rtol)) & (np.abs(lu - ls) > 1e-12))
-    for _ in range(max_iter):
-        if active.size == 0:
-            break
-        a = active
-        with np.errstate(invalid="ignore", divide="ignore"):
-            x = ls[a] - fs[a] * (lu[a] - ls[a]) / (fu[a] - fs[a])
-        bad = ~np.isfinite(x) | (x <= np.minimum(ls[a], lu[a])) | (x >= np.maximum(ls[a], lu[a]))
-        x = np.where(bad, 0.5 * (ls[a] + lu[a]), x)
+
+    def step(x, a, _):
         px = np.exp(x)
         e, i = evaluate(px, np.minimum(is_[a], iu[a]) - 1, np.maximum(is_[a], iu[a]) + 1, a)
-        fx = np.log(e) - np.log(goal[a])
         ok = e <= goal[a]          # the safe test itself is direct: logs only steer the interpolation
-        s_ok, s_bad = a[ok], a[~ok]
-        # Illinois: halve the residual of an end that is retained twice in a row
-        fu[s_ok[side[s_ok] == 1]] *= 0.5
-        fs[s_bad[side[s_bad] == -1]] *= 0.5
-        ps[s_ok], ls[s_ok], fs[s_ok], es[s_ok], is_[s_ok] = px[ok], x[ok], fx[ok], e[ok], i[ok]
-        lu[s_bad], fu[s_bad], iu[s_bad] = x[~ok], fx[~ok], i[~ok]
-        side[s_ok], side[s_bad] = 1, -1
-        active = a[(es[a] < goal[a] * (1 - rtol)) & (np.abs(lu[a] - ls[a]) > 1e-12)]
+        ps[a[ok]], es[a[ok]], is_[a[ok]] = px[ok], e[ok], i[ok]
+        iu[a[~ok]] = i[~ok]
+        return np.log(e) - np.log(goal[a]), ok
+
+    def active(a, b):
+        return (es[a] < goal[a] * (1 - rtol)) & (np.abs(b.other[a] - b.kept[a]) > 1e-12)
+
+    illinois(step, np.log(ps), np.log(unsafe), np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal),
+             active, max_iter)
     return ps, es, is_
 
 
@@ -462,7 +373,7 @@ def solve_noise_pairs(sample_rates, targets, steps, delta, orders, guess, guess_
     i_s, i_u = i0.copy(), i0.copy()
     for _ in range(200):       # bracket: walk away from the guess in growing steps
         up = np.flatnonzero(np.isnan(safe))
-        down = np.flatnonzero(np.isnan(unsafe) & (np.nan_to_num(safe, nan=np.inf) > _Z_FLOOR))
+        down = np.flatnonzero(np.isnan(unsafe) & (np.nan_to_num(safe, nan=np.inf) > Z_FLOOR))
         if up.size == 0 and down.size == 0:
             break
         sel = np.r_[up, down]

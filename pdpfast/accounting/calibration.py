@@ -16,15 +16,16 @@ Everything runs on the distinct budgets, and on curves of exactly accounted poin
 from __future__ import annotations
 
 import warnings
-from typing import Callable
 
 import numpy as np
 from scipy import interpolate, optimize
 
-from . import _grid
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from . import _grid, pld
 from .orders import eps_at, polish
 from .plan import GroupSummary, PrivacyPlan
-from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int, check_rate
+from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
+from .sgm import DEFAULT_ORDERS, as_orders
 
 __all__ = ["calibrate", "PrivacyPlan", "GroupSummary", "register_method"]
 
@@ -32,46 +33,6 @@ _PLD_MAX_PAIRS = 64
 _MEAN_SLACK = 2e-3      # Sample: accept a mean rate in [q, q·(1 + slack)] before scaling it down to q
 _WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
 _GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
-
-
-class _Problem:
-    """Calibration inputs on the distinct budgets."""
-
-    def __init__(self, budgets, delta, steps, sample_rate, max_grad_norm, hybrid_weight, orders):
-        self.budgets = budgets                                  # (N,)
-        self.values, self.inverse, self.counts = np.unique(budgets, return_inverse=True, return_counts=True)
-        self.n = budgets.shape[0]
-        self.delta, self.steps, self.sample_rate = delta, steps, sample_rate
-        self.max_grad_norm, self.hybrid_weight, self.orders = max_grad_norm, hybrid_weight, orders
-        self.noise_range = None     # (σ for the largest budget, σ for the smallest) at the mean rate
-
-    def mean(self, per_value: np.ndarray) -> float:
-        return float(np.dot(self.counts, per_value) / self.n)
-
-
-class _Solution:
-    """Per distinct budget: sample rate, effective noise multiplier, certified ε; shared σ."""
-
-    def __init__(self, sample_rates, noise_multipliers, epsilons, sigma, orders=None):
-        self.sample_rates, self.noise_multipliers, self.epsilons, self.sigma = (
-            sample_rates, noise_multipliers, epsilons, sigma)
-        self.orders = orders            # (U,) the RDP order certifying each ε (RDP only; fractional)
-
-
-_METHODS: dict[tuple[str, str], Callable[[_Problem], _Solution]] = {}
-
-
-def register_method(name: str, accountant: str = "rdp"):
-    """Register a calibration method: ``fn(problem) -> _Solution`` under (name, accountant)."""
-    def deco(fn):
-        _METHODS[(name, accountant)] = fn
-        return fn
-    return deco
-
-
-def _budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
-    where = ", ".join(f"{k}={v:.6g}" for k, v in ctx.items())
-    return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +55,7 @@ class _SpreadError(ValueError):
     """IDP-Sample failed because the budgets are too far apart for one shared noise multiplier."""
 
 
-def _own_orders(free: str, p: _Problem, q, z, idx, targets, key):
+def _own_orders(free: str, p: Problem, q, z, idx, targets, key):
     """``polish`` once per run of equal ``key`` (non-decreasing): each run's parameter pushed to the
     smallest budget of the run at the run's own RDP order. Returns (q, z, ε, order), each (U,)."""
     first, run = _runs(key)
@@ -105,7 +66,7 @@ def _own_orders(free: str, p: _Problem, q, z, idx, targets, key):
     return q1[run], z1[run], e1[run], a1[run]
 
 
-def _rates_at(p: _Problem, sigma: float, own_orders: bool = True):
+def _rates_at(p: Problem, sigma: float, own_orders: bool = True):
     """Safe rates of every distinct budget at σ, each at its own RDP order (or at the grid's best
     order without ``own_orders``): (q, ε, grid order index, order), each (U,)."""
     try:
@@ -126,11 +87,11 @@ def _rates_at(p: _Problem, sigma: float, own_orders: bool = True):
             f"budget epsilon={err.budget:.6g} cannot be met by IDP-Sample: the budgets are spread too far "
             f"({p.values[0]:.4g} to {p.values[-1]:.4g}) for one shared noise multiplier. Its search for the one that "
             f"gives a mean sample rate of {p.sample_rate:.6g} reached noise_multiplier={sigma:.6g}, where this budget "
-            f"cannot be met ({err}; steps={p.steps}, delta={p.delta:.6g}); use method 'scale' (per-record clip norms, any spread), "
-            "or a smaller sample rate") from None
+            f"cannot be met ({err}; steps={p.steps}, delta={p.delta:.6g}); use method 'scale' (per-record clip "
+            "norms, any spread), or a smaller sample rate") from None
 
 
-def _one(p: _Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
+def _one(p: Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
     """(parameter, order index) for one budget: the noise at a rate, or the rate at a noise."""
     try:
         if noise_multiplier is None:
@@ -140,7 +101,7 @@ def _one(p: _Problem, method: str, budget: float, *, sample_rate=None, noise_mul
         return float(r[0]), int(i[0])
     except _grid.BudgetError as err:
         ctx = {"sample_rate": sample_rate} if noise_multiplier is None else {"noise_multiplier": noise_multiplier}
-        raise _budget_error(method, err.budget, str(err), steps=p.steps, delta=p.delta, **ctx) from None
+        raise budget_error(method, err.budget, str(err), steps=p.steps, delta=p.delta, **ctx) from None
 
 
 def _runs(sorted_keys: np.ndarray):
@@ -155,14 +116,14 @@ def _runs(sorted_keys: np.ndarray):
     return first, run
 
 
-def _solve_sample(p: _Problem, own_orders: bool = True):
+def _solve_sample(p: Problem, own_orders: bool = True):
     """σ and safe rates whose mean is exactly sample_rate, each certified at its own RDP order (at the
     grid's without ``own_orders``). Returns (σ, q_u, ε_u, grid order index_u, order_u)."""
     q = p.sample_rate
     try:        # σ_hi: every q_i ≥ q there (smallest budget at q); σ_lo: every q_i ≤ q (largest budget)
         ends, _, ends_idx = _grid.solve_noise(q, p.steps, p.delta, p.values[[0, -1]], p.orders)
     except _grid.BudgetError as err:
-        raise _budget_error("Sample", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+        raise budget_error("Sample", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
     (sigma_hi, sigma_lo), (idx_min, idx_max) = ends.tolist(), ends_idx.tolist()
     p.noise_range = (sigma_lo, sigma_hi)
     if p.values.shape[0] == 1 or q == 1.0:
@@ -249,9 +210,7 @@ def _solve_sample(p: _Problem, own_orders: bool = True):
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
-            uncapped_mass = float(np.dot(p.counts[~capped], rates[~capped]))
-            target_mass = p.n * q - float(p.counts[capped].sum())
-            trial = np.where(capped, 1.0, rates * (target_mass / uncapped_mass))
+            trial = renormalize_capped(rates, p.counts, q)
             eps_t = _certify_rates(p, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
@@ -277,7 +236,7 @@ def _solve_sample(p: _Problem, own_orders: bool = True):
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
 
 
-def _certify_rates(p: _Problem, sigma, rates, alpha):
+def _certify_rates(p: Problem, sigma, rates, alpha):
     """Exact ε at each distinct rate at the order that certified a higher rate (at a fixed order ε
     is monotone in q, so it still certifies; the cut is ≤ 0.2%, too small to move the optimal
     order); check every budget holds. Returns ε (U,)."""
@@ -289,52 +248,35 @@ def _certify_rates(p: _Problem, sigma, rates, alpha):
 
 
 @register_method("sample")
-def _sample(p: _Problem) -> _Solution:
+def _sample(p: Problem) -> Solution:
     sigma, rates, eps, _, alpha = _solve_sample(p)
-    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, alpha)
+    return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, alpha)
 
 
 # ----------------------------------------------------------------------------------------------
 # Scale
 # ----------------------------------------------------------------------------------------------
-def _harmonic_sigma(p: _Problem, z_u: np.ndarray) -> float:
+def _harmonic_sigma(p: Problem, z_u: np.ndarray) -> float:
     return float(p.n / np.dot(p.counts, 1.0 / z_u))
 
 
 @register_method("scale")
-def _scale(p: _Problem) -> _Solution:
+def _scale(p: Problem) -> Solution:
     q = p.sample_rate
     try:
         z_u, _, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=_GRID_RATIO)
     except _grid.BudgetError as err:
-        raise _budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+        raise budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
     rates = np.full(z_u.shape[0], q)
     _, z_u, eps, alpha = _own_orders("noise", p, rates, z_u, idx, p.values, -z_u)
-    return _Solution(rates, z_u, eps, _harmonic_sigma(p, z_u), alpha)
+    return Solution(rates, z_u, eps, _harmonic_sigma(p, z_u), alpha)
 
 
 # ----------------------------------------------------------------------------------------------
 # Hybrid
 # ----------------------------------------------------------------------------------------------
-def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
-    """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable."""
-    rates = rates.astype(np.float64).copy()
-    n = counts.sum()
-    for _ in range(rates.shape[0] + 1):
-        capped = rates >= 1.0
-        free_mass = np.dot(counts[~capped], rates[~capped])
-        want = n * q - counts[capped].sum()
-        if free_mass <= 0:
-            break
-        rates[~capped] *= want / free_mass
-        if not np.any(rates[~capped] > 1.0):
-            break
-        rates = np.minimum(rates, 1.0)
-    return np.minimum(rates, 1.0)
-
-
 @register_method("hybrid")
-def _hybrid(p: _Problem) -> _Solution:
+def _hybrid(p: Problem) -> Solution:
     lam, q = p.hybrid_weight, p.sample_rate
     if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
         return _scale(p)
@@ -366,10 +308,10 @@ def _hybrid(p: _Problem) -> _Solution:
         z_c, eps_c, idx_c = _grid.solve_noise_pairs(cells, targets, p.steps, p.delta, p.orders, guess,
                                                     guess_idx, rtol=1e-5)      # _own_orders finishes the root
     except _grid.BudgetError as err:
-        raise _budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+        raise budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
     _, z_c, eps_c, alpha_c = _own_orders("noise", p, cells, z_c, idx_c, targets, np.arange(cells.shape[0]))
     z_u = z_c[cell_of]
-    return _Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), alpha_c[cell_of])
+    return Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), alpha_c[cell_of])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -380,7 +322,7 @@ def _check_budgets(budgets) -> np.ndarray:
         raise TypeError("budgets must be an array of per-record epsilons, got None")
     if hasattr(budgets, "detach"):           # a torch tensor
         budgets = budgets.detach().cpu().numpy()
-    arr = check_epsilons(budgets, "budgets")
+    arr = check_epsilons("budgets", budgets)
     if arr.ndim != 1:
         raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
     return arr
@@ -412,9 +354,9 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """
     arr = _check_budgets(budgets)
-    delta = check_delta(delta)
-    steps = check_positive_int(steps, "steps")
-    q = check_rate(sample_rate)
+    delta = check_delta("delta", delta)
+    steps = check_positive_integer("steps", steps)
+    q = check_rate("sample_rate", sample_rate)
     try:
         c = float(max_grad_norm)
     except (TypeError, ValueError):
@@ -427,17 +369,16 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         raise TypeError(f"hybrid_weight must be a number in [0, 1], got {hybrid_weight!r}") from None
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
-    names = sorted({m for m, _ in _METHODS})
+    names = sorted({m for m, _ in METHODS})
     if method not in names:
         raise ValueError(f"method must be one of {names}, got {method!r}")
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
-    orders_arr = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     if not (isinstance(pld_classes, int) and pld_classes >= 1):
         raise ValueError(f"pld_classes must be a positive int, got {pld_classes!r}")
-    problem = _Problem(arr, delta, steps, q, c, lam, orders_arr)
+    problem = Problem(arr, delta, steps, q, c, lam, orders_arr)
     if accountant == "pld":
-        from . import pld  # registers the PLD methods
         if problem.values.shape[0] > pld_classes:
             # one PLD per class: budgets are served by the largest class value below them
             class_values, class_of, loss = pld.bin_budgets_down(problem.values, pld_classes)
@@ -445,8 +386,8 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
                 warnings.warn(f"accountant='pld' with {problem.values.shape[0]} distinct budgets: {pld_classes} PLD "
                               f"classes give up to {loss:.2%} of a budget; pass pld_classes= (cost ∝ classes) "
                               "for a finer binning", stacklevel=2)
-            problem = _Problem(class_values[class_of][problem.inverse], delta, steps, q, c, lam, orders_arr)
-    sol = _METHODS[(method, accountant)](problem)
+            problem = Problem(class_values[class_of][problem.inverse], delta, steps, q, c, lam, orders_arr)
+    sol = METHODS[(method, accountant)](problem)
     clip_u = sol.sigma * c / sol.noise_multipliers
     group_orders = sol.orders
     if group_orders is not None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_delta
 from . import pld
-from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, compute_rdp, get_privacy_spent
+from .rdp import compute_rdp, get_privacy_spent
+from .sgm import DEFAULT_ORDERS, as_orders
 
 __all__ = ["HistoryAccountant", "PLDAccountant", "RDPAccountant", "create_accountant", "register_accountant"]
 
@@ -26,7 +28,7 @@ def register_accountant(name: str):
     return deco
 
 
-def create_accountant(mechanism: str) -> "HistoryAccountant":
+def create_accountant(mechanism: str) -> HistoryAccountant:
     """A fresh accountant by name: "rdp" or "pld"."""
     if mechanism not in _ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {', '.join(map(repr, sorted(_ACCOUNTANTS)))}, got {mechanism!r}")
@@ -92,14 +94,14 @@ class RDPAccountant(HistoryAccountant):
 
     def __init__(self, orders=None):
         super().__init__()
-        self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+        self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
 
     def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, float]:
         """(ε, best order α) at ``delta``; (0, nan) before the first step."""
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         if not self.history:
             return 0.0, float("nan")
-        orders = self.orders if alphas is None else _as_orders(alphas)[0]
+        orders = self.orders if alphas is None else as_orders(alphas)[0]
         rdp = sum(compute_rdp(q, z, n, orders) for z, q, n in self.history)
         eps, best = get_privacy_spent(orders, rdp, delta)
         return float(eps), float(best)
@@ -115,5 +117,5 @@ class PLDAccountant(HistoryAccountant):
     name = "pld"
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         return pld.pld_epsilon_composed(self.history, delta) if self.history else 0.0

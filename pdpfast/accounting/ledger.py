@@ -43,11 +43,10 @@ import os
 
 import numpy as np
 
+from .._checks import check_delta, check_positive_integer
 from .._io import atomic_write
-
-from . import _grid, pld
-from .orders import rdp_at
-from .rdp import DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_positive_int, distinct_rows
+from . import pld
+from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
 
 __all__ = ["IndividualAccountant", "PLDIndividualAccountant", "ledger_for_plan", "register_ledger"]
 
@@ -162,7 +161,7 @@ class IndividualAccountant(_RecordLedger):
 
     def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None, record_orders=None):
         q, z = _per_record(sample_rates, noise_multipliers)
-        self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+        self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
         own = np.full(q.shape[0], np.nan)
         if record_orders is not None:
@@ -179,7 +178,7 @@ class IndividualAccountant(_RecordLedger):
         self.steps_taken = 0
 
     @classmethod
-    def for_plan(cls, plan, budgets) -> "IndividualAccountant":
+    def for_plan(cls, plan, budgets) -> IndividualAccountant:
         own = None if plan.group_orders is None else plan.group_orders[plan.group_index]
         return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets,
                    record_orders=own)
@@ -194,7 +193,7 @@ class IndividualAccountant(_RecordLedger):
         missing = [k for k in keys if k not in cache]
         if missing:
             arr = np.array(missing, dtype=np.float64)
-            rows = _grid.rdp_one_step(arr[:, 0].copy(), arr[:, 1].copy(), self.orders)
+            rows = rdp_one_step(arr[:, 0].copy(), arr[:, 1].copy(), self.orders)
             if len(cache) + len(missing) > 1 << 16:
                 cache.clear()
             cache.update(zip(missing, rows))
@@ -208,7 +207,7 @@ class IndividualAccountant(_RecordLedger):
         first (they persist). With ``record_ids`` only those records take part in these steps;
         the others are charged nothing (as with q = 0). Returns self.
         """
-        n = check_positive_int(n, "n")
+        n = check_positive_integer("n", n)
         ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
         if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
             raise ValueError(f"record_ids must lie in [0, {self.num_records})")
@@ -294,7 +293,7 @@ class IndividualAccountant(_RecordLedger):
             rdp, own = rdp + extra_steps * grid, own + extra_steps * own_step
         # each row's own order is one more column (NaN where it has none: never the minimum)
         orders = np.concatenate([np.broadcast_to(self.orders, rdp.shape), self.group_own_order[:, None]], axis=1)
-        return _eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta(delta))[0]
+        return eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta("delta", delta))[0]
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far (the conversion of ``get_privacy_spent``; 0 before any step)."""
@@ -307,7 +306,7 @@ class IndividualAccountant(_RecordLedger):
         their budget. Needs ``budgets``."""
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to IndividualAccountant)")
-        n = check_positive_int(n, "n")
+        n = check_positive_integer("n", n)
         return self._group_eps(delta, extra_steps=n)[self.group_of] > self.budgets
 
     def remaining(self, delta) -> np.ndarray:
@@ -389,7 +388,7 @@ class PLDIndividualAccountant(_RecordLedger):
         self.group_rates = pairs[:, 0].copy()                     # (G,) q of each group
         self.group_noise = pairs[:, 1].copy()                     # (G,) z of each group
         self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
-        self.horizon = None if horizon is None else check_positive_int(horizon, "horizon")
+        self.horizon = None if horizon is None else check_positive_integer("horizon", horizon)
         vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
         if not (float(vdi) > 0 and np.isfinite(vdi)):
             raise ValueError(f"value_discretization_interval must be > 0, got {vdi!r}")
@@ -398,7 +397,7 @@ class PLDIndividualAccountant(_RecordLedger):
         self._reset_caches()
 
     @classmethod
-    def for_plan(cls, plan, budgets) -> "PLDIndividualAccountant":
+    def for_plan(cls, plan, budgets) -> PLDIndividualAccountant:
         # as many pairs as the plan made (``calibrate(pld_classes=...)``): each was certified there
         return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps,
                    max_pairs=max(pld.MAX_PAIRS, len(plan.budget_values)))
@@ -417,7 +416,7 @@ class PLDIndividualAccountant(_RecordLedger):
         if sample_rates is not None or noise_multipliers is not None or record_ids is not None:
             raise NotImplementedError("the PLD ledger composes whole-dataset steps at fixed (q_i, z_i); for subsets "
                                       "of records or changing rates use the RDP IndividualAccountant")
-        self.steps_taken += check_positive_int(n, "n")
+        self.steps_taken += check_positive_integer("n", n)
         return self
 
     # ------------------------------------------------------------------ queries
@@ -429,7 +428,7 @@ class PLDIndividualAccountant(_RecordLedger):
 
     def epsilons(self, delta) -> np.ndarray:
         """(N,) ε_i(δ) spent so far by PLD (0 before any step). Cached per (steps, δ)."""
-        delta = check_delta(delta)
+        delta = check_delta("delta", delta)
         eps = np.array([self._epsilon(g, self.steps_taken, delta) for g in range(self.group_rates.shape[0])])
         return eps[self.group_of] if eps.size else np.zeros(self.num_records)
 
@@ -438,8 +437,8 @@ class PLDIndividualAccountant(_RecordLedger):
         ``budgets``. With a ``horizon`` this costs one PLD per group for the whole run."""
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to PLDIndividualAccountant)")
-        delta = check_delta(delta)
-        steps = self.steps_taken + check_positive_int(n, "n")
+        delta = check_delta("delta", delta)
+        steps = self.steps_taken + check_positive_integer("n", n)
         certified = self._certified.setdefault(delta, np.zeros(self.group_rates.shape[0], dtype=np.int64))
         over = np.zeros(self.num_records, dtype=bool)
         for g in np.flatnonzero(certified < steps):

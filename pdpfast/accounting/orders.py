@@ -26,60 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import _grid
+from .sgm import log_a_at, rdp_at
 
 __all__ = ["log_a_at", "rdp_at", "eps_at", "optimal_orders", "polish"]
 
 _ORDER_RTOL = 1e-7       # Newton stops once α moves by less than this (relative)
 _PARAM_RTOL = 1e-6       # polish stops once the parameter moves by less than this (relative)
-
-
-def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool = False):
-    """log A_α at one order per point by the trapezoidal rule; 0 < q < 1, z > 0, α > 1; (P,) each.
-
-    With ``derivatives``: (log A, d/dα log A, d²/dα² log A), each (P,)."""
-    p = q.shape[0]
-    out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
-    h = np.minimum(0.5, 0.4 * z)
-    n_nodes = np.ceil((alpha / z + 2 * _grid._QUAD_WIDTH) / h).astype(np.int64) + 1
-    bucket = np.ceil(np.log2(n_nodes) * 4).astype(np.int64)  # similar node counts together (padding ≤ 19%)
-    logit = np.log(q) - np.log1p(-q)
-    for b in np.unique(bucket):
-        pts = np.flatnonzero(bucket == b)
-        n_b = int(n_nodes[pts].max())
-        step = max(1, _grid._ROWS_CHUNK // n_b)
-        for s in range(0, pts.shape[0], step):
-            e = pts[s:s + step]
-            u = -_grid._QUAD_WIDTH + np.arange(n_b) * h[e, None]
-            base = np.log1p(-q[e])[:, None] + np.logaddexp(0.0, u / z[e, None] - 0.5 / z[e, None] ** 2
-                                                           + logit[e, None])
-            x = -0.5 * u * u + alpha[e, None] * base
-            top = x.max(axis=1)
-            w = np.exp(x - top[:, None])
-            total = w.sum(axis=1)
-            out[e] = top + np.log(total) + np.log(h[e] / np.sqrt(2.0 * np.pi))
-            if derivatives:
-                mean = (w * base).sum(axis=1) / total
-                d1[e] = mean
-                d2[e] = np.maximum((w * (base - mean[:, None]) ** 2).sum(axis=1) / total, 0.0)
-    return (out, d1, d2) if derivatives else out
-
-
-def rdp_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """RDP of ONE SGM step at order α_p of point p; q, z, α: (P,) (z may be (1,)). Returns (P,).
-
-    q = 0 → 0; z = 0 (q > 0) → inf; q = 1 → α/(2z²); otherwise log A_α/(α − 1) by quadrature."""
-    q = np.asarray(q, dtype=np.float64)
-    z = np.broadcast_to(np.asarray(z, dtype=np.float64), q.shape)
-    alpha = np.broadcast_to(np.asarray(alpha, dtype=np.float64), q.shape)
-    out = np.zeros(q.shape[0])
-    no_noise = (z == 0.0) & (q > 0.0)
-    full = (q == 1.0) & ~no_noise
-    out[no_noise] = np.inf
-    out[full] = alpha[full] / (2.0 * z[full] ** 2)
-    general = np.flatnonzero((q > 0.0) & (q < 1.0) & ~no_noise)
-    if general.size:
-        out[general] = log_a_at(q[general], z[general], alpha[general]) / (alpha[general] - 1.0)
-    return out
 
 
 def _conversion(alpha: np.ndarray, log_delta: float):
@@ -194,7 +146,7 @@ def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=
 def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
     """Push each point's free parameter to its budget at the point's own optimal order.
 
-    free: "rate" (raise q_p, at most 1) or "noise" (lower z_p, at least ``_grid._Z_FLOOR``);
+    free: "rate" (raise q_p, at most 1) or "noise" (lower z_p, at least ``_grid.Z_FLOOR``);
     q, z: (P,) a point that meets ε ≤ target·(1 − MARGIN) on the grid ``orders`` at order index
     ``idx`` (P,); targets: (P,) budgets. Returns (q, z, ε, α), each (P,): ε is the exact
     accounting of (q_p, z_p) at order α_p and never above target·(1 − MARGIN).
@@ -219,11 +171,11 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
         off = eps > goal              # interpolated order worse than the grid's here: keep the grid's
         alpha[off] = grid_alpha[off]
         eps[off] = eps_at(q[off], z[off], steps, delta, alpha[off])
-        todo = np.flatnonzero((eps < goal * (1 - 1e-6)) & ((q < 1.0) if free == "rate" else (z > _grid._Z_FLOOR))
+        todo = np.flatnonzero((eps < goal * (1 - 1e-6)) & ((q < 1.0) if free == "rate" else (z > _grid.Z_FLOOR))
                               & (q > 0.0))
         if todo.size:
             new, eps[todo] = _fixed_order_root(free, q[todo], z[todo], steps, delta, alpha[todo], goal[todo],
-                                               1.0 if free == "rate" else 1.0 / _grid._Z_FLOOR, eps[todo],
+                                               1.0 if free == "rate" else 1.0 / _grid.Z_FLOOR, eps[todo],
                                                factor[todo])
             if free == "rate":
                 q[todo] = new
@@ -233,8 +185,8 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
     n = orders.shape[0]
     lo, hi = orders[np.maximum(idx - 1, 0)], orders[np.minimum(idx + 1, n - 1)]
     eps, alpha = optimal_orders(q, z, steps, delta, orders[idx], lo, hi)
-    ceiling = 1.0 if free == "rate" else 1.0 / _grid._Z_FLOOR
-    active = np.flatnonzero((eps < goal * (1 - 1e-6)) & ((q < 1.0) if free == "rate" else (z > _grid._Z_FLOOR))
+    ceiling = 1.0 if free == "rate" else 1.0 / _grid.Z_FLOOR
+    active = np.flatnonzero((eps < goal * (1 - 1e-6)) & ((q < 1.0) if free == "rate" else (z > _grid.Z_FLOOR))
                             & (q > 0.0))
     for _ in range(rounds):
         if active.size == 0:

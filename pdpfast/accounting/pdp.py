@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .rdp import check_delta, check_epsilons, check_positive_int, check_rate, get_noise_multiplier
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from .rdp import get_noise_multiplier
 
 __all__ = ["RoundPlan", "charge", "charge_delta", "round_plan", "sampling_probabilities", "schedule",
            "select_threshold", "threshold_losses"]
@@ -39,7 +40,7 @@ def _budgets(budgets, allow_zero=False) -> np.ndarray:
         if np.any(~np.isfinite(arr)) or np.any(arr < 0):
             raise ValueError("budgets (remaining) must be finite and >= 0")
         return arr
-    return check_epsilons(arr, "budgets")
+    return check_epsilons("budgets", arr)
 
 
 def _wastes(sorted_eps: np.ndarray, taus: np.ndarray):
@@ -131,9 +132,9 @@ def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2
                orders=None) -> RoundPlan:
     """Plan a round on the remaining budgets (records with nothing left get π = 0)."""
     rem = _budgets(remaining, allow_zero=True)
-    delta = check_delta(delta)
-    steps = check_positive_int(steps, "steps")
-    q = check_rate(sample_rate)
+    delta = check_delta("delta", delta)
+    steps = check_positive_integer("steps", steps)
+    q = check_rate("sample_rate", sample_rate)
     alive = rem > 0
     if not alive.any():
         raise ValueError("remaining: no record has budget left")
@@ -174,7 +175,7 @@ def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="a
     δ_i ≤ k·δ."""
     rem = _budgets(remaining, allow_zero=True)
     spent = np.asarray(spent_delta, dtype=np.float64).ravel() * np.ones_like(rem)
-    d = check_delta(delta)
+    d = check_delta("delta", delta)
     pi = sampling_probabilities(rem, threshold)
     pay = np.where(rem > 0, np.where(rem < float(threshold), pi, 1.0) * d, 0.0)
     if rule == "sampled":
@@ -193,7 +194,7 @@ def schedule(budgets, rounds, *, delta, steps_per_round, sample_rate, loss="fixe
     "DP-SGD + Sampling" baseline."""
     rem = _budgets(budgets)
     plans = []
-    for _ in range(check_positive_int(rounds, "rounds")):
+    for _ in range(check_positive_integer("rounds", rounds)):
         if not np.any(rem > 0):
             break
         plan = round_plan(rem, delta=delta, steps=steps_per_round, sample_rate=sample_rate, loss=loss, w1=w1,

@@ -166,7 +166,7 @@ class PrivacyPlan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PrivacyPlan":
+    def from_dict(cls, d: dict) -> PrivacyPlan:
         if d.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported plan format_version {d.get('format_version')!r}")
         g = d["groups"]
@@ -187,5 +187,5 @@ class PrivacyPlan:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_json(cls, text: str) -> "PrivacyPlan":
+    def from_json(cls, text: str) -> PrivacyPlan:
         return cls.from_dict(json.loads(text))

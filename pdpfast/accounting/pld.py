@@ -14,7 +14,9 @@ import math
 import numpy as np
 
 from . import _grid
-from .calibration import _Problem, _Solution, _budget_error, renormalize_capped, register_method
+from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
+from .roots import illinois
+from .sgm import DEFAULT_ORDERS, distinct_rows
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
            "pld_sample_rate"]
@@ -76,12 +78,13 @@ def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS)
     """(N,) PLD ε per record, computed once per distinct (q_i, z_i) pair (at most ``max_pairs``)."""
     q = np.asarray(sample_rates, dtype=np.float64)
     z = np.broadcast_to(np.asarray(noise_multipliers, dtype=np.float64), q.shape)
-    pairs, inverse = np.unique(np.stack([q.ravel(), z.ravel()], axis=1), axis=0, return_inverse=True)
-    if pairs.shape[0] > max_pairs:
+    qf, zf = q.ravel() + 0.0, z.ravel() + 0.0            # + 0.0: −0.0 and 0.0 are one value
+    first, inverse = distinct_rows(qf, zf)
+    if first.shape[0] > max_pairs:
         raise ValueError(f"PLD accounting supports at most {max_pairs} distinct (sample_rate, noise_multiplier) "
-                         f"pairs, got {pairs.shape[0]}; use the RDP accountant")
-    eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in pairs])
-    return eps[inverse.ravel()].reshape(q.shape)
+                         f"pairs, got {first.shape[0]}; use the RDP accountant")
+    eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in zip(qf[first], zf[first])])
+    return eps[inverse].reshape(q.shape)
 
 
 def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 0.005):
@@ -119,31 +122,27 @@ def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 
 
 
 def _root(f, safe, unsafe, target, rtol=_RTOL, max_iter=60):
-    """Illinois regula falsi in log-parameter space on a monotone f; ``safe`` has f ≤ goal,
-    ``unsafe`` f > goal. Returns (safe parameter, its f): always an evaluated point."""
+    """Illinois regula falsi (``roots.illinois``) in log-parameter space on a monotone f; ``safe``
+    has f ≤ goal, ``unsafe`` f > goal. Returns (safe parameter, its f): always an evaluated point."""
     goal = target * (1.0 - _grid.MARGIN)
     fs, fu = f(safe), f(unsafe)
-    ls, lu = math.log(safe), math.log(unsafe)
-    rs, ru = math.log(fs / goal) if fs > 0 else -50.0, math.log(fu / goal)
-    best, best_f, side = safe, fs, 0
-    for _ in range(max_iter):
-        if best_f >= goal * (1 - rtol) or abs(lu - ls) < 1e-12:
-            break
-        x = ls - rs * (lu - ls) / (ru - rs) if ru != rs else 0.5 * (ls + lu)
-        if not min(ls, lu) < x < max(ls, lu):
-            x = 0.5 * (ls + lu)
-        px = math.exp(x)
+    best = [safe, fs]
+
+    def residual(fx):
+        return math.log(fx / goal) if fx > 0 else -50.0
+
+    def step(x, _, __):
+        px = math.exp(float(x[0]))
         fx = f(px)
-        rx = math.log(fx / goal) if fx > 0 else -50.0
         if fx <= goal:
-            if side == 1:
-                ru *= 0.5
-            ls, rs, best, best_f, side = x, rx, px, fx, 1
-        else:
-            if side == -1:
-                rs *= 0.5
-            lu, ru, side = x, rx, -1
-    return best, best_f
+            best[:] = [px, fx]
+        return np.array([residual(fx)]), np.array([fx <= goal])
+
+    def active(_, b):
+        return np.array([not (best[1] >= goal * (1 - rtol) or abs(b.other[0] - b.kept[0]) < 1e-12)])
+
+    illinois(step, math.log(safe), math.log(unsafe), residual(fs), math.log(fu / goal), active, max_iter)
+    return best[0], best[1]
 
 
 def pld_noise_multiplier(target_epsilon, delta, sample_rate, steps):
@@ -190,14 +189,13 @@ def _pld_rate(t, delta, z, steps, q_safe, vdi=VALUE_DISCRETIZATION, growth=1.5):
 
 
 def _grid_orders():
-    from .rdp import DEFAULT_ORDERS
     return np.asarray(DEFAULT_ORDERS, dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------------------------
 # Calibration methods under PLD
 # ----------------------------------------------------------------------------------------------
-def _eps_groups(p: _Problem, rates, zs):
+def _eps_groups(p: Problem, rates, zs):
     """Guaranteed PLD ε of each group at its final (q, z); a group the final rounding pushed over
     its budget (PLD is not smooth at the discretization scale) gets its z raised a little."""
     eps = np.array([pld_epsilon(q, z, p.steps, p.delta) for q, z in zip(rates, zs)])
@@ -208,7 +206,7 @@ def _eps_groups(p: _Problem, rates, zs):
     return eps
 
 
-def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
+def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
     """σ with mean PLD rate q (to 0.2%), searched at discretization ``vdi`` from ``sigma_hi``
     (mean rate ≥ q there, else σ is raised until it is) and rate guesses ``guess``; σ moves by
     factors ``shrink`` while bracketing, rates by ``growth``. Returns (σ, rates, d log mean / d log σ)."""
@@ -236,36 +234,32 @@ def _sample_pld(p: _Problem, sigma_hi, guess, vdi, shrink, growth):
         sigma_lo *= shrink
         guess *= shrink
         gl, _ = g(sigma_lo)
-    lh, ll = math.log(sigma_hi), math.log(sigma_lo)
-    side = 0
-    for _ in range(40):
-        if gh <= _MEAN_WINDOW:
-            break
-        x = lh - gh * (ll - lh) / (gl - gh) if gl != gh else 0.5 * (lh + ll)
-        if not min(lh, ll) < x < max(lh, ll):
-            x = 0.5 * (lh + ll)
-        guess = np.minimum(1.0, rh * math.exp(x - lh))
+    rates_hi = [rh]        # the rates at the kept (high) end
+
+    def step(x, _, b):
+        nonlocal guess
+        x = float(x[0])
+        guess = np.minimum(1.0, rates_hi[0] * math.exp(x - float(b.kept[0])))
         gx, rx = g(math.exp(x))
         if gx >= 0:
-            if side == 1:
-                gl *= 0.5
-            lh, gh, rh, side = x, gx, rx, 1
-        else:
-            if side == -1:
-                gh *= 0.5
-            ll, gl, side = x, gx, -1
+            rates_hi[0] = rx
+        return np.array([gx]), np.array([gx >= 0])
+
+    b = illinois(step, math.log(sigma_hi), math.log(sigma_lo), gh, gl,
+                 lambda _, b: np.array([not b.r_kept[0] <= _MEAN_WINDOW]), 40)
+    lh, ll, gh, gl = (float(v[0]) for v in (b.kept, b.other, b.r_kept, b.r_other))
     # a first slope for the fine search (the residuals may be Illinois-halved: it corrects it)
     slope = (gh - gl) / (lh - ll) if lh != ll else 1.0
-    return math.exp(lh), rh, slope
+    return math.exp(lh), rates_hi[0], slope
 
 
 _MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
 
 
-def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
-    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on log mean(log σ) (the first
-    with the coarse search's slope), aiming at the middle of the accepted window; the bracketing
-    search if that does not land in it."""
+def _sample_pld_fine(p: Problem, sigma, guess, slope, vdi):
+    """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on
+    log mean(log σ) (the first with the coarse search's slope), aiming at the middle of the accepted
+    window; the bracketing search if that does not land in it."""
     q = p.sample_rate
     guess = np.asarray(guess, dtype=np.float64).copy()
     prev = None
@@ -284,12 +278,10 @@ def _sample_pld_fine(p: _Problem, sigma, guess, slope, vdi):
     return _sample_pld(p, sigma, guess, vdi, 0.98, 1.03)
 
 
-def _sample_pld_rates(p: _Problem):
+def _sample_pld_rates(p: Problem):
     """σ and rates with mean exactly q under PLD: a coarse search from the RDP plan (RDP-feasible,
     so PLD rates at its σ are ≥ its rates), then finer ones, each from the last answer."""
-    from .calibration import _METHODS
-
-    start = _METHODS[("sample", "rdp")](p)
+    start = METHODS[("sample", "rdp")](p)
     sigma, rh, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
     for vdi in SEARCH_DISCRETIZATIONS[1:] + (VALUE_DISCRETIZATION,):
         sigma, rh, slope = _sample_pld_fine(p, sigma, rh, slope, vdi)
@@ -298,13 +290,13 @@ def _sample_pld_rates(p: _Problem):
     mass = float(np.dot(p.counts[~capped], rh[~capped]))
     want = p.n * q - float(p.counts[capped].sum())
     if want <= 0 or mass <= 0:
-        raise _budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
+        raise budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
                             "sample_rate", sample_rate=q)
-    return sigma, np.where(capped, 1.0, rh * (want / mass))
+    return sigma, renormalize_capped(rh, p.counts, q)
 
 
 @register_method("sample", accountant="pld")
-def _sample(p: _Problem) -> _Solution:
+def _sample(p: Problem) -> Solution:
     sigma, rates = _sample_pld_rates(p)
     eps = np.array([pld_epsilon(q, sigma, p.steps, p.delta) for q in rates])
     # the shared σ cannot move per group: a group the final rescaling left over budget (PLD is
@@ -313,32 +305,32 @@ def _sample(p: _Problem) -> _Solution:
         while eps[k] > p.values[k] * (1 - _grid.MARGIN):
             rates[k] *= 0.9999
             eps[k] = pld_epsilon(rates[k], sigma, p.steps, p.delta)
-    return _Solution(rates, np.full(rates.shape[0], sigma), eps, sigma)
+    return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma)
 
 
-def _noises_at(p: _Problem, rates, method):
+def _noises_at(p: Problem, rates, method):
     zs = np.empty(rates.shape[0])
     for k, (t, r) in enumerate(zip(p.values, rates)):
         try:
             z_rdp = float(_grid.solve_noise(float(r), p.steps, p.delta, np.array([t]), p.orders)[0][0])
         except _grid.BudgetError as err:
-            raise _budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
+            raise budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
                                 delta=p.delta) from None
         zs[k] = _pld_noise(float(t), p.delta, float(r), p.steps, z_rdp)[0]
     return zs
 
 
 @register_method("scale", accountant="pld")
-def _scale(p: _Problem) -> _Solution:
+def _scale(p: Problem) -> Solution:
     rates = np.full(p.values.shape[0], p.sample_rate)
     zs = _noises_at(p, rates, "Scale")
-    return _Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
+    return Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
 
 
 @register_method("hybrid", accountant="pld")
-def _hybrid(p: _Problem) -> _Solution:
+def _hybrid(p: Problem) -> Solution:
     _, rates_s = _sample_pld_rates(p)
     q = p.sample_rate
     rates = renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
     zs = _noises_at(p, rates, "hybrid")
-    return _Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))
+    return Solution(rates, zs, _eps_groups(p, rates, zs), float(p.n / np.dot(p.counts, 1.0 / zs)))

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from .._checks import check_delta, check_epsilons, check_positive_integer
 from . import _grid
-from .rdp import DEFAULT_ORDERS, _as_orders, check_delta, check_epsilons, check_positive_int
+from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["SCFEstimator", "client_sampled_rdp", "epsilon", "fit_scf", "rdp_to_epsilon", "sample_rates"]
 
@@ -47,8 +48,7 @@ def rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion
     """(ε, optimal order index) per row of rdp (P, n), minimized over orders: "standard" (the
     paper's) ε = ρ(α) + log(1/δ)/(α − 1), or "improved" (Balle et al. 2020, as ``rdp.get_privacy_spent``)."""
     if conversion == "improved":
-        from .rdp import _eps_from_rdp
-        return _eps_from_rdp(orders, rdp, delta)
+        return eps_from_rdp(orders, rdp, delta)
     eps = rdp + np.log(1.0 / delta) / (orders - 1.0)
     idx = np.argmin(eps, axis=-1)
     return np.take_along_axis(eps, idx[..., None], axis=-1)[..., 0], idx
@@ -80,15 +80,15 @@ def _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, 
         raise ValueError(f"threat must be one of {_THREATS}, got {threat!r}")
     if conversion not in _CONVERSIONS:
         raise ValueError(f"conversion must be one of {_CONVERSIONS}, got {conversion!r}")
-    return _Setting(z, check_delta(delta), check_positive_int(local_steps, "local_steps"),
-                    check_positive_int(rounds, "rounds"), lam, threat, conversion,
-                    _as_orders(DEFAULT_ORDERS if orders is None else orders)[0])
+    return _Setting(z, check_delta("delta", delta), check_positive_integer("local_steps", local_steps),
+                    check_positive_integer("rounds", rounds), lam, threat, conversion,
+                    as_orders(DEFAULT_ORDERS if orders is None else orders)[0])
 
 
 def _eps(q: np.ndarray, s: _Setting):
     """(ε (P,), optimal order index (P,)) for sampling rates q (P,)."""
     orders = s.orders
-    rho_local = s.local_steps * _grid.rdp_one_step(q, np.array([s.noise_multiplier]), orders)   # ρ^τ(α)
+    rho_local = s.local_steps * rdp_one_step(q, np.array([s.noise_multiplier]), orders)   # ρ^τ(α)
     if s.threat == "server":
         rho_fl = s.client_rate * s.rounds * rho_local
     else:
@@ -160,7 +160,7 @@ def fit_scf(*, noise_multiplier, delta, local_steps, rounds, client_rate, threat
             warnings.simplefilter("ignore", optimize.OptimizeWarning)
             (a, b, c), _ = optimize.curve_fit(model, grid, eps, p0=p0, maxfev=20000)
     except RuntimeError as err:   # no convergence: a fit is only a starting point, keep p0
-        warnings.warn(f"SCF fit did not converge ({err}); using the initial guess")
+        warnings.warn(f"SCF fit did not converge ({err}); using the initial guess", stacklevel=2)
         a, b, c = p0
     pred = model(grid, a, b, c)
     r2 = 1.0 - float(np.sum((eps - pred) ** 2) / max(np.sum((eps - eps.mean()) ** 2), 1e-300))
@@ -176,7 +176,7 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     Raises ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ).
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
-    arr = check_epsilons(budgets, "budgets").ravel()
+    arr = check_epsilons("budgets", budgets).ravel()
     values, inverse = np.unique(arr, return_inverse=True)
     est = estimator if estimator is not None else fit_scf(
         noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,
@@ -208,7 +208,7 @@ def _exact_rates(targets, guess, s: _Setting):
         e = np.maximum.accumulate(evaluate(grid)[0])
         a = max(0, int(np.searchsorted(e, goal.min(), side="right")) - 1)
         b = min(63, int(np.searchsorted(e, goal.max(), side="left")))
-        fine = _grid._fine_points(grid, e, a, b, 1.001, 0.5 * goal.min())
+        fine = _grid.fine_points(grid, e, a, b, 1.001, 0.5 * goal.min())
         fe = np.maximum.accumulate(evaluate(fine)[0])
         j = np.searchsorted(fe, goal, side="right") - 1
         return fine[np.maximum(j, 0)]

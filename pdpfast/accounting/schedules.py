@@ -27,16 +27,17 @@ overstate ε); the reported ε is then recomputed over all orders.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from scipy import optimize
 
+from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
 from .plan import PrivacyPlan
-from .rdp import (DEFAULT_ORDERS, _as_orders, _eps_from_rdp, check_delta, check_epsilons, check_positive_int,
-                  check_rate)
+from .problem import renormalize_capped
+from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["NoiseSchedule", "ConstantNoise", "TimeDecay", "ExponentialDecay", "StepDecay", "PolynomialDecay",
            "FunctionSchedule", "ScheduledPlan", "as_schedule", "scheduled_rdp", "scheduled_epsilons",
@@ -72,14 +73,15 @@ class NoiseSchedule:
 
     def factors(self, steps: int) -> np.ndarray:
         """(steps,) float64 h(0..steps−1), checked finite and > 0."""
-        steps = check_positive_int(steps, "steps")
+        steps = check_positive_integer("steps", steps)
         h = np.asarray(self.factor(np.arange(steps, dtype=np.int64)), dtype=np.float64)
         if h.shape != (steps,):
             raise ValueError(f"{self!r}: the schedule must give one factor per step, got shape {h.shape}")
         bad = ~np.isfinite(h) | (h <= 0)
         if bad.any():
             t = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{self!r}: the noise factor must be finite and > 0 at every step; step {t} gives {h[t]!r}")
+            raise ValueError(f"{self!r}: the noise factor must be finite and > 0 at every step; "
+                             f"step {t} gives {h[t]!r}")
         return h
 
     def __repr__(self) -> str:
@@ -119,7 +121,7 @@ class StepDecay(NoiseSchedule):
 
     def __init__(self, k: float, period: int):
         self.k = _check_number("k", k, low=0.0, low_inclusive=False)
-        self.period = check_positive_int(period, "period")
+        self.period = check_positive_integer("period", period)
 
     def factor(self, t):
         return self.k ** (t // self.period).astype(np.float64)
@@ -132,7 +134,7 @@ class PolynomialDecay(NoiseSchedule):
     so that the shape does not depend on the scale calibration finds."""
 
     def __init__(self, period: int, power: float = 1.0, end_fraction: float = 0.5):
-        self.period = check_positive_int(period, "period")
+        self.period = check_positive_integer("period", period)
         self.power = _check_number("power", power, low=0.0, low_inclusive=False)
         self.end_fraction = _check_number("end_fraction", end_fraction, low=0.0, low_inclusive=False, high=1.0)
 
@@ -195,7 +197,7 @@ def _rdp_sum(q: np.ndarray, z0: np.ndarray, values: np.ndarray, counts: np.ndarr
     qq = np.repeat(q, u)
     zz = (z0[:, None] * values[None, :]).ravel()
     m = None if mask is None else np.repeat(mask, u, axis=0)
-    rdp = _grid.rdp_one_step(qq, zz, orders, m).reshape(g, u, orders.shape[0])
+    rdp = rdp_one_step(qq, zz, orders, m).reshape(g, u, orders.shape[0])
     with np.errstate(invalid="ignore"):
         return np.einsum("gun,u->gn", rdp, counts)
 
@@ -214,16 +216,16 @@ def scheduled_rdp(sample_rates, noise_multipliers, factors, orders=DEFAULT_ORDER
     h = np.asarray(factors, dtype=np.float64)
     if h.ndim != 1 or h.size == 0 or np.any(~np.isfinite(h)) or np.any(h <= 0):
         raise ValueError("factors must be a non-empty 1-D array of finite numbers > 0")
-    orders_arr = _as_orders(orders)[0]
+    orders_arr = as_orders(orders)[0]
     values, counts = _distinct_factors(h)
     return _rdp_sum(q.copy(), z.copy(), values, counts, orders_arr)
 
 
 def scheduled_epsilons(sample_rates, noise_multipliers, factors, delta, orders=DEFAULT_ORDERS) -> np.ndarray:
     """(G,) ε(δ) of ``scheduled_rdp`` (the conversion of ``get_privacy_spent``, clamped at 0)."""
-    orders_arr = _as_orders(orders)[0]
+    orders_arr = as_orders(orders)[0]
     rdp = scheduled_rdp(sample_rates, noise_multipliers, factors, orders_arr)
-    return np.maximum(_eps_from_rdp(orders_arr, rdp, check_delta(delta))[0], 0.0)
+    return np.maximum(eps_from_rdp(orders_arr, rdp, check_delta("delta", delta))[0], 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ class _Scheduled:
         g = q.shape[0]
         mask = None if exact else self._mask(g)
         rdp = _rdp_sum(q, z, self.values, self.counts, self.orders, mask)
-        eps, idx = _eps_from_rdp(self.orders, rdp, self.delta)
+        eps, idx = eps_from_rdp(self.orders, rdp, self.delta)
         center = self.center
         for _ in range(self.orders.shape[0] // _WINDOW + 1):
             if mask is None:
@@ -262,7 +264,7 @@ class _Scheduled:
             center[rows] = idx[rows]
             cols = np.arange(self.orders.shape[0])
             sub = np.abs(cols[None, :] - center[rows, None]) <= _WINDOW
-            e2, i2 = _eps_from_rdp(self.orders, _rdp_sum(q[rows], z[rows], self.values, self.counts, self.orders,
+            e2, i2 = eps_from_rdp(self.orders, _rdp_sum(q[rows], z[rows], self.values, self.counts, self.orders,
                                                          sub), self.delta)
             eps[rows], idx[rows] = np.minimum(eps[rows], e2), np.where(e2 < eps[rows], i2, idx[rows])
         self.center = idx.copy()
@@ -322,10 +324,10 @@ def _solve_noise(s: _Scheduled, rates, targets, method: str):
         raise ValueError(f"IDP-{method} with a noise schedule: budget epsilon={targets[~ok][0]:.6g} is not met "
                          f"even at base noise multiplier {hi.max():.3g}")
     for _ in range(60):                       # lo must be unsafe (or at the floor, where ε is huge anyway)
-        low_ok = (s.eps(rates, lo)[0] <= limit) & (lo > _grid._Z_FLOOR)
+        low_ok = (s.eps(rates, lo)[0] <= limit) & (lo > _grid.Z_FLOOR)
         if not low_ok.any():
             break
-        hi, lo = np.where(low_ok, lo, hi), np.where(low_ok, np.maximum(lo / 4.0, _grid._Z_FLOOR), lo)
+        hi, lo = np.where(low_ok, lo, hi), np.where(low_ok, np.maximum(lo / 4.0, _grid.Z_FLOOR), lo)
     return _bisect(lambda z: s.eps(rates, z), lo, hi, targets, increasing=False)
 
 
@@ -387,8 +389,6 @@ def _sample(s: _Scheduled, values, counts, q, method="Sample"):
     rates = _solve_rates(s, sigma, values, method, last.get("rates"))
     mean = float(np.dot(counts, rates) / n)
     if mean > q:
-        from .calibration import renormalize_capped
-
         rates = np.minimum(rates, renormalize_capped(rates, counts, q))   # only ever lowered
     return sigma, rates
 
@@ -420,7 +420,7 @@ class ScheduledPlan(PrivacyPlan):
         return super().to_dict() | {"noise_factors": self.noise_factors.tolist(), "schedule": self.schedule_name}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ScheduledPlan":
+    def from_dict(cls, d: dict) -> ScheduledPlan:
         base = PrivacyPlan.from_dict(d)
         fields = {k: getattr(base, k) for k in ("method", "accountant", "noise_multiplier", "max_grad_norm", "steps",
                                                  "delta", "budget_values", "group_index", "group_sizes",
@@ -444,20 +444,19 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
     Cost grows with the number of distinct budgets times distinct factors h(t); it is meant for
     group budgets (a few to a few hundred distinct values).
     """
-    from .calibration import renormalize_capped
 
     schedule = as_schedule(noise_schedule)
-    arr = check_epsilons(budgets, "budgets")
+    arr = check_epsilons("budgets", budgets)
     if arr.ndim != 1:
         raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
-    delta = check_delta(delta)
-    steps = check_positive_int(steps, "steps")
-    q = check_rate(sample_rate)
+    delta = check_delta("delta", delta)
+    steps = check_positive_integer("steps", steps)
+    q = check_rate("sample_rate", sample_rate)
     c = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_inclusive=False)
     lam = _check_number("hybrid_weight", hybrid_weight, low=0.0, high=1.0)
     if method not in ("sample", "scale", "hybrid"):
         raise ValueError(f"method must be one of ['hybrid', 'sample', 'scale'], got {method!r}")
-    orders_arr = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     factors = schedule.factors(steps)
     values, inverse, counts = np.unique(arr, return_inverse=True, return_counts=True)
     s = _Scheduled(factors, delta, orders_arr)

@@ -28,9 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._io import atomic_write
-from ..accounting import _grid
-from ..accounting.rdp import DEFAULT_ORDERS, _as_orders
 from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon
+from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
 from .config import CONVERSIONS, THREATS
 
 
@@ -41,9 +40,9 @@ def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client
     "server": ρ^τ(α) = τ·ρ_SGM(α; q, σ). "clients": log(1 − λ + λ·e^{(α−1)ρ^τ})/(α−1), the one
     ``rpdp.client_sampled_rdp``.
     """
-    orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+    orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
-    rho_local = int(local_steps) * _grid.rdp_one_step(q, np.array([float(noise_multiplier)]), orders)
+    rho_local = int(local_steps) * rdp_one_step(q, np.array([float(noise_multiplier)]), orders)
     rho_clients = np.where(q[:, None] == 0.0, 0.0, client_sampled_rdp(rho_local, orders, client_rate))
     return {"clients": rho_clients, "server": rho_local}
 
@@ -73,7 +72,7 @@ class FederatedLedger:
             raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
         self.sample_rates, self.budgets = q, b
         self.delta, self.conversion = float(delta), conversion
-        self.orders = _as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
+        self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         # one round's RDP per distinct rate, computed once (the costly part of accounting)
         distinct, self._rate_index = np.unique(q, return_inverse=True)
         self._round_rdp = round_rdp(distinct, noise_multiplier=noise_multiplier, local_steps=local_steps,
@@ -94,10 +93,10 @@ class FederatedLedger:
         charged = counts > 0
         if not charged.any():
             return out
-        keys = np.stack([self._rate_index[charged], counts[charged]], axis=1)
-        pairs, inverse = np.unique(keys, axis=0, return_inverse=True)
-        rdp = pairs[:, 1:2] * self._round_rdp[threat][pairs[:, 0]]
-        out[charged] = rdp_to_epsilon(self.orders, rdp, self.delta, self.conversion)[0][inverse.ravel()]
+        rate, count = self._rate_index[charged], counts[charged]
+        first, inverse = distinct_rows(rate, count)
+        rdp = count[first, None] * self._round_rdp[threat][rate[first]]
+        out[charged] = rdp_to_epsilon(self.orders, rdp, self.delta, self.conversion)[0][inverse]
         return out
 
     def epsilons(self, threat: str) -> np.ndarray:

@@ -1,0 +1,399 @@
+"""The Poisson-subsampled Gaussian mechanism (SGM): its Rényi DP and the conversion to (ε, δ).
+
+The leaf of the accounting package: numpy and scipy only, no state, nothing of pdpfast imported.
+Everything above it (``rdp``'s public functions, the grid engine ``_grid``, ``orders``, the ledgers,
+calibration, ``rpdp``, ``fl.ledger``) computes one-step RDP and ε through the functions here.
+
+* log A_α for integer orders: the all-positive-terms sum A_α = 1 + Σ_{k≥2} C(α,k)(1−q)^{α−k} q^k
+  (e^{(k²−k)/2z²} − 1), accurate to a few ulps even when A_α − 1 is 1e-12 (``log_a_int``).
+* log A_α for fractional orders: the two-sided series of Mironov, Talwar & Zhang (2019, §3.3) with
+  the Opacus stopping rule (``log_a_frac``, agrees with Opacus / TF Privacy), or the trapezoidal rule
+  on A_α = E_{u~N(0,1)}[(1 − q + q·e^{u/z − 1/(2z²)})^α] (``log_a_quadrature``, ``log_a_at``), which
+  converges exponentially at a fixed cost where the series' tail decays only polynomially.
+* The closed forms q = 0 (0), σ = 0 (∞) and q = 1 (α/(2σ²)) live in ``degenerate_rdp`` alone.
+* ``eps_from_rdp``: the conversion of Balle et al. (2020, Thm. 21), minimized over orders.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import numpy as np
+from scipy import special
+
+__all__ = ["OPACUS_ORDERS", "DEFAULT_ORDERS", "QUAD_WIDTH", "ROWS_CHUNK", "as_orders", "is_integer_order",
+           "distinct_rows", "log_a_int", "log_a_frac", "log_a_quadrature", "log_a_at", "degenerate_rdp", "rdp_one_step",
+           "rdp_one_step_series", "rdp_at", "eps_from_rdp"]
+
+# Opacus's default grid (RDPAccountant.DEFAULT_ALPHAS) ...
+OPACUS_ORDERS: tuple = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+# ... extended to large orders: small individual budgets (ε ≈ 0.05-0.3 at δ = 1e-5) are optimal at
+# α in the hundreds, and the optimum must not sit at the edge of the grid.
+DEFAULT_ORDERS: tuple = OPACUS_ORDERS + (64, 72, 80, 88, 96, 112, 128, 144, 160, 192, 224, 256, 320, 384,
+                                         448, 512)
+
+
+_CHUNK = 1 << 20            # elements per temporary (P × terms) array
+_MAX_SERIES_TERMS = 10 ** 7  # fractional series: more terms than this means no convergence
+_SCALAR_TAIL = 16           # finish series with this few elements left in scalar arithmetic
+QUAD_WIDTH = 13.0           # quadrature: Gaussian tails beyond 13 std are < e^-84 of the mass
+ROWS_CHUNK = 1 << 20        # quadrature: elements per temporary (points × nodes) array
+
+
+def as_orders(orders) -> tuple[np.ndarray, bool]:
+    """(orders as a float64 1-D array, whether a scalar was given); every order must exceed 1."""
+    scalar = np.ndim(orders) == 0
+    arr = np.atleast_1d(np.asarray(orders, dtype=np.float64))
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"orders must be a non-empty 1-D sequence, got shape {np.shape(orders)}")
+    if not np.all(arr > 1.0):
+        raise ValueError(f"orders must all be > 1 (finite or inf), got min {arr.min()}")
+    return arr, scalar
+
+
+
+def is_integer_order(orders: np.ndarray) -> np.ndarray:
+    return np.array([float(a).is_integer() for a in orders])
+
+
+def distinct_rows(*cols):
+    """(first element of each distinct row, row id of each element) for equal-length 1-D columns.
+
+    One lexsort instead of np.unique(axis=0), which is several times slower at 10^6 rows."""
+    n = cols[0].shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+    order = np.lexsort(cols[::-1])
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    for c in cols:
+        sc = c[order]
+        change[1:] |= sc[1:] != sc[:-1]
+    ids = np.empty(n, dtype=np.intp)
+    ids[order] = np.cumsum(change) - 1
+    return order[change], ids
+
+
+
+# ----------------------------------------------------------------------------------------------
+# log A_α, integer orders
+# ----------------------------------------------------------------------------------------------
+def _log_expm1(x: np.ndarray) -> np.ndarray:
+    """log(e^x − 1) for x > 0 without overflow."""
+    x = np.asarray(x, dtype=np.float64)
+    big = x > 30.0
+    with np.errstate(divide="ignore"):
+        small = np.log(np.expm1(np.where(big, 1.0, x)))
+    return np.where(big, x + np.log1p(-np.exp(-np.where(big, x, 30.0))), small)
+
+
+@functools.lru_cache(maxsize=1024)
+def _log_binom_int(alpha: int) -> np.ndarray:
+    """log C(α, k) for k = 0..α (cached; read-only)."""
+    k = np.arange(alpha + 1, dtype=np.float64)
+    if alpha <= 1000:       # exact binomials fit in float64: log of them is correct to an ulp
+        out = np.log(special.binom(alpha, k))
+    else:
+        out = special.gammaln(alpha + 1.0) - special.gammaln(k + 1.0) - special.gammaln(alpha - k + 1.0)
+    out.flags.writeable = False
+    return out
+
+
+def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha: int) -> np.ndarray:
+    """log A_α for integer α ≥ 2; inputs (P,) (inv_2z2 may be (1,) when z is shared). Returns (P,)."""
+    k = np.arange(2, alpha + 1, dtype=np.float64)
+    log_coef = _log_binom_int(alpha)[2:]
+    p = max(log_q.shape[0], inv_2z2.shape[0])
+    out = np.empty(p)
+    step = max(1, _CHUNK // len(k))
+    shared_z = inv_2z2.shape[0] == 1
+    if shared_z:
+        log_bump = _log_expm1((k * k - k) * inv_2z2[0])                     # (K,)
+    for s in range(0, p, step):
+        e = slice(s, min(p, s + step))
+        lq = log_q[e] if log_q.shape[0] > 1 else log_q
+        l1 = log1m_q[e] if log1m_q.shape[0] > 1 else log1m_q
+        bump = log_bump[None, :] if shared_z else _log_expm1((k * k - k)[None, :] * inv_2z2[e, None])
+        terms = log_coef + k * lq[:, None] + (alpha - k) * l1[:, None] + bump
+        top = terms.max(axis=1)
+        top = np.where(np.isfinite(top), top, 0.0)
+        log_b = top + np.log(np.exp(terms - top[:, None]).sum(axis=1))
+        out[e] = np.logaddexp(0.0, log_b)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# log A_α, fractional orders (two-sided series, Mironov et al. 2019 §3.3)
+# ----------------------------------------------------------------------------------------------
+def _log_sub(log_x: np.ndarray, log_y: np.ndarray) -> np.ndarray:
+    """log(e^x − e^y) for x ≥ y, elementwise, with the conventions of Opacus's ``_log_sub``."""
+    d = log_x - log_y
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        out = np.log(np.expm1(np.minimum(d, 700.0))) + log_y
+    out = np.where(d > 700.0, log_x, out)
+    out = np.where(np.isneginf(log_y), log_x, out)
+    return np.where(d == 0.0, -np.inf, out)
+
+
+def log_a_frac(log_q: np.ndarray, log1m_q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> np.ndarray:
+    """log A_α for fractional α. log_q, log1m_q, sigma: (P,); alphas: (F,). Returns (P, F)."""
+    p, f = max(log_q.shape[0], sigma.shape[0]), alphas.shape[0]
+    log_q, log1m_q, sigma = (np.broadcast_to(a, (p,)) for a in (log_q, log1m_q, sigma))
+    z0 = sigma ** 2 * (log1m_q - log_q) + 0.5          # sigma² log(1/q − 1) + 1/2
+    # Flattened (record, order) elements; the loop over series index i only touches elements
+    # whose series has not stopped yet.
+    rec = np.repeat(np.arange(p), f)
+    ordr = np.tile(np.arange(f), p)
+    log_a0 = np.full(p * f, -np.inf)
+    log_a1 = np.full(p * f, -np.inf)
+    live = np.arange(p * f)
+    i = 0
+    while live.size > _SCALAR_TAIL:
+        r, o = rec[live], ordr[live]
+        coef = special.binom(alphas, i)                  # (F,)
+        with np.errstate(divide="ignore"):
+            log_coef = np.log(np.abs(coef))[o]
+        positive = (coef > 0)[o]
+        j = alphas[o] - i
+        lq, l1, sg, zz = log_q[r], log1m_q[r], sigma[r], z0[r]
+        log_t0 = log_coef + i * lq + j * l1
+        log_t1 = log_coef + j * lq + i * l1
+        # log(1/2 erfc(x/√2)) = log Φ(−x)
+        log_e0 = special.log_ndtr((zz - i) / sg)
+        log_e1 = special.log_ndtr((j - zz) / sg)
+        inv = 1.0 / (2.0 * sg ** 2)
+        log_s0 = log_t0 + (i * i - i) * inv + log_e0
+        log_s1 = log_t1 + (j * j - j) * inv + log_e1
+        a0, a1 = log_a0[live], log_a1[live]
+        log_a0[live] = np.where(positive, np.logaddexp(a0, log_s0), _log_sub(a0, log_s0))
+        log_a1[live] = np.where(positive, np.logaddexp(a1, log_s1), _log_sub(a1, log_s1))
+        live = live[~(np.maximum(log_s0, log_s1) < -30.0)]
+        i += 1
+    # The few series left are the slowly converging ones (large q, α near 1: their tails decay
+    # only polynomially, thousands of terms): scalar arithmetic is faster there.
+    for e in live:
+        r, o = rec[e], ordr[e]
+        log_a0[e], log_a1[e] = _log_a_frac_tail(float(log_q[r]), float(log1m_q[r]), float(sigma[r]),
+                                                float(z0[r]), float(alphas[o]), i, log_a0[e], log_a1[e])
+    return np.logaddexp(log_a0, log_a1).reshape(p, f)
+
+
+def _log_a_frac_tail(log_q, log1m_q, sigma, z0, alpha, start, log_a0, log_a1):
+    """Continue one fractional series from term ``start`` (scalar version of the loop above)."""
+    inv = 1.0 / (2.0 * sigma ** 2)
+    for i in range(start, _MAX_SERIES_TERMS):
+        coef = special.binom(alpha, i)
+        log_coef = math.log(abs(coef)) if coef != 0 else -math.inf
+        j = alpha - i
+        log_s0 = log_coef + i * log_q + j * log1m_q + (i * i - i) * inv + special.log_ndtr((z0 - i) / sigma)
+        log_s1 = log_coef + j * log_q + i * log1m_q + (j * j - j) * inv + special.log_ndtr((j - z0) / sigma)
+        if coef > 0:
+            log_a0, log_a1 = np.logaddexp(log_a0, log_s0), np.logaddexp(log_a1, log_s1)
+        else:
+            log_a0, log_a1 = _log_sub_scalar(log_a0, log_s0), _log_sub_scalar(log_a1, log_s1)
+        if max(log_s0, log_s1) < -30.0:
+            return log_a0, log_a1
+    warnings.warn(f"RDP series for fractional order {alpha} did not converge; that order is excluded", stacklevel=2)
+    return math.inf, math.inf
+
+
+def _log_sub_scalar(log_x: float, log_y: float) -> float:
+    if log_y == -math.inf:
+        return log_x
+    if log_x == log_y:
+        return -math.inf
+    d = log_x - log_y
+    if d > 700.0:
+        return log_x
+    return math.log(math.expm1(d)) + log_y if d > 0 else math.nan
+
+
+# ----------------------------------------------------------------------------------------------
+# log A_α by the trapezoidal rule
+# ----------------------------------------------------------------------------------------------
+def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
+    """log Σ_j exp(x[:, j]) (plain numpy: scipy's version costs more in overhead than in math here)."""
+    m = x.max(axis=1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    return m + np.log(np.exp(x - m[:, None]).sum(axis=1))
+
+
+def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """log A_α by the trapezoidal rule; q, z: (P,); alphas: (F,); mask (P, F). Returns (P, F), inf off-mask.
+
+    Nodes u = −13 + m·h on [−13, α_max/z + 13] with h = min(0.5, 0.4·z): the integrand is two
+    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz."""
+    out = np.full(mask.shape, np.inf)
+    # points needing similar node counts are processed together (padding ≤ 2×)
+    for e, u, base, log_w in _quadrature_chunks(q, z, alphas.max(), 1):
+        gauss = -0.5 * u * u
+        for f in range(alphas.shape[0]):
+            rows = np.flatnonzero(mask[e, f])
+            if rows.size:
+                out[e[rows], f] = _logsumexp_rows(gauss[rows] + alphas[f] * base[rows]) + log_w[rows]
+    return out
+
+
+def _quadrature_chunks(q, z, alpha, buckets_per_octave):
+    """The trapezoidal rule's nodes, chunk by chunk: points whose node counts (set by α/z) share one
+    of ``buckets_per_octave`` buckets per doubling are processed together. Yields (point indices e,
+    nodes u (E, m), log(1 − q + q·e^{u/z − 1/(2z²)}) (E, m), log weight (E,))."""
+    h = np.minimum(0.5, 0.4 * z)
+    n_nodes = np.ceil((alpha / z + 2 * QUAD_WIDTH) / h).astype(np.int64) + 1
+    bucket = np.ceil(np.log2(n_nodes) * buckets_per_octave).astype(np.int64)
+    logit = np.log(q) - np.log1p(-q)
+    for b in np.unique(bucket):
+        pts = np.flatnonzero(bucket == b)
+        n_b = int(n_nodes[pts].max())
+        step = max(1, ROWS_CHUNK // n_b)
+        for s in range(0, pts.shape[0], step):
+            e = pts[s:s + step]
+            u = -QUAD_WIDTH + np.arange(n_b) * h[e, None]
+            base = np.log1p(-q[e])[:, None] + np.logaddexp(0.0, u / z[e, None] - 0.5 / z[e, None] ** 2
+                                                           + logit[e, None])
+            yield e, u, base, np.log(h[e] / np.sqrt(2.0 * np.pi))
+
+
+def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool = False):
+    """log A_α at one order per point by the trapezoidal rule; 0 < q < 1, z > 0, α > 1; (P,) each.
+
+    With ``derivatives``: (log A, d/dα log A, d²/dα² log A), each (P,)."""
+    p = q.shape[0]
+    out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
+    # similar node counts together (padding ≤ 19%)
+    for e, u, base, log_w in _quadrature_chunks(q, z, alpha, 4):
+        x = -0.5 * u * u + alpha[e, None] * base
+        top = x.max(axis=1)
+        w = np.exp(x - top[:, None])
+        total = w.sum(axis=1)
+        out[e] = top + np.log(total) + log_w
+        if derivatives:
+            mean = (w * base).sum(axis=1) / total
+            d1[e] = mean
+            d2[e] = np.maximum((w * (base - mean[:, None]) ** 2).sum(axis=1) / total, 0.0)
+    return (out, d1, d2) if derivatives else out
+
+
+# ----------------------------------------------------------------------------------------------
+# RDP of one step
+# ----------------------------------------------------------------------------------------------
+def degenerate_rdp(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The closed forms of one step's RDP, the only place they are written: q = 0 spends 0, σ = 0
+    (q > 0) spends ∞, q = 1 spends α/(2σ²) (the Gaussian mechanism).
+
+    q, z: (P,); alpha: (1, n) orders shared by all points, or (P, n). Returns (rdp (P, n), +inf on
+    the rows left to log A_α; general (P,) bool: those rows, 0 < q < 1 and σ > 0)."""
+    zero = q == 0.0
+    no_noise = (z == 0.0) & ~zero
+    full = (q == 1.0) & ~no_noise
+    out = np.full((q.shape[0], alpha.shape[1]), np.inf)
+    out[zero] = 0.0
+    if full.any():
+        out[full] = (alpha if alpha.shape[0] == 1 else alpha[full]) / (2.0 * z[full, None] ** 2)
+    return out, ~(zero | no_noise | full)
+
+
+def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """RDP of one SGM step at the (point, order) pairs selected by ``mask``; +inf elsewhere.
+    Fractional orders by quadrature (the grid engine's, the ledgers').
+
+    q, z: (P,) float64 (either may be (1,)); orders: (n,); mask: (P, n) bool or None (all).
+    """
+    p = max(q.shape[0], z.shape[0])
+    q, z = np.broadcast_to(q, (p,)), np.broadcast_to(z, (p,))
+    n = orders.shape[0]
+    mask = np.ones((p, n), dtype=bool) if mask is None else mask
+    out, general = degenerate_rdp(q, z, orders[None, :])
+    general = np.flatnonzero(general)
+    if general.size == 0:
+        return np.where(mask, out, np.inf)
+    qg, zg, mg = q[general], z[general], mask[general]
+    log_q, log1m_q = np.log(qg), np.log1p(-qg)
+    shared = bool(np.all(zg == zg[0]))
+    inv_2z2 = 1.0 / (2.0 * (zg[:1] if shared else zg) ** 2)
+    is_int = is_integer_order(orders)
+    sub = np.full((general.size, n), np.inf)
+    for col in np.flatnonzero(is_int & mg.any(axis=0)):
+        rows = np.flatnonzero(mg[:, col])
+        alpha = int(orders[col])
+        zz = inv_2z2 if shared else inv_2z2[rows]
+        sub[rows, col] = log_a_int(log_q[rows], log1m_q[rows], zz, alpha) / (alpha - 1)
+    frac = np.flatnonzero(~is_int & mg.any(axis=0))
+    if frac.size:
+        rows = np.flatnonzero(mg[:, frac].any(axis=1))
+        la = log_a_quadrature(qg[rows], zg[rows], orders[frac], mg[np.ix_(rows, frac)])
+        sub[np.ix_(rows, frac)] = la / (orders[frac] - 1.0)
+    out[general] = sub
+    return np.where(mask, out, np.inf)
+
+
+def rdp_one_step_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """RDP of ONE step with fractional orders by the series (Opacus's numbers: ``compute_rdp``);
+    q, z: (P,) (either may be (1,)); orders (n,). Returns (P, n)."""
+    p = max(q.shape[0], z.shape[0])
+    q, z = np.broadcast_to(q, (p,)), np.broadcast_to(z, (p,))
+    with np.errstate(divide="ignore"):
+        out, general = degenerate_rdp(q, z, orders[None, :])
+    if general.any():
+        out[general] = _rdp_series(q[general], z[general], orders)
+    return out
+
+
+def rdp_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """RDP of ONE SGM step at order α_p of point p; q, z, α: (P,) (z may be (1,)). Returns (P,).
+
+    The closed forms of ``degenerate_rdp``; otherwise log A_α/(α − 1) by quadrature."""
+    q = np.asarray(q, dtype=np.float64)
+    z = np.broadcast_to(np.asarray(z, dtype=np.float64), q.shape)
+    alpha = np.broadcast_to(np.asarray(alpha, dtype=np.float64), q.shape)
+    out, general = degenerate_rdp(q, z, alpha[:, None])
+    out = out[:, 0]
+    general = np.flatnonzero(general)
+    if general.size:
+        out[general] = log_a_at(q[general], z[general], alpha[general]) / (alpha[general] - 1.0)
+    return out
+
+
+def _rdp_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """0 < q < 1, z > 0: (P,) each. Returns (P, n)."""
+    # One shared noise multiplier (the common case in calibration) lets terms that depend only
+    # on z be computed once.
+    if z.shape[0] > 1 and np.all(z == z[0]):
+        z = z[:1]
+    log_q, log1m_q = np.log(q), np.log1p(-q)
+    inv_2z2 = 1.0 / (2.0 * z ** 2)
+    out = np.empty((max(q.shape[0], z.shape[0]), orders.shape[0]))
+    is_int = np.array([float(a).is_integer() for a in orders])
+    finite = np.isfinite(orders)
+    for col in np.flatnonzero(is_int & finite):
+        alpha = int(orders[col])
+        out[:, col] = log_a_int(log_q, log1m_q, inv_2z2, alpha) / (alpha - 1)
+    frac = np.flatnonzero(~is_int & finite)
+    if frac.size:
+        step = max(1, _CHUNK // (8 * frac.size))
+        p = out.shape[0]
+        for s in range(0, p, step):
+            e = slice(s, min(p, s + step))
+            zz = z if z.shape[0] == 1 else z[e]
+            out[e, frac] = log_a_frac(log_q[e], log1m_q[e], zz, orders[frac]) / (orders[frac] - 1.0)
+    out[:, ~finite] = np.inf
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion to (ε, δ)
+# ----------------------------------------------------------------------------------------------
+def eps_from_rdp(orders: np.ndarray, rdp: np.ndarray, delta) -> tuple[np.ndarray, np.ndarray]:
+    """Balle et al. (2020, Thm. 21) conversion, minimized over orders. rdp: (..., n).
+
+    Returns (eps (...), index of the optimal order (...), -1 where every entry is NaN)."""
+    log_delta = np.log(np.asarray(delta, dtype=np.float64))[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        eps = rdp - (log_delta + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
+    all_nan = np.all(np.isnan(eps), axis=-1)
+    idx = np.argmin(np.where(np.isnan(eps), np.inf, eps), axis=-1)
+    best = np.take_along_axis(eps, idx[..., None], axis=-1)[..., 0]
+    best = np.where(all_nan, np.inf, best)
+    idx = np.where(all_nan, -1, idx)
+    return best, idx
