@@ -20,7 +20,7 @@ import warnings
 import numpy as np
 from scipy import interpolate, optimize
 
-from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from .._checks import check_delta, check_epsilons, check_positive, check_positive_integer, check_rate
 from . import _grid, pld
 from .orders import eps_at, polish
 from .plan import GroupSummary, PrivacyPlan
@@ -357,12 +357,7 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     delta = check_delta("delta", delta)
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
-    try:
-        c = float(max_grad_norm)
-    except (TypeError, ValueError):
-        raise TypeError(f"max_grad_norm must be a number > 0, got {max_grad_norm!r}") from None
-    if not (np.isfinite(c) and c > 0):
-        raise ValueError(f"max_grad_norm must be finite and > 0, got {max_grad_norm!r}")
+    c = check_positive("max_grad_norm", max_grad_norm)
     try:
         lam = float(hybrid_weight)
     except (TypeError, ValueError):
