@@ -914,7 +914,7 @@ class ClippingState:
     def last_norms(self) -> torch.Tensor | None:
         """(B,) per-sample gradient norms (all parameters) before clipping, of the last backward; None before one.
 
-        In units of the per-sample loss's gradient (the squared norms times ``loss_scale``).
+        In units of the per-sample loss's gradient (the backward's norms times ``loss_scale``).
         """
         if self._total_sq is None:
             return None
