@@ -63,7 +63,14 @@ _TF32_MARGIN = 4 * 2.0 ** -11
 
 
 def rounding_margin(t: torch.Tensor) -> float:
-    """Relative margin taken off clip bounds for clipped sums computed in ``t``'s dtype and device."""
+    """Relative margin taken off clip bounds for clipped sums computed in ``t``'s dtype and device.
+
+    Args:
+        t: a tensor of the layer's compute dtype and device.
+    Returns:
+        a float ≥ 0, a fraction of the bound: 4u for bf16 / fp16 (u their unit roundoff), fp16's for
+        CUDA fp32 with TF32 allowed, else 0.0.
+    """
     if t.dtype == torch.float32 and t.is_cuda:
         tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
         return _TF32_MARGIN if tf32 else 0.0
@@ -80,6 +87,8 @@ SMALL_CALL_BYTES = 1 << 20
 
 
 class Phase(enum.Enum):
+    """The phase of a ``ClippingState``'s batch lifecycle (see the module docstring)."""
+
     IDLE = "idle"
     OPEN = "open"
     GHOST_NORMS = "ghost norms"
@@ -103,10 +112,18 @@ class _Layer:
 class ClippingState:
     """Per-model state of private backward passes. See the module docstring for the lifecycle.
 
-    model: converted with ``pdpfast.nn.convert``. layer_shares (per-layer clipping only): None for
-    equal shares 1/√K over the K clipping groups, or a mapping from module name to C_k, or a
-    sequence of K values in ``self.group_names`` order; Σ C_k² must be 1. automatic_gamma: None for
-    standard clipping, γ > 0 for automatic clipping w_i = c_i / (‖g_i‖ + γ).
+    Args:
+        model: converted with ``pdpfast.nn.convert`` (every trainable parameter in a DP layer, batch-first).
+        mode: "bk" (book-keeping, one backward) or "ghost" (two backwards, see ``ghost_backward``).
+        clipping: "flat" (one bound per record over all parameters) or "per_layer".
+        layer_shares: per-layer clipping only: None for equal shares 1/√K over the K clipping groups, or a
+            mapping from module name to C_k, or a sequence of K values in ``self.group_names`` order;
+            Σ C_k² must be 1.
+        automatic_gamma: None for standard clipping, γ > 0 for automatic clipping w_i = c_i / (‖g_i‖ + γ).
+    Raises:
+        ValueError for an unknown mode / clipping, an option that does not apply, shares that are not
+        positive or do not satisfy Σ C_k² = 1, a batch_first=False module, trainable parameters outside DP
+        layers, or no trainable DP parameter at all.
     """
 
     def __init__(self, model: nn.Module, *, mode: str = "bk", clipping: str = "flat",
@@ -238,6 +255,11 @@ class ClippingState:
 
     @contextmanager
     def attached(self):
+        """Context manager: ``attach()`` on entry, ``detach()`` on exit.
+
+        Returns:
+            a context manager yielding this state.
+        """
         self.attach()
         try:
             yield self
@@ -245,6 +267,13 @@ class ClippingState:
             self.detach()
 
     def attach(self) -> None:
+        """Attach the state to every DP layer and guard each trainable parameter against unclipped gradients.
+
+        Returns:
+            None.
+        Raises:
+            RuntimeError if a layer is already attached to another state (another engine).
+        """
         for m in self.layers:
             if m._pdpfast_state is not None and m._pdpfast_state is not self:
                 raise RuntimeError(f"{self._names[m]} is already attached to another pdpfast engine")
@@ -256,6 +285,11 @@ class ClippingState:
                             for name, p in self.model.named_parameters() if p.requires_grad]
 
     def detach(self) -> None:
+        """Undo ``attach()``: release the layers, remove the gradient guards, clear the workspace.
+
+        Returns:
+            None.
+        """
         for m in self.layers:
             if m._pdpfast_state is self:
                 m._pdpfast_state = None
@@ -290,15 +324,23 @@ class ClippingState:
     def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0, *, draw=None) -> None:
         """Open a batch of B = len(clip_norms) samples (padded rows have mask 0).
 
-        clip_norms: (B,) c_i; with ``clipping="per_layer"`` also (K, B), row k the bounds of
-        clipping group k itself (then the layer shares are not applied: record i's sensitivity is
-        sqrt(Σ_k c_{k,i}²)), which is how per-layer adaptive clipping moves each layer's bound.
-
-        loss_scale: how much the backward's output gradients are scaled down relative to
-        per-sample losses (B for a loss that is the batch mean, 1 for a sum). draw: the id of the
-        Poisson draw this (physical) batch belongs to. With a draw id, a batch of a new draw is
-        refused while the previous draw's clipped sums still wait for ``optimizer.step()``;
-        without one (the functional API, benchmarks) the caller owns the lifecycle.
+        Args:
+            clip_norms: (B,) c_i, positive, in gradient-L2-norm units (a scalar is broadcast); with
+                ``clipping="per_layer"`` also (K, B), row k the bounds of clipping group k itself (then the
+                layer shares are not applied: record i's sensitivity is sqrt(Σ_k c_{k,i}²)), which is how
+                per-layer adaptive clipping moves each layer's bound.
+            mask: None, or (B,) of 0 / 1 (0 for a padded row).
+            loss_scale: how much the backward's output gradients are scaled down relative to
+                per-sample losses (B for a loss that is the batch mean, 1 for a sum).
+            draw: the id of the Poisson draw this (physical) batch belongs to. With a draw id, a batch of a
+                new draw is refused while the previous draw's clipped sums still wait for
+                ``optimizer.step()``; without one (the functional API, benchmarks) the caller owns the
+                lifecycle.
+        Returns:
+            None; the state enters phase ``OPEN``.
+        Raises:
+            RuntimeError for a new draw while the previous one is pending; ValueError for bad clip norms
+            (wrong shape, K rows for per-layer) or a mask that is not 0 / 1.
         """
         if draw is not None and self.pending and draw != self.draw:
             raise RuntimeError(
@@ -333,7 +375,11 @@ class ClippingState:
         return as_per_sample("clip_norms", clip_norms)
 
     def end_draw(self) -> None:
-        """The draw's clipped sums were consumed (optimizer step) or discarded: no batch is open."""
+        """The draw's clipped sums were consumed (optimizer step) or discarded: no batch is open.
+
+        Returns:
+            None; the state enters phase ``IDLE``.
+        """
         self.pending = False
         self._reset_backward()
         self._enter(Phase.IDLE)
@@ -341,6 +387,17 @@ class ClippingState:
     # ------------------------------------------------------------------ forward
 
     def forward(self, module: DPModule, x: torch.Tensor) -> torch.Tensor:
+        """A DP layer's private forward: its computation on detached parameters, recorded for the backward.
+
+        Args:
+            module: the DP layer (attached to this state).
+            x: its input, batch-first, (B, ...) (a (1, ...) input is expanded to B rows; a tuple for a
+                packed input whose tensors share dim 0).
+        Returns:
+            the layer's output, (B, ...).
+        Raises:
+            RuntimeError unless a batch is open; ValueError for an input whose dim 0 is not B (or 1).
+        """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
         x = self._batch_first(module, x)
@@ -363,8 +420,17 @@ class ClippingState:
 
     def partial_forward(self, module: DPModule, x: torch.Tensor, names: tuple, compute) -> torch.Tensor:
         """One call of ``module`` that uses only its parameters ``names`` (e.g. one gate projection of
-        a recurrent layer): ``compute(x, params)`` with the parameters detached; the call reaches the
-        rule with these names. ``compute`` returns a 2-D (rows, features) tensor, not a view."""
+        a recurrent layer); the call reaches the rule with these names.
+
+        Args:
+            module: the DP layer; x: its input, (B, ...); names: the parameter names the call uses;
+            compute: ``compute(x, params)`` with the parameters detached (a dict name → tensor or None),
+                returning a 2-D (rows, features) tensor, not a view.
+        Returns:
+            compute's output.
+        Raises:
+            RuntimeError unless a batch is open; ValueError for an input whose dim 0 is not B (or 1).
+        """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
         x = self._batch_first(module, x)
@@ -380,7 +446,16 @@ class ClippingState:
 
     def broadcast_forward(self, module, forward, args, kwargs):
         """The forward of a module with batch-broadcast parameters (``pdpfast.nn.broadcast``): each
-        trainable one is seen as its (B, ...) expansion, whose gradient is per sample."""
+        trainable one is seen as its (B, ...) expansion, whose gradient is per sample.
+
+        Args:
+            module: the broadcast host; forward: its original forward; args, kwargs: the call's arguments.
+        Returns:
+            what ``forward(*args, **kwargs)`` returns (the parameters are restored afterwards).
+        Raises:
+            RuntimeError unless a batch is open, or (naming the parameters) when the forward fails with them
+            expanded to the batch size.
+        """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
         params = module._parameters
@@ -401,7 +476,11 @@ class ClippingState:
             params.update(saved)
 
     def require_open(self) -> None:
-        """Raise, as a private forward would, unless a batch is open (phase ``OPEN``)."""
+        """Raise, as a private forward would, unless a batch is open (phase ``OPEN``).
+
+        Raises:
+            RuntimeError when no batch is open, or when the open batch's clipped sums were already computed.
+        """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
 
@@ -409,7 +488,16 @@ class ClippingState:
         """Point the open batch at other tensors holding the same clip bounds and mask (a captured
         step's static device buffers, into which it copied the values ``begin_batch`` checked), so
         a graph captured from this batch reads whatever they hold at replay. No checks of values
-        here: they would synchronise with the device."""
+        here: they would synchronise with the device.
+
+        Args:
+            clip_norms: a tensor of the open batch's clip-norm shape, (B,) or (K, B).
+            mask: None or (B,), as the open batch has (None exactly when it has none).
+        Returns:
+            None.
+        Raises:
+            RuntimeError unless a batch is open; ValueError for a shape that differs from the open batch's.
+        """
         self.require_open()
         if tuple(clip_norms.shape) != tuple(self.clip_norms.shape) or (mask is None) != (self.mask is None) or (
                 mask is not None and tuple(mask.shape) != tuple(self.mask.shape)):
@@ -449,6 +537,15 @@ class ClippingState:
     # ------------------------------------------------------------------ backward
 
     def on_backward(self, call, x: torch.Tensor, o: torch.Tensor) -> None:
+        """A DP layer call's backward: hands it to the handler of the current phase.
+
+        Args:
+            call: (layer, parameter names) as the forward recorded it.
+            x: the call's input, (B, ...) (cast to ``o``'s dtype when autocast ran the layer in another).
+            o: the output gradient, (B, ...) (made contiguous here).
+        Returns:
+            None.
+        """
         layer, names = call
         # gradients arriving through views (e.g. attention's head split) are often strided; one copy
         # here instead of one in every reshape of every rule
@@ -772,15 +869,27 @@ class ClippingState:
             hook(self)
 
     def clipped_outputs(self) -> tuple:
-        """What a backward leaves besides ``param.grad``: (total squared norms, last weights, group
-        squared norms). A captured step (``pdpfast.graphs``) holds these tensors of its capture: every
-        replay rewrites them in place."""
+        """What a backward leaves besides ``param.grad``. A captured step (``pdpfast.graphs``) holds
+        these tensors of its capture: every replay rewrites them in place.
+
+        Returns:
+            (total squared norms (B,), last weights w_i (B,), group squared norms (K, B) or None); each
+            None before a backward.
+        """
         return self._total_sq, self.last_weights, self._last_group_sq
 
     def replayed_backward(self, outputs: tuple) -> None:
         """Record that a replayed backward (a CUDA graph of the open batch's forward and backward)
         wrote the batch's clipped sums: the batch is CLIPPED and its draw pending, as after a
-        backward run here; ``outputs`` are ``clipped_outputs()`` of the capture."""
+        backward run here.
+
+        Args:
+            outputs: ``clipped_outputs()`` of the capture.
+        Returns:
+            None; the post-backward hooks run.
+        Raises:
+            RuntimeError unless a batch is open.
+        """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
         self._total_sq, self.last_weights, self._last_group_sq = outputs
@@ -803,7 +912,10 @@ class ClippingState:
 
     @property
     def last_norms(self) -> torch.Tensor | None:
-        """(B,) per-sample gradient norms (all parameters) before clipping, of the last backward."""
+        """(B,) per-sample gradient norms (all parameters) before clipping, of the last backward; None before one.
+
+        In units of the per-sample loss's gradient (the backward's norms times ``loss_scale``).
+        """
         if self._total_sq is None:
             return None
         return self._total_sq.clamp_min(0).sqrt() * self.loss_scale
@@ -817,7 +929,15 @@ class ClippingState:
         return self._last_group_sq.clamp_min(0).sqrt() * self.loss_scale
 
     def ghost_backward(self, losses: torch.Tensor) -> None:
-        """Two backwards over per-sample losses (B,): norms, then Σ_i w_i ℓ_i."""
+        """Two backwards over per-sample losses: norms, then Σ_i w_i ℓ_i.
+
+        Args:
+            losses: (B,) per-sample losses of the open batch.
+        Returns:
+            None; the clipped sums are in ``param.grad`` and the state is ``CLIPPED``.
+        Raises:
+            RuntimeError outside mode "ghost" or without an open batch; ValueError for losses not of shape (B,).
+        """
         if self.mode != "ghost":
             raise RuntimeError("ghost_backward is for mode='ghost'")
         if self.phase is not Phase.OPEN:

@@ -24,9 +24,11 @@ from .sampling import poisson_sample
 class PhysicalBatch:
     """What the engine needs to know about one physical batch.
 
-    indices: (rows,) record index of every row (padding rows repeat a record); mask: (rows,) 1 for
-    real rows, 0 for padding, or None when there is no padding; step: the logical step (draw) this
-    batch belongs to; is_last: whether the optimizer should step after this batch.
+    Args:
+        indices: (rows,) int64 record index of every row (padding rows repeat a record).
+        mask: (rows,) float, 1 for real rows, 0 for padding, or None when there is no padding.
+        step: the logical step (draw) this batch belongs to.
+        is_last: whether the optimizer should step after this batch.
     """
 
     indices: torch.Tensor
@@ -80,17 +82,25 @@ class _PhysicalBatches:
 class DPDataLoader:
     """Iterates batches drawn by weighted Poisson sampling.
 
-    dataset: any map-style dataset of N records. sample_rates: q_i, a float or (N,) in [0, 1].
-    steps_per_epoch: draws per iteration of the loader (default N / Σ q_i, i.e. one pass in
-    expectation). physical_batch_size: optional capacity K; draws larger than K are split into
-    several batches of K rows and the last is padded with masked rows, so every batch has K rows.
-    seed: of the counter-based draw (a fresh random one by default); draw t depends only on
-    (seed, t), so a resumed run continues the same sequence from ``next_step``.
-
-    rank, world_size: under data parallelism every process draws the same global sample (same
-    seed) and takes its share, drawn records ``rank::world_size``. Every rank yields the same number
-    of physical batches per draw (those with a smaller share pad with masked rows), so collectives
-    stay in step; without a physical batch size each rank yields one batch per draw, possibly empty.
+    Args:
+        dataset: any map-style dataset of N records.
+        sample_rates: q_i, a float or (N,) in [0, 1].
+        steps_per_epoch: draws per iteration of the loader (default N / Σ q_i, i.e. one pass in
+            expectation).
+        physical_batch_size: optional capacity K; draws larger than K are split into several batches of
+            K rows and the last is padded with masked rows, so every batch has K rows.
+        seed: of the counter-based draw (a fresh random one by default); draw t depends only on
+            (seed, t), so a resumed run continues the same sequence from ``next_step``.
+        collate_fn: the collate function (default torch's); empty draws collate to zero-row batches.
+        start_step: the first draw's index (``next_step``).
+        rank, world_size: under data parallelism every process draws the same global sample (same
+            seed) and takes its share, drawn records ``rank::world_size``. Every rank yields the same number
+            of physical batches per draw (those with a smaller share pad with masked rows), so collectives
+            stay in step; without a physical batch size each rank yields one batch per draw, possibly empty.
+        **loader_kwargs: go to the inner ``DataLoader`` (not batch_size, shuffle, sampler, batch_sampler,
+            drop_last).
+    Raises:
+        ValueError for an empty dataset, all-zero rates, a bad rank / count, or a batching argument.
     """
 
     def __init__(self, dataset: Dataset, sample_rates, *, steps_per_epoch: int | None = None,
@@ -133,7 +143,15 @@ class DPDataLoader:
 
     @classmethod
     def from_data_loader(cls, data_loader: DataLoader, sample_rates, **kwargs) -> DPDataLoader:
-        """Same dataset, collate function and worker settings as ``data_loader``."""
+        """A Poisson loader with the same dataset, collate function and worker settings as ``data_loader``.
+
+        Args:
+            data_loader: the torch DataLoader to copy settings from.
+            sample_rates: q_i, a float or (N,) in [0, 1].
+            **kwargs: other constructor arguments (override the copied settings).
+        Returns:
+            a ``DPDataLoader``.
+        """
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
                                                       "multiprocessing_context", "persistent_workers", "generator")}
         if keep["generator"] is None:
@@ -144,7 +162,14 @@ class DPDataLoader:
         return cls(data_loader.dataset, sample_rates, collate_fn=data_loader.collate_fn, **keep)
 
     def split(self, drawn: torch.Tensor, step: int) -> list[PhysicalBatch]:
-        """The physical batches of one draw: all of it, in chunks of the capacity if one is set."""
+        """The physical batches of one draw: all of it, in chunks of the capacity if one is set.
+
+        Args:
+            drawn: (n,) int64 indices of the records drawn (the global sample; this rank takes its share).
+            step: the draw's index.
+        Returns:
+            a list of ``PhysicalBatch``; the last has ``is_last`` True.
+        """
         K, W = self.physical_batch_size, self.world_size
         share = drawn if W == 1 else drawn[self.rank::W]
         if K is None:

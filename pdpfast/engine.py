@@ -26,7 +26,13 @@ class PrivacyBudgetExceeded(RuntimeError):
 
 
 class DPLoss:
-    """The loss of a ghost-mode step: ``backward()`` runs the two passes over per-sample losses."""
+    """The loss of a ghost-mode step: ``backward()`` runs the two passes over per-sample losses.
+
+    Args:
+        per_sample: (B,) per-sample losses.
+        state: the ``ClippingState`` of the open batch.
+        reduction: "mean" or "sum", how ``value`` reduces the per-sample losses.
+    """
 
     def __init__(self, per_sample: torch.Tensor, state: ClippingState, reduction: str):
         self.per_sample = per_sample
@@ -34,12 +40,15 @@ class DPLoss:
         self.value = (per_sample.mean() if reduction == "mean" else per_sample.sum()).detach()
 
     def backward(self) -> None:
+        """The ghost backward (``ClippingState.ghost_backward``): clipped sums into ``param.grad``."""
         self._state.ghost_backward(self.per_sample)
 
     def item(self) -> float:
+        """The reduced loss as a Python float (synchronises with the device)."""
         return self.value.item()
 
     def detach(self) -> torch.Tensor:
+        """The reduced loss, a 0-dim tensor without a graph."""
         return self.value
 
     def __float__(self) -> float:
@@ -50,7 +59,17 @@ class DPLoss:
 
 
 class DPCriterion:
-    """Wraps a torch loss module so it returns a ``DPLoss`` built from per-sample losses."""
+    """Wraps a torch loss module so it returns a ``DPLoss`` built from per-sample losses.
+
+    Calling it runs the loss with reduction "none"; losses of more than one dim (e.g. token-level (B, T))
+    are reduced per record (mean or sum, as ``reduction``) to (B,).
+
+    Args:
+        criterion: a torch loss module with a ``reduction`` attribute (copied, not changed).
+        state: the engine's ``ClippingState``; reduction: "mean" or "sum".
+    Raises:
+        TypeError if ``criterion`` has no ``reduction`` attribute.
+    """
 
     def __init__(self, criterion: nn.Module, state: ClippingState, reduction: str):
         if not hasattr(criterion, "reduction"):
@@ -117,9 +136,13 @@ class PrivacyEngine:
     The arguments and return values of Opacus 1.6's ``PrivacyEngine`` are accepted (``make_private``,
     ``make_private_with_epsilon``, ``get_epsilon``, ``accountant``, ``is_compatible``, ``validate``).
 
-    accountant: "rdp" (default), "pld", or "prv" (Opacus's default name; computed here by PLD, also
-    numerically tight). secure_mode: only False (pdpfast's noise is not drawn from a CSPRNG).
-    seed: of the Poisson draws and the noise (default: fresh random seeds).
+    Args:
+        accountant: "rdp" (default), "pld", or "prv" (Opacus's default name; computed here by PLD, also
+            numerically tight).
+        secure_mode: only False (pdpfast's noise is not drawn from a CSPRNG).
+        seed: of the Poisson draws and the noise (default: fresh random seeds).
+    Raises:
+        ValueError for "gdp" or another unknown accountant, or secure_mode=True.
     """
 
     def __init__(self, *, accountant: str = "rdp", secure_mode: bool = False, seed: int | None = None):
@@ -150,20 +173,38 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ Opacus's checks
 
     def is_compatible(self, *, module: nn.Module, optimizer=None, data_loader=None) -> bool:
-        """Whether ``module`` can be trained privately (see ``pdpfast.validators.ModuleValidator``)."""
+        """Whether ``module`` can be trained privately (see ``pdpfast.validators.ModuleValidator``).
+
+        Args:
+            module: the model; optimizer, data_loader: accepted as in Opacus, unused.
+        Returns:
+            bool.
+        """
         from .validators import ModuleValidator
 
         return ModuleValidator.is_valid(module)
 
     def validate(self, *, module: nn.Module, optimizer=None, data_loader=None) -> None:
-        """Raise ``UnsupportedModuleError`` listing every module ``make_private`` would refuse."""
+        """Raise ``UnsupportedModuleError`` listing every module ``make_private`` would refuse.
+
+        Args:
+            module: the model; optimizer, data_loader: accepted as in Opacus, unused.
+        Returns:
+            None.
+        """
         from .validators import ModuleValidator
 
         ModuleValidator.validate(module, strict=True)
 
     @classmethod
     def get_compatible_module(cls, module: nn.Module) -> nn.Module:
-        """A fixed copy of ``module`` (BatchNorm → GroupNorm, ...), validated."""
+        """A fixed copy of ``module`` (BatchNorm → GroupNorm, ...), validated.
+
+        Args:
+            module: the model.
+        Returns:
+            the fixed copy (an ``nn.Module``).
+        """
         from .validators import ModuleValidator
 
         return ModuleValidator.fix_and_validate(module)
@@ -178,30 +219,39 @@ class PrivacyEngine:
                      sample_rates=None, clip_norms=None, mode: str | None = None, layer_shares=None,
                      automatic_gamma: float | None = None, physical_batch_size: int | None = None,
                      steps_per_epoch: int | None = None):
-        """Returns ``MadePrivate(module, optimizer, data_loader)``, or ``MadePrivateGhost(module,
-        optimizer, criterion, data_loader)`` for ``mode="ghost"`` / ``grad_sample_mode="ghost"``
-        (which needs ``criterion``: a torch loss module): tuples that unpack as Opacus's, with the
-        parts also named. The module is converted in place and returned (with
-        ``wrap_model=False``, an object whose ``cleanup()`` detaches the engine, as in Opacus).
+        """Make (module, optimizer, data_loader) private, with Opacus 1.6's arguments and pdpfast's.
 
-        Opacus's arguments: noise_multiplier σ; max_grad_norm: the reference bound C of the noise
-        N(0, σ²C²) and every record's clip bound unless ``clip_norms`` is given; loss_reduction:
-        "mean" if the loss is the batch mean of per-sample losses (torch's default), "sum" if it is
-        their sum; poisson_sampling: True draws each batch by Poisson sampling at rate q = 1/len(
-        data_loader); False returns ``data_loader`` unchanged, and each forward of the model on a
-        batch of your own opens a private batch (every record must then have the same clip bound
-        and sample rate; a one-time warning says the accounting assumes Poisson sampling); clipping:
-        "flat" or "per_layer"; noise_generator: seeds the noise; grad_sample_mode: "hooks",
-        "functorch", "ew" (all exact book-keeping here) or "ghost".
+        The module is converted in place. With per-record bounds or rates, a batch you build yourself
+        must name its records: ``with engine.records(indices): ...`` (see ``records``).
 
-        pdpfast's arguments: sample_rates: q_i, a float or (N,) in [0, 1] (default 1/len(data_loader),
-        Opacus's); clip_norms: c_i, (N,) > 0 (default: max_grad_norm for every record); mode: "bk" or
-        "ghost" (instead of grad_sample_mode); layer_shares, automatic_gamma: see ``ClippingState``;
-        physical_batch_size: split large draws into batches of this many rows (padded, masked);
-        steps_per_epoch: draws per pass over the loader.
-
-        With per-record bounds or rates, a batch you build yourself must name its records:
-        ``with engine.records(indices): ...`` (see ``records``).
+        Args:
+            module, optimizer, data_loader: the run to make private.
+            noise_multiplier: σ (noise std in units of C).
+            max_grad_norm: the reference bound C of the noise N(0, σ²C²) and every record's clip bound
+                unless ``clip_norms`` is given.
+            criterion: a torch loss module; needed for ghost mode.
+            loss_reduction: "mean" if the loss is the batch mean of per-sample losses (torch's default),
+                "sum" if it is their sum.
+            poisson_sampling: True draws each batch by Poisson sampling at rate q = 1/len(data_loader);
+                False returns ``data_loader`` unchanged, and each forward of the model on a batch of your own
+                opens a private batch (every record must then have the same clip bound and sample rate; a
+                one-time warning says the accounting assumes Poisson sampling).
+            clipping: "flat" or "per_layer".
+            noise_generator: seeds the noise.
+            grad_sample_mode: "hooks", "functorch", "ew" (all exact book-keeping here) or "ghost".
+            wrap_model: False returns, instead of the module, an object whose ``cleanup()`` detaches the
+                engine, as in Opacus.
+            batch_first, rand_on_empty: Opacus's, checked.
+            sample_rates: q_i, a float or (N,) in [0, 1] (default 1/len(data_loader), Opacus's).
+            clip_norms: c_i, (N,) > 0 (default: max_grad_norm for every record).
+            mode: "bk" or "ghost" (instead of grad_sample_mode).
+            layer_shares, automatic_gamma: see ``ClippingState``.
+            physical_batch_size: split large draws into batches of this many rows (padded, masked).
+            steps_per_epoch: draws per pass over the loader.
+        Returns:
+            ``MadePrivate(module, optimizer, data_loader)``, or ``MadePrivateGhost(module, optimizer,
+            criterion, data_loader)`` for ``mode="ghost"`` / ``grad_sample_mode="ghost"``: tuples that
+            unpack as Opacus's, with the parts also named.
         """
         mode = self._check_make_private_args(
             module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
@@ -343,7 +393,18 @@ class PrivacyEngine:
         σ is the root of ε(σ) = target (found to 1e-9 relative), so ε ≤ target and never above;
         ``epsilon_tolerance`` (Opacus's bisection tolerance) is accepted and not needed. Other
         keyword arguments go to ``make_private`` (``sample_rates``/``clip_norms`` are not
-        accepted: use ``make_private_with_budgets`` for per-record budgets)."""
+        accepted: use ``make_private_with_budgets`` for per-record budgets).
+
+        Args:
+            module, optimizer, data_loader (a torch DataLoader), max_grad_norm: as for ``make_private``.
+            target_epsilon: ε, one number; target_delta: δ; epochs: a positive int.
+            epsilon_tolerance: accepted, unused.
+        Returns:
+            what ``make_private`` returns.
+        Raises:
+            TypeError for an argument it sets itself (noise_multiplier, sample_rates, clip_norms,
+            steps_per_epoch), a loader that is not a DataLoader or a non-scalar ε; ValueError for bad epochs.
+        """
         from ._checks import check_epsilons
         from .accounting.rdp import get_noise_multiplier
 
@@ -423,7 +484,13 @@ class PrivacyEngine:
 
         A uniform run: the accountant's ε of its history. A run with per-record rates or bounds: the
         largest ε of any record (the guarantee every record has), by the plan's ledger after
-        ``make_private_with_budgets``, else by this engine's accountant over the distinct (q_i, z_i)."""
+        ``make_private_with_budgets``, else by this engine's accountant over the distinct (q_i, z_i).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            ε, a float (0.0 before any step).
+        """
         from ._checks import check_delta
         from .accounting.ledger import IndividualAccountant, PLDIndividualAccountant
 
@@ -451,7 +518,17 @@ class PrivacyEngine:
         is clipped to c_{indices[j]}. The batch then has the usual lifecycle (one backward; the step
         closes it). Needed when records have different clip bounds or rates; with one bound for all,
         a plain forward opens the batch itself. The accounting still assumes Poisson sampling at
-        the records' rates (a one-time warning says so)."""
+        the records' rates (a one-time warning says so).
+
+        Args:
+            indices: (B,) distinct record indices in [0, N) of the rows of the batch, in row order; row j
+                is clipped to c_{indices[j]}.
+        Returns:
+            a context manager.
+        Raises:
+            RuntimeError before make_private or while the previous batch waits for a step; TypeError for
+            indices that are not a 1-D sequence of ints; ValueError for indices out of range or repeated.
+        """
         if self.state is None:
             raise RuntimeError("records() needs make_private first")
         idx = torch.as_tensor(indices)
@@ -533,7 +610,13 @@ class PrivacyEngine:
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
         """The clip bounds of a physical batch's rows, (B,) (an extension point: adaptive clipping
-        replaces it on the instance to move the bounds between steps, (K, B) per layer)."""
+        replaces it on the instance to move the bounds between steps, (K, B) per layer).
+
+        Args:
+            indices: (B,) int64 record indices of the rows.
+        Returns:
+            (B,) clip bounds c_i (or (K, B) when replaced for per-layer adaptive clipping).
+        """
         return self._clip_norms_tensor[indices]
 
     def _may_zero_grad(self) -> bool:
@@ -569,6 +652,23 @@ class PrivacyEngine:
         ledger charges every step's σ_t. adaptive_clipping: a ``pdpfast.adaptive.QuantileClipping``:
         the groups' clip bounds follow a quantile of their gradient norms, the noised counts paid
         from the plan's own multipliers. ``engine.adaptive`` then holds the per-step history.
+
+        Args:
+            module, optimizer, data_loader: the run to make private.
+            budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``.
+            delta: δ in (0, 1).
+            epochs, steps: the run's length: passes (in expectation) or optimizer steps.
+            method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``); hybrid_weight: its mix.
+            sample_rate: mean Poisson rate (default: batch_size / N of ``data_loader``).
+            max_grad_norm: C, the reference clip bound.
+            accountant: "rdp" or "pld", the plan's accountant and ledger.
+            noise_schedule, adaptive_clipping: see above.
+            **kwargs: go to ``make_private``.
+        Returns:
+            what ``make_private`` returns.
+        Raises:
+            TypeError for an argument the plan sets (noise_multiplier, sample_rates, clip_norms,
+            steps_per_epoch); ValueError for poisson_sampling other than True.
         """
         from .accounting import calibrate, ledger_for_plan
 
@@ -639,7 +739,13 @@ class PrivacyEngine:
 
     def epsilons(self) -> np.ndarray:
         """(N,) ε each record has spent so far, at the plan's δ, by the ledger of the plan's accountant
-        (``engine.accountant.name``: "rdp" or "pld"), so it is ≤ the budgets the plan was made for."""
+        (``engine.accountant.name``: "rdp" or "pld"), so it is ≤ the budgets the plan was made for.
+
+        Returns:
+            (N,) float64 ε_i.
+        Raises:
+            RuntimeError without a plan of ``make_private_with_budgets``.
+        """
         if self.plan is None:
             raise RuntimeError("epsilons() needs the ledger of make_private_with_budgets (get_epsilon(delta) gives "
                                "the ε of any run)")
@@ -647,7 +753,12 @@ class PrivacyEngine:
 
     def state_dict(self) -> dict:
         """Everything needed to resume: optimizer (with its step count and noise seed), the loader's
-        next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``."""
+        next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``.
+
+        Returns:
+            a dict: "optimizer", and where they apply "loader", "plan" / "ledger" / "delta", "accountant",
+            "adaptive".
+        """
         state = {"optimizer": self.optimizer.state_dict()}
         if self.data_loader is not None:
             state["loader"] = {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}
@@ -660,6 +771,17 @@ class PrivacyEngine:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict()`` returned; everything privacy-related is checked first, so a
+        refused checkpoint leaves the engine as it was.
+
+        Args:
+            state: a dict from ``state_dict()``.
+        Returns:
+            None.
+        Raises:
+            RuntimeError / ValueError when the checkpoint's plan, accountant or sampling do not match this
+            engine's.
+        """
         # check everything privacy-related before changing anything: a refused checkpoint leaves
         # the engine as it was
         ledger = None
@@ -712,7 +834,15 @@ class PrivacyEngine:
 
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
-        crash leaves the previous checkpoint or the new one, never a half-written file."""
+        crash leaves the previous checkpoint or the new one, never a half-written file.
+
+        Args:
+            path: the file to write (rank 0 only under data parallelism; every rank waits for it).
+            module: the model (a DDP wrapper is unwrapped).
+            **extra: other values to store, returned by ``load_checkpoint``.
+        Returns:
+            None.
+        """
         module = inner_module(module)
         state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}
         if self.distributed is None or self.distributed.rank == 0:  # every rank holds the same state
@@ -721,7 +851,13 @@ class PrivacyEngine:
             self.distributed.barrier()  # no rank reads or replaces it before it is complete
 
     def load_checkpoint(self, path, module: nn.Module) -> dict:
-        """Restore what ``save_checkpoint`` wrote; returns its ``extra`` fields."""
+        """Restore what ``save_checkpoint`` wrote.
+
+        Args:
+            path: the checkpoint file; module: the model to load the weights into.
+        Returns:
+            the dict of its ``extra`` fields.
+        """
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         module = inner_module(module)
         module.load_state_dict(checkpoint["model"])
@@ -735,6 +871,7 @@ class PrivacyEngine:
 
     @property
     def expected_batch_size(self) -> float:
+        """B_exp = Σ_i q_i, records per draw in expectation (float)."""
         return float(np.sum(self.sample_rates))
 
     def detach(self) -> None:

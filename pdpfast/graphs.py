@@ -293,9 +293,18 @@ class _Accumulate:
 
 @contextlib.contextmanager
 def no_host_sync():
-    """Raise on the tensor methods that synchronise with the host (``.item()``, ``.tolist()``,
-    ``.cpu()``, ``bool(t)``, ``nonzero``, ...) while the block runs: what a CUDA graph capture
-    forbids, made visible on the CPU (tests wrap a step's body in it)."""
+    """Raise on the tensor methods that synchronise with the host while the block runs.
+
+    Covers ``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``, ...: what a CUDA graph
+    capture forbids, made visible on the CPU (tests wrap a step's body in it). The methods are
+    restored on exit.
+
+    Returns:
+        a context manager (yields None).
+    Raises:
+        RuntimeError ("Tensor.<name> synchronises with the host inside a step body") on any such call
+        inside the block.
+    """
     names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
              "unique", "equal")
     saved = {n: getattr(torch.Tensor, n) for n in names}

@@ -23,6 +23,15 @@ class DPOptimizer(Optimizer):
     no draw's earlier batches would be lost (the engine sets both, and the hooks that close a draw).
 
     param_groups and state are the wrapped optimizer's own (LR schedulers work unchanged).
+
+    Args:
+        optimizer: the torch optimizer to wrap.
+        noise_multiplier: σ, a finite float ≥ 0 (noise std in units of the clip norm C).
+        max_grad_norm: C, the clip norm, a finite float > 0.
+        expected_batch_size: B_exp = Σ_i q_i, records per draw, a finite float > 0.
+        seed: the noise seed (int); None draws one from ``os.urandom``.
+    Raises:
+        TypeError if ``optimizer`` is not a ``torch.optim.Optimizer``; ValueError for an out-of-range number.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
@@ -54,6 +63,7 @@ class DPOptimizer(Optimizer):
 
     @property
     def param_groups(self):
+        """The wrapped optimizer's param_groups."""
         return self.original_optimizer.param_groups
 
     @param_groups.setter
@@ -62,6 +72,7 @@ class DPOptimizer(Optimizer):
 
     @property
     def state(self):
+        """The wrapped optimizer's state."""
         return self.original_optimizer.state
 
     @state.setter
@@ -70,6 +81,7 @@ class DPOptimizer(Optimizer):
 
     @property
     def defaults(self):
+        """The wrapped optimizer's defaults."""
         return self.original_optimizer.defaults
 
     @defaults.setter
@@ -82,10 +94,21 @@ class DPOptimizer(Optimizer):
         return self.noise_multiplier * self.max_grad_norm
 
     def trainable_params(self) -> list[torch.Tensor]:
-        """The parameters the optimizer updates that require a gradient, in param_groups order."""
+        """The parameters the optimizer updates that require a gradient.
+
+        Returns:
+            a list of parameter tensors, in param_groups order.
+        """
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients, unless ``may_zero_grad()`` says a draw's earlier batches would be lost.
+
+        Args:
+            set_to_none: passed to the wrapped optimizer's ``zero_grad``.
+        Returns:
+            None (the post-zero-grad hooks run when it did zero them).
+        """
         if self.may_zero_grad():
             self.original_optimizer.zero_grad(set_to_none)
             for hook in self.post_zero_grad_hooks:
@@ -95,8 +118,15 @@ class DPOptimizer(Optimizer):
     def add_noise_and_normalize(self, device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
         """ĝ = (Σ_i w_i g_i + N(0, σ²C²)) / B_exp in every ``param.grad``, noise from (seed, steps).
 
-        device_seed, keep: see ``pdpfast.ops.noise.add_noise_`` (a captured step reads the step from
-        a device-side counter)."""
+        A parameter no record reached (``grad`` None) gets a zero gradient and is noised all the same;
+        under data parallelism ``reduce_grads`` sums over ranks first.
+
+        Args:
+            device_seed, keep: see ``pdpfast.ops.noise.add_noise_`` (a captured step reads the step from
+                a device-side counter).
+        Returns:
+            None; every trainable ``param.grad`` is overwritten in place.
+        """
         grads = []
         for p in self.trainable_params():
             if p.grad is None:  # no record reached it (e.g. an empty draw): noise all the same
@@ -108,6 +138,16 @@ class DPOptimizer(Optimizer):
         torch._foreach_div_(grads, self.expected_batch_size)
 
     def step(self, closure: Callable | None = None):
+        """One private step: before_step, noise and normalize, the wrapped step, after_step.
+
+        Does nothing but run the closure while ``at_step_boundary()`` is False (a draw split over several
+        physical batches is not yet complete).
+
+        Args:
+            closure: optional, re-evaluates the model and returns the loss (run with grad enabled).
+        Returns:
+            the closure's loss, or None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -122,7 +162,11 @@ class DPOptimizer(Optimizer):
 
     def before_step(self) -> None:
         """The host side of a step before its device work: the pre-step hooks (e.g. the ledger
-        refusing a step past a budget). ``step`` and a captured step (``pdpfast.graphs``) call it."""
+        refusing a step past a budget). ``step`` and a captured step (``pdpfast.graphs``) call it.
+
+        Raises:
+            whatever a pre-step hook raises (e.g. ``PrivacyBudgetExceeded``).
+        """
         for hook in self.pre_step_hooks:
             hook(self)
 
@@ -137,9 +181,21 @@ class DPOptimizer(Optimizer):
             hook(self)
 
     def state_dict(self):
+        """The optimizer's state for a checkpoint.
+
+        Returns:
+            a dict: "optimizer" (the wrapped optimizer's state_dict), "steps" (int), "seed" (int).
+        """
         return {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps, "seed": self.seed}
 
     def load_state_dict(self, state_dict) -> None:
+        """Restore the state ``state_dict()`` returned.
+
+        Args:
+            state_dict: a dict with "optimizer", "steps" and "seed".
+        Returns:
+            None.
+        """
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps, self.seed = int(state_dict["steps"]), int(state_dict["seed"])
 
