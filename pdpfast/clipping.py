@@ -803,9 +803,10 @@ class ClippingState:
         sq = [stacked.sq_norms(calls) for stacked, calls in chunks]  # (n_j, B) each
         sq = sq[0] if len(sq) == 1 else torch.cat(sq)
         groups = [tuple(self._layer[call[0]].group for call in calls) for _, calls in chunks]
+        all_groups = sum(groups, ())
         margins = [rounding_margin(calls[0][2]) for _, calls in chunks]
         if len(set(margins)) == 1:
-            bounds = self._group_bounds(sq, margins[0], sum(groups, ()))
+            bounds = self._group_bounds(sq, margins[0], all_groups)
         else:  # stacks computed in different precisions keep their own margins
             bounds = torch.cat([self._group_bounds(sq, m, g) for m, g in zip(margins, groups)])
         weights = self._weights(sq, bounds)
@@ -815,7 +816,7 @@ class ClippingState:
                 self._accumulate(module, grads)
             start += len(calls)
         if self.keep_group_norms:
-            for group, row in zip(sum(groups, ()), sq.unbind(0)):
+            for group, row in zip(all_groups, sq.unbind(0)):
                 self._add_group_sq(group, row)
         self._add_sq(sq.sum(0))
 

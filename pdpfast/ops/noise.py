@@ -33,12 +33,11 @@ def step_seed_tensor(seed_and_step: torch.Tensor) -> torch.Tensor:
 
     A captured CUDA graph reads the step from device memory, so its noise follows (seed, step)
     replay after replay with no host value baked in (``pdpfast.graphs``)."""
-    z = seed_and_step[0].clone()
-    for k in (0, 1):
-        if k:
-            z ^= seed_and_step[1]
-        z += as_int64(GOLDEN_GAMMA)
-        mix64_(z)
+    golden = as_int64(GOLDEN_GAMMA)
+    z = seed_and_step[0].clone()  # 0 ⊕ seed
+    mix64_(z.add_(golden))
+    z ^= seed_and_step[1]
+    mix64_(z.add_(golden))
     return logical_shift_right(z, 1)
 
 
