@@ -66,9 +66,10 @@ class DPLayerFunction(torch.autograd.Function):
 class DPModule:
     """Mixin of every DP layer. ``_pdpfast_state`` is set by ``ClippingState.attach``.
 
-    A DP class lists it before the torch layer it replaces (``class DPLinear(..., nn.Linear)``) and
-    takes that layer's constructor arguments; ``convert`` makes DP layers by changing the class of
-    existing modules, so they are rarely constructed directly.
+    A DP class usually lists it before the torch layer it replaces (``class DPLinear(..., nn.Linear)``)
+    and takes that layer's constructor arguments; one that does not (``DPLayerScale``, broadcast
+    hosts) is mixed into the module's own class by ``convert``. ``convert`` makes DP layers by
+    changing the class of existing modules, so they are rarely constructed directly.
     """
 
     _pdpfast_state = None
