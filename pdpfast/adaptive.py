@@ -72,13 +72,17 @@ def _number(name: str, value, low: float, high: float, *, low_open=False, high_o
 class QuantileClipping:
     """Settings of per-group quantile clipping.
 
-    target_quantile: γ in (0, 1), the fraction of each group's members that should be unclipped
-        (Andrew et al.'s default 0.5: the median norm).
-    learning_rate: η > 0 of the geometric update (default 0.2, Andrew et al.'s).
-    count_share: f in (0, 1), the share of each step's privacy (of z^-2) spent on the counts
-        (default 0.01: the gradient noise grows by 1/√(1 − f) ≈ 0.5%).
-    per_group: False: the groups' bounds move together (Scale's ratios kept); True: each group
-        adapts on its own.
+    Args:
+        target_quantile: γ in (0, 1), the fraction of each group's members that should be unclipped
+            (Andrew et al.'s default 0.5: the median norm).
+        learning_rate: η > 0 of the geometric update, at most 1e3 (default 0.2, Andrew et al.'s).
+        count_share: f in (0, 1), the share of each step's privacy (of z^-2) spent on the counts
+            (default 0.01: the gradient noise grows by 1/√(1 − f) ≈ 0.5%).
+        per_group: False: the groups' bounds move together (Scale's ratios kept); True: each group
+            adapts on its own.
+    Raises:
+        TypeError for a value that is not a number (``per_group``: not a bool); ValueError for a number
+        out of range.
     """
 
     target_quantile: float = 0.5
@@ -98,10 +102,14 @@ def split_noise(noise_multiplier, count_share: float, count_sensitivity: float =
     """Split a noise multiplier between the gradient and the count of unclipped records.
 
     Args:
-        noise_multiplier: z, the pair's effective multiplier (a float or an array); count_share: f
-            in (0, 1); count_sensitivity: s, the count's L2 sensitivity.
+        noise_multiplier: z, the pair's effective multiplier (a float or an array of any shape).
+        count_share: f in (0, 1), the share of the precision z^-2 spent on the count.
+        count_sensitivity: s, the count's L2 sensitivity (½ for one centered bit per record).
     Returns:
-        (z_grad, σ_count), broadcast over arrays: z_grad = z/√(1−f), σ_count = s·z/√f.
+        (z_grad, σ_count), float64 arrays of z's shape (0-d for a float): z_grad = z/√(1−f),
+        σ_count = s·z/√f.
+    Raises:
+        TypeError when ``count_share`` is not a number; ValueError when it is outside (0, 1).
     """
     f = _number("count_share", count_share, 0.0, 1.0, low_open=True, high_open=True)
     z = np.asarray(noise_multiplier, dtype=np.float64)
@@ -113,9 +121,11 @@ def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: f
     the same sample (Andrew et al., Thm. 1).
 
     Args:
-        grad_noise_multiplier: z_grad; count_std: σ_count; count_sensitivity: s (floats or arrays).
+        grad_noise_multiplier: z_grad, the gradient query's noise multiplier (a float or an array).
+        count_std: σ_count, the count's noise std (a float or an array).
+        count_sensitivity: s, the count's L2 sensitivity (½ for one centered bit per record).
     Returns:
-        (z_grad^-2 + (s/σ_count)^2)^-1/2, broadcast over arrays.
+        z = (z_grad^-2 + (s/σ_count)^2)^-1/2, float64, broadcast over the arrays.
     """
     zg = np.asarray(grad_noise_multiplier, dtype=np.float64)
     sc = np.asarray(count_std, dtype=np.float64)
@@ -125,9 +135,15 @@ def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: f
 class GeometricQuantileTracker:
     """Clip bounds that follow a target quantile: C ← C·exp(−η(b̄ − γ)) (Andrew et al., Alg. 1).
 
-    bounds: initial bounds, any shape S (e.g. (G, K) groups × layers). ``update`` takes the noised
-    centered counts Σ(b_i − ½) + noise (shape S) and the expected number of records behind each
-    count E (shape S, constant), and returns the new bounds."""
+    Args:
+        bounds: initial bounds > 0 (finite), any shape S (e.g. (G, K) groups × layers), kept as a
+            float64 copy in ``self.bounds``.
+        target_quantile: γ in (0, 1).
+        learning_rate: η in (0, 1e3].
+    Raises:
+        ValueError for bounds that are not finite and > 0, or γ / η out of range; TypeError for γ or η
+        that is not a number.
+    """
 
     def __init__(self, bounds, target_quantile: float, learning_rate: float):
         self.bounds = np.array(bounds, dtype=np.float64)
@@ -137,10 +153,25 @@ class GeometricQuantileTracker:
         self.learning_rate = _number("learning_rate", learning_rate, 0.0, 1e3, low_open=True)
 
     def unclipped_fraction(self, noisy_centered_count, expected_count) -> np.ndarray:
-        """b̄ = count / E + ½, the noised fraction of unclipped records (may leave [0, 1])."""
+        """b̄ = count / E + ½, the noised fraction of unclipped records.
+
+        Args:
+            noisy_centered_count: Σ(b_i − ½) + noise, shape S (or broadcastable to it).
+            expected_count: E, the expected number of records behind each count (a constant), shape S.
+        Returns:
+            float64 array of the broadcast shape; may leave [0, 1] (it is noised).
+        """
         return np.asarray(noisy_centered_count, dtype=np.float64) / np.asarray(expected_count) + 0.5
 
     def update(self, noisy_centered_count, expected_count) -> np.ndarray:
+        """One geometric step of every bound: C ← C·exp(−η(b̄ − γ)), b̄ from ``unclipped_fraction``.
+
+        Args:
+            noisy_centered_count: Σ(b_i − ½) + noise per bound, shape S.
+            expected_count: E per bound, shape S.
+        Returns:
+            the new bounds, float64 of shape S (also stored in ``self.bounds``).
+        """
         b = self.unclipped_fraction(noisy_centered_count, expected_count)
         self.bounds = self.bounds * np.exp(-self.learning_rate * (b - self.target_quantile))
         return self.bounds
@@ -148,11 +179,18 @@ class GeometricQuantileTracker:
 
 class AdaptiveTraining:
     """Attached by ``PrivacyEngine.make_private_with_budgets(adaptive_clipping=..., noise_schedule=...)``:
-    sets each step's clip bounds, noise and ledger multipliers. ``history`` holds, per step, the
-    groups' total clip bounds (G,), the noise std of the gradient sum and the counts' noise stds.
+    sets each step's clip bounds, noise and ledger multipliers. ``history`` holds, per step, a dict:
+    "step", "clip_norms" (the groups' total clip bounds, G floats), "noise_std" (of the gradient sum)
+    and, with adaptive clipping, "count_std" (the counts' noise stds).
 
-    engine: the PrivacyEngine (after ``make_private``); plan: its PrivacyPlan (a ScheduledPlan for
-    a schedule); clipping: QuantileClipping or None; factors: (T,) h(t) or None (constant noise).
+    Args:
+        engine: the PrivacyEngine (after ``make_private``).
+        plan: its PrivacyPlan (a ScheduledPlan for a schedule) over G privacy groups.
+        clipping: QuantileClipping, or None for fixed bounds.
+        factors: (T,) noise factors h(t), or None (constant noise); steps past T use h(T − 1).
+        seed: the seed of the counts' noise (an int); None draws one from ``os.urandom``.
+    Raises:
+        TypeError when ``clipping`` is neither a QuantileClipping nor None.
     """
 
     def __init__(self, engine, plan, *, clipping: QuantileClipping | None = None, factors=None, seed=None):
@@ -182,6 +220,13 @@ class AdaptiveTraining:
 
     # ------------------------------------------------------------------ wiring
     def attach(self) -> AdaptiveTraining:
+        """Hook into the engine: with adaptive clipping, the batches' clip bounds and the counts after
+        each backward; always, each step's noise (pre-step) and the bounds' update and history
+        (post-step); the ledger's multipliers are set for the next step.
+
+        Returns:
+            self.
+        """
         engine = self.engine
         if self.clipping is not None:
             engine.batch_clip_norms = self.batch_clip_norms
@@ -215,7 +260,13 @@ class AdaptiveTraining:
         return np.sqrt(np.sum(self.bounds ** 2, axis=1))
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
-        """The bounds of a batch's rows: (B,) for flat clipping, (K, B) per layer."""
+        """The current clip bounds of a batch's records (set as the engine's ``batch_clip_norms``).
+
+        Args:
+            indices: (B,) int64 dataset indices of the batch's records.
+        Returns:
+            float64 bounds: (B,) for flat clipping, (K, B) for per-layer clipping (row k clipping group k).
+        """
         rows = self._bounds_tensor[self._group_of_t[indices]]        # (B, K)
         return rows[:, 0].contiguous() if not self.per_layer else rows.t().contiguous()
 
@@ -281,9 +332,22 @@ class AdaptiveTraining:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
+        """The state a checkpoint needs to resume the adaptation.
+
+        Returns:
+            a dict: "bounds" (the tracker's float64 bounds, a copy; None without adaptive clipping) and
+            "seed" (int).
+        """
         return {"bounds": None if self.clipping is None else self.tracker.bounds.copy(), "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict()`` returned and reset the ledger's multipliers for the engine's step.
+
+        Args:
+            state: a dict with "seed" and "bounds" (bounds ignored when None or without adaptive clipping).
+        Returns:
+            None.
+        """
         self.seed = int(state["seed"])
         if self.clipping is not None and state.get("bounds") is not None:
             self.tracker.bounds = np.array(state["bounds"], dtype=np.float64)

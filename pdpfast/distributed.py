@@ -29,7 +29,11 @@ from torch import nn
 
 
 class DistributedContext:
-    """rank and world size of the default process group, and the collectives the engine needs."""
+    """rank and world size of the default process group, and the collectives the engine needs.
+
+    Takes no arguments; the default process group must be initialized
+    (``torch.distributed.init_process_group``). Attributes: ``rank`` and ``world_size`` (ints).
+    """
 
     def __init__(self):
         import torch.distributed as dist
@@ -38,8 +42,15 @@ class DistributedContext:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def agree_seed(self, seed: int | None) -> int:
-        """The same seed on every rank: rank 0's random one when ``seed`` is None; refused if the
-        ranks were given different seeds (their draws would differ)."""
+        """The same seed on every rank (a collective: every rank must call it).
+
+        Args:
+            seed: this rank's seed (an int), or None on every rank for a random one drawn by rank 0.
+        Returns:
+            the agreed seed, an int (< 2^56 when drawn).
+        Raises:
+            ValueError when the ranks were given different seeds (their draws would differ).
+        """
         if seed is None:
             seed = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
             box = [seed]
@@ -49,7 +60,17 @@ class DistributedContext:
         return int(seed)
 
     def check_same(self, what: str, value) -> None:
-        """Refuse to go on unless every rank holds the same ``value`` (compared by hash)."""
+        """Refuse to go on unless every rank holds the same ``value`` (a collective: every rank calls it).
+
+        Args:
+            what: what the value is, for the message (e.g. "seed").
+            value: a picklable value, gathered from every rank and compared with ``==`` (for large
+                values pass a digest, e.g. ``plan_fingerprint``).
+        Returns:
+            None.
+        Raises:
+            ValueError on every rank when any rank's value differs from rank 0's.
+        """
         values = [None] * self.world_size
         self.dist.all_gather_object(values, value)
         if any(v != values[0] for v in values):
@@ -57,7 +78,18 @@ class DistributedContext:
                              "(the draws, clip bounds and noise must agree across ranks)")
 
     def all_reduce_sum_(self, grads: list[torch.Tensor], step: int) -> None:
-        """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket."""
+        """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket.
+
+        Args:
+            grads: the tensors (the clipped sums of the trainable parameters), any shapes; overwritten
+                with their sums over the ranks.
+            step: the optimizer step, for the error message.
+        Returns:
+            None.
+        Raises:
+            RuntimeError (naming the rank and step) when the all-reduce fails, e.g. another rank stopped
+            or did not reach this step within the process group's timeout.
+        """
         buckets: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             buckets.setdefault((g.device, g.dtype), []).append(g)
@@ -73,18 +105,40 @@ class DistributedContext:
             torch._foreach_copy_(group, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in group]), group)])
 
     def barrier(self) -> None:
+        """Wait until every rank reaches this point (``torch.distributed.barrier``).
+
+        Returns:
+            None.
+        """
         self.dist.barrier()
 
 
 def inner_module(module: nn.Module) -> nn.Module:
-    """The model inside a DistributedDataParallel wrapper (state_dict names without "module.")."""
+    """The model inside a DistributedDataParallel wrapper (state_dict names without "module.").
+
+    Args:
+        module: a model, DDP-wrapped or not.
+    Returns:
+        ``module.module`` for a ``DistributedDataParallel``, else ``module`` itself.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def unwrap(module: nn.Module) -> tuple[nn.Module, DistributedContext | None]:
-    """(the model inside, its distributed context) for a DDP-wrapped model; (module, None) otherwise."""
+    """The model inside a DDP wrapper and its distributed context.
+
+    For a DDP-wrapped model, also switches DDP's own gradient synchronization off
+    (``require_backward_grad_sync = False``): the optimizer sums the clipped gradients itself.
+
+    Args:
+        module: a model, DDP-wrapped or not.
+    Returns:
+        (the model inside, a ``DistributedContext``) for a DDP-wrapped model; (module, None) otherwise.
+    Raises:
+        RuntimeError for a DDP-wrapped model when ``torch.distributed`` is not initialized.
+    """
     if inner_module(module) is module:
         return module, None
     import torch.distributed as dist
@@ -98,6 +152,16 @@ def unwrap(module: nn.Module) -> tuple[nn.Module, DistributedContext | None]:
 
 def plan_fingerprint(sample_rates: np.ndarray, clip_norms: np.ndarray, noise_multiplier: float,
                      max_grad_norm: float) -> str:
+    """A digest of a privacy plan, for checking that every rank was given the same plan.
+
+    Args:
+        sample_rates: (N,) per-record sampling rates q_i (any float dtype, hashed as float64).
+        clip_norms: (N,) per-record clip bounds c_i (likewise).
+        noise_multiplier: σ, a float.
+        max_grad_norm: C, a float.
+    Returns:
+        the SHA-256 of the values as float64 bytes, a 64-character hex string.
+    """
     h = hashlib.sha256()
     for arr in (sample_rates, clip_norms, np.array([noise_multiplier, max_grad_norm])):
         h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())

@@ -13,9 +13,15 @@ from .clipping import ClippingState
 
 @dataclass
 class ClippedGradients:
-    """grads: {parameter name: Σ_i w_i g_i} (no noise, no normalization); norms: (B,) per-sample
-    gradient norms before clipping (total over all parameters); weights: (B,) flat clip weights
-    w_i (None for per-layer clipping, where each group has its own)."""
+    """What ``clipped_gradients`` returns.
+
+    Args:
+        grads: {parameter name: Σ_i w_i g_i}, each of its parameter's shape and dtype (no noise, no
+            normalization; zeros for a trainable parameter no record reached).
+        norms: (B,) per-sample gradient norms ‖g_i‖ before clipping (total over all parameters), in
+            units of the per-sample loss's gradient.
+        weights: (B,) flat clip weights w_i (None for per-layer clipping, where each group has its own).
+    """
 
     grads: dict[str, torch.Tensor]
     norms: torch.Tensor
@@ -30,15 +36,22 @@ def clipped_gradients(model: nn.Module, loss_fn: Callable, *inputs, clip_norms, 
     The model's existing ``.grad`` fields are left as they were.
 
     Args:
-        model: converted with ``pdpfast.nn.convert``; ``model(*inputs)`` is batch-first.
-        loss_fn: ``loss_fn(outputs)`` → per-sample losses (B,). inputs: the batch, B rows each.
-        clip_norms: (B,) bounds c_i > 0. mask: optional (B,) 0/1; rows with 0 contribute nothing
-            (padding of fixed-shape batches). clipping: "flat" | "per_layer"; mode: "bk" | "ghost";
-            layer_shares: per-layer shares C_k (Σ C_k² = 1); automatic_gamma: γ for automatic
-            clipping c_i/(‖g_i‖+γ).
+        model: converted with ``pdpfast.nn.convert``, in training mode; ``model(*inputs)`` is batch-first.
+        loss_fn: ``loss_fn(outputs)`` → per-sample losses, a (B,) tensor (not reduced).
+        *inputs: the batch, tensors of B rows each (non-tensor arguments are passed through).
+        clip_norms: (B,) bounds c_i > 0, a 1-D tensor or array (it sets B; a Python number is refused).
+        mask: optional (B,) 0/1; rows with 0 contribute nothing (padding of fixed-shape batches).
+        clipping: "flat" | "per_layer".
+        mode: "bk" | "ghost".
+        layer_shares: per-layer shares C_k (Σ C_k² = 1), as ``ClippingState``'s.
+        automatic_gamma: γ > 0 for automatic clipping, w_i = c_i/(‖g_i‖+γ); None for standard clipping.
     Returns:
         ``ClippedGradients``: {parameter name: Σ_i w_i g_i} (no noise, no normalization), the (B,)
         per-sample norms ‖g_i‖ and the (B,) clip weights w_i (None for per-layer clipping).
+    Raises:
+        ValueError for an input whose dim 0 is not B, a DP layer with trainable parameters in eval mode,
+        losses not of shape (B,), bad clip norms or mask, and what ``ClippingState`` refuses (an unknown
+        mode or clipping, bad shares, an unconverted model); TypeError for a scalar ``clip_norms``.
     """
     clip_norms = as_per_sample("clip_norms", clip_norms)
     for k, x in enumerate(inputs):

@@ -9,6 +9,13 @@ from .ops import dispatch
 
 
 def report() -> str:
+    """What this installation runs: versions, the CUDA device, and each op's implementation.
+
+    Returns:
+        a multi-line str: the pdpfast / torch / python versions, the CUDA device (or "not available"),
+        then one line per registered op ("triton kernel", or "torch reference (why)") and one for the
+        Poisson sampler's backend (with the reason its compiled path is not used, if any).
+    """
     import pdpfast
     from pdpfast import sampling
 

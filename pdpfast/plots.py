@@ -28,7 +28,16 @@ def _temp_file(directory: Path, name: str, suffix: str) -> str:
 
 @contextlib.contextmanager
 def atomic_path(path, suffix: str = ""):
-    """Yields a temporary path next to ``path``; on success it replaces ``path``, on error it is removed."""
+    """A temporary path next to ``path`` that replaces it when the block succeeds.
+
+    Args:
+        path: the final file (str or ``Path``); its directory is created if missing.
+        suffix: the temporary file's suffix (default: ``path``'s), e.g. for writers that pick a format
+            from it.
+    Returns:
+        a context manager yielding the temporary path (a str, an existing empty file); on leaving the
+        block normally it is moved onto ``path`` (``os.replace``), on an error it is removed.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_file(path.parent, path.name, suffix or path.suffix)
@@ -41,6 +50,14 @@ def atomic_path(path, suffix: str = ""):
 
 
 def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (``atomic_path``).
+
+    Args:
+        path: the file (str or ``Path``); its directory is created if missing.
+        text: the contents, written as UTF-8.
+    Returns:
+        None.
+    """
     with atomic_path(path) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")
 
@@ -48,13 +65,24 @@ def atomic_write_text(path, text: str) -> None:
 class Staging:
     """Outputs of one command: written as temporary files, moved into place together by
     ``commit()``; ``discard()`` (or leaving the ``with`` block on an error) removes them all, and
-    any directory this object created, so a failed command leaves no output behind."""
+    any directory this object created, so a failed command leaves no output behind.
+
+    Takes no arguments; use it as ``with Staging() as staging: ... staging.commit()``.
+    """
 
     def __init__(self):
         self._pending: list[tuple[str, Path]] = []
         self._created: list[Path] = []
 
     def path(self, final) -> str:
+        """A temporary file to write ``final``'s contents to, moved onto ``final`` by ``commit()``.
+
+        Args:
+            final: the output file (str or ``Path``); missing parent directories are created now (and
+                removed again by ``discard()``).
+        Returns:
+            the temporary file's path, a str (an existing empty file next to ``final``).
+        """
         final = Path(final)
         missing = []
         parent = final.parent
@@ -68,6 +96,11 @@ class Staging:
         return tmp
 
     def commit(self) -> list[Path]:
+        """Move every staged file onto its final path (``os.replace``, one at a time).
+
+        Returns:
+            the final paths (``Path``), in staging order; nothing is left staged afterwards.
+        """
         done = []
         for tmp, final in self._pending:
             os.replace(tmp, final)
@@ -76,6 +109,11 @@ class Staging:
         return done
 
     def discard(self) -> None:
+        """Remove the staged files not yet committed, and the directories ``path()`` created (if empty).
+
+        Returns:
+            None.
+        """
         for tmp, _ in self._pending:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -111,7 +149,17 @@ def _save(fig, path) -> None:
 
 
 def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during training") -> None:
-    """curves: {method: [(steps (S,), accuracy (S,)), ...] one per seed}; mean line ± std band."""
+    """Test accuracy against optimizer step: per method, the mean over seeds with a ± std band.
+
+    Args:
+        curves: {method name: [(steps (S,), accuracy (S,)), ...], one pair per seed} (sequences or
+            arrays). Each method's runs are cut to the shortest; empty runs and methods with none are
+            skipped.
+        path: the PNG file to write (atomically).
+        title: the plot's title.
+    Returns:
+        None.
+    """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, runs in curves.items():
@@ -134,8 +182,18 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
 
 
 def epsilon_curves(curves: dict, budgets, path, *, title: str = "ε spent per privacy group") -> None:
-    """curves: {method: (steps (S,), {budget: (S,) ε spent (max over the group)})}; one panel per
-    method, a line per group and its budget as a dashed line."""
+    """ε spent per privacy group over training: one panel per method, a line per group and its
+    budget as a dashed line.
+
+    Args:
+        curves: {method name: (steps (S,), {budget ε: (S,) ε spent, the max over the group's records})};
+            methods whose entry is None or has no steps are skipped.
+        budgets: not read (the groups and their budgets are the keys of each method's dict).
+        path: the PNG file to write (atomically).
+        title: the figure's title.
+    Returns:
+        None.
+    """
     plt = _pyplot()
     methods = [m for m, c in curves.items() if c is not None and len(c[0])]
     cols = min(3, max(1, len(methods)))
@@ -161,7 +219,16 @@ def epsilon_curves(curves: dict, budgets, path, *, title: str = "ε spent per pr
 
 
 def plan_histograms(plan, path) -> None:
-    """Histograms of the plan's per-record sampling rates q_i and clip norms c_i."""
+    """Histograms of the plan's per-record sampling rates q_i and clip norms c_i.
+
+    Args:
+        plan: a ``PrivacyPlan``: its (G,) ``group_sample_rates`` and ``group_clip_norms`` are
+            histogrammed with weights ``group_sizes`` (so the counts are records); ``method``,
+            ``noise_multiplier``, ``steps`` and ``delta`` go into the title.
+        path: the PNG file to write (atomically).
+    Returns:
+        None.
+    """
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -182,7 +249,17 @@ def plan_histograms(plan, path) -> None:
 
 
 def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
-    """Grouped bars: for each model, each provider's ``key`` (a ratio to non-private)."""
+    """Grouped bars: for each model, each provider's ``key`` (a ratio to non-private), a line at 1.
+
+    Args:
+        rows: benchmark result dicts with "model", "provider" and ``key``; rows without ``key`` are
+            skipped, a missing (model, provider) pair is drawn as NaN (no bar).
+        path: the PNG file to write (atomically).
+        key: the row field to plot, e.g. "throughput_ratio_vs_nonprivate".
+        title: the plot's title.
+    Returns:
+        None.
+    """
     plt = _pyplot()
     rows = [r for r in rows if key in r]
     models = list(dict.fromkeys(r["model"] for r in rows))

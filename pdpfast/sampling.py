@@ -68,10 +68,14 @@ def _cuda_available() -> bool:
 
 
 def backend(device: torch.device | str | None = None) -> str:
-    """The implementation :func:`poisson_sample` uses: ``"cpp"``, ``"cuda"`` or ``"torch"``.
+    """The implementation :func:`poisson_sample` uses for rates on ``device``.
 
-    device: where the sample rates live. ``None`` means the fastest path this installation has
-    (``"cuda"`` if the CUDA kernel is built and a GPU is visible, else ``"cpp"``, else ``"torch"``).
+    Args:
+        device: where the sample rates live (a ``torch.device`` or a string such as "cuda:0"). ``None``
+            means the fastest path this installation has (``"cuda"`` if the CUDA kernel is built and a
+            GPU is visible, else ``"cpp"``, else ``"torch"``).
+    Returns:
+        ``"cpp"``, ``"cuda"`` or ``"torch"`` (the plain-torch fallback, also for other device types).
     """
     if device is None:
         return "cuda" if _cuda_available() else ("cpp" if _cpp_available() else "torch")
@@ -84,7 +88,14 @@ def backend(device: torch.device | str | None = None) -> str:
 
 
 def unavailable_reason(device: torch.device | str | None = "cpu") -> str | None:
-    """Why the compiled path for ``device`` (default CPU) is not used, or ``None`` when it is."""
+    """Why the compiled path for ``device`` is not used.
+
+    Args:
+        device: a ``torch.device`` or string (default CPU; ``None`` is taken as CPU).
+    Returns:
+        a one-line reason (extension not importable or built without the sampler, built without CUDA,
+        no CUDA device visible, no compiled sampler for the device type), or ``None`` when it is used.
+    """
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
     device_type = "cpu" if device is None else torch.device(device).type
@@ -150,13 +161,25 @@ def _check_rate_values(sample_rates: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def as_int64(value: int) -> int:
-    """The int64 with the same 64 bits as the unsigned ``value``."""
+    """The int64 with the same 64 bits as the unsigned ``value`` (for int64 tensor arithmetic).
+
+    Args:
+        value: a Python int, taken modulo 2^64.
+    Returns:
+        an int in [-2^63, 2^63).
+    """
     value &= _MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def mix64_int(z: int) -> int:
-    """SplitMix64's finalizer on a Python int (modulo 2^64)."""
+    """SplitMix64's finalizer on a Python int (modulo 2^64).
+
+    Args:
+        z: a Python int, taken modulo 2^64.
+    Returns:
+        an int in [0, 2^64).
+    """
     z &= _MASK64
     z = ((z ^ (z >> 30)) * _MIX_MULTIPLIERS[0]) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX_MULTIPLIERS[1]) & _MASK64
@@ -169,6 +192,14 @@ def _stream_keys(seed: int, step: int) -> tuple[int, int]:
 
 
 def logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """The unsigned (logical) right shift of uint64 bits held in int64.
+
+    Args:
+        z: an int64 tensor, any shape, read as uint64 bits.
+        shift: an int in [1, 63].
+    Returns:
+        a new int64 tensor of ``z``'s shape: the bits of z >> shift with zeros shifted in.
+    """
     # int64 >> is arithmetic; masking off the copies of the sign bit makes it the uint64 shift
     shifted = z >> shift
     shifted &= (1 << (64 - shift)) - 1
@@ -176,7 +207,13 @@ def logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def mix64_(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer in place on int64 bits (int64 + and * wrap like uint64)."""
+    """SplitMix64's finalizer in place on int64 bits (int64 + and * wrap like uint64).
+
+    Args:
+        z: an int64 tensor, any shape, read as uint64 bits; overwritten.
+    Returns:
+        ``z`` itself.
+    """
     z ^= logical_shift_right(z, 30)
     z *= as_int64(_MIX_MULTIPLIERS[0])
     z ^= logical_shift_right(z, 27)
@@ -195,13 +232,32 @@ def _random_bits(start: int, stop: int, keys: tuple[int, int], device: torch.dev
 
 
 def random_bits_reference(count: int, seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The generator's raw outputs z_0..z_{count-1} at (seed, step): (count,) int64 holding the uint64 bits."""
+    """The generator's raw outputs z_0..z_{count-1} at (seed, step) (see the module docstring).
+
+    Args:
+        count: how many outputs (records), an int ≥ 0.
+        seed, step: non-negative ints below 2**64.
+        device: where to compute them.
+    Returns:
+        (count,) int64 tensor on ``device`` holding the uint64 bits.
+    Raises:
+        TypeError when ``seed`` or ``step`` is not an int; ValueError when one is out of range.
+    """
     keys = _stream_keys(_check_counter("seed", seed), _check_counter("step", step))
     return _random_bits(0, int(count), keys, torch.device(device))
 
 
 def poisson_sample_reference(sample_rates, seed: int, step: int) -> torch.Tensor:
-    """Plain-torch :func:`poisson_sample`: the same draw on any device, no compiled code."""
+    """Plain-torch :func:`poisson_sample`: the same draw on any device, no compiled code.
+
+    Args:
+        sample_rates: (N,) float tensor (any device) or numpy array, q_i in [0, 1].
+        seed, step: non-negative ints below 2**64.
+    Returns:
+        (B,) int64 indices of the drawn records, ascending, on the rates' device (CPU for numpy input).
+    Raises:
+        TypeError and ValueError as :func:`poisson_sample`.
+    """
     sample_rates = _as_rate_tensor(sample_rates)
     seed, step = _check_counter("seed", seed), _check_counter("step", step)
     _check_rate_values(sample_rates)
@@ -230,18 +286,21 @@ def _poisson_sample_torch(sample_rates: torch.Tensor, seed: int, step: int) -> t
 def poisson_sample(sample_rates, seed: int, step: int, num_threads: int | None = None) -> torch.Tensor:
     """Indices of the records in step ``step``'s Poisson batch, sorted ascending.
 
-    sample_rates: (N,) float tensor (any device) or numpy array, q_i in [0, 1] — record i is drawn
-        independently with probability q_i (q_i = 0: never; q_i = 1: always).
-    seed, step: non-negative ints below 2**64; the draw is a pure function of (seed, step, rates).
-    num_threads: CPU threads for the C++ kernel (default: ``torch.get_num_threads()``). The result
-        does not depend on it.
-
-    Returns a (B,) int64 tensor on the rates' device (CPU for numpy input); B is random with mean
-    sum_i q_i. The batch is never truncated or padded here: a caller with a fixed physical batch
-    capacity must split a large draw over several physical batches (DESIGN.md §1).
-
-    Raises TypeError for a wrong type of ``sample_rates``, ``seed`` or ``step``; ValueError when
-    ``sample_rates`` is not 1-D or holds NaN or values outside [0, 1], or a counter is out of range.
+    Args:
+        sample_rates: (N,) float tensor (any device) or numpy array, q_i in [0, 1] — record i is drawn
+            independently with probability q_i (q_i = 0: never; q_i = 1: always). fp16/bf16 rates are
+            widened to float64 (exactly).
+        seed, step: non-negative ints below 2**64; the draw is a pure function of (seed, step, rates).
+        num_threads: CPU threads for the C++ kernel (default: ``torch.get_num_threads()``), a positive
+            int or None. The result does not depend on it.
+    Returns:
+        (B,) int64 tensor on the rates' device (CPU for numpy input); B is random with mean
+        sum_i q_i. The batch is never truncated or padded here: a caller with a fixed physical batch
+        capacity must split a large draw over several physical batches (DESIGN.md §1).
+    Raises:
+        TypeError for a wrong type of ``sample_rates``, ``seed``, ``step`` or ``num_threads``; ValueError
+        when ``sample_rates`` is not 1-D or holds NaN or values outside [0, 1], a counter is out of
+        range, or ``num_threads`` < 1.
     """
     sample_rates = _as_rate_tensor(sample_rates)
     seed, step = _check_counter("seed", seed), _check_counter("step", step)

@@ -27,8 +27,19 @@ class ModuleValidator:
 
     @classmethod
     def validate(cls, module: nn.Module, *, strict: bool = False) -> list[UnsupportedModuleError]:
-        """One ``UnsupportedModuleError`` per problem (empty when the model can be trained privately);
-        with ``strict=True`` raise one error listing them all instead."""
+        """What ``make_private`` would refuse in ``module``: BatchNorm, modules without a DP version (or
+        with options it refuses) and sequence-first modules.
+
+        Args:
+            module: the model to check (not changed).
+            strict: raise instead of returning the problems.
+        Returns:
+            a list with one ``UnsupportedModuleError`` per problem ("name (Type: why)"); empty when the
+            model can be trained privately.
+        Raises:
+            TypeError when ``module`` is not an ``nn.Module``; UnsupportedModuleError listing every problem
+            when ``strict=True`` and there is one.
+        """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         problems = list(unsupported_modules(module))
@@ -42,6 +53,15 @@ class ModuleValidator:
 
     @classmethod
     def is_valid(cls, module: nn.Module) -> bool:
+        """Whether ``module`` can be trained privately as it is.
+
+        Args:
+            module: the model to check.
+        Returns:
+            True when ``validate`` finds no problem.
+        Raises:
+            TypeError when ``module`` is not an ``nn.Module``.
+        """
         return not cls.validate(module, strict=False)
 
     @classmethod
@@ -49,7 +69,16 @@ class ModuleValidator:
         """A deep copy of ``module`` with BatchNorm replaced by GroupNorm(gcd(32, C), C) and
         InstanceNorm running statistics turned off; the original is left as it was.
 
-        kwargs: ``max_groups`` (default 32) of the GroupNorm replacing a BatchNorm."""
+        Args:
+            module: the model (a root that is itself a BatchNorm is replaced too).
+            **kwargs: ``max_groups`` (default 32) of the GroupNorm replacing a BatchNorm
+                (``pdpfast.nn.replace_batchnorm``); nothing else.
+        Returns:
+            the fixed copy. Problems it cannot fix (modules without a DP version, sequence-first
+            modules) remain; ``fix_and_validate`` refuses them.
+        Raises:
+            TypeError for another keyword argument or a ``module`` that is not an ``nn.Module``.
+        """
         unknown = set(kwargs) - {"max_groups"}
         if unknown:
             raise TypeError(f"fix() got unexpected keyword arguments {sorted(unknown)}")
@@ -69,6 +98,16 @@ class ModuleValidator:
 
     @classmethod
     def fix_and_validate(cls, module: nn.Module, **kwargs) -> nn.Module:
+        """``fix(module)``, then ``validate(strict=True)`` on the copy.
+
+        Args:
+            module: the model (left as it was).
+            **kwargs: passed to ``fix`` (``max_groups``).
+        Returns:
+            the fixed copy, which can be trained privately.
+        Raises:
+            TypeError as ``fix``; UnsupportedModuleError listing what the copy still cannot train.
+        """
         fixed = cls.fix(module, **kwargs)
         cls.validate(fixed, strict=True)
         return fixed

@@ -96,8 +96,18 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def default_per_sample_loss(model: nn.Module):
-    """Args: model: a Hugging Face model. Returns: ``loss(outputs, labels)`` → (B,) per-record
-    losses in nats for its outputs (see the module docstring)."""
+    """The per-record loss ``DPTrainer`` uses unless given ``per_sample_loss`` (see the module docstring).
+
+    Args:
+        model: a Hugging Face model; a ``*ForCausalLM`` / ``*LMHeadModel`` class name selects shifted
+            (next-token) labels.
+    Returns:
+        ``loss(outputs, labels)`` → (B,) fp32 per-record losses (cross-entropies in nats).
+        ``outputs``: the model's output (its ``logits``) or the logits themselves. Labels (B,): float
+        labels with logits (B, 1) give the squared error (regression), otherwise class ids give the
+        cross-entropy of logits (B, C). Labels (B, T) int token ids (-100 ignored) with logits (B, T, V)
+        give each record's mean cross-entropy over its own tokens (0 for a record with none).
+    """
     causal = _is_causal_lm(model)
 
     def loss(outputs, labels):
@@ -119,12 +129,28 @@ def default_per_sample_loss(model: nn.Module):
 class DPTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` training with individualized DP-SGD (see the module docstring).
 
-    budgets: one ε per training record (array of N), or the name of a column of ``train_dataset``
-    (a ``datasets.Dataset``) holding them; delta: δ in (0, 1); method: "sample" | "scale" |
-    "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at the smallest budget). Or, for uniform DP
-    without budgets, ``noise_multiplier`` (σ) and ``max_grad_norm`` (C). accountant: "rdp" | "pld". mode: "bk" |
-    "ghost"; clipping: "flat" | "per_layer". seed: of the draws and the noise (default
-    ``args.seed``). The remaining arguments are the Trainer's.
+    Give ``budgets`` (individualized DP) or ``noise_multiplier`` (uniform DP), exactly one. The run is
+    made private when the train data loader is first asked for (``train()``).
+
+    Args:
+        *args, **kwargs: the Trainer's (``model``, ``args``, ``train_dataset``, ``data_collator``, ...);
+            ``args`` (TrainingArguments) is required: its batch size and steps or epochs set the plan.
+        budgets: one ε per training record (array of N), or the name of a column of ``train_dataset``
+            (a ``datasets.Dataset``) holding them (removed before batching).
+        delta: δ in (0, 1).
+        method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at
+            the smallest budget); with budgets only.
+        noise_multiplier: σ for uniform DP without budgets (then every record has q = expected batch / N).
+        max_grad_norm: C, the clip norm (default 1.0).
+        accountant: "rdp" | "pld".
+        mode: "bk" | "ghost".
+        clipping: "flat" | "per_layer".
+        per_sample_loss: ``fn(outputs, labels)`` → (B,) per-record losses; default
+            ``default_per_sample_loss(model)``.
+        seed: of the draws and the noise (default ``args.seed``).
+    Raises:
+        ValueError for both or neither of ``budgets`` and ``noise_multiplier``, an unknown method, δ out of
+        range, or no ``args``.
     """
 
     def __init__(self, *args, budgets=None, delta: float = 1e-5, method: str = "sample",
@@ -160,7 +186,13 @@ class DPTrainer(transformers.Trainer):
         self.uniform_ledger = None  # uniform DP: the RDP ledger of (q, σ); budgets: the engine's
 
     def epsilons(self) -> np.ndarray:
-        """(N,) ε each training record has spent so far, at ``delta``."""
+        """The ε each training record has spent so far, at ``delta``.
+
+        Returns:
+            (N,) float ε per record, in the train dataset's order.
+        Raises:
+            RuntimeError before training has started (the run is made private by ``train()``).
+        """
         if self.uniform_ledger is not None:
             return self.uniform_ledger.epsilons(self.delta)
         if self._train_loader is None:
@@ -240,16 +272,45 @@ class DPTrainer(transformers.Trainer):
     # ------------------------------------------------------------------ Trainer hooks
 
     def create_optimizer(self, model=None):
+        """The Trainer's optimizer, created once (the engine wraps it, and later calls get the wrapper).
+
+        Args:
+            model: passed to ``Trainer.create_optimizer`` when it creates one.
+        Returns:
+            ``self.optimizer``: the Trainer-built optimizer, or the ``DPOptimizer`` once the run is private.
+        """
         if self.optimizer is None:
             super().create_optimizer(model)
         return self.optimizer
 
     def get_train_dataloader(self):
+        """The training loader, one item per optimizer step; makes the run private on the first call.
+
+        Returns:
+            a loader of Poisson draws, each an iterable of the draw's physical batches (as the data
+            collator makes them, ``per_device_train_batch_size`` rows, the last padded with masked rows).
+        Raises:
+            ValueError from making the run private (no train dataset, a budget column that is missing,
+            budgets not one per record, an expected batch larger than the dataset, epochs that are not a
+            whole number), and what the engine refuses.
+        """
         if self._train_loader is None:
             self._make_private()
         return _DrawLoader(self._train_loader)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The physical batch's loss from per-record losses (the model's own loss is not used).
+
+        Args:
+            model: the (converted) model.
+            inputs: one physical batch, a dict of (B, ...) tensors with "labels".
+            return_outputs: also return the model's outputs.
+            num_items_in_batch: ignored (each record's loss is a mean over its own tokens).
+        Returns:
+            the scalar loss Σ_i ℓ_i / B (a ``DPLoss`` in ghost mode), or (loss, outputs).
+        Raises:
+            ValueError without labels, or when ``per_sample_loss`` does not return shape (B,).
+        """
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
         if labels is None:
@@ -268,7 +329,15 @@ class DPTrainer(transformers.Trainer):
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Forward and backward over every physical batch of one Poisson draw."""
+        """Forward and backward over every physical batch of one Poisson draw.
+
+        Args:
+            model: the model (put in training mode).
+            inputs: one Poisson draw from the train loader: an iterable of physical batches.
+            num_items_in_batch: ignored.
+        Returns:
+            the mean of the physical batches' losses, a detached scalar tensor (not privatized).
+        """
         model.train()
         total, batches = None, 0
         for batch in inputs:
@@ -285,9 +354,26 @@ class DPTrainer(transformers.Trainer):
         return None  # the norm of the clipped sum before noise is not private: never logged
 
     def floating_point_ops(self, inputs) -> int:
+        """FLOPs are not counted: the inputs are a Poisson draw of physical batches, not one dict of tensors.
+
+        Args:
+            inputs: one Poisson draw.
+        Returns:
+            0.
+        """
         return 0
 
     def log(self, logs: dict, start_time=None) -> None:
+        """The Trainer's ``log``, with the privacy spent added to every log that has a training loss.
+
+        Args:
+            logs: the metrics to log; when it holds "loss" (after training started) it gets "epsilon",
+                the largest ε spent by any record, and for up to ``MAX_LOGGED_GROUPS`` distinct budgets
+                "epsilon_budget_<budget>", the largest ε spent by a record with that budget.
+            start_time: passed to ``Trainer.log``.
+        Returns:
+            None.
+        """
         if self._train_loader is not None and "loss" in logs:
             eps = self.epsilons()
             logs["epsilon"] = float(eps.max())

@@ -41,8 +41,25 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 
 class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` with per-sample clipping of its input and output projections.
+
+    Args:
+        embed_dim, num_heads, dropout, bias, device, dtype: as ``nn.MultiheadAttention`` (E = embed_dim,
+            H = num_heads; in_proj_weight (3E, E), in_proj_bias (3E,)); ``convert`` makes one from an
+            existing layer. ``batch_first`` must be True; ``add_bias_kv``, ``add_zero_attn`` and
+            ``kdim``/``vdim`` other than E are refused (``unsupported_options``).
+    """
+
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: an ``nn.MultiheadAttention``.
+        Returns:
+            the reason for ``add_bias_kv=True``, ``add_zero_attn=True`` or key/value dims other than
+            ``embed_dim``; None otherwise (``batch_first=False`` is refused by the engine, not here).
+        """
         if module.bias_k is not None:
             return "add_bias_kv=True is not supported; use add_bias_kv=False"
         if module.add_zero_attn:
@@ -59,6 +76,28 @@ class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
+        """Scaled dot-product attention softmax(q kᵀ/√(E/H) + mask) v over H heads, then ``out_proj``.
+
+        Outside a private batch this is ``nn.MultiheadAttention.forward`` (all its input forms).
+
+        Args:
+            query: (B, T, E) float.
+            key: (B, S, E), the same dtype (may be ``query`` itself: self-attention projects once).
+            value: (B, S, E) (may be ``key`` itself).
+            key_padding_mask: None, or (B, S): bool (True = key position ignored) or float (added to
+                the scores).
+            need_weights: whether to return the attention weights.
+            attn_mask: None, or (T, S) or (B·H, T, S): bool (True = not allowed) or float (added).
+            average_attn_weights: average the returned weights over the heads.
+            is_causal: in a private batch without ``attn_mask``, mask key position j > t for query t
+                (torch's own forward takes it as a hint that ``attn_mask`` is causal and needs the mask).
+        Returns:
+            (output (B, T, E), weights): weights (B, T, S) averaged over heads, (B, H, T, S) with
+            ``average_attn_weights=False``, or None without ``need_weights``; after dropout, as torch
+            returns them.
+        Raises:
+            ValueError in a private batch for inputs that are not batched (3-D).
+        """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             return super(DPModule, self).forward(query, key, value, key_padding_mask=key_padding_mask,

@@ -32,11 +32,27 @@ class BroadcastParameterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, param, batch_size, call):
+        """The parameter as one row per sample.
+
+        Args:
+            param: the (1, ...) parameter.
+            batch_size: B, an int.
+            call: (the clipping state's record of the host, (the parameter's name,)).
+        Returns:
+            (B, ...) ``param.detach().expand(B, ...)``, a view (no copy).
+        """
         ctx.call = call
         return param.detach().expand(batch_size, *param.shape[1:])
 
     @staticmethod
     def backward(ctx, grad):
+        """Report the (B, ...) gradient, row i sample i's gradient of the parameter, to the clipping state.
+
+        Args:
+            grad: (B, ...), ∂L/∂ of the expanded tensor.
+        Returns:
+            (None, None, None): the parameter gets no autograd gradient (the state writes its clipped sum).
+        """
         layer = ctx.call[0]
         layer.state.on_backward(ctx.call, grad.new_empty(0), grad)
         return None, None, None
@@ -45,17 +61,39 @@ class BroadcastParameterFunction(torch.autograd.Function):
 class DPBroadcastHost(DPModule):
     """Mixin of a module whose own trainable parameters are batch-broadcast (see module docstring).
 
-    ``broadcast_names``: the parameters that are; ``convert`` refuses a host with any other
-    trainable parameter of its own (its per-sample gradient would be unknown).
+    Made by ``broadcast_parameters(*names)`` and mixed into the host's class by ``convert``; the
+    host keeps its own constructor and forward.
+
+    Attributes:
+        broadcast_names: the parameters that are batch-broadcast, each of shape (1, ...); ``convert``
+            refuses a host with any other trainable parameter of its own (its per-sample gradient would
+            be unknown).
     """
 
     broadcast_names: tuple[str, ...] = ()
 
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot host ``cls.broadcast_names`` (``check_broadcast_host``), or None.
+
+        Args:
+            module: the host module ``convert`` would swap.
+        Returns:
+            a reason string, or None.
+        """
         return check_broadcast_host(cls.broadcast_names, module)
 
     def forward(self, *args, **kwargs):
+        """The host's own forward; in a private batch with each broadcast parameter seen as (B, ...).
+
+        Args:
+            *args, **kwargs: the host forward's arguments (batch-first tensors of B rows).
+        Returns:
+            what the host's forward returns.
+        Raises:
+            RuntimeError in a private batch unless a batch is open, or (naming the parameters) when the
+            host's forward fails with them expanded to (B, ...) (``ClippingState.broadcast_forward``).
+        """
         host_forward = super(DPModule, self).forward  # the host class's own forward (after the mixins)
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
@@ -64,7 +102,15 @@ class DPBroadcastHost(DPModule):
 
 
 def broadcast_parameters(*names: str) -> type:
-    """A ``DPBroadcastHost`` class for modules whose batch-broadcast parameters are ``names``."""
+    """A ``DPBroadcastHost`` class for modules whose batch-broadcast parameters are ``names``.
+
+    Args:
+        *names: the parameter names (non-empty strings), at least one.
+    Returns:
+        a new ``DPBroadcastHost`` subclass with ``broadcast_names = names``.
+    Raises:
+        TypeError when no name is given or a name is not a non-empty string.
+    """
     if not names or not all(isinstance(n, str) and n for n in names):
         raise TypeError("broadcast_parameters needs the names of the batch-broadcast parameters")
     return type("DPBroadcastHost", (DPBroadcastHost,), {"broadcast_names": tuple(names)})
@@ -90,10 +136,22 @@ register_rule(DPBroadcastHost, rule=LayerRule(_broadcast_per_sample, _broadcast_
 
 class DPLayerScale(DPModule):
     """A leaf module computing ``x * γ`` (γ its one trainable parameter, broadcast against x's
-    trailing dims), e.g. Hugging Face's ``Dinov2LayerScale``."""
+    trailing dims), e.g. Hugging Face's ``Dinov2LayerScale``.
+
+    Mixed into the host's class by ``convert``, which keeps its constructor. ``forward(x)``:
+    x (B, ..., *γ.shape) float → x * γ, the same shape; γ's per-sample gradient is x ⊙ ∂L/∂y summed
+    to γ's shape.
+    """
 
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: the layer-scale module ``convert`` would swap.
+        Returns:
+            the reason when it does not have exactly one parameter (trainable or not); None otherwise.
+        """
         own = [n for n, _ in module.named_parameters(recurse=False)]
         return None if len(own) == 1 else f"a layer scale has exactly one parameter; got {own}"
 
@@ -119,7 +177,15 @@ def _layer_scale_per_sample(module, x, o):
 
 
 def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
-    """Why ``module`` cannot host the batch-broadcast parameters ``broadcast_names`` (None when it can)."""
+    """Why ``module`` cannot host the batch-broadcast parameters ``broadcast_names``.
+
+    Args:
+        broadcast_names: a tuple of the parameter names registered as batch-broadcast.
+        module: the would-be host.
+    Returns:
+        a reason string when one of its own trainable parameters is not in ``broadcast_names`` or a
+        trainable broadcast parameter is 0-D or its dim 0 is not of size 1; None when it can host them.
+    """
     own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
     others = [n for n in own if n not in broadcast_names]
     if others:
@@ -134,10 +200,22 @@ def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
 
 
 def register_broadcast_host(module_class: type | str, *names: str) -> None:
-    """Make ``convert`` treat ``module_class`` (a class or its qualified name) as a host of the
-    batch-broadcast parameters ``names`` (shape (1, ...): class tokens, position embeddings, register
-    tokens), exact per sample when its forward uses them batch-aligned (see the module docstring).
-    A later registration of the same class replaces the earlier one."""
+    """Make ``convert`` treat ``module_class`` as a host of batch-broadcast parameters.
+
+    Exact per sample when its forward uses them batch-aligned (see the module docstring). A later
+    registration of the same class replaces the earlier one.
+
+    Args:
+        module_class: an ``nn.Module`` subclass, or its qualified name (``"module.Class"``; the library is
+            not imported).
+        *names: its batch-broadcast parameters, each of shape (1, ...): class tokens, position
+            embeddings, register tokens.
+    Returns:
+        None.
+    Raises:
+        TypeError for a ``module_class`` that is neither, or bad ``names`` (``broadcast_parameters``);
+        ValueError for a class name without a module path.
+    """
     if not (isinstance(module_class, str) or (isinstance(module_class, type) and issubclass(module_class, nn.Module))):
         raise TypeError(f"module_class must be an nn.Module subclass or its qualified name, got {module_class!r}")
     register_layer(module_class, broadcast_parameters(*names), replace=True)

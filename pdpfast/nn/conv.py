@@ -24,8 +24,13 @@ class _DPConv(DPModule):
     _conv = None  # F.conv1d / conv2d / conv3d
 
     def own_padding(self) -> tuple[int, ...] | None:
-        """The zero padding the layer's convolution applies itself (one int per spatial dim), or
-        None when its input is padded beforehand (``conv_ops.conv_pad``)."""
+        """The zero padding the layer's convolution applies itself.
+
+        Returns:
+            a tuple of ints, one per spatial dim (the same on both sides), when the padding is
+            symmetric zeros; None when the input is padded beforehand instead (``conv_ops.conv_pad``:
+            padding modes other than "zeros", or asymmetric "same" padding).
+        """
         pads = self._reversed_padding_repeated_twice
         if self.padding_mode != "zeros" or any(pads[k] != pads[k + 1] for k in range(0, len(pads), 2)):
             return None
@@ -40,14 +45,44 @@ class _DPConv(DPModule):
 
 
 class DPConv1d(_DPConv, nn.Conv1d):
+    """``nn.Conv1d`` with per-sample clipping (stride, padding incl. "same", dilation, groups, padding modes).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+            device, dtype: as ``nn.Conv1d`` (weight (C_out, C_in / groups, k), bias (C_out,));
+            ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, C_in, L) float → (B, C_out, L_out).
+    """
+
     _conv = F.conv1d
 
 
 class DPConv2d(_DPConv, nn.Conv2d):
+    """``nn.Conv2d`` with per-sample clipping (stride, padding incl. "same", dilation, groups, padding modes).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+            device, dtype: as ``nn.Conv2d`` (weight (C_out, C_in / groups, k_h, k_w), bias (C_out,));
+            ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, C_in, H, W) float → (B, C_out, H_out, W_out).
+    """
+
     _conv = F.conv2d
 
 
 class DPConv3d(_DPConv, nn.Conv3d):
+    """``nn.Conv3d`` with per-sample clipping (stride, padding incl. "same", dilation, groups, padding modes).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
+            device, dtype: as ``nn.Conv3d`` (weight (C_out, C_in / groups, k_d, k_h, k_w), bias (C_out,));
+            ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, C_in, D, H, W) float → (B, C_out, D_out, H_out, W_out).
+    """
+
     _conv = F.conv3d
 
 

@@ -68,14 +68,21 @@ def _scan(model: nn.Module):
 
 
 def unsupported_modules(model: nn.Module) -> list[str]:
-    """What ``convert(model)`` would refuse, one "name (Type: why)" entry per module; [] when it
-    would succeed. Changes nothing."""
+    """What ``convert(model)`` would refuse. Changes nothing.
+
+    Args:
+        model: the model to check.
+    Returns:
+        a list of str, one "name (Type: why)" entry per module: every BatchNorm, then every module with
+        trainable parameters that has no DP version or options its DP version refuses; [] when
+        ``convert`` would succeed.
+    """
     batchnorms, unsupported, _ = _scan(model)
     return [f"{b[:-1]}: mixes the samples of a batch, use GroupNorm)" for b in batchnorms] + unsupported
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Swap every supported layer of ``model`` for its DP version, in place; returns ``model``.
+    """Swap every supported layer of ``model`` for its DP version, in place.
 
     Supported: every registered layer family (``pdpfast.nn.register_layer``): Linear (any leading
     dims), Conv1d, Conv2d, Conv3d (stride, padding incl. "same", dilation, groups, padding modes),
@@ -83,11 +90,18 @@ def convert(model: nn.Module) -> nn.Module:
     InstanceNorm1d/2d/3d (without running statistics), MultiheadAttention, RNN/LSTM/GRU, Hugging
     Face's Conv1D, and hosts of batch-broadcast parameters (ViT/DeiT/DINOv2 embeddings, layer
     scale; ``register_broadcast_host``). Modules without trainable parameters of their own are left
-    alone; frozen parameters cost nothing.
+    alone; frozen parameters cost nothing. A swap changes the module's class only: parameters,
+    buffers, hooks and attributes stay, so an optimizer built before keeps working.
 
-    Raises ValueError naming every BatchNorm (it mixes the samples of a batch, so no per-sample
-    gradient exists; use GroupNorm, e.g. ``pdpfast.nn.replace_batchnorm``) and, in one message,
-    every module with trainable parameters that has no DP version. Nothing is changed on error.
+    Args:
+        model: the model (``nn.Module``), changed in place.
+    Returns:
+        ``model`` itself.
+    Raises:
+        TypeError when ``model`` is not an ``nn.Module``. ValueError naming every BatchNorm (it mixes the
+        samples of a batch, so no per-sample gradient exists; use GroupNorm, e.g.
+        ``pdpfast.nn.replace_batchnorm``) or, in one message, every module with trainable parameters that
+        has no DP version (or options its DP version refuses). Nothing is changed on error.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -112,6 +126,14 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
 
     The new layer starts from the identity affine transform (weight 1, bias 0); running statistics
     are dropped, since GroupNorm normalizes each sample on its own.
+
+    Args:
+        model: the model, changed in place. Only children are replaced: a ``model`` that is itself a
+            BatchNorm is returned unchanged (``ModuleValidator.fix`` handles that case).
+        max_groups: the most groups a GroupNorm gets (an int); C channels get gcd(max_groups, C).
+    Returns:
+        ``model`` itself. Each GroupNorm keeps the BatchNorm's ``eps`` and ``affine`` and its device
+        (its parameters are in the default dtype).
     """
     import math
 

@@ -12,8 +12,27 @@ from .rules import LayerRule, register_layer
 
 
 class DPEmbedding(DPModule, nn.Embedding):
+    """``nn.Embedding`` with per-sample clipping; exact norms over the tokens a sample contains.
+
+    Args:
+        num_embeddings, embedding_dim, padding_idx, device, dtype, ...: as ``nn.Embedding``
+            (weight (V, d) with V = num_embeddings; the ``padding_idx`` row gets no gradient);
+            ``convert`` makes one from an existing layer. ``max_norm``, ``scale_grad_by_freq`` and
+            ``sparse`` must keep their defaults (``unsupported_options``).
+
+    ``forward(ids)``: ids (B, ...) int64 (or int32) token ids in [0, V) → (B, ..., d) in the weight's dtype.
+    """
+
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: an ``nn.Embedding``.
+        Returns:
+            the reason for ``max_norm`` set (rows renormalized in place from the batch's tokens),
+            ``scale_grad_by_freq`` (batch-wide token counts) or ``sparse=True``; None otherwise.
+        """
         if module.max_norm is not None:
             return "max_norm renormalizes table rows in place from the batch's tokens; set max_norm=None"
         if module.scale_grad_by_freq:
@@ -48,15 +67,42 @@ class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
     In a private batch the bags are laid out as (B, L) ids and weights (0 for padding and
     ``padding_idx`` entries, 1/|bag| for "mean"), so every mode is one weighted sum: sample i's
     gradient puts w_ij·o_i on row ids_ij, its squared norm is ‖o_i‖² Σ_u (Σ_{j: ids_ij = u} w_ij)².
+
+    Args:
+        num_embeddings, embedding_dim, mode, padding_idx, include_last_offset, device, dtype, ...: as
+            ``nn.EmbeddingBag`` (weight (V, d)); ``convert`` makes one from an existing layer. ``mode``
+            must be "sum" or "mean"; ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` keep their defaults.
     """
 
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: an ``nn.EmbeddingBag``.
+        Returns:
+            the reason for ``mode="max"`` or for any option ``DPEmbedding`` refuses; None otherwise.
+        """
         if module.mode == "max":
             return "mode='max' is not supported (its gradient follows per-dimension maxima); use 'sum' or 'mean'"
         return DPEmbedding.unsupported_options(module)
 
     def forward(self, input, offsets=None, per_sample_weights=None):
+        """One reduced bag per sample: Σ_j w_ij W[ids_ij] (w_ij = 1/|bag| for "mean").
+
+        Args:
+            input: (B, L) int token ids, one bag per row (``offsets`` None); or 1-D (N,) ids of all bags
+                concatenated, with ``offsets``.
+            offsets: None for 2-D input; for 1-D input, (B,) int start of each bag in ``input``
+                ((B + 1,) with ``include_last_offset``, the last entry being N).
+            per_sample_weights: None, or float weights of ``input``'s shape (mode "sum" only).
+        Returns:
+            (B, d) in the weight's dtype.
+        Raises:
+            ValueError in a private batch: ``per_sample_weights`` with mode "mean", ``offsets`` with 2-D
+            input, 1-D input without ``offsets``, or input of another rank (outside one, ``nn.EmbeddingBag``
+            checks its own arguments).
+        """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             return super(DPModule, self).forward(input, offsets, per_sample_weights)

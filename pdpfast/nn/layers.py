@@ -25,6 +25,19 @@ class DPLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, x, call, *params):
+        """Mark ``out`` as the layer call's output and save ``x`` for the backward.
+
+        Args:
+            out: the layer's output computed on detached parameters, e.g. (B·T, p) for a linear layer
+                (any shape; not a view, since it is marked modified in place).
+            x: the rule's input, (B, ...) (after the layer's ``_prepare``), or a tuple of tensors sharing
+                dim 0 (e.g. an embedding bag's (ids (B, L), weights (B, L))).
+            call: (the clipping state's record of the layer, the tuple of parameter names the call uses).
+            *params: the call's trainable parameters when nothing else makes autograd reach this node
+                (else none).
+        Returns:
+            ``out`` itself.
+        """
         ctx.call = call
         # x: the rule's input, a tensor or a tuple of tensors (e.g. an embedding bag's ids and weights)
         ctx.packed = isinstance(x, tuple)
@@ -35,6 +48,14 @@ class DPLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        """Hand (x, ∂L/∂out) to the clipping state (``ClippingState.on_backward``).
+
+        Args:
+            grad_out: ∂L/∂out, the shape of ``out``.
+        Returns:
+            (grad_out, None, None, None per parameter): the gradient passes through to ``out``; ``x``,
+            ``call`` and the parameters get none (the state writes the parameters' clipped sums).
+        """
         saved = ctx.saved_tensors
         x = tuple(saved) if ctx.packed else saved[0]
         layer = ctx.call[0]
@@ -43,7 +64,13 @@ class DPLayerFunction(torch.autograd.Function):
 
 
 class DPModule:
-    """Mixin of every DP layer. ``_pdpfast_state`` is set by ``ClippingState.attach``."""
+    """Mixin of every DP layer. ``_pdpfast_state`` is set by ``ClippingState.attach``.
+
+    A DP class usually lists it before the torch layer it replaces (``class DPLinear(..., nn.Linear)``)
+    and takes that layer's constructor arguments; one that does not (``DPLayerScale``, broadcast
+    hosts) is mixed into the module's own class by ``convert``. ``convert`` makes DP layers by
+    changing the class of existing modules, so they are rarely constructed directly.
+    """
 
     _pdpfast_state = None
 
@@ -60,11 +87,30 @@ class DPModule:
 
     @classmethod
     def unsupported_options(cls, module: nn.Module) -> str | None:
-        """Why ``convert`` must not swap ``module`` for this class (options whose per-sample
-        gradient would be wrong or would leak), or None. Checked before the swap."""
+        """Why ``convert`` must not swap ``module`` for this class, or None. Checked before the swap.
+
+        Args:
+            module: the torch module ``convert`` would swap (still of its original class).
+        Returns:
+            a one-line reason naming the options whose per-sample gradient would be wrong or would leak
+            (and what to set instead), or None when the module can be swapped (the base class: always None).
+        """
         return None
 
     def forward(self, x):
+        """The layer's output; in a private batch its call is also recorded for the per-sample backward.
+
+        Outside a private batch (no state attached, eval mode or grad disabled) it is the torch
+        layer's computation; in one it runs through ``ClippingState.forward``.
+
+        Args:
+            x: the layer's input, batch-first: (B, ...) with the shape the torch layer takes.
+        Returns:
+            the layer's output, (B, ...), as the torch layer returns it.
+        Raises:
+            in a private forward, RuntimeError unless a batch is open, and ValueError for an input whose
+            dim 0 is not the batch's B (or 1) (see ``ClippingState.forward``).
+        """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             x = self._prepare(x)

@@ -32,28 +32,59 @@ class _FlatLinear(DPModule):
 
 
 class DPLinear(_FlatLinear, nn.Linear):
+    """``nn.Linear`` with per-sample clipping: y = x Wᵀ + b on inputs with any leading dims.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear`` (weight (out_features,
+            in_features), bias (out_features,)); ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, ..., in_features) float → (B, ..., out_features), x's float dtype (or autocast's).
+    """
+
     def _linear(self, x, p):
         return F.linear(x, p["weight"], p.get("bias"))
 
 
 class DPConv1D(_FlatLinear):
-    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2): y = x W + b with W (in, out)."""
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2): y = x W + b with W (in, out).
+
+    Never constructed directly: ``convert`` turns a ``Conv1D(nf, nx)`` (weight (nx, nf), bias (nf,))
+    into a subclass of both, keeping its parameters.
+
+    ``forward(x)``: x (B, ..., nx) float → (B, ..., nf), x's float dtype (or autocast's).
+    """
 
     def _linear(self, x, p):
         return F.linear(x, p["weight"].t(), p.get("bias"))
 
 
 def as_btd(x: torch.Tensor, o: torch.Tensor):
-    """Input (B, ..., d) and output gradient (B·T, p) as (B, T, d) and (B, T, p), T the product of
-    the middle dims of x (1 for 2-D inputs)."""
+    """A linear call's input and output gradient as (B, T, ·) tensors.
+
+    Args:
+        x: the input, (B, ..., d).
+        o: the output gradient, (B·T, p) (any shape with B·T·p elements, e.g. (B, ..., p)).
+    Returns:
+        (x as (B, T, d), o as (B, T, p)), T the product of the middle dims of x (1 for 2-D inputs);
+        views where the layout allows (``reshape``).
+    """
     B, T = x.shape[0], math.prod(x.shape[1:-1])
     return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
 
 
 def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "bias") -> LayerRule:
-    """The rule of y = x Wᵀ + b on (B, ..., d) inputs, for a module whose W and b are the parameters
-    named ``weight`` and ``bias`` (e.g. ``in_proj_weight`` of attention); ``transposed``: W is
-    stored (in, out), as in Hugging Face's Conv1D."""
+    """The rule of y = x Wᵀ + b on (B, ..., d) inputs (output gradient (B·T, p)).
+
+    Norms by the Gram or the direct form, clipped sums by one GEMM on row-scaled output gradients,
+    same-shape calls stacked, and per-sample gradients formed where they are small next to the call.
+
+    Args:
+        transposed: W is stored (in, out) = (d, p), as in Hugging Face's Conv1D; False: (out, in) = (p, d).
+        weight: the name of the module's W parameter (e.g. ``in_proj_weight`` of attention).
+        bias: the name of its b parameter, (p,) (the module may have none).
+    Returns:
+        a ``LayerRule`` (per-sample gradients {weight: (B, *W.shape), bias: (B, p)}).
+    """
     def small_per_sample(m, x, o) -> bool:  # formed where small next to the call (``prefer_per_sample``)
         return lin_ops.prefer_per_sample(x.shape[0] * getattr(m, weight).numel(), x, o)
 

@@ -18,26 +18,69 @@ from .rules import LayerRule, Stacked, register_layer
 
 
 class DPLayerNorm(DPModule, nn.LayerNorm):
+    """``nn.LayerNorm`` with per-sample clipping of its affine parameters.
+
+    Args:
+        normalized_shape, eps, elementwise_affine, bias, device, dtype: as ``nn.LayerNorm`` (weight and
+            bias of shape ``normalized_shape``); ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, ..., *normalized_shape) float → the same shape and dtype.
+    """
+
     def _compute(self, x, p):
         return F.layer_norm(x, self.normalized_shape, p.get("weight"), p.get("bias"), self.eps)
 
 
 class DPGroupNorm(DPModule, nn.GroupNorm):
+    """``nn.GroupNorm`` with per-sample clipping of its affine parameters (each sample normalized on its own).
+
+    Args:
+        num_groups, num_channels, eps, affine, device, dtype: as ``nn.GroupNorm`` (weight and bias (C,));
+            ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, C, *) float → the same shape and dtype.
+    """
+
     def _compute(self, x, p):
         return F.group_norm(x, self.num_groups, p.get("weight"), p.get("bias"), self.eps)
 
 
 class DPRMSNorm(DPModule, nn.RMSNorm):
+    """``nn.RMSNorm`` with per-sample clipping of its weight.
+
+    Args:
+        normalized_shape, eps, elementwise_affine, device, dtype: as ``nn.RMSNorm`` (weight of shape
+            ``normalized_shape``); ``convert`` makes one from an existing layer.
+
+    ``forward(x)``: x (B, ..., *normalized_shape) float → the same shape and dtype.
+    """
+
     def _compute(self, x, p):
         return F.rms_norm(x, self.normalized_shape, p.get("weight"), self.eps)
 
 
 class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
     """InstanceNorm1d/2d/3d with ``track_running_stats=False`` (``convert`` refuses running stats:
-    they would be updated from the batch's data outside any privacy accounting)."""
+    they would be updated from the batch's data outside any privacy accounting).
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats, device, dtype: as
+            ``nn.InstanceNorm1d/2d/3d`` (weight and bias (C,) when ``affine``); ``convert`` makes one
+            from an existing layer. ``track_running_stats`` must be False.
+
+    ``forward(x)``: x (B, C, L), (B, C, H, W) or (B, C, D, H, W) float → the same shape and dtype,
+    always normalized with each sample's own statistics.
+    """
 
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: an ``nn.InstanceNorm1d/2d/3d``.
+        Returns:
+            the reason when it tracks running statistics; None otherwise.
+        """
         if module.track_running_stats:
             return ("track_running_stats=True updates running statistics from the batch's data, outside any "
                     "privacy accounting; set track_running_stats=False (training normalizes each sample on its own)")

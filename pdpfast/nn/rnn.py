@@ -31,15 +31,41 @@ def _projection(x, p, weight, bias):
 
 
 class DPRNNBase(DPModule):
-    """Mixin of the DP recurrent layers; ``_cell`` is the one step of each kind."""
+    """Mixin of the DP recurrent layers; ``_cell`` is the one step of each kind.
+
+    A DP class lists it before the torch layer (``DPRNN``, ``DPLSTM``, ``DPGRU``) and takes that
+    layer's constructor arguments.
+    """
 
     @classmethod
     def unsupported_options(cls, module):
+        """Why ``module`` cannot be converted, or None.
+
+        Args:
+            module: an ``nn.RNN``, ``nn.LSTM`` or ``nn.GRU``.
+        Returns:
+            the reason for ``proj_size > 0``; None otherwise.
+        """
         if getattr(module, "proj_size", 0):
             return "proj_size > 0 (LSTM with projections) is not supported"
         return None
 
     def forward(self, input, hx=None):
+        """The recurrence over the whole sequence, unrolled step by step in a private batch.
+
+        Outside a private batch this is the torch layer's forward (all its input forms). With
+        L = num_layers, D = 2 if bidirectional else 1 and H = hidden_size:
+
+        Args:
+            input: (B, T, input_size) float, padded (batch-first; no PackedSequence).
+            hx: None (zeros), or h_0 (L·D, B, H); for LSTM the pair (h_0, c_0), each (L·D, B, H).
+        Returns:
+            (output (B, T, D·H) — the last layer's h_t for every t, directions concatenated —, h_n
+            (L·D, B, H)); for LSTM the second item is (h_n, c_n). The reverse direction's final state
+            is the one after reading the sequence backwards (at t = 0), as in torch.
+        Raises:
+            ValueError in a private batch for input that is not a 3-D tensor.
+        """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             return super(DPModule, self).forward(input, hx)
@@ -96,15 +122,33 @@ class DPRNNBase(DPModule):
 
 
 class DPRNN(DPRNNBase, nn.RNN):
-    pass
+    """``nn.RNN`` (tanh or relu) with per-sample clipping; ``forward`` as ``DPRNNBase.forward``.
+
+    Args:
+        input_size, hidden_size, num_layers, nonlinearity, bias, batch_first, dropout, bidirectional,
+            device, dtype: as ``nn.RNN`` (``batch_first`` must be True for private training);
+            ``convert`` makes one from an existing layer.
+    """
 
 
 class DPLSTM(DPRNNBase, nn.LSTM):
-    pass
+    """``nn.LSTM`` with per-sample clipping; ``forward`` as ``DPRNNBase.forward``.
+
+    Args:
+        input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device, dtype:
+            as ``nn.LSTM`` (``batch_first`` must be True for private training; ``proj_size`` must be 0);
+            ``convert`` makes one from an existing layer.
+    """
 
 
 class DPGRU(DPRNNBase, nn.GRU):
-    pass
+    """``nn.GRU`` with per-sample clipping; ``forward`` as ``DPRNNBase.forward``.
+
+    Args:
+        input_size, hidden_size, num_layers, bias, batch_first, dropout, bidirectional, device, dtype:
+            as ``nn.GRU`` (``batch_first`` must be True for private training); ``convert`` makes one
+            from an existing layer.
+    """
 
 
 def _split(names):

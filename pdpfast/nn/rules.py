@@ -40,8 +40,16 @@ Call = tuple  # (module, x, o, names): one call of a layer in a backward
 class Stacked:
     """How same-shape calls of a layer family are computed as one batch of n calls.
 
-    key(module, x, o, names): calls with equal keys stack (None: this call does not). sq_norms(calls)
-    → (n, B) squared norms; clipped(calls, weights (B,)) → one {name: grad} per call.
+    A call is (module, x, o, names) as a rule sees it (see the module docstring).
+
+    Args:
+        key: ``key(module, x, o, names)`` → a hashable key; calls with equal keys stack (None: this
+            call does not stack).
+        sq_norms: ``sq_norms(calls)`` for n calls of one key → (n, B) per-sample squared gradient norms
+            of each call (summed over its ``names``), fp32 (fp64 for fp64 calls).
+        clipped: ``clipped(calls, weights)`` with weights (B,) shared by the calls (flat clipping) or
+            (n, B), one row per call (per-layer clipping) → a list of n {parameter name: Σ_i w_i g_i}
+            dicts, each gradient of its parameter's shape.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
@@ -51,6 +59,24 @@ class Stacked:
 
 @dataclass(frozen=True)
 class LayerRule:
+    """The per-sample gradient math of a layer family; a rule works on one call (module, x, o).
+
+    x is the call's saved input, (B, ...) (the module's ``_prepare`` applied), or a tuple of tensors
+    sharing dim 0; o is the gradient of the summed loss w.r.t. the call's output (e.g. (B·T, p) for
+    a linear layer). ``names`` are the trainable parameter names the call reached.
+
+    Args:
+        per_sample_grads: ``(module, x, o)`` → {name: (B, *param.shape)} per-sample gradients (a dict,
+            or any object indexed by name: only the names asked for are read). Required.
+        sq_norms: ``(module, x, o, names)`` → (B,) per-sample squared gradient norms summed over
+            ``names``, fp32 or wider; None: from ``per_sample_grads``.
+        clipped_grads: ``(module, x, o, weights, names)`` → {name: Σ_i w_i g_i, of the parameter's
+            shape} for weights (B,), or Σ_i g_i for weights None; None: from ``per_sample_grads``.
+        stacked: how same-shape calls compute together (``Stacked``), or None.
+        materialize_when: ``(module, x, o)`` → True where this call's per-sample gradients are better
+            formed and kept (see the module docstring), or None (never, when ``sq_norms`` is given).
+    """
+
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
     sq_norms: SqNorms | None = None            # (module, x, o, names) -> (B,) summed over names, fp32+
     clipped_grads: ClippedGrads | None = None  # (module, x, o, weights (B,) | None, names) -> {name: grad}
@@ -65,17 +91,40 @@ class LayerRule:
 
     def materializes_call(self, module, x, o) -> bool:
         """Whether this call's per-sample gradients are formed (then norms and clipped sums come
-        from them) rather than its norms and clipped sums computed without them."""
+        from them) rather than its norms and clipped sums computed without them.
+
+        Args:
+            module: the DP layer; x: the call's input, (B, ...); o: its output gradient.
+        Returns:
+            True when the rule has no norm formula or ``materialize_when`` says so for this call.
+        """
         return self.sq_norms is None or (self.materialize_when is not None and self.materialize_when(module, x, o))
 
     def norms(self, module, x, o, names) -> torch.Tensor:
-        """(B,) per-sample squared gradient norm summed over the parameters ``names``."""
+        """Per-sample squared gradient norms ‖g_i‖² of one call, summed over the parameters ``names``.
+
+        Args:
+            module: the DP layer; x: the call's input, (B, ...); o: its output gradient;
+            names: a tuple of the parameter names to include.
+        Returns:
+            (B,) squared norms, fp32 (fp64 for fp64 gradients), from ``sq_norms`` or else from the
+            materialized per-sample gradients.
+        """
         if self.sq_norms is not None:
             return self.sq_norms(module, x, o, names)
         grads = self.per_sample_grads(module, x, o)
         return sq_norms_of([grads[n] for n in names])
 
     def clipped(self, module, x, o, weights, names) -> dict:
+        """The weighted sum Σ_i w_i g_i of one call's per-sample gradients.
+
+        Args:
+            module: the DP layer; x: the call's input, (B, ...); o: its output gradient;
+            weights: (B,) clip weights w_i, or None for the plain sum Σ_i g_i (the loss was already
+                weighted, as in ghost clipping's second backward); names: a tuple of parameter names.
+        Returns:
+            {name: gradient of the parameter's shape}, in the gradients' dtype.
+        """
         if self.clipped_grads is not None:
             return self.clipped_grads(module, x, o, weights, names)
         grads = self.per_sample_grads(module, x, o)
@@ -85,7 +134,14 @@ class LayerRule:
 
 
 def sq_norms_of(per_sample: list[torch.Tensor]) -> torch.Tensor:
-    """(B,) Σ over tensors of ‖g_i‖², each (B, ...), accumulated in fp32 (fp64 kept)."""
+    """Σ over tensors of ‖g_i‖²: the per-sample squared norm of several parameters' gradients together.
+
+    Args:
+        per_sample: per-sample gradients, each (B, ...), any float dtype.
+    Returns:
+        (B,) squared norms, accumulated in fp32 (in fp64 when the first tensor is fp64); None for an
+        empty list.
+    """
     total = None
     for g in per_sample:
         # one read of g, no temporary of its size (g.pow(2) would allocate and fault in one);
@@ -97,7 +153,14 @@ def sq_norms_of(per_sample: list[torch.Tensor]) -> torch.Tensor:
 
 
 def weighted_sum(weights: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
-    """Σ_i w_i g_i: weights (B,), per_sample (B, ...) → (...), in the per-sample gradients' dtype."""
+    """Σ_i w_i g_i, one GEMV over the flattened per-sample gradients.
+
+    Args:
+        weights: (B,) w_i (cast to the gradients' dtype).
+        per_sample: (B, ...) per-sample gradients g_i.
+    Returns:
+        (...) = per_sample.shape[1:], in the per-sample gradients' dtype.
+    """
     w = weights if weights.dtype == per_sample.dtype else weights.to(per_sample.dtype)
     if per_sample.dim() == 2:
         return w @ per_sample
@@ -115,14 +178,24 @@ def register_layer(torch_classes, dp_class: type, rule: LayerRule | None = None,
     """Register a layer family: ``convert`` swaps ``torch_classes`` for ``dp_class``, whose
     per-sample gradients come from ``rule``.
 
-    torch_classes: an ``nn.Module`` subclass, its qualified name as a string (e.g.
-    ``"transformers.pytorch_utils.Conv1D"``: the optional library is never imported here), or a
-    tuple/list of them. Subclasses that keep the registered forward are converted too; those with
-    their own forward are not (their math is unknown to the rule). dp_class: a ``DPModule``
-    subclass (typically also a subclass of the torch class); layer options it cannot train
-    privately are refused by its ``unsupported_options``. rule: the rule of ``dp_class`` and its
-    subclasses; None when ``dp_class`` inherits one from a registered base. Registering a class or
-    a rule a second time raises unless ``replace=True``.
+    Args:
+        torch_classes: an ``nn.Module`` subclass, its qualified name as a string (e.g.
+            ``"transformers.pytorch_utils.Conv1D"``: the optional library is never imported here), or a
+            tuple/list of them. Subclasses that keep the registered forward are converted too; those with
+            their own forward are not (their math is unknown to the rule).
+        dp_class: a ``DPModule`` subclass (typically also a subclass of the torch class); layer options it
+            cannot train privately are refused by its ``unsupported_options``.
+        rule: the rule of ``dp_class`` and its subclasses; None when ``dp_class`` inherits one from a
+            registered base.
+        replace: allow mapping a torch class already mapped to another DP class, and replacing
+            ``dp_class``'s rule.
+    Returns:
+        None.
+    Raises:
+        ValueError when ``dp_class`` has no rule (none given or inherited), when a torch class already
+        converts to another DP class or ``dp_class`` already has another rule (unless ``replace=True``),
+        or for a class name without a module path; TypeError for a key that is not an ``nn.Module``
+        subclass or a string, or a ``dp_class`` that is not a ``DPModule`` subclass.
     """
     keys = _keys(torch_classes, dp_class)
     if rule is None and rule_for_class(dp_class) is None:
@@ -139,7 +212,17 @@ def register_layer(torch_classes, dp_class: type, rule: LayerRule | None = None,
 def register_module(torch_class: type | str, dp_class: type) -> None:
     """Make ``convert`` swap ``torch_class`` (and subclasses keeping its forward) for ``dp_class``,
     replacing any earlier mapping. Kept for existing callers: ``register_layer(torch_class,
-    dp_class, rule)`` registers the mapping and the rule in one call."""
+    dp_class, rule)`` registers the mapping and the rule in one call.
+
+    Args:
+        torch_class: an ``nn.Module`` subclass or its qualified name (``"module.Class"``).
+        dp_class: a ``DPModule`` subclass (its rule is registered separately, ``register_rule``).
+    Returns:
+        None.
+    Raises:
+        TypeError for a ``torch_class`` that is not an ``nn.Module`` subclass or a string, or a ``dp_class``
+        that is not a ``DPModule`` subclass; ValueError for a name without a module path.
+    """
     _map(_keys(torch_class, dp_class), dp_class)
 
 
@@ -176,6 +259,16 @@ def register_rule(*types: type, rule: LayerRule, replace: bool = False) -> None:
 
     ``register_layer`` does this and the torch-class mapping in one call; use this alone only for
     a DP class that ``convert`` never produces (one a model instantiates directly).
+
+    Args:
+        *types: the DP classes (``DPModule`` subclasses).
+        rule: their ``LayerRule``.
+        replace: allow replacing a rule already registered for one of them.
+    Returns:
+        None.
+    Raises:
+        ValueError when one of ``types`` already has a rule and ``replace`` is False (the types before
+        it are registered by then).
     """
     for t in types:
         if t in _RULES and not replace:
@@ -184,7 +277,13 @@ def register_rule(*types: type, rule: LayerRule, replace: bool = False) -> None:
 
 
 def rule_for_class(cls: type) -> LayerRule | None:
-    """The rule of DP class ``cls``: the first registered class of its MRO, or None."""
+    """The rule of DP class ``cls``: the first registered class of its MRO.
+
+    Args:
+        cls: a class (typically a ``DPModule`` subclass).
+    Returns:
+        its ``LayerRule``, or None when no class of its MRO has one.
+    """
     for base in cls.__mro__:
         if base in _RULES:
             return _RULES[base]
@@ -192,20 +291,42 @@ def rule_for_class(cls: type) -> LayerRule | None:
 
 
 def rule_for(module: nn.Module) -> LayerRule | None:
+    """The rule of a DP layer (``rule_for_class`` of its type, through the MRO).
+
+    Args:
+        module: a module (typically a converted DP layer).
+    Returns:
+        its ``LayerRule``, or None when its class has none.
+    """
     return rule_for_class(type(module))
 
 
 def dp_class_registered(cls: type) -> type | None:
-    """The DP class registered for exactly ``cls`` (by class, else by qualified name), or None.
-    ``convert`` walks a module's MRO with this."""
+    """The DP class registered for exactly ``cls`` (by class, else by qualified name); ``convert``
+    walks a module's MRO with this.
+
+    Args:
+        cls: a torch module class.
+    Returns:
+        the DP class, or None when ``cls`` itself (not a base) is not registered.
+    """
     return _DP_CLASSES.get(cls) or _DP_CLASSES_BY_NAME.get(_name(cls))
 
 
 def generation() -> int:
-    """Changes whenever a torch → DP mapping is registered (a key for caches of lookups)."""
+    """A counter of the registrations so far, for caches of registry lookups.
+
+    Returns:
+        an int that changes whenever a torch → DP mapping is registered.
+    """
     return _generation
 
 
 def registered_layers() -> dict:
-    """Every registered torch class (or qualified name) → its DP class, in registration order."""
+    """Every registered torch → DP mapping.
+
+    Returns:
+        a new dict, torch class (or qualified name) → its DP class: classes first, then names, each
+        in order of first registration.
+    """
     return {**_DP_CLASSES, **_DP_CLASSES_BY_NAME}
