@@ -23,14 +23,30 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An output the kernel must fully write (NaN-poisoned under tests)."""
+    """An output the kernel must fully write (NaN-poisoned under tests).
+
+    Args:
+        shape: the buffer's shape (a tuple of ints).
+        dtype: its dtype.
+        device: its device.
+    Returns:
+        an uninitialized tensor, or one filled with NaN when ``POISON_OUTPUTS`` is set.
+    """
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 def block(n: int, lo: int, hi: int) -> int:
-    """A power-of-two block covering ``n`` when it can, clamped to [lo, hi]."""
+    """A power-of-two block covering ``n`` when it can, clamped to [lo, hi].
+
+    Args:
+        n: the extent to cover (elements along one dim); values < 1 count as 1.
+        lo: the smallest block, a power of two.
+        hi: the largest block, a power of two.
+    Returns:
+        max(lo, min(hi, next_power_of_2(n))), an int.
+    """
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
@@ -41,6 +57,12 @@ def dot_flags(dtype: torch.dtype) -> dict:
     stores bf16 as uint16 in numpy), so under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32
     before ``tl.dot``; the products of bf16 values are exact in fp32, so the result is the same
     math. On a GPU bf16 tiles go to the tensor cores as they are.
+
+    Args:
+        dtype: the dtype of the tiles the kernel multiplies.
+    Returns:
+        {"DOT_PRECISION": ``FP32_DOT_PRECISION`` for fp32, else "tf32"; "UPCAST": True only for bf16
+        under the interpreter}, passed as keyword arguments of the launch.
     """
     return {
         "DOT_PRECISION": FP32_DOT_PRECISION if dtype == torch.float32 else "tf32",
@@ -49,18 +71,37 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
 
 def sm_count(device: torch.device) -> int:
+    """The number of streaming multiprocessors that programs spread over.
+
+    Args:
+        device: the device the kernel runs on.
+    Returns:
+        the CUDA device's multiprocessor count; 4 for any other device (the interpreter).
+    """
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
 def device_guard(t: torch.Tensor):
-    """Launch on the tensors' own GPU, not the current one."""
+    """Launch on the tensors' own GPU, not the current one.
+
+    Args:
+        t: a tensor of the launch.
+    Returns:
+        a context manager: ``torch.cuda.device(t.device)`` for a CUDA tensor, else a no-op.
+    """
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:
-    """(B, n) per-program partial sums → (B,), deterministic (no atomics)."""
+    """Per-sample sums of per-program partial sums, deterministic (no atomics).
+
+    Args:
+        partials: (B, n) fp32, one column per program of a sample.
+    Returns:
+        (B,) in ``partials``' dtype: a view of its only column when n = 1, else a fresh sum.
+    """
     if partials.shape[1] == 1:
         return partials.view(partials.shape[0])
     return partials.sum(1)

@@ -159,21 +159,38 @@ def _conv_gram_sq_norms_kernel(
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ConvNormGeometry:
-    """One conv layer call as the kernels see it (all per group)."""
+    """One conv layer call as the kernels see it (all per group).
+
+    Args:
+        batch: B, samples in the call.
+        groups: G, the convolution's groups.
+        positions: L, output positions per sample (OH·OW).
+        patch: K = C_in/G · kh · kw, the length of one im2col row.
+        out_channels: p_g = C_out/G, output channels per group.
+    """
     batch: int
     groups: int
-    positions: int       # L: output positions per sample (OH·OW)
-    patch: int           # K: C_in/G · kh · kw, one im2col row
-    out_channels: int    # p_g: C_out/G
+    positions: int
+    patch: int
+    out_channels: int
 
 
 @dataclass(frozen=True)
 class PathCost:
-    flops: float         # 2 × the multiply-adds the kernel issues (padded tiles included)
-    bytes: float         # bytes its tiles load (re-reads by other programs included; mostly L2 hits)
+    """The cost of one kernel path on one call, as ``conv_norm_costs`` counts it.
+
+    Args:
+        flops: 2 × the multiply-adds the kernel issues (padded tiles included).
+        bytes: bytes its tiles load (re-reads by other programs included; mostly L2 hits).
+        programs: programs the launch runs (the grid size).
+        serial_steps: loop iterations one program runs.
+        seconds: the estimated time on one H100 (``_H100`` below), in seconds.
+    """
+    flops: float
+    bytes: float
     programs: int
-    serial_steps: int    # loop iterations one program runs
-    seconds: float       # the H100 estimate below
+    serial_steps: int
+    seconds: float
 
 
 # One H100 SXM as these kernels see it, fitted to their measured times on the ResNet-18 CIFAR
@@ -221,6 +238,12 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, Path
     output-gradient tile by every k-tile. Gram: per (sample, group) n_t(n_t+1)/2 tile pairs, each
     ⌈K/BLOCK_K⌉ + ⌈p/BLOCK_P⌉ steps of (BLOCK_T × BLOCK_*) · (BLOCK_* × BLOCK_T) products, loading
     four row tiles per step.
+
+    Args:
+        geo: the call's geometry (``conv_geometry``).
+        dtype: the tiles' dtype (fp32/fp16/bf16): sets the element size and the FLOP rate.
+    Returns:
+        {"direct": PathCost, "gram": PathCost}.
     """
     elt = torch.finfo(dtype).bits // 8
     per_sample = geo.batch * geo.groups
@@ -244,7 +267,14 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, Path
 
 
 def choose_path(geo: ConvNormGeometry, dtype: torch.dtype) -> str:
-    """The kernel path with the smaller estimated time; ties go to direct (no L² term to grow)."""
+    """The kernel path with the smaller estimated time; ties go to direct (no L² term to grow).
+
+    Args:
+        geo: the call's geometry (``conv_geometry``).
+        dtype: the tiles' dtype.
+    Returns:
+        "gram" or "direct".
+    """
     costs = conv_norm_costs(geo, dtype)
     return "gram" if costs["gram"].seconds < costs["direct"].seconds else "direct"
 
@@ -270,7 +300,18 @@ def _geometry(x_shape, o_shape, kernel, stride, dilation, groups) -> ConvNormGeo
 
 
 def conv_geometry(x_pad: torch.Tensor, o: torch.Tensor, module) -> ConvNormGeometry:
-    """Shape checks and the geometry of one call (Conv1d or Conv2d tensors)."""
+    """Shape checks and the geometry of one call (Conv1d or Conv2d tensors).
+
+    Args:
+        x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``.
+        o: (B, C_out, [OH,] OW) the gradient w.r.t. the convolution output.
+        module: supplies ``kernel_size``, ``stride``, ``dilation`` and ``groups``.
+    Returns:
+        the call's ``ConvNormGeometry``.
+    Raises:
+        ValueError when the batch sizes differ, a channel count is not divisible by ``groups``, or
+        ``o``'s spatial size is not the one ``x_pad`` gives (e.g. an unpadded input).
+    """
     return _geometry(tuple(x_pad.shape), tuple(o.shape), _pair(module.kernel_size), _pair(module.stride),
                      _pair(module.dilation), module.groups)
 
@@ -314,13 +355,21 @@ def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation,
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto") -> torch.Tensor:
     """‖∂ℓ_i/∂W‖²_F per sample of a Conv1d/Conv2d weight, the unfolding done inside the kernel.
 
-    x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``; o: (B, C_out, [OH,] OW) the
-    gradient of the summed loss w.r.t. the convolution output; ``module`` supplies kernel_size,
-    stride, dilation and groups (any object with those attributes). fp32/fp16/bf16, any strides
-    (channels_last too), fp32 accumulation; returns (B,) fp32. ``path``: "auto" (the cheaper of the
-    two by ``conv_norm_costs``), "direct" or "gram". Memory: a (B, programs per sample) fp32
-    buffer of partial sums; never the per-sample gradients nor the unfolded input.
-    float64 (and any rank other than Conv1d/Conv2d) runs ``conv_weight_sq_norms_reference``.
+    Memory: a (B, programs per sample) fp32 buffer of partial sums; never the per-sample gradients
+    nor the unfolded input.
+
+    Args:
+        x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``; fp32/fp16/bf16, any
+            strides (channels_last too); mixed dtypes meet in their promoted dtype.
+        o: (B, C_out, [OH,] OW) the gradient of the summed loss w.r.t. the convolution output,
+            fp32/fp16/bf16, any strides.
+        module: supplies kernel_size, stride, dilation and groups (any object with those attributes).
+        path: "auto" (the cheaper of the two by ``conv_norm_costs``), "direct" or "gram".
+    Returns:
+        (B,) fp32, accumulated in fp32. float64 (and any rank other than Conv1d/Conv2d) runs
+        ``conv_weight_sq_norms_reference`` and returns its result.
+    Raises:
+        ValueError for an unknown ``path`` or tensors whose shapes do not fit (``conv_geometry``).
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")

@@ -98,13 +98,24 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
                device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
     """g += std · N(0, 1) elementwise, in place, for every tensor in ``grads``.
 
-    grads: floating tensors of any shapes (fp64/fp32/fp16/bf16; non-contiguous ones go through a
-    contiguous copy); std: noise standard deviation (σ·C); (seed, step): the stream, via
-    ``pdpfast.ops.noise.step_seed``. One launch per (device, dtype) group.
-    device_seed: a () int64 tensor on the grads' device holding ``step_seed(seed, step)``
-    (``pdpfast.ops.noise.step_seed_tensor``), read by the kernel instead of (seed, step): the same
-    noise, for a CUDA graph that replays the launch step after step. keep: a list that receives the
-    launch's tables (a captured graph reads them at every replay, so they must outlive the cache).
+    One launch per (device, dtype) group; g + std·n is formed in fp32 (fp64 for fp64 tensors) and
+    rounded once to the tensor's dtype.
+
+    Args:
+        grads: floating tensors of any shapes (fp64/fp32/fp16/bf16; non-contiguous ones go through a
+            contiguous copy that is written back).
+        std: noise standard deviation σ·C, in the gradients' units (0: nothing is added).
+        seed, step: the stream, via ``pdpfast.ops.noise.step_seed`` (ints).
+        device_seed: None, or a () int64 tensor on the grads' device holding ``step_seed(seed, step)``
+            (``pdpfast.ops.noise.step_seed_tensor``), read by the kernel instead of (seed, step): the
+            same noise, for a CUDA graph that replays the launch step after step.
+        keep: None, or a list that receives the launch's (4, m) int64 tables (a captured graph reads
+            them at every replay, so they must outlive the cache).
+    Returns:
+        None.
+    Raises:
+        TypeError for a tensor that is not floating point; RuntimeError if a table has to be built
+        during CUDA graph capture (run the step eagerly first).
     """
     if not grads or std == 0:
         return

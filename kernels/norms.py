@@ -154,11 +154,19 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
                            with_bias: bool = False) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample, never forming o_iᵀ a_i nor the T×T Grams in memory.
 
-    a: (B, T, d) layer inputs, o: (B, T, p) output gradients, fp32/fp16/bf16 (fp64 runs the
-    reference). Returns (B,) fp32. ``path``: "auto" (T = 1 → rank-one kernel, else the cheaper of
-    Gram and direct by ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
-    ``with_bias``: add the bias's ‖Σ_t o_{i,t}‖² — in the same launch on the rank-one and Gram
-    paths (one launch per layer, not two), by the bias kernel on the direct path.
+    Args:
+        a: (B, T, d) layer inputs, fp32/fp16/bf16, any strides (a copy where the last dim is not
+            contiguous); mixed dtypes meet in their promoted dtype.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs, fp32/fp16/bf16.
+        path: "auto" (T = 1 → rank-one kernel, else the cheaper of Gram and direct by
+            ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
+        with_bias: add the bias's ‖Σ_t o_{i,t}‖² — in the same launch on the rank-one and Gram
+            paths (one launch per layer, not two), by the bias kernel on the direct path.
+    Returns:
+        (B,) fp32, accumulated in fp32. Other dtypes (fp64) or ranks run
+        ``pdpfast.ops.linear.linear_sq_norms_reference`` and return its result.
+    Raises:
+        ValueError for an unknown ``path``, or ``a`` and ``o`` that disagree on (B, T).
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
@@ -229,7 +237,14 @@ def _bias_sq_norms_kernel(o_ptr, partial_ptr, T, P, stride_ob, stride_ot, stride
 
 @register("bias_sq_norms", when=lambda o: o.dim() == 3 and o.shape[1] > 1 and o.dtype in _LOW_PRECISION)
 def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
-    """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) fp32/fp16/bf16 → (B,) fp32 (fp64: reference)."""
+    """‖Σ_t o_{i,t}‖² per sample, the squared norm of a linear layer's bias gradient.
+
+    Args:
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs, fp32/fp16/bf16, any strides.
+    Returns:
+        (B,) fp32, accumulated in fp32. Other dtypes (fp64) or ranks run
+        ``pdpfast.ops.linear.bias_sq_norms_reference``.
+    """
     if o.dim() != 3 or o.dtype not in KERNEL_DTYPES:
         return bias_sq_norms_reference(o)
     o = _unit_inner(o)
@@ -301,11 +316,18 @@ def _embedding_sq_norms_kernel(
 @register("embedding_sq_norms")
 def embedding_sq_norms(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
                        padding_idx: int | None) -> torch.Tensor:
-    """Exact per-sample squared norms of an embedding table's gradient.
+    """Exact per-sample squared norms of an embedding table's gradient,
+    Σ_{v ∈ tokens(i)} ‖Σ_{t: x_{i,t}=v} o_{i,t}‖².
 
-    ids: (B, T) integer token ids; o: (B, T, p) gradients w.r.t. the embedding outputs
-    (fp32/fp16/bf16; fp64 runs the reference); tokens equal to ``padding_idx`` contribute nothing.
-    Returns (B,) fp32. ``num_embeddings`` is unused by the kernel (kept for the op signature).
+    Args:
+        ids: (B, T) integer token ids (any (B, ...) shape, read as (B, T)).
+        o: (B, T, p) gradients of the summed loss w.r.t. the embedding outputs (or (B, ..., p)),
+            fp32/fp16/bf16.
+        num_embeddings: V, the table's rows: unused by the kernel (kept for the op signature).
+        padding_idx: tokens equal to it contribute nothing; None: every token counts.
+    Returns:
+        (B,) fp32, accumulated in fp32. Other dtypes of ``o`` (fp64) run
+        ``pdpfast.ops.embedding.embedding_sq_norms_reference``.
     """
     if o.dtype not in KERNEL_DTYPES:
         return embedding_sq_norms_reference(ids, o, num_embeddings, padding_idx)

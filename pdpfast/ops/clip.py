@@ -10,12 +10,22 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
                  automatic_gamma: float | None = None, loss_scale: float = 1.0) -> torch.Tensor:
     """w_i = m_i · min(1, c_i / (‖g_i‖ + 1e-6)), or m_i · c_i / (‖g_i‖ + γ) with automatic clipping.
 
-    sq_norms: (B,) or (K, B) squared norms ‖g_i‖² (K clipping groups); clip_norms: bounds c_i
-    broadcast against them (masked rows may carry bound 0 instead of a mask); mask: (B,) 0/1.
-    loss_scale s: the norms are of gradients scaled down by s (a mean loss over s rows) and the
-    result multiplies those gradients, so s·w_i is returned, computed as min(s, c_i/(√sq + ε/s)):
-    five tensor ops, no host synchronisation. Returns weights shaped like the broadcast inputs, in
-    the norms' dtype.
+    With a loss scale s the norms are of gradients scaled down by s (a mean loss over s rows) and the
+    result multiplies those gradients, so s·w_i is returned, computed as min(s, c_i / (√sq + ε/s)):
+    five tensor ops, no host synchronisation.
+
+    Args:
+        sq_norms: (B,) or (K, B) float per-sample squared norms ‖g_i‖² (K clipping groups); negative
+            rounding errors count as 0.
+        clip_norms: the bounds c_i ≥ 0 in the units of ‖g_i‖, (B,) or (K, B): any shape that broadcasts
+            against ``sq_norms``; cast to its dtype. Masked rows may carry bound 0 instead of a mask.
+        mask: None, or (B,) 0/1 (any dtype) that zeroes the weights of padded rows.
+        automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
+        loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
+            under a mean loss) gives all-zero weights.
+    Returns:
+        the weights s·w_i, shaped like ``sq_norms`` and ``clip_norms`` broadcast together (like
+        ``sq_norms`` when s = 0), in ``sq_norms``' dtype.
     """
     if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
         return torch.zeros_like(sq_norms)

@@ -30,7 +30,15 @@ from .linear import linear_weight_sq_norms
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
-    """The input padded exactly as ``module`` pads it (ints, "same", "valid", any padding_mode)."""
+    """The input padded exactly as ``module`` pads it (ints, "same", "valid", any padding_mode).
+
+    Args:
+        x: (B, C_in, *spatial) the convolution's input.
+        module: the convolution (its ``_reversed_padding_repeated_twice`` and ``padding_mode``).
+    Returns:
+        (B, C_in, *padded spatial), a padded copy in ``x``'s dtype, or ``x`` itself when the module
+        does not pad.
+    """
     pads = module._reversed_padding_repeated_twice
     if not any(pads):
         return x
@@ -39,8 +47,16 @@ def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Te
 
 
 def as_conv2d(x: torch.Tensor, o: torch.Tensor, module):
-    """Conv1d tensors as Conv2d ones with a height of 1 (views, no copy):
-    (x, o, kernel_size, stride, dilation), each of the last three a pair."""
+    """Conv1d tensors as Conv2d ones with a height of 1 (views, no copy).
+
+    Args:
+        x: (B, C_in, W) (Conv1d) or (B, C_in, H, W) (Conv2d) input.
+        o: (B, C_out, OW) or (B, C_out, OH, OW), the gradient w.r.t. the convolution output.
+        module: supplies ``kernel_size``, ``stride`` and ``dilation``.
+    Returns:
+        (x, o, kernel_size, stride, dilation): x (B, C_in, H, W) and o (B, C_out, OH, OW) (H = OH = 1
+        for Conv1d), each of the last three a pair (1, k) for Conv1d.
+    """
     if x.dim() == 3:
         return x.unsqueeze(2), o.unsqueeze(2), (1, *module.kernel_size), (1, *module.stride), (1, *module.dilation)
     return x, o, module.kernel_size, module.stride, module.dilation
@@ -52,15 +68,31 @@ def _padding(padding, n: int) -> list[int]:
 
 
 def pad_input(x: torch.Tensor, padding) -> torch.Tensor:
-    """``x`` with ``padding`` (symmetric zeros, one int per spatial dim, or None) applied: a copy."""
+    """``x`` with ``padding`` (symmetric zeros, one int per spatial dim, or None) applied.
+
+    Args:
+        x: (B, C, *spatial).
+        padding: None, or one int ≥ 0 per spatial dim, the zeros added on both sides of that dim.
+    Returns:
+        (B, C, *padded spatial), a copy; ``x`` itself when there is nothing to pad.
+    """
     if padding is None or not any(padding):
         return x
     return F.pad(x, [v for v in reversed(padding) for _ in range(2)])
 
 
 def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None):
-    """(a, o) of the equivalent linear layers, one per (sample, group): (B·G, L, d_g), (B·G, L, p_g).
-    padding: zero padding still to apply to ``x_pad`` (see the module docstring), or None."""
+    """(a, o) of the equivalent linear layers, one per (sample, group), by im2col (``F.unfold``).
+
+    Args:
+        x_pad: (B, C_in, [H,] W) Conv1d/Conv2d input, padded by ``conv_pad`` (or not, see ``padding``).
+        o: (B, C_out, [OH,] OW) gradient of the summed loss w.r.t. the convolution output.
+        module: supplies ``groups`` G, ``kernel_size``, ``stride`` and ``dilation``.
+        padding: zero padding still to apply to ``x_pad`` (see the module docstring), or None.
+    Returns:
+        (a, o): a (B·G, L, d_g) in ``x_pad``'s dtype and o (B·G, L, p_g) in ``o``'s dtype, with L = OH·OW
+        output positions, d_g = C_in/G · kh·kw and p_g = C_out/G; row b·G + g is sample b, group g.
+    """
     B, G = x_pad.shape[0], module.groups
     x2, o2, kernel, stride, dilation = as_conv2d(x_pad, o, module)
     pad = _padding(padding, x_pad.dim() - 2)
@@ -78,15 +110,22 @@ _UNFOLD_LIMIT = 1 << 22
 
 
 def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
-    """‖∂ℓ_i/∂W‖²_F per sample, in plain torch: x_pad (B, C_in, *spatial) padded by ``conv_pad``
-    (or unpadded, with ``padding`` the symmetric zero padding to apply), o (B, C_out, *out_spatial)
-    → (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
+    """‖∂ℓ_i/∂W‖²_F per sample, in plain torch.
 
     Small layers: im2col (``F.unfold``, B·C_in·k·L elements) and the linear norms per group.
-    Larger ones: per-sample gradients from the convolution's own weight-gradient routine with the
-    batch as groups, squared and summed one chunk of samples at a time, so at most
-    ``_CHUNK_ELEMENTS`` gradient values (not B × |W|) exist at once. The kernel path
-    (``pdpfast.kernels.conv_norms``) materializes neither.
+    Larger ones (and Conv3d, which torch cannot unfold): per-sample gradients from the convolution's
+    own weight-gradient routine with the batch as groups, squared and summed one chunk of samples at
+    a time, so at most ``_CHUNK_ELEMENTS`` gradient values (not B × |W|) exist at once. The kernel
+    path (``pdpfast.kernels.conv_norms``) materializes neither.
+
+    Args:
+        x_pad: (B, C_in, *spatial) Conv1d/2d/3d input padded by ``conv_pad`` (or unpadded, with
+            ``padding`` the symmetric zero padding to apply).
+        o: (B, C_out, *out_spatial) gradient of the summed loss w.r.t. the convolution output.
+        module: supplies ``weight``, ``groups``, ``kernel_size``, ``stride`` and ``dilation``.
+        padding: None, or one int per spatial dim, the zero padding still to apply to ``x_pad``.
+    Returns:
+        (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
     """
     B = x_pad.shape[0]
     # Conv3d has no unfold in torch: its per-sample gradients come chunk by chunk, as large layers'
@@ -104,8 +143,14 @@ _CONV_WEIGHT_SQ_NORMS = declare("conv_weight_sq_norms", conv_weight_sq_norms_ref
 
 
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
-    """Per-sample squared weight-gradient norms (B,): the fused kernel on CUDA, else the reference.
-    padding: zero padding still to apply to ``x_pad`` (the kernel is given a padded copy)."""
+    """‖∂ℓ_i/∂W‖²_F per sample: the fused kernel on CUDA, else ``conv_weight_sq_norms_reference``.
+
+    Args:
+        x_pad, o, module: as in ``conv_weight_sq_norms_reference``.
+        padding: zero padding still to apply to ``x_pad``, or None (the kernel is given a padded copy).
+    Returns:
+        (B,) fp32 (fp64 for fp64 inputs).
+    """
     fn = _CONV_WEIGHT_SQ_NORMS.pick(x_pad, o)
     if fn is _CONV_WEIGHT_SQ_NORMS.reference:
         return fn(x_pad, o, module, padding)
@@ -113,12 +158,31 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=N
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
+    """‖∂ℓ_i/∂b‖² = Σ_c (Σ_positions o_{i,c})² per sample, the squared norm of a convolution's bias gradient.
+
+    Args:
+        o: (B, C_out, *out_spatial) gradient of the summed loss w.r.t. the convolution output.
+    Returns:
+        (B,) fp32 (fp64 for fp64 ``o``).
+    """
     return o.flatten(2).sum(-1).to(torch.promote_types(o.dtype, torch.float32)).pow(2).sum(-1)
 
 
 def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=True, padding=None):
     """(Σ_i w_i ∂ℓ_i/∂W, Σ_i w_i ∂ℓ_i/∂b) through the convolution's own weight-gradient routine.
-    padding: zero padding still to apply to ``x_pad`` (the routine applies it), or None."""
+
+    Args:
+        x_pad: (B, C_in, *spatial) Conv1d/2d/3d input padded by ``conv_pad`` (or not, see ``padding``).
+        o: (B, C_out, *out_spatial) gradient of the summed loss w.r.t. the convolution output.
+        weights: (B,) clip weights w_i, or None for the plain sums.
+        module: supplies ``weight``, ``groups``, ``stride`` and ``dilation``.
+        need_weight: compute the weight gradient.
+        need_bias: compute the bias gradient.
+        padding: zero padding still to apply to ``x_pad`` (the routine applies it), or None.
+    Returns:
+        (grad_w, grad_b): grad_w shaped like ``module.weight``, (C_out, C_in/G, *kernel_size), and
+        grad_b (C_out,), both in ``o``'s dtype; each None when not needed.
+    """
     if weights is not None:
         o = o * weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
     n = x_pad.dim() - 2
@@ -163,8 +227,17 @@ def _per_sample_grad_chunks(x_pad, o, module, padding=None):
 
 
 def conv_per_sample_grads(x_pad, o, module, padding=None) -> torch.Tensor:
-    """Materialized (B, *weight.shape) per-sample gradients (tied parameters, oracles).
-    padding: zero padding still to apply to ``x_pad``, or None."""
+    """Materialized per-sample weight gradients ∂ℓ_i/∂W (tied parameters, small layers, oracles).
+
+    Args:
+        x_pad: (B, C_in, *spatial) Conv1d/2d/3d input padded by ``conv_pad`` (or not, see ``padding``).
+        o: (B, C_out, *out_spatial) gradient of the summed loss w.r.t. the convolution output.
+        module: supplies ``weight``, ``groups``, ``stride`` and ``dilation``.
+        padding: zero padding still to apply to ``x_pad``, or None.
+    Returns:
+        (B, *weight.shape) in ``o``'s dtype, in a buffer of ``workspace`` (the clipping state returns
+        it when done).
+    """
     w = module.weight
     out = workspace.empty((x_pad.shape[0], *w.shape), o.dtype, o.device)
     for samples, grads in _per_sample_grad_chunks(x_pad, o, module, padding):

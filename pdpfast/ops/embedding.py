@@ -16,7 +16,17 @@ from .linear import acc_dtype
 
 def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
                                  padding_idx: int | None) -> torch.Tensor:
-    """ids (B, T) int, o (B, T, p) → (B,) exact squared norms, repeated tokens summed first."""
+    """‖G_i‖² = Σ_{v ∈ tokens(i)} ‖Σ_{t: x_{i,t}=v} o_{i,t}‖² per sample, in plain torch (exact).
+
+    Args:
+        ids: (B, T) integer token ids in [0, num_embeddings) (any (B, ...) shape, read as (B, T) with
+            T the product of its trailing dims).
+        o: (B, T, p) gradients of the summed loss w.r.t. the embedding outputs (or (B, ..., p) matching ``ids``).
+        num_embeddings: V, the table's number of rows.
+        padding_idx: the token id that gets no gradient, or None.
+    Returns:
+        (B,) squared norms (repeated tokens summed first), fp32 (fp64 for fp64 ``o``).
+    """
     B = ids.shape[0]
     dtype = acc_dtype(o)
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
@@ -40,12 +50,29 @@ _EMBEDDING_SQ_NORMS = declare("embedding_sq_norms", embedding_sq_norms_reference
 
 
 def embedding_sq_norms(ids, o, num_embeddings, padding_idx):
+    """Per-sample squared norms of an embedding table's gradient: the kernel on CUDA, else the reference.
+
+    Args:
+        ids, o, num_embeddings, padding_idx: as in ``embedding_sq_norms_reference``.
+    Returns:
+        (B,) fp32 (fp64 for fp64 ``o``, which runs the reference).
+    """
     return _EMBEDDING_SQ_NORMS.pick(o)(ids, o, num_embeddings, padding_idx)
 
 
 def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None,
                                      num_embeddings: int, padding_idx: int | None) -> torch.Tensor:
-    """Σ_i w_i G_i: rows of o scaled by w_i, scattered into the (V, p) table."""
+    """Σ_i w_i G_i: rows of o scaled by w_i, scattered into the (V, p) table.
+
+    Args:
+        ids: (B, T) integer token ids in [0, num_embeddings) (or any (B, ...) shape, flattened per sample).
+        o: (B, T, p) gradients of the summed loss w.r.t. the embedding outputs (or (B, ..., p)).
+        weights: (B,) clip weights w_i, or None for the plain sum Σ_i G_i.
+        num_embeddings: V, the table's number of rows.
+        padding_idx: the token id whose row gets no gradient (zeroed), or None.
+    Returns:
+        (V, p) gradient of the table, in ``o``'s dtype, on ``o``'s device.
+    """
     B, p = ids.shape[0], o.shape[-1]
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p)
@@ -59,7 +86,16 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
 
 
 def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Tensor:
-    """Materialized (B, V, p): for tied parameters and oracles only."""
+    """Materialized per-sample gradients G_i of the embedding table: for tied parameters and oracles only.
+
+    Args:
+        ids: (B, T) integer token ids in [0, num_embeddings) (or any (B, ...) shape, flattened per sample).
+        o: (B, T, p) gradients of the summed loss w.r.t. the embedding outputs (or (B, ..., p)).
+        num_embeddings: V, the table's number of rows.
+        padding_idx: the token id that gets no gradient (its row stays 0), or None.
+    Returns:
+        (B, V, p) in ``o``'s dtype, a fresh tensor (B·V·p values: large for a real vocabulary).
+    """
     B, p = ids.shape[0], o.shape[-1]
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p)

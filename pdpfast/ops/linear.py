@@ -16,23 +16,48 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp32 accumulation for fp16/bf16/fp32, fp64 kept for float64 oracles."""
+    """The dtype per-sample norms accumulate in: fp32 for fp16/bf16/fp32, fp64 kept for float64 oracles.
+
+    Args:
+        tensors: the op's inputs.
+    Returns:
+        torch.float64 if any of ``tensors`` is float64, else torch.float32.
+    """
     # a plain comparison, not torch.promote_types: this runs for every layer of every backward
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def gram_cost(T: int, d: int, p: int) -> int:
-    """Multiply-adds per sample of the Gram (ghost) norm: two T×T Grams and their inner product."""
+    """Multiply-adds per sample of the Gram (ghost) norm: two T×T Grams and their inner product.
+
+    Args:
+        T: positions (rows) per sample; d: input features; p: output features.
+    Returns:
+        T²·(d + p + 1), an int.
+    """
     return T * T * (d + p + 1)
 
 
 def direct_cost(T: int, d: int, p: int) -> int:
-    """Multiply-adds per sample of the direct norm: materialize G_i = o_iᵀ a_i and square it."""
+    """Multiply-adds per sample of the direct norm: materialize G_i = o_iᵀ a_i and square it.
+
+    Args:
+        T: positions (rows) per sample; d: input features; p: output features.
+    Returns:
+        T·d·p + d·p, an int.
+    """
     return T * d * p + d * p
 
 
 def use_gram(T: int, d: int, p: int) -> bool:
-    """Per call (T varies between calls), the cheaper of the two exact norm computations."""
+    """Per call (T varies between calls), the cheaper of the two exact norm computations.
+
+    Args:
+        T: positions (rows) per sample; d: input features; p: output features.
+    Returns:
+        True when the Gram norm costs fewer multiply-adds than the direct one (``gram_cost`` <
+        ``direct_cost``; a tie goes to direct).
+    """
     return gram_cost(T, d, p) < direct_cost(T, d, p)
 
 
@@ -52,7 +77,17 @@ MATERIALIZE_MIN_ELEMENTS = 1 << 23
 def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor) -> bool:
     """Whether a call whose per-sample gradients take ``per_sample_elements`` values (B·|W|) should
     form them (see ``MATERIALIZE_RATIO``). Never where a kernel computes the norms: on a GPU, memory
-    is the scarce resource and the fused norm kernels form no per-sample gradient."""
+    is the scarce resource and the fused norm kernels form no per-sample gradient.
+
+    Args:
+        per_sample_elements: B·|W|, the number of values of the call's per-sample gradients.
+        x: the layer call's input (any shape), kept by book-keeping anyway.
+        o: the gradient w.r.t. the call's output (any shape); its element size prices the gradients.
+    Returns:
+        False where the kernels run (``use_triton(x, o)``) or the gradients would take
+        ``workspace.lent_bytes()`` past ``workspace.MAX_BYTES``; else whether ``per_sample_elements`` ≤
+        max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
+    """
     if use_triton(x, o):
         return False
     if workspace.lent_bytes() + per_sample_elements * o.element_size() > workspace.MAX_BYTES:
@@ -71,15 +106,31 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def linear_weight_sq_norms_reference(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """‖o_iᵀ a_i‖²_F per sample: a (B, T, d), o (B, T, p) → (B,) in the accumulation dtype."""
+    """‖o_iᵀ a_i‖²_F per sample, in plain torch (the weight only; see ``linear_sq_norms_reference``).
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+    Returns:
+        (B,) in the accumulation dtype (``acc_dtype``: fp32, or fp64 for fp64 inputs).
+    """
     return linear_sq_norms_reference(a, o, with_bias=False)
 
 
 def linear_sq_norms_reference(a: torch.Tensor, o: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """‖o_iᵀ a_i‖²_F (+ ‖Σ_t o_{i,t}‖² with_bias) per sample: a (B, T, d), o (B, T, p) → (B,).
+    """‖o_iᵀ a_i‖²_F (+ ‖Σ_t o_{i,t}‖² with_bias) per sample, in plain torch.
 
     The bias is a weight on a constant input 1, so its norm joins the weight's in the same Gram:
     ‖G_i‖² + ‖b_i‖² = Σ_{s,t} (a_i a_iᵀ + 1)_{st} (o_i o_iᵀ)_{st}, and (‖a_i‖² + 1)‖o_i‖² for T = 1.
+    Per call, the Gram or the direct form (``use_gram``), over chunks of samples when the batch's
+    work would exceed ``_CHUNK_ELEMENTS`` values at once.
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+        with_bias: add the bias's ‖Σ_t o_{i,t}‖².
+    Returns:
+        (B,) in the accumulation dtype (``acc_dtype``: fp32, or fp64 for fp64 inputs).
     """
     B, T, d = a.shape
     p = o.shape[-1]
@@ -128,7 +179,13 @@ def _gram_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool = False) ->
 
 
 def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
-    """‖Σ_t o_{i,t}‖² per sample: o (B, T, p) → (B,)."""
+    """‖Σ_t o_{i,t}‖² per sample, the squared norm of a linear layer's bias gradient, in plain torch.
+
+    Args:
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+    Returns:
+        (B,) in the accumulation dtype (``acc_dtype``: fp32, or fp64 for fp64 ``o``).
+    """
     return _as(o, acc_dtype(o)).sum(1).pow(2).sum(-1)
 
 
@@ -137,18 +194,41 @@ _BIAS_SQ_NORMS = declare("bias_sq_norms", bias_sq_norms_reference)
 
 
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """‖o_iᵀ a_i‖²_F per sample: the kernel where it is registered to win (fp16/bf16 on CUDA), else the reference.
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+    Returns:
+        (B,) fp32 (fp64 for fp64 inputs).
+    """
     return _LINEAR_WEIGHT_SQ_NORMS.pick(a, o)(a, o)
 
 
 def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
+    """‖Σ_t o_{i,t}‖² per sample: the kernel where it is registered to win, else the reference.
+
+    Args:
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+    Returns:
+        (B,) fp32 (fp64 for fp64 ``o``).
+    """
     return _BIAS_SQ_NORMS.pick(o)(o)
 
 
 def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.Tensor:
-    """Per-sample squared norm of a linear layer's weight (+ bias) gradient: a (B, T, d), o (B, T, p).
+    """Per-sample squared norm of a linear layer's weight (+ bias) gradient, dispatched like
+    ``linear_weight_sq_norms``.
 
     Both forms take the bias into the weight's Gram (``linear_sq_norms_reference``; the kernel does
     it in the same launch on its rank-one and Gram paths).
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+        with_bias: add the bias's ‖Σ_t o_{i,t}‖².
+    Returns:
+        (B,) fp32 (fp64 for fp64 inputs).
     """
     fn = _LINEAR_WEIGHT_SQ_NORMS.pick(a, o)
     if fn is _LINEAR_WEIGHT_SQ_NORMS.reference:
@@ -158,13 +238,23 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.
 
 def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,
                          need_bias: bool = False, transposed: bool = False):
-    """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}) of a linear layer: a (B, T, d), o (B, T, p), w (B,).
+    """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}): the clipped weight and bias gradients of a linear layer.
 
     The weight gradient is the ordinary weight-gradient GEMM (cuBLAS on a GPU) over the B·T rows
     once one operand's rows are scaled by their sample's w_i: the narrower one is scaled, and the
     bias reuses it when it is o. ``transposed`` returns the (d, p) weight gradient (Hugging Face's
     Conv1D) from the same GEMM with its operands swapped, never through a transpose copy.
-    Either gradient is None when not needed.
+
+    Args:
+        a: (B, T, d) layer inputs (also (B, d), or (B, ..., d) matching ``o``).
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs, same dtype as ``a``.
+        weights: (B,) clip weights w_i, or None for the plain sums.
+        need_weight: compute the weight gradient.
+        need_bias: compute the bias gradient.
+        transposed: the weight gradient as (d, p) instead of (p, d).
+    Returns:
+        (grad_w, grad_b): grad_w (p, d) ((d, p) when ``transposed``) and grad_b (p,), in ``o``'s dtype;
+        each None when not needed.
     """
     d, p = a.shape[-1], o.shape[-1]
     scale_o = weights is not None and (p <= d or not need_weight)
@@ -185,9 +275,20 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
 
 def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor, need_weight: bool,
                                  need_bias: bool, transposed: bool = False):
-    """``linear_clipped_grads`` of n same-shape layers at once: a (n, B, T, d), o (n, B, T, p),
-    weights (B,) shared or (n, B) per layer → grad_w (n, p, d) (or (n, d, p) transposed) and grad_b
-    (n, p), each None when not needed; one batched GEMM (cuBLAS) for the n weight gradients."""
+    """``linear_clipped_grads`` of n same-shape layer calls at once: one batched GEMM (cuBLAS) for the
+    n weight gradients.
+
+    Args:
+        a: (n, B, T, d) the calls' inputs, stacked (viewed as (n, B·T, d): contiguous).
+        o: (n, B, T, p) the gradients w.r.t. their outputs, stacked.
+        weights: (B,) clip weights shared by the calls, or (n, B) one row per call.
+        need_weight: compute the weight gradients.
+        need_bias: compute the bias gradients.
+        transposed: weight gradients as (d, p) instead of (p, d).
+    Returns:
+        (grad_w, grad_b): grad_w (n, p, d) ((n, d, p) when ``transposed``) and grad_b (n, p), in ``o``'s
+        dtype; each None when not needed.
+    """
     n, B, T, d = a.shape
     p = o.shape[-1]
     w = weights if weights.dtype == o.dtype else weights.to(o.dtype)
@@ -200,7 +301,15 @@ def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torc
 
 
 def linear_per_sample_grads(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Materialized per-sample weight gradients o_iᵀ a_i: a (B, T, d), o (B, T, p) → (B, p, d), in
-    a buffer of ``workspace`` (the clipping state returns it when done)."""
+    """Materialized per-sample weight gradients o_iᵀ a_i, in a buffer of ``workspace`` (the clipping
+    state returns it when done).
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+    Returns:
+        (B, p, d) in the promoted dtype of ``a`` and ``o``, on ``o``'s device. (Called as (o, a), it
+        gives the (B, d, p) gradients of a weight stored (in, out).)
+    """
     out = workspace.empty((a.shape[0], o.shape[-1], a.shape[-1]), torch.promote_types(a.dtype, o.dtype), o.device)
     return torch.bmm(o.transpose(1, 2), a, out=out)

@@ -19,8 +19,17 @@ _MASK64 = (1 << 64) - 1
 def step_seed(seed: int, step: int, index: int | None = None) -> int:
     """A 63-bit seed for one step (and one tensor), independent across (seed, step, index).
 
-    SplitMix64 absorbs each word in turn: z ← mix64(z ⊕ word + γ), then z >> 1 (a few hundred ns:
-    this runs once per tensor per step). ``step_seed_tensor`` is the same function on the device."""
+    SplitMix64 absorbs each word in turn: z ← mix64((z ⊕ word) + γ) from z = 0, then z >> 1 (a few
+    hundred ns: this runs once per tensor per step). ``step_seed_tensor`` is the same function on the
+    device.
+
+    Args:
+        seed: the noise seed, an int (taken modulo 2^64).
+        step: the optimizer step, an int (taken modulo 2^64).
+        index: None, or the tensor's index, a third word absorbed after ``step``.
+    Returns:
+        an int in [0, 2^63).
+    """
     z = 0
     for word in (seed, step) if index is None else (seed, step, index):
         z = mix64_int((z ^ (int(word) & _MASK64)) + GOLDEN_GAMMA)
@@ -28,11 +37,16 @@ def step_seed(seed: int, step: int, index: int | None = None) -> int:
 
 
 def step_seed_tensor(seed_and_step: torch.Tensor) -> torch.Tensor:
-    """``step_seed(seed, step)`` computed on ``seed_and_step``'s device, from a (2,) int64 tensor
-    holding (seed, step) as uint64 bits: a () int64 tensor, equal to the host value bit for bit.
+    """``step_seed(seed, step)`` computed on ``seed_and_step``'s device, equal to the host value bit for bit.
 
     A captured CUDA graph reads the step from device memory, so its noise follows (seed, step)
-    replay after replay with no host value baked in (``pdpfast.graphs``)."""
+    replay after replay with no host value baked in (``pdpfast.graphs``).
+
+    Args:
+        seed_and_step: (2,) int64 tensor holding (seed, step) as uint64 bits (``seed_and_step_tensor``).
+    Returns:
+        a () int64 tensor on the same device, in [0, 2^63).
+    """
     golden = as_int64(GOLDEN_GAMMA)
     z = seed_and_step[0].clone()  # 0 ⊕ seed
     mix64_(z.add_(golden))
@@ -42,7 +56,15 @@ def step_seed_tensor(seed_and_step: torch.Tensor) -> torch.Tensor:
 
 
 def seed_and_step_tensor(seed: int, step: int, device) -> torch.Tensor:
-    """(2,) int64 (seed, step) on ``device``, as ``step_seed_tensor`` takes them."""
+    """(seed, step) as ``step_seed_tensor`` takes them.
+
+    Args:
+        seed: the noise seed, an int (its low 64 bits are kept).
+        step: the optimizer step, an int (its low 64 bits are kept).
+        device: where the tensor is made.
+    Returns:
+        a (2,) int64 tensor on ``device``, each word's uint64 bits read as int64.
+    """
     return torch.tensor([as_int64(seed), as_int64(step)], dtype=torch.int64, device=device)
 
 
@@ -59,14 +81,24 @@ _OWN_GENERATOR_MIN_ELEMENTS = 1 << 16
 
 def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
                          device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
-    """g += N(0, std²) elementwise, in place, for every tensor in ``grads``.
-
-    ``device_seed`` and ``keep`` are for the kernel (``add_noise_``); torch's generators are seeded
-    on the host, so the reference refuses a device-side seed.
+    """g += N(0, std²) elementwise, in place, for every tensor in ``grads``, with torch's generators.
 
     Tensor k of ≥ 2^16 elements draws from a generator seeded by (seed, step, k); the smaller ones
     draw, in list order, from one generator per (device, dtype) group j seeded by
     (seed, step, len(grads) + j). The noise depends only on (seed, step) and the list.
+
+    Args:
+        grads: floating tensors of any shapes and devices, changed in place.
+        std: the noise standard deviation σ·C, in the gradients' units (0: nothing is added).
+        seed: the noise seed (int).
+        step: the optimizer step (int).
+        device_seed: must be None: torch's generators are seeded on the host, so the reference refuses
+            a device-side seed (it is for the kernel, ``add_noise_``).
+        keep: unused here (for the kernel's signature).
+    Returns:
+        None.
+    Raises:
+        RuntimeError if ``device_seed`` is given.
     """
     if device_seed is not None:
         raise RuntimeError("noise from a device-side step counter (a captured CUDA graph) needs the Triton noise "
@@ -108,8 +140,19 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
                device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
     """g += N(0, std²) in place for every g in ``grads``, from (seed, step): the kernel on CUDA.
 
-    device_seed: None, or ``step_seed_tensor(...)`` on the grads' device, read by the kernel at run
-    time instead of (seed, step) (the same noise: a CUDA graph replays it with a new step). keep: a
-    list that receives the device tensors the launch reads besides the grads (a captured graph must
-    keep them alive)."""
+    Args:
+        grads: floating tensors of any shapes, changed in place.
+        std: the noise standard deviation σ·C, in the gradients' units (0: nothing is added).
+        seed: the noise seed (int).
+        step: the optimizer step (int).
+        device_seed: None, or ``step_seed_tensor(...)`` on the grads' device, read by the kernel at run
+            time instead of (seed, step) (the same noise: a CUDA graph replays it with a new step).
+        keep: None, or a list that receives the device tensors the launch reads besides the grads (a
+            captured graph must keep them alive).
+    Returns:
+        None.
+    Raises:
+        RuntimeError if ``device_seed`` is given where the kernel does not run; TypeError from the kernel
+        for a non-floating tensor.
+    """
     _ADD_NOISE.pick(*grads)(grads, std, seed, step, device_seed=device_seed, keep=keep)

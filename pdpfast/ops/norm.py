@@ -46,6 +46,18 @@ def _sum_to(per_elem: torch.Tensor, trailing: int) -> torch.Tensor:
 
 @_by_batch_chunks
 def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of a LayerNorm's affine parameters: Σ_t o_{i,t} ⊙ x̂_{i,t} and Σ_t o_{i,t}.
+
+    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+
+    Args:
+        x: (B, ..., *normalized_shape) the layer's input.
+        o: like ``x``, the gradient of the summed loss w.r.t. the layer's output.
+        module: supplies ``normalized_shape``, ``eps`` and ``bias`` (None: no bias gradient).
+    Returns:
+        {"weight": (B, *normalized_shape)} in ``x``'s dtype, plus "bias": (B, *normalized_shape) in
+        ``o``'s dtype when the module has a bias.
+    """
     shape = tuple(module.normalized_shape)
     x_hat = F.layer_norm(x, shape, None, None, module.eps)
     out = {"weight": _sum_to(x_hat.mul_(o), len(shape))}  # x_hat is fresh: o ⊙ x̂ in place
@@ -56,6 +68,17 @@ def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
 
 @_by_batch_chunks
 def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradient of an RMSNorm's weight: Σ_t o_{i,t} ⊙ x̂_{i,t}, x̂ = x / RMS(x).
+
+    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+
+    Args:
+        x: (B, ..., *normalized_shape) the layer's input.
+        o: like ``x``, the gradient of the summed loss w.r.t. the layer's output.
+        module: supplies ``normalized_shape`` and ``eps`` (None: torch's default for the dtype).
+    Returns:
+        {"weight": (B, *normalized_shape)} in ``x``'s dtype.
+    """
     shape = tuple(module.normalized_shape)
     x_hat = F.rms_norm(x, shape, None, module.eps)
     return {"weight": _sum_to(x_hat.mul_(o), len(shape))}
@@ -63,6 +86,18 @@ def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
 
 @_by_batch_chunks
 def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of a GroupNorm's per-channel affine parameters, summed over positions.
+
+    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+
+    Args:
+        x: (B, C, *spatial) the layer's input (no spatial dims: (B, C)).
+        o: like ``x``, the gradient of the summed loss w.r.t. the layer's output.
+        module: supplies ``num_groups``, ``eps`` and ``bias`` (None: no bias gradient).
+    Returns:
+        {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
+        a bias.
+    """
     # weights are per channel (dim 1): sum over the spatial dims only
     x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
     spatial = list(range(2, x.dim()))
@@ -74,6 +109,18 @@ def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
 
 @_by_batch_chunks
 def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of an InstanceNorm1d/2d/3d's per-channel affine parameters.
+
+    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+
+    Args:
+        x: (B, C, *spatial) the layer's input, at least one spatial dim.
+        o: like ``x``, the gradient of the summed loss w.r.t. the layer's output.
+        module: supplies ``eps`` and ``bias`` (None: no bias gradient); running statistics are not used.
+    Returns:
+        {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
+        a bias.
+    """
     # instance norm normalizes each (sample, channel) over its positions: GroupNorm with C groups
     x_hat = F.instance_norm(x, eps=module.eps)
     spatial = list(range(2, x.dim()))

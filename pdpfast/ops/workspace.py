@@ -31,7 +31,12 @@ _lent_bytes = 0
 
 
 def lent_bytes() -> int:
-    """Bytes of CPU buffers lent by ``empty`` and neither returned nor freed."""
+    """Bytes of CPU buffers lent by ``empty`` and neither returned nor freed.
+
+    Returns:
+        an int ≥ 0, in bytes (``linear.prefer_per_sample`` forms no more per-sample gradients that
+        would take it past ``MAX_BYTES``).
+    """
     return _lent_bytes
 
 
@@ -43,7 +48,18 @@ def _forget(ident: int) -> None:
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized contiguous tensor, from the pool when one of this shape was recycled."""
+    """An uninitialized contiguous tensor, from the pool when one of this shape was recycled.
+
+    A CPU tensor is lent (counted in ``lent_bytes`` until ``recycle`` takes it back or it is freed);
+    on any other device this is plain ``torch.empty``.
+
+    Args:
+        shape: the tensor's shape (any sequence of ints).
+        dtype: its dtype.
+        device: its device.
+    Returns:
+        a tensor of ``shape``, ``dtype`` and ``device`` with arbitrary contents.
+    """
     global _free_bytes, _lent_bytes
     shape, device = torch.Size(shape), torch.device(device)
     nbytes = shape.numel() * dtype.itemsize
@@ -62,7 +78,17 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def recycle(tensors) -> None:
-    """Take back buffers lent by ``empty`` whose caller is done with them; others are ignored."""
+    """Take back buffers lent by ``empty`` whose caller is done with them; others are ignored.
+
+    A returned buffer of at least ``MIN_BYTES`` is pooled while the pool holds at most ``MAX_BYTES``;
+    the others are only forgotten (freed once nothing references them).
+
+    Args:
+        tensors: an iterable of tensors; only the buffers ``empty`` lent themselves (not views of
+            them) are taken back.
+    Returns:
+        None.
+    """
     global _free_bytes
     for t in tensors:
         entry = _lent.get(id(t))
@@ -76,7 +102,11 @@ def recycle(tensors) -> None:
 
 
 def clear() -> None:
-    """Free every pooled buffer (buffers still lent stay with their holders)."""
+    """Free every pooled buffer (buffers still lent stay with their holders).
+
+    Returns:
+        None.
+    """
     global _free_bytes
     _free.clear()
     _free_bytes = 0
