@@ -70,19 +70,6 @@ def dot_flags(dtype: torch.dtype) -> dict:
     }
 
 
-def sm_count(device: torch.device) -> int:
-    """The number of streaming multiprocessors that programs spread over.
-
-    Args:
-        device: the device the kernel runs on.
-    Returns:
-        the CUDA device's multiprocessor count; 4 for any other device (the interpreter).
-    """
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def device_guard(t: torch.Tensor):
     """Launch on the tensors' own GPU, not the current one.
 
