@@ -19,7 +19,7 @@ from .roots import illinois
 from .sgm import DEFAULT_ORDERS, distinct_rows
 
 __all__ = ["MAX_PAIRS", "bin_budgets_down", "pld_epsilon", "pld_epsilon_composed", "epsilons", "pld_noise_multiplier",
-           "pld_sample_rate"]
+           "pld_noise_multiplier_from", "pld_sample_rate", "pld_sample_rate_from"]
 
 MAX_PAIRS = 64
 VALUE_DISCRETIZATION = 1e-3     # dp_accounting's default is 1e-4: ~8x slower, ε lower by ~1e-4
@@ -146,15 +146,39 @@ def _root(f, safe, unsafe, target, rtol=_RTOL, max_iter=60):
 
 
 def pld_noise_multiplier(target_epsilon, delta, sample_rate, steps):
-    """Smallest z (to 0.02% in ε) with PLD ε(q, z, T) ≤ target, started from the RDP answer."""
+    """Smallest noise multiplier meeting a budget under PLD, searched from the RDP answer.
+
+    Args:
+        target_epsilon: the budget ε > 0 (float).
+        delta: δ in (0, 1).
+        sample_rate: Poisson rate q in (0, 1].
+        steps: T, a positive int.
+    Returns:
+        z (float, in units of the clip norm) with PLD ε(q, z, T) ≤ target_epsilon, within 0.02% of
+        it in ε.
+    """
     t = float(target_epsilon)
     z_rdp = float(_grid.solve_noise(sample_rate, steps, delta, np.array([t]), _grid_orders())[0][0])
-    return _pld_noise(t, delta, sample_rate, steps, z_rdp)[0]
+    return pld_noise_multiplier_from(t, delta, sample_rate, steps, z_rdp)[0]
 
 
-def _pld_noise(t, delta, q, steps, z_safe):
-    f = lambda z: pld_epsilon(q, z, steps, delta)   # noqa: E731
-    goal = t * (1 - _grid.MARGIN)
+def pld_noise_multiplier_from(target_epsilon, delta, sample_rate, steps, start):
+    """``pld_noise_multiplier`` searched from a given noise multiplier (calibration starts from its
+    RDP plan: RDP ε ≥ PLD ε, so an RDP-feasible z is PLD-feasible unless the PLD's rounding bites).
+
+    Args:
+        target_epsilon: the budget ε > 0 (float).
+        delta: δ in (0, 1).
+        sample_rate: Poisson rate q in (0, 1].
+        steps: T, a positive int.
+        start: z > 0 expected to meet the budget (raised by 5% steps until it does).
+    Returns:
+        (z, ε), floats: the smallest z found with PLD ε(q, z, T) ≤ target_epsilon·(1 − margin)
+        (within 0.02% in ε) and that ε; always an evaluated point.
+    """
+    f = lambda z: pld_epsilon(sample_rate, z, steps, delta)   # noqa: E731
+    goal = target_epsilon * (1 - _grid.MARGIN)
+    z_safe = start
     while f(z_safe) > goal:          # the RDP start is feasible unless rounding bites: step up
         z_safe *= 1.05
     z_unsafe = z_safe
@@ -162,22 +186,46 @@ def _pld_noise(t, delta, q, steps, z_safe):
         z_unsafe *= 0.7
         if z_unsafe < 1e-2:
             return z_safe, f(z_safe)
-    w, e = _root(lambda w: f(1.0 / w), 1.0 / z_safe, 1.0 / z_unsafe, t)
+    w, e = _root(lambda w: f(1.0 / w), 1.0 / z_safe, 1.0 / z_unsafe, target_epsilon)
     return 1.0 / w, e
 
 
 def pld_sample_rate(target_epsilon, delta, noise_multiplier, steps):
-    """Largest q ≤ 1 (to 0.02% in ε) with PLD ε(q, z, T) ≤ target, started from the RDP answer."""
+    """Largest sampling rate meeting a budget under PLD, searched from the RDP answer.
+
+    Args:
+        target_epsilon: the budget ε > 0 (float).
+        delta: δ in (0, 1).
+        noise_multiplier: z > 0 (noise std in units of the clip norm).
+        steps: T, a positive int.
+    Returns:
+        q ≤ 1 (float) with PLD ε(q, z, T) ≤ target_epsilon, within 0.02% of it in ε.
+    """
     t = float(target_epsilon)
     q_rdp = float(_grid.solve_rate(noise_multiplier, steps, delta, np.array([t]), _grid_orders())[0][0])
-    return _pld_rate(t, delta, noise_multiplier, steps, q_rdp)[0]
+    return pld_sample_rate_from(t, delta, noise_multiplier, steps, q_rdp)[0]
 
 
-def _pld_rate(t, delta, z, steps, q_safe, vdi=VALUE_DISCRETIZATION, growth=1.5):
-    """Largest q with PLD ε ≤ t at discretization ``vdi``, from a guess ``q_safe`` expected to be
-    within a factor ``growth`` of it (a close guess: a small growth, fewer PLD compositions)."""
-    f = lambda q: pld_epsilon(q, z, steps, delta, vdi)   # noqa: E731
-    goal = t * (1 - _grid.MARGIN)
+def pld_sample_rate_from(target_epsilon, delta, noise_multiplier, steps, start,
+                         value_discretization_interval=VALUE_DISCRETIZATION, growth=1.5):
+    """``pld_sample_rate`` searched from a given rate, at a given discretization (a close start:
+    a small ``growth``, fewer PLD compositions; calibration's search for σ runs on coarse PLDs).
+
+    Args:
+        target_epsilon: the budget ε > 0 (float).
+        delta: δ in (0, 1).
+        noise_multiplier: z > 0.
+        steps: T, a positive int.
+        start: a rate in (0, 1] expected within a factor ``growth`` of the answer.
+        value_discretization_interval: of the PLDs composed (coarser: faster, looser).
+        growth: factor > 1 by which the search moves the rate while bracketing.
+    Returns:
+        (q, ε), floats: the largest q ≤ 1 found with PLD ε(q, z, T) ≤ target_epsilon·(1 − margin)
+        (within 0.02% in ε) and that ε; always an evaluated point.
+    """
+    f = lambda q: pld_epsilon(q, noise_multiplier, steps, delta, value_discretization_interval)   # noqa: E731
+    goal = target_epsilon * (1 - _grid.MARGIN)
+    q_safe = start
     while f(q_safe) > goal:
         q_safe /= growth
     if q_safe >= 1.0 or f(1.0) <= goal:
@@ -185,7 +233,7 @@ def _pld_rate(t, delta, z, steps, q_safe, vdi=VALUE_DISCRETIZATION, growth=1.5):
     q_unsafe = q_safe
     while f(q_unsafe) <= goal:
         q_unsafe = min(1.0, q_unsafe * growth)
-    return _root(f, q_safe, q_unsafe, t)
+    return _root(f, q_safe, q_unsafe, target_epsilon)
 
 
 def _grid_orders():
@@ -216,7 +264,7 @@ def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
     def rates_at(sigma):
         out = np.empty(p.values.shape[0])
         for k, (t, g) in enumerate(zip(p.values, guess)):
-            out[k] = _pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g)), vdi, growth)[0]
+            out[k] = pld_sample_rate_from(float(t), p.delta, sigma, p.steps, float(min(1.0, g)), vdi, growth)[0]
         return out
 
     def g(sigma):
@@ -264,7 +312,7 @@ def _sample_pld_fine(p: Problem, sigma, guess, slope, vdi):
     guess = np.asarray(guess, dtype=np.float64).copy()
     prev = None
     for _ in range(6):
-        rates = np.array([_pld_rate(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), vdi, 1.03)[0]
+        rates = np.array([pld_sample_rate_from(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), vdi, 1.03)[0]
                           for t, g_ in zip(p.values, guess)])
         g = math.log(p.mean(rates) / q)
         if 0.0 <= g <= _MEAN_WINDOW:
@@ -316,7 +364,7 @@ def _noises_at(p: Problem, rates, method):
         except _grid.BudgetError as err:
             raise budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
                                 delta=p.delta) from None
-        zs[k] = _pld_noise(float(t), p.delta, float(r), p.steps, z_rdp)[0]
+        zs[k] = pld_noise_multiplier_from(float(t), p.delta, float(r), p.steps, z_rdp)[0]
     return zs
 
 
