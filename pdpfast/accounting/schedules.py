@@ -35,8 +35,8 @@ from scipy import optimize
 
 from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
+from .calibration.problem import renormalize_capped
 from .plan import PrivacyPlan
-from .problem import renormalize_capped
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["NoiseSchedule", "ConstantNoise", "TimeDecay", "ExponentialDecay", "StepDecay", "PolynomialDecay",
