@@ -45,15 +45,31 @@ def _pld_epsilon_cached(q: float, z: float, steps: int, delta: float, vdi: float
 
 
 def pld_epsilon(q: float, z: float, steps: int, delta: float, value_discretization_interval=VALUE_DISCRETIZATION):
-    """ε(δ) of T steps of the Poisson-subsampled Gaussian (rate q, noise multiplier z) by PLD."""
+    """ε(δ) of T steps of the Poisson-subsampled Gaussian by PLD (cached per argument tuple).
+
+    Args:
+        q: Poisson rate in [0, 1] (0: ε = 0; 1: the Gaussian alone).
+        z: noise multiplier ≥ 0 (noise std in units of the clip norm; 0: ε = inf).
+        steps: T, a positive int.
+        delta: δ in (0, 1).
+        value_discretization_interval: of the PLD (pessimistic, so ε is an upper bound).
+    Returns:
+        ε, a float.
+    """
     return _pld_epsilon_cached(float(q), float(z), int(steps), float(delta), float(value_discretization_interval))
 
 
 def pld_epsilon_composed(history, delta: float, value_discretization_interval=VALUE_DISCRETIZATION) -> float:
     """ε(δ) by PLD of a composition of Poisson-subsampled Gaussian runs.
 
-    history: (noise_multiplier, sample_rate, steps) entries, composed in order (an Opacus
-    accountant's ``history``). One entry is ``pld_epsilon`` of it (cached)."""
+    Args:
+        history: (noise_multiplier, sample_rate, steps) entries, composed in order (an Opacus
+            accountant's ``history``); entries with no steps or rate 0 add nothing.
+        delta: δ in (0, 1).
+        value_discretization_interval: of the PLD (pessimistic, so ε is an upper bound).
+    Returns:
+        ε, a float (0.0 for an empty history; one entry is ``pld_epsilon`` of it, cached).
+    """
     entries = [(float(z), float(q), int(n)) for z, q, n in history if n > 0 and q > 0.0]
     if not entries:
         return 0.0
@@ -73,7 +89,19 @@ def pld_epsilon_composed(history, delta: float, value_discretization_interval=VA
 
 
 def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS) -> np.ndarray:
-    """(N,) PLD ε per record, computed once per distinct (q_i, z_i) pair (at most ``max_pairs``)."""
+    """PLD ε per record, computed once per distinct (q_i, z_i) pair.
+
+    Args:
+        sample_rates: Poisson rates q_i in [0, 1], usually (N,) (any shape).
+        noise_multipliers: effective noise multipliers z_i ≥ 0, broadcast to ``sample_rates``.
+        steps: T, a positive int.
+        delta: δ in (0, 1).
+        max_pairs: most distinct pairs accepted (each costs a PLD, ~0.1 s).
+    Returns:
+        float64 ε with the shape of ``sample_rates``.
+    Raises:
+        ValueError if there are more than ``max_pairs`` distinct pairs.
+    """
     q = np.asarray(sample_rates, dtype=np.float64)
     z = np.broadcast_to(np.asarray(noise_multipliers, dtype=np.float64), q.shape)
     qf, zf = q.ravel() + 0.0, z.ravel() + 0.0            # + 0.0: −0.0 and 0.0 are one value

@@ -47,23 +47,26 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     """Turn per-record budgets into a :class:`PrivacyPlan`.
 
     Args:
-        budgets: (N,) per-record ε_i > 0 (a few distinct values or N distinct ones).
+        budgets: (N,) per-record ε_i > 0, an array, list or torch tensor (a few distinct values
+            or N distinct ones).
         delta: δ in (0, 1), shared by all records.
         steps: number of training steps T (positive integer).
         sample_rate: target mean Poisson rate q in (0, 1] (expected batch size / N).
-        method: "sample", "scale" or "hybrid".
+        method: "sample", "scale", "hybrid", or a name given to ``register_method``.
         max_grad_norm: reference clip norm C > 0 (the plan's mean clip norm for Scale/hybrid).
         hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample).
-        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions). With more than
-            ``pld_classes`` distinct budgets, PLD serves each budget from the largest of
-            ``pld_classes`` class values below it (``calibration.pld.bin_budgets_down``: the fewest classes
-            losing ≤ 0.5% of any budget, a warning when more would be needed); the plan's
-            ``budget_values`` are then the class values. Its time grows with the classes.
-        orders: RDP orders (default ``DEFAULT_ORDERS``).
+        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions).
+        orders: RDP orders, floats > 1 (default ``DEFAULT_ORDERS``).
+        pld_classes: PLD only, most distinct budgets solved (positive int, default
+            ``pld.MAX_PAIRS`` = 64). With more distinct budgets, each is served from the largest of
+            ``pld_classes`` class values below it (``calibration.pld.bin_budgets_down``: the fewest
+            classes losing ≤ 0.5% of any budget, a warning when more would be needed); the plan's
+            ``budget_values`` are then the class values. The time grows with the classes.
     Returns:
         PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
-        never above the budget, and ≥ 99.8% of it unless q_i = 1. Each group is certified at its
-        own RDP order (``plan.group_orders``, fractional; ``ledger_for_plan`` accounts at them).
+        never above the budget, and ≥ 99.8% of it unless q_i = 1. Under RDP each group is
+        certified at its own RDP order (``plan.group_orders``, fractional; ``ledger_for_plan``
+        accounts at them); under PLD ``group_orders`` is None.
     Raises:
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """
