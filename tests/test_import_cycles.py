@@ -117,6 +117,28 @@ def test_no_import_cycle_among_pdpfast_modules():
 
 def test_the_leaf_modules_import_nothing_of_the_package():
     graph = import_graph()
-    for leaf in ("pdpfast._checks", "pdpfast._private", "pdpfast.accounting.sgm", "pdpfast.accounting.problem",
-                 "pdpfast.accounting.roots"):
+    for leaf in ("pdpfast._checks", "pdpfast._private", "pdpfast.accounting.sgm", "pdpfast.accounting.roots",
+                 "pdpfast.accounting.calibration.problem"):
         assert graph[leaf] == set(), f"{leaf} imports {sorted(graph[leaf])}"
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or not."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_epsilon_math_sits_below_calibration():
+    """ε functions and their inversions are what calibration solves with: none of them reaches the
+    calibration package, directly or not (``pld`` used to hold the PLD methods and import the registry)."""
+    graph = import_graph()
+    calibration = "pdpfast.accounting.calibration"
+    for module in ("sgm", "roots", "_grid", "orders", "rdp", "pld"):
+        name = f"pdpfast.accounting.{module}"
+        above = sorted(m for m in reachable(graph, name) if m == calibration or m.startswith(calibration + "."))
+        assert not above, f"{name} imports {above}"

@@ -2,10 +2,11 @@
 problems. A leaf: numpy only, nothing of pdpfast imported.
 
 Every monotone inversion that must stay on the safe side of its root uses it: the grid engine's
-exact refinement (``_grid.refine``, hence the RDP calibrations, ``orders.polish`` and ``rpdp``), and
-PLD's root-finding in a noise multiplier, a sampling rate, and Sample's shared σ (``pld``). The
-caller owns the search variable (a log-parameter), the residual the interpolation steers by, and
-which side of the root a point is accepted on; this module owns the step.
+exact refinement (``_grid.refine``, hence the RDP calibrations, ``orders.polish`` and ``rpdp``),
+PLD's root-finding in a noise multiplier and a sampling rate (``pld``), and PLD Sample's shared σ
+(``calibration.pld``). The caller owns the search variable (a log-parameter), the residual the
+interpolation steers by, and which side of the root a point is accepted on; this module owns the
+step.
 """
 from __future__ import annotations
 

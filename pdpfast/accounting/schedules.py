@@ -11,14 +11,14 @@ the sum over the steps (RDP composes step by step, Mironov 2017, Prop. 1):
 Numbers in, numbers out, like ``rdp``: the per-record ledger (``IndividualAccountant``) replays the
 same sum one step at a time, and the engine sets each step's multipliers from ``h``.
 
-Calibration (``calibrate_scheduled``) solves the methods of ``calibration`` with the scheduled
+Calibration (``calibrate_scheduled``) solves the methods of ``calibration.rdp`` with the scheduled
 composition in place of T equal steps, on the distinct budgets:
 
 * Scale: per budget the smallest base multiplier ζ_p meeting ε_p at rate q; σ₀ = (mean_i 1/ζ_{p(i)})^{-1};
   c_p = σ₀C/ζ_p.
 * Sample: one σ₀; per budget the largest rate meeting ε_p under σ₀·h; σ₀ is the root of
   mean_i q_i(σ₀) = q.
-* Hybrid: Sample's rates moved towards q by λ (as in ``calibration``), then ζ_p per budget, as Scale.
+* Hybrid: Sample's rates moved towards q by λ (as in ``calibration.rdp``), then ζ_p per budget, as Scale.
 
 Roots are found by bisection in log space that always keeps the side whose accounted ε is within
 the budget, over a window of orders that follows each budget's optimum (a window can only
@@ -35,8 +35,8 @@ from scipy import optimize
 
 from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
+from .calibration.problem import renormalize_capped
 from .plan import PrivacyPlan
-from .problem import renormalize_capped
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
 __all__ = ["NoiseSchedule", "ConstantNoise", "TimeDecay", "ExponentialDecay", "StepDecay", "PolynomialDecay",

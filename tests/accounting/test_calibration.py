@@ -263,12 +263,12 @@ def test_pld_serves_any_number_of_distinct_budgets_from_classes_below_them():
 
 
 def test_budget_classes_lose_at_most_the_target_or_say_so():
-    from pdpfast.accounting import pld
+    from pdpfast.accounting.calibration.pld import bin_budgets_down
 
     values = np.sort(np.random.default_rng(1).uniform(0.5, 8.0, 10_000))
-    classes, class_of, loss = pld.bin_budgets_down(values, max_classes=10_000)
+    classes, class_of, loss = bin_budgets_down(values, max_classes=10_000)
     assert loss <= 0.005 and np.all(classes[class_of] <= values) and classes[0] == values[0]
-    classes, class_of, loss = pld.bin_budgets_down(values, max_classes=64)
+    classes, class_of, loss = bin_budgets_down(values, max_classes=64)
     assert len(classes) <= 64 and np.all(classes[class_of] <= values) and 0.005 < loss < 0.05
     with pytest.warns(UserWarning, match="pld_classes"):
         calibrate(np.linspace(1, 3, 100), delta=DELTA, steps=20, sample_rate=0.05, method="scale",

@@ -1,4 +1,4 @@
-"""From individual budgets ε_i to a training plan (shared σ, per-record q_i and c_i).
+"""Calibration methods under RDP: Sample, Scale and hybrid, each registered for accountant "rdp".
 
 Methods (Boenisch et al., "Have it your way: Individualized privacy assignment for DP-SGD",
 NeurIPS 2023):
@@ -11,25 +11,20 @@ NeurIPS 2023):
   solving ε(q_i, z_i) = ε_i, then σ and c_i as in Scale.
 
 Everything runs on the distinct budgets, and on curves of exactly accounted points (see
-``_grid``): no record is ever given a (q_i, z_i) whose accounted ε exceeds its budget.
+``_grid``): no record is ever given a (q_i, z_i) whose accounted ε exceeds its budget. Each
+distinct budget is certified at its own RDP order (``orders.polish``).
 """
 from __future__ import annotations
-
-import warnings
 
 import numpy as np
 from scipy import interpolate, optimize
 
-from .._checks import check_delta, check_epsilons, check_positive, check_positive_integer, check_rate
-from . import _grid, pld
-from .orders import eps_at, polish
-from .plan import GroupSummary, PrivacyPlan
-from .problem import METHODS, Problem, Solution, budget_error, register_method, renormalize_capped
-from .sgm import DEFAULT_ORDERS, as_orders
+from .. import _grid
+from ..orders import eps_at, polish
+from .problem import Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
 
-__all__ = ["calibrate", "PrivacyPlan", "GroupSummary", "register_method"]
+__all__ = ["sample", "scale", "hybrid"]
 
-_PLD_MAX_PAIRS = 64
 _MEAN_SLACK = 2e-3      # Sample: accept a mean rate in [q, q·(1 + slack)] before scaling it down to q
 _WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
 _GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
@@ -153,13 +148,13 @@ def _solve_sample(p: Problem, own_orders: bool = True):
         rates = np.where(log_rep >= le[-1], grid[-1], np.exp(np.minimum(0.0, f(log_rep))))
         return float(np.dot(rep_weights, rates) / p.n)
 
-    def solve(scale, target, upper):
+    def solve(correction, target, upper):
         lo, hi = np.log(sigma_lo), np.log(min(sigma_hi, upper))
-        g = lambda ls, t: np.log(scale * surrogate(np.exp(ls))) - np.log(t)   # noqa: E731
+        g = lambda ls, t: np.log(correction * surrogate(np.exp(ls))) - np.log(t)   # noqa: E731
         glo, ghi = g(lo, target), g(hi, target)
         if np.isfinite(upper) and ghi < 0:
             # the aim is out of reach below the cap boundary: aim half way between q and the top
-            reach = scale * surrogate(np.exp(hi))
+            reach = correction * surrogate(np.exp(hi))
             if reach <= q:
                 return float(np.exp(hi))
             target = 0.5 * (q + reach)
@@ -183,9 +178,9 @@ def _solve_sample(p: Problem, own_orders: bool = True):
     # few budgets: exact rates, cheap to re-solve, so ask for a closer mean (less cut, less waste)
     slack = _MEAN_SLACK if p.values.shape[0] > 256 else 0.1 * _MEAN_SLACK
     aim = q * (1.0 + 0.5 * slack)
-    upper, scale = np.inf, 1.0
+    upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
-    sigma = solve(scale, aim, upper)
+    sigma = solve(correction, aim, upper)
     spread_error = None
     for _ in range(120):
         try:
@@ -206,7 +201,7 @@ def _solve_sample(p: Problem, own_orders: bool = True):
             b = float(p.values[capped].min())
             upper = min(upper, _one(p, "Sample", b, sample_rate=1.0)[0] * (1 - 1e-9))
             above = min(above, sigma)
-            sigma = solve(scale, aim, upper)
+            sigma = solve(correction, aim, upper)
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
@@ -224,8 +219,8 @@ def _solve_sample(p: Problem, own_orders: bool = True):
             below = max(below, sigma)
         else:
             above = min(above, sigma)
-        scale = mean / surrogate(sigma)
-        sigma = solve(scale, aim, upper)
+        correction = mean / surrogate(sigma)
+        sigma = solve(correction, aim, upper)
         if not below < sigma < above:
             if below > 0 and np.isfinite(above):
                 sigma = float(np.sqrt(below * above))
@@ -248,7 +243,17 @@ def _certify_rates(p: Problem, sigma, rates, alpha):
 
 
 @register_method("sample")
-def _sample(p: Problem) -> Solution:
+def sample(p: Problem) -> Solution:
+    """IDP-Sample under RDP: one σ, per-budget rates whose mean is exactly ``p.sample_rate``.
+
+    Args:
+        p: the problem on its U distinct budgets.
+    Returns:
+        Solution: rates (U,) in (0, 1], noise multipliers (U,) all σ, ε (U,) ≤ budgets, σ, and the
+        RDP order (U,) certifying each ε.
+    Raises:
+        ValueError naming a budget that cannot be met (or budgets spread too far for one σ).
+    """
     sigma, rates, eps, _, alpha = _solve_sample(p)
     return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, alpha)
 
@@ -256,12 +261,19 @@ def _sample(p: Problem) -> Solution:
 # ----------------------------------------------------------------------------------------------
 # Scale
 # ----------------------------------------------------------------------------------------------
-def _harmonic_sigma(p: Problem, z_u: np.ndarray) -> float:
-    return float(p.n / np.dot(p.counts, 1.0 / z_u))
-
-
 @register_method("scale")
-def _scale(p: Problem) -> Solution:
+def scale(p: Problem) -> Solution:
+    """IDP-Scale under RDP: every rate ``p.sample_rate``, per budget the smallest noise multiplier
+    meeting it, σ their harmonic mean (``harmonic_sigma``).
+
+    Args:
+        p: the problem on its U distinct budgets.
+    Returns:
+        Solution: rates (U,) all q, effective noise multipliers z_u (U,), ε (U,) ≤ budgets, σ, and
+        the RDP order (U,) certifying each ε.
+    Raises:
+        ValueError naming a budget no z ≤ 1e6 meets.
+    """
     q = p.sample_rate
     try:
         z_u, _, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=_GRID_RATIO)
@@ -269,17 +281,28 @@ def _scale(p: Problem) -> Solution:
         raise budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
     rates = np.full(z_u.shape[0], q)
     _, z_u, eps, alpha = _own_orders("noise", p, rates, z_u, idx, p.values, -z_u)
-    return Solution(rates, z_u, eps, _harmonic_sigma(p, z_u), alpha)
+    return Solution(rates, z_u, eps, harmonic_sigma(p, z_u), alpha)
 
 
 # ----------------------------------------------------------------------------------------------
 # Hybrid
 # ----------------------------------------------------------------------------------------------
 @register_method("hybrid")
-def _hybrid(p: Problem) -> Solution:
+def hybrid(p: Problem) -> Solution:
+    """IDP-hybrid under RDP: Sample's rates moved towards q by λ = ``p.hybrid_weight`` (renormalized
+    to mean q), per budget the smallest noise multiplier at its rate, σ as in Scale.
+
+    Args:
+        p: the problem on its U distinct budgets.
+    Returns:
+        Solution: rates (U,) with mean q, effective noise multipliers (U,), ε (U,) ≤ budgets, σ,
+        and the RDP order (U,) certifying each ε.
+    Raises:
+        ValueError naming a budget that cannot be met, or why Sample's rates do not exist.
+    """
     lam, q = p.hybrid_weight, p.sample_rate
     if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
-        return _scale(p)
+        return scale(p)
     try:            # hybrid interpolates from Sample's rates: say so, not only "IDP-Sample"
         # Sample's rates set the shape of hybrid's (λ = 1: Sample's rates). With many budgets the
         # grid's orders are good enough for a shape, and polishing them would double the time.
@@ -311,90 +334,4 @@ def _hybrid(p: Problem) -> Solution:
         raise budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
     _, z_c, eps_c, alpha_c = _own_orders("noise", p, cells, z_c, idx_c, targets, np.arange(cells.shape[0]))
     z_u = z_c[cell_of]
-    return Solution(rates, z_u, eps_c[cell_of], _harmonic_sigma(p, z_u), alpha_c[cell_of])
-
-
-# ----------------------------------------------------------------------------------------------
-# Entry point
-# ----------------------------------------------------------------------------------------------
-def _check_budgets(budgets) -> np.ndarray:
-    if budgets is None:
-        raise TypeError("budgets must be an array of per-record epsilons, got None")
-    if hasattr(budgets, "detach"):           # a torch tensor
-        budgets = budgets.detach().cpu().numpy()
-    arr = check_epsilons("budgets", budgets)
-    if arr.ndim != 1:
-        raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
-    return arr
-
-
-def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=0.5,
-              accountant="rdp", orders=None, pld_classes: int = _PLD_MAX_PAIRS) -> PrivacyPlan:
-    """Turn per-record budgets into a :class:`PrivacyPlan`.
-
-    Args:
-        budgets: (N,) per-record ε_i > 0 (a few distinct values or N distinct ones).
-        delta: δ in (0, 1), shared by all records.
-        steps: number of training steps T (positive integer).
-        sample_rate: target mean Poisson rate q in (0, 1] (expected batch size / N).
-        method: "sample", "scale" or "hybrid".
-        max_grad_norm: reference clip norm C > 0 (the plan's mean clip norm for Scale/hybrid).
-        hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample).
-        accountant: "rdp" or "pld" (dp_accounting privacy loss distributions). With more than
-            ``pld_classes`` distinct budgets, PLD serves each budget from the largest of
-            ``pld_classes`` class values below it (``pld.bin_budgets_down``: the fewest classes
-            losing ≤ 0.5% of any budget, a warning when more would be needed); the plan's
-            ``budget_values`` are then the class values. Its time grows with the classes.
-        orders: RDP orders (default ``DEFAULT_ORDERS``).
-    Returns:
-        PrivacyPlan whose ``epsilons()`` are exact accountings of each record's (q_i, σC/c_i, T):
-        never above the budget, and ≥ 99.8% of it unless q_i = 1. Each group is certified at its
-        own RDP order (``plan.group_orders``, fractional; ``ledger_for_plan`` accounts at them).
-    Raises:
-        ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
-    """
-    arr = _check_budgets(budgets)
-    delta = check_delta("delta", delta)
-    steps = check_positive_integer("steps", steps)
-    q = check_rate("sample_rate", sample_rate)
-    c = check_positive("max_grad_norm", max_grad_norm)
-    try:
-        lam = float(hybrid_weight)
-    except (TypeError, ValueError):
-        raise TypeError(f"hybrid_weight must be a number in [0, 1], got {hybrid_weight!r}") from None
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
-    names = sorted({m for m, _ in METHODS})
-    if method not in names:
-        raise ValueError(f"method must be one of {names}, got {method!r}")
-    if accountant not in ("rdp", "pld"):
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
-    orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
-    if not (isinstance(pld_classes, int) and pld_classes >= 1):
-        raise ValueError(f"pld_classes must be a positive int, got {pld_classes!r}")
-    problem = Problem(arr, delta, steps, q, c, lam, orders_arr)
-    if accountant == "pld":
-        if problem.values.shape[0] > pld_classes:
-            # one PLD per class: budgets are served by the largest class value below them
-            class_values, class_of, loss = pld.bin_budgets_down(problem.values, pld_classes)
-            if loss > 0.005:
-                warnings.warn(f"accountant='pld' with {problem.values.shape[0]} distinct budgets: {pld_classes} PLD "
-                              f"classes give up to {loss:.2%} of a budget; pass pld_classes= (cost ∝ classes) "
-                              "for a finer binning", stacklevel=2)
-            problem = Problem(class_values[class_of][problem.inverse], delta, steps, q, c, lam, orders_arr)
-    sol = METHODS[(method, accountant)](problem)
-    clip_u = sol.sigma * c / sol.noise_multipliers
-    group_orders = sol.orders
-    if group_orders is not None:
-        edge = (group_orders <= orders_arr[0]) | (group_orders >= orders_arr[-1])
-        if edge.any():
-            warnings.warn(f"the optimal RDP order of {int(edge.sum())} budget group(s) (e.g. epsilon="
-                          f"{problem.values[edge][0]:.4g}) is at the edge of the order grid "
-                          f"[{orders_arr[0]:g}, {orders_arr[-1]:g}]; their guarantee is valid but loose: "
-                          "pass orders= with a wider range to tighten it", stacklevel=2)
-    return PrivacyPlan.from_groups(method=method, accountant=accountant, noise_multiplier=sol.sigma,
-                                   max_grad_norm=c, steps=steps, delta=delta, budget_values=problem.values,
-                                   group_index=problem.inverse, counts=problem.counts,
-                                   group_sample_rates=sol.sample_rates, group_clip_norms=clip_u,
-                                   group_epsilons=sol.epsilons, orders=tuple(float(o) for o in orders_arr),
-                                   group_orders=group_orders)
+    return Solution(rates, z_u, eps_c[cell_of], harmonic_sigma(p, z_u), alpha_c[cell_of])

@@ -1,0 +1,130 @@
+"""What a calibration method takes and returns, the registry of methods, and the pieces the RDP
+methods (``calibration.rdp``), the PLD ones (``calibration.pld``) and the scheduled plans
+(``schedules``) share. Imports nothing of the package."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["Problem", "Solution", "METHODS", "register_method", "budget_error", "harmonic_sigma",
+           "renormalize_capped"]
+
+
+class Problem:
+    """Calibration inputs on the distinct budgets.
+
+    Args:
+        budgets: (N,) float64 per-record ε_i > 0, checked.
+        delta: δ in (0, 1).
+        steps: T, a positive int.
+        sample_rate: the target mean Poisson rate q in (0, 1].
+        max_grad_norm: the reference clip norm C > 0.
+        hybrid_weight: λ in [0, 1] (hybrid only).
+        orders: (A,) float64 ascending RDP orders.
+
+    ``values`` (U,) are the distinct budgets ascending, ``inverse`` (N,) each record's index into
+    them and ``counts`` (U,) how many records share each; methods solve on the U values.
+    """
+
+    def __init__(self, budgets, delta, steps, sample_rate, max_grad_norm, hybrid_weight, orders):
+        self.budgets = budgets                                  # (N,)
+        self.values, self.inverse, self.counts = np.unique(budgets, return_inverse=True, return_counts=True)
+        self.n = budgets.shape[0]
+        self.delta, self.steps, self.sample_rate = delta, steps, sample_rate
+        self.max_grad_norm, self.hybrid_weight, self.orders = max_grad_norm, hybrid_weight, orders
+        self.noise_range = None     # (σ for the largest budget, σ for the smallest) at the mean rate
+
+    def mean(self, per_value: np.ndarray) -> float:
+        """Mean over the N records of a (U,) per-budget quantity (weighted by ``counts``)."""
+        return float(np.dot(self.counts, per_value) / self.n)
+
+
+class Solution:
+    """Per distinct budget: sample rate, effective noise multiplier, certified ε; shared σ.
+
+    Args:
+        sample_rates: (U,) float64 Poisson rates q_u in (0, 1].
+        noise_multipliers: (U,) float64 effective z_u = σC/c_u (the clip norm is c_u = σC/z_u).
+        epsilons: (U,) float64 certified ε_u ≤ the budgets.
+        sigma: the shared noise multiplier σ (float).
+        orders: (U,) float64 RDP order certifying each ε (fractional), or None (PLD).
+    """
+
+    def __init__(self, sample_rates, noise_multipliers, epsilons, sigma, orders=None):
+        self.sample_rates, self.noise_multipliers, self.epsilons, self.sigma = (
+            sample_rates, noise_multipliers, epsilons, sigma)
+        self.orders = orders
+
+
+METHODS: dict[tuple[str, str], Callable[[Problem], Solution]] = {}
+
+
+def register_method(name: str, accountant: str = "rdp"):
+    """Register a calibration method ``fn(problem) -> Solution`` (a decorator).
+
+    Args:
+        name: the method's name, as ``calibrate(method=...)`` takes it.
+        accountant: the accountant it solves under, "rdp" or "pld".
+    Returns:
+        The decorator; it stores ``fn`` under (name, accountant), replacing any earlier one, and
+        returns ``fn`` unchanged.
+    """
+    def deco(fn):
+        METHODS[(name, accountant)] = fn
+        return fn
+    return deco
+
+
+def budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
+    """The one wording of "this budget cannot be met".
+
+    Args:
+        method: the method's display name ("Sample", "Scale", "hybrid").
+        budget: the ε that fails.
+        why: the reason, a sentence fragment.
+        ctx: the numbers it failed at (sample_rate=, steps=, ...), shown with 6 significant digits.
+    Returns:
+        The ValueError to raise.
+    """
+    where = ", ".join(f"{k}={v:.6g}" for k, v in ctx.items())
+    return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
+
+
+def harmonic_sigma(p: Problem, noise_multipliers: np.ndarray) -> float:
+    """The shared σ of Scale and hybrid: σ = (mean_i 1/z_{u(i)})^{-1} over the records, so that the
+    clip norms c_u = σC/z_u average C (Boenisch et al. 2023, Alg. 3).
+
+    Args:
+        p: the problem (its ``counts`` weight the distinct budgets).
+        noise_multipliers: (U,) float64 effective noise multipliers z_u > 0.
+    Returns:
+        σ, a float.
+    """
+    return float(p.n / np.dot(p.counts, 1.0 / noise_multipliers))
+
+
+def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:
+    """Scale rates to weighted mean q, capping at 1 and re-scaling the rest until stable (the one
+    renormalisation: Sample's final cut to mean q, hybrid's rates, the scheduled plans').
+
+    Args:
+        rates: (U,) rates ≥ 0 per distinct budget.
+        counts: (U,) records per distinct budget (the weights).
+        q: the target weighted mean in (0, 1].
+    Returns:
+        (U,) float64 rates in [0, 1], a new array.
+    """
+    rates = rates.astype(np.float64).copy()
+    n = counts.sum()
+    for _ in range(rates.shape[0] + 1):
+        capped = rates >= 1.0
+        free_mass = np.dot(counts[~capped], rates[~capped])
+        want = n * q - counts[capped].sum()
+        if free_mass <= 0:
+            break
+        rates[~capped] *= want / free_mass
+        if not np.any(rates[~capped] > 1.0):
+            break
+        rates = np.minimum(rates, 1.0)
+    return np.minimum(rates, 1.0)
