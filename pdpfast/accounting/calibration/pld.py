@@ -15,7 +15,7 @@ from .. import _grid
 from ..pld import MAX_PAIRS, VALUE_DISCRETIZATION, pld_epsilon, pld_noise_multiplier_from, pld_sample_rate_from
 from ..roots import illinois
 from . import rdp
-from .problem import Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
+from .problem import MEAN_SLACK, Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
 
 __all__ = ["bin_budgets_down", "sample", "scale", "hybrid"]
 
@@ -66,33 +66,34 @@ def bin_budgets_down(values, max_classes: int = MAX_PAIRS, target_loss: float = 
     return class_values, class_of, float(np.max(1.0 - class_values[class_of] / values))
 
 
-def _eps_groups(p: Problem, rates, zs):
+def _eps_groups(problem: Problem, rates, zs):
     """Guaranteed PLD ε of each group at its final (q, z); a group the final rounding pushed over
     its budget (PLD is not smooth at the discretization scale) gets its z raised a little."""
-    eps = np.array([pld_epsilon(q, z, p.steps, p.delta) for q, z in zip(rates, zs)])
-    for k in np.flatnonzero(eps > p.values * (1 - _grid.MARGIN)):
-        while eps[k] > p.values[k] * (1 - _grid.MARGIN):
+    eps = np.array([pld_epsilon(q, z, problem.steps, problem.delta) for q, z in zip(rates, zs)])
+    for k in np.flatnonzero(eps > problem.values * (1 - _grid.MARGIN)):
+        while eps[k] > problem.values[k] * (1 - _grid.MARGIN):
             zs[k] *= 1.0001
-            eps[k] = pld_epsilon(rates[k], zs[k], p.steps, p.delta)
+            eps[k] = pld_epsilon(rates[k], zs[k], problem.steps, problem.delta)
     return eps
 
 
-def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
+def _sample_pld(problem: Problem, sigma_hi, guess, vdi, shrink, growth):
     """σ with mean PLD rate q (to 0.2%), searched at discretization ``vdi`` from ``sigma_hi``
     (mean rate ≥ q there, else σ is raised until it is) and rate guesses ``guess``; σ moves by
     factors ``shrink`` while bracketing, rates by ``growth``. Returns (σ, rates, d log mean / d log σ)."""
-    q = p.sample_rate
+    q = problem.sample_rate
     guess = np.asarray(guess, dtype=np.float64).copy()
 
     def rates_at(sigma):
-        out = np.empty(p.values.shape[0])
-        for k, (t, g) in enumerate(zip(p.values, guess)):
-            out[k] = pld_sample_rate_from(float(t), p.delta, sigma, p.steps, float(min(1.0, g)), vdi, growth)[0]
+        out = np.empty(problem.values.shape[0])
+        for k, (t, g) in enumerate(zip(problem.values, guess)):
+            out[k] = pld_sample_rate_from(float(t), problem.delta, sigma, problem.steps, float(min(1.0, g)), vdi,
+                                          growth)[0]
         return out
 
     def g(sigma):
         r = rates_at(sigma)
-        return math.log(p.mean(r) / q), r
+        return math.log(problem.mean(r) / q), r
 
     gh, rh = g(sigma_hi)
     while gh < 0:               # a start from another discretization may sit just below the root
@@ -124,20 +125,21 @@ def _sample_pld(p: Problem, sigma_hi, guess, vdi, shrink, growth):
     return math.exp(lh), rates_hi[0], slope
 
 
-_MEAN_WINDOW = math.log1p(2e-3)     # accept a mean rate in [q, q·1.002] before scaling it down to q
+_MEAN_WINDOW = math.log1p(MEAN_SLACK)  # log of the accepted mean rate's ratio to q
 
 
-def _sample_pld_fine(p: Problem, sigma, guess, slope, vdi):
+def _sample_pld_fine(problem: Problem, sigma, guess, slope, vdi):
     """A search at discretization ``vdi`` started from a coarser one's answer: secant steps on
     log mean(log σ) (the first with the coarse search's slope), aiming at the middle of the accepted
     window; the bracketing search if that does not land in it."""
-    q = p.sample_rate
+    q = problem.sample_rate
     guess = np.asarray(guess, dtype=np.float64).copy()
     prev = None
     for _ in range(6):
-        rates = np.array([pld_sample_rate_from(float(t), p.delta, sigma, p.steps, float(min(1.0, g_)), vdi, 1.03)[0]
-                          for t, g_ in zip(p.values, guess)])
-        g = math.log(p.mean(rates) / q)
+        rates = np.array([pld_sample_rate_from(float(t), problem.delta, sigma, problem.steps, float(min(1.0, g_)),
+                                               vdi, 1.03)[0]
+                          for t, g_ in zip(problem.values, guess)])
+        g = math.log(problem.mean(rates) / q)
         if 0.0 <= g <= _MEAN_WINDOW:
             return sigma, rates, slope
         if prev is not None and g != prev[1] and sigma != prev[0]:
@@ -146,95 +148,96 @@ def _sample_pld_fine(p: Problem, sigma, guess, slope, vdi):
         step = -(g - 0.5 * _MEAN_WINDOW) / max(slope, 1e-3)
         sigma *= math.exp(step)
         guess = np.minimum(1.0, rates * math.exp(step * slope))
-    return _sample_pld(p, sigma, guess, vdi, 0.98, 1.03)
+    return _sample_pld(problem, sigma, guess, vdi, 0.98, 1.03)
 
 
-def _sample_pld_rates(p: Problem):
+def _sample_pld_rates(problem: Problem):
     """σ and rates with mean exactly q under PLD: a coarse search from the RDP plan (RDP-feasible,
     so PLD rates at its σ are ≥ its rates), then finer ones, each from the last answer."""
-    start = rdp.sample(p)
-    sigma, rh, slope = _sample_pld(p, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
+    start = rdp.sample(problem)
+    sigma, rh, slope = _sample_pld(problem, start.sigma, start.sample_rates, SEARCH_DISCRETIZATIONS[0], 0.85, 1.5)
     for vdi in SEARCH_DISCRETIZATIONS[1:] + (VALUE_DISCRETIZATION,):
-        sigma, rh, slope = _sample_pld_fine(p, sigma, rh, slope, vdi)
-    q = p.sample_rate
+        sigma, rh, slope = _sample_pld_fine(problem, sigma, rh, slope, vdi)
+    q = problem.sample_rate
     capped = rh >= 1.0
-    mass = float(np.dot(p.counts[~capped], rh[~capped]))
-    want = p.n * q - float(p.counts[capped].sum())
+    mass = float(np.dot(problem.counts[~capped], rh[~capped]))
+    want = problem.n * q - float(problem.counts[capped].sum())
     if want <= 0 or mass <= 0:
-        raise budget_error("Sample", float(p.values[-1]), "records at sample rate 1 alone exceed the mean "
+        raise budget_error("Sample", float(problem.values[-1]), "records at sample rate 1 alone exceed the mean "
                             "sample_rate", sample_rate=q)
-    return sigma, renormalize_capped(rh, p.counts, q)
+    return sigma, renormalize_capped(rh, problem.counts, q)
 
 
 @register_method("sample", accountant="pld")
-def sample(p: Problem) -> Solution:
-    """IDP-Sample under PLD: one σ, per-budget rates whose mean is exactly ``p.sample_rate``,
+def sample(problem: Problem) -> Solution:
+    """IDP-Sample under PLD: one σ, per-budget rates whose mean is exactly ``problem.sample_rate``,
     searched from the RDP plan (``rdp.sample``).
 
     Args:
-        p: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
+        problem: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
     Returns:
         Solution: rates (U,) in (0, 1], noise multipliers (U,) all σ, PLD ε (U,) ≤ budgets, σ; no
         orders (None).
     Raises:
         ValueError naming a budget that cannot be met.
     """
-    sigma, rates = _sample_pld_rates(p)
-    eps = np.array([pld_epsilon(q, sigma, p.steps, p.delta) for q in rates])
+    sigma, rates = _sample_pld_rates(problem)
+    eps = np.array([pld_epsilon(q, sigma, problem.steps, problem.delta) for q in rates])
     # the shared σ cannot move per group: a group the final rescaling left over budget (PLD is
     # not smooth at the discretization scale) gets its rate lowered a little instead
-    for k in np.flatnonzero(eps > p.values * (1 - _grid.MARGIN)):
-        while eps[k] > p.values[k] * (1 - _grid.MARGIN):
+    for k in np.flatnonzero(eps > problem.values * (1 - _grid.MARGIN)):
+        while eps[k] > problem.values[k] * (1 - _grid.MARGIN):
             rates[k] *= 0.9999
-            eps[k] = pld_epsilon(rates[k], sigma, p.steps, p.delta)
+            eps[k] = pld_epsilon(rates[k], sigma, problem.steps, problem.delta)
     return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma)
 
 
-def _noises_at(p: Problem, rates, method):
+def _noises_at(problem: Problem, rates, method):
     zs = np.empty(rates.shape[0])
-    for k, (t, r) in enumerate(zip(p.values, rates)):
+    for k, (t, r) in enumerate(zip(problem.values, rates)):
         try:
-            z_rdp = float(_grid.solve_noise(float(r), p.steps, p.delta, np.array([t]), p.orders)[0][0])
+            z_rdp = float(_grid.solve_noise(float(r), problem.steps, problem.delta, np.array([t]),
+                                            problem.orders)[0][0])
         except _grid.BudgetError as err:
-            raise budget_error(method, float(t), str(err), sample_rate=float(r), steps=p.steps,
-                                delta=p.delta) from None
-        zs[k] = pld_noise_multiplier_from(float(t), p.delta, float(r), p.steps, z_rdp)[0]
+            raise budget_error(method, float(t), str(err), sample_rate=float(r), steps=problem.steps,
+                                delta=problem.delta) from None
+        zs[k] = pld_noise_multiplier_from(float(t), problem.delta, float(r), problem.steps, z_rdp)[0]
     return zs
 
 
 @register_method("scale", accountant="pld")
-def scale(p: Problem) -> Solution:
-    """IDP-Scale under PLD: every rate ``p.sample_rate``, per budget the smallest noise multiplier
+def scale(problem: Problem) -> Solution:
+    """IDP-Scale under PLD: every rate ``problem.sample_rate``, per budget the smallest noise multiplier
     meeting it (searched from the RDP one), σ their harmonic mean (``harmonic_sigma``).
 
     Args:
-        p: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
+        problem: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
     Returns:
         Solution: rates (U,) all q, effective noise multipliers (U,), PLD ε (U,) ≤ budgets, σ; no
         orders (None).
     Raises:
         ValueError naming a budget no z ≤ 1e6 meets.
     """
-    rates = np.full(p.values.shape[0], p.sample_rate)
-    zs = _noises_at(p, rates, "Scale")
-    return Solution(rates, zs, _eps_groups(p, rates, zs), harmonic_sigma(p, zs))
+    rates = np.full(problem.values.shape[0], problem.sample_rate)
+    zs = _noises_at(problem, rates, "Scale")
+    return Solution(rates, zs, _eps_groups(problem, rates, zs), harmonic_sigma(problem, zs))
 
 
 @register_method("hybrid", accountant="pld")
-def hybrid(p: Problem) -> Solution:
-    """IDP-hybrid under PLD: PLD Sample's rates moved towards q by λ = ``p.hybrid_weight``
+def hybrid(problem: Problem) -> Solution:
+    """IDP-hybrid under PLD: PLD Sample's rates moved towards q by λ = ``problem.hybrid_weight``
     (renormalized to mean q), then noise multipliers and σ as in Scale.
 
     Args:
-        p: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
+        problem: the problem on its U distinct budgets (at most a few dozen: one PLD per budget).
     Returns:
         Solution: rates (U,) with mean q, effective noise multipliers (U,), PLD ε (U,) ≤ budgets,
         σ; no orders (None).
     Raises:
         ValueError naming a budget that cannot be met.
     """
-    _, rates_s = _sample_pld_rates(p)
-    q = p.sample_rate
-    rates = renormalize_capped(q * (rates_s / q) ** p.hybrid_weight, p.counts, q)
-    zs = _noises_at(p, rates, "hybrid")
-    return Solution(rates, zs, _eps_groups(p, rates, zs), harmonic_sigma(p, zs))
+    _, rates_s = _sample_pld_rates(problem)
+    q = problem.sample_rate
+    rates = renormalize_capped(q * (rates_s / q) ** problem.hybrid_weight, problem.counts, q)
+    zs = _noises_at(problem, rates, "hybrid")
+    return Solution(rates, zs, _eps_groups(problem, rates, zs), harmonic_sigma(problem, zs))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Problem", "Solution", "METHODS", "register_method", "budget_error", "harmonic_sigma",
+__all__ = ["Problem", "Solution", "METHODS", "MEAN_SLACK", "register_method", "budget_error", "harmonic_sigma",
            "renormalize_capped"]
 
 
@@ -57,6 +57,10 @@ class Solution:
         self.orders = orders
 
 
+# IDP-Sample (both accountants) accepts a mean sample rate in [q, q·(1 + MEAN_SLACK)] and then
+# scales the rates down to mean q exactly (which only lowers every record's ε).
+MEAN_SLACK = 2e-3
+
 METHODS: dict[tuple[str, str], Callable[[Problem], Solution]] = {}
 
 
@@ -91,17 +95,17 @@ def budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
     return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
 
 
-def harmonic_sigma(p: Problem, noise_multipliers: np.ndarray) -> float:
+def harmonic_sigma(problem: Problem, noise_multipliers: np.ndarray) -> float:
     """The shared σ of Scale and hybrid: σ = (mean_i 1/z_{u(i)})^{-1} over the records, so that the
     clip norms c_u = σC/z_u average C (Boenisch et al. 2023, Alg. 3).
 
     Args:
-        p: the problem (its ``counts`` weight the distinct budgets).
+        problem: the problem (its ``counts`` weight the distinct budgets).
         noise_multipliers: (U,) float64 effective noise multipliers z_u > 0.
     Returns:
         σ, a float.
     """
-    return float(p.n / np.dot(p.counts, 1.0 / noise_multipliers))
+    return float(problem.n / np.dot(problem.counts, 1.0 / noise_multipliers))
 
 
 def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.ndarray:

@@ -21,11 +21,10 @@ from scipy import interpolate, optimize
 
 from .. import _grid
 from ..orders import eps_at, polish
-from .problem import Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
+from .problem import MEAN_SLACK, Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
 
 __all__ = ["sample", "scale", "hybrid"]
 
-_MEAN_SLACK = 2e-3      # Sample: accept a mean rate in [q, q·(1 + slack)] before scaling it down to q
 _WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
 _GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
 
@@ -50,28 +49,29 @@ class _SpreadError(ValueError):
     """IDP-Sample failed because the budgets are too far apart for one shared noise multiplier."""
 
 
-def _own_orders(free: str, p: Problem, q, z, idx, targets, key):
+def _own_orders(free: str, problem: Problem, q, z, idx, targets, key):
     """``polish`` once per run of equal ``key`` (non-decreasing): each run's parameter pushed to the
     smallest budget of the run at the run's own RDP order. Returns (q, z, ε, order), each (U,)."""
     first, run = _runs(key)
     z = np.broadcast_to(z, q.shape)
-    q1, z1, e1, a1 = polish(free, q[first], z[first], p.steps, p.delta, p.orders, idx[first], targets[first])
+    q1, z1, e1, a1 = polish(free, q[first], z[first], problem.steps, problem.delta, problem.orders, idx[first],
+                            targets[first])
     if np.any(e1 > targets[first]):      # polish certifies every iterate: never pass silently
         raise RuntimeError("internal error: a certified epsilon exceeds its budget")
     return q1[run], z1[run], e1[run], a1[run]
 
 
-def _rates_at(p: Problem, sigma: float, own_orders: bool = True):
+def _rates_at(problem: Problem, sigma: float, own_orders: bool = True):
     """Safe rates of every distinct budget at σ, each at its own RDP order (or at the grid's best
     order without ``own_orders``): (q, ε, grid order index, order), each (U,)."""
     try:
         # without own orders the rates only shape hybrid's (which solves its own noise per cell): a
         # coarser grid there gives fewer cells
-        rates, eps, idx = _grid.solve_rate(sigma, p.steps, p.delta, p.values, p.orders,
+        rates, eps, idx = _grid.solve_rate(sigma, problem.steps, problem.delta, problem.values, problem.orders,
                                            ratio=_GRID_RATIO if own_orders else 2 * _GRID_RATIO)
         if not own_orders:
-            return rates, eps, idx, p.orders[idx]
-        rates, _, eps, alpha = _own_orders("rate", p, rates, np.array([sigma]), idx, p.values, rates)
+            return rates, eps, idx, problem.orders[idx]
+        rates, _, eps, alpha = _own_orders("rate", problem, rates, np.array([sigma]), idx, problem.values, rates)
         return rates, eps, idx, alpha
     except _grid.BudgetError as err:
         # σ lies below the smallest budget's own σ at rate q (probes stay in [σ_lo, σ_hi]): only
@@ -80,23 +80,24 @@ def _rates_at(p: Problem, sigma: float, own_orders: bool = True):
         # no such limit.
         raise _SpreadError(
             f"budget epsilon={err.budget:.6g} cannot be met by IDP-Sample: the budgets are spread too far "
-            f"({p.values[0]:.4g} to {p.values[-1]:.4g}) for one shared noise multiplier. Its search for the one that "
-            f"gives a mean sample rate of {p.sample_rate:.6g} reached noise_multiplier={sigma:.6g}, where this budget "
-            f"cannot be met ({err}; steps={p.steps}, delta={p.delta:.6g}); use method 'scale' (per-record clip "
-            "norms, any spread), or a smaller sample rate") from None
+            f"({problem.values[0]:.4g} to {problem.values[-1]:.4g}) for one shared noise multiplier. Its search "
+            f"for the one that gives a mean sample rate of {problem.sample_rate:.6g} reached "
+            f"noise_multiplier={sigma:.6g}, where this budget cannot be met ({err}; steps={problem.steps}, "
+            f"delta={problem.delta:.6g}); use method 'scale' (per-record clip norms, any spread), or a smaller "
+            "sample rate") from None
 
 
-def _one(p: Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
+def _one(problem: Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
     """(parameter, order index) for one budget: the noise at a rate, or the rate at a noise."""
     try:
         if noise_multiplier is None:
-            z, _, i = _grid.solve_noise(sample_rate, p.steps, p.delta, np.array([budget]), p.orders)
+            z, _, i = _grid.solve_noise(sample_rate, problem.steps, problem.delta, np.array([budget]), problem.orders)
             return float(z[0]), int(i[0])
-        r, _, i = _grid.solve_rate(noise_multiplier, p.steps, p.delta, np.array([budget]), p.orders)
+        r, _, i = _grid.solve_rate(noise_multiplier, problem.steps, problem.delta, np.array([budget]), problem.orders)
         return float(r[0]), int(i[0])
     except _grid.BudgetError as err:
         ctx = {"sample_rate": sample_rate} if noise_multiplier is None else {"noise_multiplier": noise_multiplier}
-        raise budget_error(method, err.budget, str(err), steps=p.steps, delta=p.delta, **ctx) from None
+        raise budget_error(method, err.budget, str(err), steps=problem.steps, delta=problem.delta, **ctx) from None
 
 
 def _runs(sorted_keys: np.ndarray):
@@ -111,42 +112,43 @@ def _runs(sorted_keys: np.ndarray):
     return first, run
 
 
-def _solve_sample(p: Problem, own_orders: bool = True):
+def _solve_sample(problem: Problem, own_orders: bool = True):
     """σ and safe rates whose mean is exactly sample_rate, each certified at its own RDP order (at the
     grid's without ``own_orders``). Returns (σ, q_u, ε_u, grid order index_u, order_u)."""
-    q = p.sample_rate
+    q = problem.sample_rate
     try:        # σ_hi: every q_i ≥ q there (smallest budget at q); σ_lo: every q_i ≤ q (largest budget)
-        ends, _, ends_idx = _grid.solve_noise(q, p.steps, p.delta, p.values[[0, -1]], p.orders)
+        ends, _, ends_idx = _grid.solve_noise(q, problem.steps, problem.delta, problem.values[[0, -1]], problem.orders)
     except _grid.BudgetError as err:
-        raise budget_error("Sample", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+        raise budget_error("Sample", err.budget, str(err), sample_rate=q, steps=problem.steps,
+                           delta=problem.delta) from None
     (sigma_hi, sigma_lo), (idx_min, idx_max) = ends.tolist(), ends_idx.tolist()
-    p.noise_range = (sigma_lo, sigma_hi)
-    if p.values.shape[0] == 1 or q == 1.0:
+    problem.noise_range = (sigma_lo, sigma_hi)
+    if problem.values.shape[0] == 1 or q == 1.0:
         # one budget: q_i = q for all; q = 1: every rate must be 1, the smallest budget sets σ
-        u = p.values.shape[0]
-        _, sigma, _, alpha = polish("noise", np.array([q]), np.array([sigma_hi]), p.steps, p.delta, p.orders,
-                                    np.array([idx_min]), p.values[:1])
+        u = problem.values.shape[0]
+        _, sigma, _, alpha = polish("noise", np.array([q]), np.array([sigma_hi]), problem.steps, problem.delta,
+                                    problem.orders, np.array([idx_min]), problem.values[:1])
         rates, idx = np.full(u, q), np.full(u, idx_min)
-        eps = np.full(u, eps_at(np.array([q]), sigma, p.steps, p.delta, alpha)[0])
+        eps = np.full(u, eps_at(np.array([q]), sigma, problem.steps, problem.delta, alpha)[0])
         return float(sigma[0]), rates, eps, idx, np.full(u, alpha[0])
     # The surrogate: a fixed grid of rates spanning every budget's rate for σ in [σ_lo, σ_hi],
     # exact ε there (orders near the relevant ones), monotone cubic interpolation in log-log.
     try:
-        r_min, _ = _one(p, "Sample", p.values[0], noise_multiplier=sigma_lo)
+        r_min, _ = _one(problem, "Sample", problem.values[0], noise_multiplier=sigma_lo)
     except ValueError:          # infeasible at σ_lo need not mean infeasible at the solution
         r_min = 1.5 * _grid.Q_FLOOR
-    r_max, _ = _one(p, "Sample", p.values[-1], noise_multiplier=sigma_hi)
+    r_max, _ = _one(problem, "Sample", problem.values[-1], noise_multiplier=sigma_hi)
     grid = np.geomspace(r_min / 1.5, min(1.0, 1.5 * r_max), 32)
     window = (max(0, idx_max - 6), idx_min + 6)
-    rep_values, rep_weights = _compress(p.values, p.counts)
+    rep_values, rep_weights = _compress(problem.values, problem.counts)
     log_rep = np.log(rep_values)
 
     def surrogate(sigma):
-        e, _ = _grid.eps_curve(grid, np.array([sigma]), p.steps, p.delta, p.orders, window=window)
+        e, _ = _grid.eps_curve(grid, np.array([sigma]), problem.steps, problem.delta, problem.orders, window=window)
         le = np.log(np.maximum(np.maximum.accumulate(e), 1e-300)) + np.arange(e.shape[0]) * 1e-12
         f = interpolate.PchipInterpolator(le, np.log(grid), extrapolate=True)
         rates = np.where(log_rep >= le[-1], grid[-1], np.exp(np.minimum(0.0, f(log_rep))))
-        return float(np.dot(rep_weights, rates) / p.n)
+        return float(np.dot(rep_weights, rates) / problem.n)
 
     def solve(correction, target, upper):
         lo, hi = np.log(sigma_lo), np.log(min(sigma_hi, upper))
@@ -176,7 +178,7 @@ def _solve_sample(p: Problem, own_orders: bool = True):
     # in σ, keeps a bracket that overrides proposals falling outside it (the surrogate can be
     # poor where ε(q) is nearly flat and kinked by switches between sparse large orders).
     # few budgets: exact rates, cheap to re-solve, so ask for a closer mean (less cut, less waste)
-    slack = _MEAN_SLACK if p.values.shape[0] > 256 else 0.1 * _MEAN_SLACK
+    slack = MEAN_SLACK if problem.values.shape[0] > 256 else 0.1 * MEAN_SLACK
     aim = q * (1.0 + 0.5 * slack)
     upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
@@ -184,7 +186,7 @@ def _solve_sample(p: Problem, own_orders: bool = True):
     spread_error = None
     for _ in range(120):
         try:
-            rates, eps, idx, alpha = _rates_at(p, sigma, own_orders)
+            rates, eps, idx, alpha = _rates_at(problem, sigma, own_orders)
         except _SpreadError as err:
             # Some budget would need a rate below the floor: the probe σ is below the root (rates grow
             # with σ, and at σ_hi the smallest budget meets rate q). Bisect upwards instead of failing:
@@ -193,25 +195,25 @@ def _solve_sample(p: Problem, own_orders: bool = True):
             below = max(below, sigma)
             sigma = float(np.sqrt(below * above)) if np.isfinite(above) else min(2.0 * sigma, sigma_hi)
             continue
-        mean = p.mean(rates)
+        mean = problem.mean(rates)
         capped = rates >= 1.0
-        if float(p.counts[capped].sum()) >= p.n * q * (1 - 1e-9):
+        if float(problem.counts[capped].sum()) >= problem.n * q * (1 - 1e-9):
             # Records at rate 1 alone fill the mean: the root lies below the σ at which the
             # smallest of their budgets stops fitting at q = 1 (there its rate leaves 1).
-            b = float(p.values[capped].min())
-            upper = min(upper, _one(p, "Sample", b, sample_rate=1.0)[0] * (1 - 1e-9))
+            b = float(problem.values[capped].min())
+            upper = min(upper, _one(problem, "Sample", b, sample_rate=1.0)[0] * (1 - 1e-9))
             above = min(above, sigma)
             sigma = solve(correction, aim, upper)
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
-            trial = renormalize_capped(rates, p.counts, q)
-            eps_t = _certify_rates(p, sigma, trial, alpha)
+            trial = renormalize_capped(rates, problem.counts, q)
+            eps_t = _certify_rates(problem, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
             # (rates that only shape hybrid's sit on a coarser grid: judge their cut alone)
             waste = _WASTE if own_orders else _WASTE + 2 * _GRID_RATIO
-            if slack < 1e-10 or np.all((eps_t >= (1 - waste) * p.values) | capped):
+            if slack < 1e-10 or np.all((eps_t >= (1 - waste) * problem.values) | capped):
                 return sigma, trial, eps_t, idx, alpha
             slack *= 0.1
             aim = q * (1.0 + 0.5 * slack)
@@ -231,30 +233,30 @@ def _solve_sample(p: Problem, own_orders: bool = True):
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
 
 
-def _certify_rates(p: Problem, sigma, rates, alpha):
+def _certify_rates(problem: Problem, sigma, rates, alpha):
     """Exact ε at each distinct rate at the order that certified a higher rate (at a fixed order ε
     is monotone in q, so it still certifies; the cut is ≤ 0.2%, too small to move the optimal
     order); check every budget holds. Returns ε (U,)."""
     first, run = _runs(rates)
-    eps = eps_at(rates[first], np.array([sigma]), p.steps, p.delta, alpha[first])[run]
-    if np.any(eps > p.values * (1 - _grid.MARGIN)):   # impossible by monotonicity: never pass silently
+    eps = eps_at(rates[first], np.array([sigma]), problem.steps, problem.delta, alpha[first])[run]
+    if np.any(eps > problem.values * (1 - _grid.MARGIN)):   # impossible by monotonicity: never pass silently
         raise RuntimeError("internal error: a certified epsilon exceeds its budget")
     return eps
 
 
 @register_method("sample")
-def sample(p: Problem) -> Solution:
-    """IDP-Sample under RDP: one σ, per-budget rates whose mean is exactly ``p.sample_rate``.
+def sample(problem: Problem) -> Solution:
+    """IDP-Sample under RDP: one σ, per-budget rates whose mean is exactly ``problem.sample_rate``.
 
     Args:
-        p: the problem on its U distinct budgets.
+        problem: the problem on its U distinct budgets.
     Returns:
         Solution: rates (U,) in (0, 1], noise multipliers (U,) all σ, ε (U,) ≤ budgets, σ, and the
         RDP order (U,) certifying each ε.
     Raises:
         ValueError naming a budget that cannot be met (or budgets spread too far for one σ).
     """
-    sigma, rates, eps, _, alpha = _solve_sample(p)
+    sigma, rates, eps, _, alpha = _solve_sample(problem)
     return Solution(rates, np.full(rates.shape[0], sigma), eps, sigma, alpha)
 
 
@@ -262,76 +264,79 @@ def sample(p: Problem) -> Solution:
 # Scale
 # ----------------------------------------------------------------------------------------------
 @register_method("scale")
-def scale(p: Problem) -> Solution:
-    """IDP-Scale under RDP: every rate ``p.sample_rate``, per budget the smallest noise multiplier
+def scale(problem: Problem) -> Solution:
+    """IDP-Scale under RDP: every rate ``problem.sample_rate``, per budget the smallest noise multiplier
     meeting it, σ their harmonic mean (``harmonic_sigma``).
 
     Args:
-        p: the problem on its U distinct budgets.
+        problem: the problem on its U distinct budgets.
     Returns:
         Solution: rates (U,) all q, effective noise multipliers z_u (U,), ε (U,) ≤ budgets, σ, and
         the RDP order (U,) certifying each ε.
     Raises:
         ValueError naming a budget no z ≤ 1e6 meets.
     """
-    q = p.sample_rate
+    q = problem.sample_rate
     try:
-        z_u, _, idx = _grid.solve_noise(q, p.steps, p.delta, p.values, p.orders, ratio=_GRID_RATIO)
+        z_u, _, idx = _grid.solve_noise(q, problem.steps, problem.delta, problem.values, problem.orders,
+                                        ratio=_GRID_RATIO)
     except _grid.BudgetError as err:
-        raise budget_error("Scale", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
+        raise budget_error("Scale", err.budget, str(err), sample_rate=q, steps=problem.steps,
+                           delta=problem.delta) from None
     rates = np.full(z_u.shape[0], q)
-    _, z_u, eps, alpha = _own_orders("noise", p, rates, z_u, idx, p.values, -z_u)
-    return Solution(rates, z_u, eps, harmonic_sigma(p, z_u), alpha)
+    _, z_u, eps, alpha = _own_orders("noise", problem, rates, z_u, idx, problem.values, -z_u)
+    return Solution(rates, z_u, eps, harmonic_sigma(problem, z_u), alpha)
 
 
 # ----------------------------------------------------------------------------------------------
 # Hybrid
 # ----------------------------------------------------------------------------------------------
 @register_method("hybrid")
-def hybrid(p: Problem) -> Solution:
-    """IDP-hybrid under RDP: Sample's rates moved towards q by λ = ``p.hybrid_weight`` (renormalized
+def hybrid(problem: Problem) -> Solution:
+    """IDP-hybrid under RDP: Sample's rates moved towards q by λ = ``problem.hybrid_weight`` (renormalized
     to mean q), per budget the smallest noise multiplier at its rate, σ as in Scale.
 
     Args:
-        p: the problem on its U distinct budgets.
+        problem: the problem on its U distinct budgets.
     Returns:
         Solution: rates (U,) with mean q, effective noise multipliers (U,), ε (U,) ≤ budgets, σ,
         and the RDP order (U,) certifying each ε.
     Raises:
         ValueError naming a budget that cannot be met, or why Sample's rates do not exist.
     """
-    lam, q = p.hybrid_weight, p.sample_rate
+    lam, q = problem.hybrid_weight, problem.sample_rate
     if lam == 0.0:      # q_i(0) = q for all: exactly Scale (and no need for Sample's rates to exist)
-        return scale(p)
+        return scale(problem)
     try:            # hybrid interpolates from Sample's rates: say so, not only "IDP-Sample"
         # Sample's rates set the shape of hybrid's (λ = 1: Sample's rates). With many budgets the
         # grid's orders are good enough for a shape, and polishing them would double the time.
-        sigma_s, rates_s, _, idx_s, _ = _solve_sample(p, own_orders=p.values.shape[0] <= _grid.REFINE_MAX)
+        sigma_s, rates_s, _, idx_s, _ = _solve_sample(problem, own_orders=problem.values.shape[0] <= _grid.REFINE_MAX)
     except _SpreadError as err:
         raise _SpreadError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates, which fail here: "
                            f"{err}; hybrid_weight=0 is Scale") from None
     except ValueError as err:
         raise ValueError(f"IDP-hybrid (hybrid_weight={lam:g}) starts from IDP-Sample's rates: {err}") from None
-    rates = renormalize_capped(q * (rates_s / q) ** lam, p.counts, q)
+    rates = renormalize_capped(q * (rates_s / q) ** lam, problem.counts, q)
     # Distinct budgets sharing a rate and within a factor 1 + _GRID_RATIO of each other form a cell, solved
     # for its smallest budget (many budgets on the Sample grid share a rate; few are each their own cell).
-    if p.values.shape[0] <= _grid.REFINE_MAX:
-        first, cell_of = np.arange(p.values.shape[0]), np.arange(p.values.shape[0])
+    if problem.values.shape[0] <= _grid.REFINE_MAX:
+        first, cell_of = np.arange(problem.values.shape[0]), np.arange(problem.values.shape[0])
     else:
-        bucket = np.floor(np.log(p.values) / np.log1p(_GRID_RATIO)).astype(np.int64)
+        bucket = np.floor(np.log(problem.values) / np.log1p(_GRID_RATIO)).astype(np.int64)
         bucket -= bucket.min()
         _, rate_run = _runs(rates)
         first, cell_of = _runs(rate_run.astype(np.int64) * (int(bucket.max()) + 1) + bucket)
-    cells, targets = rates[first], p.values[first]
+    cells, targets = rates[first], problem.values[first]
     # Start from the Sample multiplier, scaled by the rate change (ε ≈ f(q/z) for small q);
     # solve_noise_pairs refines that on a few pilot cells before doing them all.
-    z_lo, z_hi = min(p.noise_range[0], sigma_s) / 2, max(p.noise_range[1], sigma_s) * 2
+    z_lo, z_hi = min(problem.noise_range[0], sigma_s) / 2, max(problem.noise_range[1], sigma_s) * 2
     guess, guess_idx = np.clip(sigma_s * cells / rates_s[first], z_lo, z_hi), idx_s[first]
     try:
-        z_c, eps_c, idx_c = _grid.solve_noise_pairs(cells, targets, p.steps, p.delta, p.orders, guess,
+        z_c, eps_c, idx_c = _grid.solve_noise_pairs(cells, targets, problem.steps, problem.delta, problem.orders, guess,
                                                     guess_idx, rtol=1e-5)      # _own_orders finishes the root
     except _grid.BudgetError as err:
-        raise budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=p.steps, delta=p.delta) from None
-    _, z_c, eps_c, alpha_c = _own_orders("noise", p, cells, z_c, idx_c, targets, np.arange(cells.shape[0]))
+        raise budget_error("hybrid", err.budget, str(err), sample_rate=q, steps=problem.steps,
+                           delta=problem.delta) from None
+    _, z_c, eps_c, alpha_c = _own_orders("noise", problem, cells, z_c, idx_c, targets, np.arange(cells.shape[0]))
     z_u = z_c[cell_of]
-    return Solution(rates, z_u, eps_c[cell_of], harmonic_sigma(p, z_u), alpha_c[cell_of])
+    return Solution(rates, z_u, eps_c[cell_of], harmonic_sigma(problem, z_u), alpha_c[cell_of])
