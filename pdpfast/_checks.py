@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 __all__ = ["as_per_record", "as_per_sample", "check_budgets", "check_choice", "check_delta", "check_epsilons",
-           "check_in_range", "check_int", "check_positive", "check_positive_integer", "check_positive_per_record",
+           "check_flag", "check_in_range", "check_int", "check_nonnegative", "check_number",
+           "check_positive", "check_positive_integer", "check_positive_per_record",
            "check_rate"]
 
 
@@ -92,23 +93,70 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
     return v
 
 
+def check_number(name: str, value) -> float:
+    """Check that a value is a real number (not a bool, a string or a tensor of several values).
+
+    Args:
+        name: the argument, as the message names it.
+        value: an int, a float or a numpy scalar.
+    Returns:
+        float(value) (possibly NaN or infinite: the range checks below refuse those).
+    Raises:
+        TypeError naming ``name`` otherwise.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def check_positive(name: str, value) -> float:
     """Check a finite number > 0.
 
     Args:
-        name; value: a noise multiplier, a clip bound, a threshold.
+        name: the argument, as the message names it.
+        value: a clip bound, a batch size, a threshold.
     Returns:
         float(value), finite and > 0.
     Raises:
-        TypeError if not a number, ValueError ("finite and > 0").
+        TypeError if not a number (``check_number``), ValueError ("a finite number > 0").
     """
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number > 0, got {value!r}") from None
+    v = check_number(name, value)
     if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return v
+
+
+def check_nonnegative(name: str, value) -> float:
+    """Check a finite number ≥ 0.
+
+    Args:
+        name: the argument, as the message names it.
+        value: a noise multiplier σ (0: no noise), a weight decay.
+    Returns:
+        float(value), finite and ≥ 0.
+    Raises:
+        TypeError if not a number (``check_number``), ValueError ("a finite number ≥ 0").
+    """
+    v = check_number(name, value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite number ≥ 0, got {value!r}")
+    return v
+
+
+def check_flag(name: str, value) -> bool:
+    """Check a switch given as True or False (not 0/1, not a string: a typo there would pass silently).
+
+    Args:
+        name: the argument, as the message names it.
+        value: True or False.
+    Returns:
+        ``value``.
+    Raises:
+        TypeError otherwise.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def check_delta(name: str, value) -> float:

@@ -1,0 +1,66 @@
+"""The shared argument checks (``pdpfast._checks``): every entry point refuses the same bad inputs with
+messages that name the argument; the right kind of wrong value gives TypeError, the wrong range ValueError."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pdpfast import _checks
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(False), "1", "1.0", None, [1.0], object()])
+def test_a_number_is_not_a_bool_a_string_or_a_list(value):
+    for check in (_checks.check_number, _checks.check_positive, _checks.check_nonnegative):
+        with pytest.raises(TypeError, match="sigma must be a number"):
+            check("sigma", value)
+
+
+@pytest.mark.parametrize("value", [1, 2.5, np.float32(0.5), np.int64(3)])
+def test_numbers_of_every_kind_come_back_as_floats(value):
+    for check in (_checks.check_number, _checks.check_positive, _checks.check_nonnegative):
+        out = check("x", value)
+        assert isinstance(out, float) and out == float(value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1e-300, -2, math.nan, math.inf])
+def test_check_positive_refuses_zero_negatives_and_non_finite(value):
+    with pytest.raises(ValueError, match=r"max_grad_norm must be a finite number > 0, got"):
+        _checks.check_positive("max_grad_norm", value)
+
+
+@pytest.mark.parametrize("value", [-1e-300, -1, math.nan, math.inf, -math.inf])
+def test_check_nonnegative_refuses_negatives_and_non_finite(value):
+    with pytest.raises(ValueError, match=r"noise_multiplier must be a finite number ≥ 0, got"):
+        _checks.check_nonnegative("noise_multiplier", value)
+
+
+def test_check_nonnegative_accepts_zero():
+    assert _checks.check_nonnegative("noise_multiplier", 0) == 0.0
+
+
+@pytest.mark.parametrize("value", [0, 1, "True", None, np.bool_(True)])
+def test_a_flag_is_true_or_false_only(value):
+    with pytest.raises(TypeError, match="clip_per_sample must be True or False"):
+        _checks.check_flag("clip_per_sample", value)
+    assert _checks.check_flag("clip_per_sample", True) is True
+    assert _checks.check_flag("clip_per_sample", False) is False
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, True, "2"])
+def test_check_int_refuses_non_ints_and_values_below_the_minimum(value):
+    with pytest.raises(ValueError, match=r"epochs must be an int ≥ 1"):
+        _checks.check_int("epochs", value, 1)
+
+
+def test_check_choice_lists_the_choices():
+    with pytest.raises(ValueError, match=r"rule must be one of 'all', 'sampled', got 'some'"):
+        _checks.check_choice("rule", "some", ("all", "sampled"))
+    _checks.check_choice("rule", "all", ("all", "sampled"))
+
+
+@pytest.mark.parametrize("value", [0, 1, -0.1, 1.5, math.nan])
+def test_delta_lies_strictly_inside_the_unit_interval(value):
+    with pytest.raises(ValueError, match="delta"):
+        _checks.check_delta("delta", value)
