@@ -121,9 +121,23 @@ def guess_and_bound(scores: np.ndarray, included: np.ndarray, delta: float, conf
 
 @dataclass
 class AuditRow:
+    """The audit of one privacy group under one method.
+
+    Attributes:
+        method: one of ``AUDITED_METHODS``.
+        group_budget: the group's budget ε_g (None: all canaries, non-private).
+        certified_epsilon: what the plan guarantees that group (≤ ε_g; dpsgd: the smallest budget;
+            None for non-private).
+        epsilon_lower_bound: the empirical lower bound on ε (≥ 0) at ``confidence``.
+        canaries: the group's number of canaries.
+        correct: correct guesses among ``guesses``.
+        guesses: how many canaries were guessed (the best of the ``GUESS_FRACTIONS`` tried).
+        confidence: of the bound, in (0, 1).
+    """
+
     method: str
-    group_budget: float | None       # the group's budget ε_g (None: all canaries, non-private)
-    certified_epsilon: float | None  # what the plan guarantees that group (≤ ε_g; dpsgd: min ε)
+    group_budget: float | None
+    certified_epsilon: float | None
     epsilon_lower_bound: float
     canaries: int
     correct: int
@@ -163,8 +177,19 @@ class _Scorer:
 def canaries(m: int, features: int, classes: int, groups: int, scale: float, seed: int):
     """Dirac input canaries for a model with ``features + m`` inputs: canary i is ``scale`` on input
     ``features + i`` and 0 elsewhere (every real record is 0 there), with a random label; spread
-    evenly over the groups, each included with probability 1/2. Returns (x (m, features + m), y,
-    group, included)."""
+    evenly over the groups, each included with probability 1/2.
+
+    Args:
+        m: the number of canaries.
+        features: the real records' number of inputs.
+        classes: K, labels are drawn uniformly from 0..K−1.
+        groups: the number of privacy groups (canary i is in group i mod ``groups``).
+        scale: the canary's value on its own input.
+        seed: of the labels and the inclusion coins.
+    Returns:
+        (x (m, features + m) float32, y (m,) int64 tensor, group (m,) int numpy array,
+        included (m,) bool numpy array).
+    """
     rng = np.random.default_rng(seed)
     x = torch.zeros(m, features + m)
     x[torch.arange(m), features + torch.arange(m)] = scale
@@ -175,8 +200,15 @@ def canaries(m: int, features: int, classes: int, groups: int, scale: float, see
 
 
 def audit_model(inputs: int, hidden: int = 128, classes: int = 10) -> nn.Sequential:
-    """Args: inputs: features plus one per canary; hidden, classes: widths. Returns: the demo's
-    MLP with that many inputs."""
+    """The demo's MLP, widened for the canaries.
+
+    Args:
+        inputs: features plus one per canary.
+        hidden: width of the hidden (tanh) layer.
+        classes: K, number of logits.
+    Returns:
+        ``nn.Sequential``: (B, inputs) float32 → (B, K) logits.
+    """
     return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
 
 
@@ -186,12 +218,19 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
     """One training run of ``method`` with the canaries.
 
     Args:
-        method: one of AUDITED_METHODS; data: (x, y) real records; budgets: (N,) their ε_i;
-            canary_set: (features, labels, group, included); group_epsilons: ε per group; delta,
-            epochs, batch_size, lr, seed: of the run; broken: a deliberately broken variant
-            ("no-noise", "no-clipping") or None; progress: a bar; confidence: of the bounds.
+        method: one of AUDITED_METHODS.
+        data: (x (N, d) float32, y (N,) int64), the real records.
+        budgets: (N,) float64 their ε_i.
+        canary_set: (features, labels, group, included), as :func:`canaries` returns.
+        group_epsilons: ε per group.
+        delta, epochs, batch_size, lr, seed: of the run (batch_size: expected records per step).
+        broken: a deliberately broken variant ("no-noise", "no-clipping") or None.
+        progress: a bar, updated once per step, or None.
+        confidence: of the bounds, in (0, 1).
     Returns:
-        one :class:`AuditRow` per privacy group.
+        one :class:`AuditRow` per privacy group (a single row for all canaries when non-private).
+    Raises:
+        ValueError for an unknown method or broken variant.
     """
     from .accounting import calibrate
     from .engine import PrivacyEngine
@@ -258,7 +297,20 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
               quiet: bool = False) -> dict:
     """The default audit: the demo's task (digits, groups at ε = 1/2/3, δ = 1e-5), every method.
 
-    Returns {"delta", "confidence", "seconds", "rows": [AuditRow as dict, ...]}.
+    Args:
+        methods: which of ``AUDITED_METHODS`` to run, one training run each.
+        canaries_count: m, an int ≥ 2 per group.
+        group_epsilons: ε per group; the real records get budgets drawn uniformly from them.
+        delta: δ.
+        epochs, batch_size, lr, seed: of every run (batch_size: expected records per step).
+        canary_scale: a canary's value on its own input.
+        broken: a deliberately broken variant ("no-noise", "no-clipping") or None.
+        confidence: of the bounds, in (0, 1).
+        quiet: no progress bars.
+    Returns:
+        {"delta", "confidence", "broken", "seconds" (wall time of the runs), "rows": [AuditRow as dict, ...]}.
+    Raises:
+        ValueError for too few canaries, a confidence outside (0, 1), or as :func:`audit_method`.
     """
     from tqdm.auto import tqdm
 
@@ -285,7 +337,13 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
 
 
 def format_table(result: dict) -> str:
-    """Args: result from :func:`run_audit`. Returns: a Markdown table, one row per method and group."""
+    """The audit as a table.
+
+    Args:
+        result: from :func:`run_audit`.
+    Returns:
+        a Markdown table, one row per method and group, with a line on δ and the confidence.
+    """
     lines = ["| method | group budget ε | certified ε | ε lower bound | correct / guesses | canaries |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -301,8 +359,9 @@ def plot(result: dict, path) -> None:
     """Plot the audit.
 
     Args:
-        result: from :func:`run_audit`; path: the image, lower bound against budget per group, one
-            series per method, with the line bound = budget.
+        result: from :func:`run_audit`.
+        path: the image: lower bound against budget per group, one series per method, with the line
+            bound = budget.
     Returns:
         None.
     """

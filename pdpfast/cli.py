@@ -317,7 +317,11 @@ def _add_fl(sub) -> None:
 
 # ---------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    """Returns: the ``pdpfast`` argument parser, with every subcommand."""
+    """The command line.
+
+    Returns:
+        the ``pdpfast`` argument parser, with every subcommand.
+    """
     from .demo import METHODS as DEMO_METHODS
     from .models import model_names
     from .train import METHODS, TrainConfig
@@ -471,7 +475,13 @@ _ARGV: list[str] = []  # the command line main() parsed (--nproc re-runs it unde
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Args: argv: the arguments (default sys.argv[1:]). Returns: the exit status (0: success)."""
+    """``pdpfast``, the command.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+    Returns:
+        the exit status (0: success).
+    """
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()

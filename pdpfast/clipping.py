@@ -478,6 +478,8 @@ class ClippingState:
     def require_open(self) -> None:
         """Raise, as a private forward would, unless a batch is open (phase ``OPEN``).
 
+        Returns:
+            None.
         Raises:
             RuntimeError when no batch is open, or when the open batch's clipped sums were already computed.
         """

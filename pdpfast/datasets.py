@@ -36,10 +36,17 @@ PAD_ID = 0
 class TrainData:
     """In-memory records.
 
-    features: (N, ...) float32 (kind "features" or "image") or int64 token ids (kind "tokens");
-    labels: (N,) int64 class indices (zeros for language modelling without labels);
-    budgets: (N,) float64 ε_i or None; class_names: the original label of each class index;
-    vocab_size: 1 + the largest token id (tokens only); source: where the data came from.
+    Attributes:
+        features: (N, ...) float32 (kind "features" or "image") or int64 token ids (kind "tokens").
+        labels: (N,) int64 class indices (zeros for language modelling without labels).
+        kind: "features", "image" or "tokens".
+        budgets: (N,) float64 ε_i > 0, or None.
+        class_names: the original label of each class index.
+        vocab_size: 1 + the largest token id (tokens only).
+        source: where the data came from.
+    Raises:
+        ValueError when there are no records, features and labels differ in length, or the budgets
+        are not N finite values > 0.
     """
 
     features: torch.Tensor
@@ -63,22 +70,44 @@ class TrainData:
 
     @property
     def input_shape(self) -> tuple:
+        """One record's shape: ``features.shape[1:]``."""
         return tuple(self.features.shape[1:])
 
     @property
     def num_classes(self) -> int:
+        """K: the number of class names, or 1 + the largest label if that is more."""
         return max(len(self.class_names), int(self.labels.max()) + 1 if len(self.labels) else 1)
 
     def dataset(self) -> TensorDataset:
+        """The records as a torch dataset.
+
+        Returns:
+            a ``TensorDataset`` of (features, labels), yielding (x, y) per record (no copy).
+        """
         return TensorDataset(self.features, self.labels)
 
     def subset(self, index: np.ndarray) -> TrainData:
+        """Some of the records, with their labels and budgets.
+
+        Args:
+            index: (M,) int indices of the records to keep (repeats allowed), in the order wanted.
+        Returns:
+            a new ``TrainData`` of M records; the other fields are shared.
+        """
         index = torch.as_tensor(np.asarray(index, dtype=np.int64))
         return replace(self, features=self.features[index], labels=self.labels[index],
                        budgets=None if self.budgets is None else self.budgets[index.numpy()])
 
     def as_images(self, shape) -> TrainData:
-        """View flat features (N, C·H·W) as images (N, C, H, W)."""
+        """View flat features (N, C·H·W) as images (N, C, H, W).
+
+        Args:
+            shape: (C, H, W), whose product is the number of features per record.
+        Returns:
+            a new ``TrainData`` of kind "image" (the features reshaped, no copy when they are contiguous).
+        Raises:
+            ValueError for token records, a shape that is not 3 numbers, or a product that does not match.
+        """
         shape = tuple(int(s) for s in shape)
         if self.kind not in ("features", "image") or len(shape) != 3 or math.prod(shape) != math.prod(self.input_shape):
             raise ValueError(f"cannot view records of shape {self.input_shape} as images of shape {shape} (C,H,W)")

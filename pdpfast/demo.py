@@ -48,7 +48,8 @@ def assign_budgets(n: int, seed: int = 0) -> np.ndarray:
     """The demo's per-record budgets, assigned at random (data-independent).
 
     Args:
-        n: records; seed: of the assignment.
+        n: the number of records.
+        seed: of the assignment.
     Returns:
         (n,) float64 ε_i: GROUP_EPSILONS in the proportions GROUP_FRACTIONS.
     """
@@ -59,23 +60,48 @@ def assign_budgets(n: int, seed: int = 0) -> np.ndarray:
 
 
 def make_model() -> nn.Module:
-    """Returns: the demo's MLP, 64 inputs → 128 (tanh) → 10 logits."""
+    """The demo's model.
+
+    Returns:
+        an MLP, (B, 64) float32 inputs → 128 (tanh) → (B, 10) logits.
+    """
     return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 10))
 
 
 @dataclass
 class RunResult:
+    """One training run of the demo.
+
+    Attributes:
+        method: "non-private" or one of ``METHODS``.
+        accuracy: final test accuracy, in [0, 1].
+        seconds: wall time of the run (training and the curves' evaluations).
+        epsilons: budget → largest ε spent in that group (ledger; PDP-SGD: the charged round
+            guarantees); None without privacy.
+        steps: the steps at which the curves were taken.
+        accuracies: test accuracy at those steps.
+        epsilon_curve: budget → [largest ε spent in the group at those steps].
+    """
+
     method: str
     accuracy: float
     seconds: float
-    epsilons: dict[float, float] | None = None  # budget → largest ε spent in that group (ledger)
-    steps: list = field(default_factory=list)          # steps at which the curves were taken
-    accuracies: list = field(default_factory=list)     # test accuracy at those steps
-    epsilon_curve: dict = field(default_factory=dict)  # budget → [largest ε spent in the group at those steps]
+    epsilons: dict[float, float] | None = None
+    steps: list = field(default_factory=list)
+    accuracies: list = field(default_factory=list)
+    epsilon_curve: dict = field(default_factory=dict)
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Args: model; x (N, 64); y (N,) labels. Returns: the fraction of argmax hits, in [0, 1]."""
+    """Test accuracy, in eval mode (the model's training mode is restored).
+
+    Args:
+        model: the classifier, (N, 64) → (N, 10) logits.
+        x: (N, 64) float32 inputs.
+        y: (N,) int64 labels.
+    Returns:
+        the fraction of argmax hits, a float in [0, 1].
+    """
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -128,8 +154,10 @@ def train_nonprivate(data, *, epochs: int, batch_size: int, lr: float, seed: int
     """One non-private run of the demo's model (the accuracy to aim at).
 
     Args:
-        data: from :func:`load_digits_split`; epochs, batch_size, lr, seed: of plain SGD;
-            eval_every: steps between points of the accuracy curve; progress: show a bar.
+        data: from :func:`load_digits_split`.
+        epochs, batch_size, lr, seed: of plain SGD (momentum 0.9, shuffled batches).
+        eval_every: steps between points of the accuracy curve.
+        progress: show a bar.
     Returns:
         :class:`RunResult` (ε None: no privacy).
     """
@@ -161,12 +189,17 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
     """One private run of the demo's model.
 
     Args:
-        data: from :func:`load_digits_split`; budgets: (N,) ε_i. method: "sample" / "scale" /
-            "hybrid" (IDP through ``make_private_with_budgets``), "dpsgd" (every record at the
-            smallest budget) or "pdp" (PDP-SGD, ``rounds`` rounds, thresholds by ``pdp_loss``).
-        epochs, batch_size (expected), lr, seed, max_grad_norm: of the run; eval_every, progress:
-            as in :func:`train_nonprivate`. accountant: "rdp" or "pld", what calibrates (and
-            accounts) the IDP methods' plans.
+        data: from :func:`load_digits_split`.
+        budgets: (N,) float64 ε_i.
+        method: "sample" / "scale" / "hybrid" (IDP through ``make_private_with_budgets``), "dpsgd"
+            (every record at the smallest budget) or "pdp" (PDP-SGD, ``rounds`` rounds, thresholds
+            by ``pdp_loss``).
+        epochs, batch_size (expected), lr, seed, max_grad_norm: of the run.
+        progress, eval_every: as in :func:`train_nonprivate`.
+        rounds: PDP-SGD's number of rounds.
+        pdp_loss: PDP-SGD's threshold loss ("fixed", "adaptive" or "harmonic"; see
+            :class:`pdpfast.pdp_sgd.PDPSGD`).
+        accountant: "rdp" or "pld", what calibrates (and accounts) the IDP methods' plans.
     Returns:
         :class:`RunResult` with ε per group from the per-record ledger.
     """
@@ -226,9 +259,12 @@ def demo_task(epochs, seeds):
     """The demo's data and budgets, after checking the run's settings.
 
     Args:
-        epochs: a positive int; seeds: a non-empty sequence.
+        epochs: a positive int.
+        seeds: a non-empty sequence.
     Returns:
         (data from :func:`load_digits_split`, (N,) budgets from :func:`assign_budgets`).
+    Raises:
+        ValueError for a bad ``epochs`` or no seeds.
     """
     if not (isinstance(epochs, int) and epochs > 0):
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
@@ -244,12 +280,18 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
     """The whole demo.
 
     Args:
-        epochs, batch_size, lr, rounds: of every run; seeds: one run per seed and method; methods:
-            which private methods; progress: bars; threads: torch threads for the run (1 by default:
-            the model is tiny, and more threads only contend on a shared machine); eval_every:
-            steps between curve points; accountant: "rdp" or "pld" for the IDP methods' plans.
+        epochs, batch_size, lr, rounds: of every run (non-private runs use lr / 5).
+        seeds: one run per seed and method.
+        methods: which private methods.
+        progress: bars.
+        threads: torch threads for the run (1 by default: the model is tiny, and more threads only
+            contend on a shared machine); None or 0 leaves torch's setting.
+        eval_every: steps between curve points (default: about 60 points per run).
+        accountant: "rdp" or "pld" for the IDP methods' plans.
     Returns:
         {method: [RunResult per seed]}, "non-private" first.
+    Raises:
+        ValueError for an unknown method or accountant, or as :func:`demo_task`.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -299,8 +341,14 @@ def format_results(results: dict[str, list[RunResult]]) -> str:
 
 
 def results_json(results: dict[str, list[RunResult]]) -> dict:
-    """Args: results from :func:`run_demo`. Returns: a JSON-able dict: per method, per seed
-    accuracy, seconds, ε per group and the curves."""
+    """The demo's results as JSON.
+
+    Args:
+        results: from :func:`run_demo`.
+    Returns:
+        a JSON-able dict: "groups" (fractions, budgets, δ) and "runs": per method, per seed accuracy,
+        seconds, ε per group and the curves (budgets as string keys).
+    """
     from dataclasses import asdict
 
     return {"groups": {"fractions": GROUP_FRACTIONS, "epsilons": GROUP_EPSILONS, "delta": DELTA},
@@ -313,9 +361,10 @@ def save_plots(results: dict[str, list[RunResult]], accuracy_path, epsilon_path)
     """Write the demo's two plots.
 
     Args:
-        results: from :func:`run_demo`. accuracy_path: test accuracy vs step per method (mean ±
-            std over seeds). epsilon_path: ε spent per group over training (first seed, ledger) per
-            private method, with each group's budget dashed.
+        results: from :func:`run_demo`.
+        accuracy_path: the image of test accuracy vs step per method (mean ± std over seeds).
+        epsilon_path: the image of ε spent per group over training (first seed, ledger) per private
+            method, with each group's budget dashed.
     Returns:
         None.
     """

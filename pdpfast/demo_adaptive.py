@@ -30,13 +30,25 @@ VARIANTS = ("fixed", "adaptive", "adaptive-per-group", "decay", "fixed C=0.05", 
 
 @dataclass
 class AdaptiveRun:
+    """One run of the adaptive demo.
+
+    Attributes:
+        method: "sample", "scale" or "hybrid".
+        variant: one of ``VARIANTS``.
+        seed: of the run.
+        accuracy: final test accuracy, in [0, 1].
+        seconds: wall time of the run.
+        epsilons: budget → largest ε spent in the group (ledger).
+        final_clip_norms: each group's total clip bound at the end.
+    """
+
     method: str
     variant: str
     seed: int
     accuracy: float
     seconds: float
-    epsilons: dict = field(default_factory=dict)       # budget → largest ε spent in the group (ledger)
-    final_clip_norms: list = field(default_factory=list)   # each group's total bound at the end
+    epsilons: dict = field(default_factory=dict)
+    final_clip_norms: list = field(default_factory=list)
 
 
 def _settings(variant: str, steps: int):
@@ -58,8 +70,11 @@ def train_variant(data, budgets, *, method: str, variant: str, epochs: int, batc
     """One run of an adaptive variant.
 
     Args:
-        data: from ``demo.load_digits_split``; budgets: (N,) ε_i; method: "sample" / "scale" /
-            "hybrid"; variant: one of VARIANTS; epochs, batch_size (expected), lr, seed: of the run.
+        data: from ``demo.load_digits_split``.
+        budgets: (N,) float64 ε_i.
+        method: "sample" / "scale" / "hybrid".
+        variant: one of VARIANTS.
+        epochs, batch_size (expected), lr, seed: of the run.
     Returns:
         :class:`AdaptiveRun`: accuracy, seconds, ε per group (ledger), final clip bounds per group.
     """
@@ -94,10 +109,14 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
     """The adaptive demo.
 
     Args:
-        epochs, batch_size, lr: of every run; seeds, methods, variants: one run per combination;
-            threads: torch threads (1 by default); progress: a bar.
+        epochs, batch_size, lr: of every run.
+        seeds, methods, variants: one run per combination.
+        threads: torch threads (1 by default).
+        progress: print a line per run.
     Returns:
         [AdaptiveRun] for every (method, variant, seed).
+    Raises:
+        ValueError for an unknown method or variant, or as ``demo.demo_task``.
     """
     for name, given, known in (("method", methods, METHODS), ("variant", variants, VARIANTS)):
         unknown = [m for m in given if m not in known]
@@ -119,8 +138,14 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
 
 
 def format_adaptive(runs) -> str:
-    """Args: runs from :func:`run_adaptive_demo`. Returns: a text table: accuracy mean ± std over
-    seeds, largest ε spent per group (worst seed), final clip bounds."""
+    """The adaptive demo's table.
+
+    Args:
+        runs: from :func:`run_adaptive_demo`.
+    Returns:
+        a text table, one line per (method, variant): accuracy mean ± std over seeds, largest ε spent
+        per group (worst seed), final clip bounds (mean over seeds).
+    """
     lines = [f"{'method':<7} {'variant':<19} {'test accuracy':>15}   "
              f"{'ε spent (budget ' + '/'.join(f'{e:g}' for e in GROUP_EPSILONS) + ')':<26} final clip bounds"]
     keys = list(dict.fromkeys((r.method, r.variant) for r in runs))
@@ -135,14 +160,27 @@ def format_adaptive(runs) -> str:
 
 
 def adaptive_json(runs) -> dict:
-    """Args: runs from :func:`run_adaptive_demo`. Returns: a JSON-able dict of the groups and runs."""
+    """The adaptive demo's results as JSON.
+
+    Args:
+        runs: from :func:`run_adaptive_demo`.
+    Returns:
+        a JSON-able dict of the groups (budgets, δ) and runs (budgets as string keys).
+    """
     return {"groups": {"epsilons": GROUP_EPSILONS, "delta": DELTA},
             "runs": [asdict(r) | {"epsilons": {str(k): v for k, v in r.epsilons.items()}} for r in runs]}
 
 
 def save_adaptive_plot(runs, path) -> None:
-    """Args: runs from :func:`run_adaptive_demo`; path: the image, grouped bars of test accuracy
-    (mean ± std over seeds) per method and variant. Returns: None."""
+    """Plot the adaptive demo.
+
+    Args:
+        runs: from :func:`run_adaptive_demo`.
+        path: the image (PNG, written atomically): grouped bars of test accuracy (mean ± std over
+            seeds) per method and variant.
+    Returns:
+        None.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -40,15 +40,29 @@ class DPLoss:
         self.value = (per_sample.mean() if reduction == "mean" else per_sample.sum()).detach()
 
     def backward(self) -> None:
-        """The ghost backward (``ClippingState.ghost_backward``): clipped sums into ``param.grad``."""
+        """The ghost backward (``ClippingState.ghost_backward``): clipped sums into ``param.grad``.
+
+        Returns:
+            None; the clipped sums Σ_i w_i g_i are in ``param.grad`` and the batch's state is ``CLIPPED``.
+        Raises:
+            RuntimeError when the batch is no longer open (e.g. ``backward()`` called twice).
+        """
         self._state.ghost_backward(self.per_sample)
 
     def item(self) -> float:
-        """The reduced loss as a Python float (synchronises with the device)."""
+        """The reduced loss as a Python float (synchronises with the device).
+
+        Returns:
+            the mean or sum of the per-sample losses, a float.
+        """
         return self.value.item()
 
     def detach(self) -> torch.Tensor:
-        """The reduced loss, a 0-dim tensor without a graph."""
+        """The reduced loss without a graph.
+
+        Returns:
+            a 0-dim tensor, the per-sample losses' dtype and device.
+        """
         return self.value
 
     def __float__(self) -> float:
@@ -875,7 +889,11 @@ class PrivacyEngine:
         return float(np.sum(self.sample_rates))
 
     def detach(self) -> None:
-        """Return the model's DP layers to plain torch behaviour."""
+        """Return the model's DP layers to plain torch behaviour.
+
+        Returns:
+            None; the clipping state releases the layers and the engine's hooks are removed.
+        """
         if self.state is not None:
             self.state.detach()
         for handle in self._hooks:

@@ -103,8 +103,14 @@ class SequenceCrossEntropy(nn.Module):
 
 @dataclass(frozen=True)
 class Task:
-    """kind: "classification" or "lm"; family: "plain" (``model(x)``), "bert" (token ids with an
-    attention mask hiding ``pad_id``) or "gpt2"."""
+    """What a model computes and how it is called.
+
+    Attributes:
+        kind: "classification" or "lm".
+        family: "plain" (``model(x)``), "bert" (token ids with an attention mask hiding ``pad_id``)
+            or "gpt2".
+        pad_id: the padding token id of "bert" inputs.
+    """
 
     kind: str = "classification"
     family: str = "plain"
@@ -112,8 +118,16 @@ class Task:
 
     @classmethod
     def for_model(cls, name: str) -> Task:
-        """The task of a model of :mod:`pdpfast.models` by name (its kind, and the input family
-        of "bert*" / "gpt2*" models)."""
+        """The task of a model of :mod:`pdpfast.models` by name.
+
+        Args:
+            name: a registered model name.
+        Returns:
+            a ``Task`` with the model's kind, and the input family "bert" / "gpt2" for "bert*" /
+            "gpt2*" models ("plain" otherwise).
+        Raises:
+            ValueError for an unknown name.
+        """
         from .models import model_spec
 
         spec = model_spec(name)
@@ -121,8 +135,13 @@ class Task:
         return cls(spec.task, family)
 
     def criterion(self) -> nn.Module:
-        """The summed loss module: cross-entropy of logits (B, K) against labels (B,), or
-        :class:`SequenceCrossEntropy` for "lm"; a scalar, the sum of the B per-record losses."""
+        """The summed loss module.
+
+        Returns:
+            ``nn.CrossEntropyLoss(reduction="sum")`` of logits (B, K) against labels (B,), or
+            :class:`SequenceCrossEntropy` ("sum") for "lm"; either gives a scalar, the sum of the B
+            per-record losses in nats.
+        """
         return SequenceCrossEntropy("sum") if self.kind == "lm" else nn.CrossEntropyLoss(reduction="sum")
 
     def logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:

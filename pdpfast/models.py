@@ -20,6 +20,15 @@ def _norm(channels: int, groups: int = 32) -> nn.GroupNorm:
 
 
 class BasicBlock(nn.Module):
+    """ResNet's basic block with GroupNorm: two 3×3 convolutions and a shortcut (a 1×1 convolution
+    and GroupNorm when the stride or the width changes).
+
+    Args:
+        inplanes: input channels.
+        planes: output channels.
+        stride: of the first convolution and the shortcut.
+    """
+
     expansion = 1
 
     def __init__(self, inplanes: int, planes: int, stride: int = 1):
@@ -34,6 +43,13 @@ class BasicBlock(nn.Module):
             self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), _norm(planes))
 
     def forward(self, x):
+        """relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)).
+
+        Args:
+            x: (B, inplanes, H, W) float feature maps.
+        Returns:
+            (B, planes, H / stride, W / stride) feature maps (sizes rounded up).
+        """
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -41,7 +57,14 @@ class BasicBlock(nn.Module):
 
 
 class ResNetGN(nn.Module):
-    """ResNet with GroupNorm. cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs)."""
+    """ResNet with GroupNorm in place of BatchNorm, torchvision's module names.
+
+    Args:
+        layers: the number of ``BasicBlock``s in each of the four stages (64, 128, 256, 512 channels).
+        num_classes: K.
+        cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs); else ImageNet's
+            7×7 stride-2 convolution and max-pool.
+    """
 
     def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 10, cifar_stem: bool = True):
         super().__init__()
@@ -64,6 +87,13 @@ class ResNetGN(nn.Module):
         self.fc = nn.Linear(512, num_classes)
 
     def forward(self, x):
+        """Stem, four stages, global average pooling, the linear head.
+
+        Args:
+            x: (B, 3, H, W) float images.
+        Returns:
+            (B, K) logits.
+        """
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
@@ -192,16 +222,25 @@ def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Sequential:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A registered builder. ``inputs``: the input kinds it accepts ("features" (N, d) float,
-    "image" (N, C, H, W) float, "tokens" (N, T) int64 ids); ``task``: "classification" (logits
-    (B, classes)) or "lm" (next-token logits (B, T, vocab), labels unused)."""
+    """A registered builder.
+
+    Attributes:
+        name: the model's name (``--model``).
+        build: ``build(input_shape, num_classes, vocab_size, **options) -> nn.Module``.
+        inputs: the input kinds it accepts ("features" (N, d) float, "image" (N, C, H, W) float,
+            "tokens" (N, T) int64 ids).
+        task: "classification" (logits (B, classes)) or "lm" (next-token logits (B, T, vocab), labels
+            unused).
+        help: one line for ``--help``.
+        vocab_size: token models: the size of the embedding table (None: none of its own).
+    """
 
     name: str
     build: Callable[..., nn.Module]
     inputs: tuple
     task: str = "classification"
     help: str = ""
-    vocab_size: int | None = None     # token models: size of the embedding table
+    vocab_size: int | None = None
 
 
 _MODELS: dict[str, ModelSpec] = {}
@@ -223,13 +262,24 @@ def register_model(name: str, *, inputs, task: str = "classification", help: str
 
 
 def model_names() -> list[str]:
-    """Returns: the registered model names, sorted."""
+    """The registered models.
+
+    Returns:
+        their names, a sorted list of str.
+    """
     return sorted(_MODELS)
 
 
 def model_spec(name: str) -> ModelSpec:
-    """Args: name: a registered model. Returns: its ``ModelSpec`` (inputs, task, vocabulary).
-    Raises ValueError naming the choices for an unknown name."""
+    """The spec of a registered model.
+
+    Args:
+        name: a registered model.
+    Returns:
+        its ``ModelSpec`` (inputs, task, vocabulary).
+    Raises:
+        ValueError naming the choices for an unknown name.
+    """
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}")
     return _MODELS[name]

@@ -164,6 +164,8 @@ class DPOptimizer(Optimizer):
         """The host side of a step before its device work: the pre-step hooks (e.g. the ledger
         refusing a step past a budget). ``step`` and a captured step (``pdpfast.graphs``) call it.
 
+        Returns:
+            None.
         Raises:
             whatever a pre-step hook raises (e.g. ``PrivacyBudgetExceeded``).
         """
@@ -172,7 +174,11 @@ class DPOptimizer(Optimizer):
 
     def after_step(self) -> None:
         """The host side of a step after its device work: count it, run the post-step hooks (close
-        the draw, charge the ledger)."""
+        the draw, charge the ledger).
+
+        Returns:
+            None; ``steps`` grows by one.
+        """
         self.steps += 1
         # torch's LR schedulers learn that a step happened through their wrapper of step(); a
         # captured step (pdpfast.graphs) steps without calling it

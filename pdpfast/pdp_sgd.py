@@ -42,9 +42,19 @@ __all__ = ["PDPResult", "PDPSGD", "RoundRecord", "train_pdp_sgd"]
 
 @dataclass
 class RoundRecord:
-    """One finished round. threshold: τ_R; noise_multiplier: σ_R of the round's plan; subset_size:
-    records kept; alive: records with budget left before it; engine_epsilon: ε the round's engine
-    ledger spent at δ (≤ τ_R); first_step: global step at which it started; sample_rate: q_R."""
+    """One finished round.
+
+    Attributes:
+        round: its index R, 0-based.
+        threshold: τ_R.
+        noise_multiplier: σ_R of the round's plan (NaN when no record was kept: no step was taken).
+        subset_size: records kept.
+        alive: records with budget left before it.
+        steps: optimizer steps it took.
+        engine_epsilon: ε the round's engine ledger spent at δ (≤ τ_R).
+        first_step: global step at which it started.
+        sample_rate: q_R, the Poisson rate inside the subset.
+    """
 
     round: int
     threshold: float
@@ -59,9 +69,16 @@ class RoundRecord:
 
 @dataclass
 class PDPResult:
-    """Per record (N,): ``epsilons`` charged (budget − remaining: the sum of round guarantees),
-    ``deltas`` δ_i, ``remaining`` budgets, ``ledger_epsilons`` Σ_R log(1 + π_i(e^{ε_R} − 1)) from the
-    engines' RDP ledgers (≤ epsilons); ``rounds``: one :class:`RoundRecord` per finished round."""
+    """What a PDP-SGD run spent, per record.
+
+    Attributes:
+        epsilons: (N,) float64 ε charged (budget − remaining: the sum of round guarantees).
+        deltas: (N,) float64 δ_i.
+        remaining: (N,) float64 remaining budgets.
+        ledger_epsilons: (N,) float64 Σ_R log(1 + π_i(e^{ε_R} − 1)) from the engines' RDP ledgers
+            (≤ epsilons).
+        rounds: one :class:`RoundRecord` per finished round.
+    """
 
     epsilons: np.ndarray
     deltas: np.ndarray
@@ -73,18 +90,34 @@ class PDPResult:
 class PDPSGD:
     """The PDP-SGD driver, resumable round by round and step by step.
 
-    model: trained in place. dataset: map-style, N records yielding (x, y). budgets: (N,) ε_i > 0.
-    optimizer: a torch optimizer over the model's parameters (kept across rounds; each round's
-    engine wraps it). delta: δ of each round's (τ_R, δ) guarantee (δ_i ≤ rounds·δ).
-    steps_per_round: optimizer steps in every round, or epochs_per_round: E, giving round R
-    round(E / q_R) steps (E expected passes over its subset, so a round on a small subset takes few
-    steps and needs little noise for its τ_R). Poisson rate inside a round's subset: either
-    ``sample_rate`` q in every round, or ``expected_batch_size`` B, giving q_R = min(1, B / Σ_i π_i)
-    (the subset's expected size Σ_i π_i is a function of the budgets, not of which records were
-    drawn, so q_R is data-independent and every round has the same expected batch).
-    task: a :class:`pdpfast.loop.Task` (default: classification, ``model(x)`` → logits).
-    loss / w1 / w2: threshold loss ("fixed", "adaptive" or the paper's degenerate "harmonic"; see
-    ``pdpfast.accounting.pdp.threshold_losses``); rule: "all" (default) or "sampled".
+    Args:
+        model: trained in place.
+        dataset: map-style, N records yielding (x, y).
+        budgets: (N,) ε_i > 0.
+        optimizer: a torch optimizer over the model's parameters (kept across rounds; each round's
+            engine wraps it).
+        delta: δ of each round's (τ_R, δ) guarantee (δ_i ≤ rounds·δ).
+        rounds: k ≥ 1.
+        steps_per_round: optimizer steps in every round, or
+        epochs_per_round: E, giving round R round(E / q_R) steps (E expected passes over its subset,
+            so a round on a small subset takes few steps and needs little noise for its τ_R); exactly
+            one of the two.
+        sample_rate: the Poisson rate q in (0, 1] inside every round's subset, or
+        expected_batch_size: B, giving q_R = min(1, B / Σ_i π_i) (the subset's expected size Σ_i π_i
+            is a function of the budgets, not of which records were drawn, so q_R is data-independent
+            and every round has the same expected batch); exactly one of the two.
+        task: a :class:`pdpfast.loop.Task` (default: classification, ``model(x)`` → logits).
+        max_grad_norm: C, the clip bound of every round's plan.
+        loss, w1, w2: the threshold loss ("fixed", "adaptive" or the paper's degenerate "harmonic"; see
+            ``pdpfast.accounting.pdp.threshold_losses``) and its weights.
+        rule: "all" (default: every record with budget left pays its round guarantee) or "sampled"
+            (the paper's: only kept records pay).
+        seed: of the rounds' subset draws and of their engines.
+        mode, clipping, physical_batch_size: passed to each round's engine.
+        min_remaining: a remaining budget at or below this counts as exhausted.
+    Raises:
+        ValueError for a bad budget, δ, count, rate, rule or loss, or when not exactly one of each pair
+        above is given.
     """
 
     def __init__(self, model: nn.Module, dataset, budgets, *, optimizer: torch.optim.Optimizer, delta: float,
@@ -176,8 +209,12 @@ class PDPSGD:
         return self.completed_steps + in_round
 
     def epsilons_now(self) -> np.ndarray:
-        """(N,) ε spent by the steps taken so far: finished rounds' amplified ledger ε plus the
-        current round's (π_i-amplified) engine ledger."""
+        """ε spent by the steps taken so far: finished rounds' amplified ledger ε plus the current
+        round's (π_i-amplified) engine ledger.
+
+        Returns:
+            (N,) float64 ε per record.
+        """
         eps = self.ledger_eps.copy()
         if self._engine is not None and self._engine.steps > 0:
             eps += self._amplified(float(self._engine.epsilons().max()))
@@ -295,7 +332,11 @@ class PDPSGD:
         return self.result()
 
     def result(self) -> PDPResult:
-        """Returns: the :class:`PDPResult` of the steps taken so far (arrays (N,), ε in nats)."""
+        """The outcome so far.
+
+        Returns:
+            the :class:`PDPResult` of the steps taken so far (arrays (N,), ε in nats).
+        """
         return PDPResult(self.budgets - self.remaining, self.spent_delta.copy(), self.remaining.copy(),
                          self.epsilons_now(), list(self.history))
 
@@ -309,7 +350,13 @@ class PDPSGD:
 
     def state_dict(self) -> dict:
         """The driver's state: ledger (remaining, δ_i, amplified ε), round, the round in progress
-        (with its engine's state) and the optimizer's state. Model weights are not included."""
+        (with its engine's state) and the optimizer's state. Model weights are not included.
+
+        Returns:
+            a dict: "format_version" (1), "config" (the settings), "budgets", "remaining",
+            "spent_delta", "ledger_eps" ((N,) float64 copies), "round", "current", "history" (dicts),
+            "completed_steps", "finished" and "optimizer" (its ``state_dict``).
+        """
         current = None
         if self.current is not None:
             current = dict(self.current)
@@ -322,6 +369,15 @@ class PDPSGD:
                 "finished": self.finished, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from what ``state_dict()`` returned.
+
+        Args:
+            state: a dict with the keys of ``state_dict()``.
+        Returns:
+            None; the driver's state and the optimizer's are replaced.
+        Raises:
+            ValueError when the state is not a PDP-SGD state, or was saved with other settings or budgets.
+        """
         if state.get("format_version") != 1:
             raise ValueError("not a PDP-SGD state (format_version)")
         if state["config"] != self._config():
@@ -340,12 +396,27 @@ class PDPSGD:
 
     def save_checkpoint(self, path, **extra) -> None:
         """Atomically write model weights and the driver's state (``extra["pdp"]``) to ``path``, in
-        the layout of ``PrivacyEngine.save_checkpoint``."""
+        the layout of ``PrivacyEngine.save_checkpoint``.
+
+        Args:
+            path: the file (str or path-like).
+            **extra: more entries to keep in the checkpoint's "extra" dict.
+        Returns:
+            None.
+        """
         payload = {"model": self.model.state_dict(), "engine": None, "extra": {**extra, "pdp": self.state_dict()}}
         atomic_write(path, lambda f: torch.save(payload, f))
 
     def load_checkpoint_state(self, checkpoint: dict) -> dict:
-        """Restore from what ``save_checkpoint`` wrote (already loaded with torch.load); returns extra."""
+        """Restore from what ``save_checkpoint`` wrote.
+
+        Args:
+            checkpoint: the dict, already loaded with ``torch.load``.
+        Returns:
+            the checkpoint's "extra" dict (with "pdp").
+        Raises:
+            ValueError when it holds no PDP-SGD state, or as :meth:`load_state_dict`.
+        """
         if "pdp" not in checkpoint.get("extra", {}):
             raise ValueError("the checkpoint holds no PDP-SGD state (was it made with another --method?)")
         self.load_state_dict(checkpoint["extra"]["pdp"])

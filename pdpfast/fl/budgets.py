@@ -58,7 +58,11 @@ def _bounded_mix_gauss(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def distributions() -> tuple[str, ...]:
-    """Returns: the names of the registered budget distributions."""
+    """The registered budget distributions.
+
+    Returns:
+        their names, a tuple of str.
+    """
     return tuple(_DISTRIBUTIONS)
 
 
@@ -66,9 +70,13 @@ def sample_budgets(distribution: str, n: int, seed: int = 0) -> np.ndarray:
     """Draw per-record budgets (data-independent).
 
     Args:
-        distribution: a registered name (see the module docstring); n: records; seed: of the draw.
+        distribution: a registered name (see the module docstring).
+        n: the number of records (int ≥ 0).
+        seed: of the draw.
     Returns:
         (n,) float64 ε_j > 0.
+    Raises:
+        ValueError for an unknown name or a bad ``n``.
     """
     if distribution not in _DISTRIBUTIONS:
         raise ValueError(f"budgets must be one of {', '.join(map(repr, _DISTRIBUTIONS))} or an array of "

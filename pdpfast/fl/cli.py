@@ -61,7 +61,13 @@ def _data_kwargs(args) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Args: rows: ``FederatedResult.summary()`` rows (plus "seconds"). Returns: a plain-text table."""
+    """The comparison table of ``fl simulate``.
+
+    Args:
+        rows: ``FederatedResult.summary()`` dicts, each with "seconds" added.
+    Returns:
+        a plain-text table, one line per row after the header.
+    """
     head = ("method", "final acc", "best acc", "records trained", "max ε/budget clients", "max ε/budget server",
             "seconds")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
@@ -74,8 +80,15 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_accuracy(results: dict, path, title: str) -> None:
-    """Args: results: {method: FederatedResult}; path: the image, test accuracy per round per
-    method; title: its title. Returns: None."""
+    """Plot test accuracy per round, one line per method.
+
+    Args:
+        results: {method: FederatedResult}.
+        path: the image file to write.
+        title: its title.
+    Returns:
+        None.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,8 +179,13 @@ def _launch(args) -> int:
 
 
 def add_subparser(subparsers) -> argparse.ArgumentParser:
-    """Args: subparsers: a parent parser's. Returns: the ``fl`` parser added there (with its own
-    subcommands)."""
+    """Add the ``fl`` command to a parent command line.
+
+    Args:
+        subparsers: the parent parser's ``add_subparsers()`` result.
+    Returns:
+        the ``fl`` parser added there (with its own subcommands).
+    """
     fl = subparsers.add_parser("fl", help="rPDP-FL: personalized DP in cross-silo federated learning",
                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _fill(fl)
@@ -219,7 +237,13 @@ def _fill(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Args: argv: the arguments (default sys.argv[1:]). Returns: the exit status (0: success)."""
+    """``python -m pdpfast.fl``.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+    Returns:
+        the exit status: 0 on success, 2 for a ValueError, TypeError or ImportError (printed to stderr).
+    """
     parser = argparse.ArgumentParser(prog="python -m pdpfast.fl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _fill(parser)

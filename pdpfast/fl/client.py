@@ -40,9 +40,12 @@ def set_weights(model: nn.Module, weights: Weights) -> None:
     """Load arrays into a model.
 
     Args:
-        model: the module; weights: arrays in ``state_dict`` order, as :func:`get_weights` gives.
+        model: the module, changed in place.
+        weights: numpy arrays in ``state_dict`` order, as :func:`get_weights` gives.
     Returns:
-        None. Raises ValueError when their number differs from the model's tensors.
+        None; the model's ``state_dict`` tensors are replaced by ``weights``.
+    Raises:
+        ValueError when their number differs from the model's tensors.
     """
     keys = list(model.state_dict().keys())
     if len(keys) != len(weights):
@@ -52,8 +55,13 @@ def set_weights(model: nn.Module, weights: Weights) -> None:
 
 @dataclass
 class LocalUpdate:
-    """What a sampled client sends back: delta = local model − global model (float32 arrays),
-    num_examples = the client's number of records (its FedAvg weight)."""
+    """What a sampled client sends back to the server.
+
+    Attributes:
+        client_id: the sender's index, 0..M−1.
+        delta: Δ = local model − global model, float32 numpy arrays in ``state_dict`` order.
+        num_examples: n_k, the client's number of records (its FedAvg weight).
+    """
 
     client_id: int
     delta: Weights
@@ -76,7 +84,8 @@ def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
     """Per-record sampling rates for the targets a method gives the records.
 
     Args:
-        targets: (n,) target ε per record (NaN: left out, ∞: no privacy). config: the run's settings.
+        targets: (n,) float64 target ε per record (NaN: left out, ∞: no privacy).
+        config: the run's settings (σ, δ, τ, T, λ, threat, conversion).
     Returns:
         (n,) q_j in [0, 1]: ``rpdp.sample_rates`` (SCF + exact re-accounting) for finite targets,
         0 for records left out, 1 without privacy.
@@ -102,17 +111,21 @@ def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: t
                 sample_rates: np.ndarray, config: FLConfig, seed: int) -> tuple[Weights, np.ndarray]:
     """τ local steps from ``weights``.
 
-    Args:
-        model_fn: builds the model. weights: the global model's arrays. features: (n, ...) float;
-            labels: (n,) int64. sample_rates: (n,) q_j in [0, 1]. config: the run's settings.
-            seed: of this round's draws and noise.
-    Returns:
-        (new weights, (n,) int64 times each record was drawn).
-
     Private methods: DP-SGD through the pdpfast engine, record j drawn with probability q_j each
     step, clip bound C, noise N(0, σ²C²), normalization by the expected batch Σ q_j; the draws and
     the noise are seeded by ``seed``. ``nonprivate``: τ full-batch gradient steps. torch's global
     RNG is left as it was (torch's DataLoader draws a base seed from it on every iteration).
+
+    Args:
+        model_fn: builds the model.
+        weights: the global model's numpy arrays, in ``state_dict`` order.
+        features: (n, ...) float32 inputs of the client's records.
+        labels: (n,) int64 class indices.
+        sample_rates: (n,) float64 q_j in [0, 1] (0: the record is never drawn).
+        config: the run's settings (τ, σ, C, lr, mode, clipping, method).
+        seed: of this round's draws and noise (int ≥ 0).
+    Returns:
+        (new weights: numpy arrays in ``state_dict`` order, (n,) int64 times each record was drawn).
     """
     with torch.random.fork_rng(devices=[]):
         return _local_train(model_fn, weights, features, labels, sample_rates, config, seed)
@@ -158,14 +171,25 @@ def _local_train(model_fn, weights, features, labels, sample_rates, config, seed
 class Silo:
     """One client of rPDP-FL.
 
-    client_id: its index 0..M−1. features: (n, ...) float tensor; labels: (n,) int64. budgets:
-    (n,) ε_j > 0 of its records (data-independent). config: the run's ``FLConfig``.
-    model_fn: builds the (untrained) model. federation_budgets: the budgets of all records of all
-    clients, for the baselines that need a federation-wide minimum or mean (default: ``budgets``).
-
-    Attributes: ``sample_rates`` (n,) q_j; ``targets`` (n,) the ε each record is trained for (NaN:
-    left out); ``ledger`` (``FederatedLedger``, None without privacy); ``draw_counts`` (n,) how
-    often each record was drawn by local DP-SGD (local statistics, never sent to the server).
+    Args:
+        client_id: its index 0..M−1.
+        features: (n, ...) float tensor of its records (n ≥ 1).
+        labels: (n,) int64 class indices.
+        budgets: (n,) ε_j > 0 of its records (data-independent).
+        config: the run's ``FLConfig``.
+        model_fn: builds the (untrained) model.
+        federation_budgets: (N,) the budgets of all records of all clients, for the baselines that need
+            a federation-wide minimum or mean (default: ``budgets``).
+    Attributes:
+        sample_rates: (n,) float64 q_j in [0, 1].
+        targets: (n,) float64 the ε each record is trained for (NaN: left out; ∞: no privacy).
+        ledger: the ``FederatedLedger``, None without privacy.
+        draw_counts: (n,) int64 how often each record was drawn by local DP-SGD (local statistics,
+            never sent to the server).
+        rounds_sampled, rounds_contributed: rounds the server sampled this client in / it sent an update in.
+    Raises:
+        ValueError when the client has no record, when labels and features differ in length, or when
+        budgets are not n finite values > 0.
     """
 
     def __init__(self, client_id: int, features: torch.Tensor, labels: torch.Tensor, budgets, *, config: FLConfig,
@@ -193,12 +217,24 @@ class Silo:
 
     @property
     def num_records(self) -> int:
+        """n, the client's number of records."""
         return int(self.features.shape[0])
 
     def fit(self, weights: Weights, server_round: int) -> LocalUpdate | None:
-        """Run round ``server_round`` (1-based) as a sampled client: pre-check the ledger, train
-        τ local steps from the global ``weights``, charge the ledger, return the update — or None
-        when no record has budget left (the client stops contributing)."""
+        """Run round ``server_round`` as a sampled client: pre-check the ledger, train τ local steps
+        from the global ``weights``, charge the ledger, return the update.
+
+        Args:
+            weights: the global model's numpy arrays, in ``state_dict`` order.
+            server_round: t, 1-based; rounds skipped since the last call are accounted by the ledger
+                as rounds this client was not sampled in.
+        Returns:
+            the ``LocalUpdate`` (float32 delta, n records), or None when no record has budget left (the
+            client stops contributing; the round is still recorded in the ledger). Updates
+            ``draw_counts``, ``rounds_sampled``, ``rounds_contributed`` and the ledger in place.
+        Raises:
+            ValueError when ``server_round`` was already seen by the ledger.
+        """
         self.rounds_sampled += 1
         rates = self.sample_rates if self.ledger is None else self.ledger.begin_round(server_round, sampled=True)
         if not rates.any():
@@ -214,18 +250,38 @@ class Silo:
         return LocalUpdate(self.client_id, delta, self.num_records)
 
     def finish(self, rounds: int) -> None:
-        """Account the rounds after the last one this client was sampled in, up to ``rounds``."""
+        """Account the rounds after the last one this client was sampled in, up to ``rounds``.
+
+        Args:
+            rounds: T, the last round of the run (1-based).
+        Returns:
+            None; the ledger (if any) charges those rounds as rounds the client was not sampled in.
+        """
         if self.ledger is not None:
             self.ledger.advance_to(rounds)
 
     def epsilons(self, threat: str) -> np.ndarray:
-        """(n,) ε spent by each record under ``threat`` (∞ without privacy; 0 if never trained)."""
+        """ε spent by each record under a threat model.
+
+        Args:
+            threat: "clients" or "server".
+        Returns:
+            (n,) float64 ε per record (∞ without privacy; 0 if never trained).
+        Raises:
+            ValueError for another ``threat`` (with privacy).
+        """
         if self.ledger is None:
             return np.full(self.num_records, np.inf)
         return self.ledger.epsilons(threat)
 
     def stats(self) -> dict:
-        """Per-client summary (counts and ratios only; no per-record values)."""
+        """Per-client summary (counts and ratios only; no per-record values).
+
+        Returns:
+            a dict: "client_id", "records", "records_trained" (q_j > 0), "mean_sample_rate",
+            "rounds_sampled", "rounds_contributed", and with privacy "records_active_at_end" and
+            "max_spent_fraction_clients" / "max_spent_fraction_server" (max_j ε_j / budget_j).
+        """
         out = {"client_id": self.client_id, "records": self.num_records,
                "records_trained": int((self.sample_rates > 0).sum()),
                "mean_sample_rate": float(self.sample_rates.mean()),

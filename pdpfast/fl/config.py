@@ -26,16 +26,25 @@ _LOCAL_TRAINING_SALT = 0x10CA_1DB5
 class FLConfig:
     """Settings of one rPDP-FL run (DESIGN.md §3.3), shared by the server and every client.
 
-    rounds: T, communication rounds. local_steps: τ, DP-SGD steps a sampled client runs per round.
-    client_rate: λ ∈ (0, 1], the probability that the server samples a client in a round
-    (independently per client and round). noise_multiplier: σ of local DP-SGD (noise std σ·C).
-    max_grad_norm: C, the clip bound of every record. delta: δ of every record's (ε, δ) guarantee.
-    lr: local SGD learning rate. threat: the threat model the sampling rates are calibrated for
-    ("clients": others see global models, ρ = T·ρ^{τ,λ}; "server": the server sees updates,
-    ρ = λ·T·ρ^τ); both are accounted and reported either way. conversion: RDP → (ε, δ) ("standard",
-    the paper's, or "improved", Balle et al. 2020). mode / clipping: passed to the engine.
-    method: "rpdp", "minimum", "dropout" or "nonprivate" (see ``pdpfast.fl.methods``).
-    seed: of the model initialization, the client sampling and every local training.
+    Attributes:
+        rounds: T, communication rounds (int ≥ 1).
+        local_steps: τ, DP-SGD steps a sampled client runs per round (int ≥ 1).
+        client_rate: λ ∈ (0, 1], the probability that the server samples a client in a round
+            (independently per client and round).
+        noise_multiplier: σ > 0 of local DP-SGD (noise std σ·C).
+        max_grad_norm: C > 0, the clip bound of every record.
+        delta: δ ∈ (0, 1) of every record's (ε, δ) guarantee.
+        lr: local SGD learning rate (> 0).
+        method: "rpdp", "minimum", "dropout" or "nonprivate" (see ``pdpfast.fl.methods``).
+        threat: the threat model the sampling rates are calibrated for ("clients": others see global
+            models, ρ = T·ρ^{τ,λ}; "server": the server sees updates, ρ = λ·T·ρ^τ); both are
+            accounted and reported either way.
+        conversion: RDP → (ε, δ): "standard" (the paper's) or "improved" (Balle et al. 2020).
+        mode, clipping: passed to the engine (``pdpfast.clipping.MODES`` / ``CLIPPINGS``).
+        seed: of the model initialization, the client sampling and every local training (int ≥ 0).
+    Raises:
+        ValueError (from the checks in ``__post_init__``) for a setting out of range or not one of
+        the choices.
     """
 
     rounds: int = 40
@@ -72,15 +81,25 @@ class FLConfig:
 
     @property
     def private(self) -> bool:
+        """Whether ``method`` trains with clipping, noise and a ledger (False for "nonprivate")."""
         from .methods import METHODS
 
         return METHODS[self.method].private
 
     def to_dict(self) -> dict:
+        """The settings as a plain dict.
+
+        Returns:
+            {field name: value} for every field, in declaration order (JSON-ready).
+        """
         return asdict(self)
 
     def accounting_kwargs(self) -> dict:
-        """The keyword arguments of ``pdpfast.accounting.rpdp`` for this run."""
+        """The keyword arguments of ``pdpfast.accounting.rpdp`` for this run.
+
+        Returns:
+            a dict: noise_multiplier, delta, local_steps, rounds, client_rate, conversion.
+        """
         return dict(noise_multiplier=self.noise_multiplier, delta=self.delta, local_steps=self.local_steps,
                     rounds=self.rounds, client_rate=self.client_rate, conversion=self.conversion)
 
@@ -93,7 +112,10 @@ def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate:
     (seed, round): the simulation and the Flower strategy draw the same clients.
 
     Args:
-        seed: the run's; server_round: 1-based; num_clients: M; client_rate: λ in (0, 1].
+        seed: the run's seed.
+        server_round: t, 1-based.
+        num_clients: M.
+        client_rate: λ in (0, 1].
     Returns:
         (M,) bool, True for the sampled clients.
     """
@@ -105,7 +127,9 @@ def local_seed(seed: int, server_round: int, client_id: int) -> int:
     """The seed of one client's local DP-SGD in one round (its record draws and noise).
 
     Args:
-        seed: the run's; server_round: 1-based; client_id: 0..M−1.
+        seed: the run's seed.
+        server_round: t, 1-based.
+        client_id: 0..M−1.
     Returns:
         a seed ≥ 0, a pure function of the three.
     """

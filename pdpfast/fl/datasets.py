@@ -31,8 +31,15 @@ if TYPE_CHECKING:
 class FederatedData:
     """Training records split across clients, plus the server's test set.
 
-    x_train: (N, d) float32; y_train: (N,) int64; x_test, y_test likewise; client_index: (N,) the
-    client holding each training record; num_classes: number of labels.
+    Attributes:
+        name: the dataset ("digits" or "breast_cancer").
+        x_train: (N, d) float32 standardized training features.
+        y_train: (N,) int64 class indices.
+        x_test: (N_test, d) float32 test features (standardized with the training statistics).
+        y_test: (N_test,) int64 class indices.
+        client_index: (N,) int64, the client 0..M−1 holding each training record.
+        num_clients: M.
+        num_classes: number of labels.
     """
 
     name: str
@@ -45,10 +52,23 @@ class FederatedData:
     num_classes: int
 
     def records_of(self, client_id: int) -> np.ndarray:
-        """Indices (into the training set) of client ``client_id``'s records, ascending."""
+        """Indices (into the training set) of one client's records.
+
+        Args:
+            client_id: 0..M−1.
+        Returns:
+            (n_k,) int64 indices into ``x_train`` / ``y_train``, ascending.
+        """
         return np.flatnonzero(self.client_index == client_id)
 
     def client_data(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One client's training records.
+
+        Args:
+            client_id: 0..M−1.
+        Returns:
+            (features (n_k, d) float32, labels (n_k,) int64), in the order of :meth:`records_of`.
+        """
         import torch
 
         idx = torch.from_numpy(self.records_of(client_id))
@@ -75,7 +95,11 @@ SPLITS = ("iid", "label", "dirichlet")
 
 
 def datasets() -> tuple[str, ...]:
-    """Returns: the names of the federated datasets."""
+    """The federated datasets on offer.
+
+    Returns:
+        their names, a tuple of str.
+    """
     return tuple(_LOADERS)
 
 
@@ -85,7 +109,10 @@ def model_factory(dataset: str) -> Callable[[], torch.nn.Module]:
     Args:
         dataset: "digits" or "breast_cancer".
     Returns:
-        a function building a fresh model for it (initialized from torch's global RNG).
+        a function building a fresh model for it (initialized from torch's global RNG): a linear layer,
+        (B, d) float32 features → (B, K) logits.
+    Raises:
+        ValueError for another dataset.
     """
     if dataset not in _MODEL_SHAPES:
         raise ValueError(f"dataset must be one of {', '.join(map(repr, _MODEL_SHAPES))}, got {dataset!r}")
@@ -103,10 +130,15 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
     """Share the records out across clients.
 
     Args:
-        labels: (N,) int labels. num_clients: M. split: "iid", "label" or "dirichlet"
-            (Dirichlet(α) label proportions, α = ``dirichlet_alpha``). seed: of the split.
+        labels: (N,) int labels.
+        num_clients: M, an int in [1, N].
+        split: "iid", "label" or "dirichlet" (Dirichlet(α) label proportions).
+        seed: of the split.
+        dirichlet_alpha: α > 0, for split "dirichlet".
     Returns:
-        (N,) int client index of each record. Raises ValueError if a client would get no record.
+        (N,) int64 client index 0..M−1 of each record.
+    Raises:
+        ValueError for an unknown split, a bad ``num_clients`` or α, or if a client would get no record.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
@@ -148,10 +180,14 @@ def load_federated(dataset: str = "digits", clients: int = 5, split: str = "iid"
     """Load a dataset for a federation.
 
     Args:
-        dataset: "digits" or "breast_cancer". clients: M. split, seed, dirichlet_alpha: as in
-            :func:`partition`. test_fraction: of the stratified test set.
+        dataset: "digits" or "breast_cancer".
+        clients: M.
+        split, seed, dirichlet_alpha: as in :func:`partition` (``seed`` also seeds the train/test split).
+        test_fraction: the share of records in the stratified test set, in (0, 1).
     Returns:
         ``FederatedData``: training features and labels with each record's client, and the test set.
+    Raises:
+        ValueError for an unknown dataset, or as :func:`partition`.
     """
     import torch
     from sklearn.model_selection import train_test_split

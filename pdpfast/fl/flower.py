@@ -68,9 +68,13 @@ def _require_flwr() -> None:
 class PDPClient(NumPyClient):
     """Flower client of one silo. ``fit`` expects ``config["server_round"]`` (1-based).
 
-    ledger_path: optional .npz file of the silo's ledger: loaded at start if it exists, and
-    written after every round before the update is returned (charge before release), so a client
-    that restarts never forgets what its records spent.
+    Args:
+        silo: the client's ``Silo`` (records, budgets, sampling rates, ledger).
+        ledger_path: optional .npz file of the silo's ledger: loaded at start if it exists, and
+            written after every round before the update is returned (charge before release), so a
+            client that restarts never forgets what its records spent.
+    Raises:
+        ImportError when Flower is not installed.
     """
 
     def __init__(self, silo: Silo, ledger_path: str | os.PathLike | None = None):
@@ -82,12 +86,38 @@ class PDPClient(NumPyClient):
             silo.ledger.load(ledger_path)
 
     def get_properties(self, config):
+        """Flower's ``NumPyClient.get_properties``: how the strategy learns who this client is.
+
+        Args:
+            config: the server's request (unused).
+        Returns:
+            {"client_id": the silo's id 0..M−1, "num_examples": its number of records n}.
+        """
         return {"client_id": self.silo.client_id, "num_examples": self.silo.num_records}
 
     def get_parameters(self, config):
+        """Flower's ``NumPyClient.get_parameters``: refused, the strategy holds the initial model.
+
+        Args:
+            config: the server's request (unused).
+        Returns:
+            never; it always raises.
+        Raises:
+            RuntimeError, always.
+        """
         raise RuntimeError("PDPClient has no model of its own: the strategy provides the initial parameters")
 
     def fit(self, parameters, config):
+        """Flower's ``NumPyClient.fit``: the silo's round (ledger pre-check, τ local DP-SGD steps,
+        ledger charge), the ledger saved to ``ledger_path`` before the update leaves.
+
+        Args:
+            parameters: the global model's arrays, in ``state_dict`` order.
+            config: the server's fit config, with "server_round" (1-based).
+        Returns:
+            (delta arrays (float32, local − global), num_examples n, {"client_id": k, "contributed": 1}),
+            or ([], 0, {"client_id": k, "contributed": 0}) when no record has budget left.
+        """
         server_round = int(config["server_round"])
         self.last_round = server_round
         update = self.silo.fit([np.asarray(array) for array in parameters], server_round)
@@ -98,6 +128,14 @@ class PDPClient(NumPyClient):
         return update.delta, update.num_examples, {"client_id": self.silo.client_id, "contributed": 1}
 
     def evaluate(self, parameters, config):
+        """Flower's ``NumPyClient.evaluate``: no client-side evaluation (the server evaluates centrally).
+
+        Args:
+            parameters: the global model's arrays (unused).
+            config: the server's evaluate config (unused).
+        Returns:
+            (0.0, 0, {}): loss, number of examples, metrics.
+        """
         return 0.0, 0, {}
 
 
@@ -107,13 +145,21 @@ class PDPClient(NumPyClient):
 class PoissonFedAvg(Strategy):
     """Client-level Poisson sampling with probability λ and size-weighted FedAvg of deltas.
 
-    num_clients: M, the clients the federation expects (configure_fit waits up to
-    ``wait_timeout`` seconds for all of them to connect). config: the run's ``FLConfig``
-    (λ = client_rate, seed, rounds). initial: the round-0 global weights. evaluate_fn: optional
-    ``weights -> (loss, accuracy)`` for centralized evaluation after every round.
-
-    History: ``sampled`` / ``contributed`` (rounds × M bool lists), ``accuracy`` / ``loss``
-    (index 0: the initial model), ``failures`` (number of failed client calls per round).
+    Args:
+        num_clients: M ≥ 1, the clients the federation expects.
+        config: the run's ``FLConfig`` (λ = client_rate, seed, rounds).
+        initial: the round-0 global weights (numpy arrays in ``state_dict`` order).
+        evaluate_fn: optional ``weights -> (loss, accuracy)`` for centralized evaluation after every round.
+        wait_timeout: seconds ``configure_fit`` waits for all M clients to connect (and for each
+            ``get_properties`` reply).
+    Attributes:
+        sampled, contributed: rounds × M lists of bool, which clients each round sampled / which sent
+            an update.
+        accuracy, loss: lists of floats, index 0 the initial model (filled only with ``evaluate_fn``).
+        failures: number of failed client calls per round.
+        weights: the latest global model's arrays.
+    Raises:
+        ImportError when Flower is not installed; ValueError when ``num_clients`` < 1.
     """
 
     def __init__(self, *, num_clients: int, config: FLConfig, initial: Weights,
@@ -136,6 +182,13 @@ class PoissonFedAvg(Strategy):
         return f"PoissonFedAvg(num_clients={self.num_clients}, client_rate={self.config.client_rate})"
 
     def initialize_parameters(self, client_manager):
+        """Flower's ``Strategy.initialize_parameters``: the round-0 model is ``initial``.
+
+        Args:
+            client_manager: Flower's client manager (unused).
+        Returns:
+            ``initial`` as Flower ``Parameters``.
+        """
         return ndarrays_to_parameters(self.initial)
 
     def _clients(self, client_manager) -> dict[int, ClientProxy]:
@@ -158,6 +211,23 @@ class PoissonFedAvg(Strategy):
         return self._proxies
 
     def configure_fit(self, server_round, parameters, client_manager):
+        """Flower's ``Strategy.configure_fit``: client-level Poisson sampling of round ``server_round``.
+
+        Waits for all M clients, then samples each independently with probability λ
+        (``sampled_clients``, a function of (seed, round)); records the draw in ``sampled`` and an
+        all-False row in ``contributed``, and keeps the global model for ``aggregate_fit``.
+
+        Args:
+            server_round: t, 1-based.
+            parameters: the global model (Flower ``Parameters``).
+            client_manager: Flower's client manager, asked for the connected proxies.
+        Returns:
+            a list of (ClientProxy, FitIns) for the sampled clients, in client-id order (possibly
+            empty); the FitIns config holds "server_round" and "num_rounds".
+        Raises:
+            TimeoutError when fewer than M clients connect within ``wait_timeout``; ValueError when a
+            client reports an id outside [0, M); RuntimeError when some id is not reported by any.
+        """
         proxies = self._clients(client_manager)
         self._current = parameters_to_ndarrays(parameters)
         chosen = sampled_clients(self.config.seed, server_round, self.num_clients, self.config.client_rate)
@@ -167,6 +237,16 @@ class PoissonFedAvg(Strategy):
         return [(proxies[k], ins) for k in np.flatnonzero(chosen)]
 
     def aggregate_fit(self, server_round, results, failures):
+        """Flower's ``Strategy.aggregate_fit``: FedAvg of the deltas of the clients that contributed.
+
+        Args:
+            server_round: t, 1-based (unused: the round is the one ``configure_fit`` last set up).
+            results: a list of (ClientProxy, FitRes) whose metrics carry "client_id" and "contributed".
+            failures: the failed client calls (counted in ``failures``).
+        Returns:
+            (the new global model as Flower ``Parameters``, {"clients_contributed": number of updates});
+            ``contributed`` and ``failures`` are updated in place.
+        """
         # A failed client contributes nothing this round (its ledger already charged it, if it ran).
         self.failures.append(len(failures))
         updates = []
@@ -179,12 +259,35 @@ class PoissonFedAvg(Strategy):
         return ndarrays_to_parameters(new), {"clients_contributed": len(updates)}
 
     def configure_evaluate(self, server_round, parameters, client_manager):
+        """Flower's ``Strategy.configure_evaluate``: no client is asked to evaluate.
+
+        Args:
+            server_round, parameters, client_manager: Flower's (unused).
+        Returns:
+            [] (centralized evaluation only, in ``evaluate``).
+        """
         return []   # centralized evaluation only (``evaluate``)
 
     def aggregate_evaluate(self, server_round, results, failures):
+        """Flower's ``Strategy.aggregate_evaluate``: nothing to aggregate (no client evaluates).
+
+        Args:
+            server_round, results, failures: Flower's (unused).
+        Returns:
+            (None, {}).
+        """
         return None, {}
 
     def evaluate(self, server_round, parameters):
+        """Flower's ``Strategy.evaluate``: centralized evaluation of the global model after a round.
+
+        Args:
+            server_round: t (0: the initial model, before round 1).
+            parameters: the global model (Flower ``Parameters``), kept in ``weights``.
+        Returns:
+            None without ``evaluate_fn``; else (loss, {"accuracy": accuracy}), also appended to
+            ``loss`` / ``accuracy`` the first time round t is evaluated.
+        """
         self.weights = parameters_to_ndarrays(parameters)    # the latest global model
         if self.evaluate_fn is None:
             return None
@@ -231,7 +334,21 @@ def _federation(dataset, clients, split, budgets, config: FLConfig, dirichlet_al
 def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets="ThreeLevels", *,
                   config: FLConfig, dirichlet_alpha: float = 0.5):
     """rPDP-FL through Flower's ``Server`` with ``PoissonFedAvg`` and ``PDPClient``s called in this
-    process, one at a time (``max_workers = 1``). Returns a ``FederatedResult`` like ``simulate``."""
+    process, one at a time (``max_workers = 1``).
+
+    Args:
+        dataset: "digits" or "breast_cancer".
+        clients: M.
+        split: "iid", "label" or "dirichlet".
+        budgets: a distribution name, an (N,) array over the training set, or a list of M per-client
+            arrays (as ``resolve_budgets``).
+        config: the run's settings.
+        dirichlet_alpha: α of the "dirichlet" split.
+    Returns:
+        a ``FederatedResult`` like ``simulate``.
+    Raises:
+        ImportError when Flower is not installed.
+    """
     _require_flwr()
     from .datasets import model_factory
 
@@ -263,9 +380,23 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
                        config: FLConfig, dirichlet_alpha: float = 0.5, ledger_dir: str | os.PathLike | None = None,
                        ray_init_args: dict | None = None):
     """rPDP-FL on Flower's Ray simulation engine: M virtual SuperNodes, one ClientApp each (its
-    ``partition-id`` is the client id), the ``PoissonFedAvg`` strategy in a ServerApp. Returns a
-    ``FederatedResult`` like ``simulate`` (per-record ε read back from the silos' ledger files).
-    ray_init_args: passed to ``ray.init`` (default: 2 CPUs, no dashboard)."""
+    ``partition-id`` is the client id), the ``PoissonFedAvg`` strategy in a ServerApp.
+
+    Args:
+        dataset: "digits" or "breast_cancer".
+        clients: M.
+        split: "iid", "label" or "dirichlet".
+        budgets: a distribution name (the ClientApps rebuild the budgets from it).
+        config: the run's settings.
+        dirichlet_alpha: α of the "dirichlet" split.
+        ledger_dir: the folder of the silos' ledger files ``client<k>.npz`` (default: a new temporary one).
+        ray_init_args: passed to ``ray.init``, over the default of 2 CPUs and no dashboard.
+    Returns:
+        a ``FederatedResult`` like ``simulate`` (per-record ε read back from the silos' ledger files).
+    Raises:
+        ImportError without Flower or Ray; ValueError when ``budgets`` is not a name; RuntimeError when
+        the simulation stops before T rounds.
+    """
     _require_flwr()
     import importlib.util
 
@@ -333,12 +464,18 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
     T rounds are done.
 
     Args:
-        address: host:port; dataset, clients, split, dirichlet_alpha: the federation; config: the
-            run's settings; out: the JSON to write (accuracy per round, sampled / contributed
-            clients; the final global weights beside it with suffix .npz); wait_timeout,
-            round_timeout: seconds to wait for the clients and for one round.
+        address: host:port.
+        dataset, clients, split, dirichlet_alpha: the federation.
+        config: the run's settings.
+        out: the JSON to write (accuracy per round, sampled / contributed clients; the final global
+            weights beside it with suffix .npz); None writes nothing.
+        wait_timeout: seconds to wait for the clients.
+        round_timeout: seconds to wait for one round (None: no limit).
     Returns:
-        the JSON dict.
+        the JSON dict ("config", "accuracy", "loss", "sampled", "contributed", "failures"), plus
+        "weights" (the final global arrays).
+    Raises:
+        ImportError when Flower is not installed.
     """
     _require_flwr()
     from flwr.server import start_server
@@ -371,9 +508,23 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
     """Run client ``client_id`` of the federation against the Flower server at ``address``.
 
     The client builds its own silo from the shared, seeded split (a stand-in for a silo's own
-    data). When the server ends the run it accounts the remaining rounds and writes ``out``
-    (JSON: per-record budgets and ε under both threat models, and its statistics; these stay on
-    the client's side). ``ledger_path``: see ``PDPClient``. Returns that dict."""
+    data). When the server ends the run it accounts the remaining rounds and writes ``out``.
+
+    Args:
+        address: the server's host:port.
+        client_id: k, 0..M−1.
+        dataset, clients, split, budgets, dirichlet_alpha: the federation (as :func:`run_inprocess`).
+        config: the run's settings.
+        out: the JSON to write (per-record budgets and ε under both threat models, and its statistics;
+            these stay on the client's side); None writes nothing.
+        max_wait_time: seconds to keep trying to reach the server.
+        ledger_path: see ``PDPClient``.
+    Returns:
+        that dict: "client_id", "budgets", "sample_rates", "epsilon_clients", "epsilon_server" (lists
+        of n floats) and "stats" (``Silo.stats``).
+    Raises:
+        ImportError when Flower is not installed; ValueError for a ``client_id`` outside [0, M).
+    """
     _require_flwr()
     from flwr.client import start_client
 
@@ -391,7 +542,13 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Args: host: the interface. Returns: a TCP port free on it now (the OS's choice)."""
+    """A TCP port that is free now.
+
+    Args:
+        host: the interface.
+    Returns:
+        a port number free on it now (the OS's choice; another process may take it before it is used).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -404,12 +561,17 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     them (at most ``timeout`` seconds, then kill them all).
 
     Args:
-        dataset, clients, split, budgets, dirichlet_alpha: the federation; config: the settings;
-            timeout: seconds; workdir: for logs and outputs (a temporary one by default); python:
-            the interpreter of the processes (default this one).
+        dataset, clients, split, budgets, dirichlet_alpha: the federation (``budgets`` a distribution name).
+        config: the settings.
+        timeout: seconds for the whole run.
+        workdir: for logs and outputs (a temporary one by default).
+        python: the interpreter of the processes (default this one).
     Returns:
-        {"server": ..., "clients": [...]} read from their JSON outputs. Raises RuntimeError with the
-        logs if a process fails.
+        {"server": ..., "clients": [...], "address": ..., "workdir": ...}, the first two read from the
+        processes' JSON outputs (the server's with its final "weights").
+    Raises:
+        ImportError when Flower is not installed; ValueError when ``budgets`` is not a name;
+        RuntimeError, with the logs, when a process fails or the time runs out.
     """
     _require_flwr()
     if not isinstance(budgets, str):
@@ -469,8 +631,13 @@ def _tails(workdir: Path, n: int = 30) -> str:
 
 
 def config_to_argv(config: FLConfig) -> list[str]:
-    """Args: config: the run's settings. Returns: the command-line flags reproducing it (for the
-    server and client processes)."""
+    """The command-line flags of a configuration (for the server and client processes).
+
+    Args:
+        config: the run's settings.
+    Returns:
+        a list of str, ``--<field> <value>`` for every field (floats by ``repr``, so they round-trip).
+    """
     argv = []
     for key, value in config.to_dict().items():
         argv += [f"--{key.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]

@@ -35,10 +35,19 @@ from .config import CONVERSIONS, THREATS
 
 def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client_rate: float,
               orders=None) -> dict[str, np.ndarray]:
-    """RDP of ONE round per record, {"clients": (P, n), "server": (P, n)}, for q = sample_rates (P,).
+    """RDP of ONE round per sampling rate, under both threat models.
 
     "server": ρ^τ(α) = τ·ρ_SGM(α; q, σ). "clients": log(1 − λ + λ·e^{(α−1)ρ^τ})/(α−1), the one
-    ``rpdp.client_sampled_rdp``.
+    ``rpdp.client_sampled_rdp`` (0 for q = 0).
+
+    Args:
+        sample_rates: (P,) float q in [0, 1] (a scalar is taken as (1,)).
+        noise_multiplier: σ of local DP-SGD.
+        local_steps: τ, DP-SGD steps per round.
+        client_rate: λ ∈ (0, 1], the probability a client is sampled in a round.
+        orders: the RDP orders α > 1, (n,) (default ``DEFAULT_ORDERS``).
+    Returns:
+        {"clients": (P, n) float64, "server": (P, n) float64}, the RDP of one round at each order.
     """
     orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
@@ -50,12 +59,19 @@ def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client
 class FederatedLedger:
     """Per-record rPDP-FL ledger of one client.
 
-    sample_rates: (n,) q_j in [0, 1] (0: the record never takes part). budgets: (n,) the ε each
-    record must not exceed (> 0; ∞ allowed). noise_multiplier, local_steps, client_rate, delta,
-    conversion: as in ``FLConfig``.
-
-    State: ``active`` (n,) bool, ``rounds_charged`` (n,) rounds charged under "clients",
-    ``participations`` (n,) rounds charged under "server", ``rounds_seen`` the last round seen.
+    Args:
+        sample_rates: (n,) q_j in [0, 1] (0: the record never takes part).
+        budgets: (n,) the ε each record must not exceed (> 0; ∞ allowed).
+        noise_multiplier, local_steps, client_rate, delta, conversion: as in ``FLConfig``.
+        orders: the RDP orders α > 1 (default ``DEFAULT_ORDERS``).
+    Attributes:
+        active: (n,) bool, the records that still take part.
+        rounds_charged: (n,) int64 rounds charged under "clients".
+        participations: (n,) int64 rounds charged under "server".
+        rounds_seen: the last round seen (int, 0 before the first).
+    Raises:
+        ValueError when the shapes differ, a rate lies outside [0, 1], a budget is NaN or ≤ 0, or the
+        conversion is unknown.
     """
 
     def __init__(self, sample_rates, budgets, *, noise_multiplier: float, local_steps: int, client_rate: float,
@@ -84,6 +100,7 @@ class FederatedLedger:
 
     @property
     def num_records(self) -> int:
+        """n, the client's number of records."""
         return int(self.sample_rates.shape[0])
 
     def _epsilon_at(self, threat: str, counts: np.ndarray) -> np.ndarray:
@@ -100,17 +117,35 @@ class FederatedLedger:
         return out
 
     def epsilons(self, threat: str) -> np.ndarray:
-        """(n,) ε spent so far by every record under ``threat`` ("clients" or "server")."""
+        """ε spent so far by every record under a threat model.
+
+        Args:
+            threat: "clients" or "server".
+        Returns:
+            (n,) float64 ε per record (0 for a record never charged).
+        Raises:
+            ValueError for another ``threat``.
+        """
         if threat not in THREATS:
             raise ValueError(f"threat must be one of {THREATS}, got {threat!r}")
         counts = self.rounds_charged if threat == "clients" else self.participations
         return self._epsilon_at(threat, counts)
 
     def begin_round(self, server_round: int, sampled: bool) -> np.ndarray:
-        """Pre-check of round ``server_round`` (1-based; rounds skipped since the last call are
-        accounted as rounds in which the client was not sampled). Drops the records whose ε after
-        this round would exceed their budget; returns (n,) the sampling rates of this round
-        (q_j for records taking part, 0 for the others)."""
+        """Pre-check of a round: drop the records whose ε after it would exceed their budget.
+
+        Rounds skipped since the last call are accounted first, as rounds in which the client was
+        not sampled. The "clients" check runs every round, the "server" check only when ``sampled``.
+
+        Args:
+            server_round: t, 1-based; the round after ``rounds_seen``, or later.
+            sampled: whether the server sampled this client in round t.
+        Returns:
+            (n,) float64 sampling rates of this round (q_j for records taking part, 0 for the others);
+            ``active`` is updated in place.
+        Raises:
+            ValueError when ``server_round`` was already seen.
+        """
         self.advance_to(server_round - 1)
         if server_round != self.rounds_seen + 1:
             raise ValueError(f"server_round {server_round} was already seen (last round {self.rounds_seen})")
@@ -120,7 +155,14 @@ class FederatedLedger:
         return np.where(self.active, self.sample_rates, 0.0)
 
     def end_round(self, sampled: bool) -> None:
-        """Charge the round just run to the records that took part (checked by ``begin_round``)."""
+        """Charge the round just run to the records that took part (checked by ``begin_round``).
+
+        Args:
+            sampled: whether the client was sampled in it (then it is charged under "server" too).
+        Returns:
+            None; ``rounds_charged`` (and ``participations``) of the active records and ``rounds_seen``
+            grow by one.
+        """
         self.rounds_charged[self.active] += 1
         if sampled:
             self.participations[self.active] += 1
@@ -128,7 +170,13 @@ class FederatedLedger:
 
     def advance_to(self, server_round: int) -> None:
         """Account every round up to ``server_round`` not seen yet as a round the client was not
-        sampled in (charged under "clients" only)."""
+        sampled in (charged under "clients" only).
+
+        Args:
+            server_round: the last round to account (1-based; nothing happens for a round already seen).
+        Returns:
+            None; the state advances in place, records dropping out as their budgets run out.
+        """
         while self.rounds_seen < server_round:
             self.begin_round(self.rounds_seen + 1, sampled=False)
             self.end_round(sampled=False)
@@ -138,13 +186,26 @@ class FederatedLedger:
         self.active &= ~over
 
     def state_dict(self) -> dict:
-        """The mutable state (the rates, budgets and per-round RDP are rebuilt from the config)."""
+        """The mutable state (the per-round RDP is rebuilt from the config).
+
+        Returns:
+            a dict of numpy values (copies): "active", "rounds_charged", "participations",
+            "rounds_seen", and "sample_rates" and "budgets", which ``load_state_dict`` checks.
+        """
         return {"active": self.active.copy(), "rounds_charged": self.rounds_charged.copy(),
                 "participations": self.participations.copy(), "rounds_seen": np.int64(self.rounds_seen),
                 "sample_rates": self.sample_rates.copy(), "budgets": self.budgets.copy()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``; refuses a state of other rates or budgets."""
+        """Resume from what ``state_dict()`` returned.
+
+        Args:
+            state: a dict with the keys of ``state_dict()``.
+        Returns:
+            None; the ledger's state is replaced by copies of the saved one.
+        Raises:
+            ValueError when the state was saved for other sample rates or budgets.
+        """
         if not (np.array_equal(state["sample_rates"], self.sample_rates) and
                 np.array_equal(state["budgets"], self.budgets)):
             raise ValueError("ledger state was saved for other sample_rates or budgets")
@@ -154,10 +215,25 @@ class FederatedLedger:
         self.rounds_seen = int(state["rounds_seen"])
 
     def save(self, path) -> None:
-        """Write the state to ``path`` (.npz) atomically: never left half-written."""
+        """Write the state to a file atomically: never left half-written.
+
+        Args:
+            path: the .npz file (str or path-like).
+        Returns:
+            None.
+        """
         atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
 
     def load(self, path) -> None:
+        """Resume from a file that :meth:`save` wrote.
+
+        Args:
+            path: the .npz file (str or path-like).
+        Returns:
+            None; as :meth:`load_state_dict`.
+        Raises:
+            ValueError when the state was saved for other sample rates or budgets.
+        """
         with np.load(path) as data:
             self.load_state_dict({k: data[k] for k in data.files})
 

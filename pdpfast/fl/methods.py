@@ -20,6 +20,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Method:
+    """One way of turning budgets into per-record targets.
+
+    Attributes:
+        name: what ``FLConfig.method`` and ``--method`` call it.
+        private: whether it trains with clipping, noise and a ledger.
+        targets: ``targets(budgets (n,), federation (N,)) -> (n,)`` float64 target ε per record
+            (NaN: left out; ∞: no privacy).
+        description: one line for help texts.
+    """
+
     name: str
     private: bool
     targets: Callable[[np.ndarray, np.ndarray], np.ndarray]   # (budgets (n,), federation (N,)) -> (n,)
@@ -30,7 +40,13 @@ METHODS: dict[str, Method] = {}
 
 
 def register_method(method: Method) -> Method:
-    """Args: method: a :class:`Method` (its name, its targets). Returns: it, now registered."""
+    """Register a method (a later one of the same name replaces it).
+
+    Args:
+        method: a :class:`Method` (its name, its targets).
+    Returns:
+        it, now in ``METHODS``.
+    """
     METHODS[method.name] = method
     return method
 
@@ -63,10 +79,13 @@ def target_budgets(method: str, budgets, federation) -> np.ndarray:
     """The ε each record is trained for under a method.
 
     Args:
-        method: a registered method ("rpdp", "minimum", "dropout", "nonprivate"). budgets: (n,) the
-            client's ε_j. federation: (N,) every record's ε_j, for federation-wide baselines.
+        method: a registered method ("rpdp", "minimum", "dropout", "nonprivate").
+        budgets: (n,) the client's ε_j.
+        federation: (N,) every record's ε_j, for federation-wide baselines.
     Returns:
-        (n,) target ε per record (NaN: left out; ∞: no privacy).
+        (n,) float64 target ε per record (NaN: left out; ∞: no privacy).
+    Raises:
+        ValueError for an unregistered method.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")

@@ -35,7 +35,8 @@ def initial_weights(model_fn: Callable[[], nn.Module], seed: int) -> Weights:
     """The global model of round 0 (torch's global RNG state is restored afterwards).
 
     Args:
-        model_fn: builds the model; seed: ``torch.manual_seed`` for its initialization.
+        model_fn: builds the model.
+        seed: ``torch.manual_seed`` for its initialization.
     Returns:
         its weights, float32 arrays in ``state_dict`` order.
     """
@@ -51,7 +52,8 @@ def aggregate(weights: Weights, updates: Sequence[LocalUpdate]) -> Weights:
     Flower server gets the same bits as the simulation).
 
     Args:
-        weights: θ, the global model's arrays. updates: the sampled clients' deltas Δ_k and sizes n_k.
+        weights: θ, the global model's numpy arrays.
+        updates: the sampled clients' ``LocalUpdate``s: deltas Δ_k and sizes n_k.
     Returns:
         the new global arrays (float32); ``weights`` unchanged when there is no update.
     """
@@ -73,7 +75,10 @@ def evaluate(model_fn: Callable[[], nn.Module], weights: Weights, features: torc
     """Test the global model.
 
     Args:
-        model_fn: builds the model; weights: its arrays. features: (n, ...) float; labels: (n,) int64.
+        model_fn: builds the model.
+        weights: its numpy arrays, in ``state_dict`` order.
+        features: (n, ...) float32 test inputs.
+        labels: (n,) int64 class indices.
     Returns:
         (mean cross-entropy loss in nats, accuracy in [0, 1]).
     """
@@ -95,11 +100,21 @@ def evaluate(model_fn: Callable[[], nn.Module], weights: Weights, features: torc
 class FederatedResult:
     """One rPDP-FL run.
 
-    accuracy, loss: (T+1,) of the global model on the test set after each round (index 0: the
-    initial model). sampled, contributed: (T, M) bool, which clients each round sampled / which
-    sent an update. budgets, targets, sample_rates, epsilon_clients, epsilon_server, client_index:
-    (N,) per training record (ε under the "clients" and "server" threat models; ∞ without privacy).
-    clients: per-client statistics. weights: the final global model (float32 arrays).
+    Attributes:
+        config: the run's settings (``FLConfig.to_dict()`` plus "dataset" and "clients").
+        accuracy: (T+1,) float test accuracy in [0, 1] of the global model after each round (index 0:
+            the initial model).
+        loss: (T+1,) float mean test cross-entropy in nats, likewise.
+        sampled, contributed: (T, M) bool, which clients each round sampled / which sent an update.
+        budgets: (N,) float64 ε_i per training record.
+        targets: (N,) float64 the ε each record was trained for (NaN: left out; ∞: no privacy).
+        sample_rates: (N,) float64 q_i.
+        epsilon_clients, epsilon_server: (N,) float64 ε spent under the "clients" and "server" threat
+            models (∞ without privacy).
+        client_index: (N,) int64 the client of each record.
+        clients: per-client statistics (``Silo.stats``), in client-id order.
+        weights: the final global model (float32 arrays).
+        info: extra fields of the runner (split, budgets, ...).
     """
 
     config: dict
@@ -119,14 +134,26 @@ class FederatedResult:
 
     @property
     def final_accuracy(self) -> float:
+        """Test accuracy of the final global model, in [0, 1]."""
         return float(self.accuracy[-1])
 
     def within_budget(self) -> bool:
-        """True when no record's ε exceeds its budget under either threat model."""
+        """Whether every record stayed within its budget.
+
+        Returns:
+            True when no record's ε exceeds its budget under either threat model.
+        """
         return bool(np.all(self.epsilon_clients <= self.budgets) and np.all(self.epsilon_server <= self.budgets))
 
     def summary(self) -> dict:
-        """Scalars for tables and JSON."""
+        """Scalars for tables and JSON.
+
+        Returns:
+            a dict: "method", "final_accuracy", "best_accuracy", "records_trained" (q_i > 0),
+            "records", "mean_sample_rate", "rounds_with_no_client", and
+            "max_spent_fraction_clients" / "max_spent_fraction_server" (max_i ε_i / budget_i; ∞ when
+            some ε is infinite).
+        """
         trained = self.sample_rates > 0
         spent = lambda e: float(np.max(e / self.budgets)) if np.isfinite(e).all() else float("inf")  # noqa: E731
         return {"method": self.config["method"], "final_accuracy": self.final_accuracy,
@@ -137,7 +164,14 @@ class FederatedResult:
                 "max_spent_fraction_server": spent(self.epsilon_server)}
 
     def to_dict(self) -> dict:
-        """JSON-ready: config, summary, curves, per-client statistics and per-group ε (no weights)."""
+        """The run as JSON-ready values (no weights).
+
+        Returns:
+            a dict: "config", "summary" (non-finite floats as strings), "accuracy", "loss",
+            "clients_sampled_per_round", "clients" (per-client statistics), "budget_groups" (per
+            distinct finite budget, when there are at most 16 distinct budgets: records, mean sample
+            rate, max ε under each threat model) and "info".
+        """
         groups = []
         finite = np.isfinite(self.budgets)
         levels = np.unique(self.budgets[finite]) if np.unique(self.budgets).shape[0] <= 16 else None
@@ -154,6 +188,13 @@ class FederatedResult:
                 "budget_groups": groups, "info": self.info}
 
     def to_json(self, path) -> None:
+        """Write :meth:`to_dict` as indented JSON.
+
+        Args:
+            path: the file to write (str or path-like).
+        Returns:
+            None.
+        """
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2)
 
@@ -174,9 +215,12 @@ def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
     Args:
         budgets: a distribution name (drawn per record with ``seed``), an (N,) array, or a list of
             M per-client arrays (client k's in the order of ``data.records_of(k)``).
-        data: the federation; seed: of the draw.
+        data: the federation.
+        seed: of the draw.
     Returns:
         (N,) float64 ε_i, each finite and > 0.
+    Raises:
+        ValueError for an unknown name, arrays of the wrong lengths, or a budget not finite and > 0.
     """
     n = int(data.y_train.shape[0])
     if isinstance(budgets, str):
@@ -198,10 +242,14 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
     """One client of the federation (what a Flower client process builds for itself).
 
     Args:
-        data: the federation; budgets: (N,) ε_i of the training set; config: the run's settings;
-            client_id: 0..M−1.
+        data: the federation.
+        budgets: (N,) float64 ε_i of the training set.
+        config: the run's settings.
+        client_id: 0..M−1.
     Returns:
         its :class:`Silo` (records, budgets, sampling rates, ledger).
+    Raises:
+        ValueError for a ``client_id`` outside [0, M).
     """
     if not 0 <= client_id < data.num_clients:
         raise ValueError(f"client_id must lie in [0, {data.num_clients}), got {client_id!r}")
@@ -216,8 +264,23 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
 def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test_features: torch.Tensor,
                   test_labels: torch.Tensor, config: FLConfig, *, progress: bool = False,
                   on_round: Callable[[int, Weights], None] | None = None) -> dict:
-    """Run T rounds over ``silos`` (indexed by client id 0..M−1). Returns a dict with the final
-    ``weights``, ``accuracy``/``loss`` (T+1,), ``sampled``/``contributed`` (T, M)."""
+    """Run T rounds over ``silos``: sample clients, let each sampled silo fit, FedAvg the updates,
+    evaluate; then account every silo's rounds up to T.
+
+    Args:
+        silos: the M clients, indexed by client id 0..M−1 (changed in place: ledgers, counters).
+        model_fn: builds the model.
+        test_features: (n, ...) float32 inputs of the server's test set.
+        test_labels: (n,) int64 class indices.
+        config: the run's settings.
+        progress: show a progress bar.
+        on_round: optional ``on_round(t, weights)`` after every round t = 1..T.
+    Returns:
+        a dict: "weights" (the final global arrays), "accuracy" / "loss" (T+1,) float (index 0: the
+        initial model), "sampled" / "contributed" (T, M) bool.
+    Raises:
+        ValueError when the silos are not in client-id order, or there is none.
+    """
     from tqdm.auto import tqdm
 
     if any(s.client_id != k for k, s in enumerate(silos)):
@@ -253,8 +316,13 @@ def collect_result(silos: Sequence[Silo], data: FederatedData, budgets: np.ndarr
     """Gather per-record and per-client outcomes.
 
     Args:
-        silos: the M clients after the run; data, budgets (N,), config: the run's; run: its
-            history (accuracy per round, ...); info: extra fields to keep.
+        silos: the M clients after the run.
+        data: the federation.
+        budgets: (N,) float64 ε_i of the training set.
+        config: the run's settings.
+        run: its history, as :func:`run_federated` returns it ("weights", "accuracy", "loss",
+            "sampled", "contributed").
+        info: extra fields to keep.
     Returns:
         the ``FederatedResult``.
     """
