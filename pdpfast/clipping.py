@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ._checks import as_per_sample, check_choice
+from ._checks import as_per_sample, check_choice, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPLayerFunction, DPModule
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
@@ -136,8 +136,8 @@ class ClippingState:
                              "to it (use mode='bk', the default)")
         if layer_shares is not None and clipping != "per_layer":
             raise ValueError("layer_shares applies only to clipping='per_layer'")
-        if automatic_gamma is not None and not (automatic_gamma > 0 and math.isfinite(automatic_gamma)):
-            raise ValueError(f"automatic_gamma must be a positive number or None, got {automatic_gamma!r}")
+        if automatic_gamma is not None:
+            check_positive("automatic_gamma", automatic_gamma)
         self.model, self.mode, self.clipping, self.automatic_gamma = model, mode, clipping, automatic_gamma
         self._names = {m: name or "<model>" for name, m in model.named_modules()}
         self._check_batch_first(model)

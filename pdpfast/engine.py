@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from contextlib import contextmanager
 
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ._checks import as_per_record, check_choice
+from ._checks import as_per_record, check_choice, check_flag, check_int, check_nonnegative, check_positive
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase
@@ -349,14 +348,8 @@ class PrivacyEngine:
         if isinstance(max_grad_norm, (list, tuple)):
             raise TypeError("max_grad_norm must be one number; per-parameter bounds (Opacus's per_layer clipping) "
                             "are given here as clipping='per_layer' with layer_shares= (shares C_k, Σ C_k² = 1)")
-        if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float, np.floating)):
-            raise TypeError(f"noise_multiplier must be a number, got {type(noise_multiplier).__name__}")
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, np.floating)):
-            raise TypeError(f"max_grad_norm must be a number, got {type(max_grad_norm).__name__}")
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+        check_nonnegative("noise_multiplier", noise_multiplier)
+        check_positive("max_grad_norm", max_grad_norm)
         check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         check_choice("grad_sample_mode", grad_sample_mode, tuple(_GRAD_SAMPLE_MODES))
         if clipping == "adaptive":
@@ -364,8 +357,7 @@ class PrivacyEngine:
                              "estimate that this engine does not account; use 'flat' or 'per_layer'")
         for name, value in (("batch_first", batch_first), ("poisson_sampling", poisson_sampling),
                             ("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+            check_flag(name, value)
         if not batch_first:
             raise ValueError("batch_first=False is not supported: DP layers need batch-first inputs (per-sample = "
                              "per row of dim 0)")
@@ -428,8 +420,7 @@ class PrivacyEngine:
                                 "(per-record budgets: make_private_with_budgets)")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-        if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs <= 0:
-            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        check_int("epochs", epochs, 1)
         if np.ndim(target_epsilon) != 0:
             raise TypeError("target_epsilon must be one number (per-record budgets: make_private_with_budgets)")
         check_epsilons("target_epsilon", target_epsilon)
@@ -702,9 +693,7 @@ class PrivacyEngine:
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs= and steps=")
         if epochs is not None:
-            if not isinstance(epochs, int) or epochs <= 0:
-                raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-            steps = epochs * steps_per_epoch
+            steps = check_int("epochs", epochs, 1) * steps_per_epoch
         if noise_schedule is None:
             self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
                                   max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)

@@ -1,7 +1,6 @@
 """DPOptimizer: noise and normalization of the clipped sum, then the wrapped optimizer's step."""
 from __future__ import annotations
 
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -9,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
+from ._checks import check_nonnegative, check_positive
 from .ops.noise import add_noise_
 
 
@@ -31,23 +31,18 @@ class DPOptimizer(Optimizer):
         expected_batch_size: B_exp = Σ_i q_i, records per draw, a finite float > 0.
         seed: the noise seed (int); None draws one from ``os.urandom``.
     Raises:
-        TypeError if ``optimizer`` is not a ``torch.optim.Optimizer``; ValueError for an out-of-range number.
+        TypeError if ``optimizer`` is not a ``torch.optim.Optimizer`` or a number is not a number; ValueError
+            for an out-of-range number.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
                  expected_batch_size: float, seed: int | None = None):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
-            raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
-        if not (expected_batch_size > 0 and math.isfinite(expected_batch_size)):
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
         self.original_optimizer = optimizer
-        self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = float(max_grad_norm)
-        self.expected_batch_size = float(expected_batch_size)
+        self.noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
+        self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)
         self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
         self.steps = 0
         self.at_step_boundary: Callable[[], bool] = lambda: True

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ._checks import check_budgets, check_delta, check_rate
+from ._checks import check_budgets, check_choice, check_delta, check_int, check_positive, check_rate
 from ._io import atomic_write
 from .accounting import pdp
 from .loop import Task, pin_memory_for, private_steps
@@ -130,23 +130,21 @@ class PDPSGD:
         self.model, self.dataset, self.optimizer = model, dataset, optimizer
         self.budgets = check_budgets(budgets, len(dataset), "budgets")
         for name, value in (("rounds", rounds), ("steps_per_round", steps_per_round)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value is not None:
+                check_int(name, value, 1)
         if (steps_per_round is None) == (epochs_per_round is None):
             raise ValueError("give exactly one of steps_per_round and epochs_per_round")
-        if epochs_per_round is not None and not epochs_per_round > 0:
-            raise ValueError(f"epochs_per_round must be > 0, got {epochs_per_round!r}")
+        if epochs_per_round is not None:
+            check_positive("epochs_per_round", epochs_per_round)
         if (sample_rate is None) == (expected_batch_size is None):
             raise ValueError("give exactly one of sample_rate (the same q in every round) and expected_batch_size "
                              "(q_R = B / Σ_i π_i in round R)")
         if sample_rate is not None:
             check_rate("sample_rate", sample_rate)
-        if expected_batch_size is not None and not expected_batch_size > 0:
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size!r}")
-        if rule not in ("all", "sampled"):
-            raise ValueError(f"rule must be 'all' (default) or 'sampled' (the paper's rule), got {rule!r}")
-        if loss not in ("fixed", "adaptive", "harmonic"):
-            raise ValueError(f"loss must be 'fixed', 'adaptive' or 'harmonic', got {loss!r}")
+        if expected_batch_size is not None:
+            check_positive("expected_batch_size", expected_batch_size)
+        check_choice("rule", rule, ("all", "sampled"))
+        check_choice("loss", loss, ("fixed", "adaptive", "harmonic"))
         self.delta, self.rounds = check_delta("delta", delta), int(rounds)
         self.steps_per_round = None if steps_per_round is None else int(steps_per_round)
         self.epochs_per_round = None if epochs_per_round is None else float(epochs_per_round)
