@@ -23,7 +23,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import check_delta
+from ._checks import (
+    check_choice,
+    check_delta,
+    check_in_range,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_positive_integer,
+)
 from .distributed import inner_module
 from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
@@ -201,12 +209,9 @@ class _StopOnSignal:
         return False
 
 
-def _positive_int(cfg: TrainConfig, name: str, optional: bool = False) -> None:
-    value = getattr(cfg, name)
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+def _option(name: str) -> str:
+    """The CLI option of a ``TrainConfig`` field, as messages name it: max_grad_norm → --max-grad-norm."""
+    return "--" + name.replace("_", "-")
 
 
 def _check_config(cfg: TrainConfig) -> None:
@@ -217,31 +222,24 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.model not in model_names():
         raise ValueError(f"unknown model {cfg.model!r}; choose from {', '.join(model_names())}")
     for name in ("epochs", "batch_size", "rounds", "max_length", "image_size"):
-        _positive_int(cfg, name)
+        check_positive_integer(_option(name), getattr(cfg, name))
     for name in ("physical_batch_size", "threads", "stop_after_steps"):
-        _positive_int(cfg, name, optional=True)
+        if getattr(cfg, name) is not None:
+            check_positive_integer(_option(name), getattr(cfg, name))
     for name in ("lr", "max_grad_norm"):
-        value = getattr(cfg, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value!r}")
-    if not (math.isfinite(cfg.momentum) and cfg.momentum >= 0):
-        raise ValueError(f"--momentum must be a number ≥ 0, got {cfg.momentum!r}")
+        check_positive(_option(name), getattr(cfg, name))
+    check_nonnegative("--momentum", cfg.momentum)
     check_delta("--delta", cfg.delta)
-    if cfg.epsilon is not None and not (math.isfinite(cfg.epsilon) and cfg.epsilon > 0):
-        raise ValueError(f"--epsilon must be a finite number > 0 (ε = inf would promise no privacy at all), got "
-                         f"{cfg.epsilon!r}")
-    if not 0 <= cfg.test_fraction < 1:
-        raise ValueError(f"--test-fraction must lie in [0, 1), got {cfg.test_fraction!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise ValueError(f"--seed must be an integer ≥ 0, got {cfg.seed!r}")
+    if cfg.epsilon is not None:  # ε = inf would promise no privacy at all
+        check_positive("--epsilon", cfg.epsilon)
+    check_in_range("--test-fraction", cfg.test_fraction, low=0.0, high=1.0, low_open=False, high_open=True)
+    check_int("--seed", cfg.seed, 0)
     if cfg.model == "mlp":
         _hidden_widths(cfg)
-    if cfg.checkpoint_every < 0:
-        raise ValueError("--checkpoint-every must be ≥ 0")
+    check_int("--checkpoint-every", cfg.checkpoint_every, 0)
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
-    if cfg.optimizer not in ("sgd", "adam"):
-        raise ValueError(f"--optimizer must be sgd or adam, got {cfg.optimizer!r}")
+    check_choice("--optimizer", cfg.optimizer, ("sgd", "adam"))
     if cfg.cuda_graph:
         if cfg.physical_batch_size is None:
             raise ValueError("--cuda-graph needs --physical-batch-size K: a captured step replays fixed shapes, and "
