@@ -33,10 +33,21 @@ Z_FLOOR = 0.05         # smallest one (quadrature cost grows as 1/z²; below it 
 
 
 def eps_masked(q, z, steps, delta, orders, mask=None):
-    """(ε (P,), index of the optimal order (P,)) over the orders selected by mask.
+    """ε(δ) of ``steps`` SGM steps at points (q_p, z_p): min over the orders selected by ``mask``.
 
     ε is clamped at 0: the conversion of Balle et al. can go negative for tiny RDP and large δ
-    (Opacus reports that as is), which as a guarantee means (0, δ)."""
+    (Opacus reports that as is), which as a guarantee means (0, δ).
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1] (either q or z may be (1,)).
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm).
+        steps: T, the number of steps (RDP is multiplied by it).
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1.
+        mask: (P, n) bool, the (point, order) pairs evaluated; None: all orders.
+    Returns:
+        (eps, idx): eps (P,) float64 ε ≥ 0; idx (P,) intp index into ``orders`` of the minimizing order.
+    """
     rdp = rdp_one_step(q, z, orders, mask) * float(steps)
     eps, idx = eps_from_rdp(orders, rdp, delta)
     return np.maximum(eps, 0.0), idx
@@ -48,9 +59,23 @@ def _window_mask(lo: np.ndarray, hi: np.ndarray, n: int) -> np.ndarray:
 
 
 def eps_windowed(q, z, steps, delta, orders, lo, hi):
-    """ε with a per-point window of order indices [lo, hi]. Where the optimum lands on an inner
-    edge of the window, orders beyond that edge are added (6, 12, 24, ... at a time) until it
-    does not, so the result is the all-orders minimum over any unimodal stretch of orders."""
+    """ε(δ) at points (q_p, z_p), minimized over a per-point window of order indices [lo_p, hi_p].
+
+    Where the optimum lands on an inner edge of the window, orders beyond that edge are added (6, 12,
+    24, ... at a time) until it does not, so the result is the all-orders minimum over any unimodal
+    stretch of orders.
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) or (1,) float64 noise multipliers σ ≥ 0 (noise std / clip norm).
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        lo, hi: (P,) int order indices bounding each point's first window (clipped to [0, n − 1];
+            the arrays passed are not modified).
+    Returns:
+        (eps, idx): eps (P,) float64 ε ≥ 0; idx (P,) intp index into ``orders`` of the minimizing order.
+    """
     n = orders.shape[0]
     lo, hi = np.clip(lo, 0, n - 1).astype(np.intp), np.clip(hi, 0, n - 1).astype(np.intp)
     eps, idx = eps_masked(q, z, steps, delta, orders, _window_mask(lo, hi, n))
@@ -80,9 +105,21 @@ def eps_windowed(q, z, steps, delta, orders, lo, hi):
 
 
 def eps_curve(q, z, steps, delta, orders, window=None):
-    """ε at points (q_p, z_p) ordered along a path on which ε is monotone (so is the optimal
-    order): a coarse pass over all orders (or over ``window`` = (lo, hi) order indices, widened
-    where the optimum lands on its edge), then finer levels with windows from their neighbors."""
+    """ε(δ) at points (q_p, z_p) ordered along a path on which ε is monotone (so is the optimal order).
+
+    A coarse pass (every ~P/24-th point) over all orders (or over ``window``, widened where the
+    optimum lands on its edge), then finer levels with windows from their neighbors.
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1], in path order.
+        z: (P,) or (1,) float64 noise multipliers σ ≥ 0 (noise std / clip norm), in path order.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        window: (lo, hi) order indices for the coarse pass; None: all orders.
+    Returns:
+        (eps, idx): eps (P,) float64 ε ≥ 0; idx (P,) intp index into ``orders`` of each point's optimal order.
+    """
     q = np.asarray(q, dtype=np.float64)
     p = q.shape[0]
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), (p,))
@@ -113,15 +150,26 @@ def eps_curve(q, z, steps, delta, orders, window=None):
 # Curves: ε(q) at a fixed z, ε(z) at a fixed q
 # ----------------------------------------------------------------------------------------------
 class Curve:
-    """A monotone curve of exactly accounted points. ``param`` ascending; ``eps`` its ε;
-    ``order_idx`` the optimal order index per point; ``increasing``: ε increases with param."""
+    """A monotone curve of exactly accounted points: ε(q) at a fixed z, or ε(z) at a fixed q.
+
+    Args:
+        param: (K,) float64 parameter values (sample rates q or noise multipliers z), ascending.
+        eps: (K,) float64 the exact ε of each point.
+        order_idx: (K,) intp index of each point's optimal RDP order.
+        increasing: True when ε increases with ``param`` (ε(q)), False when it decreases (ε(z)).
+    """
 
     def __init__(self, param, eps, order_idx, increasing: bool):
         self.param, self.eps, self.order_idx, self.increasing = param, eps, order_idx, increasing
 
     def safe_index(self, budgets: np.ndarray) -> np.ndarray:
-        """Per budget, the index of the best grid point whose ε ≤ budget·(1 − MARGIN)
-        (largest q / smallest z); -1 where none qualifies."""
+        """Per budget, the index of the best grid point whose ε ≤ budget·(1 − MARGIN) (largest q / smallest z).
+
+        Args:
+            budgets: (U,) float64 ε targets > 0.
+        Returns:
+            (U,) intp indices into ``param``; -1 where no point qualifies.
+        """
         b = budgets * (1.0 - MARGIN)
         if self.increasing:
             ref = np.maximum.accumulate(self.eps)        # ref ≥ eps: reading it off stays safe
@@ -131,7 +179,13 @@ class Curve:
         return np.where(first >= ref.shape[0], -1, first)
 
     def interpolate(self, budgets: np.ndarray) -> np.ndarray:
-        """Approximate inverse (log-log linear interpolation): a smooth surrogate, not safe."""
+        """Approximate inverse ε ↦ parameter by log-log linear interpolation: a smooth surrogate, not safe.
+
+        Args:
+            budgets: (U,) float64 ε values > 0.
+        Returns:
+            (U,) float64 parameter values (clamped to the curve's ends); their ε may exceed the budgets.
+        """
         le = np.log(np.maximum.accumulate(self.eps) if self.increasing
                     else np.maximum.accumulate(self.eps[::-1])[::-1])
         lp = np.log(self.param)
@@ -142,8 +196,20 @@ class Curve:
 
 
 def fine_points(coarse_p, coarse_e, a, b, ratio, floor):
-    """Log-spaced points on [p_a, p_b] so consecutive ε differ by ≤ ratio (from the coarse
-    elasticity |d log ε / d log p| with a safety factor; ε below ``floor`` is not resolved)."""
+    """Log-spaced points on [p_a, p_b] so consecutive ε differ by ≤ ratio.
+
+    The spacing comes from the coarse elasticity |d log ε / d log p| with a safety factor 1.3 (at
+    least 0.05); ε below ``floor`` is not resolved.
+
+    Args:
+        coarse_p: (K,) float64 parameters > 0, ascending.
+        coarse_e: (K,) float64 their ε.
+        a, b: int indices (a ≤ b) of the stretch of ``coarse_p`` to fill.
+        ratio: the largest ratio > 1 wanted between consecutive ε.
+        floor: ε below this is clamped to it when estimating the elasticity.
+    Returns:
+        (M,) float64 log-spaced points from p_a to p_b, M ≥ 2; [p_a] alone when p_b ≤ p_a.
+    """
     pa, pb = coarse_p[a], coarse_p[b]
     if pb <= pa:
         return np.array([pa])
@@ -183,7 +249,20 @@ def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q
     """ε(q) at fixed z over the sampling rates whose ε spans [eps_lo, eps_hi] (q ≤ 1).
 
     The first grid point has ε ≤ eps_lo unless even q_lo (1e-12) cannot meet eps_lo; the last is
-    q = 1 or has ε ≥ eps_hi."""
+    q = 1 or has ε ≥ eps_hi.
+
+    Args:
+        z: the noise multiplier σ > 0 (noise std / clip norm), a float.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        eps_lo, eps_hi: the range of ε to cover (floats > 0).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        ratio: the largest ratio > 1 between consecutive ε of the fine grid; None: the coarse curve only.
+        n_coarse: points of the coarse log-spaced grid on [q_lo, 1].
+        q_lo: the smallest rate considered, in (0, 1).
+    Returns:
+        an increasing :class:`Curve` over q (its ε is the running maximum on the coarse curve).
+    """
     coarse = np.geomspace(q_lo, 1.0, n_coarse)
     ce, ci = eps_curve(coarse, np.array([z]), steps, delta, orders)
     ce = np.maximum.accumulate(ce)
@@ -202,8 +281,21 @@ def q_curve(z, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, n_coarse=49, q
 
 
 def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=Z_FLOOR, z_hi=Z_MAX):
-    """ε(z) at fixed q over the noise multipliers whose ε spans [eps_lo, eps_hi] (z ascending,
-    ε descending). The last grid point has ε ≤ eps_lo unless even z_hi cannot meet it."""
+    """ε(z) at fixed q over the noise multipliers whose ε spans [eps_lo, eps_hi] (z ascending, ε descending).
+
+    The last grid point has ε ≤ eps_lo unless even z_hi cannot meet it.
+
+    Args:
+        q: the Poisson sample rate in (0, 1], a float.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        eps_lo, eps_hi: the range of ε to cover (floats > 0).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        ratio: the largest ratio > 1 between consecutive ε of the fine grid; None: the coarse curve only.
+        z_lo, z_hi: the range of noise multipliers (σ = noise std / clip norm) searched.
+    Returns:
+        a decreasing :class:`Curve` over z (its ε is the running maximum from the right on the coarse curve).
+    """
     # Coarse scan from z = 0.3 up (ratio 1.5); below 0.3 (costly quadrature) only when needed.
     coarse = np.geomspace(0.3, z_hi, 36)
     qs = np.full(coarse.shape[0], float(q))
@@ -231,13 +323,26 @@ def z_curve(q, steps, delta, eps_lo, eps_hi, orders, ratio=1.002, z_lo=Z_FLOOR, 
 # ----------------------------------------------------------------------------------------------
 def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, targets, rtol=1e-9,
            max_iter=60):
-    """Illinois regula falsi (``roots.illinois``) in log-parameter space on a monotone ε.
+    """Root of ε(p) = target·(1 − MARGIN) on the safe side, per target: Illinois regula falsi
+    (``roots.illinois``) in log-parameter space on a monotone ε.
 
-    ``evaluate(params, lo, hi, which) -> (eps, idx)`` evaluates the targets ``which`` at params
-    with order windows [lo, hi].
-    ``safe`` (ε = eps_safe ≤ target·(1 − MARGIN)) and ``unsafe`` (ε above it) bracket each root.
-    Stops when the safe end's ε is within rtol of the goal or the bracket is 1e-12 wide. Returns
-    (safe params, their ε, their optimal order index): always parameters that were evaluated."""
+    Stops when the safe end's ε is within rtol of the goal or the bracket is 1e-12 wide (in log p).
+
+    Args:
+        evaluate: ``evaluate(params, lo, hi, which) -> (eps, idx)`` evaluates the targets ``which``
+            (k,) at params (k,) with order windows [lo, hi] (k,), returning ε (k,) and the optimal
+            order index (k,).
+        safe: (R,) float64 parameters > 0 with ε = eps_safe ≤ target·(1 − MARGIN).
+        unsafe: (R,) float64 parameters > 0 with ε = eps_unsafe above it; with ``safe`` it brackets each root.
+        eps_safe, eps_unsafe: (R,) float64 the ε at the two ends.
+        idx_safe, idx_unsafe: (R,) int optimal order indices at the two ends (they set the windows).
+        targets: (R,) float64 budgets ε > 0.
+        rtol: relative tolerance of the safe end's ε below the goal.
+        max_iter: the most steps per target.
+    Returns:
+        (params, eps, idx), each (R,), new arrays: the safe parameters, their ε and their optimal order
+        index; always parameters that were evaluated (or the starting safe ends).
+    """
     goal = targets * (1.0 - MARGIN)
     ps = safe.astype(np.float64).copy()
     es, is_, iu = eps_safe.astype(np.float64).copy(), idx_safe.copy(), idx_unsafe.copy()
@@ -275,8 +380,21 @@ class BudgetError(ValueError):
 def solve_rate(z, steps, delta, targets, orders, ratio=0.0005):
     """Largest q ≤ 1 with ε(q; z) ≤ target·(1 − MARGIN) for sorted distinct ``targets``.
 
-    Returns (q, ε(q), optimal order index), each (U,). Few targets: exact roots; many: a grid
-    whose consecutive ε differ by ≤ 1 + ratio, read off downwards."""
+    Few targets (≤ ``REFINE_MAX``): exact roots; many: a grid whose consecutive ε differ by ≤ 1 + ratio,
+    read off downwards.
+
+    Args:
+        z: the noise multiplier σ > 0 (noise std / clip norm), a float.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        targets: (U,) float64 budgets ε > 0, ascending and distinct.
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        ratio: grid resolution for many targets (consecutive ε within a factor 1 + ratio).
+    Returns:
+        (q, eps, idx), each (U,): rates in (0, 1], their exact ε, their optimal order index.
+    Raises:
+        BudgetError naming the first target that would need a rate below ``Q_FLOOR``.
+    """
     few = targets.shape[0] <= REFINE_MAX
     curve = q_curve(z, steps, delta, targets[0], targets[-1], orders, ratio=None if few else 1.0 + ratio)
     j = curve.safe_index(targets)
@@ -299,8 +417,21 @@ def solve_rate(z, steps, delta, targets, orders, ratio=0.0005):
 def solve_noise(q, steps, delta, targets, orders, ratio=0.0005):
     """Smallest z with ε(q; z) ≤ target·(1 − MARGIN) for sorted distinct ``targets``.
 
-    Returns (z, ε(z), optimal order index), each (U,); exact roots for few targets, a grid
-    rounded upwards for many."""
+    Exact roots for few targets (≤ ``REFINE_MAX``), a grid rounded upwards for many.
+
+    Args:
+        q: the Poisson sample rate in (0, 1], a float.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        targets: (U,) float64 budgets ε > 0, ascending and distinct.
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        ratio: grid resolution for many targets (consecutive ε within a factor 1 + ratio).
+    Returns:
+        (z, eps, idx), each (U,): noise multipliers σ (noise std / clip norm), their exact ε, their
+        optimal order index.
+    Raises:
+        BudgetError naming the first target that would need a noise multiplier above ``Z_MAX``.
+    """
     few = targets.shape[0] <= REFINE_MAX
     curve = z_curve(q, steps, delta, targets[0], targets[-1], orders, ratio=None if few else 1.0 + ratio)
     j = curve.safe_index(targets)
@@ -323,8 +454,17 @@ def solve_noise(q, steps, delta, targets, orders, ratio=0.0005):
 def noise_guess_table(q_axis, z_axis, steps, delta, orders, window):
     """A coarse exact table ε(q, z) on log-spaced axes, to start per-pair noise solves.
 
-    Returns a function (sample_rates, targets) -> (z guess, order index guess) that interpolates
-    log ε linearly in log q, then inverts it in log z (extrapolating off the table)."""
+    Args:
+        q_axis: (nq,) float64 sample rates in (0, 1], ascending (log-spaced).
+        z_axis: (nz,) float64 noise multipliers σ > 0 (noise std / clip norm), ascending, nz ≥ 2.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        window: (lo, hi) order indices for each column's coarse pass (``eps_curve``), or None.
+    Returns:
+        a function ``guess(sample_rates (G,), targets (G,)) -> (z (G,) float64, order index (G,) intp)``
+        that interpolates log ε linearly in log q, then inverts it in log z (extrapolating off the table).
+    """
     lq, lz = np.log(q_axis), np.log(z_axis)
     nq, nz = lq.shape[0], lz.shape[0]
     eps = np.empty((nq, nz))
@@ -349,12 +489,26 @@ def noise_guess_table(q_axis, z_axis, steps, delta, orders, window):
 
 
 def solve_noise_pairs(sample_rates, targets, steps, delta, orders, guess, guess_idx, rtol=1e-9, pilots=24):
-    """Smallest z_g with ε(q_g; z_g) ≤ target_g·(1 − MARGIN) for G pairs (q_g, target_g), starting
-    from ``guess`` (G,) whose optimal order index is about ``guess_idx``.
+    """Smallest z_g with ε(q_g; z_g) ≤ target_g·(1 − MARGIN) for G pairs (q_g, target_g).
 
     When the pairs are ordered along a path (as calibration's cells are), a few evenly spaced
     pilots are solved first and interpolated to start the rest within ~1e-4.
-    Returns (z, ε, optimal order index), each (G,)."""
+
+    Args:
+        sample_rates: (G,) float64 Poisson rates q_g in (0, 1].
+        targets: (G,) float64 budgets ε > 0.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+        guess: (G,) float64 starting noise multipliers σ > 0 (noise std / clip norm).
+        guess_idx: (G,) int, about the optimal order index at ``guess``.
+        rtol: relative tolerance of the safe end's ε below the goal (``refine``).
+        pilots: how many pilot pairs to solve first when G > 4·pilots (0: none).
+    Returns:
+        (z, eps, idx), each (G,): noise multipliers, their exact ε and optimal order index.
+    Raises:
+        BudgetError naming the first target that would need a noise multiplier above ``Z_MAX``.
+    """
     goal = targets * (1.0 - MARGIN)
     g = targets.shape[0]
     factor = 1.02

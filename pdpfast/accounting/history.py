@@ -21,7 +21,14 @@ _ACCOUNTANTS: dict[str, type] = {}
 
 
 def register_accountant(name: str):
-    """Class decorator: ``create_accountant(name)`` builds this accountant."""
+    """Class decorator: ``create_accountant(name)`` builds this accountant.
+
+    Args:
+        name: the accountant's name, as ``create_accountant`` takes it ("rdp", "pld", ...).
+    Returns:
+        the decorator; it stores the class under ``name``, replacing any earlier one, and returns the
+        class unchanged.
+    """
     def deco(cls):
         _ACCOUNTANTS[name] = cls
         return cls
@@ -29,7 +36,15 @@ def register_accountant(name: str):
 
 
 def create_accountant(mechanism: str) -> HistoryAccountant:
-    """A fresh accountant by name: "rdp" or "pld"."""
+    """A fresh accountant by name.
+
+    Args:
+        mechanism: a name given to ``register_accountant``: "rdp" or "pld" built in.
+    Returns:
+        a new :class:`HistoryAccountant` of that kind, built with default arguments, with an empty history.
+    Raises:
+        ValueError for an unknown name.
+    """
     if mechanism not in _ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {', '.join(map(repr, sorted(_ACCOUNTANTS)))}, got {mechanism!r}")
     return _ACCOUNTANTS[mechanism]()
@@ -37,7 +52,13 @@ def create_accountant(mechanism: str) -> HistoryAccountant:
 
 class HistoryAccountant:
     """The history every uniform accountant keeps: consecutive steps with the same (z, q) share
-    one entry (noise_multiplier, sample_rate, num_steps)."""
+    one entry (noise_multiplier, sample_rate, num_steps).
+
+    Attributes:
+        history: list of (noise_multiplier z ≥ 0 (noise std / clip norm), sample_rate q in [0, 1],
+            num_steps) tuples (float, float, int), in the order taken.
+        name: the class's registered name ("" here; "rdp", "pld" in the subclasses).
+    """
 
     name = ""
 
@@ -46,10 +67,24 @@ class HistoryAccountant:
 
     @classmethod
     def mechanism(cls) -> str:
+        """The accountant's name, as Opacus's ``mechanism()``.
+
+        Returns:
+            ``cls.name``, a str ("rdp", "pld").
+        """
         return cls.name
 
     def step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        """Compose one Poisson-subsampled Gaussian step (rate q = sample_rate, multiplier z)."""
+        """Compose one Poisson-subsampled Gaussian step (rate q = sample_rate, multiplier z).
+
+        Args:
+            noise_multiplier: z, noise std / clip norm, a finite float ≥ 0.
+            sample_rate: q, the Poisson rate in [0, 1].
+        Returns:
+            None; the history is extended in place (the last entry's count grows when (z, q) repeats).
+        Raises:
+            ValueError for z not finite and ≥ 0, or q outside [0, 1].
+        """
         z, q = float(noise_multiplier), float(sample_rate)
         if not (z >= 0 and np.isfinite(z)):
             raise ValueError(f"noise_multiplier must be a finite number ≥ 0, got {noise_multiplier!r}")
@@ -65,15 +100,40 @@ class HistoryAccountant:
 
     @property
     def steps_taken(self) -> int:
+        """Steps composed so far, over all history entries."""
         return sum(entry[2] for entry in self.history)
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
+        """ε(δ) spent by the history (each subclass implements it).
+
+        Args:
+            delta: δ in (0, 1).
+            kwargs: accountant-specific options.
+        Returns:
+            ε, a float.
+        Raises:
+            NotImplementedError here.
+        """
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        """The accountant's state, for ``load_state_dict``.
+
+        Returns:
+            {"mechanism": name, "history": a list of [z, q, num_steps] lists}.
+        """
         return {"mechanism": self.name, "history": [list(entry) for entry in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state written by ``state_dict`` of an accountant of the same kind.
+
+        Args:
+            state: a dict as ``state_dict`` returns it.
+        Returns:
+            None; the history is replaced in place.
+        Raises:
+            ValueError if the state was written by an accountant of another name.
+        """
         if state.get("mechanism") != self.name:
             raise ValueError(f"the saved accountant is {state.get('mechanism')!r}, this one is {self.name!r}")
         self.history = [(float(z), float(q), int(n)) for z, q, n in state["history"]]
@@ -86,8 +146,10 @@ class HistoryAccountant:
 class RDPAccountant(HistoryAccountant):
     """RDP of the history (additive over entries), converted to (ε, δ) at the best order.
 
-    orders: RDP orders α (default ``DEFAULT_ORDERS``: Opacus's grid extended to α = 512, so ε equals
-    Opacus's wherever Opacus's optimum lies inside its grid and is lower, still valid, elsewhere).
+    Args:
+        orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``: Opacus's grid extended to α = 512, so ε
+            equals Opacus's wherever Opacus's optimum lies inside its grid and is lower, still valid,
+            elsewhere).
     """
 
     name = "rdp"
@@ -97,7 +159,17 @@ class RDPAccountant(HistoryAccountant):
         self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
 
     def get_privacy_spent(self, *, delta: float, alphas=None) -> tuple[float, float]:
-        """(ε, best order α) at ``delta``; (0, nan) before the first step."""
+        """(ε, best order α) at ``delta``, by the improved conversion of ``rdp.get_privacy_spent``.
+
+        Args:
+            delta: δ in (0, 1).
+            alphas: RDP orders α > 1 to use instead of ``self.orders`` (None: ``self.orders``).
+        Returns:
+            (ε, α), floats; (0.0, nan) before the first step. Warns when the optimum sits at the edge
+            of the orders.
+        Raises:
+            ValueError (TypeError if not a number) for δ outside (0, 1); ValueError for an order ≤ 1.
+        """
         delta = check_delta("delta", delta)
         if not self.history:
             return 0.0, float("nan")
@@ -107,6 +179,17 @@ class RDPAccountant(HistoryAccountant):
         return float(eps), float(best)
 
     def get_epsilon(self, delta: float, alphas=None, **kwargs) -> float:
+        """ε(δ) of the history (``get_privacy_spent`` without the order).
+
+        Args:
+            delta: δ in (0, 1).
+            alphas: RDP orders α > 1 to use instead of ``self.orders`` (None: ``self.orders``).
+            kwargs: ignored (Opacus's interface).
+        Returns:
+            ε, a float (0.0 before the first step).
+        Raises:
+            ValueError (TypeError if not a number) for δ outside (0, 1); ValueError for an order ≤ 1.
+        """
         return self.get_privacy_spent(delta=delta, alphas=alphas)[0]
 
 
@@ -117,5 +200,15 @@ class PLDAccountant(HistoryAccountant):
     name = "pld"
 
     def get_epsilon(self, delta: float, **kwargs) -> float:
+        """ε(δ) of the composed history by PLD (``pld.pld_epsilon_composed``, an upper bound).
+
+        Args:
+            delta: δ in (0, 1).
+            kwargs: ignored (Opacus's interface).
+        Returns:
+            ε, a float (0.0 before the first step).
+        Raises:
+            ValueError (TypeError if not a number) for δ outside (0, 1).
+        """
         delta = check_delta("delta", delta)
         return pld.pld_epsilon_composed(self.history, delta) if self.history else 0.0

@@ -95,8 +95,14 @@ _LEDGERS: dict = {}
 
 
 def register_ledger(accountant: str):
-    """Class decorator: the ledger for plans calibrated with ``accountant``; the class provides
-    ``for_plan(plan, budgets)``."""
+    """Class decorator: the ledger for plans calibrated with ``accountant`` (``ledger_for_plan``).
+
+    Args:
+        accountant: the plans' accountant, "rdp" or "pld" (the class provides ``for_plan(plan, budgets)``).
+    Returns:
+        the decorator; it stores the class under ``accountant``, replacing any earlier one, and returns
+        the class unchanged.
+    """
     def deco(cls):
         _LEDGERS[accountant] = cls
         return cls
@@ -106,7 +112,16 @@ def register_ledger(accountant: str):
 def ledger_for_plan(plan, budgets=None):
     """A fresh ledger that accounts ``plan``'s records with the plan's own accountant.
 
-    budgets: (N,) ε_i for ``would_exceed`` (default: the budgets the plan was calibrated for)."""
+    Args:
+        plan: a :class:`PrivacyPlan` (its ``accountant`` picks the ledger).
+        budgets: (N,) ε_i (or one scalar) for ``would_exceed`` and ``remaining`` (default: the
+            budgets the plan was calibrated for).
+    Returns:
+        an :class:`IndividualAccountant` ("rdp") or :class:`PLDIndividualAccountant` ("pld") with no
+        step taken.
+    Raises:
+        ValueError if no ledger is registered for the plan's accountant.
+    """
     if plan.accountant not in _LEDGERS:
         raise ValueError(f"no ledger for accountant {plan.accountant!r}; known: {sorted(_LEDGERS)}")
     return _LEDGERS[plan.accountant].for_plan(plan, plan.budgets if budgets is None else budgets)
@@ -118,6 +133,7 @@ class _RecordLedger:
 
     @property
     def num_records(self) -> int:
+        """N, the number of records."""
         return int(self.group_of.shape[0])
 
     @property
@@ -132,11 +148,27 @@ class _RecordLedger:
 
     def save(self, path) -> None:
         """Atomically write the ledger to ``path`` (.npz): temp file in the same directory,
-        fsync, os.replace, fsync the directory. The file is never left half-written."""
+        fsync, os.replace, fsync the directory. The file is never left half-written.
+
+        Args:
+            path: the file to write (str or path-like).
+        Returns:
+            None; the file holds ``state_dict()``.
+        """
         atomic_write(path, lambda f: np.savez(f, **self.state_dict()))
 
     @classmethod
     def load(cls, path):
+        """A ledger read from a file ``save`` wrote.
+
+        Args:
+            path: the .npz file (str or path-like).
+        Returns:
+            a new ledger of this class.
+        Raises:
+            ValueError if the file was written by another accountant's ledger or is inconsistent
+            (see ``load_state_dict``).
+        """
         with np.load(os.fspath(path), allow_pickle=False) as data:
             state = {k: data[k] for k in data.files}
         obj = cls.__new__(cls)
@@ -179,6 +211,15 @@ class IndividualAccountant(_RecordLedger):
 
     @classmethod
     def for_plan(cls, plan, budgets) -> IndividualAccountant:
+        """The RDP ledger of an RDP plan's records, certified at the plan's own orders.
+
+        Args:
+            plan: a :class:`PrivacyPlan` (its per-record q_i and z_i = σC/c_i, its ``orders`` (default
+                orders when empty) and each record's group order).
+            budgets: (N,) ε_i (or one scalar), or None.
+        Returns:
+            the :class:`IndividualAccountant`, no step taken.
+        """
         own = None if plan.group_orders is None else plan.group_orders[plan.group_index]
         return cls(plan.sample_rates, plan.noise_multipliers, orders=plan.orders or None, budgets=budgets,
                    record_orders=own)
@@ -203,9 +244,19 @@ class IndividualAccountant(_RecordLedger):
         """Compose ``n`` steps.
 
         Without arguments every record takes n steps at its current (q_i, z_i). ``sample_rates`` /
-        ``noise_multipliers`` (scalar, (N,), or one per ``record_ids``) set new current values
-        first (they persist). With ``record_ids`` only those records take part in these steps;
-        the others are charged nothing (as with q = 0). Returns self.
+        ``noise_multipliers`` set new current values first (they persist). With ``record_ids`` only
+        those records take part in these steps; the others are charged nothing (as with q = 0).
+
+        Args:
+            n: the number of steps (positive int).
+            sample_rates: new q_i in [0, 1]: a scalar, (N,) without ``record_ids``, or one per record
+                id (ids sorted ascending, duplicates removed); None: keep.
+            noise_multipliers: new z_i ≥ 0 (noise std / the record's clip norm), same shapes; None: keep.
+            record_ids: ints in [0, N), the records taking part; None: all.
+        Returns:
+            self, updated in place.
+        Raises:
+            ValueError for n not a positive integer, an id out of range, or a rate / multiplier out of range.
         """
         n = check_positive_integer("n", n)
         ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
@@ -229,7 +280,18 @@ class IndividualAccountant(_RecordLedger):
     def set_rates(self, *, sample_rates=None, noise_multipliers=None, record_ids=None):
         """Set the current (q, z) of every record (or of ``record_ids``) without taking a step: what
         the next ``step()`` and ``would_exceed`` use (a noise schedule sets each step's z this way
-        before the step is checked and charged). Scalars or one value per record. Returns self."""
+        before the step is checked and charged).
+
+        Args:
+            sample_rates: new q_i in [0, 1]: a scalar, (N,) without ``record_ids``, or one per record
+                id (ids sorted ascending, duplicates removed); None: keep.
+            noise_multipliers: new z_i ≥ 0 (noise std / the record's clip norm), same shapes; None: keep.
+            record_ids: ints in [0, N), the records to update; None: all.
+        Returns:
+            self, updated in place.
+        Raises:
+            ValueError for an id out of range or a rate / multiplier out of range.
+        """
         ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
         if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
             raise ValueError(f"record_ids must lie in [0, {self.num_records})")
@@ -283,7 +345,11 @@ class IndividualAccountant(_RecordLedger):
 
     # ------------------------------------------------------------------ queries
     def rdp(self) -> np.ndarray:
-        """(N, n_orders) accumulated RDP of every record (materialized: prefer epsilons)."""
+        """Accumulated RDP of every record at the grid ``orders`` (materialized: prefer ``epsilons``).
+
+        Returns:
+            (N, n_orders) float64 RDP (the records' own orders are not included), a new array.
+        """
         return self.group_rdp[self.group_of]
 
     def _group_eps(self, delta, extra_steps=0):
@@ -296,27 +362,58 @@ class IndividualAccountant(_RecordLedger):
         return eps_from_rdp(orders, np.concatenate([rdp, own[:, None]], axis=1), check_delta("delta", delta))[0]
 
     def epsilons(self, delta) -> np.ndarray:
-        """(N,) ε_i(δ) spent so far (the conversion of ``get_privacy_spent``; 0 before any step)."""
+        """ε_i(δ) spent so far (the conversion of ``get_privacy_spent``, over the grid and each record's own order).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            (N,) float64 ε_i ≥ 0; 0 before any step (and for records charged nothing so far).
+        Raises:
+            ValueError (TypeError if not a number) for δ outside (0, 1).
+        """
         eps = np.maximum(self._group_eps(delta), 0.0)
         eps = np.where(np.all(self.group_rdp == 0, axis=1), 0.0, eps)
         return eps[self.group_of]
 
     def would_exceed(self, delta, n=1) -> np.ndarray:
-        """(N,) bool: records whose ε after ``n`` more steps at their current (q, z) would exceed
-        their budget. Needs ``budgets``."""
+        """Records whose ε after ``n`` more steps at their current (q, z) would exceed their budget.
+
+        Args:
+            delta: δ in (0, 1).
+            n: the number of further steps (positive int).
+        Returns:
+            (N,) bool, True where ε_i would exceed its budget.
+        Raises:
+            ValueError without ``budgets``, for n not a positive integer or δ outside (0, 1).
+        """
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to IndividualAccountant)")
         n = check_positive_integer("n", n)
         return self._group_eps(delta, extra_steps=n)[self.group_of] > self.budgets
 
     def remaining(self, delta) -> np.ndarray:
-        """(N,) budget left (ε_i − spent, ≥ 0). Needs ``budgets``."""
+        """Budget left per record: max(ε_i − spent, 0).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            (N,) float64 ≥ 0.
+        Raises:
+            ValueError without ``budgets`` or for δ outside (0, 1).
+        """
         if self.budgets is None:
             raise ValueError("remaining needs budgets (pass budgets= to IndividualAccountant)")
         return np.maximum(self.budgets - self.epsilons(delta), 0.0)
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
+        """The ledger's state as numpy values (what ``save`` writes to .npz).
+
+        Returns:
+            a dict of copies: "accountant", "format_version", "orders" (n_orders,), "group_of" (N,),
+            "group_rates" / "group_noise" / "group_own_order" / "group_own_rdp" (G,), "group_rdp"
+            (G, n_orders), "steps_taken", "budgets" ((N,), or (0,) with "has_budgets" False).
+        """
         return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
                 "orders": self.orders.copy(),
                 "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
@@ -327,6 +424,17 @@ class IndividualAccountant(_RecordLedger):
                 "has_budgets": np.bool_(self.budgets is not None)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state written by ``state_dict`` (states without an accountant name or own orders,
+        written by earlier versions, are RDP ledgers without own orders).
+
+        Args:
+            state: a dict (or loaded .npz) as ``state_dict`` returns it.
+        Returns:
+            None; the ledger's state is replaced in place and its caches cleared.
+        Raises:
+            ValueError if the state was written by another accountant's ledger, has another
+            format_version, or its arrays do not match.
+        """
         _check_accountant(state, self.name)
         if int(state["format_version"]) != _FORMAT_VERSION:
             raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
@@ -398,6 +506,15 @@ class PLDIndividualAccountant(_RecordLedger):
 
     @classmethod
     def for_plan(cls, plan, budgets) -> PLDIndividualAccountant:
+        """The PLD ledger of a PLD plan's records, with the plan's ``steps`` as ``horizon``.
+
+        Args:
+            plan: a :class:`PrivacyPlan` (its per-record q_i and z_i = σC/c_i, and ``steps``).
+            budgets: (N,) ε_i (or one scalar), or None.
+        Returns:
+            the :class:`PLDIndividualAccountant`, no step taken; it accepts as many (q, z) groups as
+            the plan has distinct budgets (at least ``pld.MAX_PAIRS``).
+        """
         # as many pairs as the plan made (``calibrate(pld_classes=...)``): each was certified there
         return cls(plan.sample_rates, plan.noise_multipliers, budgets=budgets, horizon=plan.steps,
                    max_pairs=max(pld.MAX_PAIRS, len(plan.budget_values)))
@@ -412,7 +529,17 @@ class PLDIndividualAccountant(_RecordLedger):
 
     # ------------------------------------------------------------------ composition
     def step(self, n=1, *, sample_rates=None, noise_multipliers=None, record_ids=None):
-        """Compose ``n`` steps of every record at its (q_i, z_i): a counter, no PLD work. Returns self."""
+        """Compose ``n`` steps of every record at its (q_i, z_i): a counter, no PLD work.
+
+        Args:
+            n: the number of steps (positive int).
+            sample_rates, noise_multipliers, record_ids: must be None (the RDP ledger's options).
+        Returns:
+            self, updated in place.
+        Raises:
+            NotImplementedError if any of sample_rates, noise_multipliers or record_ids is given;
+            ValueError for n not a positive integer.
+        """
         if sample_rates is not None or noise_multipliers is not None or record_ids is not None:
             raise NotImplementedError("the PLD ledger composes whole-dataset steps at fixed (q_i, z_i); for subsets "
                                       "of records or changing rates use the RDP IndividualAccountant")
@@ -427,14 +554,33 @@ class PLDIndividualAccountant(_RecordLedger):
                                self.value_discretization_interval)
 
     def epsilons(self, delta) -> np.ndarray:
-        """(N,) ε_i(δ) spent so far by PLD (0 before any step). Cached per (steps, δ)."""
+        """ε_i(δ) spent so far by PLD (``pld.pld_epsilon``, cached per (q, z, steps, δ)).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            (N,) float64 ε_i (0 before any step).
+        Raises:
+            ValueError (TypeError if not a number) for δ outside (0, 1).
+        """
         delta = check_delta("delta", delta)
         eps = np.array([self._epsilon(g, self.steps_taken, delta) for g in range(self.group_rates.shape[0])])
         return eps[self.group_of] if eps.size else np.zeros(self.num_records)
 
     def would_exceed(self, delta, n=1) -> np.ndarray:
-        """(N,) bool: records whose ε after ``n`` more steps would exceed their budget. Needs
-        ``budgets``. With a ``horizon`` this costs one PLD per group for the whole run."""
+        """Records whose ε after ``n`` more steps would exceed their budget.
+
+        With a ``horizon`` this costs one PLD per group for the whole run: a group within its tightest
+        budget at the horizon is certified for every step count up to it (remembered per δ).
+
+        Args:
+            delta: δ in (0, 1).
+            n: the number of further steps (positive int).
+        Returns:
+            (N,) bool, True where ε_i would exceed its budget.
+        Raises:
+            ValueError without ``budgets``, for n not a positive integer or δ outside (0, 1).
+        """
         if self.budgets is None:
             raise ValueError("would_exceed needs budgets (pass budgets= to PLDIndividualAccountant)")
         delta = check_delta("delta", delta)
@@ -454,13 +600,28 @@ class PLDIndividualAccountant(_RecordLedger):
         return over
 
     def remaining(self, delta) -> np.ndarray:
-        """(N,) budget left (ε_i − spent, ≥ 0). Needs ``budgets``."""
+        """Budget left per record: max(ε_i − spent, 0).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            (N,) float64 ≥ 0.
+        Raises:
+            ValueError without ``budgets`` or for δ outside (0, 1).
+        """
         if self.budgets is None:
             raise ValueError("remaining needs budgets (pass budgets= to PLDIndividualAccountant)")
         return np.maximum(self.budgets - self.epsilons(delta), 0.0)
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
+        """The ledger's state as numpy values (what ``save`` writes to .npz).
+
+        Returns:
+            a dict of copies: "accountant", "format_version", "group_of" (N,), "group_rates" /
+            "group_noise" (G,), "steps_taken", "budgets" ((N,), or (0,) with "has_budgets" False),
+            "horizon" (0: none), "value_discretization_interval".
+        """
         return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
                 "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
                 "group_noise": self.group_noise.copy(), "steps_taken": np.int64(self.steps_taken),
@@ -470,6 +631,16 @@ class PLDIndividualAccountant(_RecordLedger):
                 "value_discretization_interval": np.float64(self.value_discretization_interval)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state written by ``state_dict``.
+
+        Args:
+            state: a dict (or loaded .npz) as ``state_dict`` returns it.
+        Returns:
+            None; the ledger's state is replaced in place and its caches cleared.
+        Raises:
+            ValueError if the state was written by another accountant's ledger, has another
+            format_version, or its arrays do not match or are out of range.
+        """
         _check_accountant(state, self.name)
         if int(state["format_version"]) != _FORMAT_VERSION:
             raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")

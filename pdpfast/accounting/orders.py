@@ -44,7 +44,19 @@ def _conversion(alpha: np.ndarray, log_delta: float):
 
 
 def eps_at(q, z, steps, delta, alpha) -> np.ndarray:
-    """ε(δ) of ``steps`` SGM steps certified at order α_p of each point (clamped at 0, as ``_grid``)."""
+    """ε(δ) of ``steps`` SGM steps certified at order α_p of each point, clamped at 0 (as ``_grid``).
+
+    ε_p = T·ρ(α_p) − (log δ + log α_p)/(α_p − 1) + log((α_p − 1)/α_p) (Balle et al. 2020).
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm); may be (1,).
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        alpha: (P,) float64 orders α > 1, one per point.
+    Returns:
+        (P,) float64 ε ≥ 0.
+    """
     alpha = np.asarray(alpha, dtype=np.float64)
     eps = float(steps) * rdp_at(q, z, alpha) + _conversion(alpha, np.log(delta))[0]
     return np.maximum(eps, 0.0)
@@ -65,10 +77,21 @@ def _eps_and_slopes(q, z, steps, delta, alpha):
 def optimal_orders(q, z, steps, delta, start, lo, hi, max_iter=60):
     """Per point, the order in [lo, hi] minimizing ε, by Newton on dε/dα safeguarded by bisection.
 
-    q, z, start, lo, hi: (P,) (z may be (1,)); ``start`` in [lo, hi] is a good first guess (the
-    grid's best order). Returns (ε, α), each (P,): the best order evaluated (a valid bound even
-    if ε(α) were not unimodal there). Points with q ∈ {0, 1} keep ``start`` (no optimum inside:
-    ε is monotone in α there up to the conversion, which the grid already resolved)."""
+    Points with q ∈ {0, 1} (or z = 0) keep ``start`` (no optimum inside: ε is monotone in α there
+    up to the conversion, which the grid already resolved).
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm); may be (1,).
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        start: (P,) float64 a good first guess in [lo, hi] (the grid's best order); clipped to it.
+        lo, hi: (P,) float64 the bracket of orders α > 1 searched (the arrays passed are not modified).
+        max_iter: the most Newton / bisection steps.
+    Returns:
+        (eps, alpha), each (P,) float64: the best order evaluated and its ε (a valid bound even if
+        ε(α) were not unimodal there).
+    """
     q = np.asarray(q, dtype=np.float64)
     p = q.shape[0]
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), (p,))
@@ -146,15 +169,27 @@ def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=
 def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
     """Push each point's free parameter to its budget at the point's own optimal order.
 
-    free: "rate" (raise q_p, at most 1) or "noise" (lower z_p, at least ``_grid.Z_FLOOR``);
-    q, z: (P,) a point that meets ε ≤ target·(1 − MARGIN) on the grid ``orders`` at order index
-    ``idx`` (P,); targets: (P,) budgets. Returns (q, z, ε, α), each (P,): ε is the exact
-    accounting of (q_p, z_p) at order α_p and never above target·(1 − MARGIN).
-
     Many points ordered along a path (calibration's curves): the optimal order moves slowly and
     continuously along it, so only ``pilots`` evenly spaced points search for their order; the
     others take the order interpolated between their pilots and only solve the fixed-order root
-    (their ε is still exact at that order; what a slightly-off order costs is second order)."""
+    (their ε is still exact at that order; what a slightly-off order costs is second order).
+
+    Args:
+        free: "rate" (raise q_p, at most 1) or "noise" (lower z_p, at least ``_grid.Z_FLOOR``).
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) float64 noise multipliers σ (noise std / clip norm), or (1,); (q_p, z_p) must meet
+            ε ≤ target·(1 − MARGIN) on the grid ``orders`` at order index ``idx``.
+        steps: T, the number of steps.
+        delta: δ in (0, 1).
+        orders: (n,) float64 the grid of RDP orders α > 1, ascending.
+        idx: (P,) int index into ``orders`` of each point's best grid order.
+        targets: (P,) float64 budgets ε > 0.
+        rounds: the most alternations (best order, fixed-order root) per point.
+        pilots: how many points search for their order when P > 4·pilots (0: every point does).
+    Returns:
+        (q, z, eps, alpha), each (P,) float64, new arrays: ε is the exact accounting of (q_p, z_p) at
+        order α_p and never above target·(1 − MARGIN).
+    """
     q = np.asarray(q, dtype=np.float64).copy()
     p = q.shape[0]
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), (p,)).copy()

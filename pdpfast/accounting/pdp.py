@@ -61,6 +61,9 @@ def _wastes(sorted_eps: np.ndarray, taus: np.ndarray):
 def threshold_losses(budgets, taus, loss="fixed", w1=0.7, w2=0.3) -> np.ndarray:
     """Estimated waste at each candidate threshold τ.
 
+    With waste_u(τ) = Σ_{ε_i<τ} ε_i(1 − π_i) (the budget records below τ lose to not being sampled)
+    and waste_s(τ) = Σ_{ε_i>τ} (ε_i − τ) (the budget records above τ leave unspent), the losses are:
+
     * "fixed": w1·waste_u + w2·waste_s (the paper's loss_f).
     * "adaptive": max(waste_u/U, waste_s/S), U = waste_u(max ε) and S = waste_s(min ε) the largest
       value each waste takes over [min ε, max ε]: the threshold that balances the two wastes, each
@@ -71,6 +74,16 @@ def threshold_losses(budgets, taus, loss="fixed", w1=0.7, w2=0.3) -> np.ndarray:
     * "harmonic": 2·waste_u·waste_s/(waste_u + waste_s), loss_a as printed in the PDP-SGD paper.
       waste_u vanishes at τ = min ε, so this loss is minimized there whatever the budgets (every
       record at the smallest budget: DP-SGD); kept only to show that, not as a choice.
+
+    Args:
+        budgets: (N,) ε_i > 0 (any shape; flattened).
+        taus: candidate thresholds τ > 0, an array of any shape.
+        loss: "fixed", "adaptive" or "harmonic".
+        w1, w2: the weights of waste_u and waste_s ("fixed" only).
+    Returns:
+        float64 losses with the shape of ``taus``.
+    Raises:
+        ValueError for an unknown ``loss`` or a budget that is not finite and > 0.
     """
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
@@ -88,10 +101,21 @@ def threshold_losses(budgets, taus, loss="fixed", w1=0.7, w2=0.3) -> np.ndarray:
 
 
 def select_threshold(budgets, loss="fixed", w1=0.7, w2=0.3, resolution=2048) -> float:
-    """The threshold τ ∈ [min ε, max ε] minimizing the estimated waste.
+    """The threshold τ ∈ [min ε, max ε] minimizing the estimated waste (``threshold_losses``).
 
     Candidates: every distinct budget and (except for "adaptive") ``resolution`` + 1 evenly spaced
-    values in between (the loss is smooth between budgets). Ties resolve to the smallest τ."""
+    values in between (the loss is smooth between budgets). Ties resolve to the smallest τ.
+
+    Args:
+        budgets: (N,) ε_i > 0 (any shape; flattened).
+        loss: "fixed", "adaptive" or "harmonic" (see ``threshold_losses``).
+        w1, w2: the weights of the "fixed" loss, finite and ≥ 0.
+        resolution: evenly spaced intervals between min ε and max ε (int).
+    Returns:
+        τ, a float (ε units).
+    Raises:
+        ValueError for a bad budget, weight or ``loss``.
+    """
     eps = _budgets(budgets)
     for name, w in (("w1", w1), ("w2", w2)):
         if not (np.isfinite(w) and w >= 0):
@@ -105,7 +129,16 @@ def select_threshold(budgets, loss="fixed", w1=0.7, w2=0.3, resolution=2048) -> 
 
 
 def sampling_probabilities(budgets, threshold) -> np.ndarray:
-    """π_i = (e^{ε_i} − 1)/(e^τ − 1) where ε_i < τ, else 1 (Jorgensen et al. 2015). (N,) float64."""
+    """π_i = (e^{ε_i} − 1)/(e^τ − 1) where ε_i < τ, else 1 (Jorgensen et al. 2015).
+
+    Args:
+        budgets: (N,) remaining ε_i ≥ 0 (any shape; flattened); ε_i = 0 gives π_i = 0.
+        threshold: τ > 0 (ε units).
+    Returns:
+        (N,) float64 keep probabilities π_i in [0, 1].
+    Raises:
+        ValueError if a budget is not finite and ≥ 0, or τ is not finite and > 0.
+    """
     eps = _budgets(budgets, allow_zero=True)
     tau = float(threshold)
     if not (np.isfinite(tau) and tau > 0):
@@ -115,9 +148,19 @@ def sampling_probabilities(budgets, threshold) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RoundPlan:
-    """One PDP-SGD round: threshold τ_R, per-record keep probabilities π (N,), the noise
-    multiplier σ_R giving (τ_R, δ)-DP over the round's ``steps`` at Poisson rate ``sample_rate``
-    inside the kept subset, and each record's round guarantee (min(ε_i, τ_R), π_i·δ or δ)."""
+    """One PDP-SGD round: its threshold, keep probabilities, noise and each record's round guarantee.
+
+    Attributes:
+        threshold: τ_R (ε units).
+        probabilities: (N,) float64 keep probabilities π_i in [0, 1] (0 for records with nothing left).
+        noise_multiplier: σ_R (noise std / clip norm) giving (τ_R, δ)-DP over the round's ``steps`` at
+            Poisson rate ``sample_rate`` inside the kept subset.
+        steps: the round's number of steps (int).
+        sample_rate: Poisson rate q in (0, 1] inside the kept subset.
+        epsilons: (N,) float64 each record's round ε, min(ε_i, τ_R) (0 for records with nothing left).
+        deltas: (N,) float64 each record's round δ: π_i·δ where ε_i < τ_R, else δ (0 for records with
+            nothing left).
+    """
 
     threshold: float
     probabilities: np.ndarray
@@ -130,7 +173,22 @@ class RoundPlan:
 
 def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2=0.3, threshold=None,
                orders=None) -> RoundPlan:
-    """Plan a round on the remaining budgets (records with nothing left get π = 0)."""
+    """Plan a round on the remaining budgets (records with nothing left get π = 0).
+
+    Args:
+        remaining: (N,) remaining ε_i ≥ 0 (any shape; flattened).
+        delta: δ in (0, 1) of the round's (τ_R, δ)-DP training.
+        steps: the round's number of steps (positive int).
+        sample_rate: Poisson rate q in (0, 1] inside the kept subset.
+        loss, w1, w2: how τ_R is chosen on the records with budget left (``select_threshold``).
+        threshold: τ_R > 0 to use instead of choosing one (None: choose).
+        orders: RDP orders used to solve σ_R (default ``DEFAULT_ORDERS``).
+    Returns:
+        the :class:`RoundPlan`.
+    Raises:
+        ValueError for a bad argument, when no record has budget left, or when τ_R cannot be met
+        (``get_noise_multiplier``).
+    """
     rem = _budgets(remaining, allow_zero=True)
     delta = check_delta("delta", delta)
     steps = check_positive_integer("steps", steps)
@@ -149,9 +207,17 @@ def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2
 def charge(remaining, threshold, sampled=None, rule="all") -> np.ndarray:
     """Remaining budgets after a round with threshold τ.
 
-    rule "all": every record pays min(ε_i, τ) (records below τ pay their remaining ε_i, the
-    others τ). rule "sampled": only records with ``sampled`` True pay (the paper's rule).
-    Returns (N,) float64 ≥ 0."""
+    Args:
+        remaining: (N,) remaining ε_i ≥ 0 before the round (any shape; flattened).
+        threshold: τ > 0 (ε units).
+        sampled: (N,) bool, which records were sampled (rule "sampled" only).
+        rule: "all": every record pays min(ε_i, τ) (records below τ pay their remaining ε_i, the
+            others τ); "sampled": only records with ``sampled`` True pay (the paper's rule).
+    Returns:
+        (N,) float64 remaining ε_i ≥ 0, a new array.
+    Raises:
+        ValueError for a bad budget or τ, an unknown rule, or a missing or misshaped ``sampled``.
+    """
     rem = _budgets(remaining, allow_zero=True)
     tau = float(threshold)
     if not (np.isfinite(tau) and tau > 0):
@@ -170,9 +236,23 @@ def charge(remaining, threshold, sampled=None, rule="all") -> np.ndarray:
 
 
 def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="all") -> np.ndarray:
-    """δ_i spent after the round: + π_i·δ for records below τ, + δ for the others (records with
-    nothing left pay nothing); with rule "sampled" only sampled records pay. After k rounds
-    δ_i ≤ k·δ."""
+    """δ_i spent after the round: + π_i·δ for records below τ, + δ for the others.
+
+    Records with nothing left pay nothing; with rule "sampled" only sampled records pay. After k
+    rounds δ_i ≤ k·δ.
+
+    Args:
+        spent_delta: δ_i spent so far, a scalar or (N,).
+        remaining: (N,) remaining ε_i ≥ 0 before the round (any shape; flattened).
+        threshold: τ > 0 of the round (ε units).
+        delta: δ in (0, 1) of the round.
+        sampled: (N,) bool, which records were sampled (rule "sampled" only).
+        rule: "all" or "sampled" (as in ``charge``).
+    Returns:
+        (N,) float64 δ_i spent after the round, a new array.
+    Raises:
+        ValueError for a bad budget, τ or δ, an unknown rule, or a missing ``sampled``.
+    """
     rem = _budgets(remaining, allow_zero=True)
     spent = np.asarray(spent_delta, dtype=np.float64).ravel() * np.ones_like(rem)
     d = check_delta("delta", delta)
@@ -189,9 +269,23 @@ def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="a
 
 def schedule(budgets, rounds, *, delta, steps_per_round, sample_rate, loss="fixed", w1=0.7, w2=0.3,
              orders=None) -> list:
-    """All rounds of PDP-SGD under rule "all" (data-independent, so plannable up front): a list
-    of RoundPlan, stopping early when every budget is spent. With rounds = 1 this is the
-    "DP-SGD + Sampling" baseline."""
+    """All rounds of PDP-SGD under rule "all" (data-independent, so plannable up front).
+
+    With rounds = 1 this is the "DP-SGD + Sampling" baseline.
+
+    Args:
+        budgets: (N,) ε_i > 0 (any shape; flattened).
+        rounds: the most rounds (positive int).
+        delta: δ in (0, 1) of each round.
+        steps_per_round: steps of each round (positive int).
+        sample_rate: Poisson rate q in (0, 1] inside each round's kept subset.
+        loss, w1, w2: how each round's threshold is chosen (``select_threshold``).
+        orders: RDP orders used to solve each round's σ (default ``DEFAULT_ORDERS``).
+    Returns:
+        a list of :class:`RoundPlan`, at most ``rounds`` long, stopping early when every budget is spent.
+    Raises:
+        ValueError for a bad argument (see ``round_plan``).
+    """
     rem = _budgets(budgets)
     plans = []
     for _ in range(check_positive_integer("rounds", rounds)):

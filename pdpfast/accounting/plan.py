@@ -16,10 +16,14 @@ _FORMAT_VERSION = 1
 class GroupSummary:
     """All records sharing one budget.
 
-    epsilon: the budget; size: number of records; sample_rate: their Poisson rate q;
-    clip_norm: their clip bound c; noise_multiplier: their effective z = σ·C/c;
-    guaranteed_epsilon: exact accounting of (q, z, steps) at the plan's δ by the plan's accountant
-    (≤ epsilon; the other accountant may give more, e.g. RDP of a PLD plan).
+    Attributes:
+        epsilon: the budget ε.
+        size: number of records (int).
+        sample_rate: their Poisson rate q in (0, 1].
+        clip_norm: their clip bound c > 0.
+        noise_multiplier: their effective z = σ·C/c (noise std / their clip norm).
+        guaranteed_epsilon: exact accounting of (q, z, steps) at the plan's δ by the plan's accountant
+            (≤ epsilon; the other accountant may give more, e.g. RDP of a PLD plan).
     """
 
     epsilon: float
@@ -38,6 +42,24 @@ class PrivacyPlan:
     ``clip_norms`` are the expanded (N,) float64 arrays. Training adds noise N(0, σ²C²) with
     σ = ``noise_multiplier`` and C = ``max_grad_norm`` to the clipped sum and divides by
     ``expected_batch_size`` = Σ_i q_i; record i is then accounted at (q_i, σC/c_i, steps).
+
+    Attributes:
+        method: the calibration method ("sample", "scale", "hybrid", or a registered name).
+        accountant: "rdp" or "pld", the accountant the plan was calibrated and is audited with.
+        noise_multiplier: σ, noise std / C (float).
+        max_grad_norm: C, the reference clip norm > 0 (float).
+        steps: T, the number of steps (int).
+        delta: δ in (0, 1).
+        budget_values: (G,) float64 distinct budgets ε_g, ascending.
+        group_index: (N,) int64 index of each record's group.
+        group_sizes: (G,) int64 records per group.
+        group_sample_rates: (G,) float64 Poisson rates q_g in (0, 1].
+        group_clip_norms: (G,) float64 clip norms c_g > 0.
+        group_epsilons: (G,) float64 guaranteed ε_g ≤ budget_values.
+        orders: the RDP orders of the calibration (tuple of floats; empty when unknown).
+        group_orders: (G,) float64 RDP order certifying each group's ε (fractional), or None (PLD).
+        sample_rates: (N,) float64 q_i, expanded from the groups (not an init argument).
+        clip_norms: (N,) float64 c_i, expanded from the groups (not an init argument).
     """
 
     method: str
@@ -71,6 +93,23 @@ class PrivacyPlan:
     def from_groups(cls, *, method, accountant, noise_multiplier, max_grad_norm, steps, delta, budget_values,
                     group_index, counts, group_sample_rates, group_clip_norms, group_epsilons, orders=(),
                     group_orders=None):
+        """Build a plan from per-group arrays (what calibration computes).
+
+        Args:
+            method, accountant, orders, group_orders: as the attributes of the same names.
+            noise_multiplier: σ (noise std / C), converted to float.
+            max_grad_norm: C > 0, converted to float.
+            steps: T, converted to int.
+            delta: δ in (0, 1), converted to float.
+            budget_values: (G,) distinct budgets ε_g, ascending.
+            group_index: (N,) index of each record's group.
+            counts: (G,) records per group (the plan's ``group_sizes``).
+            group_sample_rates: (G,) Poisson rates q_g in (0, 1].
+            group_clip_norms: (G,) clip norms c_g > 0.
+            group_epsilons: (G,) guaranteed ε_g.
+        Returns:
+            the plan (an instance of ``cls``).
+        """
         return cls(method=method, accountant=accountant, noise_multiplier=float(noise_multiplier),
                    max_grad_norm=float(max_grad_norm), steps=int(steps), delta=float(delta),
                    budget_values=budget_values, group_index=group_index, group_sizes=counts,
@@ -80,6 +119,7 @@ class PrivacyPlan:
     # ------------------------------------------------------------------ per-record views
     @property
     def num_records(self) -> int:
+        """N, the number of records."""
         return int(self.group_index.shape[0])
 
     @property
@@ -103,8 +143,13 @@ class PrivacyPlan:
         return self.group_noise_multipliers[self.group_index]
 
     def epsilons(self) -> np.ndarray:
-        """(N,) guaranteed ε of each record under the plan, by ``self.accountant`` ("rdp" or "pld";
-        ≤ its budget). Audit spending with the same accountant: ``ledger_for_plan(plan)``."""
+        """Guaranteed ε of each record under the plan, by ``self.accountant`` ("rdp" or "pld").
+
+        Audit spending with the same accountant: ``ledger_for_plan(plan)``.
+
+        Returns:
+            (N,) float64 ε_i, each ≤ its budget.
+        """
         return self.group_epsilons[self.group_index]
 
     @property
@@ -117,7 +162,11 @@ class PrivacyPlan:
 
     @cached_property
     def groups(self) -> list:
-        """One :class:`GroupSummary` per distinct budget, ascending."""
+        """One :class:`GroupSummary` per distinct budget, ascending (computed once, then cached).
+
+        Returns:
+            a list of G :class:`GroupSummary`.
+        """
         z = self.group_noise_multipliers
         return [GroupSummary(float(e), int(n), float(q), float(c), float(zz), float(g)) for e, n, q, c, zz, g in
                 zip(self.budget_values, self.group_sizes, self.group_sample_rates, self.group_clip_norms, z,
@@ -125,7 +174,14 @@ class PrivacyPlan:
 
     # ------------------------------------------------------------------ display / persistence
     def summary(self, max_rows: int = 20) -> str:
-        """A printable table: the plan's constants, then one row per group (elided in the middle)."""
+        """A printable table: the plan's constants, then one row per group (elided in the middle).
+
+        Args:
+            max_rows: most group rows shown; with more groups the first and last ``max_rows // 2``
+                are shown around a "..." row.
+        Returns:
+            the table, a str.
+        """
         head = (f"PrivacyPlan(method={self.method}, accountant={self.accountant}) for {self.num_records} records, "
                 f"{len(self.budget_values)} distinct budgets\n"
                 f"  noise multiplier sigma = {self.noise_multiplier:.6g}, reference clip C = {self.max_grad_norm:.6g}, "
@@ -153,7 +209,12 @@ class PrivacyPlan:
         return self.summary()
 
     def to_dict(self) -> dict:
-        """JSON-able dict (floats round-trip exactly through ``json``)."""
+        """The plan as a JSON-able dict (floats round-trip exactly through ``json``).
+
+        Returns:
+            a dict of plain Python values: the constants, ``format_version``, the group arrays under
+            "groups" and ``group_index``; ``sample_rates`` / ``clip_norms`` are rebuilt on load.
+        """
         return {
             "format_version": _FORMAT_VERSION, "method": self.method, "accountant": self.accountant,
             "noise_multiplier": self.noise_multiplier, "max_grad_norm": self.max_grad_norm, "steps": self.steps,
@@ -167,6 +228,16 @@ class PrivacyPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> PrivacyPlan:
+        """The plan ``to_dict`` wrote.
+
+        Args:
+            d: a dict as ``to_dict`` returns it.
+        Returns:
+            the plan (an instance of ``cls``).
+        Raises:
+            ValueError for another ``format_version``, a ``group_index`` out of range or group sizes that do
+            not match it; KeyError for a missing entry.
+        """
         if d.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported plan format_version {d.get('format_version')!r}")
         g = d["groups"]
@@ -184,8 +255,22 @@ class PrivacyPlan:
                                group_orders=d.get("group_orders"))
 
     def to_json(self) -> str:
+        """The plan as JSON text.
+
+        Returns:
+            ``json.dumps(self.to_dict())``, a str.
+        """
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> PrivacyPlan:
+        """The plan ``to_json`` wrote.
+
+        Args:
+            text: JSON text as ``to_json`` returns it.
+        Returns:
+            the plan (an instance of ``cls``).
+        Raises:
+            as ``from_dict``; json.JSONDecodeError for text that is not JSON.
+        """
         return cls.from_dict(json.loads(text))

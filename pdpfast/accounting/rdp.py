@@ -100,7 +100,23 @@ def get_privacy_spent(orders, rdp, delta):
 
 
 def epsilon(q, noise_multiplier, steps, delta, orders=DEFAULT_ORDERS) -> np.ndarray:
-    """ε(δ) of ``steps`` SGM steps, broadcast over q and noise_multiplier (no edge warning)."""
+    """ε(δ) of ``steps`` SGM steps: min_α T·ρ(α; q, σ) − (log δ + log α)/(α − 1) + log((α − 1)/α).
+
+    Vectorized over q and noise_multiplier; unlike ``get_privacy_spent`` it gives no warning when the
+    optimum sits at the edge of the orders.
+
+    Args:
+        q: Poisson sample rate(s) in [0, 1]; scalar or array.
+        noise_multiplier: σ ≥ 0 (noise std / clip norm); scalar or array broadcastable with q.
+        steps: number of steps T (≥ 0).
+        delta: δ in (0, 1) (not checked), scalar or broadcastable to broadcast(q, noise_multiplier).
+        orders: RDP orders α > 1 (sequence or one scalar).
+    Returns:
+        float64 array of shape broadcast(q, noise_multiplier) (0-d for scalars): ε, not clamped at 0
+        (it can be < 0 for tiny RDP and large δ); inf where σ = 0 < q.
+    Raises:
+        ValueError from ``compute_rdp`` for q outside [0, 1], σ < 0, steps < 0 or an order ≤ 1.
+    """
     orders_arr, _ = as_orders(orders)
     rdp = compute_rdp(q, noise_multiplier, steps, orders_arr)
     return eps_from_rdp(orders_arr, rdp, delta)[0]

@@ -20,8 +20,14 @@ __all__ = ["Bracket", "illinois"]
 
 @dataclass
 class Bracket:
-    """(P,) brackets: ``kept`` the accepted end (the answer so far), ``other`` the rejected one, and
-    their residuals (Illinois halves a residual whose end is retained twice in a row)."""
+    """P brackets of the search variable (Illinois halves a residual whose end is retained twice in a row).
+
+    Attributes:
+        kept: (P,) float64 the accepted end (the answer so far).
+        other: (P,) float64 the rejected end.
+        r_kept: (P,) float64 the residual at ``kept`` (possibly halved).
+        r_other: (P,) float64 the residual at ``other`` (possibly halved).
+    """
     kept: np.ndarray
     other: np.ndarray
     r_kept: np.ndarray

@@ -32,10 +32,18 @@ __all__ = ["SCFEstimator", "client_sampled_rdp", "epsilon", "fit_scf", "rdp_to_e
 
 def client_sampled_rdp(rho_local: np.ndarray, orders: np.ndarray, client_rate: float) -> np.ndarray:
     """RDP after client-level Poisson sampling at rate λ of a client whose local RDP is ρ^τ:
-    ρ^{τ,λ}(α) = log(1 − λ + λ·e^{(α−1)ρ^τ(α)})/(α−1) (Liu et al. 2024). rho_local: (..., n); orders (n,).
+    ρ^{τ,λ}(α) = log(1 − λ + λ·e^{(α−1)ρ^τ(α)})/(α−1) (Liu et al. 2024).
 
     The one place this privacy-critical bound is written (the rPDP-FL accountant and the federated
-    ledger both call it). log1p(λ·expm1 x) is exact for small x = (α−1)ρ^τ, logaddexp for large."""
+    ledger both call it). log1p(λ·expm1 x) is exact for small x = (α−1)ρ^τ, logaddexp for large.
+
+    Args:
+        rho_local: (..., n) float64 local RDP ρ^τ(α) ≥ 0 (may be +inf).
+        orders: (n,) float64 RDP orders α > 1.
+        client_rate: λ in (0, 1], the Poisson rate at which the client is sampled.
+    Returns:
+        (..., n) float64 amplified RDP ρ^{τ,λ}(α).
+    """
     x = (orders - 1.0) * rho_local
     lam = float(client_rate)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
@@ -45,8 +53,19 @@ def client_sampled_rdp(rho_local: np.ndarray, orders: np.ndarray, client_rate: f
 
 
 def rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion: str):
-    """(ε, optimal order index) per row of rdp (P, n), minimized over orders: "standard" (the
-    paper's) ε = ρ(α) + log(1/δ)/(α − 1), or "improved" (Balle et al. 2020, as ``rdp.get_privacy_spent``)."""
+    """(ε, optimal order index) per row of rdp, minimized over orders.
+
+    "standard" (the paper's): ε = ρ(α) + log(1/δ)/(α − 1); "improved" (Balle et al. 2020, as
+    ``rdp.get_privacy_spent``): ε = ρ(α) − (log δ + log α)/(α − 1) + log((α − 1)/α).
+
+    Args:
+        orders: (n,) float64 RDP orders α > 1.
+        rdp: (P, n) float64 RDP values (any leading shape (..., n)).
+        delta: δ in (0, 1) (not checked).
+        conversion: "improved", or "standard" (any other value converts as "standard").
+    Returns:
+        (eps, idx): eps (P,) float64 ε (not clamped at 0); idx (P,) intp index of the optimal order.
+    """
     if conversion == "improved":
         return eps_from_rdp(orders, rdp, delta)
     eps = rdp + np.log(1.0 / delta) / (orders - 1.0)
@@ -102,12 +121,18 @@ def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, thr
 
     Args:
         q: record sampling rate(s) in [0, 1] (scalar or array).
-        noise_multiplier: σ of local DP-SGD; delta: δ; local_steps: τ; rounds: T;
-        client_rate: λ, the server's Poisson rate over clients.
+        noise_multiplier: σ > 0 of local DP-SGD (noise std / clip norm).
+        delta: δ in (0, 1).
+        local_steps: τ, local DP-SGD steps per round (positive int).
+        rounds: T, the number of rounds (positive int).
+        client_rate: λ in (0, 1], the server's Poisson rate over clients.
         threat: "clients" (ρ_FL = T·ρ^{τ,λ}) or "server" (ρ_FL = λ·T·ρ^τ).
         conversion: "standard" (ε = min_α ρ + log(1/δ)/(α−1), the paper's) or "improved".
+        orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``).
     Returns:
         ε with the shape of q (float for a scalar).
+    Raises:
+        ValueError naming a bad argument (q outside [0, 1], σ, λ, threat, conversion, ...).
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
     qa = np.asarray(q, dtype=np.float64)
@@ -120,7 +145,15 @@ def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, thr
 
 @dataclass(frozen=True)
 class SCFEstimator:
-    """ε*(q) ≈ exp(a·q + b) + c fitted on ``q_grid``; ``eps_max`` = ε*(1) exactly."""
+    """ε*(q) ≈ exp(a·q + b) + c fitted on ``q_grid`` (Simulation-CurveFitting, ``fit_scf``).
+
+    Attributes:
+        a, b, c: the fitted coefficients (floats).
+        r2: the fit's coefficient of determination R² on the grid.
+        eps_max: ε*(1), exactly accounted (the grid's last point).
+        q_grid: (K,) float64 sample rates the fit was made on (0.01..1).
+        eps_grid: (K,) float64 their exact ε*.
+    """
 
     a: float
     b: float
@@ -131,10 +164,23 @@ class SCFEstimator:
     eps_grid: np.ndarray
 
     def predict(self, q):
+        """The fitted ε*(q) = exp(a·q + b) + c (an approximation, not an accounting).
+
+        Args:
+            q: sample rate(s) in [0, 1], a scalar or an array.
+        Returns:
+            float64 ε with the shape of q (a numpy scalar for a scalar).
+        """
         return np.exp(self.a * np.asarray(q, dtype=np.float64) + self.b) + self.c
 
     def inverse(self, eps):
-        """q = (ln(ε − c) − b)/a clipped to [0, 1]; ε ≥ ε*(1) → 1 (may overshoot: see sample_rates)."""
+        """q = (ln(ε − c) − b)/a clipped to [0, 1] (may overshoot: see ``sample_rates``).
+
+        Args:
+            eps: budget(s) ε, a scalar or an array.
+        Returns:
+            q with the shape of eps (a float for a scalar): 1 where ε ≥ ``eps_max``, 0 where ε ≤ c.
+        """
         e = np.asarray(eps, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             q = (np.log(e - self.c) - self.b) / self.a
@@ -146,7 +192,17 @@ class SCFEstimator:
 def fit_scf(*, noise_multiplier, delta, local_steps, rounds, client_rate, threat="clients", conversion="standard",
             orders=None, grid_size=100) -> SCFEstimator:
     """Simulation-CurveFitting: exact ε*(q) on q = 0.01..1 (``grid_size`` points), then a
-    least-squares fit of exp(a·q + b) + c."""
+    least-squares fit of exp(a·q + b) + c.
+
+    Args:
+        noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders: the
+            setting, as in ``epsilon``.
+        grid_size: the number of grid points (int).
+    Returns:
+        the :class:`SCFEstimator`; when the fit does not converge it warns and keeps the initial guess.
+    Raises:
+        ValueError naming a bad argument of the setting.
+    """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
     grid = np.linspace(0.01, 1.0, int(grid_size))
     eps = _eps(grid, s)[0]
@@ -171,9 +227,18 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
                  conversion="standard", orders=None, estimator: SCFEstimator | None = None):
     """Per-record sampling rates for budgets ε_j: SCF inverse, then exact re-accounting.
 
-    Returns (N,) float64 q_j in [0, 1] with ε(q_j) ≤ ε_j exactly, and ≥ 0.99·ε_j unless q_j = 1.
     Distinct budgets are refined to the exact root (≤ 4096 of them) or read off an exact grid.
-    Raises ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ).
+
+    Args:
+        budgets: (N,) ε_j > 0 (any shape).
+        noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders: the
+            setting, as in ``epsilon``.
+        estimator: an :class:`SCFEstimator` of this setting to start from (None: fit one).
+    Returns:
+        float64 q_j in [0, 1] with the shape of ``budgets``: ε(q_j) ≤ ε_j exactly, and ≥ 0.99·ε_j
+        unless q_j = 1.
+    Raises:
+        ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ), or a bad argument.
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
     arr = check_epsilons("budgets", budgets).ravel()

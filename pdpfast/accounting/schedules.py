@@ -69,10 +69,28 @@ class NoiseSchedule:
     """The shape h(t) of σ_t = σ₀·h(t). Subclasses define ``factor(t)`` on an int array of steps."""
 
     def factor(self, t: np.ndarray) -> np.ndarray:
+        """The shape h(t) at steps t (each subclass implements it; ``factors`` checks the result).
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t), expected finite and > 0.
+        Raises:
+            NotImplementedError here.
+        """
         raise NotImplementedError
 
     def factors(self, steps: int) -> np.ndarray:
-        """(steps,) float64 h(0..steps−1), checked finite and > 0."""
+        """h(0..steps−1), checked.
+
+        Args:
+            steps: T, the number of steps (positive int).
+        Returns:
+            (steps,) float64 h(t), each finite and > 0.
+        Raises:
+            ValueError for steps not a positive integer, a result of another shape, or a factor that is
+            not finite and > 0 (naming the first such step).
+        """
         steps = check_positive_integer("steps", steps)
         h = np.asarray(self.factor(np.arange(steps, dtype=np.int64)), dtype=np.float64)
         if h.shape != (steps,):
@@ -93,6 +111,13 @@ class ConstantNoise(NoiseSchedule):
     """h(t) = 1: the fixed σ of plain DP-SGD."""
 
     def factor(self, t):
+        """h(t) = 1.
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         return np.ones(t.shape[0])
 
 
@@ -103,6 +128,13 @@ class TimeDecay(NoiseSchedule):
         self.k = _check_number("k", k, low=0.0)
 
     def factor(self, t):
+        """h(t) = 1/(1 + k·t).
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         return 1.0 / (1.0 + self.k * t)
 
 
@@ -113,6 +145,13 @@ class ExponentialDecay(NoiseSchedule):
         self.k = _check_number("k", k, low=0.0)
 
     def factor(self, t):
+        """h(t) = exp(−k·t).
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         return np.exp(-self.k * t)
 
 
@@ -124,6 +163,13 @@ class StepDecay(NoiseSchedule):
         self.period = check_positive_integer("period", period)
 
     def factor(self, t):
+        """h(t) = k^⌊t/period⌋.
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         return self.k ** (t // self.period).astype(np.float64)
 
 
@@ -139,6 +185,13 @@ class PolynomialDecay(NoiseSchedule):
         self.end_fraction = _check_number("end_fraction", end_fraction, low=0.0, low_inclusive=False, high=1.0)
 
     def factor(self, t):
+        """h(t) = (1 − r)(1 − min(t, period)/period)^power + r.
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         r = self.end_fraction
         return (1.0 - r) * (1.0 - np.minimum(t, self.period) / self.period) ** self.power + r
 
@@ -152,6 +205,13 @@ class FunctionSchedule(NoiseSchedule):
         self.fn = fn
 
     def factor(self, t):
+        """h(t) = fn(t), one call per step.
+
+        Args:
+            t: (T,) int64 step indices (0-based).
+        Returns:
+            (T,) float64 h(t).
+        """
         return np.array([float(self.fn(int(s))) for s in t])
 
 
@@ -160,8 +220,18 @@ _BY_NAME = {"constant": ConstantNoise, "time": TimeDecay, "exponential": Exponen
 
 
 def as_schedule(schedule) -> NoiseSchedule:
-    """A ``NoiseSchedule`` from one, a callable h(t), or a spec string "name:arg,arg" (e.g.
-    "exponential:0.005", "step:0.7,50", "polynomial:200,2,0.4", "time:0.01", "constant")."""
+    """A ``NoiseSchedule`` from one, a callable h(t), or a spec string.
+
+    Args:
+        schedule: a :class:`NoiseSchedule` (returned as is); a callable step (int) -> factor > 0
+            (wrapped in :class:`FunctionSchedule`); or a spec string "name:arg,arg" whose arguments
+            are the class's in order (e.g. "exponential:0.005", "step:0.7,50", "polynomial:200,2,0.4",
+            "time:0.01", "constant").
+    Returns:
+        the :class:`NoiseSchedule`.
+    Raises:
+        ValueError for an unknown name or bad arguments in a spec string; TypeError for anything else.
+    """
     if isinstance(schedule, NoiseSchedule):
         return schedule
     if isinstance(schedule, str):
@@ -203,10 +273,18 @@ def _rdp_sum(q: np.ndarray, z0: np.ndarray, values: np.ndarray, counts: np.ndarr
 
 
 def scheduled_rdp(sample_rates, noise_multipliers, factors, orders=DEFAULT_ORDERS) -> np.ndarray:
-    """RDP of a run whose step t is the Poisson-subsampled Gaussian at (q, z·h(t)).
+    """RDP of a run whose step t is the Poisson-subsampled Gaussian at (q, z·h(t)): Σ_t ρ(α; q, z·h(t)).
 
-    sample_rates: (G,) q in [0, 1]; noise_multipliers: (G,) base z ≥ 0 (broadcast with q);
-    factors: (T,) h(t) > 0. Returns (G, len(orders))."""
+    Args:
+        sample_rates: (G,) Poisson rates q in [0, 1].
+        noise_multipliers: (G,) base multipliers z ≥ 0 (noise std / clip norm), broadcast with q.
+        factors: (T,) h(t) > 0, one per step.
+        orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``).
+    Returns:
+        (G, len(orders)) float64 RDP of the whole run.
+    Raises:
+        ValueError for a rate outside [0, 1], a multiplier < 0, bad factors or an order ≤ 1.
+    """
     q, z = np.broadcast_arrays(np.atleast_1d(np.asarray(sample_rates, dtype=np.float64)),
                                np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64)))
     if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
@@ -222,7 +300,16 @@ def scheduled_rdp(sample_rates, noise_multipliers, factors, orders=DEFAULT_ORDER
 
 
 def scheduled_epsilons(sample_rates, noise_multipliers, factors, delta, orders=DEFAULT_ORDERS) -> np.ndarray:
-    """(G,) ε(δ) of ``scheduled_rdp`` (the conversion of ``get_privacy_spent``, clamped at 0)."""
+    """ε(δ) of ``scheduled_rdp`` (the conversion of ``get_privacy_spent``, clamped at 0).
+
+    Args:
+        sample_rates, noise_multipliers, factors, orders: as in ``scheduled_rdp``.
+        delta: δ in (0, 1).
+    Returns:
+        (G,) float64 ε ≥ 0.
+    Raises:
+        ValueError as ``scheduled_rdp``, or for δ outside (0, 1).
+    """
     orders_arr = as_orders(orders)[0]
     rdp = scheduled_rdp(sample_rates, noise_multipliers, factors, orders_arr)
     return np.maximum(eps_from_rdp(orders_arr, rdp, check_delta("delta", delta))[0], 0.0)
@@ -395,9 +482,15 @@ def _sample(s: _Scheduled, values, counts, q, method="Sample"):
 
 @dataclass(eq=False)
 class ScheduledPlan(PrivacyPlan):
-    """A ``PrivacyPlan`` whose noise follows σ_t = σ₀·h(t): ``noise_multiplier`` is σ₀ and
-    ``noise_factors`` (steps,) holds h(t). Record i's multiplier in step t is
-    ``noise_multipliers[i] * noise_factors[t]``; ``epsilons()`` accounts that whole sequence."""
+    """A ``PrivacyPlan`` whose noise follows σ_t = σ₀·h(t): ``noise_multiplier`` is σ₀.
+
+    Record i's multiplier in step t is ``noise_multipliers[i] * noise_factors[t]``; ``epsilons()``
+    accounts that whole sequence. Its other fields are :class:`PrivacyPlan`'s.
+
+    Attributes:
+        noise_factors: (steps,) float64 h(t) > 0, or None.
+        schedule_name: the schedule's repr (str).
+    """
 
     noise_factors: np.ndarray | None = None
     schedule_name: str = ""
@@ -408,19 +501,46 @@ class ScheduledPlan(PrivacyPlan):
             self.noise_factors = np.asarray(self.noise_factors, dtype=np.float64)
 
     def noise_multiplier_at(self, step: int) -> float:
-        """σ_t of step t (0-based)."""
+        """σ_t = σ₀·h(t) of step t (the base multiplier; record i's is ``noise_multipliers[i]·h(t)``).
+
+        Args:
+            step: t, the step index (0-based int, < steps).
+        Returns:
+            σ_t, a float (noise std / C).
+        """
         return float(self.noise_multiplier * self.noise_factors[step])
 
     def summary(self, max_rows: int = 20) -> str:
+        """``PrivacyPlan.summary`` plus a line on the noise schedule (h at the first and last step).
+
+        Args:
+            max_rows: most group rows shown (as ``PrivacyPlan.summary``).
+        Returns:
+            the table, a str.
+        """
         h = self.noise_factors
         return (super().summary(max_rows) + f"\n  noise schedule {self.schedule_name}: sigma_t = sigma0 * h(t), "
                 f"h from {h[0]:.4g} (t=0) to {h[-1]:.4g} (t={h.shape[0] - 1})")
 
     def to_dict(self) -> dict:
+        """``PrivacyPlan.to_dict`` plus the schedule.
+
+        Returns:
+            a JSON-able dict, with "noise_factors" (a list) and "schedule" (the name) added.
+        """
         return super().to_dict() | {"noise_factors": self.noise_factors.tolist(), "schedule": self.schedule_name}
 
     @classmethod
     def from_dict(cls, d: dict) -> ScheduledPlan:
+        """The plan ``to_dict`` wrote.
+
+        Args:
+            d: a dict as ``to_dict`` returns it.
+        Returns:
+            the :class:`ScheduledPlan`.
+        Raises:
+            as ``PrivacyPlan.from_dict``.
+        """
         base = PrivacyPlan.from_dict(d)
         fields = {k: getattr(base, k) for k in ("method", "accountant", "noise_multiplier", "max_grad_norm", "steps",
                                                  "delta", "budget_values", "group_index", "group_sizes",
@@ -433,16 +553,25 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
                         hybrid_weight=0.5, orders=None) -> ScheduledPlan:
     """Calibrate per-record (q_i, c_i) and the scale σ₀ of a noise schedule from budgets.
 
+    Cost grows with the number of distinct budgets times distinct factors h(t); it is meant for
+    group budgets (a few to a few hundred distinct values).
+
     Args:
-        budgets: (N,) ε_i > 0; delta: δ in (0, 1); steps: T; sample_rate: mean Poisson rate q;
-        noise_schedule: a ``NoiseSchedule``, callable h(t) or spec string (``as_schedule``);
-        method: "sample" | "scale" | "hybrid"; max_grad_norm: reference C > 0; hybrid_weight: λ;
-        orders: RDP orders (default ``DEFAULT_ORDERS``).
+        budgets: (N,) ε_i > 0.
+        delta: δ in (0, 1).
+        steps: T, the number of steps (positive int).
+        sample_rate: the target mean Poisson rate q in (0, 1].
+        noise_schedule: a ``NoiseSchedule``, callable h(t) or spec string (``as_schedule``).
+        method: "sample" | "scale" | "hybrid".
+        max_grad_norm: the reference clip norm C > 0.
+        hybrid_weight: λ in [0, 1] ("hybrid" only; 0 = Scale).
+        orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``).
     Returns:
         ScheduledPlan (accountant "rdp") whose ``epsilons()`` are the exact scheduled RDP
         accounting of every record, ≤ its budget.
-    Cost grows with the number of distinct budgets times distinct factors h(t); it is meant for
-    group budgets (a few to a few hundred distinct values).
+    Raises:
+        ValueError / TypeError naming a bad argument; ValueError naming a budget that cannot be met;
+        RuntimeError (an internal error) if a certified ε exceeded its budget.
     """
 
     schedule = as_schedule(noise_schedule)

@@ -42,7 +42,16 @@ ROWS_CHUNK = 1 << 20        # quadrature: elements per temporary (points × node
 
 
 def as_orders(orders) -> tuple[np.ndarray, bool]:
-    """(orders as a float64 1-D array, whether a scalar was given); every order must exceed 1."""
+    """RDP orders as a float64 1-D array, and whether a scalar was given.
+
+    Args:
+        orders: one order α or a non-empty 1-D sequence of them, each > 1 (inf allowed).
+    Returns:
+        (arr, scalar): arr (n,) float64 orders (``orders`` itself when already such an array); scalar
+        True when ``orders`` was a scalar.
+    Raises:
+        ValueError if ``orders`` is empty or not 1-D, or an order is not > 1 (NaN included).
+    """
     scalar = np.ndim(orders) == 0
     arr = np.atleast_1d(np.asarray(orders, dtype=np.float64))
     if arr.ndim != 1 or arr.size == 0:
@@ -54,13 +63,29 @@ def as_orders(orders) -> tuple[np.ndarray, bool]:
 
 
 def is_integer_order(orders: np.ndarray) -> np.ndarray:
+    """Which orders are integers (evaluated by the exact finite sum ``log_a_int``).
+
+    Args:
+        orders: (n,) float64 RDP orders.
+    Returns:
+        (n,) bool, True where α is an integer (False for inf).
+    """
     return np.array([float(a).is_integer() for a in orders])
 
 
 def distinct_rows(*cols):
-    """(first element of each distinct row, row id of each element) for equal-length 1-D columns.
+    """The distinct rows of equal-length 1-D columns, and each element's row.
 
-    One lexsort instead of np.unique(axis=0), which is several times slower at 10^6 rows."""
+    One lexsort instead of np.unique(axis=0), which is several times slower at 10^6 rows.
+
+    Args:
+        cols: k arrays of shape (n,), the columns of n rows (compared exactly: pass ``x + 0.0`` to
+            make −0.0 and 0.0 one value).
+    Returns:
+        (first, ids): first (R,) intp index of the first occurrence of each distinct row, rows in
+        lexicographic order (first column most significant); ids (n,) intp each element's row id in
+        [0, R). Both empty when n = 0.
+    """
     n = cols[0].shape[0]
     if n == 0:
         return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
@@ -101,7 +126,16 @@ def _log_binom_int(alpha: int) -> np.ndarray:
 
 
 def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha: int) -> np.ndarray:
-    """log A_α for integer α ≥ 2; inputs (P,) (inv_2z2 may be (1,) when z is shared). Returns (P,)."""
+    """log A_α for integer α ≥ 2: log(1 + Σ_{k≥2} C(α,k)(1−q)^{α−k} q^k (e^{(k²−k)/2z²} − 1)).
+
+    Args:
+        log_q: (P,) float64 log q, q in (0, 1) the Poisson sample rate (may be (1,)).
+        log1m_q: (P,) float64 log(1 − q) (may be (1,)).
+        inv_2z2: (P,) float64 1/(2z²), z > 0 the noise multiplier; (1,) when z is shared.
+        alpha: the integer order α ≥ 2.
+    Returns:
+        (P,) float64 log A_α (P the longest of the inputs).
+    """
     k = np.arange(2, alpha + 1, dtype=np.float64)
     log_coef = _log_binom_int(alpha)[2:]
     p = max(log_q.shape[0], inv_2z2.shape[0])
@@ -137,7 +171,17 @@ def _log_sub(log_x: np.ndarray, log_y: np.ndarray) -> np.ndarray:
 
 
 def log_a_frac(log_q: np.ndarray, log1m_q: np.ndarray, sigma: np.ndarray, alphas: np.ndarray) -> np.ndarray:
-    """log A_α for fractional α. log_q, log1m_q, sigma: (P,); alphas: (F,). Returns (P, F)."""
+    """log A_α for fractional α by the two-sided series (Mironov et al. 2019, §3.3; Opacus's stopping rule).
+
+    Args:
+        log_q: (P,) float64 log q, q in (0, 1) the Poisson sample rate.
+        log1m_q: (P,) float64 log(1 − q).
+        sigma: (P,) float64 noise multipliers σ > 0 (noise std / clip norm); any input may be (1,).
+        alphas: (F,) float64 fractional orders α > 1.
+    Returns:
+        (P, F) float64 log A_α; +inf (with a warning) for an order whose series does not converge
+        within 10^7 terms.
+    """
     p, f = max(log_q.shape[0], sigma.shape[0]), alphas.shape[0]
     log_q, log1m_q, sigma = (np.broadcast_to(a, (p,)) for a in (log_q, log1m_q, sigma))
     z0 = sigma ** 2 * (log1m_q - log_q) + 0.5          # sigma² log(1/q − 1) + 1/2
@@ -220,10 +264,19 @@ def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
 
 
 def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """log A_α by the trapezoidal rule; q, z: (P,); alphas: (F,); mask (P, F). Returns (P, F), inf off-mask.
+    """log A_α by the trapezoidal rule on A_α = E_{u~N(0,1)}[(1 − q + q·e^{u/z − 1/(2z²)})^α].
 
     Nodes u = −13 + m·h on [−13, α_max/z + 13] with h = min(0.5, 0.4·z): the integrand is two
-    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz."""
+    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz.
+
+    Args:
+        q: (P,) float64 Poisson sample rates in (0, 1).
+        z: (P,) float64 noise multipliers σ > 0 (noise std / clip norm).
+        alphas: (F,) float64 orders α > 1.
+        mask: (P, F) bool, the (point, order) pairs to evaluate.
+    Returns:
+        (P, F) float64 log A_α; +inf off the mask.
+    """
     out = np.full(mask.shape, np.inf)
     # points needing similar node counts are processed together (padding ≤ 2×)
     for e, u, base, log_w in _quadrature_chunks(q, z, alphas.max(), 1):
@@ -256,9 +309,19 @@ def _quadrature_chunks(q, z, alpha, buckets_per_octave):
 
 
 def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool = False):
-    """log A_α at one order per point by the trapezoidal rule; 0 < q < 1, z > 0, α > 1; (P,) each.
+    """log A_α at one order per point by the trapezoidal rule (as ``log_a_quadrature``).
 
-    With ``derivatives``: (log A, d/dα log A, d²/dα² log A), each (P,)."""
+    The α-derivatives come from the same pass: d/dα log A_α is the mean and d²/dα² the variance of
+    log(1 − q + q·e^{u/z − 1/(2z²)}) under the integrand's weights.
+
+    Args:
+        q: (P,) float64 Poisson sample rates in (0, 1).
+        z: (P,) float64 noise multipliers σ > 0 (noise std / clip norm).
+        alpha: (P,) float64 orders α > 1, one per point.
+        derivatives: also return the first two derivatives in α.
+    Returns:
+        (P,) float64 log A_α; with ``derivatives``, (log A, d/dα log A, d²/dα² log A), each (P,).
+    """
     p = q.shape[0]
     out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
     # similar node counts together (padding ≤ 19%)
@@ -282,8 +345,14 @@ def degenerate_rdp(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> tuple[np.
     """The closed forms of one step's RDP, the only place they are written: q = 0 spends 0, σ = 0
     (q > 0) spends ∞, q = 1 spends α/(2σ²) (the Gaussian mechanism).
 
-    q, z: (P,); alpha: (1, n) orders shared by all points, or (P, n). Returns (rdp (P, n), +inf on
-    the rows left to log A_α; general (P,) bool: those rows, 0 < q < 1 and σ > 0)."""
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm).
+        alpha: (1, n) float64 orders shared by all points, or (P, n).
+    Returns:
+        (rdp, general): rdp (P, n) float64, +inf on the rows left to log A_α; general (P,) bool,
+        those rows (0 < q < 1 and σ > 0).
+    """
     zero = q == 0.0
     no_noise = (z == 0.0) & ~zero
     full = (q == 1.0) & ~no_noise
@@ -295,10 +364,17 @@ def degenerate_rdp(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> tuple[np.
 
 
 def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-    """RDP of one SGM step at the (point, order) pairs selected by ``mask``; +inf elsewhere.
-    Fractional orders by quadrature (the grid engine's, the ledgers').
+    """RDP ρ(α) of one SGM step at the (point, order) pairs selected by ``mask``; +inf elsewhere.
 
-    q, z: (P,) float64 (either may be (1,)); orders: (n,); mask: (P, n) bool or None (all).
+    Integer orders by ``log_a_int``, fractional orders by quadrature (the grid engine's, the ledgers').
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1] (either q or z may be (1,)).
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm).
+        orders: (n,) float64 RDP orders α > 1.
+        mask: (P, n) bool, the pairs to evaluate; None: all.
+    Returns:
+        (P, n) float64 one-step RDP (+inf off the mask and where σ = 0 < q).
     """
     p = max(q.shape[0], z.shape[0])
     q, z = np.broadcast_to(q, (p,)), np.broadcast_to(z, (p,))
@@ -329,8 +405,15 @@ def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndar
 
 
 def rdp_one_step_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.ndarray:
-    """RDP of ONE step with fractional orders by the series (Opacus's numbers: ``compute_rdp``);
-    q, z: (P,) (either may be (1,)); orders (n,). Returns (P, n)."""
+    """RDP ρ(α) of ONE SGM step with fractional orders by the series (Opacus's numbers: ``compute_rdp``).
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1] (either q or z may be (1,)).
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm).
+        orders: (n,) float64 RDP orders α > 1 (inf gives +inf).
+    Returns:
+        (P, n) float64 one-step RDP.
+    """
     p = max(q.shape[0], z.shape[0])
     q, z = np.broadcast_to(q, (p,)), np.broadcast_to(z, (p,))
     with np.errstate(divide="ignore"):
@@ -341,9 +424,17 @@ def rdp_one_step_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.
 
 
 def rdp_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """RDP of ONE SGM step at order α_p of point p; q, z, α: (P,) (z may be (1,)). Returns (P,).
+    """RDP ρ(α_p) of ONE SGM step at order α_p of point p.
 
-    The closed forms of ``degenerate_rdp``; otherwise log A_α/(α − 1) by quadrature."""
+    The closed forms of ``degenerate_rdp``; otherwise log A_α/(α − 1) by quadrature.
+
+    Args:
+        q: (P,) float64 Poisson sample rates in [0, 1].
+        z: (P,) float64 noise multipliers σ ≥ 0 (noise std / clip norm); may be (1,).
+        alpha: (P,) float64 orders α > 1, one per point.
+    Returns:
+        (P,) float64 one-step RDP.
+    """
     q = np.asarray(q, dtype=np.float64)
     z = np.broadcast_to(np.asarray(z, dtype=np.float64), q.shape)
     alpha = np.broadcast_to(np.asarray(alpha, dtype=np.float64), q.shape)
@@ -385,9 +476,18 @@ def _rdp_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.ndarray:
 # Conversion to (ε, δ)
 # ----------------------------------------------------------------------------------------------
 def eps_from_rdp(orders: np.ndarray, rdp: np.ndarray, delta) -> tuple[np.ndarray, np.ndarray]:
-    """Balle et al. (2020, Thm. 21) conversion, minimized over orders. rdp: (..., n).
+    """ε from RDP (Balle et al. 2020, Thm. 21): ε = min_α ρ(α) − (log δ + log α)/(α − 1) + log((α − 1)/α).
 
-    Returns (eps (...), index of the optimal order (...), -1 where every entry is NaN)."""
+    Not clamped at 0 (tiny RDP and large δ can give ε < 0) and δ is not checked.
+
+    Args:
+        orders: (n,) float64 RDP orders α > 1 (or (..., n) matching ``rdp``).
+        rdp: (..., n) float64 RDP values ρ(α); NaN entries are skipped.
+        delta: δ in (0, 1), a scalar or an array broadcastable to rdp.shape[:-1].
+    Returns:
+        (eps, idx): eps (...) float64 ε (+inf where every entry is NaN); idx (...) intp index of the
+        optimal order (-1 there).
+    """
     log_delta = np.log(np.asarray(delta, dtype=np.float64))[..., None]
     with np.errstate(invalid="ignore", divide="ignore"):
         eps = rdp - (log_delta + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)

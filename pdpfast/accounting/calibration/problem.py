@@ -36,7 +36,13 @@ class Problem:
         self.noise_range = None     # (σ for the largest budget, σ for the smallest) at the mean rate
 
     def mean(self, per_value: np.ndarray) -> float:
-        """Mean over the N records of a (U,) per-budget quantity (weighted by ``counts``)."""
+        """Mean over the N records of a per-budget quantity: Σ_u counts_u·x_u / N.
+
+        Args:
+            per_value: (U,) float64, one value per distinct budget.
+        Returns:
+            the mean, a float.
+        """
         return float(np.dot(self.counts, per_value) / self.n)
 
 
