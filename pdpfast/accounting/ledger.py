@@ -249,9 +249,7 @@ class IndividualAccountant(_RecordLedger):
 
         Args:
             n: the number of steps (positive int).
-            sample_rates: new q_i in [0, 1]: a scalar, (N,) without ``record_ids``, or one per record
-                id (ids sorted ascending, duplicates removed); None: keep.
-            noise_multipliers: new z_i ≥ 0 (noise std / the record's clip norm), same shapes; None: keep.
+            sample_rates, noise_multipliers: new current (q_i, z_i), as in ``set_rates``; None: keep.
             record_ids: ints in [0, N), the records taking part; None: all.
         Returns:
             self, updated in place.
@@ -259,11 +257,7 @@ class IndividualAccountant(_RecordLedger):
             ValueError for n not a positive integer, an id out of range, or a rate / multiplier out of range.
         """
         n = check_positive_integer("n", n)
-        ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
-        if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
-            raise ValueError(f"record_ids must lie in [0, {self.num_records})")
-        if sample_rates is not None or noise_multipliers is not None:
-            self._update_rates(sample_rates, noise_multipliers, ids)
+        ids = self._set_rates(sample_rates, noise_multipliers, record_ids)
         if ids is None:
             grid, own = self._current_step_rdp()
             self.group_rdp += n * grid
@@ -292,12 +286,17 @@ class IndividualAccountant(_RecordLedger):
         Raises:
             ValueError for an id out of range or a rate / multiplier out of range.
         """
+        self._set_rates(sample_rates, noise_multipliers, record_ids)
+        return self
+
+    def _set_rates(self, sample_rates, noise_multipliers, record_ids) -> np.ndarray | None:
+        """``set_rates``'s work; returns the record ids, sorted and unique (None: all records)."""
         ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
         if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
             raise ValueError(f"record_ids must lie in [0, {self.num_records})")
         if sample_rates is not None or noise_multipliers is not None:
             self._update_rates(sample_rates, noise_multipliers, ids)
-        return self
+        return ids
 
     def _own_rdp_per_step(self, rows) -> np.ndarray:
         """(len(rows),) RDP of one step of each row at its own order (0 where it has none)."""
