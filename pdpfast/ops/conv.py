@@ -197,11 +197,13 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
 
 # Per-sample gradient values held at once by the reference paths (~128 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 25
-# On a CPU, chunks of about an L2 cache per thread (512 KiB in fp32): the grouped weight-gradient
-# routine runs 1.5-2.5x faster on 1-16 samples at a time than on 64 (measured on the GroupNorm
-# CNN's layers), and a chunk's gradients are still in cache when they are copied out. Fewer,
-# larger chunks with more threads: each op is a synchronisation point of the threads.
-_CPU_CHUNK_ELEMENTS = 1 << 17
+# On a CPU, chunks of 2 MiB of fp32 gradients per thread: the grouped weight-gradient routine runs
+# 1.5-2.5x faster on a few samples at a time than on 64 (measured on the GroupNorm CNN's layers),
+# but a chunk of a single sample of a wide layer (64->128 3x3: 74K weights) falls to torch's slow
+# convolution path, and every chunk is a synchronisation point of the threads. GroupNorm CNN bk step
+# against 2^17 (128K), interleaved in one process, 2026-11-23: 2^19 was 2-7% faster in each of four
+# runs (1 and 2 threads); 2^21 was 13% slower on one thread.
+_CPU_CHUNK_ELEMENTS = 1 << 19
 
 
 def _per_sample_grad_chunks(x_pad, o, module, padding=None):
