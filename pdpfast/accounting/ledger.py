@@ -127,6 +127,31 @@ def ledger_for_plan(plan, budgets=None):
     return _LEDGERS[plan.accountant].for_plan(plan, plan.budgets if budgets is None else budgets)
 
 
+def _per_id(name: str, values, n_given: int, first: np.ndarray, where: np.ndarray):
+    """Per-id values reordered to the sorted unique ids (``np.unique(ids, return_index=True,
+    return_inverse=True)`` gave ``first`` and ``where``); a scalar or None passes through.
+
+    Args:
+        name: the argument, as messages name it.
+        values: None, a scalar, or one value per id as given (n_given,).
+        n_given: how many ids were given (duplicates included).
+        first, where: from ``np.unique`` of the given ids.
+    Returns:
+        None, the scalar, or (U,) float64 values of the sorted unique ids.
+    Raises:
+        ValueError for another length, or an id given twice with different values.
+    """
+    if values is None or np.ndim(values) == 0:
+        return values
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if v.shape[0] != n_given:
+        raise ValueError(f"{name} must be a scalar or one value per entry of record_ids ({n_given}), got "
+                         f"{v.shape[0]}")
+    if np.any(v != v[first][where]):
+        raise ValueError(f"record_ids names a record twice with different {name}")
+    return v[first]
+
+
 class _RecordLedger:
     """What every per-record ledger shares: records grouped by distinct (q_i, z_i) (``group_of``,
     ``group_rates``, ``group_noise``), and atomic save / load of its ``state_dict``."""
@@ -277,8 +302,8 @@ class IndividualAccountant(_RecordLedger):
         before the step is checked and charged).
 
         Args:
-            sample_rates: new q_i in [0, 1]: a scalar, (N,) without ``record_ids``, or one per record
-                id (ids sorted ascending, duplicates removed); None: keep.
+            sample_rates: new q_i in [0, 1]: a scalar, (N,) without ``record_ids``, or one per entry of
+                ``record_ids`` in its order (an id given twice must repeat its value); None: keep.
             noise_multipliers: new z_i ≥ 0 (noise std / the record's clip norm), same shapes; None: keep.
             record_ids: ints in [0, N), the records to update; None: all.
         Returns:
@@ -290,10 +315,20 @@ class IndividualAccountant(_RecordLedger):
         return self
 
     def _set_rates(self, sample_rates, noise_multipliers, record_ids) -> np.ndarray | None:
-        """``set_rates``'s work; returns the record ids, sorted and unique (None: all records)."""
-        ids = None if record_ids is None else np.unique(np.asarray(record_ids, dtype=np.int64).ravel())
-        if ids is not None and ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
-            raise ValueError(f"record_ids must lie in [0, {self.num_records})")
+        """``set_rates``'s work; returns the record ids, sorted and unique (None: all records).
+
+        Per-id values follow the ids as given (not their sorted order); an id named twice must
+        carry the same values both times.
+        """
+        if record_ids is None:
+            ids = None
+        else:
+            given = np.asarray(record_ids, dtype=np.int64).ravel()
+            ids, first, where = np.unique(given, return_index=True, return_inverse=True)
+            if ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
+                raise ValueError(f"record_ids must lie in [0, {self.num_records})")
+            sample_rates = _per_id("sample_rates", sample_rates, given.size, first, where)
+            noise_multipliers = _per_id("noise_multipliers", noise_multipliers, given.size, first, where)
         if sample_rates is not None or noise_multipliers is not None:
             self._update_rates(sample_rates, noise_multipliers, ids)
         return ids

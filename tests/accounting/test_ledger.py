@@ -113,3 +113,30 @@ def test_bad_input():
         acc.step(1, record_ids=[5])
     with pytest.raises(ValueError, match="n must"):
         acc.step(0)
+
+
+def test_per_record_rates_follow_record_ids_in_the_order_given():
+    """A rate given for record 5 is charged to record 5, whatever order the ids come in: charging it
+    to another record would under-account the record whose rate is larger."""
+    rng = np.random.default_rng(7)
+    ids = rng.permutation(8)[:5]                                # unsorted on purpose
+    rates = rng.uniform(0.01, 0.3, size=5)
+    acc = IndividualAccountant(np.full(8, 0.02), 1.1)
+    acc.step(20, sample_rates=rates, record_ids=ids)
+    eps = acc.epsilons(1e-5)
+    for i, q in zip(ids, rates):
+        assert eps[i] == pytest.approx(_eps(q, 1.1, 20), rel=1e-9)
+    for i in set(range(8)) - set(ids.tolist()):
+        assert eps[i] == 0.0                                    # the others took no part
+    acc.set_rates(noise_multipliers=[3.0, 0.8], record_ids=[6, 1])
+    assert acc.noise_multipliers[6] == 3.0 and acc.noise_multipliers[1] == 0.8
+
+
+def test_a_record_named_twice_must_carry_one_rate():
+    acc = IndividualAccountant(np.full(4, 0.02), 1.1)
+    with pytest.raises(ValueError, match="twice with different sample_rates"):
+        acc.step(1, sample_rates=[0.1, 0.2, 0.3], record_ids=[2, 0, 2])
+    with pytest.raises(ValueError, match=r"one value per entry of record_ids \(3\)"):
+        acc.step(1, sample_rates=[0.1, 0.2], record_ids=[2, 0, 2])
+    acc.step(1, sample_rates=[0.1, 0.2, 0.1], record_ids=[2, 0, 2])   # the same rate twice is fine
+    np.testing.assert_array_equal(acc.sample_rates, [0.2, 0.02, 0.1, 0.02])
