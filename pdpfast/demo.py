@@ -374,5 +374,5 @@ def save_plots(results: dict[str, list[RunResult]], accuracy_path, epsilon_path)
     plots.accuracy_curves(curves, accuracy_path, title="digits: test accuracy during training")
     eps = {NAMES.get(m, m): (runs[0].steps, runs[0].epsilon_curve) for m, runs in results.items()
            if runs[0].epsilon_curve}
-    plots.epsilon_curves(eps, GROUP_EPSILONS, epsilon_path,
+    plots.epsilon_curves(eps, epsilon_path,
                          title="ε spent per privacy group (max over the group, per-record ledger)")

@@ -181,14 +181,13 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
     _save(fig, path)
 
 
-def epsilon_curves(curves: dict, budgets, path, *, title: str = "ε spent per privacy group") -> None:
+def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy group") -> None:
     """ε spent per privacy group over training: one panel per method, a line per group and its
     budget as a dashed line.
 
     Args:
         curves: {method name: (steps (S,), {budget ε: (S,) ε spent, the max over the group's records})};
             methods whose entry is None or has no steps are skipped.
-        budgets: not read (the groups and their budgets are the keys of each method's dict).
         path: the PNG file to write (atomically).
         title: the figure's title.
     Returns:
