@@ -16,10 +16,9 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["as_per_record", "as_per_sample", "check_budgets", "check_choice", "check_delta", "check_epsilons",
-           "check_flag", "check_in_range", "check_int", "check_nonnegative", "check_number",
-           "check_positive", "check_positive_integer", "check_positive_per_record",
-           "check_rate"]
+__all__ = ["as_budget_vector", "as_per_record", "as_per_sample", "check_budgets", "check_choice", "check_delta",
+           "check_epsilons", "check_flag", "check_in_range", "check_int", "check_nonnegative", "check_number",
+           "check_positive", "check_positive_integer", "check_positive_per_record", "check_rate"]
 
 
 # ---------------------------------------------------------------------------------------------- scalars
@@ -218,6 +217,28 @@ def check_epsilons(name: str, values) -> np.ndarray:
     if bad.any():
         first = arr.ravel()[np.flatnonzero(bad.ravel())[0]]
         raise ValueError(f"{name} must be finite and > 0; {int(bad.sum())} entries are not (e.g. {first})")
+    return arr
+
+
+def as_budget_vector(name: str, values) -> np.ndarray:
+    """Per-record budgets given to the API: one ε_i per record, as an array, a list or a torch tensor.
+
+    Args:
+        name: the argument, as the message names it.
+        values: (N,) ε_i, an array, a list or a torch tensor (moved to the host).
+    Returns:
+        (N,) float64 ε_i, each finite and > 0 (``check_epsilons``).
+    Raises:
+        TypeError for None or values that are not numbers; ValueError if not 1-D, empty, or an entry is not
+            finite and > 0.
+    """
+    if values is None:
+        raise TypeError(f"{name} must be an array of per-record epsilons, got None")
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = check_epsilons(name, values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one epsilon per record), got shape {arr.shape}")
     return arr
 
 

@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from .._checks import check_delta, check_positive_integer
+from .._checks import as_per_record, check_delta, check_positive_integer
 from .._io import atomic_write
 from . import pld
 from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
@@ -64,13 +64,6 @@ def _check_rates(q, z):
         raise ValueError("sample_rates must lie in [0, 1]")
     if np.any(np.isnan(z)) or np.any(z < 0):
         raise ValueError("noise_multipliers must be >= 0")
-
-
-def _check_budgets(budgets, n):
-    b = np.broadcast_to(np.asarray(budgets, dtype=np.float64), (n,)).copy()
-    if np.any(np.isnan(b)) or np.any(b <= 0):
-        raise ValueError("budgets must be > 0")
-    return b
 
 
 def _per_record(sample_rates, noise_multipliers):
@@ -219,7 +212,8 @@ class IndividualAccountant(_RecordLedger):
     def __init__(self, sample_rates, noise_multipliers, orders=None, budgets=None, record_orders=None):
         q, z = _per_record(sample_rates, noise_multipliers)
         self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
-        self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
+        self.budgets = None if budgets is None else as_per_record("budgets", budgets, q.shape[0], low=0.0,
+                                                                  low_inclusive=False)
         own = np.full(q.shape[0], np.nan)
         if record_orders is not None:
             own = np.broadcast_to(np.asarray(record_orders, dtype=np.float64), q.shape).copy()
@@ -529,7 +523,8 @@ class PLDIndividualAccountant(_RecordLedger):
         self.group_of = inverse.astype(np.int64)                  # (N,) record → group
         self.group_rates = pairs[:, 0].copy()                     # (G,) q of each group
         self.group_noise = pairs[:, 1].copy()                     # (G,) z of each group
-        self.budgets = None if budgets is None else _check_budgets(budgets, q.shape[0])
+        self.budgets = None if budgets is None else as_per_record("budgets", budgets, q.shape[0], low=0.0,
+                                                                  low_inclusive=False)
         self.horizon = None if horizon is None else check_positive_integer("horizon", horizon)
         vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
         if not (float(vdi) > 0 and np.isfinite(vdi)):
@@ -690,7 +685,8 @@ class PLDIndividualAccountant(_RecordLedger):
         if bool(state["has_budgets"]):
             if np.shape(state["budgets"]) != group_of.shape:
                 raise ValueError("ledger state: budgets do not match group_of")
-            budgets = _check_budgets(state["budgets"], group_of.shape[0])
+            budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0,
+                                    low_inclusive=False)
         self.group_of, self.group_rates, self.group_noise = group_of, group_rates, group_noise
         self.steps_taken = int(state["steps_taken"])
         self.budgets = budgets

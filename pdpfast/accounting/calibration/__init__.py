@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
-
-from ..._checks import check_delta, check_epsilons, check_positive, check_positive_integer, check_rate
+from ..._checks import as_budget_vector, check_delta, check_positive, check_positive_integer, check_rate
 from ..plan import GroupSummary, PrivacyPlan
 from ..pld import MAX_PAIRS
 from ..sgm import DEFAULT_ORDERS, as_orders
@@ -28,18 +26,6 @@ from .pld import bin_budgets_down
 from .problem import METHODS, Problem, Solution, register_method
 
 __all__ = ["calibrate", "register_method", "Problem", "Solution", "PrivacyPlan", "GroupSummary"]
-
-
-def _check_budgets(budgets) -> np.ndarray:
-    """(N,) float64 budgets from an array, list or torch tensor; TypeError / ValueError otherwise."""
-    if budgets is None:
-        raise TypeError("budgets must be an array of per-record epsilons, got None")
-    if hasattr(budgets, "detach"):           # a torch tensor
-        budgets = budgets.detach().cpu().numpy()
-    arr = check_epsilons("budgets", budgets)
-    if arr.ndim != 1:
-        raise ValueError(f"budgets must be 1-D (one epsilon per record), got shape {arr.shape}")
-    return arr
 
 
 def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=0.5,
@@ -70,7 +56,7 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     Raises:
         ValueError / TypeError naming the bad argument; ValueError naming a budget that cannot be met.
     """
-    arr = _check_budgets(budgets)
+    arr = as_budget_vector("budgets", budgets)
     delta = check_delta("delta", delta)
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
