@@ -216,16 +216,15 @@ def _per_sample_grad_chunks(x_pad, o, module, padding=None):
     n = x_pad.dim() - 2
     on_cpu = o.device.type == "cpu"
     chunk = min(_CHUNK_ELEMENTS, _CPU_CHUNK_ELEMENTS * torch.get_num_threads()) if on_cpu else _CHUNK_ELEMENTS
-    step = max(1, chunk // max(1, w.numel()))
-    for start in range(0, B, step):
-        b = min(B, start + step) - start
-        xs = x_pad[start:start + b].reshape(1, b * x_pad.shape[1], *x_pad.shape[2:])
-        os = o[start:start + b].reshape(1, b * o.shape[1], *o.shape[2:])
+    for samples in workspace.batch_chunks(B, w.numel(), chunk):
+        b = samples.stop - samples.start
+        xs = x_pad[samples].reshape(1, b * x_pad.shape[1], *x_pad.shape[2:])
+        os = o[samples].reshape(1, b * o.shape[1], *o.shape[2:])
         weight = torch.empty(b * w.shape[0], *w.shape[1:], dtype=o.dtype, device=o.device)
         _, grad, _ = torch.ops.aten.convolution_backward(
             os, xs.to(o.dtype), weight, None, list(module.stride), _padding(padding, n), list(module.dilation), False,
             [0] * n, b * module.groups, [False, True, False])
-        yield slice(start, start + b), grad.view(b, *w.shape)
+        yield samples, grad.view(b, *w.shape)
 
 
 def conv_per_sample_grads(x_pad, o, module, padding=None) -> torch.Tensor:

@@ -95,12 +95,6 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
     return per_sample_elements <= max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel()))
 
 
-def _chunks(B: int, per_sample: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, per_sample))
-    for start in range(0, B, step):
-        yield slice(start, min(B, start + step))
-
-
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
@@ -153,7 +147,7 @@ def linear_sq_norms_reference(a: torch.Tensor, o: torch.Tensor, with_bias: bool 
     if B * per_sample <= _CHUNK_ELEMENTS:  # the usual case: one chunk, no copy
         return norms(a, o)
     out = torch.empty(B, dtype=dtype, device=a.device)
-    for s in _chunks(B, per_sample):
+    for s in workspace.batch_chunks(B, per_sample, _CHUNK_ELEMENTS):
         out[s] = norms(a[s], o[s])
     return out
 

@@ -101,6 +101,26 @@ def recycle(tensors) -> None:
             _free_bytes += nbytes
 
 
+def batch_chunks(B: int, per_sample: int, budget: int) -> list[slice]:
+    """The batch cut into chunks of at most ``budget`` elements of per-sample work, as even as possible.
+
+    Even chunks (sizes differing by at most one) keep every chunk as large as the budget allows: a
+    greedy cut leaves a short last chunk, and a one-sample chunk can fall to a slow kernel (torch's
+    convolution weight gradient with one group does, on a CPU).
+
+    Args:
+        B: the batch size (≥ 0).
+        per_sample: elements of work per sample (≥ 1; 0 is taken as 1).
+        budget: most elements per chunk; a chunk holds at least one sample whatever the budget.
+    Returns:
+        a list of ``slice(start, stop)`` covering ``range(B)`` in order; ``[slice(0, B)]`` when the
+        batch fits, and an empty list for B = 0.
+    """
+    per_chunk = max(1, budget // max(1, per_sample))
+    n = -(-B // per_chunk)  # ceil
+    return [slice(k * B // n, (k + 1) * B // n) for k in range(n)]
+
+
 def clear() -> None:
     """Free every pooled buffer (buffers still lent stay with their holders).
 
