@@ -383,6 +383,21 @@ def test_clip_weights_dtypes():
 # ------------------------------------------------------------------------------------------ workspace
 
 
+@pytest.mark.parametrize("B,per_sample,budget", [(64, 73728, 1 << 19), (64, 864, 1 << 20), (5, 3, 6), (7, 10, 1),
+                                                   (1, 5, 1), (0, 5, 10), (10, 0, 3)])
+def test_batch_chunks_cover_the_batch_evenly_within_the_budget(B, per_sample, budget):
+    from pdpfast.ops import workspace
+
+    chunks = workspace.batch_chunks(B, per_sample, budget)
+    sizes = [s.stop - s.start for s in chunks]
+    assert [i for s in chunks for i in range(s.start, s.stop)] == list(range(B))  # in order, no gap or overlap
+    assert all(size >= 1 for size in sizes)
+    per_chunk = max(1, budget // max(1, per_sample))  # a chunk holds one sample whatever the budget
+    assert all(size <= per_chunk for size in sizes)
+    assert len(chunks) == -(-B // per_chunk)  # no more chunks than the budget needs
+    assert not sizes or max(sizes) - min(sizes) <= 1
+
+
 def test_workspace_reuses_only_buffers_it_lent_and_got_back(monkeypatch):
     from pdpfast.ops import workspace
 

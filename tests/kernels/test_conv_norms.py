@@ -208,7 +208,7 @@ def test_reference_path_squares_per_sample_grads_chunk_by_chunk(gen, monkeypatch
 
     monkeypatch.setattr(conv_ops, "_per_sample_grad_chunks", spy)
     out = conv_ops.conv_weight_sq_norms_reference(x_pad, o, module)
-    assert sizes == [2, 2, 1]
+    assert sizes == [1, 2, 2]  # even chunks: no chunk beyond the budget, none needlessly short
     torch.testing.assert_close(out, per_sample_sq_norms_oracle(module, x_pad[..., 1:-1, 1:-1], o))
 
 
