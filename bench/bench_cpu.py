@@ -9,6 +9,10 @@ same run.
 
 On a shared machine, threads of another job stall each multi-threaded op here; one thread and
 CPU time (``--threads 1 --clock cpu``) give ratios that depend far less on the load.
+``--allocator retain`` keeps freed memory in the process (``harness.retain_freed_memory``): the
+page faults of re-mapped activations, which depend on the process's allocation history and made
+the non-private CNN step vary ~2x between runs, are then gone from every provider alike, and
+the ratios measure computation. Each row records its page faults per step.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness import PROVIDERS, environment, measure, with_ratios
+from bench.harness import PROVIDERS, environment, measure, retain_freed_memory, with_ratios
 from bench.models import TinyTransformer, groupnorm_cnn
 
 CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=None)}
@@ -43,7 +47,11 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the process's CPU time, steadier than wall time on a shared machine")
+    parser.add_argument("--allocator", choices=("default", "retain"), default="default",
+                        help="retain: glibc keeps freed memory (no page faults of re-mapped activations)")
     args = parser.parse_args(argv)
+    if args.allocator == "retain":
+        retain_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
@@ -57,16 +65,18 @@ def main(argv=None) -> None:
                                            clock=args.clock), cfg["batch"])
         for provider, r in results.items():
             rows.append({"benchmark": "cpu_step_time", "model": name, "provider": provider, **cfg, **r, **env,
-                         "repeats": args.repeats, "clock": args.clock})
+                         "repeats": args.repeats, "clock": args.clock, "allocator": args.allocator})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
-    print("| model | provider | median step (ms) | × non-private |\n|---|---|---:|---:|")
+    print("| model | provider | median step (ms) | × non-private | page faults / step |\n|---|---|---:|---:|---:|")
     for r in rows:
         if "median_ms" in r:
-            print(f"| {r['model']} | {r['provider']} | {r['median_ms']:.1f} | {r['time_ratio_vs_nonprivate']:.2f} |")
+            print(f"| {r['model']} | {r['provider']} | {r['median_ms']:.1f} | {r['time_ratio_vs_nonprivate']:.2f} "
+                  f"| {r.get('page_faults_per_step', float('nan')):.0f} |")
         else:
-            print(f"| {r['model']} | {r['provider']} | {r['error']} | |")
-    print(f"device: {env['device']}, torch {env['torch']}, opacus {env['opacus']}, {env['date']}; "
+            print(f"| {r['model']} | {r['provider']} | {r['error']} | | |")
+    print(f"device: {env['device']}, torch {env['torch']}, opacus {env['opacus']}, {env['date']}, "
+          f"allocator {args.allocator}, clock {args.clock}; "
           f"written to {args.out}")
 
 

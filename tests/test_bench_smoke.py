@@ -42,3 +42,27 @@ def test_ddp_scaling_benchmark_runs_and_writes_json(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["processes"] for r in rows] == [1, 2] and rows[0]["speedup_vs_one_process"] == 1.0
     assert all(r["records_per_second"] > 0 and r["device"].startswith("cpu") for r in rows)
+
+
+def test_cpu_benchmark_counts_page_faults_and_retains_freed_memory_on_request(tmp_path):
+    """bench_cpu records page faults per step; with --allocator retain (glibc) a step no longer
+    faults its activations back in, so the ratios measure computation."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""):
+        pytest.skip("mallopt is glibc's")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cpu.json"
+    # a subprocess: the allocator setting is process-wide and must not leak into the test session
+    subprocess.run([sys.executable, "-m", "bench.bench_cpu", "--models", "cnn", "--repeats", "2", "--threads", "1",
+                    "--providers", "non-private,pdpfast bk", "--allocator", "retain", "--out", str(out)],
+                   cwd=root, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(root)})
+    rows = json.loads(out.read_text())
+    assert [r["provider"] for r in rows] == ["non-private", "pdpfast bk"]
+    for r in rows:
+        assert r["allocator"] == "retain" and r["median_ms"] > 0
+        # default glibc settings fault in thousands of pages a step here (8 MiB activations)
+        assert 0 <= r["page_faults_per_step"] < 1000, r
