@@ -7,6 +7,10 @@ Every squared norm is checked against ‖G_i‖² of a per-sample gradient G_i f
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -378,6 +382,44 @@ def test_clip_weights_dtypes():
     assert clip_weights(sq_norms, torch.ones(4, dtype=torch.float64)).dtype == torch.float32
     assert clip_weights(sq_norms.double(), torch.ones(4)).dtype == torch.float64
     assert clip_weights(torch.zeros(0), torch.ones(0)).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------ noise (CPU)
+def test_reference_noise_drawn_on_threads_equals_noise_drawn_in_turn(monkeypatch):
+    """The pool only draws ahead: each tensor's noise comes from its own (seed, step, index)
+    generator, so the result is bitwise that of drawing one tensor after another."""
+    from pdpfast.ops import noise
+
+    shapes = [(1 << 16,), (300, 400), (5,), (1 << 17,)] + [(70_000,)] * 6  # more tensors than the draw window
+    noisy = []
+    for parallel_min in (0, 1 << 60):
+        monkeypatch.setattr(noise, "_PARALLEL_MIN_ELEMENTS", parallel_min)
+        grads = [torch.full(s, 2.0) for s in shapes]
+        noise.add_noise_reference_(grads, 0.5, seed=3, step=9)
+        noisy.append(grads)
+    for threaded, in_turn in zip(*noisy):
+        assert torch.equal(threaded, in_turn)
+    assert all(not torch.equal(g, torch.full_like(g, 2.0)) for g in noisy[0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_reference_noise_threads_never_start_openmp_teams():
+    """Threads that ran a parallel torch op own an OpenMP team; libgomp then sees more threads than
+    cores and stops spin-waiting, which slowed every later multi-threaded op of the process (12-30%
+    on 2 cores). The noise pool's threads only draw: the process gains the pool's threads, no more."""
+    script = """
+import os, torch
+from pdpfast.ops import noise
+torch.set_num_threads(2)
+torch.ones(1 << 20).add_(1)  # the main thread's team exists before counting
+before = len(os.listdir("/proc/self/task"))
+for step in range(3):
+    noise.add_noise_reference_([torch.zeros(1 << 19) for _ in range(4)], 1.0, seed=0, step=step)
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert int(out.stdout.split()[-1]) <= 2  # the pool's two threads
 
 
 # ------------------------------------------------------------------------------------------ workspace
