@@ -205,14 +205,22 @@ def per_sample_conv(module, x_pad, o):
                                                                           x_pad, o)
 
 
+def force_conv_norm_path(monkeypatch, path):
+    """Make the CPU reference take ``path`` for every convolution it can."""
+    # implicit Gram wherever it applies (Conv1d/2d), or never
+    monkeypatch.setattr(conv_ops, "_GRAM_FRACTION", float("inf") if path == "implicit-gram" else 0.0)
+    # grouped-backward: the path large convolutions take
+    monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0 if path == "grouped-backward" else 1 << 40)
+
+
+CONV_NORM_PATHS = ["unfold", "grouped-backward", "implicit-gram"]
+
+
 @pytest.mark.parametrize("name", list(CONV_CASES))
 @pytest.mark.parametrize("B", [1, 4])
-@pytest.mark.parametrize("path", ["unfold", "grouped-backward"])
+@pytest.mark.parametrize("path", CONV_NORM_PATHS)
 def test_conv_norms_and_clipped_sums(name, B, path, monkeypatch):
-    if path == "grouped-backward":  # the path large convolutions take
-        monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)
-    else:
-        monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 1 << 40)
+    force_conv_norm_path(monkeypatch, path)
     module = CONV_CASES[name]().double()
     x = conv_input(module, B)
     x_pad = conv_ops.conv_pad(x, module)
@@ -244,13 +252,13 @@ ZERO_PADDED_CONVS = {
 
 
 @pytest.mark.parametrize("name", list(ZERO_PADDED_CONVS))
-@pytest.mark.parametrize("path", ["unfold", "grouped-backward"])
+@pytest.mark.parametrize("path", CONV_NORM_PATHS)
 def test_conv_ops_pad_themselves_exactly_as_conv_pad(name, path, monkeypatch):
     """A DP conv with symmetric zero padding keeps its input unpadded (no copy) and hands its
     padding to the ops: every op equals the same op on the padded input."""
     from pdpfast.nn.conv import DPConv1d, DPConv2d, DPConv3d
 
-    monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0 if path == "grouped-backward" else 1 << 40)
+    force_conv_norm_path(monkeypatch, path)
     module = ZERO_PADDED_CONVS[name]().double()
     dp_class = {1: DPConv1d, 2: DPConv2d, 3: DPConv3d}[module.weight.dim() - 2]
     padding = dp_class.own_padding(module)
@@ -274,6 +282,21 @@ def test_dp_conv_pads_its_input_only_where_the_convolution_cannot():
     assert DPConv1d.own_padding(nn.Conv1d(3, 4, 5, padding="same")) == (2,)
     assert DPConv2d.own_padding(nn.Conv2d(3, 4, 2, padding="same")) is None  # asymmetric
     assert DPConv2d.own_padding(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")) is None
+
+
+@pytest.mark.parametrize("channels,side,stride,expected", [
+    (512, 4, 1, True), (256, 8, 1, True), (64, 8, 1, True),       # few positions, wide channels
+    (64, 32, 1, False), (64, 16, 1, False), (3, 32, 1, False),    # many positions
+    (128, 16, 2, False),                                          # a stride-2 stage entry: a near tie
+])
+def test_conv_reference_takes_the_implicit_gram_where_it_is_cheap(channels, side, stride, expected):
+    """The CPU norm routes by multiply-adds: the implicit Gram for the late ResNet stages, never
+    for the early ones, where its P² term dwarfs the direct form."""
+    module = nn.Conv2d(channels, 2 * channels if stride == 2 else channels, 3, padding=1, stride=stride)
+    out_side = (side - 1) // stride + 1
+    gram, direct = conv_ops._implicit_gram_costs((64, channels, side + 2, side + 2),
+                                                 (64, module.out_channels, out_side, out_side), module)
+    assert (gram <= conv_ops._GRAM_FRACTION * direct) is expected
 
 
 @pytest.mark.parametrize("name", ["conv1d", "conv2d-groups-nobias"])

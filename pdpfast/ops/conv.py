@@ -107,16 +107,72 @@ def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None):
 # convolution's own weight-gradient routine produce per-sample gradients (measured on the
 # GroupNorm CNN benchmark: 3-13x for 32-64 channel layers at 16-32 px).
 _UNFOLD_LIMIT = 1 << 22
+# The implicit Gram norm is taken where its multiply-adds are at most this fraction of the direct
+# form's: its batched GEMMs are small (P×C_g by C_g×P), so it needs a margin. One thread, batch 64:
+# 64->128 at 8 px (a quarter of the direct work) 4.0 ms against 5.9-7.0 for the other routes;
+# 256->256 at 8 px 8 ms and 512->512 at 4 px 2 ms, where the weight gradient alone takes 25-28 ms;
+# 128->256 stride 2 at 16 px (0.76 of the direct work) no faster, so it is left to the others.
+_GRAM_FRACTION = 0.5
+
+
+def _implicit_gram_costs(x_shape, o_shape, module) -> tuple[int, int]:
+    """(implicit Gram, direct) multiply-adds per sample of one Conv1d/Conv2d call.
+
+    Args:
+        x_shape: the padded input's shape (B, C_in, [H_p,] W_p); o_shape: the output gradient's.
+        module: supplies ``groups`` and ``kernel_size``.
+    Returns:
+        (G·(P²·C_g + L²·p_g + k·L²), G·L·C_g·k·p_g): P padded input positions, L output positions,
+        k = kh·kw taps, C_g and p_g the input and output channels of a group.
+    """
+    G, k = module.groups, math.prod(module.kernel_size)
+    P, L = math.prod(x_shape[2:]), math.prod(o_shape[2:])
+    C_g, p_g = x_shape[1] // G, o_shape[1] // G
+    return G * (P * P * C_g + L * L * (p_g + k)), G * L * C_g * k * p_g
+
+
+def _implicit_gram_sq_norms(x_pad, o, module, padding=None) -> torch.Tensor:
+    """‖∂ℓ_i/∂W‖² = Σ_{s,t} (a_s·a_t)(o_s·o_t) with the Gram of the unfolded input formed without
+    unfolding: with M = XᵀX the Gram of the padded input's positions (P × P, C_g deep), the patches
+    of output positions s and t at tap (r, q) are the positions s + (r, q) and t + (r, q), so
+    a_s·a_t = Σ_(r,q) M[s + (r, q), t + (r, q)], a sum of k strided blocks of M. Work per sample:
+    P²·C_g + L²·p_g instead of im2col's L²·C_g·k; it pays for few positions and wide channels (the
+    late stages of a ResNet). Conv1d and Conv2d, any stride, dilation and groups.
+    """
+    x2, o2, kernel, stride, dilation = as_conv2d(pad_input(x_pad, padding), o, module)
+    B, C, H, W = x2.shape
+    G, OH, OW = module.groups, o2.shape[2], o2.shape[3]
+    C_g, p_g = C // G, o2.shape[1] // G
+    dtype = torch.promote_types(o.dtype, torch.float32)
+    out = torch.empty(B, dtype=dtype, device=o.device)
+    taps = [(slice(r * dilation[0], r * dilation[0] + (OH - 1) * stride[0] + 1, stride[0]),
+             slice(q * dilation[1], q * dilation[1] + (OW - 1) * stride[1] + 1, stride[1]))
+            for r in range(kernel[0]) for q in range(kernel[1])]
+    for samples in workspace.batch_chunks(B, G * (H * W) ** 2, _CHUNK_ELEMENTS):
+        b = samples.stop - samples.start
+        xg = x2[samples].to(dtype).reshape(b * G, C_g, H * W)
+        M = torch.bmm(xg.transpose(1, 2), xg).view(b * G, H, W, H, W)
+        gram_a = None
+        for rows, cols in taps:
+            block = M[:, rows, cols, rows, cols]
+            gram_a = block.contiguous() if gram_a is None else gram_a.add_(block)
+        og = o2[samples].to(dtype).reshape(b * G, p_g, OH * OW)
+        gram_o = torch.bmm(og.transpose(1, 2), og)
+        # Σ_st of the elementwise product as one batched dot product
+        out[samples] = torch.bmm(gram_a.view(b * G, 1, -1), gram_o.view(b * G, -1, 1)).view(b, G).sum(1)
+    return out
 
 
 def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
     """‖∂ℓ_i/∂W‖²_F per sample, in plain torch.
 
-    Small layers: im2col (``F.unfold``, B·C_in·k·L elements) and the linear norms per group.
-    Larger ones (and Conv3d, which torch cannot unfold): per-sample gradients from the convolution's
-    own weight-gradient routine with the batch as groups, squared and summed one chunk of samples at
-    a time, so at most ``_CHUNK_ELEMENTS`` gradient values (not B × |W|) exist at once. The kernel
-    path (``pdpfast.kernels.conv_norms``) materializes neither.
+    Layers with few positions and wide channels (Conv1d/2d): the implicit Gram form
+    (``_implicit_gram_sq_norms``), where it costs at most ``_GRAM_FRACTION`` of the direct form's
+    multiply-adds. Other small layers: im2col (``F.unfold``, B·C_in·k·L elements) and the linear
+    norms per group. Larger ones (and Conv3d, which torch cannot unfold): per-sample gradients from
+    the convolution's own weight-gradient routine with the batch as groups, squared and summed one
+    chunk of samples at a time, so at most ``_CHUNK_ELEMENTS`` gradient values (not B × |W|) exist
+    at once. The kernel path (``pdpfast.kernels.conv_norms``) materializes neither.
 
     Args:
         x_pad: (B, C_in, *spatial) Conv1d/2d/3d input padded by ``conv_pad`` (or unpadded, with
@@ -128,6 +184,12 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module,
         (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
     """
     B = x_pad.shape[0]
+    if B and x_pad.dim() < 5:
+        x_shape = x_pad.shape if padding is None else (*x_pad.shape[:2], *(n + 2 * v for n, v in
+                                                                           zip(x_pad.shape[2:], padding)))
+        gram, direct = _implicit_gram_costs(x_shape, o.shape, module)
+        if gram <= _GRAM_FRACTION * direct:
+            return _implicit_gram_sq_norms(x_pad, o, module, padding)
     # Conv3d has no unfold in torch: its per-sample gradients come chunk by chunk, as large layers'
     if B == 0 or x_pad.dim() == 5 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)

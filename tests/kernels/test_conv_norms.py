@@ -197,6 +197,7 @@ def test_reference_path_squares_per_sample_grads_chunk_by_chunk(gen, monkeypatch
     x_pad = conv_ops.conv_pad(torch.randn(5, 3, 5, 7, generator=gen, dtype=torch.float64), module)
     o = torch.randn(5, 4, 5, 7, generator=gen, dtype=torch.float64)
     monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)
+    monkeypatch.setattr(conv_ops, "_GRAM_FRACTION", 0.0)
     monkeypatch.setattr(conv_ops, "_CHUNK_ELEMENTS", 2 * module.weight.numel())
     sizes = []
     chunks = conv_ops._per_sample_grad_chunks
