@@ -144,6 +144,7 @@ def test_layer_matches_oracle_whether_per_sample_gradients_are_formed_or_not(nam
     Both routes equal the oracle, whatever the threshold (here forced to each extreme); calls are
     computed alone (not stacked), so the route is the one under test."""
     import pdpfast.clipping
+    import pdpfast.ops.conv as conv_ops
     import pdpfast.ops.linear as linear_ops
     from pdpfast.ops import workspace
 
@@ -151,6 +152,7 @@ def test_layer_matches_oracle_whether_per_sample_gradients_are_formed_or_not(nam
     formed = route == "per-sample-gradients"
     monkeypatch.setattr(linear_ops, "MATERIALIZE_RATIO", 1 << 40 if formed else 0)
     monkeypatch.setattr(linear_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(conv_ops, "_GRAM_FRACTION", 0.0)  # a cheap implicit Gram would veto forming them
     monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # pool even these small buffers
     model, reference, x, target = build(name)
     oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)

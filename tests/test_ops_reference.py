@@ -299,6 +299,22 @@ def test_conv_reference_takes_the_implicit_gram_where_it_is_cheap(channels, side
     assert (gram <= conv_ops._GRAM_FRACTION * direct) is expected
 
 
+def test_conv_calls_with_a_cheap_implicit_gram_form_no_per_sample_gradients():
+    """Book-keeping forms a small conv layer's per-sample gradients, unless the implicit Gram gives
+    its norms for less (then nothing of size B × |W| is kept for it)."""
+    from pdpfast.nn import convert
+    from pdpfast.nn.rules import rule_for
+
+    wide_late, narrow_early = convert(nn.Sequential(nn.Conv2d(64, 128, 3, padding=1), nn.Conv2d(3, 8, 3, padding=1)))
+    rule = rule_for(wide_late)
+    x, o = torch.randn(4, 64, 8, 8), torch.randn(4, 128, 8, 8)
+    assert conv_ops.implicit_gram_pays(x, o, wide_late, wide_late.own_padding())
+    assert not rule.materializes_call(wide_late, x, o)
+    x, o = torch.randn(4, 3, 8, 8), torch.randn(4, 8, 8, 8)
+    assert not conv_ops.implicit_gram_pays(x, o, narrow_early, narrow_early.own_padding())
+    assert rule.materializes_call(narrow_early, x, o)
+
+
 @pytest.mark.parametrize("name", ["conv1d", "conv2d-groups-nobias"])
 def test_conv_empty_batch(name):
     module = CONV_CASES[name]().double()

@@ -131,6 +131,26 @@ def _implicit_gram_costs(x_shape, o_shape, module) -> tuple[int, int]:
     return G * (P * P * C_g + L * L * (p_g + k)), G * L * C_g * k * p_g
 
 
+def implicit_gram_pays(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> bool:
+    """Whether the CPU norms of this call take the implicit Gram form (``_implicit_gram_sq_norms``).
+
+    Args:
+        x_pad: (B, C_in, *spatial) Conv1d/2d/3d input, padded by ``conv_pad`` (or not, see ``padding``).
+        o: (B, C_out, *out_spatial) the output gradient.
+        module: supplies ``groups`` and ``kernel_size``.
+        padding: None, or one int per spatial dim, the zero padding still to apply to ``x_pad``.
+    Returns:
+        True for a non-empty Conv1d/Conv2d call whose implicit Gram costs at most ``_GRAM_FRACTION``
+        of the direct form's multiply-adds (``_implicit_gram_costs``); False otherwise (Conv3d too).
+    """
+    if x_pad.shape[0] == 0 or x_pad.dim() == 5:
+        return False
+    shape = x_pad.shape if padding is None else (*x_pad.shape[:2], *(n + 2 * v for n, v in zip(x_pad.shape[2:],
+                                                                                                 padding)))
+    gram, direct = _implicit_gram_costs(shape, o.shape, module)
+    return gram <= _GRAM_FRACTION * direct
+
+
 def _implicit_gram_sq_norms(x_pad, o, module, padding=None) -> torch.Tensor:
     """‖∂ℓ_i/∂W‖² = Σ_{s,t} (a_s·a_t)(o_s·o_t) with the Gram of the unfolded input formed without
     unfolding: with M = XᵀX the Gram of the padded input's positions (P × P, C_g deep), the patches
@@ -184,12 +204,8 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module,
         (B,) in the accumulation dtype (fp32, or fp64 for fp64 inputs).
     """
     B = x_pad.shape[0]
-    if B and x_pad.dim() < 5:
-        x_shape = x_pad.shape if padding is None else (*x_pad.shape[:2], *(n + 2 * v for n, v in
-                                                                           zip(x_pad.shape[2:], padding)))
-        gram, direct = _implicit_gram_costs(x_shape, o.shape, module)
-        if gram <= _GRAM_FRACTION * direct:
-            return _implicit_gram_sq_norms(x_pad, o, module, padding)
+    if implicit_gram_pays(x_pad, o, module, padding):
+        return _implicit_gram_sq_norms(x_pad, o, module, padding)
     # Conv3d has no unfold in torch: its per-sample gradients come chunk by chunk, as large layers'
     if B == 0 or x_pad.dim() == 5 or x_pad[0].numel() * B * math.prod(module.kernel_size) > _UNFOLD_LIMIT:
         dtype = torch.promote_types(o.dtype, torch.float32)
