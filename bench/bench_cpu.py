@@ -1,11 +1,12 @@
 """Step time of pdpfast (bk, ghost, per-layer) vs non-private training vs Opacus 1.6 (hooks, ghost), CPU.
 
 A small transformer (4 layers, d=256, T=128, batch 16) and a GroupNorm CNN (CIFAR-shaped, batch 64);
-one process, providers interleaved round by round, medians, ratios to the non-private step of the
-same run.
+``--models resnet18`` adds ResNet-18 with GroupNorm (CIFAR, batch 32). One process, providers
+interleaved round by round, medians, ratios to the non-private step of the same run.
 
     python -m bench.bench_cpu [--repeats 15] [--models transformer,cnn] [--out bench/results/cpu_step_time.json]
     python -m bench.bench_cpu --repeats 5 --providers "non-private,pdpfast bk" --threads 1   # a quick look
+    python -m bench.bench_cpu --models resnet18 --repeats 5 --allocator retain --out bench/results/cpu_resnet18.json
 
 On a shared machine, threads of another job stall each multi-threaded op here; one thread and
 CPU time (``--threads 1 --clock cpu``) give ratios that depend far less on the load.
@@ -25,8 +26,10 @@ from torch import nn
 
 from bench.harness import PROVIDERS, environment, measure, retain_freed_memory, with_ratios
 from bench.models import TinyTransformer, groupnorm_cnn
+from pdpfast.models import resnet18_gn
 
-CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=None)}
+CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=None),
+           "resnet18": dict(batch=32, seq=None)}  # resnet18: not run by default (a minute a provider)
 
 
 def _case(name: str, batch: int, seq: int | None):
@@ -34,7 +37,8 @@ def _case(name: str, batch: int, seq: int | None):
     if name == "transformer":
         return (TinyTransformer(seq=seq), (torch.randint(0, 1000, (batch, seq), generator=g),),
                 torch.randint(0, 2, (batch,), generator=g))
-    return groupnorm_cnn(), (torch.randn(batch, 3, 32, 32, generator=g),), torch.randint(0, 10, (batch,), generator=g)
+    model = resnet18_gn() if name == "resnet18" else groupnorm_cnn()
+    return model, (torch.randn(batch, 3, 32, 32, generator=g),), torch.randint(0, 10, (batch,), generator=g)
 
 
 def main(argv=None) -> None:

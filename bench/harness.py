@@ -195,10 +195,11 @@ def retain_freed_memory() -> None:
     4 KiB page of them faults again on its next use: on the VM these benchmarks ran on, 5,000–20,000
     minor faults a step at ~2.7 µs each, up to half of a small CNN's step. How many depends on the
     process's allocation history: the non-private CNN step took 49–89 ms (2 threads) in different
-    processes, 46 ms without faults, and the ratios of the providers moved with it. Here the trim threshold is set to its
-    maximum and the mmap threshold to glibc's largest (32 MiB), fixed: blocks up to that size are
-    reused, and the ratios measure computation. (jemalloc or tcmalloc through ``LD_PRELOAD``, as
-    torch's CPU tuning guide advises for training, do the same for a real run.)
+    processes, 46 ms without faults, and the ratios of the providers moved with it. Here the trim
+    threshold is set to its maximum and the mmap threshold to glibc's largest (32 MiB), fixed:
+    blocks up to that size are reused, and the ratios measure computation. (jemalloc or tcmalloc
+    through ``LD_PRELOAD``, as torch's CPU tuning guide advises for training, do the same for a
+    real run, as do ``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=33554432``.)
 
     Returns:
         None.
