@@ -69,6 +69,9 @@ def _worker(rank, world, init_file, device_type, steps, out_file):
     seconds = time.perf_counter() - start
     if rank == 0:
         Path(out_file).write_text(json.dumps({"seconds": seconds, "expected_batch": engine.expected_batch_size}))
+    # every rank done with its collectives before any tears gloo down: a rank whose peer had already
+    # closed its connections was once seen to abort in gloo's teardown (SIGABRT, one CI run)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -112,9 +112,8 @@ def _small_per_sample_weight(m, x, o) -> bool:
     unless the implicit Gram gives their norms for less: then norms and one weight gradient on scaled
     output gradients beat forming them (GroupNorm CNN's 64->128 layer at 8 px: its bk step 1-2%
     faster on 1 and 2 threads, interleaved A/B), and nothing of size B × |W| is kept."""
-    if conv_ops.implicit_gram_pays(x, o, m, m.own_padding()):
-        return False
-    return lin_ops.prefer_per_sample(x.shape[0] * m.weight.numel(), x, o)
+    return (lin_ops.prefer_per_sample(x.shape[0] * m.weight.numel(), x, o)
+            and not conv_ops.implicit_gram_pays(x, o, m, m.own_padding()))
 
 
 _CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight)
