@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bench.harness import environment
+from pdpfast.distributed import leave_process_group
 
 N, SEQ, VOCAB, BATCH = 4096, 64, 1000, 64
 
@@ -69,10 +70,7 @@ def _worker(rank, world, init_file, device_type, steps, out_file):
     seconds = time.perf_counter() - start
     if rank == 0:
         Path(out_file).write_text(json.dumps({"seconds": seconds, "expected_batch": engine.expected_batch_size}))
-    # every rank done with its collectives before any tears gloo down: a rank whose peer had already
-    # closed its connections was once seen to abort in gloo's teardown (SIGABRT, one CI run)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()  # not destroy_process_group alone: gloo's threads may abort the exit
 
 
 def main(argv=None) -> int:

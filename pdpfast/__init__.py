@@ -19,7 +19,8 @@ _LAZY = {
     "calibrate": "pdpfast.accounting",
     "PrivacyPlan": "pdpfast.accounting",
 }
-_SUBMODULES = {"accounting", "fl", "functional", "nn", "ops", "data", "engine", "optimizer", "sampling", "validators"}
+_SUBMODULES = {"accounting", "data", "distributed", "engine", "fl", "functional", "nn", "ops", "optimizer", "sampling",
+               "validators"}
 
 
 def __getattr__(name: str):

@@ -17,11 +17,13 @@ DDP's own gradient synchronization is switched off for the wrapped model
 which DDP's reducer never sees, and averaging (DDP divides by the world size) is not what DP needs.
 A rank that dies makes the next collective on the others fail after the process group's timeout
 (set it in ``init_process_group(timeout=...)``); the error says so instead of hanging silently.
+End a run with :func:`leave_process_group`, not ``destroy_process_group`` alone (it says why).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import numpy as np
 import torch
@@ -111,6 +113,29 @@ class DistributedContext:
             None.
         """
         self.dist.barrier()
+
+
+def leave_process_group(settle_s: float = 0.1) -> None:
+    """Destroy the default process group so that the process can exit cleanly.
+
+    A gloo worker thread frees a finished collective's tensors just after the caller has been told
+    it finished. A tensor that Python once owned needs the GIL to be freed; if the main thread has
+    meanwhile reached interpreter shutdown, the thread is killed inside a destructor and the process
+    aborts ("terminate called without an active exception", SIGABRT; about one process in ten in a
+    short DDP run on 2 cores). ``destroy_process_group`` does not stop these threads (torch keeps
+    the group referenced from C++). Sleeping ``settle_s`` first releases the GIL so that the threads
+    finish freeing. Safe when another rank has died: it runs no collective.
+
+    Args:
+        settle_s: seconds to let the process group's threads finish (0.1 s ended 100 of 100 runs
+            that aborted about once in ten without it).
+    Returns:
+        None.
+    """
+    import torch.distributed as dist
+
+    time.sleep(settle_s)
+    dist.destroy_process_group()
 
 
 def inner_module(module: nn.Module) -> nn.Module:

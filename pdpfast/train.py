@@ -32,7 +32,7 @@ from ._checks import (
     check_positive,
     check_positive_integer,
 )
-from .distributed import inner_module
+from .distributed import inner_module, leave_process_group
 from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
@@ -480,9 +480,7 @@ def run(cfg: TrainConfig) -> dict:
         return _run(cfg, device, rank, world_size)
     finally:
         if world_size > 1:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 def _start_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
