@@ -10,7 +10,7 @@ interleaved round by round, medians, ratios to the non-private step of the same 
 
 On a shared machine, threads of another job stall each multi-threaded op here; one thread and
 CPU time (``--threads 1 --clock cpu``) give ratios that depend far less on the load.
-``--allocator retain`` keeps freed memory in the process (``harness.retain_freed_memory``): the
+``--allocator retain`` keeps freed memory in the process (``pdpfast._malloc.retain_freed_memory``): the
 page faults of re-mapped activations, which depend on the process's allocation history and made
 the non-private CNN step vary ~2x between runs, are then gone from every provider alike, and
 the ratios measure computation. Each row records its page faults per step.
@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness import PROVIDERS, environment, measure, retain_freed_memory, with_ratios
+from bench.harness import PROVIDERS, environment, measure, with_ratios
 from bench.models import TinyTransformer, groupnorm_cnn
+from pdpfast._malloc import retain_freed_memory
 from pdpfast.models import resnet18_gn
 
 CONFIGS = {"transformer": dict(batch=16, seq=128), "cnn": dict(batch=64, seq=None),

@@ -8,8 +8,6 @@ provider's peak GPU memory in a separate pass.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import datetime
 import platform
 import statistics
@@ -188,34 +186,6 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def retain_freed_memory() -> None:
-    """Make glibc keep freed memory in the process instead of returning it to the kernel.
-
-    With glibc's defaults a CPU training step frees and re-maps many MiB of activations, and every
-    4 KiB page of them faults again on its next use: on the VM these benchmarks ran on, 5,000–20,000
-    minor faults a step at ~2.7 µs each, up to half of a small CNN's step. How many depends on the
-    process's allocation history: the non-private CNN step took 49–89 ms (2 threads) in different
-    processes, 46 ms without faults, and the ratios of the providers moved with it. Here the trim
-    threshold is set to its maximum and the mmap threshold to glibc's largest (32 MiB), fixed:
-    blocks up to that size are reused, and the ratios measure computation. (jemalloc or tcmalloc
-    through ``LD_PRELOAD``, as torch's CPU tuning guide advises for training, do the same for a
-    real run, as do ``MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_MMAP_THRESHOLD_=33554432``.)
-
-    Returns:
-        None.
-    Raises:
-        RuntimeError where the C library is not glibc or refuses the settings.
-    """
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        raise RuntimeError("retain_freed_memory needs glibc (mallopt); on other C libraries preload jemalloc or "
-                           "tcmalloc instead")
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    if not (libc.mallopt(m_trim_threshold, 2**31 - 1) and libc.mallopt(m_mmap_threshold, 32 * 2**20)):
-        raise RuntimeError("glibc refused mallopt(M_TRIM_THRESHOLD / M_MMAP_THRESHOLD)")
-
-
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
@@ -228,7 +198,7 @@ def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss
     clock (CPU only): "wall", or "cpu" for the process's CPU time (all its threads), which other
     jobs on a shared machine disturb far less than wall time (they still share caches and memory).
     Page faults per step (median of the process's minor faults during each timed step) say how much
-    of a CPU step was the kernel handing memory back (see ``retain_freed_memory``).
+    of a CPU step was the kernel handing memory back (see ``pdpfast._malloc.retain_freed_memory``).
     """
     timer = time.process_time if clock == "cpu" and y.device.type != "cuda" else time.perf_counter
     device = y.device

@@ -20,6 +20,9 @@ def test_train_on_the_cpu_device(cli, data_dir, tmp_path, method):
     assert "device cpu" in out
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["device"] == "cpu" and summary["records_per_second"] > 0
+    # on a CPU freed activations stay in the process (pdpfast._malloc), unless the user chose otherwise
+    assert summary["cpu_allocator"] in {"retain", "not glibc"} or summary["cpu_allocator"].startswith(("user", "pre"))
+    assert f"allocator: {summary['cpu_allocator']}" in out
 
 
 def test_default_device_is_cuda_when_present(cli, data_dir):
