@@ -570,14 +570,16 @@ def test_model_in_eval_mode_is_refused(style):
         _bad_call(model, **style)
 
 
-@pytest.mark.parametrize("path", ["grouped-backward", "implicit-gram"])
+@pytest.mark.parametrize("path", ["grouped-backward", "implicit-gram", "unfold-bmm"])
 def test_cpu_conv_norm_paths_match_oracle(style, oracle, monkeypatch, path):
     """Large convolutions take per-sample gradients from the grouped conv backward instead of
-    unfolding; few positions and wide channels take the implicit Gram norm."""
+    unfolding; few positions and wide channels take the implicit Gram norm; tiny fan-ins take per-sample
+    gradients from im2col and a batched GEMM."""
     import pdpfast.ops.conv as conv_ops
 
     monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0)
     monkeypatch.setattr(conv_ops, "_GRAM_FRACTION", float("inf") if path == "implicit-gram" else 0.0)
+    monkeypatch.setattr(conv_ops, "_BMM_MAX_FAN_IN", 1 << 40 if path == "unfold-bmm" else -1)
     for name in ("conv2d-groups", "conv2d-circular-stride", "conv1d-same-even", "conv2d-depthwise-nobias"):
         model, reference, x, target = build(name)
         oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)

@@ -206,14 +206,17 @@ def per_sample_conv(module, x_pad, o):
 
 
 def force_conv_norm_path(monkeypatch, path):
-    """Make the CPU reference take ``path`` for every convolution it can."""
+    """Make the CPU reference take ``path`` for every convolution it can (norms and per-sample gradients)."""
     # implicit Gram wherever it applies (Conv1d/2d), or never
     monkeypatch.setattr(conv_ops, "_GRAM_FRACTION", float("inf") if path == "implicit-gram" else 0.0)
     # grouped-backward: the path large convolutions take
     monkeypatch.setattr(conv_ops, "_UNFOLD_LIMIT", 0 if path == "grouped-backward" else 1 << 40)
+    # per-sample gradients by im2col and a batched GEMM (tiny fan-ins on a CPU): for every layer, or never
+    bmm = path == "unfold-bmm"
+    monkeypatch.setattr(conv_ops, "_BMM_MAX_FAN_IN", 1 << 40 if bmm else -1)
 
 
-CONV_NORM_PATHS = ["unfold", "grouped-backward", "implicit-gram"]
+CONV_NORM_PATHS = ["unfold", "grouped-backward", "implicit-gram", "unfold-bmm"]
 
 
 @pytest.mark.parametrize("name", list(CONV_CASES))
