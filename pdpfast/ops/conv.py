@@ -296,7 +296,7 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
 _BMM_MAX_FAN_IN = 27
 
 
-def _per_sample_grads_by_bmm(x_pad, o, module) -> bool:
+def _per_sample_grads_by_bmm(x_pad, module) -> bool:
     """Whether ``conv_per_sample_grads`` takes im2col and a batched GEMM (see ``_BMM_MAX_FAN_IN``)."""
     return x_pad.device.type == "cpu" and x_pad.dim() in (3, 4) and module.weight[0].numel() <= _BMM_MAX_FAN_IN
 
@@ -348,7 +348,7 @@ def conv_per_sample_grads(x_pad, o, module, padding=None) -> torch.Tensor:
     w = module.weight
     B, G = x_pad.shape[0], module.groups
     out = workspace.empty((B, *w.shape), o.dtype, o.device)
-    if not _per_sample_grads_by_bmm(x_pad, o, module):
+    if not _per_sample_grads_by_bmm(x_pad, module):
         for samples, grads in _per_sample_grad_chunks(x_pad, o, module, padding):
             out[samples] = grads
         return out
