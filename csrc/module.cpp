@@ -2,6 +2,10 @@
 // file calls them all, so adding a file never makes two PYBIND11_MODULE definitions clash.
 #include <torch/extension.h>
 
+void register_norms(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { register_sampler(m); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_norms(m);
+  register_sampler(m);
+}

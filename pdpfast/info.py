@@ -13,11 +13,13 @@ def report() -> str:
 
     Returns:
         a multi-line str: the pdpfast / torch / python versions, the CUDA device (or "not available"),
-        then one line per registered op ("triton kernel", or "torch reference (why)") and one for the
-        Poisson sampler's backend (with the reason its compiled path is not used, if any).
+        then one line per registered op ("triton kernel", or "torch reference (why)"), one for the
+        Poisson sampler's backend (with the reason its compiled path is not used, if any) and one for the
+        CPU GroupNorm per-sample gradients (C++ kernel or torch, and why).
     """
     import pdpfast
     from pdpfast import sampling
+    from pdpfast.ops import norm
 
     lines = [f"pdpfast {pdpfast.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
     cuda = torch.cuda.is_available()
@@ -35,6 +37,8 @@ def report() -> str:
         lines.append(f"  {name:<24} {impl}")
     why = sampling.unavailable_reason()
     lines.append(f"  {'poisson_sample':<24} {sampling.backend()}" + (f" ({why})" if why else ""))
+    cpu = torch.zeros(1, 1)
+    lines.append(f"  {'group_norm (CPU)':<24} {norm.group_norm_kernel(cpu, cpu)}")
     return "\n".join(lines)
 
 

@@ -90,17 +90,20 @@ class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
         return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
 
 
-def _norm_rule(per_sample_grads, config) -> LayerRule:
+def _norm_rule(per_sample_grads, config, stacks=None) -> LayerRule:
     """Normalization layers: per-sample gradients as small as the parameters, formed directly.
 
     Their math is per sample, so n same-shape calls stack along the batch: one normalization over
     (n·B, ...) forms every call's per-sample gradients. ``config(module)``: what the math reads
-    from the module (calls stack only when it is equal).
+    from the module (calls stack only when it is equal). ``stacks(x, o)``: False for calls whose
+    route costs one op anyway (the C++ GroupNorm kernel), where stacking would only copy x and o.
     """
     def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
         return per_sample_grads(x, o, m)
 
     def key(m, x, o, names):
+        if stacks is not None and not stacks(x, o):
+            return None
         return type(m), config(m), x.shape, o.shape, o.dtype, o.device, names
 
     def stacked_grads(calls) -> list:
@@ -128,9 +131,16 @@ def _norm_rule(per_sample_grads, config) -> LayerRule:
 
 register_layer(nn.LayerNorm, DPLayerNorm, _norm_rule(norm_ops.layer_norm_per_sample_grads,
                                                      lambda m: (tuple(m.normalized_shape), m.eps)))
+
+
+def _torch_route(x, o) -> bool:
+    return norm_ops.group_norm_kernel(x, o) != "C++ kernel"
+
+
 register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sample_grads,
-                                                     lambda m: (m.num_groups, m.eps)))
+                                                     lambda m: (m.num_groups, m.eps), stacks=_torch_route))
 register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_grads,
                                                  lambda m: (tuple(m.normalized_shape), m.eps)))
 register_layer((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), DPInstanceNorm,
-               _norm_rule(norm_ops.instance_norm_per_sample_grads, lambda m: (m.num_features, m.eps)))
+               _norm_rule(norm_ops.instance_norm_per_sample_grads, lambda m: (m.num_features, m.eps),
+                          stacks=_torch_route))

@@ -2,6 +2,11 @@
 
 The affine weight's per-sample gradient is Σ_t o_{i,t} ⊙ x̂_{i,t} with x̂ the normalized input,
 the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are materialized.
+
+GroupNorm and InstanceNorm on CPU fp32/fp64 tensors take the C++ kernel of ``pdpfast._C``
+(``csrc/norms.cpp``): one call and one pass over x and o, where the torch route is a dozen ops
+per cache-sized chunk of samples (GroupNorm CNN benchmark, 64 × 32 × 32 × 32: 0.21 against 0.69 ms
+on two threads). ``group_norm_kernel`` says which route runs; without the extension, torch's.
 """
 from __future__ import annotations
 
@@ -11,6 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from . import workspace
+
+try:  # the compiled extension is optional: without it, the torch route below runs
+    from pdpfast import _C
+except (ImportError, OSError) as exc:
+    _C, _CPP_MISSING = None, f"the C++ extension pdpfast._C could not be imported ({exc})"
+else:
+    _CPP_MISSING = None if hasattr(_C, "group_norm_per_sample_grads_cpu") else (
+        "pdpfast._C was built without csrc/norms.cpp (rebuild: pip install --no-build-isolation -e .)")
 
 # On a CPU, a large batch is taken a few samples at a time, so that x̂ and o ⊙ x̂ (each as large as
 # the input) stay in an L2 cache instead of costing two fresh full-size buffers and their page
@@ -85,11 +98,36 @@ def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     return {"weight": _sum_to(x_hat.mul_(o), len(shape))}
 
 
-@_by_batch_chunks
+def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:
+    """Which route GroupNorm and InstanceNorm per-sample gradients take for these tensors.
+
+    Args:
+        x: the layer's input; o: the gradient w.r.t. its output.
+    Returns:
+        "C++ kernel" (``csrc/norms.cpp``: one pass over x and o, sums in double) for CPU fp32/fp64 tensors
+        of one dtype when ``pdpfast._C`` has it; otherwise "torch (<why>)".
+    """
+    if _CPP_MISSING is not None:
+        return f"torch ({_CPP_MISSING})"
+    if x.device.type != "cpu" or o.device.type != "cpu":
+        return "torch (not CPU tensors)"
+    if x.dtype not in (torch.float32, torch.float64) or o.dtype != x.dtype:
+        return f"torch (dtypes {x.dtype} and {o.dtype}: the kernel takes fp32 or fp64, both alike)"
+    return "C++ kernel"
+
+
+def _group_norm_grads(x, o, num_groups: int, eps: float, with_bias: bool, torch_route) -> dict[str, torch.Tensor]:
+    if group_norm_kernel(x, o) == "C++ kernel":
+        weight, bias = _C.group_norm_per_sample_grads_cpu(x, o, num_groups, eps, with_bias)
+        return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
+    return torch_route(x, o)
+
+
 def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     """Per-sample gradients of a GroupNorm's per-channel affine parameters, summed over positions.
 
-    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+    CPU fp32/fp64: the C++ kernel (``group_norm_kernel``); elsewhere torch, a large CPU batch a few
+    samples at a time (the same result, cache-sized temporaries).
 
     Args:
         x: (B, C, *spatial) the layer's input (no spatial dims: (B, C)).
@@ -99,6 +137,12 @@ def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
         {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
         a bias.
     """
+    return _group_norm_grads(x, o, module.num_groups, module.eps, module.bias is not None,
+                             lambda x, o: _group_norm_per_sample_grads_torch(x, o, module))
+
+
+@_by_batch_chunks
+def _group_norm_per_sample_grads_torch(x, o, module) -> dict[str, torch.Tensor]:
     # weights are per channel (dim 1): sum over the spatial dims only
     x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
     spatial = list(range(2, x.dim()))
@@ -108,11 +152,10 @@ def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     return out
 
 
-@_by_batch_chunks
 def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     """Per-sample gradients of an InstanceNorm1d/2d/3d's per-channel affine parameters.
 
-    On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
+    Instance norm is GroupNorm with one channel per group: the same routes (``group_norm_kernel``).
 
     Args:
         x: (B, C, *spatial) the layer's input, at least one spatial dim.
@@ -122,7 +165,12 @@ def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
         {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
         a bias.
     """
-    # instance norm normalizes each (sample, channel) over its positions: GroupNorm with C groups
+    return _group_norm_grads(x, o, x.shape[1], module.eps, module.bias is not None,
+                             lambda x, o: _instance_norm_per_sample_grads_torch(x, o, module))
+
+
+@_by_batch_chunks
+def _instance_norm_per_sample_grads_torch(x, o, module) -> dict[str, torch.Tensor]:
     x_hat = F.instance_norm(x, eps=module.eps)
     spatial = list(range(2, x.dim()))
     out = {"weight": x_hat.mul_(o).sum(spatial)}
