@@ -45,6 +45,13 @@ def _oracle(module, x, o) -> dict:
     return vmap(grad(inner), in_dims=(None, 0, 0))(params, x.double(), o.double())
 
 
+def _assert_fp32_matches_oracle(module, x, o) -> None:
+    got = norm_ops.group_norm_per_sample_grads(x, o, module)
+    expected = _oracle(module, x, o)
+    for n in ("weight", "bias"):
+        torch.testing.assert_close(got[n].double(), expected[n], rtol=1e-5, atol=1e-5)
+
+
 def _module(name, bias=True):
     module = CASES[name][0]()
     if not bias:
@@ -92,10 +99,7 @@ def test_kernel_reads_non_contiguous_inputs():
     module = _module("groupnorm-2d")
     x = torch.randn(5, 8, 6, 7).to(memory_format=torch.channels_last)
     o = torch.randn(5, 8, 7, 6).transpose(2, 3)
-    got = norm_ops.group_norm_per_sample_grads(x, o, module)
-    expected = _oracle(module, x, o)
-    for n in ("weight", "bias"):
-        torch.testing.assert_close(got[n].double(), expected[n], rtol=1e-5, atol=1e-5)
+    _assert_fp32_matches_oracle(module, x, o)
 
 
 @needs_kernel
@@ -130,10 +134,7 @@ def test_without_the_extension_the_torch_route_runs(monkeypatch):
         "torch (pretend the extension failed to build)"
     module = _module("groupnorm-2d")
     x, o = torch.randn(3, 8, 5, 3), torch.randn(3, 8, 5, 3)
-    got = norm_ops.group_norm_per_sample_grads(x, o, module)
-    expected = _oracle(module, x, o)
-    for n in ("weight", "bias"):
-        torch.testing.assert_close(got[n].double(), expected[n], rtol=1e-5, atol=1e-5)
+    _assert_fp32_matches_oracle(module, x, o)
 
 
 @needs_kernel
