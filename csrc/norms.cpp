@@ -1,5 +1,5 @@
-// Per-sample gradients of a GroupNorm's (and an InstanceNorm's) affine parameters on the CPU, in one
-// pass over the layer's input and output gradient (DESIGN.md §2; pdpfast/ops/norm.py).
+// Per-sample gradients of a GroupNorm's (and an InstanceNorm's) affine parameters on the CPU, reading
+// the layer's input and output gradient from memory once (DESIGN.md §2; pdpfast/ops/norm.py).
 //
 // For sample i and channel c of group g, with x̂ = (x - μ_ig)·rstd_ig the normalized input:
 //

@@ -6,7 +6,8 @@ the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are mat
 GroupNorm and InstanceNorm on CPU fp32/fp64 tensors take the C++ kernel of ``pdpfast._C``
 (``csrc/norms.cpp``): one call and one pass over x and o, where the torch route is a dozen ops
 per cache-sized chunk of samples (GroupNorm CNN benchmark, 64 × 32 × 32 × 32: 0.21 against 0.69 ms
-on two threads). ``group_norm_kernel`` says which route runs; without the extension, torch's.
+on two threads; the bk step 1.29 → 1.25× non-private). ``group_norm_kernel`` says which route runs;
+without the extension, torch's.
 """
 from __future__ import annotations
 
