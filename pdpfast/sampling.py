@@ -30,18 +30,14 @@ import warnings
 import numpy as np
 import torch
 
+from . import _ext
+
 __all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason",
            "as_int64", "logical_shift_right", "mix64_", "mix64_int", "GOLDEN_GAMMA"]
 
-try:  # the compiled extension is optional: the package works without it
-    from pdpfast import _C
-except (ImportError, OSError) as exc:
-    _C = None
-    _IMPORT_ERROR: str | None = f"the C++ extension pdpfast._C could not be imported ({exc})"
-else:
-    _IMPORT_ERROR = None if hasattr(_C, "poisson_sample_cpu") else (
-        "pdpfast._C has no poisson_sample_cpu (it was built without csrc/sampler.cpp; rebuild with "
-        "`pip install --no-build-isolation -e .`)")
+# the compiled extension is optional: the package works without it
+_C = _ext._C
+_IMPORT_ERROR: str | None = _ext.missing("poisson_sample_cpu", "sampler.cpp")
 
 _MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15

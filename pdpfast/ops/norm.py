@@ -4,7 +4,7 @@ The affine weight's per-sample gradient is Σ_t o_{i,t} ⊙ x̂_{i,t} with x̂ t
 the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are materialized.
 
 GroupNorm and InstanceNorm on CPU fp32/fp64 tensors take the C++ kernel of ``pdpfast._C``
-(``csrc/norms.cpp``): one call and one pass over x and o, where the torch route is a dozen ops
+(``csrc/norms.cpp``): one call that reads x and o from memory once, where the torch route is a dozen ops
 per cache-sized chunk of samples (GroupNorm CNN benchmark, 64 × 32 × 32 × 32: 0.21 against 0.69 ms
 on two threads; the bk step 1.29 → 1.25× non-private). ``group_norm_kernel`` says which route runs;
 without the extension, torch's.
@@ -16,15 +16,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .. import _ext
 from . import workspace
 
-try:  # the compiled extension is optional: without it, the torch route below runs
-    from pdpfast import _C
-except (ImportError, OSError) as exc:
-    _C, _CPP_MISSING = None, f"the C++ extension pdpfast._C could not be imported ({exc})"
-else:
-    _CPP_MISSING = None if hasattr(_C, "group_norm_per_sample_grads_cpu") else (
-        "pdpfast._C was built without csrc/norms.cpp (rebuild: pip install --no-build-isolation -e .)")
+# the compiled extension is optional: without it, the torch route below runs
+_C = _ext._C
+_CPP_MISSING = _ext.missing("group_norm_per_sample_grads_cpu", "norms.cpp")
 
 # On a CPU, a large batch is taken a few samples at a time, so that x̂ and o ⊙ x̂ (each as large as
 # the input) stay in an L2 cache instead of costing two fresh full-size buffers and their page
@@ -105,7 +102,7 @@ def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:
     Args:
         x: the layer's input; o: the gradient w.r.t. its output.
     Returns:
-        "C++ kernel" (``csrc/norms.cpp``: one pass over x and o, sums in double) for CPU fp32/fp64 tensors
+        "C++ kernel" (``csrc/norms.cpp``: x and o read from memory once, sums in double) for CPU fp32/fp64 tensors
         of one dtype when ``pdpfast._C`` has it; otherwise "torch (<why>)".
     """
     if _CPP_MISSING is not None:
