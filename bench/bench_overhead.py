@@ -7,12 +7,20 @@ non-private step of the same run.
 
     python -m bench.bench_overhead [--repeats 200] [--threads 1] [--out bench/results/overhead_cpu.json]
     python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
+    python -m bench.bench_overhead --route large         # every call as a large model's call
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
+
+``--route large`` makes every layer call take the route it takes in a full-size model on a GPU
+(BERT-base, GPT-2): computed on its own (small same-shape calls otherwise stack into one launch
+per op, ``pdpfast.clipping.SMALL_CALL_BYTES``) and without forming per-sample gradients (a CPU-only
+choice for small calls, ``pdpfast.ops.linear.MATERIALIZE_RATIO``). At width 16 every call is small
+and stacks, so the default route measures less host work per layer than a large model issues.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -39,6 +47,21 @@ def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 
     return model, inputs, y, loss
 
 
+@contextlib.contextmanager
+def large_call_route():
+    """Every layer call computed on its own, with no per-sample gradient formed: the route of a
+    full-size model's calls on a GPU (the module docstring). Restores the thresholds on exit."""
+    import pdpfast.clipping as clipping
+    import pdpfast.ops.linear as lin_ops
+
+    saved = clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS
+    clipping.SMALL_CALL_BYTES = lin_ops.MATERIALIZE_RATIO = lin_ops.MATERIALIZE_MIN_ELEMENTS = 0
+    try:
+        yield
+    finally:
+        clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS = saved
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -47,19 +70,24 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the process's CPU time, steadier than wall time on a shared machine")
     parser.add_argument("--providers", default="non-private,pdpfast bk,pdpfast per-layer,pdpfast ghost,opacus hooks")
+    parser.add_argument("--route", choices=("model", "large"), default="model",
+                        help="large: every call takes a full-size model's route (no stacking, no per-sample "
+                             "gradients formed); model: the route this model's sizes choose")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, inputs, y, loss = build(device)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
-    results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
-                                  clock=args.clock),
-                          y.shape[0])
+    with large_call_route() if args.route == "large" else contextlib.nullcontext():
+        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
+                                      clock=args.clock),
+                              y.shape[0])
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
-             "repeats": args.repeats, "clock": args.clock} for name, r in results.items()]
-    out = Path(args.out or f"bench/results/overhead_{device.type}.json")
+             "repeats": args.repeats, "clock": args.clock, "route": args.route} for name, r in results.items()]
+    suffix = "" if args.route == "model" else f"_{args.route}_calls"
+    out = Path(args.out or f"bench/results/overhead_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
     print("| provider | median step (ms) | × non-private |\n|---|---:|---:|")

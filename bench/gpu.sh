@@ -43,7 +43,9 @@ for step in $steps; do
         kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
                      --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_ ;;
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
-                      --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks" ;;
+                      --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks"
+                  run bench_overhead_large python3 -m bench.bench_overhead --device cuda --repeats 100 --route large \
+                      --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
         e2e) run e2e_fp32 python3 -m bench.bench_e2e --dtype fp32
              run e2e_bf16 python3 -m bench.bench_e2e --dtype bf16 ;;
         *) echo "unknown step $step (build tests kernels overhead e2e)"; status=2 ;;

@@ -66,3 +66,20 @@ def test_cpu_benchmark_counts_page_faults_and_retains_freed_memory_on_request(tm
         assert r["allocator"] == "retain" and r["median_ms"] > 0
         # default glibc settings fault in thousands of pages a step here (8 MiB activations)
         assert 0 <= r["page_faults_per_step"] < 1000, r
+
+
+def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tmp_path):
+    """--route large times every call on its own, as a full-size model's calls run on a GPU, and
+    leaves the stacking and forming thresholds as it found them."""
+    import pdpfast.clipping
+    import pdpfast.ops.linear as lin_ops
+    from bench import bench_overhead
+
+    before = pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS
+    out = tmp_path / "overhead.json"
+    assert bench_overhead.main(["--route", "large", "--repeats", "2", "--providers",
+                                "non-private,pdpfast bk,pdpfast per-layer", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["provider"] for r in rows] == ["non-private", "pdpfast bk", "pdpfast per-layer"]
+    assert all(r["route"] == "large" and r["median_ms"] > 0 for r in rows)
+    assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
