@@ -45,7 +45,7 @@ from torch import nn
 
 from ._checks import as_per_sample, check_choice, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
-from .nn.layers import DPLayerFunction, DPModule
+from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import clip_weights
@@ -412,11 +412,7 @@ class ClippingState:
             uses[id(p)] = uses.get(id(p), 0) + 1
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
         out = module._compute(prepared, detached)
-        # the parameters are inputs only where nothing else makes autograd reach the layer (its input
-        # needs no gradient): every input costs host time in apply and in the backward graph
-        anchors = () if out.requires_grad else trainable
-        return module._unflatten(DPLayerFunction.apply(out, prepared, (self._layer[module], names), *anchors),
-                                 prepared)
+        return module._unflatten(record_call(out, prepared, (self._layer[module], names), trainable), prepared)
 
     def partial_forward(self, module: DPModule, x: torch.Tensor, names: tuple, compute) -> torch.Tensor:
         """One call of ``module`` that uses only its parameters ``names`` (e.g. one gate projection of
@@ -442,7 +438,7 @@ class ClippingState:
         for p in trainable:
             self._uses[id(p)] = self._uses.get(id(p), 0) + 1
         out = compute(x, {n: (params[n].detach() if params.get(n) is not None else None) for n in names})
-        return DPLayerFunction.apply(out, x, (self._layer[module], used), *trainable)
+        return record_call(out, x, (self._layer[module], used), trainable)
 
     def broadcast_forward(self, module, forward, args, kwargs):
         """The forward of a module with batch-broadcast parameters (``pdpfast.nn.broadcast``): each
@@ -523,7 +519,7 @@ class ClippingState:
 
     def _batch_first(self, module, x: torch.Tensor) -> torch.Tensor:
         B = self.batch_size
-        if isinstance(x, tuple):  # a packed input (see DPLayerFunction): its tensors share dim 0
+        if isinstance(x, tuple):  # a packed input (see record_call): its tensors share dim 0
             if any(t.shape[0] != B for t in x):
                 raise ValueError(f"{self._names[module]} got inputs of shapes {[tuple(t.shape) for t in x]} but "
                                  f"the batch has {B} samples")
@@ -538,6 +534,14 @@ class ClippingState:
 
     # ------------------------------------------------------------------ backward
 
+    def keeps_inputs(self) -> bool:
+        """Whether a layer call's input must outlive its backward: between ghost clipping's two backwards.
+
+        Returns:
+            True in phase ``GHOST_NORMS``.
+        """
+        return self.phase is Phase.GHOST_NORMS
+
     def on_backward(self, call, x: torch.Tensor, o: torch.Tensor) -> None:
         """A DP layer call's backward: hands it to the handler of the current phase.
 
@@ -549,6 +553,10 @@ class ClippingState:
             None.
         """
         layer, names = call
+        if x is None and self.phase in (Phase.OPEN, Phase.GHOST_NORMS, Phase.GHOST_GRADS):
+            raise RuntimeError(f"a second backward through the same graph reached DP layer {layer.name}: its input "
+                               "was released after the first, as autograd releases saved tensors (retain_graph=True "
+                               "does not keep it). Run the forward again for another backward")
         # gradients arriving through views (e.g. attention's head split) are often strided; one copy
         # here instead of one in every reshape of every rule
         if not o.is_contiguous():

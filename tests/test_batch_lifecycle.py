@@ -245,3 +245,54 @@ def test_engine_batches_and_steps_stay_in_step_over_an_epoch():
         opt.step()
     assert engine.steps == len(loader)
     assert np.isfinite([p.detach().sum().item() for p in model.parameters()]).all()
+
+
+# A DP layer call's backward is a pre-hook on the node that computed its output (pdpfast.nn.layers.LayerCall):
+# it must keep what save_for_backward gave the Function it replaced.
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_layer_input_modified_in_place_after_its_forward_is_refused(style):
+    """Per-sample gradients from a modified input would be wrong: the backward says which layer."""
+    engine, model, opt, criterion, loader = _engine(**style)
+    x, y = next(iter(loader))
+    h = model[1](model[0](x))   # model[2]'s input, modified after model[2]'s forward
+    out = model[2](h)
+    h.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place after its forward"):
+        if style["mode"] == "ghost":
+            criterion(out, y).backward()
+        else:
+            nn.functional.cross_entropy(out, y, reduction="sum").backward()
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_layer_inputs_are_released_by_the_backward_while_the_loss_lives(style):
+    """A loss kept after backward (to print it, say) keeps its graph; the layers' inputs must not
+    stay alive with it, as saved tensors do not."""
+    import gc
+    import weakref
+
+    engine, model, opt, criterion, loader = _engine(**style)
+    x, y = next(iter(loader))
+    h = model[1](model[0](x))
+    alive = weakref.ref(h)
+    loss = criterion(model[2](h), y)
+    del h
+    loss.backward()
+    gc.collect()
+    graph = loss.per_sample if style["mode"] == "ghost" else loss  # ghost mode's loss wraps per-sample losses
+    assert alive() is None and graph.grad_fn is not None
+    opt.step()
+
+
+def test_backward_through_a_released_graph_after_a_new_batch_is_refused():
+    """retain_graph=True keeps autograd's graph, not the layer inputs: a backward of an old batch's
+    graph in the next batch is refused, never computed from another batch's state."""
+    engine, model, opt, criterion, loader = _engine(**STYLES[0])
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    loss.backward(retain_graph=True)
+    opt.step()
+    next(iter(loader))  # the next draw opens its batch
+    with pytest.raises(RuntimeError, match="second backward through the same graph"):
+        loss.backward()
