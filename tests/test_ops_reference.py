@@ -62,12 +62,14 @@ def per_sample_linear(a, o):
     return torch.einsum("btp,btd->bpd", o, a)
 
 
-@pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES)
-@pytest.mark.parametrize("path", ["gram", "direct", "auto"])
+@pytest.mark.parametrize("B,T,d,p", LINEAR_SHAPES + [(3, 64, 5, 4), (2, 71, 3, 6)])
+@pytest.mark.parametrize("path", ["gram", "gram-split", "direct", "auto"])
 def test_linear_norm_paths_agree_with_materialized(B, T, d, p, path, monkeypatch):
     a, o = torch.randn(B, T, d, dtype=torch.float64), torch.randn(B, T, p, dtype=torch.float64)
     if path != "auto":
-        monkeypatch.setattr(linear_ops, "use_gram", lambda *args: path == "gram")
+        monkeypatch.setattr(linear_ops, "use_gram", lambda *args: path.startswith("gram"))
+    if path.startswith("gram"):  # the Gram whole, or in blocks of half the positions (odd T included)
+        monkeypatch.setattr(linear_ops, "split_gram", lambda B, T, *args: path == "gram-split" and T >= 2)
     expected = sq(per_sample_linear(a, o))
     close(linear_weight_sq_norms_reference(a, o), expected)
     close(linear_weight_sq_norms(a, o), expected)
@@ -79,6 +81,17 @@ def test_use_gram_picks_the_cheaper_path():
     assert not use_gram(64, 4, 4) and not use_gram(100, 3, 5)
     # per call: the same layer switches paths with the sequence length
     assert use_gram(2, 32, 32) and not use_gram(512, 32, 32)
+
+
+def test_gram_splits_where_the_work_saved_outweighs_the_launches():
+    """Split in halves of T, the Gram norm saves a quarter of its work for eleven launches: on a GPU
+    only wide, long calls split (GPT-2 small's MLP at T = 512); BERT-base's (T = 128) stay whole."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not linear_ops.split_gram(32, 128, 768, 768, cuda) and not linear_ops.split_gram(32, 128, 768, 3072, cuda)
+    assert linear_ops.split_gram(8, 512, 768, 3072, cuda)
+    assert linear_ops.split_gram(32, 128, 768, 768, cpu) and linear_ops.split_gram(16, 128, 256, 256, cpu)
+    assert not linear_ops.split_gram(4, 64, 16, 16, cpu)  # a few launches' worth of work saved
+    assert not linear_ops.split_gram(1024, 63, 768, 768, cpu)  # too few positions to halve
 
 
 @pytest.mark.parametrize("path", ["gram", "direct"])
