@@ -49,6 +49,7 @@ from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import clip_weights
+from .ops.linear import acc_dtype
 
 MODES = ("bk", "ghost")
 CLIPPINGS = ("flat", "per_layer")
@@ -84,6 +85,12 @@ def rounding_margin(t: torch.Tensor) -> float:
 # kept activations; per-layer clipping clips them inside their own backward).
 STACK_BYTES = 64 << 20
 SMALL_CALL_BYTES = 1 << 20
+# Formed per-sample gradients of at most PACK_BYTES per parameter (normalization layers' γ and β,
+# small biases) are packed with their peers at the end of the backward: one concatenation, then a
+# few ops for all of them (norms, clip weights, weighted sums, accumulation) instead of a few per
+# parameter (BERT-base's 25 LayerNorms: ~250 launches a step become ~10). Per-layer clipping holds
+# them until then, at most STACK_BYTES in all.
+PACK_BYTES = 1 << 20
 
 
 class Phase(enum.Enum):
@@ -646,6 +653,14 @@ class ClippingState:
         if layer.rule.materializes_call(layer.module, x, o):  # form them once, clip them now
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
+            nbytes = sum(g.numel() * g.element_size() for g in grads)
+            if max(g.numel() * g.element_size() for g in grads) <= PACK_BYTES and \
+                    self._held_bytes + nbytes <= STACK_BYTES:  # small: clipped with their peers at the end
+                params = layer.module._parameters
+                self._materialized.update((params[n], g) for n, g in zip(names, grads))
+                self._held_bytes += nbytes
+                self._queue_finish(self._finish_per_layer)
+                return
             sq = sq_norms_of(grads)
             weights = self._group_weights(sq, k, grads[0])
             params = layer.module._parameters
@@ -684,18 +699,15 @@ class ClippingState:
         self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, None, names))
 
     def _add_sq(self, sq: torch.Tensor) -> None:
-        """Add one layer's (or group's) per-sample squared norms to the batch's total."""
-        if self._sq is None:
-            self._sq = sq
-        else:
-            self._sq.add_(sq if sq.dtype == self._sq.dtype else sq.to(self._sq.dtype))
+        """Add one layer's (or group's) per-sample squared norms to the batch's total: kept, and summed
+        with the others once, at the end of the backward (one launch for all, not one per layer)."""
+        self._sq_parts.append(sq)
 
     def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
         """Per-layer clipping: keep clipping group k's own per-sample squared norms (for
-        ``last_group_norms``, when ``keep_group_norms`` is set); each group reports once per backward.
-        A copy: the batch total may be accumulated into the same tensor in place."""
+        ``last_group_norms``, when ``keep_group_norms`` is set); each group reports once per backward."""
         if self.keep_group_norms:
-            self._group_sq[group] = sq.detach().clone()
+            self._group_sq[group] = sq.detach()
 
     def _queue_finish(self, finish) -> None:
         if not self._queued:
@@ -756,18 +768,54 @@ class ClippingState:
 
     # ------------------------------------------------------------------ end of a backward
 
-    def _materialized_sq(self, params) -> torch.Tensor | None:
-        return sq_norms_of([self._materialized[p] for p in params]) if params else None
+    def _packed(self, params) -> tuple[list, list]:
+        """(packs, rest) of formed per-sample gradients: those of at most ``PACK_BYTES`` concatenated
+        per dtype and device, each pack (params, (B, N) gradients side by side in params' order);
+        the other params alone."""
+        small, rest = {}, []
+        for p in params:
+            g = self._materialized[p]
+            if g.numel() * g.element_size() <= PACK_BYTES:
+                small.setdefault((g.dtype, g.device), []).append(p)
+            else:
+                rest.append(p)
+        packs = []
+        for ps in small.values():
+            if len(ps) == 1:
+                rest += ps
+                continue
+            B = self._materialized[ps[0]].shape[0]
+            packs.append((ps, torch.cat([self._materialized[p].reshape(B, p.numel()) for p in ps], 1)))
+        return packs, rest
 
-    def _batch_sq(self) -> torch.Tensor:
-        """(B,) total squared norms of the backward: the layers' plus the materialized parameters'."""
-        total = self._sq
-        extra = self._materialized_sq(list(self._materialized))
-        if extra is not None:
-            total = extra if total is None else total + extra.to(total.dtype)
-        if total is None:  # no layer saw this batch's backward
-            total = torch.zeros(self.batch_size, dtype=torch.float64)
-        return total
+    def _accumulate_packed(self, params: list, summed: torch.Tensor) -> None:
+        """Add the (N,) clipped sums of a pack into its params' ``.grad``: one launch for those that
+        have a gradient of their dtype (``_foreach_add_``), views of ``summed`` for those that have none."""
+        into, add = [], []
+        for p, g in zip(params, summed.split([p.numel() for p in params])):
+            if p.grad is not None and p.grad.dtype == g.dtype:
+                into.append(p.grad)
+                add.append(g.view(p.shape))
+            else:
+                self._accumulate_param(p, g)
+        if into:
+            with torch.no_grad():
+                torch._foreach_add_(into, add)
+
+    def _batch_sq(self, packs=None, rest=None) -> torch.Tensor:
+        """(B,) total squared norms of the backward: the layers' plus the materialized parameters'
+        (``packs`` and ``rest`` as ``_packed`` returns them, computed here when not given)."""
+        if packs is None:
+            packs, rest = self._packed(list(self._materialized))
+        parts = self._sq_parts
+        grads = [flat for _, flat in packs] + [self._materialized[p] for p in rest]
+        if grads:
+            parts = [*parts, sq_norms_of(grads)]
+        if not parts:  # no layer saw this batch's backward
+            return torch.zeros(self.batch_size, dtype=torch.float64)
+        dtype = parts[0].dtype  # the first layer's accumulation dtype (fp64 for fp64 models)
+        parts = [sq if sq.dtype == dtype else sq.to(dtype) for sq in parts]
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
     def _stack_chunks(self) -> list:
         """Stacked calls cut into chunks of at most ``STACK_BYTES`` of inputs and output gradients, so
@@ -790,15 +838,18 @@ class ClippingState:
         chunks = self._stack_chunks()
         for stacked, calls in chunks:
             self._add_sq(stacked.sq_norms(calls).sum(0))
-        total = self._batch_sq()
+        packs, rest = self._packed(list(self._materialized))
+        total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)
         for stacked, calls in chunks:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
                 self._accumulate(module, grads)
         for layer, x, o, names in self._tape:
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
-        for p, g in self._materialized.items():
-            self._accumulate_param(p, weighted_sum(weights, g))
+        for p in rest:
+            self._accumulate_param(p, weighted_sum(weights, self._materialized[p]))
+        for params, flat in packs:
+            self._accumulate_packed(params, weighted_sum(weights, flat))
         workspace.recycle(self._materialized.values())
         self._close_backward(total, weights)
 
@@ -852,8 +903,19 @@ class ClippingState:
         """End of a per-layer backward: held small calls, and groups used more than once."""
         self._flush_per_layer_stacks()
         groups = sorted({self._param_group[id(p)] for p in self._materialized})
-        for k in groups:
-            done = [p for p in self._group_params[k] if p in self._materialized]
+        by_group = {k: [p for p in self._group_params[k] if p in self._materialized] for k in groups}
+        small = {}  # groups whose formed gradients are all small, by dtype and device: packed
+        for k, done in by_group.items():
+            grads = [self._materialized[p] for p in done]
+            key = (grads[0].dtype, grads[0].device)
+            if all(g.numel() * g.element_size() <= PACK_BYTES and (g.dtype, g.device) == key for g in grads):
+                small.setdefault(key, []).append(k)
+        for ks in small.values():
+            if len(ks) > 1:
+                self._clip_packed_groups(ks, by_group)
+                for k in ks:
+                    del by_group[k]
+        for k, done in by_group.items():
             grads = [self._materialized[p] for p in done]
             sq = sq_norms_of(grads)
             weights = self._group_weights(sq, k, grads[0])
@@ -862,8 +924,42 @@ class ClippingState:
             workspace.recycle(grads)
             self._add_group_sq(k, sq)
             self._add_sq(sq)
+        workspace.recycle(self._materialized.values())
         self._materialized = {}
         self._close_backward(self._batch_sq(), None)
+
+    def _clip_packed_groups(self, groups: list, by_group: dict) -> None:
+        """Per-layer clipping of several groups' small formed gradients at once: (B, N) side by side,
+        a (K, N) 0/1 matrix S of which group each column is in (kept across batches), then
+        ‖g_{k,i}‖² = (S (g²)ᵀ)_{k,i}, weights (K, B) in one clip-weight computation, and the clipped
+        sums Σ_i w_{k(j),i} g_{i,j} of every column j = ((Sᵀ W) ⊙ gᵀ) summed over i."""
+        params = [p for k in groups for p in by_group[k]]
+        B = self._materialized[params[0]].shape[0]
+        flat = torch.cat([self._materialized[p].reshape(B, p.numel()) for p in params], 1)
+        layout = tuple((k, sum(p.numel() for p in by_group[k])) for k in groups)
+        key = (flat.device, flat.dtype, layout)
+        member = self._group_index.get(key)
+        if member is None:
+            if flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a per-layer pack layout must be built before CUDA graph capture (warm up the "
+                                   "step eagerly first)")
+            member = torch.zeros(len(groups), flat.shape[1], dtype=acc_dtype(flat))
+            start = 0
+            for row, (_, n) in enumerate(layout):
+                member[row, start:start + n] = 1
+                start += n
+            if flat.device.type == "cuda":
+                member = member.pin_memory()
+            member = self._group_index[key] = member.to(flat.device, non_blocking=True)
+        acc = flat if flat.dtype == member.dtype else flat.to(member.dtype)  # fp32 for fp16/bf16
+        sq = member.mm(acc.square().t())  # (K, B)
+        weights = self._weights(sq, self._group_bounds(sq, rounding_margin(flat), tuple(groups)))
+        summed = (member.t().mm(weights) * acc.t()).sum(1)  # (N,), in the accumulation dtype
+        self._accumulate_packed(params, summed)
+        if self.keep_group_norms:
+            for k, row in zip(groups, sq.unbind(0)):
+                self._add_group_sq(k, row)
+        self._add_sq(sq.sum(0))
 
     def _close_backward(self, total_sq, weights) -> None:
         self._total_sq = total_sq
@@ -911,11 +1007,12 @@ class ClippingState:
             hook(self)
 
     def _reset_backward(self) -> None:
-        self._sq: torch.Tensor | None = None
+        self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
         self._tape: list = []
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self._held_bytes = 0  # per-layer clipping: small formed gradients held to the end of the backward
         self._group_sq: dict[int, torch.Tensor] = {}
         self._queued = False
         self._margin = 0.0

@@ -583,3 +583,26 @@ def test_cpu_conv_norm_paths_match_oracle(style, oracle, monkeypatch, path):
     for name in ("conv2d-groups", "conv2d-circular-stride", "conv1d-same-even", "conv2d-depthwise-nobias"):
         model, reference, x, target = build(name)
         oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+
+
+def test_small_formed_gradients_are_packed_and_equal_the_oracle(style, oracle, monkeypatch):
+    """Normalization layers' per-sample gradients (and other small formed ones) are clipped together
+    at the end of the backward: one concatenation, norms per clipping group from one product, one
+    clip-weight computation, one weighted sum. Several groups of different widths, each call computed
+    alone (as a large model's are), equal the oracle in every mode."""
+    import pdpfast.clipping
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+    packed = []
+    accumulate = pdpfast.clipping.ClippingState._accumulate_packed
+    monkeypatch.setattr(pdpfast.clipping.ClippingState, "_accumulate_packed",
+                        lambda self, params, summed: (packed.append(len(params)), accumulate(self, params, summed)))
+    reference = randomize_(nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 4),
+                                         nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.RMSNorm(4))).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    x = torch.randn(7, 5, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(reference(x))
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+    if style["mode"] == "bk":  # ghost mode's clipped sums come from its second backward
+        assert packed and max(packed) >= 5, packed  # γ and β of three norms, the RMSNorm's γ
