@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 from pathlib import Path
 
@@ -45,6 +46,30 @@ def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 
     y = torch.randint(0, 2, (batch,), generator=g).to(device)
     loss = lambda out, t: nn.functional.cross_entropy(out.logits, t, reduction="none")  # noqa: E731
     return model, inputs, y, loss
+
+
+# aten ops that only make views or read metadata: no kernel launch on a GPU
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "transpose", "t", "permute", "expand",
+                       "unsqueeze", "squeeze", "squeeze_", "select", "slice", "split", "split_with_sizes", "unbind",
+                       "detach", "alias", "as_strided", "promote_types"})
+
+
+def launches_per_step(step) -> int:
+    """The aten ops of one call of ``step`` that are not views: the kernels a GPU would be sent, each
+    one the host issues (a proxy of host work that does not depend on the clock)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _VIEW_OPS:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.n
 
 
 @contextlib.contextmanager
@@ -83,6 +108,11 @@ def main(argv=None) -> int:
         results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
                                       clock=args.clock),
                               y.shape[0])
+        for name, make in providers.items():
+            if "median_ms" in results[name]:
+                step = make(copy.deepcopy(model), inputs, y, loss)
+                step(), step()  # warm: lazily built state is not counted
+                results[name]["launches_per_step"] = launches_per_step(step)
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
              "repeats": args.repeats, "clock": args.clock, "route": args.route} for name, r in results.items()]
@@ -90,10 +120,11 @@ def main(argv=None) -> int:
     out = Path(args.out or f"bench/results/overhead_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
-    print("| provider | median step (ms) | × non-private |\n|---|---:|---:|")
+    print("| provider | median step (ms) | × non-private | launches per step |\n|---|---:|---:|---:|")
     for r in rows:
         if "median_ms" in r:
-            print(f"| {r['provider']} | {r['median_ms']:.2f} | {r.get('time_ratio_vs_nonprivate', float('nan')):.2f} |")
+            print(f"| {r['provider']} | {r['median_ms']:.2f} | {r.get('time_ratio_vs_nonprivate', float('nan')):.2f} "
+                  f"| {r.get('launches_per_step', '')} |")
         else:
             print(f"| {r['provider']} | {r['error']} | |")
     print(f"device: {env['device']}, torch {env['torch']}, {env['date']}; written to {out}")

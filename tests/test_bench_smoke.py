@@ -81,5 +81,7 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
                                 "non-private,pdpfast bk,pdpfast per-layer", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["provider"] for r in rows] == ["non-private", "pdpfast bk", "pdpfast per-layer"]
-    assert all(r["route"] == "large" and r["median_ms"] > 0 for r in rows)
+    assert all(r["route"] == "large" and r["median_ms"] > 0 and r["launches_per_step"] > 0 for r in rows)
+    # what a private step adds is counted: more launches than the non-private step
+    assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
     assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
