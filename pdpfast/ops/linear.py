@@ -154,10 +154,10 @@ def linear_sq_norms_reference(a: torch.Tensor, o: torch.Tensor, with_bias: bool 
 
 # Split in halves of T, the Gram norm forms three of its four blocks: a quarter fewer multiply-adds
 # for eleven more launches (fifteen: nine products and their sums, instead of three and one). It
-# pays where the work saved outweighs their host time: a launch issued from Python costs ~10-20 µs
-# of host time on a GPU machine (the non-private BERT-base step issues ~1,800 in 33 ms on the H100's
-# host, bench/README.md), in which cuBLAS does ~10⁸-10⁹ fp32 multiply-adds, and ~1-2 µs on a CPU
-# core, ~10⁵. Minimum multiply-adds saved per call, by device type:
+# pays where the work saved outweighs their host time: a launch issued from Python costs tens of µs
+# of host time on a GPU machine (the non-private BERT-base step issues 882 kernels in 33 ms on the
+# H100's host, bench/README.md), in which cuBLAS does ~10⁸-10⁹ fp32 multiply-adds, and ~1-2 µs on a
+# CPU core, ~10⁵. Minimum multiply-adds saved per call, by device type (an estimate, not measured):
 SPLIT_GRAM_MIN_SAVED = {"cuda": 1 << 30, "cpu": 1 << 20}
 
 
