@@ -887,17 +887,24 @@ class ClippingState:
         key = (sq.device, sq.dtype, margin, groups)
         bounds = self._bounds.get(key)
         if bounds is None:
-            index = self._group_index.get((sq.device, groups))
-            if index is None:
-                if sq.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError("a per-layer stack index must be built before CUDA graph capture (warm up "
-                                       "the step eagerly first)")
-                index = torch.tensor(groups, dtype=torch.int64)
-                if sq.device.type == "cuda":
-                    index = index.pin_memory()
-                index = self._group_index[(sq.device, groups)] = index.to(sq.device, non_blocking=True)
+            index = self._layout_tensor((sq.device, groups), lambda: torch.tensor(groups, dtype=torch.int64),
+                                        "a per-layer stack index")
             bounds = self._bounds[key] = self._bounds_for(sq.device, sq.dtype, margin).index_select(0, index)
         return bounds
+
+    def _layout_tensor(self, key: tuple, build, what: str) -> torch.Tensor:
+        """A tensor that depends only on the model's layout (``build()`` on the host), moved to the
+        device ``key[0]`` once (queued, from pinned memory) and kept across batches in ``_group_index``."""
+        t = self._group_index.get(key)
+        if t is None:
+            device = key[0]
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{what} must be built before CUDA graph capture (warm up the step eagerly first)")
+            t = build()
+            if device.type == "cuda":
+                t = t.pin_memory()
+            t = self._group_index[key] = t.to(device, non_blocking=True)
+        return t
 
     def _finish_per_layer(self) -> None:
         """End of a per-layer backward: held small calls, and groups used more than once."""
@@ -937,20 +944,16 @@ class ClippingState:
         B = self._materialized[params[0]].shape[0]
         flat = torch.cat([self._materialized[p].reshape(B, p.numel()) for p in params], 1)
         layout = tuple((k, sum(p.numel() for p in by_group[k])) for k in groups)
-        key = (flat.device, flat.dtype, layout)
-        member = self._group_index.get(key)
-        if member is None:
-            if flat.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("a per-layer pack layout must be built before CUDA graph capture (warm up the "
-                                   "step eagerly first)")
+
+        def membership():
             member = torch.zeros(len(groups), flat.shape[1], dtype=acc_dtype(flat))
             start = 0
             for row, (_, n) in enumerate(layout):
                 member[row, start:start + n] = 1
                 start += n
-            if flat.device.type == "cuda":
-                member = member.pin_memory()
-            member = self._group_index[key] = member.to(flat.device, non_blocking=True)
+            return member
+
+        member = self._layout_tensor((flat.device, flat.dtype, layout), membership, "a per-layer pack layout")
         acc = flat if flat.dtype == member.dtype else flat.to(member.dtype)  # fp32 for fp16/bf16
         sq = member.mm(acc.square().t())  # (K, B)
         weights = self._weights(sq, self._group_bounds(sq, rounding_margin(flat), tuple(groups)))
