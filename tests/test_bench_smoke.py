@@ -57,14 +57,16 @@ def test_cpu_benchmark_counts_page_faults_and_retains_freed_memory_on_request(tm
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "cpu.json"
     # a subprocess: the allocator setting is process-wide and must not leak into the test session
-    subprocess.run([sys.executable, "-m", "bench.bench_cpu", "--models", "cnn", "--repeats", "2", "--threads", "1",
+    subprocess.run([sys.executable, "-m", "bench.bench_cpu", "--models", "cnn", "--repeats", "5", "--threads", "1",
                     "--providers", "non-private,pdpfast bk", "--allocator", "retain", "--out", str(out)],
                    cwd=root, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(root)})
     rows = json.loads(out.read_text())
     assert [r["provider"] for r in rows] == ["non-private", "pdpfast bk"]
     for r in rows:
         assert r["allocator"] == "retain" and r["median_ms"] > 0
-        # default glibc settings fault in thousands of pages a step here (8 MiB activations)
+        # default glibc settings fault in 5,000-14,000 pages every step here (8 MiB activations); with
+        # retain the heap can still grow by a block (1,024-4,096 pages) in one or two of the first
+        # timed steps while both providers reach their high-water marks: the median of 5 steps is 0
         assert 0 <= r["page_faults_per_step"] < 1000, r
 
 
