@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .clipping import ClippingState
 from .ops.dispatch import use_triton
@@ -291,19 +292,47 @@ class _Accumulate:
         return outputs[0]
 
 
+# aten ops whose output size or value a CUDA device must report to the host before it returns
+_SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+                          "unique_dim_consecutive", "masked_select", "repeat_interleave", "bincount", "equal",
+                          "is_nonzero"})
+
+
+class _RefuseSyncs(TorchDispatchMode):
+    """Raises on the aten ops that read a device tensor's values on the host: what ``.item()``,
+    ``bool(t)``, ``torch.unique``, ``nonzero``, boolean-mask indexing and the like reach."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _SYNCING_OPS:
+            # repeat_interleave syncs for tensor repeats without output_size, not for an int
+            if name != "repeat_interleave" or (isinstance(args[-1] if len(args) > 1 else args[0], torch.Tensor)
+                                               and (kwargs or {}).get("output_size") is None):
+                raise RuntimeError(f"aten::{name} synchronises with the host inside a step body")
+        if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
+            indices = args[1] if len(args) > 1 else (kwargs or {}).get("indices", ())
+            if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                raise RuntimeError(f"aten::{name} with a boolean mask synchronises with the host inside a step "
+                                   "body (the mask's count sets the output size); use torch.where or a product")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def no_host_sync():
-    """Raise on the tensor methods that synchronise with the host while the block runs.
+    """Raise on every operation that synchronises with the host while the block runs.
 
-    Covers ``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``, ...: what a CUDA graph
-    capture forbids, made visible on the CPU (tests wrap a step's body in it). The methods are
-    restored on exit.
+    Covers ``.item()``, ``bool(t)``, ``int(t)``, ``nonzero``, ``torch.unique``, boolean-mask indexing
+    (``x[mask]``, ``x[mask] = v``), ``masked_select``, ``repeat_interleave`` without ``output_size``,
+    ``bincount`` (seen at the dispatcher, so also where torch's own code calls them) and
+    ``.tolist()``, ``.cpu()``, ``.numpy()``: what a CUDA graph capture forbids and what stalls the host
+    behind the GPU, made visible on the CPU (tests wrap a step's body in it). Everything is restored on
+    exit.
 
     Returns:
         a context manager (yields None).
     Raises:
-        RuntimeError ("Tensor.<name> synchronises with the host inside a step body") on any such call
-        inside the block.
+        RuntimeError ("... synchronises with the host inside a step body") on any such call inside
+        the block.
     """
     names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
              "unique", "equal")
@@ -317,7 +346,8 @@ def no_host_sync():
     try:
         for n in names:
             setattr(torch.Tensor, n, refuse(n))
-        yield
+        with _RefuseSyncs():
+            yield
     finally:
         for n, method in saved.items():
             setattr(torch.Tensor, n, method)

@@ -104,3 +104,20 @@ def test_max_mode_and_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="only supported for mode='sum'"):
         pdpfast.functional.clipped_gradients(model, lambda out: out.sum(1), ids,
                                              torch.rand(B, L, dtype=torch.float64), clip_norms=torch.ones(B))
+
+
+def test_two_dimensional_bags_clip_without_a_host_synchronisation():
+    """Bags given as (B, L) ids have static shapes end to end: norms and clipped sums never wait for
+    the device (1-D input with offsets reads its longest bag once, in the forward)."""
+    from pdpfast.graphs import no_host_sync
+
+    torch.manual_seed(2)
+    model = pdpfast.nn.convert(Bags(mode="mean", padding_idx=0))
+    state = pdpfast.clipping.ClippingState(model)
+    state.attach()
+    ids, labels = ids_with_repeats(), torch.randint(0, 3, (B,))
+    state.begin_batch(torch.ones(B), loss_scale=B)  # the host's bounds, checked on the host
+    with no_host_sync():
+        ce_loss(model(ids), labels).mean().backward()
+    assert model.bag.weight.grad is not None and torch.isfinite(model.bag.weight.grad).all()
+    state.detach()

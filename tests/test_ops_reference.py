@@ -160,6 +160,8 @@ EMBEDDING_CASES = [  # (B, ids shape, V, p, padding_idx, distinct tokens used)
     (3, (2, 4), 9, 3, None, 4),
     (2, (6,), 1, 2, None, 1),
     (0, (3,), 5, 2, 1, 5),
+    (1, (8,), 4, 3, None, 4),
+    (6, (5,), 3, 2, 2, 3),  # every id up to V - 1: one sample's keys end where the next one's begin
 ]
 
 
@@ -176,6 +178,20 @@ def test_embedding_norms_and_clipped_sum(B, shape, V, p, padding_idx, used):
     close(embedding_per_sample_grads(ids, o, V, padding_idx), expected)
     close(embedding_clipped_grad_reference(ids, o, w, V, padding_idx), weighted_sum(w, expected))
     close(embedding_clipped_grad_reference(ids, o, None, V, padding_idx), expected.sum(0))
+
+
+def test_embedding_norms_take_int32_ids_and_never_synchronise_with_the_host():
+    """The norms' shapes do not depend on how many distinct tokens a batch holds (no torch.unique,
+    no mask indexing): nothing waits for the device, and a CUDA graph can capture them."""
+    from pdpfast.graphs import no_host_sync
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (5, 9), generator=g)
+    o = torch.randn(5, 9, 4, dtype=torch.float64, generator=g)
+    expected = sq(per_sample_embedding(ids, o, 6, 1))
+    with no_host_sync():
+        got = embedding_sq_norms(ids.int(), o, 6, 1)
+    close(got, expected)
 
 
 def test_embedding_repeated_tokens_add_before_squaring():

@@ -194,6 +194,38 @@ def test_private_step_bodies_never_synchronise_with_the_host(name, clipping):
     state.detach()
 
 
+_SYNCS = {
+    "torch.unique": lambda x: torch.unique(x),
+    "boolean-mask read": lambda x: x[x > 2],
+    "boolean-mask write": lambda x: x.__setitem__(x > 2, 0.0),
+    "nonzero": lambda x: torch.nonzero(x),
+    "repeat_interleave by a tensor": lambda x: x.repeat_interleave(torch.ones(6, dtype=torch.long)),
+    "item": lambda x: x.sum().item(),
+    "bool": lambda x: bool(x.sum() > 0),
+}
+_NO_SYNCS = {
+    "torch.where": lambda x: torch.where(x > 2, x, 0.0),
+    "masked_fill": lambda x: x.masked_fill(x > 2, 0.0),
+    "integer index": lambda x: x[torch.tensor([1, 4])],
+    "repeat_interleave by an int": lambda x: x.repeat_interleave(2),
+    "sort and searchsorted": lambda x: torch.searchsorted(x.sort().values, x),
+}
+
+
+@pytest.mark.parametrize("name", list(_SYNCS))
+def test_no_host_sync_refuses_what_reads_a_device_value_below_the_tensor_methods(name):
+    """torch.unique and mask indexing reach the host inside aten, not through Tensor.item: the
+    guard sees them at the dispatcher."""
+    with no_host_sync(), pytest.raises(RuntimeError, match="synchronises with the host"):
+        _SYNCS[name](torch.arange(6.0))
+
+
+@pytest.mark.parametrize("name", list(_NO_SYNCS))
+def test_no_host_sync_lets_static_shape_operations_run(name):
+    with no_host_sync():
+        _NO_SYNCS[name](torch.arange(6.0))
+
+
 def test_no_host_sync_catches_a_synchronising_loss():
     model = _mlp()
     engine, model, opt, loader = _engine(model)

@@ -163,14 +163,12 @@ def _bag_per_sample(m, x, o):
 
 def _bag_sq_norms(m, x, o, names):
     ids, w = x
-    B = ids.shape[0]
+    B, L = ids.shape
     # coefficient of o_i on table row u: Σ_j w_ij over the bag's entries equal to u
-    keys = torch.arange(B, device=ids.device).unsqueeze(1) * m.num_embeddings + ids
-    unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
     acc = torch.float64 if o.dtype == torch.float64 else torch.float32
-    coef = torch.zeros(unique.numel(), dtype=acc, device=o.device).index_add_(0, inverse, w.flatten().to(acc))
-    per_row = torch.zeros(B, dtype=acc, device=o.device).index_add_(0, unique // m.num_embeddings, coef.pow(2))
-    return per_row * o.to(coef.dtype).pow(2).sum(1)
+    rows = emb_ops.same_token_rows(ids, m.num_embeddings)
+    coef = torch.zeros(B * L, dtype=acc, device=o.device).index_add_(0, rows, w.reshape(-1).to(acc))
+    return coef.view(B, L).pow(2).sum(1) * o.to(acc).pow(2).sum(1)
 
 
 def _bag_clipped(m, x, o, weights, names):

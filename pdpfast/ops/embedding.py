@@ -14,6 +14,26 @@ from .dispatch import declare
 from .linear import acc_dtype
 
 
+def same_token_rows(ids: torch.Tensor, num_embeddings: int) -> torch.Tensor:
+    """A row index per token where the tokens of the same id in the same sample meet.
+
+    The row is the position where the token's id first occurs among its sample's sorted ids, offset
+    by the sample's first row: sample i's rows lie in [iT, (i+1)T). Every shape is static (B·T rows,
+    some unused), so nothing waits for the device as ``torch.unique`` would (its output size is the
+    number of distinct tokens); a CUDA graph can capture it.
+
+    Args:
+        ids: (B, T) integer ids in [0, num_embeddings).
+        num_embeddings: V.
+    Returns:
+        (B·T,) int64 rows in [0, B·T), in the order of ``ids.reshape(-1)``.
+    """
+    B = ids.shape[0]
+    keys = ids + torch.arange(0, B * num_embeddings, num_embeddings, device=ids.device).unsqueeze(1)
+    keys = keys.reshape(-1)
+    return torch.searchsorted(keys.sort().values, keys)
+
+
 def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
                                  padding_idx: int | None) -> torch.Tensor:
     """‖G_i‖² = Σ_{v ∈ tokens(i)} ‖Σ_{t: x_{i,t}=v} o_{i,t}‖² per sample, in plain torch (exact).
@@ -30,20 +50,13 @@ def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddi
     B = ids.shape[0]
     dtype = acc_dtype(o)
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
-    o = o.reshape(B, ids.shape[1], o.shape[-1]).to(dtype)
-    sample = torch.arange(B, device=ids.device).unsqueeze(1).expand_as(ids)
-    keys = sample * num_embeddings + ids
-    rows = o
-    if padding_idx is not None:
-        keep = ids != padding_idx
-        keys, rows = keys[keep], o[keep]
-    else:
-        keys, rows = keys.reshape(-1), o.reshape(-1, o.shape[-1])
-    unique, inverse = torch.unique(keys, return_inverse=True)
-    summed = torch.zeros(unique.numel(), o.shape[-1], dtype=dtype, device=o.device)
-    summed.index_add_(0, inverse, rows)
-    out = torch.zeros(B, dtype=dtype, device=o.device)
-    return out.index_add_(0, unique // num_embeddings, summed.pow(2).sum(-1))
+    T, p = ids.shape[1], o.shape[-1]
+    o = o.reshape(B, T, p).to(dtype)
+    if padding_idx is not None:  # padding adds nothing (filled in place: a mask index would sync)
+        o = o.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+    rows = same_token_rows(ids, num_embeddings)
+    summed = torch.zeros(B * T, p, dtype=dtype, device=o.device).index_add_(0, rows, o.reshape(B * T, p))
+    return summed.view(B, T, p).pow(2).sum((1, 2))
 
 
 _EMBEDDING_SQ_NORMS = declare("embedding_sq_norms", embedding_sq_norms_reference)
