@@ -3,7 +3,8 @@
     python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,conv_weight_sq_norms] [--dtypes bf16,fp32]
     python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
-The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``); each has one
+The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``) and the ops of
+the compiled extension ``pdpfast._C`` that run on CUDA (``clip_weights``); each kernel has one
 benchmark function here, registered under the op's name with ``@benchmark(name)`` (an undeclared
 name raises at import), which times the op's registered kernel against its registered reference.
 For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
@@ -38,7 +39,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 @dataclass
 class Row:
     benchmark: str
-    provider: str          # "triton" or "torch"
+    provider: str          # "triton", "C++" (an op of pdpfast._C) or "torch"
     shape: str
     dtype: str
     variant: str           # kernel path / option benchmarked
@@ -241,6 +242,32 @@ def bench_embedding_norms(rows, op, dtype_name, quick, reps):
                     o.numel() * o.element_size() + ids.numel() * 8, 0, reps)
 
 
+def bench_clip_weights(rows, reps):
+    """The clip-weight op of ``pdpfast._C`` (``csrc/clip_cuda.cu``, one launch) against its five torch
+    ops, at the sizes a backward asks for (one call per layer call in per-layer clipping): all
+    launch cost, so the graph column (GPU time alone) is given too."""
+    from pdpfast import _ext
+    from pdpfast.ops.clip import clip_weights, clip_weights_reference
+
+    if _ext.missing("clip_weights", "clip.cpp") is not None or not _ext._C.clip_with_cuda:
+        print("bench_kernels: pdpfast._C has no CUDA clip_weights (build it with `python setup.py build_ext "
+              "--inplace` on this machine)", file=sys.stderr)
+        return
+    for B in (32, 256, 4096):
+        sq = torch.rand(B, device="cuda") * 4
+        bounds = torch.rand(B, device="cuda")
+        fns = {"C++": lambda: clip_weights(sq, bounds, loss_scale=B),
+               "torch": lambda: clip_weights_reference(sq, bounds, loss_scale=B)}
+        ms = {name: cuda_time_ms(fn, reps=reps) for name, fn in fns.items()}
+        for name, fn in fns.items():
+            speedup = ms["torch"] / ms["C++"] if name == "C++" else None
+            rows.append(Row("clip_weights", name, str((B,)), "fp32", "loss_scale=B", ms[name],
+                            3 * B * 4 / ms[name] / 1e6, 0.0, speedup, graph_ms=cuda_graph_ms(fn)))
+
+
+EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights}
+
+
 @benchmark("add_noise_")
 def bench_noise(rows, op, dtype_name, quick, reps):
     dtype = DTYPES[dtype_name]
@@ -261,7 +288,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--ops", default=None, help="comma-separated subset of the ops with a kernel "
-                        "(default: all of them): " + ", ".join(sorted(BENCHMARKS)))
+                        "(default: all of them): " + ", ".join(sorted(BENCHMARKS) + sorted(EXTENSION_BENCHMARKS)))
     parser.add_argument("--dtypes", default="bf16", help="comma-separated subset of fp32, fp16, bf16")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/...)")
@@ -286,6 +313,8 @@ def main(argv=None) -> int:
         print(f"bench_kernels: no benchmark for the kernels of {sorted(unbenchmarked)}; add one with "
               "@benchmark(name)", file=sys.stderr)
     selected = args.ops.split(",") if args.ops else [name for name in with_kernel if name in BENCHMARKS]
+    extension = [name for name in EXTENSION_BENCHMARKS if not args.ops or name in selected]
+    selected = [name for name in selected if name not in EXTENSION_BENCHMARKS]
     unknown = set(selected) - (set(with_kernel) & set(BENCHMARKS))
     if unknown:
         parser.error(f"no kernel or no benchmark for: {sorted(unknown)}")
@@ -295,6 +324,8 @@ def main(argv=None) -> int:
         for dtype_name in args.dtypes.split(","):
             BENCHMARKS[name](rows, dispatch.op(name), dtype_name, args.quick, args.reps)
             torch.cuda.empty_cache()
+    for name in extension:
+        EXTENSION_BENCHMARKS[name](rows, args.reps)
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
              f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9}"

@@ -2,10 +2,12 @@
 // file calls them all, so adding a file never makes two PYBIND11_MODULE definitions clash.
 #include <torch/extension.h>
 
+void register_clip(pybind11::module_& m);
 void register_norms(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_clip(m);
   register_norms(m);
   register_sampler(m);
 }

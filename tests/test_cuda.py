@@ -198,3 +198,34 @@ def test_cuda_captured_step_refuses_adam_without_capturable():
                                              max_grad_norm=1.0, physical_batch_size=4)
     with pytest.raises(ValueError, match="capturable=True"):
         engine.make_step(lambda x, y: nn.functional.cross_entropy(model(x), y))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gamma", [None, 0.01])
+def test_cuda_clip_weights_op_equals_the_torch_formula(dtype, gamma):
+    """The CUDA clip-weight op of pdpfast._C (csrc/clip_cuda.cu) against the five torch ops it
+    replaces, special values included; also captured in a CUDA graph."""
+    from pdpfast import _ext
+    from pdpfast.ops.clip import clip_weights, clip_weights_reference, clip_weights_route
+
+    if _ext.missing("clip_weights", "clip.cpp") is not None or not _ext._C.clip_with_cuda:
+        pytest.skip("pdpfast._C was built without CUDA (python setup.py build_ext --inplace on this machine)")
+    g = torch.Generator().manual_seed(4)
+    sq = torch.exp(torch.randn(3001, generator=g, dtype=torch.float64) * 6).to(dtype)
+    sq[:5] = torch.tensor([-1e-7, 0.0, float("nan"), float("inf"), 1e-30], dtype=dtype)
+    bounds = (torch.rand(3001, generator=g, dtype=torch.float64) * 3).to(dtype)
+    bounds[1::4] = 0.0
+    sq, bounds = sq.cuda(), bounds.cuda()
+    assert clip_weights_route(sq, bounds) == "C++ kernel"
+    for s in (1.0, 7.0):
+        got = clip_weights(sq, bounds, None, gamma, s)
+        expected = clip_weights_reference(sq, bounds, None, gamma, s)
+        torch.testing.assert_close(got, expected, rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+        assert torch.equal(got.isnan(), expected.isnan())
+    out = torch.empty_like(sq)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(clip_weights(sq, bounds, None, gamma, 3.0))
+    graph.replay()
+    torch.testing.assert_close(out, clip_weights_reference(sq, bounds, None, gamma, 3.0),
+                               rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)

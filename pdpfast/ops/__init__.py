@@ -5,7 +5,7 @@ Each family's file declares the ops that can run a kernel next to their referenc
 a Triton kernel registers under its name (``pdpfast.ops.dispatch``). Kernels run for CUDA
 tensors; everything else runs the reference.
 """
-from .clip import clip_weights
+from .clip import clip_weights, clip_weights_reference, clip_weights_route
 from .conv import conv_weight_sq_norms, conv_weight_sq_norms_reference
 from .dispatch import pick, register, registered, use_triton
 from .embedding import embedding_clipped_grad_reference, embedding_sq_norms, embedding_sq_norms_reference
@@ -21,7 +21,8 @@ from .linear import (
 from .noise import add_noise_, add_noise_reference_
 
 __all__ = [
-    "add_noise_", "add_noise_reference_", "bias_sq_norms", "clip_weights", "conv_weight_sq_norms",
+    "add_noise_", "add_noise_reference_", "bias_sq_norms", "clip_weights", "clip_weights_reference",
+    "clip_weights_route", "conv_weight_sq_norms",
     "conv_weight_sq_norms_reference", "embedding_clipped_grad_reference",
     "embedding_sq_norms", "embedding_sq_norms_reference", "linear_clipped_grads", "linear_sq_norms",
     "linear_sq_norms_reference", "linear_weight_sq_norms", "linear_weight_sq_norms_reference", "pick", "register",

@@ -1,9 +1,51 @@
-"""Clip weights from per-sample squared norms (DESIGN.md §1.3): the one definition of the formula."""
+"""Clip weights from per-sample squared norms (DESIGN.md §1.3): the one definition of the formula.
+
+Where ``pdpfast._C`` has it, the formula runs as one call (``csrc/clip.cpp``, and ``clip_cuda.cu``
+on a GPU) instead of five tensor ops: per-layer clipping computes weights once per layer call, and
+on B values each op is all launch cost. Its steps are correctly rounded; torch's CPU square root is
+not always, so the routes agree to 2 ulp (``tests/test_clip_weights.py``).
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
+from .. import _ext
+
 CLIP_EPS = 1e-6
+
+_C = _ext._C
+_FUSED_MISSING = _ext.missing("clip_weights", "clip.cpp")
+_FUSED_DTYPES = (torch.float32, torch.float64)
+_FUSED = "C++ kernel"
+
+
+def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+    """Which route ``clip_weights`` takes for these tensors.
+
+    Args:
+        sq_norms, clip_norms, mask: as in ``clip_weights``.
+    Returns:
+        "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms`` and
+        ``clip_norms`` of one shape and dtype, fp32 or fp64, no separate mask, CPU tensors or CUDA
+        tensors with a CUDA build); otherwise "torch (<why>)".
+    """
+    if _FUSED_MISSING is not None:
+        return f"torch ({_FUSED_MISSING})"
+    if mask is not None:
+        return "torch (a separate mask: the engine folds it into the bounds)"
+    if sq_norms.shape != clip_norms.shape or sq_norms.dtype != clip_norms.dtype:
+        return "torch (bounds that broadcast or have another dtype)"
+    if sq_norms.dtype not in _FUSED_DTYPES:
+        return f"torch (dtype {sq_norms.dtype})"
+    if sq_norms.requires_grad or clip_norms.requires_grad:
+        return "torch (inputs that require grad: the C++ op has no backward)"
+    if sq_norms.device.type == "cuda" and not _C.clip_with_cuda:
+        return "torch (pdpfast._C was built without CUDA)"
+    if sq_norms.device.type not in ("cpu", "cuda"):
+        return f"torch (device {sq_norms.device.type})"
+    return _FUSED
 
 
 def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
@@ -12,7 +54,7 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
 
     With a loss scale s the norms are of gradients scaled down by s (a mean loss over s rows) and the
     result multiplies those gradients, so s·w_i is returned, computed as min(s, c_i / (√sq + ε/s)):
-    five tensor ops, no host synchronisation.
+    one call of ``pdpfast._C`` (``clip_weights_route``) or five tensor ops, no host synchronisation.
 
     Args:
         sq_norms: (B,) or (K, B) float per-sample squared norms ‖g_i‖² (K clipping groups); negative
@@ -28,6 +70,24 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         ``sq_norms`` when s = 0), in ``sq_norms``' dtype.
     """
     if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
+        return torch.zeros_like(sq_norms)
+    if clip_weights_route(sq_norms, clip_norms, mask) == _FUSED:
+        if automatic_gamma is None:
+            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale)
+        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf)
+    return clip_weights_reference(sq_norms, clip_norms, mask, automatic_gamma, loss_scale)
+
+
+def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
+                           automatic_gamma: float | None = None, loss_scale: float = 1.0) -> torch.Tensor:
+    """``clip_weights`` in five torch ops, on any inputs: the route where the C++ op does not apply.
+
+    Args:
+        sq_norms, clip_norms, mask, automatic_gamma, loss_scale: as in ``clip_weights``.
+    Returns:
+        the weights s·w_i, as ``clip_weights``.
+    """
+    if loss_scale == 0:
         return torch.zeros_like(sq_norms)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
     root = sq_norms.clamp_min(0).sqrt_()

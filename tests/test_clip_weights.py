@@ -1,0 +1,119 @@
+"""The clip-weight op of ``pdpfast._C`` (``csrc/clip.cpp``) against the torch formula it replaces.
+
+The clipping state computes clip weights once per layer call (per-layer clipping) or once per
+batch; the C++ op computes them in one call instead of five tensor ops. Each of its steps is
+correctly rounded in the tensor's dtype; torch's CPU square root is not (it differs in the last bit
+for a few percent of float32 inputs), so the two routes agree to 2 ulp, with NaN and infinities in
+the same places, and the op equals correctly rounded arithmetic bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pdpfast import _ext
+from pdpfast.ops.clip import CLIP_EPS, clip_weights, clip_weights_reference, clip_weights_route
+
+needs_op = pytest.mark.skipif(_ext.missing("clip_weights", "clip.cpp") is not None,
+                              reason=str(_ext.missing("clip_weights", "clip.cpp")))
+
+
+def _inputs(shape, dtype, g):
+    """Squared norms spanning many magnitudes, with rounding-negative, zero, NaN and inf entries,
+    and bounds with zeros (masked rows) and a huge one."""
+    sq = torch.exp(torch.randn(shape, generator=g, dtype=torch.float64) * 6).to(dtype)
+    bounds = (torch.rand(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    flat_sq, flat_b = sq.view(-1), bounds.view(-1)
+    for i, v in enumerate([-1e-7, 0.0, math.nan, math.inf, -0.0, 1e-30][: flat_sq.numel()]):
+        flat_sq[i] = v
+    if flat_b.numel() > 3:
+        flat_b[1::4] = 0.0
+        flat_b[-1] = 1e30
+    return sq, bounds
+
+
+def _correctly_rounded(sq, bounds, offset, cap):
+    """min(cap, c / (√max(sq, 0) + offset)) with each float32 step rounded once: float64 holds every
+    float32 sum exactly, and its square root and quotient round to the same float32 as a correctly
+    rounded float32 operation (53 ≥ 2·24 + 2 bits)."""
+    f32 = np.float32
+    s = sq.numpy().astype(np.float64)
+    root = np.sqrt(np.where(s < 0, 0.0, s)).astype(f32).astype(np.float64)
+    denominator = (root + np.float64(f32(offset))).astype(f32).astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        w = (bounds.numpy().astype(np.float64) / denominator).astype(f32)
+    return torch.from_numpy(np.where(w > f32(cap), f32(cap), w))
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(0,), (1,), (37,), (4, 9), (3000,)])
+@pytest.mark.parametrize("loss_scale", [1.0, 7.0, 0.25])
+@pytest.mark.parametrize("gamma", [None, 0.01])
+def test_cpp_clip_weights_equal_the_torch_formula_to_rounding(dtype, shape, loss_scale, gamma):
+    g = torch.Generator().manual_seed(hash((str(dtype), shape, loss_scale, gamma)) % 2**31)
+    sq, bounds = _inputs(shape, dtype, g)
+    assert clip_weights_route(sq, bounds) == "C++ kernel"
+    got = clip_weights(sq, bounds, None, gamma, loss_scale)
+    expected = clip_weights_reference(sq, bounds, None, gamma, loss_scale)
+    assert got.dtype == dtype and got.shape == sq.shape
+    assert torch.equal(got.isnan(), expected.isnan())
+    ok = ~expected.isnan()
+    assert torch.equal(got[ok].isinf(), expected[ok].isinf()) and torch.equal(got[ok] == 0, expected[ok] == 0)
+    torch.testing.assert_close(got[ok], expected[ok], rtol=2 * torch.finfo(dtype).eps, atol=0)
+    if dtype == torch.float32:
+        offset = (CLIP_EPS if gamma is None else gamma) / loss_scale
+        exact = _correctly_rounded(sq, bounds, offset, loss_scale if gamma is None else math.inf)
+        assert torch.equal(got.isnan(), exact.isnan()) and torch.equal(got[ok], exact[ok])
+
+
+@needs_op
+def test_cpp_clip_weights_keep_every_clipped_norm_within_its_bound():
+    """w_i·‖g_i‖ ≤ s·c_i up to the rounding of the weight: the property clipping exists for."""
+    g = torch.Generator().manual_seed(11)
+    sq = torch.exp(torch.randn(10_000, generator=g) * 8)
+    bounds = torch.rand(10_000, generator=g) * 5
+    for s in (1.0, 32.0):
+        w = clip_weights(sq, bounds, loss_scale=s)
+        eps = torch.finfo(torch.float32).eps
+        assert (w.double() * sq.double().sqrt() <= s * bounds.double() * (1 + 2 * eps)).all()
+        assert (w <= s).all() and (w >= 0).all()
+
+
+def test_clip_weights_route_says_why_it_takes_torch():
+    sq, bounds = torch.rand(5), torch.rand(5)
+    if _ext.missing("clip_weights", "clip.cpp") is not None:
+        assert clip_weights_route(sq, bounds).startswith("torch (")
+        return
+    assert clip_weights_route(sq, bounds) == "C++ kernel"
+    assert "mask" in clip_weights_route(sq, bounds, torch.ones(5))
+    assert "broadcast" in clip_weights_route(torch.rand(3, 5), bounds)
+    assert "dtype" in clip_weights_route(sq, bounds.double())
+    assert "bfloat16" in clip_weights_route(sq.bfloat16(), bounds.bfloat16())
+    assert "grad" in clip_weights_route(sq.requires_grad_(), bounds)
+
+
+def test_clip_weights_with_a_mask_or_broadcast_bounds_equal_the_formula():
+    """The routes the C++ op does not take still compute the one formula (``clip_weights_reference``)."""
+    sq = torch.tensor([[4.0, 0.25, 9.0], [1.0, 16.0, 0.0]])
+    bounds = torch.tensor([1.0, 2.0, 1.0])
+    mask = torch.tensor([1.0, 0.0, 1.0])
+    got = clip_weights(sq, bounds, mask, loss_scale=2.0)
+    expected = torch.minimum(torch.tensor(2.0), bounds / (sq.sqrt() + CLIP_EPS / 2)) * mask
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(clip_weights(sq, bounds, loss_scale=0.0), torch.zeros_like(sq))
+
+
+@needs_op
+def test_cpp_clip_weights_refuse_mismatched_inputs_clearly():
+    from pdpfast import _C
+
+    with pytest.raises(RuntimeError, match="must match"):
+        _C.clip_weights(torch.rand(3), torch.rand(4), CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        _C.clip_weights(torch.rand(3), torch.rand(3).double(), CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        _C.clip_weights(torch.rand(3).half(), torch.rand(3).half(), CLIP_EPS, 1.0)
