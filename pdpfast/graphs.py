@@ -305,8 +305,9 @@ class _RefuseSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in _SYNCING_OPS:
-            # repeat_interleave syncs for tensor repeats without output_size, not for an int
-            if name != "repeat_interleave" or (isinstance(args[-1] if len(args) > 1 else args[0], torch.Tensor)
+            # repeat_interleave syncs for tensor repeats (overloads Tensor, self_Tensor) without
+            # output_size, not for int repeats
+            if name != "repeat_interleave" or (func._overloadname in ("Tensor", "self_Tensor")
                                                and (kwargs or {}).get("output_size") is None):
                 raise RuntimeError(f"aten::{name} synchronises with the host inside a step body")
         if name in ("index", "index_put", "index_put_", "_index_put_impl_"):

@@ -200,6 +200,8 @@ _SYNCS = {
     "boolean-mask write": lambda x: x.__setitem__(x > 2, 0.0),
     "nonzero": lambda x: torch.nonzero(x),
     "repeat_interleave by a tensor": lambda x: x.repeat_interleave(torch.ones(6, dtype=torch.long)),
+    "repeat_interleave by a tensor along a dim": lambda x: x.repeat_interleave(torch.ones(6, dtype=torch.long), 0),
+    "repeat_interleave of counts": lambda x: torch.repeat_interleave(torch.tensor([1, 2])),
     "item": lambda x: x.sum().item(),
     "bool": lambda x: bool(x.sum() > 0),
 }
@@ -208,6 +210,8 @@ _NO_SYNCS = {
     "masked_fill": lambda x: x.masked_fill(x > 2, 0.0),
     "integer index": lambda x: x[torch.tensor([1, 4])],
     "repeat_interleave by an int": lambda x: x.repeat_interleave(2),
+    "repeat_interleave by an int along a dim": lambda x: x.repeat_interleave(2, 0),
+    "repeat_interleave with its output size": lambda x: x.repeat_interleave(torch.full((6,), 2), output_size=12),
     "sort and searchsorted": lambda x: torch.searchsorted(x.sort().values, x),
 }
 
