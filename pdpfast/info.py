@@ -14,12 +14,13 @@ def report() -> str:
     Returns:
         a multi-line str: the pdpfast / torch / python versions, the CUDA device (or "not available"),
         then one line per registered op ("triton kernel", or "torch reference (why)"), one for the
-        Poisson sampler's backend (with the reason its compiled path is not used, if any) and one for the
-        CPU GroupNorm per-sample gradients (C++ kernel or torch, and why).
+        Poisson sampler's backend (with the reason its compiled path is not used, if any), one for the
+        CPU GroupNorm per-sample gradients and one per device for the clip weights (C++ kernel or
+        torch, and why).
     """
     import pdpfast
     from pdpfast import sampling
-    from pdpfast.ops import norm
+    from pdpfast.ops import clip, norm
 
     lines = [f"pdpfast {pdpfast.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
     cuda = torch.cuda.is_available()
@@ -39,6 +40,9 @@ def report() -> str:
     lines.append(f"  {'poisson_sample':<24} {sampling.backend()}" + (f" ({why})" if why else ""))
     cpu = torch.zeros(1, 1)
     lines.append(f"  {'group_norm (CPU)':<24} {norm.group_norm_kernel(cpu, cpu)}")
+    for device in ["cpu"] + (["cuda"] if cuda else []):
+        w = torch.zeros(1, device=device)
+        lines.append(f"  {f'clip_weights ({device.upper()})':<24} {clip.clip_weights_route(w, w)}")
     return "\n".join(lines)
 
 
