@@ -69,9 +69,7 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         the weights s·w_i, shaped like ``sq_norms`` and ``clip_norms`` broadcast together (like
         ``sq_norms`` when s = 0), in ``sq_norms``' dtype.
     """
-    if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
-        return torch.zeros_like(sq_norms)
-    if clip_weights_route(sq_norms, clip_norms, mask) == _FUSED:
+    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask) == _FUSED:
         if automatic_gamma is None:
             return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale)
         return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf)
@@ -87,7 +85,7 @@ def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mas
     Returns:
         the weights s·w_i, as ``clip_weights``.
     """
-    if loss_scale == 0:
+    if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
         return torch.zeros_like(sq_norms)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
     root = sq_norms.clamp_min(0).sqrt_()

@@ -52,7 +52,7 @@ def embedding_sq_norms_reference(ids: torch.Tensor, o: torch.Tensor, num_embeddi
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
     T, p = ids.shape[1], o.shape[-1]
     o = o.reshape(B, T, p).to(dtype)
-    if padding_idx is not None:  # padding adds nothing (filled in place: a mask index would sync)
+    if padding_idx is not None:  # padding adds nothing (zeroed by masked_fill: a mask index would sync)
         o = o.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
     rows = same_token_rows(ids, num_embeddings)
     summed = torch.zeros(B * T, p, dtype=dtype, device=o.device).index_add_(0, rows, o.reshape(B * T, p))
