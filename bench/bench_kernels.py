@@ -3,8 +3,10 @@
     python -m bench.bench_kernels [--quick] [--ops linear_weight_sq_norms,conv_weight_sq_norms] [--dtypes bf16,fp32]
     python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
-The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``) and the ops of
-the compiled extension ``pdpfast._C`` that run on CUDA (``clip_weights``); each kernel has one
+The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``), the ops of
+the compiled extension ``pdpfast._C`` that run on CUDA (``clip_weights``) and per-layer clipping's
+two routes for a linear call (``per_layer_route``: which one the cost model picks, and what each
+costs on this GPU); each kernel has one
 benchmark function here, registered under the op's name with ``@benchmark(name)`` (an undeclared
 name raises at import), which times the op's registered kernel against its registered reference.
 For every op and shape: median time over CUDA-event-timed repeats (after warm-up) of the Triton
@@ -242,7 +244,7 @@ def bench_embedding_norms(rows, op, dtype_name, quick, reps):
                     o.numel() * o.element_size() + ids.numel() * 8, 0, reps)
 
 
-def bench_clip_weights(rows, reps):
+def bench_clip_weights(rows, dtype_names, quick, reps):
     """The clip-weight op of ``pdpfast._C`` (``csrc/clip_cuda.cu``, one launch) against its five torch
     ops, at the sizes a backward asks for (one call per layer call in per-layer clipping): all
     launch cost, so the graph column (GPU time alone) is given too."""
@@ -265,7 +267,51 @@ def bench_clip_weights(rows, reps):
                             3 * B * 4 / ms[name] / 1e6, 0.0, speedup, graph_ms=cuda_graph_ms(fn)))
 
 
-EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights}
+def bench_per_layer_route(rows, dtype_names, quick, reps):
+    """Per-layer clipping of one linear call (weight and bias), the two exact routes on this GPU:
+    "norms+GEMM" (the norm kernels or Gram/direct products, clip weights, the clipped-sum GEMM on
+    row-scaled output gradients) against "per-sample" (the per-sample gradients formed by one
+    batched GEMM, their norms, clip weights, a weighted sum; freed at once). The variant names
+    what ``pdpfast.ops.linear.prefer_per_sample`` picks at that shape (its FLOP/byte model,
+    ``GPU_FLOPS_PER_BYTE``): a row whose pick is slower says the model's balance is wrong there."""
+    from pdpfast.nn.rules import sq_norms_of, weighted_sum
+    from pdpfast.ops import linear as lin_ops
+    from pdpfast.ops.clip import clip_weights
+
+    shapes = [("bert-base", 32, 128, 768, 768), ("bert-base", 32, 128, 768, 3072),
+              ("gpt2-small", 8, 512, 768, 2304), ("gpt2-small", 8, 512, 768, 768),
+              ("gpt2-small", 8, 512, 768, 3072), ("gpt2-small", 8, 512, 3072, 768)]
+    for dtype_name in dtype_names:
+        dtype = DTYPES[dtype_name]
+        for model, B, T, d, p in shapes[1::2] if quick else shapes:
+            a = torch.randn(B, T, d, device="cuda", dtype=dtype)
+            o = torch.randn(B, T, p, device="cuda", dtype=dtype) / (T * d) ** 0.5
+            bounds = torch.full((B,), 1.0, device="cuda")
+
+            def norms_and_gemm():
+                w = clip_weights(lin_ops.linear_sq_norms(a, o, with_bias=True), bounds)
+                return lin_ops.linear_clipped_grads(a, o, w, True, True)
+
+            def per_sample():
+                g, g_bias = lin_ops.linear_per_sample_grads(a, o), o.sum(1)
+                w = clip_weights(sq_norms_of([g, g_bias]), bounds)
+                return weighted_sum(w, g), weighted_sum(w, g_bias)
+
+            picks = lin_ops.prefer_per_sample(B * d * p, a, o, kept=False,
+                                              norm_cost=lambda: lin_ops.norm_madds(B, T, d, p, a.device))
+            routes = {"norms+GEMM": norms_and_gemm, "per-sample": per_sample}
+            ms = {name: cuda_time_ms(fn, reps=reps) for name, fn in routes.items()}
+            for name, fn in routes.items():
+                picked = " (picked)" if (name == "per-sample") == picks else ""
+                speedup = ms["norms+GEMM"] / ms[name] if name == "per-sample" else None
+                rows.append(Row("per_layer_route", "pdpfast", f"{model} {(B, T, d, p)}", dtype_name, name + picked,
+                                ms[name], 0.0, 2 * B * T * d * p / ms[name] / 1e9, speedup,
+                                peak_extra_mib=_peak_extra_mib(fn), graph_ms=cuda_graph_ms(fn, calls=5, replays=5)))
+
+
+# Benchmarks of what is not a registered Triton kernel: ops of the compiled extension ``pdpfast._C``
+# and the per-layer route choice; ``fn(rows, dtype_names, quick, reps)``.
+EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "per_layer_route": bench_per_layer_route}
 
 
 @benchmark("add_noise_")
@@ -325,7 +371,7 @@ def main(argv=None) -> int:
             BENCHMARKS[name](rows, dispatch.op(name), dtype_name, args.quick, args.reps)
             torch.cuda.empty_cache()
     for name in extension:
-        EXTENSION_BENCHMARKS[name](rows, args.reps)
+        EXTENSION_BENCHMARKS[name](rows, args.dtypes.split(","), args.quick, args.reps)
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
              f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9}"

@@ -12,9 +12,10 @@ non-private step of the same run.
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
 ``--route large`` makes every layer call take the route it takes in a full-size model on a GPU
-(BERT-base, GPT-2): computed on its own (small same-shape calls otherwise stack into one launch
-per op, ``pdpfast.clipping.SMALL_CALL_BYTES``) and without forming per-sample gradients (a CPU-only
-choice for small calls, ``pdpfast.ops.linear.MATERIALIZE_RATIO``). At width 16 every call is small
+(BERT-base): computed on its own (small same-shape calls otherwise stack into one launch per op,
+``pdpfast.clipping.SMALL_CALL_BYTES``) and without forming per-sample gradients (on the CPU a
+choice for small calls, ``pdpfast.ops.linear.MATERIALIZE_RATIO``; on a GPU only per-layer clipping
+forms them, for calls with long sequences, ``prefer_per_sample``). At width 16 every call is small
 and stacks, so the default route measures less host work per layer than a large model issues.
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ for step in $steps; do
         tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
                run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
         kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
-                     --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_ ;;
+                     --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_,clip_weights,per_layer_route ;;
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
                       --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks"
                   run bench_overhead_large python3 -m bench.bench_overhead --device cuda --repeats 100 --route large \

@@ -650,7 +650,7 @@ class ClippingState:
                 self._flush_per_layer_stacks()
             self._queue_finish(self._finish_per_layer)
             return
-        if layer.rule.materializes_call(layer.module, x, o):  # form them once, clip them now
+        if layer.rule.materializes_call(layer.module, x, o, kept=False):  # form them once, clip them now
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             nbytes = sum(g.numel() * g.element_size() for g in grads)

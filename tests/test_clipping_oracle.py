@@ -606,3 +606,30 @@ def test_small_formed_gradients_are_packed_and_equal_the_oracle(style, oracle, m
     oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
     if style["mode"] == "bk":  # ghost mode's clipped sums come from its second backward
         assert packed and max(packed) >= 5, packed  # γ and β of three norms, the RMSNorm's γ
+
+
+def test_gpu_route_forms_per_sample_gradients_for_per_layer_clipping_only_where_norms_cost_more(style, oracle,
+                                                                                                monkeypatch):
+    """Where the kernels run (a GPU: faked here by ``prefer_per_sample``'s device test), per-layer
+    clipping forms a linear call's per-sample gradients, clips them at once and frees them, when its
+    norm costs more multiply-adds than three passes over them at the device's FLOP/byte balance
+    (a long sequence through a narrow layer); book-keeping, which would keep them to the end of the
+    backward, and ghost clipping never form them there. Every style equals the oracle."""
+    import pdpfast.clipping
+    import pdpfast.ops.linear as linear_ops
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+    monkeypatch.setattr(linear_ops, "use_triton", lambda *tensors: True)
+    formed = []
+    per_sample = linear_ops.linear_per_sample_grads
+    monkeypatch.setattr(linear_ops, "linear_per_sample_grads",
+                        lambda a, o: (formed.append(a.shape), per_sample(a, o))[1])
+    long, short = 128, 4  # norm multiply-adds > 1.5·8 bytes·GPU_FLOPS_PER_BYTE[fp64]·d·p for T = long only
+    reference = randomize_(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Unflatten(1, (short, long // short)),
+                                         nn.Flatten(2), nn.Linear(2 * long // short, 3))).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    x = torch.randn(B, long, 2, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(reference(x))
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+    assert set(formed) == ({(B, long, 2)} if style["clipping"] == "per_layer" else set()), formed

@@ -29,6 +29,10 @@ def _models():
         lambda out: out.float().pow(2).sum(1)
     yield "mlp", nn.Sequential(nn.Linear(7, 33), nn.GELU(), nn.Linear(33, 5)), (torch.randn(9, 7),), \
         lambda out: out.float().pow(2).sum(1)
+    # 160 positions through narrow layers: per-layer clipping forms these calls' per-sample gradients
+    # on a GPU (``prefer_per_sample``: the norm would cost more than three passes over them)
+    yield "long-sequence", nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)), (torch.randn(3, 160, 4),), \
+        lambda out: out.float().pow(2).sum((1, 2))
 
 
 MODELS = {name: (model, inputs, loss) for name, model, inputs, loss in _models()}
@@ -157,6 +161,8 @@ def _mlp_cuda():
 
 _GRAPH_MODELS = {
     "mlp": (_mlp_cuda, lambda g, n: torch.randn(n, 6, generator=g), nn.functional.cross_entropy),
+    "long-sequence": (_mlp_cuda, lambda g, n: torch.randn(n, 160, 6, generator=g),
+                      lambda out, y: nn.functional.cross_entropy(out.mean(1), y)),
     "bert": (lambda: __import__("pdpfast.models", fromlist=["bert"]).bert(
                  "micro", num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
              lambda g, n: torch.randint(1, 128, (n, 12), generator=g),

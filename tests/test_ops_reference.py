@@ -557,3 +557,35 @@ def test_per_sample_gradients_are_formed_within_the_workspace_budget(monkeypatch
     del held
     assert linear_ops.prefer_per_sample(4 * 15, a, o)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model,B,T,calls", [
+    ("bert-base", 32, 128, [(768, 768), (768, 3072), (3072, 768)]),
+    ("gpt2-small", 8, 512, [(768, 2304), (768, 768), (768, 3072), (3072, 768)])])
+def test_gpu_per_layer_route_at_real_shapes(model, B, T, calls, dtype, monkeypatch):
+    """The GPU's cost model (``prefer_per_sample`` where the kernels run) at real models' calls: per-layer
+    clipping forms GPT-2's fp32 per-sample gradients (T = 512: the norm costs 2.7-4.3× three passes
+    over them) and no others (BERT-base's T = 128, or bf16, whose tensor cores make norms cheap);
+    book-keeping never forms them on a GPU."""
+    monkeypatch.setattr(linear_ops, "use_triton", lambda *tensors: True)
+    x, o = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
+    cuda = torch.device("cuda")  # only read by split_gram; nothing is allocated there
+    for d, p in calls:
+        cost = lambda: linear_ops.norm_madds(B, T, d, p, cuda)  # noqa: E731
+        per_layer = linear_ops.prefer_per_sample(B * d * p, x, o, kept=False, norm_cost=cost)
+        assert per_layer is (model == "gpt2-small" and dtype == torch.float32), (d, p)
+        assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=True, norm_cost=cost)
+        assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=False)  # cost unknown: never
+
+
+def test_norm_madds_counts_the_form_the_reference_computes():
+    """``norm_madds`` is the rank-one, Gram (whole or split in halves) or direct form's multiply-adds."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert linear_ops.norm_madds(4, 1, 7, 5, cpu) == 4 * (7 + 5)
+    assert linear_ops.use_gram(16, 64, 64) and not linear_ops.split_gram(2, 16, 64, 64, cpu)
+    assert linear_ops.norm_madds(2, 16, 64, 64, cpu) == 2 * linear_ops.gram_cost(16, 64, 64)
+    assert linear_ops.split_gram(8, 512, 768, 3072, cuda)
+    assert linear_ops.norm_madds(8, 512, 768, 3072, cuda) == 3 * 8 * linear_ops.gram_cost(512, 768, 3072) // 4
+    assert not linear_ops.use_gram(512, 768, 768)
+    assert linear_ops.norm_madds(8, 512, 768, 768, cuda) == 8 * linear_ops.direct_cost(512, 768, 768)

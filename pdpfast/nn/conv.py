@@ -107,11 +107,13 @@ def _conv_clipped(m, x, o, weights, names):
     return {n: g for n, g in (("weight", grad_w), ("bias", grad_b)) if n in names}
 
 
-def _small_per_sample_weight(m, x, o) -> bool:
+def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
     """Conv calls form per-sample gradients where they are small next to the call (``prefer_per_sample``),
     unless the implicit Gram gives their norms for less: then norms and one weight gradient on scaled
     output gradients beat forming them (GroupNorm CNN's 64->128 layer at 8 px: its bk step 1-2%
-    faster on 1 and 2 threads, interleaved A/B), and nothing of size B × |W| is kept."""
+    faster on 1 and 2 threads, interleaved A/B), and nothing of size B × |W| is kept. On a GPU never,
+    kept or not (``kept`` is not used): the fused conv norm kernels form nothing, and no cost model of
+    forming them there has been checked against a GPU."""
     return (lin_ops.prefer_per_sample(x.shape[0] * m.weight.numel(), x, o)
             and not conv_ops.implicit_gram_pays(x, o, m, m.own_padding()))
 

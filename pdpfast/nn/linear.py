@@ -85,8 +85,11 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     Returns:
         a ``LayerRule`` (per-sample gradients {weight: (B, *W.shape), bias: (B, p)}).
     """
-    def small_per_sample(m, x, o) -> bool:  # formed where small next to the call (``prefer_per_sample``)
-        return lin_ops.prefer_per_sample(x.shape[0] * getattr(m, weight).numel(), x, o)
+    def small_per_sample(m, x, o, kept: bool) -> bool:  # formed where they pay (``prefer_per_sample``)
+        B, d, p = x.shape[0], x.shape[-1], o.shape[-1]
+        return lin_ops.prefer_per_sample(
+            B * getattr(m, weight).numel(), x, o, kept=kept,
+            norm_cost=lambda: lin_ops.norm_madds(B, math.prod(x.shape[1:-1]), d, p, o.device))
 
     def per_sample(m, x, o):
         a, g = as_btd(x, o)

@@ -73,32 +73,37 @@ class LayerRule:
         clipped_grads: ``(module, x, o, weights, names)`` → {name: Σ_i w_i g_i, of the parameter's
             shape} for weights (B,), or Σ_i g_i for weights None; None: from ``per_sample_grads``.
         stacked: how same-shape calls compute together (``Stacked``), or None.
-        materialize_when: ``(module, x, o)`` → True where this call's per-sample gradients are better
-            formed and kept (see the module docstring), or None (never, when ``sq_norms`` is given).
+        materialize_when: ``(module, x, o, kept)`` → True where this call's per-sample gradients are
+            better formed (see the module docstring), ``kept`` saying whether they would be kept until
+            every layer's norms are known (flat clipping) or clipped and freed at once (per-layer
+            clipping); or None (never, when ``sq_norms`` is given).
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
     sq_norms: SqNorms | None = None            # (module, x, o, names) -> (B,) summed over names, fp32+
     clipped_grads: ClippedGrads | None = None  # (module, x, o, weights (B,) | None, names) -> {name: grad}
     stacked: Stacked | None = None
-    # (module, x, o) -> True where this call's per-sample gradients are better formed and kept
-    materialize_when: Callable[[nn.Module, torch.Tensor, torch.Tensor], bool] | None = None
+    # (module, x, o, kept) -> True where this call's per-sample gradients are better formed
+    materialize_when: Callable[[nn.Module, torch.Tensor, torch.Tensor, bool], bool] | None = None
 
     @property
     def materializes(self) -> bool:
         """True when per-sample gradients are the layer's cheapest exact route (no norm rule)."""
         return self.sq_norms is None
 
-    def materializes_call(self, module, x, o) -> bool:
+    def materializes_call(self, module, x, o, kept: bool = True) -> bool:
         """Whether this call's per-sample gradients are formed (then norms and clipped sums come
         from them) rather than its norms and clipped sums computed without them.
 
         Args:
-            module: the DP layer; x: the call's input, (B, ...); o: its output gradient.
+            module: the DP layer; x: the call's input, (B, ...); o: its output gradient;
+            kept: they would be kept until every layer's norms are known (flat clipping); False:
+                clipped and freed at once (per-layer clipping).
         Returns:
             True when the rule has no norm formula or ``materialize_when`` says so for this call.
         """
-        return self.sq_norms is None or (self.materialize_when is not None and self.materialize_when(module, x, o))
+        return self.sq_norms is None or (self.materialize_when is not None
+                                         and self.materialize_when(module, x, o, kept))
 
     def norms(self, module, x, o, names) -> torch.Tensor:
         """Per-sample squared gradient norms ‖g_i‖² of one call, summed over the parameters ``names``.

@@ -1,9 +1,12 @@
 """Per-sample gradient norms and clipped weighted gradients of a linear map (DESIGN.md §2).
 
 Shapes: a (B, T, d) layer inputs, o (B, T, p) gradients of the summed loss w.r.t. the outputs.
-The per-sample weight gradient is G_i = o_iᵀ a_i (p × d); it is never formed for the clipped sum.
+The per-sample weight gradient is G_i = o_iᵀ a_i (p × d); it is formed only where that costs less
+than the norms and the clipped-sum GEMM without it (``prefer_per_sample``).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -74,24 +77,67 @@ MATERIALIZE_RATIO = 4
 MATERIALIZE_MIN_ELEMENTS = 1 << 23
 
 
-def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor) -> bool:
+# On a GPU (where the kernels run), per-layer clipping may still form a call's per-sample gradients:
+# it clips them at once and frees them, so they never add up over layers. They then replace the
+# norm's multiply-adds (B·min(Gram, direct), Gram split or not) with three passes over B·|W| values
+# (written by the per-sample GEMM, read by the norm, read by the weighted sum, which replaces the
+# clipped-sum GEMM of the same multiply-adds as the per-sample one). Which is faster depends on
+# how many FLOPs the GPU does in the time it moves a byte: about 20 in fp32 without tensor cores,
+# about 250 in fp16/bf16 on them and 10 in fp64 (H100 SXM datasheet: 67, 989 and 34 TFLOP/s, 3.35 TB/s).
+# Estimates, not measured: ``python -m bench.bench_kernels --ops per_layer_route`` times both
+# routes at BERT-base's and GPT-2's shapes and says what this model picks. It picks forming them
+# for GPT-2's fp32 calls (T = 512) and nowhere for BERT-base (T = 128) or in bf16.
+GPU_FLOPS_PER_BYTE = {torch.float32: 20, torch.float16: 250, torch.bfloat16: 250, torch.float64: 10}
+
+
+def norm_madds(B: int, T: int, d: int, p: int, device: torch.device) -> int:
+    """Multiply-adds of a call's exact norms as ``linear_sq_norms_reference`` computes them.
+
+    Args:
+        B: samples; T: positions per sample; d: input features; p: output features; device: where
+            the products run (the Gram form is split on a GPU only for large calls, ``split_gram``).
+    Returns:
+        B·min(``gram_cost``, ``direct_cost``), the Gram's three quarters when ``split_gram`` splits it.
+    """
+    if T == 1:
+        return B * (d + p)
+    if not use_gram(T, d, p):
+        return B * direct_cost(T, d, p)
+    cost = B * gram_cost(T, d, p)
+    return 3 * cost // 4 if split_gram(B, T, d, p, device) else cost
+
+
+def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor, *, kept: bool = True,
+                      norm_cost: Callable[[], int] | None = None) -> bool:
     """Whether a call whose per-sample gradients take ``per_sample_elements`` values (B·|W|) should
-    form them (see ``MATERIALIZE_RATIO``). Never where a kernel computes the norms: on a GPU, memory
-    is the scarce resource and the fused norm kernels form no per-sample gradient.
+    form them.
+
+    Without the kernels (the CPU path): where they are small next to the call (``MATERIALIZE_RATIO``).
+    Where a kernel computes the norms (a GPU): never when they would be kept to the end of the
+    backward (book-keeping: memory is the scarce resource, and the fused norm kernels form no
+    per-sample gradient); when they are clipped at once and freed (per-layer clipping), where the
+    norm's multiply-adds take longer than three passes over them (``GPU_FLOPS_PER_BYTE``).
 
     Args:
         per_sample_elements: B·|W|, the number of values of the call's per-sample gradients.
         x: the layer call's input (any shape), kept by book-keeping anyway.
         o: the gradient w.r.t. the call's output (any shape); its element size prices the gradients.
+        kept: they would be kept until every layer's norms are known (flat clipping); False: clipped
+            and freed at once (per-layer clipping).
+        norm_cost: () → multiply-adds of the call's norms without them (``norm_madds``), called only
+            where the kernels run; None: unknown (then never formed on a GPU).
     Returns:
-        False where the kernels run (``use_triton(x, o)``) or the gradients would take
-        ``workspace.lent_bytes()`` past ``workspace.MAX_BYTES``; else whether ``per_sample_elements`` ≤
-        max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
+        False where they would take ``workspace.lent_bytes()`` (CPU) past ``workspace.MAX_BYTES``;
+        where the kernels run (``use_triton(x, o)``), ``not kept`` and 2·``norm_cost()`` >
+        3·``per_sample_elements``·(element size)·``GPU_FLOPS_PER_BYTE``; else whether
+        ``per_sample_elements`` ≤ max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
     """
+    nbytes = per_sample_elements * o.element_size()
+    if workspace.lent_bytes() + nbytes > workspace.MAX_BYTES:
+        return False
     if use_triton(x, o):
-        return False
-    if workspace.lent_bytes() + per_sample_elements * o.element_size() > workspace.MAX_BYTES:
-        return False
+        balance = GPU_FLOPS_PER_BYTE.get(o.dtype)
+        return not kept and norm_cost is not None and balance is not None and 2 * norm_cost() > 3 * nbytes * balance
     return per_sample_elements <= max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel()))
 
 
