@@ -3,12 +3,15 @@
 The clipping state computes clip weights once per layer call (per-layer clipping) or once per
 batch; the C++ op computes them in one call instead of five tensor ops. Each of its steps is
 correctly rounded in the tensor's dtype; torch's CPU square root is not (it differs in the last bit
-for a few percent of float32 inputs), so the two routes agree to 2 ulp, with NaN and infinities in
-the same places, and the op equals correctly rounded arithmetic bit for bit.
+for a few percent of float32 inputs). The op equals correctly rounded arithmetic bit for bit, and
+the two routes agree to 4 eps relative, with NaN and infinities in the same places: each rounds
+three steps (≤ eps/2 each) and torch's root may be one ulp further off, so their results differ by
+less than 4 eps (2.2 eps the most seen, over 5.4 million inputs per dtype).
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -54,7 +57,8 @@ def _correctly_rounded(sq, bounds, offset, cap):
 @pytest.mark.parametrize("loss_scale", [1.0, 7.0, 0.25])
 @pytest.mark.parametrize("gamma", [None, 0.01])
 def test_cpp_clip_weights_equal_the_torch_formula_to_rounding(dtype, shape, loss_scale, gamma):
-    g = torch.Generator().manual_seed(hash((str(dtype), shape, loss_scale, gamma)) % 2**31)
+    # a seed fixed across runs (``hash`` of a str changes with every interpreter)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, shape, loss_scale, gamma)).encode()))
     sq, bounds = _inputs(shape, dtype, g)
     assert clip_weights_route(sq, bounds) == "C++ kernel"
     got = clip_weights(sq, bounds, None, gamma, loss_scale)
@@ -63,7 +67,7 @@ def test_cpp_clip_weights_equal_the_torch_formula_to_rounding(dtype, shape, loss
     assert torch.equal(got.isnan(), expected.isnan())
     ok = ~expected.isnan()
     assert torch.equal(got[ok].isinf(), expected[ok].isinf()) and torch.equal(got[ok] == 0, expected[ok] == 0)
-    torch.testing.assert_close(got[ok], expected[ok], rtol=2 * torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(got[ok], expected[ok], rtol=4 * torch.finfo(dtype).eps, atol=0)
     if dtype == torch.float32:
         offset = (CLIP_EPS if gamma is None else gamma) / loss_scale
         exact = _correctly_rounded(sq, bounds, offset, loss_scale if gamma is None else math.inf)

@@ -3,7 +3,7 @@
 Where ``pdpfast._C`` has it, the formula runs as one call (``csrc/clip.cpp``, and ``clip_cuda.cu``
 on a GPU) instead of five tensor ops: per-layer clipping computes weights once per layer call, and
 on B values each op is all launch cost. Its steps are correctly rounded; torch's CPU square root is
-not always, so the routes agree to 2 ulp (``tests/test_clip_weights.py``).
+not always, so the routes agree to 4 eps relative (``tests/test_clip_weights.py``).
 """
 from __future__ import annotations
 
