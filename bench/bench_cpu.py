@@ -13,7 +13,9 @@ CPU time (``--threads 1 --clock cpu``) give ratios that depend far less on the l
 ``--allocator retain`` keeps freed memory in the process (``pdpfast._malloc.retain_freed_memory``): the
 page faults of re-mapped activations, which depend on the process's allocation history and made
 the non-private CNN step vary ~2x between runs, are then gone from every provider alike, and
-the ratios measure computation. Each row records its page faults per step.
+the ratios measure computation. Each row records its page faults per step, and each provider's own
+peak of allocated memory (its model copy, state and the high point of a step; the profiler's
+allocation events, ``bench.harness.own_peak_memory``).
 """
 from __future__ import annotations
 
@@ -73,13 +75,15 @@ def main(argv=None) -> None:
                          "repeats": args.repeats, "clock": args.clock, "allocator": args.allocator})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
-    print("| model | provider | median step (ms) | × non-private | page faults / step |\n|---|---|---:|---:|---:|")
+    print("| model | provider | median step (ms) | × non-private | page faults / step | peak MiB | × memory |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         if "median_ms" in r:
             print(f"| {r['model']} | {r['provider']} | {r['median_ms']:.1f} | {r['time_ratio_vs_nonprivate']:.2f} "
-                  f"| {r.get('page_faults_per_step', float('nan')):.0f} |")
+                  f"| {r.get('page_faults_per_step', float('nan')):.0f} | {r['peak_memory_mb']:.1f} "
+                  f"| {r.get('memory_ratio_vs_nonprivate', float('nan')):.2f} |")
         else:
-            print(f"| {r['model']} | {r['provider']} | {r['error']} | | |")
+            print(f"| {r['model']} | {r['provider']} | {r['error']} | | | | |")
     print(f"device: {env['device']}, torch {env['torch']}, opacus {env['opacus']}, {env['date']}, "
           f"allocator {args.allocator}, clock {args.clock}; "
           f"written to {args.out}")

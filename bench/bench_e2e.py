@@ -5,6 +5,13 @@ process, on a CUDA device.
 
     python -m bench.bench_e2e [--models bert,resnet18,gpt2,gpt2-lora,vit] [--dtype fp32|bf16] [--repeats 20]
     python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
+    python -m bench.bench_e2e --device cpu --route large --models bert --repeats 1 \
+        --providers "non-private,pdpfast bk,pdpfast per-layer"          # a GPU's peak memory, on a CPU
+
+``--route large`` makes every layer call take the route a full-size model's calls take on a GPU
+(``bench.bench_overhead.large_call_route``): on a CPU the peak memory of each provider is then what
+it allocates on a GPU, up to the kernels' own workspaces (the CPU path forms no per-sample gradient
+there either). Each provider's peak is its own (``bench.harness.own_peak_memory``).
 
 Writes JSON rows (model, provider, batch, seq, dtype, device, versions, date, throughput, peak
 memory, ratios to non-private) to bench/results/e2e_<device>.json. A provider that cannot run a
@@ -13,6 +20,7 @@ model (Opacus has no rule for Hugging Face's Conv1D in GPT-2, say) gets a row wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -21,7 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness import environment, measure, with_ratios
+from bench.bench_overhead import large_call_route
+from bench.harness import PROVIDERS, environment, measure, with_ratios
 
 
 def _classification_loss(out, y):
@@ -94,8 +103,16 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="full", help="full (the issue's sizes) | tiny | micro (smoke tests)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--providers", default=",".join(PROVIDERS),
+                        help="comma-separated, from: " + ", ".join(PROVIDERS))
+    parser.add_argument("--route", choices=("model", "large"), default="model",
+                        help="large: every layer call takes a full-size model's GPU route (a GPU's memory, on a CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    unknown = set(args.providers.split(",")) - set(PROVIDERS)
+    if unknown:
+        parser.error(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
+    providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device here; run it on a GPU machine, or pass --device cpu --size micro "
@@ -105,10 +122,12 @@ def main(argv=None) -> int:
     env, rows = environment(device), []
     for name in args.models.split(","):
         model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
-        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats), batch)
+        with large_call_route() if args.route == "large" else contextlib.nullcontext():
+            results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, providers=providers), batch)
         for provider, r in results.items():
             rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": provider,
-                         "batch": batch, "seq": seq, "dtype": args.dtype, **r, **env, "repeats": args.repeats})
+                         "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
+                         "repeats": args.repeats})
         del model
     tag = re.sub(r"[^A-Za-z0-9]+", "_", env["device"].split("(")[0].strip()).strip("_").lower()
     out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")

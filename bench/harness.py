@@ -3,14 +3,17 @@
 A provider turns (model, inputs, targets, per-sample loss) into a ``step()`` closure doing one full
 training step (forward, backward, clipping, noise, optimizer). ``measure`` interleaves providers
 round by round so machine noise hits them alike, times with CUDA events on GPU, and records each
-provider's peak GPU memory in a separate pass.
+provider's own peak memory in a separate pass (``own_peak_memory``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import gc
 import platform
 import statistics
+import sys
 import time
 import warnings
 
@@ -181,19 +184,61 @@ PROVIDERS = {
 }
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
+@contextlib.contextmanager
+def own_peak_memory(device: torch.device):
+    """Yields a dict whose "bytes" is set on exit to the peak of what the block allocated and had not
+    yet freed: its own high-water mark, whatever else the process holds (other providers' models,
+    the base model, the inputs).
+
+    On CUDA from the caching allocator's statistics (the allocated count before the block is
+    subtracted from its peak); on the CPU from the profiler's allocation events, summed in order.
+    """
+    out = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield out
+        torch.cuda.synchronize(device)
+        out["bytes"] = torch.cuda.max_memory_allocated(device) - before
+        return
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield out
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            f = e.extra_fields
+            events.append((e.start_time_ns, f.alloc_size < 0, f.ptr, f.alloc_size))
+    # only the block's own blocks count: a free of memory allocated before it is skipped
+    held, total, peak = {}, 0, 0
+    for _, _, ptr, size in sorted(events):
+        if size > 0:
+            held[ptr] = size
+            total += size
+            peak = max(peak, total)
+        elif ptr in held:
+            total -= held.pop(ptr)
+    out["bytes"] = peak
+
+
 def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss, *, repeats: int, warmup: int = 3,
             providers: dict | None = None, clock: str = "wall") -> dict[str, dict]:
-    """{provider: {"median_ms", "peak_memory_mb" (GPU only), "page_faults_per_step" (CPU only) | "error"}}
-    for one model and batch.
+    """{provider: {"median_ms", "peak_memory_mb", "page_faults_per_step" (CPU only) | "error"}} for one
+    model and batch.
+
+    Peak memory is each provider's own (``own_peak_memory``): its copy of the model, its optimizer
+    and engine state and the high point of its first two steps, not what the providers built before
+    it still hold. (Before 2026-11-24 it was the device's whole allocated peak, which counted every
+    earlier provider's model: the H100 rows of 2026-11-23 in bench/README.md.)
 
     clock (CPU only): "wall", or "cpu" for the process's CPU time (all its threads), which other
     jobs on a shared machine disturb far less than wall time (they still share caches and memory).
@@ -204,18 +249,22 @@ def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss
     device = y.device
     steps, results = {}, {}
     for name, make in (providers or PROVIDERS).items():
-        model = copy.deepcopy(base)
+        # what earlier providers dropped is freed now, and pdpfast's CPU buffer pool starts empty
+        # (a provider reusing another's pooled buffers would not count them as its own)
+        gc.collect()
+        workspace = sys.modules.get("pdpfast.ops.workspace")
+        if workspace is not None:
+            workspace.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         try:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            steps[name] = make(model, inputs, y, loss)
-            for _ in range(2):  # a provider that fails does so here, not in the timed rounds
-                steps[name]()
-            _sync(device)
-            # peak memory of this provider alone (model, optimizer state, one step), before the timing
-            results[name] = ({"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
-                             if device.type == "cuda" else {})
+            # peak memory of this provider alone (model, optimizer state, two steps), before the timing
+            with own_peak_memory(device) as peak:
+                model = copy.deepcopy(base)
+                steps[name] = make(model, inputs, y, loss)
+                for _ in range(2):  # a provider that fails does so here, not in the timed rounds
+                    steps[name]()
+            results[name] = {"peak_memory_mb": peak["bytes"] / 2**20}
         except Exception as exc:  # e.g. a layer Opacus does not support: report it, keep going
             steps.pop(name, None)
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}

@@ -23,6 +23,24 @@ def test_e2e_benchmark_runs_every_provider_and_writes_json(tmp_path):
         assert r["median_ms"] > 0 and r["throughput_samples_per_s"] > 0, r
 
 
+def test_e2e_benchmark_measures_a_gpu_routes_memory_on_the_cpu(tmp_path, capsys):
+    """--route large: every call takes a full-size model's GPU route, so each provider's own peak
+    memory on the CPU is what it allocates on a GPU; --providers picks the rows; an unknown provider
+    is refused by name."""
+    from bench import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "bert", "--repeats", "1", "--route",
+                           "large", "--providers", "non-private,pdpfast per-layer", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["provider"] for r in rows] == ["non-private", "pdpfast per-layer"]
+    for r in rows:
+        assert r["route"] == "large" and r["peak_memory_mb"] > 0 and r["memory_ratio_vs_nonprivate"] > 0, r
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--device", "cpu", "--providers", "non-private,pdpfast bk-typo"])
+    assert "pdpfast bk-typo" in capsys.readouterr().err
+
+
 def test_e2e_benchmark_without_cuda_says_so(capsys):
     import torch
 
@@ -87,3 +105,45 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     # what a private step adds is counted: more launches than the non-private step
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
     assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
+
+
+def test_own_peak_memory_is_the_high_point_of_what_the_block_allocated_and_still_held():
+    """On the CPU from the profiler's allocation events: 1 MiB kept, 2 MiB freed, then 0.5 MiB → a
+    3 MiB high point; a block the process allocated before does not count, nor does its release."""
+    import torch
+
+    from bench.harness import own_peak_memory
+
+    before = torch.empty(2**20)  # 4 MiB held by the process, not by the block
+    with own_peak_memory(torch.device("cpu")) as peak:
+        kept = torch.empty(2**18)  # 1 MiB of float32
+        transient = torch.empty(2**19)  # 2 MiB
+        del transient, before
+        later = torch.empty(2**17)  # 0.5 MiB
+    assert peak["bytes"] == 3 * 2**20
+    assert kept.numel() + later.numel() == 2**18 + 2**17
+
+
+def test_a_providers_peak_memory_is_its_own_whatever_ran_before_it():
+    """Peak memory used to be the device's whole allocated peak, which counted the model copy of every
+    provider built before (the H100 rows of 2026-11-23: each row carried the earlier rows' models).
+    Now each provider's peak is its own: the same in either order, and at least its model copy."""
+    import torch
+    from torch import nn
+
+    from bench.harness import PROVIDERS, measure
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 10))
+    param_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    loss = lambda out, y: nn.functional.cross_entropy(out, y, reduction="none")  # noqa: E731
+    names = ["non-private", "pdpfast bk", "pdpfast per-layer", "pdpfast ghost"]
+    peaks = []
+    for order in (names, names[::-1]):
+        results = measure(base, (x,), y, loss, repeats=1, warmup=0, providers={n: PROVIDERS[n] for n in order})
+        peaks.append({n: results[n]["peak_memory_mb"] * 2**20 for n in names})
+    for n in names:
+        # a model copy retained by an earlier provider would add param_bytes (77 KiB) to the later order
+        assert abs(peaks[0][n] - peaks[1][n]) < 0.05 * param_bytes, (n, peaks)
+        assert peaks[0][n] > param_bytes, (n, peaks)
