@@ -103,6 +103,14 @@ class Phase(enum.Enum):
     CLIPPED = "clipped"
 
 
+def _shares_memory(t: torch.Tensor, x, o) -> bool:
+    """Whether ``t`` lies in the storage of a call's input ``x`` (a tensor or a tuple of them) or of
+    its output gradient ``o``: then it is not the clipping state's to change in place."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(isinstance(u, torch.Tensor) and u.untyped_storage().data_ptr() == ptr
+               for u in (*(x if isinstance(x, tuple) else (x,)), o))
+
+
 def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
@@ -609,11 +617,36 @@ class ClippingState:
         return tuple(n for n in names if n not in reused), reused
 
     def _materialize(self, layer: _Layer, names: tuple, x, o) -> None:
-        per_sample = layer.rule.per_sample_grads(layer.module, x, o)
-        params = layer.module._parameters
+        """Form this call's per-sample gradients of ``names`` and hold them to the end of the backward.
+
+        A parameter used again (tied weights, a module called twice) gets the next use's gradients
+        added to the tensor held for it. Where that tensor is the state's own, the add is in place:
+        through the rule's ``add_per_sample_grads`` where it has one (an embedding scatters its tokens'
+        rows, with no B×V×d tensor of its own), else by forming them and adding. For GPT-2's tied
+        embedding and LM head that is one B×V×d tensor instead of three at once (1.2 GB each, fp32).
+        """
+        rule, params, held, owned = layer.rule, layer.module._parameters, self._materialized, self._owned
+        into, fresh = {}, None
         for n in names:
-            p, g = params[n], per_sample[n]
-            self._materialized[p] = g if p not in self._materialized else self._materialized[p] + g
+            p = params[n]
+            g = held.get(p)
+            if g is not None and p in owned and rule.add_per_sample_grads is not None and g.dtype == o.dtype:
+                into[n] = g
+                continue
+            if fresh is None:
+                fresh = rule.per_sample_grads(layer.module, x, o)
+            new = fresh[n]
+            if g is None:
+                held[p] = new
+                if new.is_contiguous() and not _shares_memory(new, x, o):  # not a view of the call's tensors
+                    owned.add(p)
+            elif p in owned and new.dtype == g.dtype:
+                g.add_(new)
+            else:
+                held[p] = g + new
+                owned.add(p)
+        if into:
+            rule.add_per_sample_grads(layer.module, x, o, tuple(into), into)
         self._note_precision(o)
 
     def _bk_backward(self, layer: _Layer, names: tuple, x, o) -> None:
@@ -932,7 +965,7 @@ class ClippingState:
             self._add_group_sq(k, sq)
             self._add_sq(sq)
         workspace.recycle(self._materialized.values())
-        self._materialized = {}
+        self._materialized, self._owned = {}, set()
         self._close_backward(self._batch_sq(), None)
 
     def _clip_packed_groups(self, groups: list, by_group: dict) -> None:
@@ -1015,6 +1048,7 @@ class ClippingState:
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self._owned: set[nn.Parameter] = set()  # those of _materialized's tensors that may be added into in place
         self._held_bytes = 0  # per-layer clipping: small formed gradients held to the end of the backward
         self._group_sq: dict[int, torch.Tensor] = {}
         self._queued = False
@@ -1060,7 +1094,7 @@ class ClippingState:
             losses.sum().backward(retain_graph=True)
             total = self._batch_sq()
             weights = self._flat_weights(total)
-            self._materialized = {}
+            self._materialized, self._owned = {}, set()
             self._enter(Phase.GHOST_GRADS)
             (losses * weights.to(losses.device, losses.dtype)).sum().backward()
         except BaseException:

@@ -49,6 +49,10 @@ def _embedding_per_sample(m, ids, o):
     return {"weight": emb_ops.embedding_per_sample_grads(ids, o, m.num_embeddings, m.padding_idx)}
 
 
+def _embedding_add_per_sample(m, ids, o, names, into):
+    emb_ops.embedding_per_sample_grads(ids, o, m.num_embeddings, m.padding_idx, out=into["weight"])
+
+
 def _embedding_sq_norms(m, ids, o, names):
     return emb_ops.embedding_sq_norms(ids, o, m.num_embeddings, m.padding_idx)
 
@@ -57,7 +61,8 @@ def _embedding_clipped(m, ids, o, weights, names):
     return {"weight": emb_ops.embedding_clipped_grad_reference(ids, o, weights, m.num_embeddings, m.padding_idx)}
 
 
-register_layer(nn.Embedding, DPEmbedding, LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped))
+register_layer(nn.Embedding, DPEmbedding, LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped,
+                                                     add_per_sample_grads=_embedding_add_per_sample))
 
 
 class DPEmbeddingBag(DPModule, nn.EmbeddingBag):

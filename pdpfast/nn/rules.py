@@ -77,6 +77,11 @@ class LayerRule:
             better formed (see the module docstring), ``kept`` saying whether they would be kept until
             every layer's norms are known (flat clipping) or clipped and freed at once (per-layer
             clipping); or None (never, when ``sq_norms`` is given).
+        add_per_sample_grads: ``(module, x, o, names, into)`` adds this call's per-sample gradients of
+            ``names`` into ``into[name]`` ((B, *param.shape), of ``o``'s dtype) in place, for a
+            parameter used more than once (tied weights) whose gradients of an earlier use are held;
+            None: they are formed with ``per_sample_grads`` and added. Worth giving where the
+            gradients are sparse (an embedding's B×V×d touch only the sample's tokens' rows).
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -85,6 +90,8 @@ class LayerRule:
     stacked: Stacked | None = None
     # (module, x, o, kept) -> True where this call's per-sample gradients are better formed
     materialize_when: Callable[[nn.Module, torch.Tensor, torch.Tensor, bool], bool] | None = None
+    # (module, x, o, names, into {name: (B, *param.shape)}) -> None: this call's gradients added in place
+    add_per_sample_grads: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple, dict], None] | None = None
 
     @property
     def materializes(self) -> bool:

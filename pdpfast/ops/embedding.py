@@ -98,7 +98,7 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
     return out
 
 
-def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Tensor:
+def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx, out: torch.Tensor | None = None) -> torch.Tensor:
     """Materialized per-sample gradients G_i of the embedding table: for tied parameters and oracles only.
 
     Args:
@@ -106,13 +106,19 @@ def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx) -> torch.Ten
         o: (B, T, p) gradients of the summed loss w.r.t. the embedding outputs (or (B, ..., p)).
         num_embeddings: V, the table's number of rows.
         padding_idx: the token id that gets no gradient (its row stays 0), or None.
+        out: a (B, V, p) tensor of ``o``'s dtype to add them into in place (a tied weight's per-sample
+            gradients of its other uses), or None.
     Returns:
-        (B, V, p) in ``o``'s dtype, a fresh tensor (B·V·p values: large for a real vocabulary).
+        (B, V, p) in ``o``'s dtype: ``out`` plus G_i, or a fresh tensor (B·V·p values: large for a real
+        vocabulary).
     """
     B, p = ids.shape[0], o.shape[-1]
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p)
-    out = torch.zeros(B, num_embeddings, p, dtype=o.dtype, device=o.device)
+    if out is None:
+        out = torch.zeros(B, num_embeddings, p, dtype=o.dtype, device=o.device)
+    elif out.shape != (B, num_embeddings, p) or out.dtype != o.dtype:
+        raise ValueError(f"out must be {(B, num_embeddings, p)} of dtype {o.dtype}, got {tuple(out.shape)} {out.dtype}")
     if padding_idx is not None:
         o = o * (ids != padding_idx).unsqueeze(-1).to(o.dtype)
     return out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, p), o)
