@@ -616,16 +616,22 @@ class ClippingState:
             return names, ()
         return tuple(n for n in names if n not in reused), reused
 
-    def _materialize(self, layer: _Layer, names: tuple, x, o) -> None:
+    def _materialize(self, layer: _Layer, names: tuple, x, o, reused: bool = False) -> None:
         """Form this call's per-sample gradients of ``names`` and hold them to the end of the backward.
 
-        A parameter used again (tied weights, a module called twice) gets the next use's gradients
-        added to the tensor held for it. Where that tensor is the state's own, the add is in place:
-        through the rule's ``add_per_sample_grads`` where it has one (an embedding scatters its tokens'
-        rows, with no B×V×d tensor of its own), else by forming them and adding. For GPT-2's tied
-        embedding and LM head that is one B×V×d tensor instead of three at once (1.2 GB each, fp32).
+        ``reused``: the names may belong to parameters used more than once in the forward (tied
+        weights, a module called twice). Such a parameter gets each further use's gradients added to
+        the tensor held for it. Where that tensor is the state's own, the add is in place: through the
+        rule's ``add_per_sample_grads`` where it has one (an embedding scatters its tokens' rows, with
+        no B×V×d tensor of its own), else by forming them and adding. For GPT-2's tied embedding and
+        LM head that is one B×V×d tensor instead of three at once (1.2 GB each, fp32).
         """
         rule, params, held, owned = layer.rule, layer.module._parameters, self._materialized, self._owned
+        if not reused:  # each used once: this call's gradients are all of them (no ownership checks)
+            per_sample = rule.per_sample_grads(layer.module, x, o)
+            held.update((params[n], per_sample[n]) for n in names)
+            self._note_precision(o)
+            return
         into, fresh = {}, None
         for n in names:
             p = params[n]
@@ -652,7 +658,7 @@ class ClippingState:
     def _bk_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         normal, reused = self._split_reused(layer, names)
         if reused:
-            self._materialize(layer, reused, x, o)
+            self._materialize(layer, reused, x, o, reused=True)
         if normal:
             key, stacked, _ = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
@@ -670,7 +676,7 @@ class ClippingState:
         if k in self._reused_groups():
             # tied across layers or calls, or one host's parameters in separate calls: the group's
             # per-sample gradient is formed from all of them
-            self._materialize(layer, names, x, o)
+            self._materialize(layer, names, x, o, reused=True)
             self._queue_finish(self._finish_per_layer)
             return
         key, stacked, nbytes = self._stack_key(layer, names, x, o)
@@ -722,7 +728,7 @@ class ClippingState:
     def _ghost_norms_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         normal, reused = self._split_reused(layer, names)
         if reused:
-            self._materialize(layer, reused, x, o)
+            self._materialize(layer, reused, x, o, reused=True)
         if normal:
             self._add_sq(layer.rule.norms(layer.module, x, o, normal))
             self._note_precision(o)
