@@ -701,7 +701,7 @@ class ClippingState:
                 self._queue_finish(self._finish_per_layer)
                 return
             sq = sq_norms_of(grads)
-            weights = self._group_weights(sq, k, grads[0])
+            weights = self._group_weights(sq, k, *grads)
             params = layer.module._parameters
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
@@ -801,9 +801,12 @@ class ClippingState:
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))
 
-    def _group_weights(self, sq: torch.Tensor, group: int, like: torch.Tensor) -> torch.Tensor:
-        """Weights of per-layer group k for clipped sums computed like ``like`` (dtype, device)."""
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, rounding_margin(like))[group])
+    def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor) -> torch.Tensor:
+        """Weights of per-layer group k for clipped sums computed like the tensors ``like`` (dtype,
+        device): the bounds keep the widest of their rounding margins (a tied weight's group under
+        autocast holds fp32 and bf16 gradients)."""
+        margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group])
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -964,7 +967,7 @@ class ClippingState:
         for k, done in by_group.items():
             grads = [self._materialized[p] for p in done]
             sq = sq_norms_of(grads)
-            weights = self._group_weights(sq, k, grads[0])
+            weights = self._group_weights(sq, k, *grads)
             for p, g in zip(done, grads):
                 self._accumulate_param(p, weighted_sum(weights, g))
             workspace.recycle(grads)

@@ -236,6 +236,36 @@ def test_autocast_bf16_trains_and_stays_within_bound(style):
     assert _grad_norm(model) <= 4.0
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_tied_weights_under_autocast_stay_within_bound(style):
+    """A tied embedding and LM head under bf16 autocast: the head's per-sample gradients come in
+    bf16, the embedding's in fp32, and their sum (formed where the dtypes differ, in place where
+    they agree) still keeps each record's contribution within c_i."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.emb(ids)))
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for _trial in range(10):
+        model = pdpfast.nn.convert(Tied())
+        ids, targets = torch.randint(0, 50, (1, 6)), torch.randint(0, 50, (1, 6))
+        c = float(torch.rand(()) * 0.5 + 0.01)
+        losses = lambda out: nn.functional.cross_entropy(  # noqa: E731
+            out.float().transpose(1, 2), targets, reduction="none").sum(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = clipped_gradients(model, losses, ids, clip_norms=torch.tensor([c]), **style)
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())))
+        worst = max(worst, norm / c)
+    assert worst <= 1.0
+    assert worst > 0.9
+
+
 def test_engine_batches_and_steps_stay_in_step_over_an_epoch():
     """An ordinary loop (zero_grad first, as many scripts write it) runs a whole epoch."""
     engine, model, opt, criterion, loader = _engine(n=20, sample_rates=0.3)
