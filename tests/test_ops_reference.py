@@ -178,6 +178,18 @@ def test_embedding_norms_and_clipped_sum(B, shape, V, p, padding_idx, used):
     close(embedding_per_sample_grads(ids, o, V, padding_idx), expected)
     close(embedding_clipped_grad_reference(ids, o, w, V, padding_idx), weighted_sum(w, expected))
     close(embedding_clipped_grad_reference(ids, o, None, V, padding_idx), expected.sum(0))
+    # added into a held tensor in place (a tied weight's other uses), which is returned
+    held = torch.randn(B, V, p, dtype=torch.float64)
+    before = held.clone()
+    assert embedding_per_sample_grads(ids, o, V, padding_idx, out=held) is held
+    close(held, before + expected)
+
+
+def test_embedding_per_sample_grads_refuses_a_tensor_to_add_into_of_another_shape_or_dtype():
+    ids, o = torch.randint(0, 5, (2, 3)), torch.randn(2, 3, 4)
+    for out in (torch.zeros(2, 6, 4), torch.zeros(2, 5, 4, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="out must be"):
+            embedding_per_sample_grads(ids, o, 5, None, out=out)
 
 
 def test_embedding_norms_take_int32_ids_and_never_synchronise_with_the_host():
