@@ -20,6 +20,7 @@ about speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -51,6 +52,7 @@ class Row:
     speedup_vs_torch: float | None = None
     peak_extra_mib: float | None = None   # memory allocated above the inputs while it runs (where measured)
     graph_ms: float | None = None         # GPU time alone: CUDA-graph replay, no host launch cost (where measured)
+    max_rel_err: float | None = None      # max over the batch of |result - float64| / float64 (where measured)
 
 
 BENCHMARKS: dict[str, Callable] = {}
@@ -119,6 +121,25 @@ def cuda_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     return start.elapsed_time(end) / (replays * calls)
 
 
+@contextlib.contextmanager
+def fp32_dot_precision(precision: str):
+    """The Triton kernels' ``tl.dot`` precision for fp32 tiles while the block runs ("ieee", the
+    default: exact fp32 on the FMA units; "tf32x3": three TF32 tensor-core products, near-fp32)."""
+    from pdpfast.kernels import _utils
+
+    saved, _utils.FP32_DOT_PRECISION = _utils.FP32_DOT_PRECISION, precision
+    try:
+        yield
+    finally:
+        _utils.FP32_DOT_PRECISION = saved
+
+
+def max_rel_err(result: torch.Tensor, exact: torch.Tensor) -> float:
+    """max_i |result_i - exact_i| / exact_i: how far a kernel's per-sample norms are from float64's."""
+    exact = exact.double()
+    return float(((result.double() - exact).abs() / exact.clamp_min(1e-300)).max())
+
+
 def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn, nbytes, flops, reps):
     ms_triton = cuda_time_ms(triton_fn, reps=reps)
     ms_torch = cuda_time_ms(torch_fn, reps=reps) if torch_fn is not None else None
@@ -132,6 +153,8 @@ def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn
 
 @benchmark("linear_weight_sq_norms")
 def bench_linear_norms(rows, op, dtype_name, quick, reps):
+    """Each path of the kernel (and, for fp32, each on the tensor cores: ``tf32x3``) against the
+    reference, with every kernel row's largest relative error against float64 norms."""
     from pdpfast.ops.linear import use_gram
 
     dtype = DTYPES[dtype_name]
@@ -142,16 +165,25 @@ def bench_linear_norms(rows, op, dtype_name, quick, reps):
     for B, T, d, p in shapes:
         a = torch.randn(B, T, d, device="cuda", dtype=dtype)
         o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        exact = op.reference(a.double(), o.double())
         nbytes = (a.numel() + o.numel()) * a.element_size() + 4 * B
         auto = "rank_one" if T == 1 else ("gram" if use_gram(T, d, p) else "direct")
-        for path in ("auto", "gram", "direct"):
+        flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
+                 "direct": 2 * B * T * d * p + 2 * B * d * p}
+        variants = [(path, "ieee") for path in ("auto", "gram", "direct")]
+        if dtype == torch.float32:
+            variants += [("gram", "tf32x3"), ("direct", "tf32x3")]
+        for path, precision in variants:
             chosen = auto if path == "auto" else path
-            flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
-                     "direct": 2 * B * T * d * p + 2 * B * d * p}[chosen]
-            _bench_pair(rows, op.name, (B, T, d, p), dtype_name, f"{path}->{chosen}",
-                        lambda path=path: op.kernel(a, o, path=path),
-                        (lambda: op.reference(a, o)) if path == "auto" else None,
-                        nbytes, flops, reps)
+            name = f"{path}->{chosen}" if precision == "ieee" else f"{path} {precision}"
+            with fp32_dot_precision(precision):
+                _bench_pair(rows, op.name, (B, T, d, p), dtype_name, name,
+                            lambda path=path: op.kernel(a, o, path=path),
+                            (lambda: op.reference(a, o)) if path == "auto" else None,
+                            nbytes, flops[chosen], reps)
+                next(r for r in reversed(rows) if r.provider == "triton").max_rel_err = \
+                    max_rel_err(op.kernel(a, o, path=path), exact)
+        a = o = exact = None
 
 
 # ResNet-18 on CIFAR-10 (batch 256): every distinct conv shape, (C_in, C_out, input side, kernel, stride).
@@ -210,12 +242,20 @@ def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
         rows.append(Row(op.name, "torch", shape, dtype_name,
                         "reference: " + ("unfold" if unfolds else "per-sample wgrad"), ms_torch,
                         nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib, graph))
-        for path in ("auto", "direct", "gram"):
+        exact = op.reference(x_pad.double(), o.double(), module)
+        variants = [(path, "ieee") for path in ("auto", "direct", "gram")]
+        if dtype == torch.float32:  # the same paths on the tensor cores, near-fp32 (not the default)
+            variants += [("direct", "tf32x3"), ("gram", "tf32x3")]
+        for path, precision in variants:
             used = chosen if path == "auto" else path
-            ms, mib, graph = measure(lambda path=path: op.kernel(x_pad, o, module, path=path))
-            rows.append(Row(op.name, "triton", shape, dtype_name,
-                            f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms", ms, nbytes / ms / 1e6,
-                            costs[used].flops / ms / 1e9, ms_torch / ms, mib, graph))
+            name = f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms" if precision == "ieee" else \
+                f"{path} {precision}"
+            with fp32_dot_precision(precision):
+                ms, mib, graph = measure(lambda path=path: op.kernel(x_pad, o, module, path=path))
+                err = max_rel_err(op.kernel(x_pad, o, module, path=path), exact)
+            rows.append(Row(op.name, "triton", shape, dtype_name, name, ms, nbytes / ms / 1e6,
+                            costs[used].flops / ms / 1e9, ms_torch / ms, mib, graph, err))
+        exact = None
         ms, mib, graph = measure(lambda: conv_ops.conv_clipped_grads(x_pad, o, None, module, need_bias=False))
         rows.append(Row(op.name, "torch", shape, dtype_name, "non-private wgrad (floor)", ms,
                         nbytes / ms / 1e6, exact_flops / ms / 1e9, ms_torch / ms, mib, graph))
@@ -374,14 +414,15 @@ def main(argv=None) -> int:
         EXTENSION_BENCHMARKS[name](rows, args.dtypes.split(","), args.quick, args.reps)
 
     header = f"{'benchmark':24} {'provider':8} {'dtype':5} {'shape':28} {'variant':18} {'ms':>9} {'GB/s':>8} " \
-             f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9}"
+             f"{'TFLOP/s':>8} {'speedup':>8} {'MiB':>8} {'graph ms':>9} {'rel err':>8}"
     print(header)
     for r in rows:
         speedup = f"{r.speedup_vs_torch:8.2f}" if r.speedup_vs_torch else " " * 8
         mib = f"{r.peak_extra_mib:8.1f}" if r.peak_extra_mib is not None else " " * 8
-        graph = f"{r.graph_ms:9.4f}" if r.graph_ms is not None else ""
+        graph = f"{r.graph_ms:9.4f}" if r.graph_ms is not None else " " * 9
+        err = f"{r.max_rel_err:8.1e}" if r.max_rel_err is not None else ""
         print(f"{r.benchmark:24} {r.provider:8} {r.dtype:5} {r.shape:28} {r.variant:18} {r.median_ms:9.4f} "
-              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup} {mib} {graph}")
+              f"{r.gbps:8.1f} {r.tflops:8.2f} {speedup} {mib} {graph} {err}")
 
     device_name = torch.cuda.get_device_name()
     meta = {

@@ -211,3 +211,19 @@ def test_dispatch_never_picks_a_kernel_measured_slower_than_torch(tools, monkeyp
     assert dispatch.pick("bias_sq_norms", on(2, 8, 4, dtype=torch.float32)) is reference
     assert dispatch.pick("bias_sq_norms", on(2, 1, 4, dtype=torch.bfloat16)) is reference
     assert dispatch.pick("bias_sq_norms", on(2, 8, 4, dtype=torch.bfloat16)) is kernels.bias_sq_norms
+
+
+def test_the_benchmarks_fp32_precision_switch_reaches_the_launch_and_is_restored():
+    """bench_kernels times fp32 kernels with tf32x3 products beside the default exact ones: the
+    switch must reach the constexpr the launch gets, and come back even when the block raises."""
+    from bench.bench_kernels import fp32_dot_precision, max_rel_err
+    from pdpfast.kernels import _utils
+
+    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "ieee"
+    with pytest.raises(KeyError), fp32_dot_precision("tf32x3"):
+        assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "tf32x3"
+        assert _utils.dot_flags(torch.bfloat16)["DOT_PRECISION"] == "tf32"  # low precision is unaffected
+        raise KeyError
+    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "ieee"
+    exact = torch.tensor([1.0, 4.0, 0.0], dtype=torch.float64)
+    assert max_rel_err(torch.tensor([1.0, 5.0, 0.0]), exact) == pytest.approx(0.25)
