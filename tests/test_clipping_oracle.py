@@ -159,6 +159,50 @@ def test_layer_matches_oracle_whether_per_sample_gradients_are_formed_or_not(nam
     oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)  # a second batch reuses buffers
 
 
+def random_conv(seed: int):
+    """A convolution no one chose: rank, groups, channels, kernel, stride, dilation, padding (ints,
+    "same", "valid") and padding mode drawn from ``seed``, with a batch of 1-5 inputs it fits."""
+    import random
+
+    r = random.Random(seed)
+    dim, groups = r.choice([1, 2, 3]), r.choice([1, 1, 2, 3])
+    c_in, c_out = groups * r.choice([1, 2, 3, 17]), groups * r.choice([1, 2, 3, 9])
+    kernel = tuple(r.randint(1, 3) for _ in range(dim))
+    dilation = tuple(r.randint(1, 2) for _ in range(dim))
+    size = tuple(r.randint(d * (k - 1) + 1, 8) for k, d in zip(kernel, dilation))
+    mode = r.choice(["zeros", "zeros", "reflect", "replicate", "circular"])
+    if mode == "zeros" and r.random() < 0.3:
+        padding, stride = r.choice(["same", "valid"]), 1
+    else:  # padding modes other than zeros need padding < size
+        padding = tuple(min(r.randint(0, 2), n - 1) for n in size)
+        stride = tuple(r.randint(1, 3) for _ in range(dim))
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dim - 1]
+    layer = conv(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                 bias=r.random() < 0.7, padding_mode=mode)
+    return layer, torch.randn(r.choice([1, 2, 3, 5]), c_in, *size, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("route", ["default", "every-call-alone", "no-per-sample-gradients"])
+@pytest.mark.parametrize("seed", range(40))
+def test_random_convolutions_match_the_oracle_on_every_route(seed, route, style, oracle, monkeypatch):
+    """Beside the chosen cases above: 40 random configurations, each on the route its size picks,
+    computed alone, and with no per-sample gradient formed (the GPU's route)."""
+    import pdpfast.clipping
+    import pdpfast.ops.linear as linear_ops
+
+    if route != "default":
+        monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+    if route == "no-per-sample-gradients":
+        monkeypatch.setattr(linear_ops, "MATERIALIZE_RATIO", 0)
+        monkeypatch.setattr(linear_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    layer, x = random_conv(seed)
+    reference = randomize_(layer).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    with torch.no_grad():
+        target = torch.randn_like(reference(x))
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+
+
 def _repeats_shape(model, x) -> bool:
     """Whether model(model(x)) is defined: then two copies in a row give same-shape calls to stack."""
     try:

@@ -109,6 +109,38 @@ def test_conv_weight_sq_norms(tools, gen, name, path, dtype, monkeypatch):
     _check(tools, module, x, x_pad, o, path, monkeypatch, f"{name} {path} {dtype}")
 
 
+def _random_conv(seed: int):
+    """(module, per-sample input shape, batch): a Conv1d/Conv2d no one chose, drawn from ``seed``
+    (groups, odd channel counts, kernel, stride, dilation, padding ints / "same" / "valid", mode)."""
+    import random
+
+    r = random.Random(seed)
+    dim, groups = r.choice([1, 2]), r.choice([1, 1, 2, 3])
+    c_in, c_out = groups * r.choice([1, 2, 3, 5]), groups * r.choice([1, 2, 3, 9, 33])
+    kernel = tuple(r.randint(1, 4) for _ in range(dim))
+    dilation = tuple(r.randint(1, 3) for _ in range(dim))
+    size = tuple(r.randint(d * (k - 1) + 1, 13) for k, d in zip(kernel, dilation))
+    mode = r.choice(["zeros", "zeros", "reflect", "replicate", "circular"])
+    if r.random() < 0.3:
+        padding, stride = r.choice(["same", "valid"]), 1
+    else:  # padding modes other than zeros need padding < size
+        padding = tuple(min(r.randint(0, 3), n - 1) for n in size)
+        stride = tuple(r.randint(1, 3) for _ in range(dim))
+    conv = nn.Conv1d if dim == 1 else nn.Conv2d
+    module = conv(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                  bias=r.random() < 0.5, padding_mode=mode)
+    return module, (c_in, *size), r.choice([1, 2, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["auto", "direct", "gram"])
+@pytest.mark.parametrize("seed", range(24))
+def test_conv_weight_sq_norms_random_configurations(tools, gen, seed, path, dtype, monkeypatch):
+    module, shape, B = _random_conv(seed)
+    x, x_pad, o = _inputs(gen, module, shape, B, dtype, tools)
+    _check(tools, module, x, x_pad, o, path, monkeypatch, f"{module} B={B} {path} {dtype}")
+
+
 @pytest.mark.parametrize("path", ["auto", "direct", "gram"])
 @pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-groups3", "1d-stride-dilation"])
 def test_conv_weight_sq_norms_single_sample(tools, gen, name, path, monkeypatch):
