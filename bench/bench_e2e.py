@@ -14,8 +14,9 @@ it allocates on a GPU, up to the kernels' own workspaces (the CPU path forms no 
 there either). Each provider's peak is its own (``bench.harness.own_peak_memory``).
 
 Writes JSON rows (model, provider, batch, seq, dtype, device, versions, date, throughput, peak
-memory, ratios to non-private) to bench/results/e2e_<device>.json. A provider that cannot run a
-model (Opacus has no rule for Hugging Face's Conv1D in GPT-2, say) gets a row with its error.
+memory, ratios to non-private) to bench/results/e2e_<device>_<dtype>.json, rewritten after each
+model (a run stopped part-way keeps the models it finished). A provider that cannot run a model
+(Opacus has no rule for Hugging Face's Conv1D in GPT-2, say) gets a row with its error.
 """
 from __future__ import annotations
 
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
         return 1
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     env, rows = environment(device), []
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", env["device"].split("(")[0].strip()).strip("_").lower()
+    out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
         with large_call_route() if args.route == "large" else contextlib.nullcontext():
@@ -129,10 +133,10 @@ def main(argv=None) -> int:
                          "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
                          "repeats": args.repeats})
         del model
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", env["device"].split("(")[0].strip()).strip("_").lower()
-    out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+        # after every model: a run stopped part-way (a time limit on a lent GPU) keeps what it measured
+        part = out.with_name(out.name + ".part")  # whole or not at all for whoever copies it meanwhile
+        part.write_text(json.dumps(rows, indent=1))
+        part.replace(out)
     print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory | step ms | host ms |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -2,7 +2,8 @@
 # Everything pdpfast measures on a GPU, in one command, on a machine with no network.
 #
 #   bash bench/gpu.sh                 # build, tests, kernels, overhead, end to end fp32 + bf16
-#   bash bench/gpu.sh tests e2e       # only some steps: build tests kernels overhead e2e
+#   bash bench/gpu.sh tests e2e       # only some steps: build tests kernels overhead e2e (= e2e-fp32 e2e-bf16)
+#   E2E_MODELS=bert,gpt2 bash bench/gpu.sh e2e-bf16    # some models (default: all of bench_e2e's)
 #
 # It uses the machine's own python3 and torch (nothing is installed from the network): the C++/CUDA
 # sampler is built in place (`setup.py build_ext --inplace`; `pip install -e .` needs the network
@@ -10,7 +11,10 @@
 # (Opacus, the baseline: `pip download opacus==1.6.0 -d .whl` on a machine with a network) are
 # unpacked into /tmp/site. JSON results go to bench/results/ (named after the device); logs to
 # $LOGS; with $OUT set (the device tool's return folder) the run's JSON and a tarball of the logs
-# are copied there.
+# are copied there every 20 s while it runs, and at the end: a command the device stops at its
+# time limit still returns what it measured (bench_e2e rewrites its JSON after each model).
+# A lent GPU allows 10 minutes a command: give the steps to separate calls (build tests | kernels
+# overhead | e2e-fp32 | e2e-bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${LOGS:-/tmp/pdpfast-gpu-logs}
@@ -26,6 +30,17 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -e pdpfast/kernels ] || ln -s ../kernels pdpfast/kernels
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     | tee "$LOGS/env.txt"
+collect() {  # this run's JSON and the logs so far, into $OUT
+    find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$OUT/" \;
+    tar czf "$OUT/logs.tgz.part" -C "$LOGS" . && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"
+}
+if [ -n "${OUT:-}" ]; then
+    ( while sleep 20; do collect; done ) &
+    collector=$!
+fi
+e2e() {  # e2e DTYPE
+    run "e2e_$1" python3 -m bench.bench_e2e --dtype "$1" ${E2E_MODELS:+--models "$E2E_MODELS"}
+}
 status=0
 run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember a failure, keep going
     local name=$1; shift
@@ -46,13 +61,14 @@ for step in $steps; do
                       --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks"
                   run bench_overhead_large python3 -m bench.bench_overhead --device cuda --repeats 100 --route large \
                       --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
-        e2e) run e2e_fp32 python3 -m bench.bench_e2e --dtype fp32
-             run e2e_bf16 python3 -m bench.bench_e2e --dtype bf16 ;;
-        *) echo "unknown step $step (build tests kernels overhead e2e)"; status=2 ;;
+        e2e) e2e fp32; e2e bf16 ;;
+        e2e-fp32) e2e fp32 ;;
+        e2e-bf16) e2e bf16 ;;
+        *) echo "unknown step $step (build tests kernels overhead e2e e2e-fp32 e2e-bf16)"; status=2 ;;
     esac
 done
 if [ -n "${OUT:-}" ]; then
-    find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$OUT/" \;
-    tar czf "$OUT/logs.tgz" -C "$LOGS" .
+    kill "$collector" 2>/dev/null; wait "$collector" 2>/dev/null
+    collect
 fi
 exit $status

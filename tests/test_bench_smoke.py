@@ -41,6 +41,27 @@ def test_e2e_benchmark_measures_a_gpu_routes_memory_on_the_cpu(tmp_path, capsys)
     assert "pdpfast bk-typo" in capsys.readouterr().err
 
 
+def test_e2e_benchmark_stopped_part_way_keeps_the_models_it_finished(tmp_path, monkeypatch):
+    """A lent GPU stops a command at its time limit: the JSON is rewritten after every model, so
+    what was measured before the stop is on disk."""
+    from bench import bench_e2e
+
+    build = bench_e2e.build
+
+    def stop_at_vit(name, *args):
+        if name == "vit":
+            raise KeyboardInterrupt  # stands in for the kill
+        return build(name, *args)
+
+    monkeypatch.setattr(bench_e2e, "build", stop_at_vit)
+    out = tmp_path / "e2e.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "bert,vit", "--repeats", "1",
+                        "--providers", "non-private,pdpfast bk", "--out", str(out)])
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["provider"]) for r in rows] == [("bert", "non-private"), ("bert", "pdpfast bk")]
+
+
 def test_e2e_benchmark_without_cuda_says_so(capsys):
     import torch
 
