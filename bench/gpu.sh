@@ -32,7 +32,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
     | tee "$LOGS/env.txt"
 collect() {  # this run's JSON and the logs so far, into $OUT
     find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$OUT/" \;
-    tar czf "$OUT/logs.tgz.part" -C "$LOGS" . && mv "$OUT/logs.tgz.part" "$OUT/logs.tgz"
+    tar czf "$LOGS.tgz" -C "$LOGS" . && cp "$LOGS.tgz" "$OUT/logs.tgz"
 }
 if [ -n "${OUT:-}" ]; then
     ( while sleep 20; do collect; done ) &
@@ -42,7 +42,7 @@ e2e() {  # e2e DTYPE
     run "e2e_$1" python3 -m bench.bench_e2e --dtype "$1" ${E2E_MODELS:+--models "$E2E_MODELS"}
 }
 status=0
-run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember a failure, keep going
+run() {  # run NAME COMMAND...: log to $LOGS/NAME.log, remember a failure, keep going
     local name=$1; shift
     echo "== $name: $*"
     local t0=$SECONDS
