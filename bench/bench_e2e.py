@@ -7,6 +7,7 @@ process, on a CUDA device.
     python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
     python -m bench.bench_e2e --device cpu --route large --models bert --repeats 1 \
         --providers "non-private,pdpfast bk,pdpfast per-layer"          # a GPU's peak memory, on a CPU
+    python -m bench.bench_e2e --device cpu --route large --models vit --batch 24 ...   # a smaller batch
 
 ``--route large`` makes every layer call take the route a full-size model's calls take on a GPU
 (``bench.bench_overhead.large_call_route``): on a CPU the peak memory of each provider is then what
@@ -104,12 +105,16 @@ def main(argv=None) -> int:
     parser.add_argument("--size", default="full", help="full (the issue's sizes) | tiny | micro (smoke tests)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="the first BATCH samples of each model's batch (default: the model's own: 32 for BERT)")
     parser.add_argument("--providers", default=",".join(PROVIDERS),
                         help="comma-separated, from: " + ", ".join(PROVIDERS))
     parser.add_argument("--route", choices=("model", "large"), default="model",
                         help="large: every layer call takes a full-size model's GPU route (a GPU's memory, on a CPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be ≥ 1, got {args.batch}")
     unknown = set(args.providers.split(",")) - set(PROVIDERS)
     if unknown:
         parser.error(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
@@ -126,6 +131,10 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
+        if args.batch is not None:  # a smaller batch of the same samples (a CPU's time and memory)
+            batch, y = min(batch, args.batch), y[:args.batch]
+            inputs = ({k: t[:batch] for k, t in inputs.items()} if isinstance(inputs, dict)
+                      else tuple(t[:batch] for t in inputs))
         with large_call_route() if args.route == "large" else contextlib.nullcontext():
             results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, providers=providers), batch)
         for provider, r in results.items():

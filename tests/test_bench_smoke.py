@@ -36,6 +36,14 @@ def test_e2e_benchmark_measures_a_gpu_routes_memory_on_the_cpu(tmp_path, capsys)
     assert [r["provider"] for r in rows] == ["non-private", "pdpfast per-layer"]
     for r in rows:
         assert r["route"] == "large" and r["peak_memory_mb"] > 0 and r["memory_ratio_vs_nonprivate"] > 0, r
+    # --batch: the first samples of the model's batch (a full-size model's memory in a CPU's time)
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "vit", "--repeats", "1", "--batch",
+                           "1", "--providers", "non-private,pdpfast bk", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["batch"], r["provider"]) for r in rows] == [(1, "non-private"), (1, "pdpfast bk")]
+    assert all(r["throughput_samples_per_s"] == pytest.approx(1000 / r["median_ms"]) for r in rows), rows
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--device", "cpu", "--batch", "0"])
     with pytest.raises(SystemExit):
         bench_e2e.main(["--device", "cpu", "--providers", "non-private,pdpfast bk-typo"])
     assert "pdpfast bk-typo" in capsys.readouterr().err
