@@ -53,6 +53,9 @@ def _with_positions(ids):
     return {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)}
 
 
+MODELS = ("bert", "resnet18", "gpt2", "gpt2-lora", "vit")
+
+
 def build(name: str, size: str, device, dtype):
     from pdpfast import models
 
@@ -91,7 +94,7 @@ def build(name: str, size: str, device, dtype):
         inputs = (torch.randn(batch, 3, pixels, pixels, generator=g),)
         y, loss = torch.randint(0, 10, (batch,), generator=g), _classification_loss
     else:
-        raise ValueError(f"unknown model {name!r}; choose from bert, resnet18, gpt2, gpt2-lora, vit")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     model = model.to(device=device, dtype=dtype)
     move = lambda t: t.to(device, dtype) if t.is_floating_point() else t.to(device)  # noqa: E731
     inputs = {k: move(t) for k, t in inputs.items()} if isinstance(inputs, dict) else tuple(map(move, inputs))
@@ -100,7 +103,7 @@ def build(name: str, size: str, device, dtype):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="bert,resnet18,gpt2,gpt2-lora,vit")
+    parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="full", help="full (the issue's sizes) | tiny | micro (smoke tests)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -115,6 +118,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         parser.error(f"--batch must be ≥ 1, got {args.batch}")
+    unknown_models = set(args.models.split(",")) - set(MODELS)
+    if unknown_models:
+        parser.error(f"--models: unknown {sorted(unknown_models)}; choose from {', '.join(MODELS)}")
     unknown = set(args.providers.split(",")) - set(PROVIDERS)
     if unknown:
         parser.error(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
@@ -130,7 +136,13 @@ def main(argv=None) -> int:
     out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
-        model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
+        try:
+            model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
+        except Exception as exc:  # a package missing on a GPU machine (peft, say): the other models still run
+            rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": "(model)",
+                         "dtype": args.dtype, "error": f"{type(exc).__name__}: {exc}", **env})
+            print(f"bench_e2e: {name} could not be built: {type(exc).__name__}: {exc}", file=sys.stderr)
+            continue
         if args.batch is not None:  # a smaller batch of the same samples (a CPU's time and memory)
             batch, y = min(batch, args.batch), y[:args.batch]
             inputs = ({k: t[:batch] for k, t in inputs.items()} if isinstance(inputs, dict)

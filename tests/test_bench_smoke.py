@@ -70,6 +70,30 @@ def test_e2e_benchmark_stopped_part_way_keeps_the_models_it_finished(tmp_path, m
     assert [(r["model"], r["provider"]) for r in rows] == [("bert", "non-private"), ("bert", "pdpfast bk")]
 
 
+def test_e2e_benchmark_runs_the_other_models_when_one_cannot_be_built(tmp_path, monkeypatch, capsys):
+    """A GPU machine may lack a model's package (peft for gpt2-lora): that model gets an error row,
+    the others are measured. An unknown model name is refused before anything runs."""
+    from bench import bench_e2e
+
+    build = bench_e2e.build
+
+    def no_peft(name, *args):
+        if name == "gpt2-lora":
+            raise ModuleNotFoundError("No module named 'peft'")
+        return build(name, *args)
+
+    monkeypatch.setattr(bench_e2e, "build", no_peft)
+    out = tmp_path / "e2e.json"
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "gpt2-lora,bert", "--repeats", "1",
+                           "--providers", "non-private", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], "error" in r) for r in rows] == [("gpt2-lora", True), ("bert", False)]
+    assert "peft" in rows[0]["error"] and "peft" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--device", "cpu", "--models", "bert,resnet"])
+    assert "resnet" in capsys.readouterr().err
+
+
 def test_e2e_benchmark_without_cuda_says_so(capsys):
     import torch
 
