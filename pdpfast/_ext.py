@@ -5,6 +5,8 @@ route, saying why, when the extension or the function is absent.
 """
 from __future__ import annotations
 
+import torch  # noqa: F401  (loads libc10 and libtorch, which the extension links against)
+
 try:
     from pdpfast import _C
 except (ImportError, OSError) as exc:

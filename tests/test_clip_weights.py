@@ -121,3 +121,15 @@ def test_cpp_clip_weights_refuse_mismatched_inputs_clearly():
         _C.clip_weights(torch.rand(3), torch.rand(3).double(), CLIP_EPS, 1.0)
     with pytest.raises(RuntimeError, match="float32 or float64"):
         _C.clip_weights(torch.rand(3).half(), torch.rand(3).half(), CLIP_EPS, 1.0)
+
+
+def test_the_extension_loads_whatever_module_is_imported_first():
+    """``pdpfast._C`` links against torch's libraries: imported before torch it failed to load
+    (libc10.so not found), and every user of the extension silently took its torch route. A fresh
+    interpreter importing ``pdpfast._ext`` first must see the extension as this process does."""
+    import subprocess
+    import sys
+
+    probe = "import pdpfast._ext as e; print(e._IMPORT_ERROR)"
+    fresh = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert fresh == str(_ext._IMPORT_ERROR)
