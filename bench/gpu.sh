@@ -50,7 +50,13 @@ run() {  # run NAME COMMAND...: log to $LOGS/NAME.log, remember a failure, keep 
     tail -n 25 "$LOGS/$name.log"
     echo "   ($((SECONDS - t0)) s)"
 }
+extension() {  # whether pdpfast._C is there (built in this call, or carried from an earlier one)
+    python3 -c "import pdpfast._ext as e; print('pdpfast._C:', e._IMPORT_ERROR or 'importable')" | tee -a "$LOGS/env.txt"
+}
 for step in $steps; do
+    case $step in kernels|overhead|e2e*) extension | grep -q importable \
+        || echo "   WARNING: pdpfast._C is missing: the timings below take its slower torch routes (run the build step)" ;;
+    esac
     case $step in
         build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace ;;
         tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
