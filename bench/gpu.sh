@@ -58,7 +58,11 @@ for step in $steps; do
         || echo "   WARNING: pdpfast._C is missing: the timings below take its slower torch routes (run the build step)" ;;
     esac
     case $step in
-        build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace ;;
+        build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace
+               if [ -n "${OUT:-}" ]; then  # without debug symbols (~0.3 MB): a later call can carry it back
+                   for so in pdpfast/_C.*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so" \
+                       || cp "$so" "$OUT/"; done
+               fi ;;
         tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
                run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
         kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
