@@ -42,12 +42,11 @@ e2e() {  # e2e DTYPE
     run "e2e_$1" python3 -m bench.bench_e2e --dtype "$1" ${E2E_MODELS:+--models "$E2E_MODELS"}
 }
 status=0
-run() {  # run NAME COMMAND...: log to $LOGS/NAME.log, remember a failure, keep going
+run() {  # run NAME COMMAND...: print and log to $LOGS/NAME.log as it goes, remember a failure, keep going
     local name=$1; shift
     echo "== $name: $*"
     local t0=$SECONDS
-    "$@" > "$LOGS/$name.log" 2>&1 || { echo "   FAILED (see $LOGS/$name.log)"; status=1; }
-    tail -n 25 "$LOGS/$name.log"
+    "$@" 2>&1 | tee "$LOGS/$name.log" || { echo "   FAILED (see $LOGS/$name.log)"; status=1; }
     echo "   ($((SECONDS - t0)) s)"
 }
 extension() {  # whether pdpfast._C is there (built in this call, or carried from an earlier one)
