@@ -26,6 +26,7 @@ import contextlib
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -147,8 +148,10 @@ def main(argv=None) -> int:
             batch, y = min(batch, args.batch), y[:args.batch]
             inputs = ({k: t[:batch] for k, t in inputs.items()} if isinstance(inputs, dict)
                       else tuple(t[:batch] for t in inputs))
+        started = time.perf_counter()
         with large_call_route() if args.route == "large" else contextlib.nullcontext():
             results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, providers=providers), batch)
+        print(f"bench_e2e: {name} measured in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         for provider, r in results.items():
             rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": provider,
                          "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
