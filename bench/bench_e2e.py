@@ -136,6 +136,12 @@ def main(argv=None) -> int:
     tag = re.sub(r"[^A-Za-z0-9]+", "_", env["device"].split("(")[0].strip()).strip("_").lower()
     out = Path(args.out or f"bench/results/e2e_{tag}_{args.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every model: a run stopped part-way (a time limit on a lent GPU) keeps what it measured
+        part = out.with_name(out.name + ".part")  # whole or not at all for whoever copies it meanwhile
+        part.write_text(json.dumps(rows, indent=1))
+        part.replace(out)
+
     for name in args.models.split(","):
         try:
             model, inputs, y, loss, batch, seq = build(name, args.size, device, dtype)
@@ -143,6 +149,7 @@ def main(argv=None) -> int:
             rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": "(model)",
                          "dtype": args.dtype, "error": f"{type(exc).__name__}: {exc}", **env})
             print(f"bench_e2e: {name} could not be built: {type(exc).__name__}: {exc}", file=sys.stderr)
+            save()
             continue
         if args.batch is not None:  # a smaller batch of the same samples (a CPU's time and memory)
             batch, y = min(batch, args.batch), y[:args.batch]
@@ -157,10 +164,7 @@ def main(argv=None) -> int:
                          "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
                          "repeats": args.repeats})
         del model
-        # after every model: a run stopped part-way (a time limit on a lent GPU) keeps what it measured
-        part = out.with_name(out.name + ".part")  # whole or not at all for whoever copies it meanwhile
-        part.write_text(json.dumps(rows, indent=1))
-        part.replace(out)
+        save()
     print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory | step ms | host ms |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

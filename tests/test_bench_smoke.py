@@ -84,10 +84,10 @@ def test_e2e_benchmark_runs_the_other_models_when_one_cannot_be_built(tmp_path, 
 
     monkeypatch.setattr(bench_e2e, "build", no_peft)
     out = tmp_path / "e2e.json"
-    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "gpt2-lora,bert", "--repeats", "1",
-                           "--providers", "non-private", "--out", str(out)]) == 0
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "gpt2-lora,bert,gpt2-lora", "--repeats",
+                           "1", "--providers", "non-private", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["model"], "error" in r) for r in rows] == [("gpt2-lora", True), ("bert", False)]
+    assert [(r["model"], "error" in r) for r in rows] == [("gpt2-lora", True), ("bert", False), ("gpt2-lora", True)]
     assert "peft" in rows[0]["error"] and "peft" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_e2e.main(["--device", "cpu", "--models", "bert,resnet"])
