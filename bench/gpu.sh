@@ -49,12 +49,15 @@ run() {  # run NAME COMMAND...: print and log to $LOGS/NAME.log as it goes, reme
     "$@" 2>&1 | tee "$LOGS/$name.log" || { echo "   FAILED (see $LOGS/$name.log)"; status=1; }
     echo "   ($((SECONDS - t0)) s)"
 }
-extension() {  # whether pdpfast._C is there (built in this call, or carried from an earlier one)
-    python3 -c "import pdpfast._ext as e; print('pdpfast._C:', e._IMPORT_ERROR or 'importable')" | tee -a "$LOGS/env.txt"
-}
+warned=
 for step in $steps; do
-    case $step in kernels|overhead|e2e*) extension | grep -q importable \
-        || echo "   WARNING: pdpfast._C is missing: the timings below take its slower torch routes (run the build step)" ;;
+    # before the first timed step: is pdpfast._C there (built in this call, or carried from an earlier one)?
+    case $step in kernels|overhead|e2e*) [ -n "$warned" ] || {
+        warned=1
+        python3 -c "import pdpfast._ext as e; print('pdpfast._C:', e._IMPORT_ERROR or 'importable')" \
+            | tee -a "$LOGS/env.txt" | grep -q importable \
+            || echo "   WARNING: pdpfast._C is missing: the timings below take its slower torch routes (run the build step)"
+    } ;;
     esac
     case $step in
         build) run build env MAX_JOBS=16 python3 setup.py build_ext --inplace
