@@ -23,10 +23,14 @@ advances itself; the noise kernel derives its Philox seed from it on the device
 check before a step and its charge after, the step count — runs on the host around each replay,
 as the eager step runs it.
 
-``cuda_graph=False`` runs the same two bodies eagerly every time (the first ``warmup`` steps of a
-captured step do too, on a side stream, as CUDA graph capture requires): the same static buffers,
-the same host lifecycle, no capture. Tests on the CPU check that path against the ordinary loop,
-and that nothing in a step's body synchronises with the host.
+``cuda_graph=False`` runs the same two bodies eagerly every time (its noise seeded on the host):
+the same static buffers, the same host lifecycle, no capture. The first ``warmup`` steps of a
+captured step run the very bodies the capture records, device counter included, eagerly on a side
+stream, as CUDA graph capture requires: every kernel a capture launches is compiled and loaded by
+then (a module cannot be loaded while a stream captures). Tests on the CPU check the eager path
+against the ordinary loop, that nothing in a step's body synchronises with the host, and, with the
+kernels under the Triton interpreter and a stand-in for the capture, that a capture launches no
+kernel variant its warm-up did not (``tests/kernels/test_captured_step.py``).
 
 Rebuilt rather than replayed: a new input signature (new accumulate graph), and a change of the
 optimizer's hyperparameters, state or noise (new update graph: a learning rate baked in as a
@@ -88,7 +92,10 @@ class _Body:
             return self.outputs, False
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph), self.guard():
+            # "thread_local": CUDA calls of other threads (a DataLoader's pin-memory thread queries its
+            # events and allocates pinned blocks) do not invalidate the capture; those of this thread
+            # and every launch into the capturing stream, the autograd engine's included, still count
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"), self.guard():
                 outputs = self.fn()
         except RuntimeError as exc:
             raise RuntimeError(
@@ -152,7 +159,7 @@ class PrivateStep:
         self._update: _Body | None = None
         self._update_key = None
         self._counter: torch.Tensor | None = None  # (seed, step) of the noise, on the device
-        self._counter_step: int | None = None      # the step the counter holds
+        self._counter_value: tuple | None = None   # the (seed, step) it holds
         self._tables: list = []                    # device tables the captured noise launch reads
         with torch.no_grad():
             for p in params:  # static gradient buffers: the graphs add into them and zero them
@@ -201,42 +208,61 @@ class PrivateStep:
 
     # ------------------------------------------------------------------ the update
 
-    def _update_body(self, captured: bool = True) -> tuple:
-        """Noise (from the device counter when captured), normalization, the optimizer step, grads zeroed."""
+    def _update_body(self, on_device: bool, keep: list | None = None) -> tuple:
+        """Noise (from the device counter when ``on_device``), normalization, the optimizer step, grads zeroed."""
         optimizer = self.optimizer
-        if captured:
-            optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=self._tables)
+        if on_device:
+            optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=keep)
         else:
             optimizer.add_noise_and_normalize()
         optimizer.original_optimizer.step()
         torch._foreach_zero_([p.grad for p in optimizer.trainable_params()])
-        if captured:
+        if on_device:
             self._counter[1] += 1
         return ()
 
     def _step(self, eager: bool) -> None:
         optimizer = self.optimizer
-        if eager:
+        if not self.cuda_graph:
             with torch.no_grad():
-                _Body(lambda: self._update_body(captured=False), self.device,
-                      lambda: self.body_guard()).run_eagerly(self.cuda_graph)
+                _Body(lambda: self._update_body(on_device=False), self.device,
+                      lambda: self.body_guard()).run_eagerly(side_stream=False)
             return
-        key = self._hyper_key()
-        if self._update is None or key != self._update_key:
-            if self._update is not None:
-                warnings.warn("the optimizer's hyperparameters, state or noise changed: the update graph is captured "
-                              "again (a learning-rate schedule does this every step; give the optimizer a tensor "
-                              "learning rate, e.g. lr=torch.tensor(1e-3, device='cuda'), to avoid it)", stacklevel=3)
-            self._update = _Body(self._update_body, self.device, lambda: self.body_guard())
-            self._update_key, self._tables = key, []
+        self._sync_counter()
+        if eager:
+            # the warm-up runs the body the capture will record, device counter included: every
+            # kernel it launches (the noise kernel's variant that reads its seed from the device,
+            # above all) is compiled and loaded now, since loading a module during capture fails
+            with torch.no_grad():
+                _Body(lambda: self._update_body(on_device=True, keep=[]), self.device,
+                      lambda: self.body_guard()).run_eagerly(side_stream=True)
+        else:
+            key = self._hyper_key()
+            if self._update is None or key != self._update_key:
+                if self._update is not None:
+                    warnings.warn("the optimizer's hyperparameters, state or noise changed: the update graph is "
+                                  "captured again (a learning-rate schedule does this every step; give the optimizer "
+                                  "a tensor learning rate, e.g. lr=torch.tensor(1e-3, device='cuda'), to avoid it)",
+                                  stacklevel=3)
+                self._tables = []
+                self._update = _Body(lambda: self._update_body(on_device=True, keep=self._tables), self.device,
+                                     lambda: self.body_guard())
+                self._update_key = key
+            with torch.no_grad():
+                self._update.replay()
+        self._counter_value = (optimizer.seed, optimizer.steps + 1)
+
+    def _sync_counter(self) -> None:
+        """The device counter holds the optimizer's (seed, step): set where eager steps, a checkpoint
+        or a new seed moved them (queued fills, no host synchronisation)."""
+        optimizer = self.optimizer
+        value = (optimizer.seed, optimizer.steps)
         if self._counter is None:
-            self._counter = seed_and_step_tensor(optimizer.seed, optimizer.steps, self.device)
-            self._counter_step = optimizer.steps
-        elif self._counter_step != optimizer.steps:  # eager steps, or a checkpoint loaded: queued, no sync
-            self._counter[1:].fill_(as_int64(optimizer.steps))
-        with torch.no_grad():
-            self._update.replay()
-        self._counter_step = optimizer.steps + 1
+            self._counter = seed_and_step_tensor(*value, self.device)
+        elif self._counter_value != value:
+            self._counter[0].fill_(as_int64(value[0]))
+            self._counter[1].fill_(as_int64(value[1]))
+        self._counter_value = value
 
     def _hyper_key(self) -> tuple:
         """What the update graph bakes in: each group's hyperparameters (tensors by identity), the

@@ -1,0 +1,152 @@
+"""The captured step's protocol (``pdpfast.graphs.PrivateStep``), checked on the CPU with the kernels.
+
+Nothing is captured without a GPU. Here a stand-in for ``_Body.replay`` runs a body where a
+capture would record it, every time (each call is a "first capture", so the host side runs as it
+does in a real capture), while the Triton kernels run under the interpreter. Two things a real
+capture depends on can then be checked on any machine:
+
+* every kernel variant (kernel, constexpr arguments) a capture launches was launched eagerly
+  before it: a CUDA capture cannot compile and load a module (``cuModuleLoadData`` is refused while
+  a stream captures), so a variant first seen inside the capture fails there;
+* the device-side (seed, step) counter the captured noise reads follows the optimizer: the noise
+  equals the ordinary loop's, through warm-up, capture and a checkpoint that brings another seed.
+
+The capture and replay themselves are checked on CUDA in ``tests/test_cuda.py``.
+"""
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import pdpfast
+from pdpfast import graphs
+
+N = 48
+
+
+def _engine(seed=3, clipping="flat"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
+    engine = pdpfast.PrivacyEngine(seed=seed)
+    model, opt, loader = engine.make_private_with_budgets(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
+        data_loader=DataLoader(data, batch_size=12), budgets=np.repeat([1.0, 4.0], N // 2), delta=1e-5, steps=8,
+        method="hybrid", physical_batch_size=4, clipping=clipping)
+    return engine, model, opt, loader
+
+
+def _loss(model):
+    return lambda x, y: nn.functional.cross_entropy(model(x), y)
+
+
+def _run(opt, loader, draws, call):
+    while True:
+        for batch in loader:
+            call(*batch)
+            if opt.steps == draws and loader.current.is_last:
+                return
+
+
+def _ordinary(model, opt, loader, draws):
+    def call(x, y):
+        _loss(model)(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    _run(opt, loader, draws, call)
+
+
+class _Launches:
+    """Triton launches by variant: (kernel, constexpr and launch-option arguments)."""
+
+    def __init__(self):
+        self.seen, self.first_in_capture, self.capturing = set(), [], False
+
+    def record(self, fn, args, kwargs) -> None:
+        params = inspect.signature(fn.fn).parameters
+        bound = dict(zip(params, args), **kwargs)
+        variant = (fn.__name__, tuple(sorted(
+            (k, v) for k, v in bound.items()
+            if k not in params or "constexpr" in str(params[k].annotation))))
+        if self.capturing and variant not in self.seen:
+            self.first_in_capture.append(variant)
+        self.seen.add(variant)
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Makes ``make_step(..., cuda_graph=False)`` steps behave as captured ones (see the module
+    docstring); yields the launch record."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = _Launches()
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        launches.record(self, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
+        return run(self, *args, **kwargs)
+
+    def capture(body):
+        launches.capturing = True
+        try:
+            with body.guard():
+                return body.fn(), True
+        finally:
+            launches.capturing = False
+
+    eager = graphs._Body.run_eagerly
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(graphs._Body, "replay", capture)
+    monkeypatch.setattr(graphs._Body, "run_eagerly", lambda body, side_stream: eager(body, False))
+    return launches
+
+
+def _captured_step(engine, model):
+    step = engine.make_step(_loss(model), cuda_graph=False)
+    step.cuda_graph = True  # the CUDA path of PrivateStep, with the stand-in capture
+    return step
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_captured_step_launches_only_kernel_variants_its_warm_up_launched(captured, clipping):
+    engine, model, opt, loader = _engine(clipping=clipping)
+    step = _captured_step(engine, model)
+    _run(opt, loader, 4, step)
+    assert step.eager_steps == step.warmup == 2 and step._update is not None  # the update was "captured"
+    assert any(name == "_add_noise_kernel" and ("SEED_FROM_PTR", True) in args for name, args in captured.seen)
+    assert captured.first_in_capture == []
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_captured_step_noise_follows_the_seed_and_step_through_warm_up_and_capture(captured, clipping):
+    a_engine, a_model, a_opt, a_loader = _engine(clipping=clipping)
+    _ordinary(a_model, a_opt, a_loader, 5)
+    b_engine, b_model, b_opt, b_loader = _engine(clipping=clipping)
+    _run(b_opt, b_loader, 5, _captured_step(b_engine, b_model))
+    for p, q in zip(b_model.parameters(), a_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
+
+
+def test_captured_step_noise_follows_a_checkpoints_seed(captured, tmp_path):
+    """A checkpoint loaded into a running captured step brings its own noise seed: the counter on
+    the device takes it (before, only the step was refreshed and the old seed's noise went on)."""
+    a_engine, a_model, a_opt, a_loader = _engine(seed=3)
+    _ordinary(a_model, a_opt, a_loader, 6)
+    b_engine, b_model, b_opt, b_loader = _engine(seed=3)
+    _ordinary(b_model, b_opt, b_loader, 3)
+    b_engine.save_checkpoint(tmp_path / "ckpt.pt", b_model)
+
+    c_engine, c_model, c_opt, c_loader = _engine(seed=11)
+    step = _captured_step(c_engine, c_model)
+    _run(c_opt, c_loader, 3, step)  # warm-up and capture under seed 11's noise
+    assert c_opt.seed != b_opt.seed
+    c_engine.load_checkpoint(tmp_path / "ckpt.pt", c_model)
+    with pytest.warns(UserWarning, match="captured again"):
+        _run(c_opt, c_loader, 6, step)
+    for p, q in zip(c_model.parameters(), a_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
