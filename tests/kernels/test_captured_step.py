@@ -27,11 +27,30 @@ from pdpfast import graphs
 N = 48
 
 
-def _engine(seed=3, clipping="flat"):
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3)), torch.randn(N, 6)
+
+
+def _transformer():
+    from bench.models import TinyTransformer
+
+    return TinyTransformer(vocab=20, d=16, layers=1, heads=2, seq=7, classes=3), torch.randint(0, 20, (N, 7))
+
+
+def _cnn():
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, stride=2, groups=2), nn.Flatten(), nn.Linear(36, 3))
+    return model, torch.randn(N, 2, 8, 8)
+
+
+MODELS = {"mlp": _mlp, "transformer": _transformer, "groupnorm-cnn": _cnn}
+
+
+def _engine(seed=3, clipping="flat", model="mlp", dtype=torch.float32):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g))
+    model, x = MODELS[model]()
+    model, x = model.to(dtype), x.to(dtype) if x.is_floating_point() else x
+    data = TensorDataset(x, torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(1)))
     engine = pdpfast.PrivacyEngine(seed=seed)
     model, opt, loader = engine.make_private_with_budgets(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
@@ -111,13 +130,31 @@ def _captured_step(engine, model):
     return step
 
 
+@pytest.fixture(params=["model", "large"])
+def route(request, monkeypatch):
+    """"large": every layer call takes a full-size model's route on a GPU (on its own, no
+    per-sample gradient formed), as ``bench.bench_overhead --route large`` sets it."""
+    if request.param == "large":
+        from pdpfast import clipping
+        from pdpfast.ops import linear
+
+        for module, name in ((clipping, "SMALL_CALL_BYTES"), (linear, "MATERIALIZE_RATIO"),
+                             (linear, "MATERIALIZE_MIN_ELEMENTS")):
+            monkeypatch.setattr(module, name, 0)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_captured_step_launches_only_kernel_variants_its_warm_up_launched(captured, clipping):
-    engine, model, opt, loader = _engine(clipping=clipping)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_captured_step_launches_only_kernel_variants_its_warm_up_launched(captured, route, model, clipping, dtype):
+    engine, model, opt, loader = _engine(clipping=clipping, model=model, dtype=dtype)
     step = _captured_step(engine, model)
     _run(opt, loader, 4, step)
     assert step.eager_steps == step.warmup == 2 and step._update is not None  # the update was "captured"
     assert any(name == "_add_noise_kernel" and ("SEED_FROM_PTR", True) in args for name, args in captured.seen)
+    if dtype == torch.bfloat16:  # the backward's norm kernels ran (in fp32 some norms are torch's)
+        assert {name for name, _ in captured.seen} - {"_add_noise_kernel"}
     assert captured.first_in_capture == []
 
 
