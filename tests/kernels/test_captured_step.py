@@ -2,23 +2,30 @@
 
 Nothing is captured without a GPU. Here a stand-in for ``_Body.replay`` runs a body where a
 capture would record it, every time (each call is a "first capture", so the host side runs as it
-does in a real capture), while the Triton kernels run under the interpreter. Two things a real
-capture depends on can then be checked on any machine:
+does in a real capture), while the Triton kernels run under the interpreter. What a real capture
+depends on can then be checked on any machine (three models, fp32 and bf16, both call routes):
 
 * every kernel variant (kernel, constexpr arguments) a capture launches was launched eagerly
   before it: a CUDA capture cannot compile and load a module (``cuModuleLoadData`` is refused while
   a stream captures), so a variant first seen inside the capture fails there;
+* a replay would repeat what its capture recorded: every later run of a body issues the same
+  aten ops and Triton launches with the same non-tensor arguments (a value read on the host that
+  changes from step to step, such as a host-side seed, would be baked into the graph) and the
+  same tensor shapes;
 * the device-side (seed, step) counter the captured noise reads follows the optimizer: the noise
   equals the ordinary loop's, through warm-up, capture and a checkpoint that brings another seed.
 
 The capture and replay themselves are checked on CUDA in ``tests/test_cuda.py``.
 """
 import inspect
+import math
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import pdpfast
@@ -43,7 +50,34 @@ def _cnn():
     return model, torch.randn(N, 2, 8, 8)
 
 
-MODELS = {"mlp": _mlp, "transformer": _transformer, "groupnorm-cnn": _cnn}
+class _Logits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        logits = self.model(x).logits
+        return logits if logits.dim() == 2 else logits[:, -1]  # a language model: the last token's
+
+
+def _bert():
+    pytest.importorskip("transformers")
+    from pdpfast.models import bert
+
+    model = bert("micro", num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _Logits(model), torch.randint(1, 100, (N, 7))
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=23, n_positions=8, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)  # its head is tied to the token embedding
+    model.config._attn_implementation = "eager"
+    return _Logits(model), torch.randint(0, 23, (N, 6))
+
+
+MODELS = {"mlp": _mlp, "transformer": _transformer, "groupnorm-cnn": _cnn, "bert": _bert, "gpt2-tied": _gpt2}
 
 
 def _engine(seed=3, clipping="flat", model="mlp", dtype=torch.float32):
@@ -79,49 +113,84 @@ def _ordinary(model, opt, loader, draws):
     _run(opt, loader, draws, call)
 
 
-class _Launches:
-    """Triton launches by variant: (kernel, constexpr and launch-option arguments)."""
+def _describe(tree):
+    """What a replay would bake in of an op's arguments: every value but the tensors' contents."""
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return "tensor", tuple(x.shape), x.dtype
+        if isinstance(x, (torch.UntypedStorage, torch.TypedStorage)):
+            return "storage", x.nbytes()
+        if isinstance(x, float) and math.isnan(x):
+            return "nan"
+        return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)) else type(x).__name__
+    return tuple(one(x) for x in pytree.tree_leaves(tree))
+
+
+class _Record(TorchDispatchMode):
+    """The stand-in capture's record: Triton launches by variant (kernel, constexpr and launch-option
+    arguments) and, for each run of a body, its stream of aten ops and Triton launches with every
+    argument a replay would bake in."""
 
     def __init__(self):
+        super().__init__()
         self.seen, self.first_in_capture, self.capturing = set(), [], False
+        self.streams, self.compared, self.stale = {}, 0, []
+        self.stream: list | None = None
 
-    def record(self, fn, args, kwargs) -> None:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "profiler":  # record_function markers launch nothing
+            self.stream.append((str(func), _describe((args, kwargs))))
+        return func(*args, **(kwargs or {}))
+
+    def launch(self, fn, grid, args, kwargs) -> None:
         params = inspect.signature(fn.fn).parameters
         bound = dict(zip(params, args), **kwargs)
         variant = (fn.__name__, tuple(sorted(
             (k, v) for k, v in bound.items()
             if k not in params or "constexpr" in str(params[k].annotation))))
-        if self.capturing and variant not in self.seen:
-            self.first_in_capture.append(variant)
+        if self.capturing:
+            if variant not in self.seen:
+                self.first_in_capture.append(variant)
+            self.stream.append((fn.__name__, _describe((grid, args, kwargs))))
         self.seen.add(variant)
+
+    def capture(self, body) -> tuple:
+        """Runs ``body`` as a capture would record it; a later run of the same body must issue the
+        same stream, or a replay of the first would have done something else."""
+        self.capturing, self.stream = True, []
+        try:
+            with self, body.guard():
+                outputs = body.fn()
+        finally:
+            self.capturing = False
+        first = self.streams.setdefault(body, self.stream)
+        if first is not self.stream:
+            self.compared += 1
+            if first != self.stream:
+                at = next((i for i, (a, b) in enumerate(zip(first, self.stream)) if a != b),
+                          min(len(first), len(self.stream)))
+                self.stale.append((at, first[at:at + 1], self.stream[at:at + 1], len(first), len(self.stream)))
+        return outputs, True
 
 
 @pytest.fixture
 def captured(monkeypatch):
     """Makes ``make_step(..., cuda_graph=False)`` steps behave as captured ones (see the module
-    docstring); yields the launch record."""
+    docstring); yields the record."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    launches = _Launches()
+    record = _Record()
     run = InterpretedFunction.run
 
-    def recording_run(self, *args, **kwargs):
-        launches.record(self, args, {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")})
-        return run(self, *args, **kwargs)
-
-    def capture(body):
-        launches.capturing = True
-        try:
-            with body.guard():
-                return body.fn(), True
-        finally:
-            launches.capturing = False
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        record.launch(self, grid, args, kwargs)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     eager = graphs._Body.run_eagerly
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
-    monkeypatch.setattr(graphs._Body, "replay", capture)
+    monkeypatch.setattr(graphs._Body, "replay", lambda body: record.capture(body))
     monkeypatch.setattr(graphs._Body, "run_eagerly", lambda body, side_stream: eager(body, False))
-    return launches
+    return record
 
 
 def _captured_step(engine, model):
@@ -147,7 +216,8 @@ def route(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_captured_step_launches_only_kernel_variants_its_warm_up_launched(captured, route, model, clipping, dtype):
+def test_captured_step_loads_every_kernel_before_capture_and_bakes_in_no_changing_host_value(
+        captured, route, model, clipping, dtype):
     engine, model, opt, loader = _engine(clipping=clipping, model=model, dtype=dtype)
     step = _captured_step(engine, model)
     _run(opt, loader, 4, step)
@@ -156,6 +226,7 @@ def test_captured_step_launches_only_kernel_variants_its_warm_up_launched(captur
     if dtype == torch.bfloat16:  # the backward's norm kernels ran (in fp32 some norms are torch's)
         assert {name for name, _ in captured.seen} - {"_add_noise_kernel"}
     assert captured.first_in_capture == []
+    assert captured.compared > 0 and captured.stale == []
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
