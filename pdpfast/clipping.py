@@ -1007,13 +1007,17 @@ class ClippingState:
         self._add_sq(sq.sum(0))
 
     def _close_backward(self, total_sq, weights) -> None:
-        self._total_sq = total_sq
-        self.last_weights = None if weights is None else weights / self.loss_scale
-        self._last_group_sq = None
+        group_sq = None
         if self.keep_group_norms and self.clipping == "per_layer":
             zeros = torch.zeros_like(total_sq)  # a group no record reached this backward: norm 0
-            self._last_group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
-                                               for k in range(len(self.group_names))])
+            group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
+                                    for k in range(len(self.group_names))])
+        self._clipped(total_sq, None if weights is None else weights / self.loss_scale, group_sq)
+
+    def _clipped(self, total_sq, last_weights, group_sq) -> None:
+        """The batch's clipped sums are in ``param.grad``: keep what the backward leaves besides them
+        (``clipped_outputs``), and the batch is CLIPPED with its draw pending."""
+        self._total_sq, self.last_weights, self._last_group_sq = total_sq, last_weights, group_sq
         self._reset_backward()
         self.pending = True
         self._enter(Phase.CLIPPED)
@@ -1044,12 +1048,7 @@ class ClippingState:
         """
         if self.phase is not Phase.OPEN:
             self._refuse_forward()
-        self._total_sq, self.last_weights, self._last_group_sq = outputs
-        self._reset_backward()
-        self.pending = True
-        self._enter(Phase.CLIPPED)
-        for hook in self.post_backward_hooks:
-            hook(self)
+        self._clipped(*outputs)
 
     def _reset_backward(self) -> None:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack

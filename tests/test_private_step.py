@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pdpfast
+from pdpfast.clipping import Phase
 from pdpfast.engine import PrivacyBudgetExceeded
 from pdpfast.graphs import PrivateStep, no_host_sync
 from pdpfast.ops.noise import add_noise_reference_, seed_and_step_tensor, step_seed, step_seed_tensor
@@ -355,3 +356,34 @@ def test_private_step_under_autocast_equals_the_ordinary_loop():
     for p, q in zip(b_model.parameters(), a_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_replayed_backward_leaves_the_batch_as_its_backward_does(clipping):
+    """The host side of a replayed graph (``ClippingState.replayed_backward``; the replay itself runs
+    on CUDA only): given a backward's outputs and clipped sums, the batch is clipped and its draw
+    pending as after that backward: the same norms, hooks, refusal of a second contribution, noisy
+    step and charge."""
+    a_engine, a_model, a_opt, a_loader = _engine(_mlp(), clipping=clipping, physical_batch_size=None)
+    b_engine, b_model, b_opt, b_loader = _engine(_mlp(), clipping=clipping, physical_batch_size=None)
+    (x, y), (xb, yb) = next(iter(a_loader)), next(iter(b_loader))
+    assert torch.equal(x, xb) and torch.equal(y, yb)
+    _loss(a_model)(x, y).backward()
+    state, calls = b_engine.state, []
+    state.post_backward_hooks.append(calls.append)
+    assert state.phase is Phase.OPEN
+    state.replayed_backward(tuple(None if t is None else t.clone() for t in a_engine.state.clipped_outputs()))
+    for p, q in zip(b_model.parameters(), a_model.parameters()):  # what the graph wrote
+        p.grad = q.grad.clone()
+    assert state.phase is Phase.CLIPPED and state.pending and calls == [state]
+    torch.testing.assert_close(state.last_norms, a_engine.state.last_norms, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="already computed"):
+        state.replayed_backward(state.clipped_outputs())
+    with pytest.raises(RuntimeError, match="already computed"):
+        _loss(b_model)(xb, yb)
+    a_opt.step()
+    b_opt.step()
+    for p, q in zip(b_model.parameters(), a_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
+    assert b_opt.steps == a_opt.steps == 1
