@@ -230,13 +230,18 @@ def own_peak_memory(device: torch.device):
     out["bytes"] = peak
 
 
+# Steps inside a provider's memory window: a captured step (``pdpfast.graphs.PrivateStep``, two
+# eager warm-up steps) is captured in its third, and its graphs' memory must be counted
+MEMORY_STEPS = 3
+
+
 def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss, *, repeats: int, warmup: int = 3,
             providers: dict | None = None, clock: str = "wall") -> dict[str, dict]:
     """{provider: {"median_ms", "peak_memory_mb", "page_faults_per_step" (CPU only) | "error"}} for one
     model and batch.
 
     Peak memory is each provider's own (``own_peak_memory``): its copy of the model, its optimizer
-    and engine state and the high point of its first two steps, not what the providers built before
+    and engine state and the high point of its first ``MEMORY_STEPS`` steps, not what the providers built before
     it still hold. (Before 2026-11-24 it was the device's whole allocated peak, which counted every
     earlier provider's model: the H100 rows of 2026-11-23 in bench/README.md.)
 
@@ -258,11 +263,11 @@ def measure(base: nn.Module, inputs: tuple, y: torch.Tensor, loss: PerSampleLoss
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            # peak memory of this provider alone (model, optimizer state, two steps), before the timing
+            # peak memory of this provider alone (model, optimizer state, its first steps), before the timing
             with own_peak_memory(device) as peak:
                 model = copy.deepcopy(base)
                 steps[name] = make(model, inputs, y, loss)
-                for _ in range(2):  # a provider that fails does so here, not in the timed rounds
+                for _ in range(MEMORY_STEPS):  # a provider that fails does so here, not in the timed rounds
                     steps[name]()
             results[name] = {"peak_memory_mb": peak["bytes"] / 2**20}
         except Exception as exc:  # e.g. a layer Opacus does not support: report it, keep going

@@ -200,3 +200,14 @@ def test_a_providers_peak_memory_is_its_own_whatever_ran_before_it():
         # a model copy retained by an earlier provider would add param_bytes (77 KiB) to the later order
         assert abs(peaks[0][n] - peaks[1][n]) < 0.05 * param_bytes, (n, peaks)
         assert peaks[0][n] > param_bytes, (n, peaks)
+
+
+def test_a_captured_steps_memory_window_reaches_its_capture():
+    """The graph rows' peak memory counts their CUDA graphs: the window's steps go past the
+    captured step's eager warm-up (the capture happens in the first step after it)."""
+    import inspect
+
+    from bench.harness import MEMORY_STEPS
+    from pdpfast.graphs import PrivateStep
+
+    assert MEMORY_STEPS > inspect.signature(PrivateStep).parameters["warmup"].default
