@@ -8,6 +8,9 @@ depends on can then be checked on any machine (three models, fp32 and bf16, both
 * every kernel variant (kernel, constexpr arguments) a capture launches was launched eagerly
   before it: a CUDA capture cannot compile and load a module (``cuModuleLoadData`` is refused while
   a stream captures), so a variant first seen inside the capture fails there;
+* the warm-up rehearses the capture: a body's first capture issues exactly the stream of aten ops
+  and launches of its last eager run (with ``torch.cuda.is_current_stream_capturing()`` True during
+  the stand-in capture, for code such as Hugging Face's mask helpers that branches on it);
 * a replay would repeat what its capture recorded: every later run of a body issues the same
   aten ops and Triton launches with the same non-tensor arguments (a value read on the host that
   changes from step to step, such as a host-side seed, would be baked into the graph) and the
@@ -134,7 +137,8 @@ class _Record(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen, self.first_in_capture, self.capturing = set(), [], False
-        self.streams, self.compared, self.stale = {}, 0, []
+        self.first_capture, self.last_eager = {}, {}
+        self.compared, self.stale, self.unrehearsed = 0, [], []
         self.stream: list | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -148,29 +152,58 @@ class _Record(TorchDispatchMode):
         variant = (fn.__name__, tuple(sorted(
             (k, v) for k, v in bound.items()
             if k not in params or "constexpr" in str(params[k].annotation))))
-        if self.capturing:
-            if variant not in self.seen:
-                self.first_in_capture.append(variant)
+        if self.capturing and variant not in self.seen:
+            self.first_in_capture.append(variant)
+        if self.stream is not None:
             self.stream.append((fn.__name__, _describe((grid, args, kwargs))))
         self.seen.add(variant)
 
-    def capture(self, body) -> tuple:
-        """Runs ``body`` as a capture would record it; a later run of the same body must issue the
-        same stream, or a replay of the first would have done something else."""
-        self.capturing, self.stream = True, []
+    def _run(self, body, run) -> tuple[object, list]:
+        self.stream = stream = []
         try:
-            with self, body.guard():
-                outputs = body.fn()
+            with self:
+                outputs = run()
+        finally:
+            self.stream = None
+        return outputs, stream
+
+    @staticmethod
+    def _key(body):
+        """The step body ``body`` runs: an input signature's accumulate, or the update (whose
+        warm-up runs and capture are separate ``_Body`` objects)."""
+        return getattr(body.fn, "__self__", "update")
+
+    def eager(self, body, run) -> object:
+        outputs, self.last_eager[self._key(body)] = self._run(body, run)
+        return outputs
+
+    def capture(self, body) -> tuple:
+        """Runs ``body`` as a capture would record it (``torch.cuda.is_current_stream_capturing()``
+        is True meanwhile, for code that branches on it). Its first capture must issue the stream
+        of the last eager run of the same body before it (the warm-up rehearses the capture), and
+        later runs that of the first capture (a replay repeats it)."""
+        self.capturing = True
+        capturing = torch.cuda.is_current_stream_capturing
+        torch.cuda.is_current_stream_capturing = lambda: True
+        try:
+            outputs, stream = self._run(body, lambda: body.fn())
         finally:
             self.capturing = False
-        first = self.streams.setdefault(body, self.stream)
-        if first is not self.stream:
+            torch.cuda.is_current_stream_capturing = capturing
+        key = self._key(body)
+        first = self.first_capture.setdefault(body, stream)
+        if first is stream:
+            self._compare(self.last_eager.get(key, []), stream, self.unrehearsed)
+        else:
             self.compared += 1
-            if first != self.stream:
-                at = next((i for i, (a, b) in enumerate(zip(first, self.stream)) if a != b),
-                          min(len(first), len(self.stream)))
-                self.stale.append((at, first[at:at + 1], self.stream[at:at + 1], len(first), len(self.stream)))
+            self._compare(first, stream, self.stale)
         return outputs, True
+
+    @staticmethod
+    def _compare(expected: list, got: list, mismatches: list) -> None:
+        if expected != got:
+            at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+            mismatches.append((at, expected[at:at + 1], got[at:at + 1], len(expected), len(got)))
 
 
 @pytest.fixture
@@ -189,7 +222,8 @@ def captured(monkeypatch):
     eager = graphs._Body.run_eagerly
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     monkeypatch.setattr(graphs._Body, "replay", lambda body: record.capture(body))
-    monkeypatch.setattr(graphs._Body, "run_eagerly", lambda body, side_stream: eager(body, False))
+    monkeypatch.setattr(graphs._Body, "run_eagerly",
+                        lambda body, side_stream: record.eager(body, lambda: eager(body, False)))
     return record
 
 
@@ -227,6 +261,7 @@ def test_captured_step_loads_every_kernel_before_capture_and_bakes_in_no_changin
         assert {name for name, _ in captured.seen} - {"_add_noise_kernel"}
     assert captured.first_in_capture == []
     assert captured.compared > 0 and captured.stale == []
+    assert captured.unrehearsed == []
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
