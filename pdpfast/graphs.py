@@ -30,7 +30,8 @@ stream, as CUDA graph capture requires: every kernel a capture launches is compi
 then (a module cannot be loaded while a stream captures). Tests on the CPU check the eager path
 against the ordinary loop, that nothing in a step's body synchronises with the host, and, with the
 kernels under the Triton interpreter and a stand-in for the capture, that a capture launches no
-kernel variant its warm-up did not (``tests/kernels/test_captured_step.py``).
+kernel variant its warm-up did not, repeats its last warm-up run op for op, and is repeated by
+every later run (``tests/kernels/test_captured_step.py``).
 
 Rebuilt rather than replayed: a new input signature (new accumulate graph), and a change of the
 optimizer's hyperparameters, state or noise (new update graph: a learning rate baked in as a
