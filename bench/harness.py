@@ -99,7 +99,14 @@ def nonprivate_graph(model, inputs, y, loss: PerSampleLoss):
         _mean_loss(loss)(call(model, inputs), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    return graph.replay
+
+    def step():
+        # the graph reads and writes the model's and optimizer's memory without holding them: this
+        # closure does, else the next provider's gc.collect() and empty_cache() free it under the graph
+        # (an illegal memory access in the timed rounds, seen on an H100)
+        graph.replay()
+        return model, opt
+    return step
 
 
 def pdpfast_graph_provider(clipping: str):

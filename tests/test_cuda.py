@@ -189,12 +189,22 @@ _GRAPH_MODELS = {
 }
 
 
+@pytest.fixture
+def deterministic_cudnn():
+    """cuDNN's non-deterministic weight-gradient algorithms (atomics) make two eager runs of a CNN differ
+    by ~1e-4 relative after a dozen steps (ResNet-18-GN on an H100): the comparison pins them."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 @pytest.mark.parametrize("name", list(_GRAPH_MODELS))
-def test_cuda_captured_step_equals_the_eager_step(name, clipping, exact_fp32):
+def test_cuda_captured_step_equals_the_eager_step(name, clipping, exact_fp32, deterministic_cudnn):
     """Replayed graphs give the eager step's weights, losses and ledger: same kernels, noise from the
     same (seed, step) through the device-side counter. Tolerance 1e-5 relative (the replay may pick
-    other cuBLAS/cuDNN algorithms than the eager warm-up did)."""
+    other cuBLAS algorithms than the eager warm-up did)."""
     eager_model, eager_engine, eager_losses, _ = _graph_run(*_GRAPH_MODELS[name], graph=False, clipping=clipping)
     model, engine, losses, step = _graph_run(*_GRAPH_MODELS[name], graph=True, clipping=clipping)
     assert step.eager_steps == step.warmup and step._update.graph is not None
@@ -252,3 +262,23 @@ def test_cuda_clip_weights_op_equals_the_torch_formula(dtype, gamma):
     graph.replay()
     torch.testing.assert_close(out, clip_weights_reference(sq, bounds, None, gamma, 3.0),
                                rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+
+
+def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
+    """bench.harness drops each provider's model copy and empties the cache before the next: a
+    captured step must hold what its graph writes (else an illegal memory access, seen on an H100)."""
+    import gc
+    import weakref
+
+    from bench.harness import nonprivate_graph
+
+    model = _mlp_cuda().cuda()
+    alive = weakref.ref(model)
+    step = nonprivate_graph(model, (torch.randn(8, 6, device="cuda"),), torch.randint(0, 3, (8,), device="cuda"),
+                            lambda out, y: nn.functional.cross_entropy(out, y, reduction="none"))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert alive() is not None
+    step()
+    torch.cuda.synchronize()
