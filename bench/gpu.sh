@@ -2,7 +2,8 @@
 # Everything pdpfast measures on a GPU, in one command, on a machine with no network.
 #
 #   bash bench/gpu.sh                 # build, tests, kernels, overhead, end to end fp32 + bf16
-#   bash bench/gpu.sh tests e2e       # only some steps: build tests kernels overhead e2e (= e2e-fp32 e2e-bf16)
+#   bash bench/gpu.sh tests e2e       # only some steps: build tests (= engine + kernel tests) engine kernels
+#                                     # overhead e2e (= e2e-fp32 e2e-bf16)
 #   E2E_MODELS=bert,gpt2 bash bench/gpu.sh e2e-bf16    # some models (default: all of bench_e2e's)
 #
 # It uses the machine's own python3 and torch (nothing is installed from the network): the C++/CUDA
@@ -65,8 +66,10 @@ for step in $steps; do
                    for so in pdpfast/_C.*.so; do strip --strip-debug -o "$OUT/$(basename "$so")" "$so" \
                        || cp "$so" "$OUT/"; done
                fi ;;
-        tests) run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/kernels
-               run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_cuda.py ;;
+        tests|engine) # the engine first: it holds the captured step's real captures (about 1 minute)
+               run engine_tests python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 300 tests/test_cuda.py
+               [ "$step" = engine ] || \
+               run kernel_tests python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 300 tests/kernels ;;
         kernels) run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 \
                      --ops linear_weight_sq_norms,conv_weight_sq_norms,bias_sq_norms,embedding_sq_norms,add_noise_,clip_weights,per_layer_route ;;
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
@@ -76,7 +79,7 @@ for step in $steps; do
         e2e) e2e fp32; e2e bf16 ;;
         e2e-fp32) e2e fp32 ;;
         e2e-bf16) e2e bf16 ;;
-        *) echo "unknown step $step (build tests kernels overhead e2e e2e-fp32 e2e-bf16)"; status=2 ;;
+        *) echo "unknown step $step (build tests engine kernels overhead e2e e2e-fp32 e2e-bf16)"; status=2 ;;
     esac
 done
 if [ -n "${OUT:-}" ]; then

@@ -99,11 +99,19 @@ class _Body:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"), self.guard():
                 outputs = self.fn()
         except RuntimeError as exc:
+            hint = ""
+            if "Cannot copy between CPU and CUDA tensors" in str(exc):
+                # seen on an H100: transformers 5.17's eager attention mask makes torch.tensor(0.0, device=...)
+                # under capture (the mask it skips eagerly); 5.23 builds it on the device
+                hint = (" (a host tensor is copied to the GPU inside the step, e.g. torch.tensor(x, device='cuda') "
+                        "in the forward; Hugging Face transformers before 5.23 does this when it builds an "
+                        "attention mask under capture: upgrade transformers)")
             raise RuntimeError(
-                f"capturing the private step in a CUDA graph failed: {exc}. Everything the step runs must stay on "
-                "the GPU with no host synchronisation: no .item(), .tolist(), .cpu(), printing or branching on a "
-                "tensor's value, and no data-dependent shapes (nonzero, unique, boolean indexing), in the loss "
-                "function and the model's forward. Make the step capture-safe, or use cuda_graph=False") from exc
+                f"capturing the private step in a CUDA graph failed: {exc}{hint}. Everything the step runs must stay "
+                "on the GPU with no host synchronisation: no .item(), .tolist(), .cpu(), printing or branching on a "
+                "tensor's value, no host-to-device copies of unpinned tensors, and no data-dependent shapes "
+                "(nonzero, unique, boolean indexing), in the loss function and the model's forward. Make the step "
+                "capture-safe, or use cuda_graph=False") from exc
         self.graph, self.outputs = graph, outputs
         graph.replay()
         return outputs, True
