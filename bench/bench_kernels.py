@@ -123,15 +123,21 @@ def cuda_graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
 
 @contextlib.contextmanager
 def fp32_dot_precision(precision: str):
-    """The Triton kernels' ``tl.dot`` precision for fp32 tiles while the block runs ("ieee", the
-    default: exact fp32 on the FMA units; "tf32x3": three TF32 tensor-core products, near-fp32)."""
+    """The Triton kernels' ``tl.dot`` precision for fp32 tiles while the block runs ("ieee": exact
+    fp32 on the FMA units; "tf32x3": three TF32 tensor-core products, near-fp32; "tf32": one, which
+    the conv-norm kernel takes where ``torch.backends.cudnn.allow_tf32`` lets cuDNN, as by default).
+    Under "ieee" and "tf32x3" cuDNN's TF32 is off, so every kernel runs at the precision named."""
     from pdpfast.kernels import _utils
 
-    saved, _utils.FP32_DOT_PRECISION = _utils.FP32_DOT_PRECISION, precision
+    saved = _utils.FP32_DOT_PRECISION, torch.backends.cudnn.allow_tf32
+    if precision == "tf32":
+        torch.backends.cudnn.allow_tf32 = True
+    else:
+        _utils.FP32_DOT_PRECISION, torch.backends.cudnn.allow_tf32 = precision, False
     try:
         yield
     finally:
-        _utils.FP32_DOT_PRECISION = saved
+        _utils.FP32_DOT_PRECISION, torch.backends.cudnn.allow_tf32 = saved
 
 
 def max_rel_err(result: torch.Tensor, exact: torch.Tensor) -> float:
@@ -224,8 +230,8 @@ def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
         out_side = (side + 2 * (k // 2) - k) // stride + 1
         o = torch.randn(batch, c_out, out_side, out_side, device="cuda", dtype=dtype)
         geo = conv_norms.conv_geometry(x_pad, o, module)
-        costs = conv_norms.conv_norm_costs(geo, dtype)
-        chosen = conv_norms.choose_path(geo, dtype)
+        costs = conv_norms.conv_norm_costs(geo, dtype, tf32=dtype == torch.float32)
+        chosen = conv_norms.choose_path(geo, dtype, tf32=dtype == torch.float32)
         shape = f"{name} B={batch} {c_in}->{c_out} {side}px k{k} s{stride}"
         nbytes = (x_pad.numel() + o.numel()) * x_pad.element_size()
         exact_flops = 2 * batch * geo.positions * geo.patch * geo.out_channels
@@ -243,12 +249,14 @@ def bench_conv_norms(rows, op, dtype_name, quick, reps, batch=256):
                         "reference: " + ("unfold" if unfolds else "per-sample wgrad"), ms_torch,
                         nbytes / ms_torch / 1e6, exact_flops / ms_torch / 1e9, None, mib, graph))
         exact = op.reference(x_pad.double(), o.double(), module)
-        variants = [(path, "ieee") for path in ("auto", "direct", "gram")]
-        if dtype == torch.float32:  # the same paths on the tensor cores, near-fp32 (not the default)
-            variants += [("direct", "tf32x3"), ("gram", "tf32x3")]
+        # the default precision first: for fp32, TF32 products as cuDNN's default allows them
+        default = "tf32" if dtype == torch.float32 else "ieee"
+        variants = [(path, default) for path in ("auto", "direct", "gram")]
+        if dtype == torch.float32:  # the same paths exact, and near-fp32 on the tensor cores
+            variants += [("direct", "ieee"), ("gram", "ieee"), ("direct", "tf32x3"), ("gram", "tf32x3")]
         for path, precision in variants:
             used = chosen if path == "auto" else path
-            name = f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms" if precision == "ieee" else \
+            name = f"{path}->{used} est={costs[used].seconds * 1e3:.3f}ms" if precision == default else \
                 f"{path} {precision}"
             with fp32_dot_precision(precision):
                 ms, mib, graph = measure(lambda path=path: op.kernel(x_pad, o, module, path=path))

@@ -50,7 +50,7 @@ def block(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, n))))
 
 
-def dot_flags(dtype: torch.dtype) -> dict:
+def dot_flags(dtype: torch.dtype, tf32: bool = False) -> dict:
     """Constexprs of ``_dot``: input precision, and whether to upcast operands to fp32 first.
 
     The Triton interpreter multiplies bf16 tiles as their raw uint16 bit patterns (triton 3.x
@@ -60,12 +60,16 @@ def dot_flags(dtype: torch.dtype) -> dict:
 
     Args:
         dtype: the dtype of the tiles the kernel multiplies.
+        tf32: fp32 tiles go to the tensor cores as TF32 (one product): for a launcher whose caller
+            allowed it the way torch allows cuDNN's TF32 convolutions (and whose clip bounds keep the
+            TF32 margin, ``pdpfast.clipping.rounding_margin``).
     Returns:
-        {"DOT_PRECISION": ``FP32_DOT_PRECISION`` for fp32, else "tf32"; "UPCAST": True only for bf16
-        under the interpreter}, passed as keyword arguments of the launch.
+        {"DOT_PRECISION": "tf32" for fp32 with ``tf32``, else ``FP32_DOT_PRECISION`` for fp32, else
+        "tf32"; "UPCAST": True only for bf16 under the interpreter}, passed as keyword arguments of
+        the launch.
     """
     return {
-        "DOT_PRECISION": FP32_DOT_PRECISION if dtype == torch.float32 else "tf32",
+        "DOT_PRECISION": ("tf32" if tf32 else FP32_DOT_PRECISION) if dtype == torch.float32 else "tf32",
         "UPCAST": bool(triton_interpret() and dtype == torch.bfloat16),
     }
 

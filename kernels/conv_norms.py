@@ -30,11 +30,17 @@ Measured on one H100 (ResNet-18 CIFAR layers, batch 256, GPU time by CUDA-graph 
 the previous path, timed with its launches): bf16 0.013-0.14 ms a layer (direct on the 32/16 px
 stages, Gram on 8/4 px) against 0.3-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
 stride-1 3×3 layers at 32 and 16 px, where exact fp32 FMA products
-(``_utils.FP32_DOT_PRECISION="ieee"``) lose to cuDNN's TF32 per-sample gradients (1.46 vs 0.49 ms
+(``_utils.FP32_DOT_PRECISION="ieee"``) lost to cuDNN's TF32 per-sample gradients (1.46 vs 0.49 ms
 and 0.98 vs 0.70 ms). The cost model picked the faster form on 21 of 22 (layer, dtype) cases; the
-miss was a 5% tie. The launcher is registered for every dtype although those two fp32 layers are
-slower than the previous path: that path materialized B x |W| per-sample gradients (up to 4.6 GiB
-a layer), which book-keeping and per-layer clipping must not.
+miss was a 5% tie.
+
+fp32 on a GPU now follows torch's policy for convolutions: where ``torch.backends.cudnn.allow_tf32``
+lets cuDNN multiply in TF32 (torch's default), the kernels do too (one TF32 tensor-core product),
+and clipping's bounds keep the TF32 margin that covers both the norms and cuDNN's clipped sum
+(``pdpfast.clipping.rounding_margin``); with it off, the products are exact. H100, 2026-11-24
+(``bench_kernels --quick --dtypes fp32 --ops conv_weight_sq_norms``): layer1 0.20 ms (exact 1.55,
+cuDNN's per-sample path 0.60), layer2 0.19 (1.03, 0.72), layer3 0.16 (Gram; 0.52, 0.48), layer4
+0.12 (Gram; 0.30, 0.30); ResNet-18-GN's fp32 bk step went from 0.42× to 0.57× non-private.
 """
 from __future__ import annotations
 
@@ -201,7 +207,7 @@ class PathCost:
 # about a memory latency (nothing to overlap it with when a program has few steps), and every
 # program costs a fixed launch/reduction/store overhead, which decides for small L.
 _H100 = {
-    "flops_per_s": {torch.float32: 25e12, torch.float16: 300e12, torch.bfloat16: 300e12},
+    "flops_per_s": {torch.float32: 25e12, "tf32": 150e12, torch.float16: 300e12, torch.bfloat16: 300e12},
     "tile_bytes_per_s": 20e12,
     "step_latency_s": 1.0e-6,
     "program_overhead_s": 15e-9,
@@ -221,15 +227,17 @@ def _gram_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
     return block(geo.positions, 16, 64), block(geo.patch, 16, 64), block(geo.out_channels, 16, 64)
 
 
-def _estimate(flops, nbytes, programs, steps, dtype) -> float:
+def _estimate(flops, nbytes, programs, steps, dtype, tf32=False) -> float:
     hw = _H100
     waves = triton.cdiv(programs, hw["resident_programs"])
-    return (flops / hw["flops_per_s"].get(dtype, hw["flops_per_s"][torch.float32])
+    rate = hw["flops_per_s"]["tf32"] if tf32 and dtype == torch.float32 else \
+        hw["flops_per_s"].get(dtype, hw["flops_per_s"][torch.float32])
+    return (flops / rate
             + nbytes / hw["tile_bytes_per_s"] + waves * steps * hw["step_latency_s"]
             + programs * hw["program_overhead_s"])
 
 
-def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, PathCost]:
+def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype, tf32: bool = False) -> dict[str, PathCost]:
     """FLOPs, bytes, programs, serial steps and an H100 time estimate of each kernel path,
     counted on the tiles the kernel actually runs.
 
@@ -242,6 +250,7 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, Path
     Args:
         geo: the call's geometry (``conv_geometry``).
         dtype: the tiles' dtype (fp32/fp16/bf16): sets the element size and the FLOP rate.
+        tf32: fp32 tiles multiply as TF32 on the tensor cores (the rate assumed, not fitted: half of bf16's).
     Returns:
         {"direct": PathCost, "gram": PathCost}.
     """
@@ -253,7 +262,7 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, Path
     programs = per_sample * n_p * n_k
     flops = 2.0 * programs * bp * bk * (n_l * bl + 1)
     nbytes = float(programs * elt * n_l * bl * (bk + bp))
-    direct = PathCost(flops, nbytes, programs, n_l, _estimate(flops, nbytes, programs, n_l, dtype))
+    direct = PathCost(flops, nbytes, programs, n_l, _estimate(flops, nbytes, programs, n_l, dtype, tf32))
 
     bt, bk, bp = _gram_blocks(geo, dtype)
     n_t = triton.cdiv(geo.positions, bt)
@@ -262,20 +271,21 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype) -> dict[str, Path
     programs = per_sample * n_t * (n_t // 2 + 1)
     flops = 2.0 * pairs * bt * bt * (n_k * bk + n_p * bp + 1)
     nbytes = float(pairs * elt * 2 * bt * (n_k * bk + n_p * bp))
-    gram = PathCost(flops, nbytes, programs, n_k + n_p, _estimate(flops, nbytes, programs, n_k + n_p, dtype))
+    gram = PathCost(flops, nbytes, programs, n_k + n_p, _estimate(flops, nbytes, programs, n_k + n_p, dtype, tf32))
     return {"direct": direct, "gram": gram}
 
 
-def choose_path(geo: ConvNormGeometry, dtype: torch.dtype) -> str:
+def choose_path(geo: ConvNormGeometry, dtype: torch.dtype, tf32: bool = False) -> str:
     """The kernel path with the smaller estimated time; ties go to direct (no L² term to grow).
 
     Args:
         geo: the call's geometry (``conv_geometry``).
         dtype: the tiles' dtype.
+        tf32: as in ``conv_norm_costs``.
     Returns:
         "gram" or "direct".
     """
-    costs = conv_norm_costs(geo, dtype)
+    costs = conv_norm_costs(geo, dtype, tf32)
     return "gram" if costs["gram"].seconds < costs["direct"].seconds else "direct"
 
 
@@ -326,12 +336,12 @@ class _Launch:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path) -> _Launch:
+def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path, tf32) -> _Launch:
     """Everything about a launch that depends only on shapes, strides and the layer: computed
     once per layer geometry, so a call costs one dictionary lookup on the host besides the launch."""
     geo = _geometry(x_shape, o_shape, kernel, stride, dilation, groups)
     if path == "auto":
-        path = choose_path(geo, dtype)
+        path = choose_path(geo, dtype, tf32)
     if len(x_shape) == 3:  # Conv1d: a height of 1, whose strides are never multiplied by anything but 0
         x_stride = (x_stride[0], x_stride[1], 0, x_stride[2])
         o_stride = (o_stride[0], o_stride[1], 0, o_stride[2])
@@ -379,11 +389,14 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
     if x_pad.dtype != o.dtype:  # one dot operand type (autocast keeps fp32 inputs beside bf16 grads)
         common = torch.promote_types(x_pad.dtype, o.dtype)
         x_pad, o = x_pad.to(common), o.to(common)
+    # fp32 on a GPU follows torch's policy for convolutions: TF32 products where cuDNN may use them
+    # (torch.backends.cudnn.allow_tf32, on by default), exact ones otherwise
+    tf32 = x_pad.is_cuda and torch.backends.cudnn.allow_tf32
     plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
-                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path)
+                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path, tf32)
     partials = new_buffer((plan.batch, plan.columns), torch.float32, x_pad.device)
     if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
         return torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
     with device_guard(x_pad):
-        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype))
+        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype, tf32))
     return sum_partials(partials)

@@ -24,6 +24,15 @@ from pdpfast.ops import dispatch  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACC_RTOL = 1e-5
 
+
+@pytest.fixture(autouse=True)
+def exact_fp32_products():
+    """On a GPU fp32 tiles multiply as TF32 where cuDNN may (its default): these tests check the exact
+    products (``test_fp32_products_follow_cudnns_tf32_policy`` checks TF32's)."""
+    saved, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
 # (module factory, per-sample input shape): odd channel counts (1, 3, 7), 5×7 images, every option
 CASES = {
     "2d-1x1": (lambda: nn.Conv2d(3, 7, 1), (3, 5, 7)),
@@ -300,3 +309,23 @@ def test_conv_weight_sq_norms_gpu_sizes(tools, gen, layer, path, dtype, monkeypa
     oracle = conv_ops.conv_weight_sq_norms_reference(x_pad.double(), o.double(), module.double())
     tools.check(out, _torch_reference(x_pad, o, module.float(), monkeypatch), oracle,
                 atol=ACC_RTOL * _scale(x_pad, o, module), what=f"{layer} {path} {dtype}")
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+@pytest.mark.parametrize("path", ["direct", "gram"])
+def test_fp32_products_follow_cudnns_tf32_policy(tools, gen, path, allow_tf32, monkeypatch):
+    """fp32 tiles go to the tensor cores as TF32 only on a GPU and only where torch lets cuDNN's
+    convolutions use TF32 (clipping's bounds then keep the TF32 margin); the norms stay within TF32's
+    rounding (operands to 11 significant bits: 2^-10 relative on each product, so 4·2^-10 of the
+    sum of absolute terms on a squared norm, with room) of the float64 oracle."""
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    seen = []
+    flags = conv_norms.dot_flags
+    monkeypatch.setattr(conv_norms, "dot_flags", lambda dtype, tf32=False: seen.append(tf32) or flags(dtype, tf32))
+    module, shape = _make("2d-multi-tile")
+    x, x_pad, o = _inputs(gen, module, shape, 3, torch.float32, tools)
+    out = conv_norms.conv_weight_sq_norms(x_pad, o, module, path=path)
+    assert seen == [allow_tf32 and x_pad.is_cuda]
+    scale = _scale(x_pad, o, module)
+    err = (out.double().cpu() - per_sample_sq_norms_oracle(module, x, o)).abs()
+    assert (err <= (4 * 2.0 ** -10 if seen[0] else ACC_RTOL) * scale).all()
