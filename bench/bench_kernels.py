@@ -159,8 +159,9 @@ def _bench_pair(rows, benchmark, shape, dtype_name, variant, triton_fn, torch_fn
 
 @benchmark("linear_weight_sq_norms")
 def bench_linear_norms(rows, op, dtype_name, quick, reps):
-    """Each path of the kernel (and, for fp32, each on the tensor cores: ``tf32x3``) against the
-    reference, with every kernel row's largest relative error against float64 norms."""
+    """Each path of the kernel (for fp32 at its default ``tf32x3`` products and with exact ones,
+    ``ieee``) against the reference, with every kernel row's largest relative error against float64
+    norms."""
     from pdpfast.ops.linear import use_gram
 
     dtype = DTYPES[dtype_name]
@@ -176,12 +177,13 @@ def bench_linear_norms(rows, op, dtype_name, quick, reps):
         auto = "rank_one" if T == 1 else ("gram" if use_gram(T, d, p) else "direct")
         flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
                  "direct": 2 * B * T * d * p + 2 * B * d * p}
-        variants = [(path, "ieee") for path in ("auto", "gram", "direct")]
+        default = "tf32x3" if dtype == torch.float32 else "ieee"  # the launcher's fp32 default
+        variants = [(path, default) for path in ("auto", "gram", "direct")]
         if dtype == torch.float32:
-            variants += [("gram", "tf32x3"), ("direct", "tf32x3")]
+            variants += [("gram", "ieee"), ("direct", "ieee")]
         for path, precision in variants:
             chosen = auto if path == "auto" else path
-            name = f"{path}->{chosen}" if precision == "ieee" else f"{path} {precision}"
+            name = f"{path}->{chosen}" if precision == default else f"{path} {precision}"
             with fp32_dot_precision(precision):
                 _bench_pair(rows, op.name, (B, T, d, p), dtype_name, name,
                             lambda path=path: op.kernel(a, o, path=path),

@@ -13,10 +13,14 @@ from pdpfast.ops.dispatch import triton_interpret
 # so a kernel that forgets to write an element fails loudly instead of returning stale memory.
 POISON_OUTPUTS = False
 
-# tl.dot precision for fp32 inputs. "ieee" is exact fp32 (like torch's default matmul), which a
-# clip bound needs: a norm underestimated by TF32 rounding lets a clipped gradient exceed c_i.
-# "tf32x3" (three TF32 products) is the faster near-fp32 alternative on tensor cores.
-FP32_DOT_PRECISION = "ieee"
+# tl.dot precision for fp32 tiles where torch allows no TF32 (a launcher passes ``tf32=True`` where it
+# does). "tf32x3": three TF32 tensor-core products (each operand split into two TF32 halves, the
+# lo·lo product dropped), near-fp32: on an H100 (bench_kernels, 2026-11-24) linear Gram norms
+# 7e-7 from float64 (exact fp32 products: 3e-7) at 0.86 ms against cuBLAS fp32's 1.63 at
+# (32, 512, 1024, 4096), and 4.0 ms with exact FMA products. Clip bounds keep a margin for it
+# (``pdpfast.clipping.rounding_margin``). "ieee" (exact, on the FMA units) remains for tests and
+# for bench_kernels' comparison.
+FP32_DOT_PRECISION = "tf32x3"
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -63,6 +63,9 @@ _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11
 # norms (the conv-norm kernel multiplies TF32 where cuDNN may): each can be off by ~2u (u = 2^-11),
 # a norm low and a sum high together by ~4u, so fp32 layers there take twice fp16's margin (0.4%).
 _TF32_MARGIN = 8 * 2.0 ** -11
+# fp32 on a GPU without TF32: the norm kernels' tf32x3 products keep 22 of fp32's 24 significant
+# bits (``pdpfast.kernels._utils.FP32_DOT_PRECISION``), so a norm can be low by ~2·2^-22.
+_TF32X3_MARGIN = 8 * 2.0 ** -22
 
 
 def rounding_margin(t: torch.Tensor) -> float:
@@ -72,11 +75,12 @@ def rounding_margin(t: torch.Tensor) -> float:
         t: a tensor of the layer's compute dtype and device.
     Returns:
         a float ≥ 0, a fraction of the bound: 4u for bf16 / fp16 (u their unit roundoff), 8u with
-        TF32's u = 2^-11 for CUDA fp32 with TF32 allowed, else 0.0.
+        TF32's u = 2^-11 for CUDA fp32 with TF32 allowed, 8·2^-22 (tf32x3 norms) for CUDA fp32
+        without, else 0.0.
     """
     if t.dtype == torch.float32 and t.is_cuda:
         tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
-        return _TF32_MARGIN if tf32 else 0.0
+        return _TF32_MARGIN if tf32 else _TF32X3_MARGIN
     return _ROUNDING_MARGIN.get(t.dtype, 0.0)
 
 

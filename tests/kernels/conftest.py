@@ -131,3 +131,14 @@ def assert_as_accurate_as_torch(kernel_out, torch_out, oracle, atol, factor=2.0,
 @pytest.fixture
 def tools():
     return SimpleNamespace(randn=_randn, check=assert_as_accurate_as_torch, device=DEVICE, interpret=INTERPRET)
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """On a GPU, fp32 tiles multiply as TF32 where torch lets cuDNN or cuBLAS (cuDNN's default): the
+    kernel tests check the near-fp32 products against fp32 references, and the TF32 route by name
+    (``test_conv_norms.py::test_fp32_products_follow_cudnns_tf32_policy``)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

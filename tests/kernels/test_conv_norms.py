@@ -24,15 +24,6 @@ from pdpfast.ops import dispatch  # noqa: E402
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACC_RTOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def exact_fp32_products():
-    """On a GPU fp32 tiles multiply as TF32 where cuDNN may (its default): these tests check the exact
-    products (``test_fp32_products_follow_cudnns_tf32_policy`` checks TF32's)."""
-    saved, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
-    yield
-    torch.backends.cudnn.allow_tf32 = saved
-
 # (module factory, per-sample input shape): odd channel counts (1, 3, 7), 5×7 images, every option
 CASES = {
     "2d-1x1": (lambda: nn.Conv2d(3, 7, 1), (3, 5, 7)),

@@ -179,8 +179,13 @@ def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
     with_reference = ops.linear_weight_sq_norms(a, o)
     assert torch.equal(with_reference, ops.linear_weight_sq_norms_reference(a, o))
     torch.testing.assert_close(with_kernel, with_reference, rtol=1e-5, atol=0)
-    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)  # fp32: cuBLAS's Gram was measured faster
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    # fp32: cuBLAS's batched GEMM where the direct path is cheaper (here), the kernel's tf32x3 Gram
+    # where the Gram is (few positions, wide layers) and the rank-one kernel at T = 1: as measured
     assert dispatch.pick("linear_weight_sq_norms", a.float(), o.float()) is ops.linear_weight_sq_norms_reference
+    wide = tools.randn(gen, 3, 8, 96, device=tools.device), tools.randn(gen, 3, 8, 80, device=tools.device)
+    assert dispatch.pick("linear_weight_sq_norms", *wide) is kernels.linear_weight_sq_norms
+    assert dispatch.pick("linear_weight_sq_norms", a[:, :1].float(), o[:, :1].float()) is kernels.linear_weight_sq_norms
 
 
 def test_linear_sq_norms_with_bias_through_the_kernel(tools, gen, monkeypatch):
@@ -214,16 +219,17 @@ def test_dispatch_never_picks_a_kernel_measured_slower_than_torch(tools, monkeyp
 
 
 def test_the_benchmarks_fp32_precision_switch_reaches_the_launch_and_is_restored():
-    """bench_kernels times fp32 kernels with tf32x3 products beside the default exact ones: the
+    """bench_kernels times fp32 kernels with exact products beside the default tf32x3 ones: the
     switch must reach the constexpr the launch gets, and come back even when the block raises."""
     from bench.bench_kernels import fp32_dot_precision, max_rel_err
     from pdpfast.kernels import _utils
 
-    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "ieee"
-    with pytest.raises(KeyError), fp32_dot_precision("tf32x3"):
-        assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "tf32x3"
+    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "tf32x3"
+    assert _utils.dot_flags(torch.float32, tf32=True)["DOT_PRECISION"] == "tf32"
+    with pytest.raises(KeyError), fp32_dot_precision("ieee"):
+        assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "ieee"
         assert _utils.dot_flags(torch.bfloat16)["DOT_PRECISION"] == "tf32"  # low precision is unaffected
         raise KeyError
-    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "ieee"
+    assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "tf32x3"
     exact = torch.tensor([1.0, 4.0, 0.0], dtype=torch.float64)
     assert max_rel_err(torch.tensor([1.0, 5.0, 0.0]), exact) == pytest.approx(0.25)
