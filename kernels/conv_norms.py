@@ -37,7 +37,8 @@ miss was a 5% tie.
 fp32 on a GPU now follows torch's policy for convolutions: where ``torch.backends.cudnn.allow_tf32``
 lets cuDNN multiply in TF32 (torch's default), the kernels do too (one TF32 tensor-core product),
 and clipping's bounds keep the TF32 margin that covers both the norms and cuDNN's clipped sum
-(``pdpfast.clipping.rounding_margin``); with it off, the products are exact. H100, 2026-11-24
+(``pdpfast.clipping.rounding_margin``); with it off, they are near-fp32 tf32x3 products
+(``_utils.FP32_DOT_PRECISION``). H100, 2026-11-24
 (``bench_kernels --quick --dtypes fp32 --ops conv_weight_sq_norms``): layer1 0.20 ms (exact 1.55,
 cuDNN's per-sample path 0.60), layer2 0.19 (1.03, 0.72), layer3 0.16 (Gram; 0.52, 0.48), layer4
 0.12 (Gram; 0.30, 0.30); ResNet-18-GN's fp32 bk step went from 0.42× to 0.57× non-private.

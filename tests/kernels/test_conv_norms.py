@@ -305,8 +305,9 @@ def test_conv_weight_sq_norms_gpu_sizes(tools, gen, layer, path, dtype, monkeypa
 @pytest.mark.parametrize("allow_tf32", [False, True])
 @pytest.mark.parametrize("path", ["direct", "gram"])
 def test_fp32_products_follow_cudnns_tf32_policy(tools, gen, path, allow_tf32, monkeypatch):
-    """fp32 tiles go to the tensor cores as TF32 only on a GPU and only where torch lets cuDNN's
-    convolutions use TF32 (clipping's bounds then keep the TF32 margin); the norms stay within TF32's
+    """fp32 tiles go to the tensor cores as one TF32 product only on a GPU and only where torch lets
+    cuDNN's convolutions use TF32 (clipping's bounds then keep the TF32 margin; otherwise tf32x3,
+    near-fp32, or exact under the interpreter); the norms stay within TF32's
     rounding (operands to 11 significant bits: 2^-10 relative on each product, so 4·2^-10 of the
     sum of absolute terms on a squared norm, with room) of the float64 oracle."""
     torch.backends.cudnn.allow_tf32 = allow_tf32
