@@ -222,6 +222,30 @@ def test_low_precision_clipped_contribution_stays_within_bound(style, dtype):
     assert worst > 0.9  # the margin costs little signal
 
 
+@pytest.mark.xfail(strict=True, reason="known privacy gap, open: the fixed rounding margin assumes a record's "
+                   "positions do not cancel; see README 'Mixed precision'")
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_contribution_stays_within_bound_when_positions_cancel(style, dtype):
+    """A record whose gradient is a sum over positions that nearly cancel (o = [1, -1 + eps] on equal
+    inputs): its clipped contribution Σ_t round(w·o_t)·a_t is rounded term by term, relative to
+    |w·o_t| and not to the small sum, so a fixed margin of a few units of roundoff does not cover it
+    (measured: up to 1.8x c_i in bf16 and fp16). The fix is a per-record margin from
+    Σ_t ‖o_t‖‖a_t‖ (which bounds the rounding of the row-scaled sum); until then this fails."""
+    eps = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # -1 + eps is exact in the dtype
+    weights = torch.tensor([1.0, -1.0 + eps], dtype=dtype)
+    worst = 0.0
+    for c in torch.linspace(0.05 * eps, 0.99 * eps, 40).tolist():  # every record is clipped
+        lin = nn.Linear(1, 1, bias=False)
+        nn.init.ones_(lin.weight)
+        model = pdpfast.nn.convert(lin.to(dtype))
+        losses = lambda out: (out[..., 0].float() * weights.float()).sum(1)  # noqa: E731
+        result = clipped_gradients(model, losses, torch.ones(1, 2, 1, dtype=dtype), clip_norms=torch.tensor([c]),
+                                   **style)
+        worst = max(worst, float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values()))) / c)
+    assert worst <= 1.0
+
+
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 def test_autocast_bf16_trains_and_stays_within_bound(style):
     engine, model, opt, criterion, loader = _engine(n=4, sample_rates=1.0, **style)
