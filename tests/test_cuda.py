@@ -38,16 +38,6 @@ def _models():
 MODELS = {name: (model, inputs, loss) for name, model, inputs, loss in _models()}
 
 
-@pytest.fixture
-def exact_fp32():
-    """cuDNN's default TF32 convolutions round fp32 operands (and the state then keeps a 0.2% margin
-    on the bounds): the oracle comparison runs in true fp32."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cuda_clipped_sums_equal_the_float64_oracle(name, style, exact_fp32):

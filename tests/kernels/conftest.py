@@ -134,11 +134,8 @@ def tools():
 
 
 @pytest.fixture(autouse=True)
-def no_tf32():
+def no_tf32(exact_fp32):
     """On a GPU, fp32 tiles multiply as TF32 where torch lets cuDNN or cuBLAS (cuDNN's default): the
-    kernel tests check the near-fp32 products against fp32 references, and the TF32 route by name
-    (``test_conv_norms.py::test_fp32_products_follow_cudnns_tf32_policy``)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    kernel tests check the near-fp32 products against fp32 references (``exact_fp32``, tests/conftest.py),
+    and the TF32 route by name (``test_conv_norms.py::test_fp32_products_follow_cudnns_tf32_policy``)."""
     yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
