@@ -15,7 +15,8 @@ The lifecycle of a batch, one ``Phase`` at a time (``_enter`` is the only place 
     - per-layer (``clipping="per_layer"``): clipping group k gets the bound c_i·C_k (Σ_k C_k² = 1)
       and clips inside the layer's own backward the moment its norms are known; nothing is kept;
     - ghost (``mode="ghost"``): a plain backward is refused; ``ghost_backward`` runs
-      ``GHOST_NORMS`` (norms only) and then ``GHOST_GRADS`` (the backward of Σ_i w_i ℓ_i).
+      ``GHOST_NORMS`` (norms only, nothing kept) and then ``GHOST_GRADS`` (the same backward
+      again, each layer writing its clipped sum Σ_i w_i g_i from the weights the norms gave).
 * ``CLIPPED`` — the batch's clipped sums are in ``param.grad``. A second backward or a forward
   into the same batch is refused: it would add another contribution of up to c_i per record. The
   next ``begin_batch`` (the next physical batch of the same draw) or ``end_draw`` (after
@@ -46,7 +47,7 @@ from torch import nn
 from ._checks import as_per_sample, check_choice, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPModule, record_call
-from .nn.rules import LayerRule, rule_for, sq_norms_of, weighted_sum
+from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import clip_weights
 from .ops.linear import acc_dtype
@@ -55,8 +56,10 @@ MODES = ("bk", "ghost")
 CLIPPINGS = ("flat", "per_layer")
 
 # Relative margin taken off every clip bound when a layer computes its clipped sum in fp16/bf16:
-# the row scaling w_i·o and the stored result are each rounded (unit roundoff u), so a record's
-# rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i.
+# the weight w_i, the norms and the stored result are each rounded (unit roundoff u), so a record's
+# rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i. The rounding of the
+# scaled terms w_i·o_t, relative to each term and not to their (possibly cancelling) sum, is
+# bounded per record by the layer rules (``LayerRule.rounding``: ρ_i, and w_i clips ‖g_i‖ + ρ_i).
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
 # fp32 on a GPU with TF32 allowed (cuDNN allows it by default for convolutions): operands are
 # rounded to 10-bit mantissas inside the products, in the clipped sum (cuDNN) and in the per-sample
@@ -66,6 +69,37 @@ _TF32_MARGIN = 8 * 2.0 ** -11
 # fp32 on a GPU without TF32: the norm kernels' tf32x3 products keep 22 of fp32's 24 significant
 # bits (``pdpfast.kernels._utils.FP32_DOT_PRECISION``), so a norm can be low by ~2·2^-22.
 _TF32X3_MARGIN = 8 * 2.0 ** -22
+
+
+def _rounding_of(layer, names: tuple, x, o):
+    """ρ_i of a call whose norms come from its rule's formulas (``LayerRule.rounding``): None for
+    fp32 on a CPU and fp64, which round finely enough for the fixed margin (not asked: this runs
+    for every layer call)."""
+    if (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64:
+        return None
+    return layer.rule.rounding_of(layer.module, x, o, names)
+
+
+def _stack_rounding(stacked, calls):
+    """(n, B) ρ of a chunk of stacked calls, or None (see ``_rounding_of``)."""
+    o = calls[0][2]
+    if stacked.rounding is None or (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64:
+        return None
+    return stacked.rounding(calls)
+
+
+def with_rounding(sq: torch.Tensor, rho: torch.Tensor | None) -> torch.Tensor:
+    """(‖g_i‖ + ρ_i)²: the squared norms that clip a record's rounded contribution, within w_i(‖g_i‖ + ρ_i)
+    of zero, to its bound (``sq`` itself when ``rho`` is None).
+
+    Args:
+        sq: (B,) or (K, B) per-sample squared norms; rho: None or ρ_i ≥ 0 of ``sq``'s shape.
+    Returns:
+        a tensor like ``sq``.
+    """
+    if rho is None:
+        return sq
+    return sq.clamp_min(0).sqrt().add_(rho.to(sq.dtype)).square_()
 
 
 def rounding_margin(t: torch.Tensor) -> float:
@@ -183,6 +217,8 @@ class ClippingState:
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
+        self._ghost_weights: torch.Tensor | None = None  # ghost clipping's second backward: the w_i of its layers
+        self._last_rho: torch.Tensor | None = None
         # called as hook(state) once a batch's clipped sums are formed (e.g. adaptive clipping
         # reads last_norms / last_group_norms there: a draw's physical batches each report)
         self.post_backward_hooks: list = []
@@ -606,8 +642,8 @@ class ClippingState:
         """(key, rule.stacked, bytes of x and o) when this call is small enough to be host-bound and
         its rule stacks same-shape calls; (None, None, 0) when it is computed on its own, without a copy."""
         stacked = layer.rule.stacked
-        if stacked is None:
-            return None, None, 0
+        if stacked is None or (stacked.rounding is None and not layer.rule.materializes and low_precision(o)):
+            return None, None, 0  # (a stack that cannot bound its rounding: each call bounds its own)
         nbytes = x.numel() * x.element_size() + o.numel() * o.element_size()
         if nbytes > SMALL_CALL_BYTES:
             return None, None, 0
@@ -673,6 +709,7 @@ class ClippingState:
                 self._materialize(layer, normal, x, o)
             else:
                 self._add_sq(layer.rule.norms(layer.module, x, o, normal))
+                self._add_rounding(_rounding_of(layer, normal, x, o))
                 self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
@@ -714,7 +751,7 @@ class ClippingState:
             workspace.recycle(grads)
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
-            weights = self._group_weights(sq, k, o)
+            weights = self._group_weights(with_rounding(sq, _rounding_of(layer, names, x, o)), k, o)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -737,16 +774,24 @@ class ClippingState:
             self._materialize(layer, reused, x, o, reused=True)
         if normal:
             self._add_sq(layer.rule.norms(layer.module, x, o, normal))
+            self._add_rounding(_rounding_of(layer, normal, x, o))
             self._note_precision(o)
 
     def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
-        # the loss is already Σ w_i ℓ_i: plain gradients are the clipped sum
-        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, None, names))
+        # the layer weighs its own terms, as book-keeping does, so its rounding is what its rule bounds
+        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, self._ghost_weights, names))
 
     def _add_sq(self, sq: torch.Tensor) -> None:
         """Add one layer's (or group's) per-sample squared norms to the batch's total: kept, and summed
         with the others once, at the end of the backward (one launch for all, not one per layer)."""
         self._sq_parts.append(sq)
+
+    def _add_rounding(self, rho: torch.Tensor | None) -> None:
+        """Flat clipping: keep one layer's (or stack's) ρ_i (``LayerRule.rounding``), combined with the
+        others once, at the end of the backward: in quadrature, their errors lying in different
+        coordinates (different parameters)."""
+        if rho is not None:
+            self._rho_parts.append(rho)
 
     def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
         """Per-layer clipping: keep clipping group k's own per-sample squared norms (for
@@ -805,6 +850,12 @@ class ClippingState:
         return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
+        parts, self._last_rho = self._rho_parts, None
+        if parts:
+            dtype = parts[0].dtype
+            self._last_rho = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
+                torch.stack([p if p.dtype == dtype else p.to(dtype) for p in parts]), dim=0)
+            sq = with_rounding(sq, self._last_rho)
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))
 
     def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor) -> torch.Tensor:
@@ -886,6 +937,9 @@ class ClippingState:
         chunks = self._stack_chunks()
         for stacked, calls in chunks:
             self._add_sq(stacked.sq_norms(calls).sum(0))
+            rho = _stack_rounding(stacked, calls)
+            if rho is not None:
+                self._add_rounding(torch.linalg.vector_norm(rho, dim=0))
         packs, rest = self._packed(list(self._materialized))
         total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)
@@ -910,7 +964,13 @@ class ClippingState:
         if not chunks:
             return
         sq = [stacked.sq_norms(calls) for stacked, calls in chunks]  # (n_j, B) each
+        rho = [_stack_rounding(stacked, calls) for stacked, calls in chunks]
         sq = sq[0] if len(sq) == 1 else torch.cat(sq)
+        if any(r is not None for r in rho):  # chunks without a bound add nothing: ρ = 0 there
+            rho = torch.cat([torch.zeros(len(calls), sq.shape[1], dtype=sq.dtype, device=sq.device) if r is None
+                             else r.to(sq.dtype) for r, (_, calls) in zip(rho, chunks)])
+        else:
+            rho = None
         groups = [tuple(self._layer[call[0]].group for call in calls) for _, calls in chunks]
         all_groups = sum(groups, ())
         margins = [rounding_margin(calls[0][2]) for _, calls in chunks]
@@ -918,7 +978,7 @@ class ClippingState:
             bounds = self._group_bounds(sq, margins[0], all_groups)
         else:  # stacks computed in different precisions keep their own margins
             bounds = torch.cat([self._group_bounds(sq, m, g) for m, g in zip(margins, groups)])
-        weights = self._weights(sq, bounds)
+        weights = self._weights(with_rounding(sq, rho), bounds)
         start = 0
         for stacked, calls in chunks:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights[start:start + len(calls)])):
@@ -1058,6 +1118,7 @@ class ClippingState:
 
     def _reset_backward(self) -> None:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
+        self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
         self._stacks: dict = {}
         self._stack_bytes = 0
@@ -1080,6 +1141,18 @@ class ClippingState:
         return self._total_sq.clamp_min(0).sqrt() * self.loss_scale
 
     @property
+    def last_rounding(self) -> torch.Tensor | None:
+        """(B,) ρ_i of the last backward (flat clipping): the bound on how far rounding takes a record's
+        clipped sums over positions from w_i·g_i (``pdpfast.nn.rules.LayerRule.rounding``), in the
+        units of ``last_norms``. The weights clip ‖g_i‖ + ρ_i to c_i, so a clipped record keeps
+        ‖g_i‖ / (‖g_i‖ + ρ_i) of its bound. None where no layer's clipped sum rounds more than fp32
+        (fp32 on a CPU, fp64), and for per-layer clipping (each group has its own).
+        """
+        if self._last_rho is None:
+            return None
+        return self._last_rho * self.loss_scale
+
+    @property
     def last_group_norms(self) -> torch.Tensor | None:
         """(K, B) per-sample gradient norms of each clipping group before clipping, of the last
         backward (per-layer clipping with ``keep_group_norms`` set; None otherwise)."""
@@ -1088,7 +1161,12 @@ class ClippingState:
         return self._last_group_sq.clamp_min(0).sqrt() * self.loss_scale
 
     def ghost_backward(self, losses: torch.Tensor) -> None:
-        """Two backwards over per-sample losses: norms, then Σ_i w_i ℓ_i.
+        """Two backwards over per-sample losses: norms, then the clipped sums.
+
+        The second backward is the first one again (Σ_i ℓ_i), and each layer weighs its own terms by
+        w_i as book-keeping does, rather than backpropagating Σ_i w_i ℓ_i: in a low precision that
+        would round every scaled gradient on its way down through the layers, which no per-layer
+        bound covers. Each layer's clipped sum then rounds as its rule bounds (``LayerRule.rounding``).
 
         Args:
             losses: (B,) per-sample losses of the open batch.
@@ -1109,12 +1187,15 @@ class ClippingState:
             total = self._batch_sq()
             weights = self._flat_weights(total)
             self._materialized, self._owned = {}, set()
+            self._ghost_weights = weights
             self._enter(Phase.GHOST_GRADS)
-            (losses * weights.to(losses.device, losses.dtype)).sum().backward()
+            losses.sum().backward()
         except BaseException:
             self._reset_backward()
             self._enter(Phase.OPEN)
             raise
+        finally:
+            self._ghost_weights = None
         self._close_backward(total, weights)
 
     # ------------------------------------------------------------------ gradients

@@ -222,16 +222,13 @@ def test_low_precision_clipped_contribution_stays_within_bound(style, dtype):
     assert worst > 0.9  # the margin costs little signal
 
 
-@pytest.mark.xfail(strict=True, reason="known privacy gap, open: the fixed rounding margin assumes a record's "
-                   "positions do not cancel; see README 'Mixed precision'")
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_contribution_stays_within_bound_when_positions_cancel(style, dtype):
     """A record whose gradient is a sum over positions that nearly cancel (o = [1, -1 + eps] on equal
     inputs): its clipped contribution Σ_t round(w·o_t)·a_t is rounded term by term, relative to
     |w·o_t| and not to the small sum, so a fixed margin of a few units of roundoff does not cover it
-    (measured: up to 1.8x c_i in bf16 and fp16). The fix is a per-record margin from
-    Σ_t ‖o_t‖‖a_t‖ (which bounds the rounding of the row-scaled sum); until then this fails."""
+    (it measured up to 1.9x c_i in bf16 and fp16). The rule's rounding bound u·Σ_t ‖o_t‖‖a_t‖ does."""
     eps = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # -1 + eps is exact in the dtype
     weights = torch.tensor([1.0, -1.0 + eps], dtype=dtype)
     worst = 0.0

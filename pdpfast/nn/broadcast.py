@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .layers import DPModule
-from .rules import LayerRule, register_layer, register_rule
+from .rules import LayerRule, exact_scaling, register_layer, register_rule
 
 
 class BroadcastParameterFunction(torch.autograd.Function):
@@ -131,7 +131,9 @@ def _broadcast_clipped(module, x, o, weights, names):
     return {names[0]: grad}
 
 
-register_rule(DPBroadcastHost, rule=LayerRule(_broadcast_per_sample, _broadcast_sq_norms, _broadcast_clipped))
+# the per-sample gradient is o itself: the clipped sum weighs it as formed
+register_rule(DPBroadcastHost, rule=LayerRule(_broadcast_per_sample, _broadcast_sq_norms, _broadcast_clipped,
+                                              rounding=exact_scaling))
 
 
 class DPLayerScale(DPModule):

@@ -7,13 +7,14 @@ itself (``_prepare``), so the rule sees the padded input and every padding mode 
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..ops import conv as conv_ops
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, register_layer
+from .rules import LayerRule, register_layer, scaling_roundoff
 
 
 class _DPConv(DPModule):
@@ -107,6 +108,14 @@ def _conv_clipped(m, x, o, weights, names):
     return {n: g for n, g in (("weight", grad_w), ("bias", grad_b)) if n in names}
 
 
+def _conv_rounding(m, x, o, names):
+    # the weight gradient is cuDNN's, in TF32 for fp32 where torch lets cuDNN
+    u = scaling_roundoff(o, torch.backends.cudnn.allow_tf32)
+    if not u:
+        return None
+    return conv_ops.conv_scaled_sum_rounding(x, o, m, "weight" in names, "bias" in names, m.own_padding(), u)
+
+
 def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
     """Conv calls form per-sample gradients where they are small next to the call (``prefer_per_sample``),
     unless the implicit Gram gives their norms for less: then norms and one weight gradient on scaled
@@ -118,7 +127,8 @@ def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
             and not conv_ops.implicit_gram_pays(x, o, m, m.own_padding()))
 
 
-_CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight)
+_CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight,
+                       rounding=_conv_rounding)
 register_layer(nn.Conv1d, DPConv1d, _CONV_RULE)
 register_layer(nn.Conv2d, DPConv2d, _CONV_RULE)
 register_layer(nn.Conv3d, DPConv3d, _CONV_RULE)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..ops import embedding as emb_ops
 from .layers import DPModule
-from .rules import LayerRule, register_layer
+from .rules import LayerRule, exact_scaling, register_layer
 
 
 class DPEmbedding(DPModule, nn.Embedding):
@@ -62,7 +62,8 @@ def _embedding_clipped(m, ids, o, weights, names):
 
 
 register_layer(nn.Embedding, DPEmbedding, LayerRule(_embedding_per_sample, _embedding_sq_norms, _embedding_clipped,
-                                                     add_per_sample_grads=_embedding_add_per_sample))
+                                                     add_per_sample_grads=_embedding_add_per_sample,
+                                                     rounding=exact_scaling))  # scaled in fp32
 
 
 class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
@@ -178,10 +179,13 @@ def _bag_sq_norms(m, x, o, names):
 
 def _bag_clipped(m, x, o, weights, names):
     ids, w = x
-    scale = w if weights is None else w * weights.to(w.dtype).unsqueeze(1)
-    rows = (scale.unsqueeze(-1) * o.unsqueeze(1)).flatten(0, 1)
-    grad = o.new_zeros(m.num_embeddings, o.shape[1]).index_add_(0, ids.flatten(), rows.to(o.dtype))
-    return {"weight": grad}
+    # scaled and added in fp32 for fp16/bf16, rounded once (as ``embedding_clipped_grad_reference``)
+    acc = o.dtype if o.dtype in (torch.float32, torch.float64) else torch.float32
+    scale = w.to(acc) if weights is None else w.to(acc) * weights.to(acc).unsqueeze(1)
+    rows = (scale.unsqueeze(-1) * o.to(acc).unsqueeze(1)).flatten(0, 1)
+    grad = torch.zeros(m.num_embeddings, o.shape[1], dtype=acc, device=o.device).index_add_(0, ids.flatten(), rows)
+    return {"weight": grad.to(o.dtype)}
 
 
-register_layer(nn.EmbeddingBag, DPEmbeddingBag, LayerRule(_bag_per_sample, _bag_sq_norms, _bag_clipped))
+register_layer(nn.EmbeddingBag, DPEmbeddingBag, LayerRule(_bag_per_sample, _bag_sq_norms, _bag_clipped,
+                                                          rounding=exact_scaling))  # scaled in fp32

@@ -1,7 +1,8 @@
 """Linear layers: ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2), with one rule for both.
 
 Per-sample norms by the Gram or the direct form (``pdpfast.ops.linear``); the clipped sum is the
-weight-gradient GEMM on row-scaled output gradients; same-shape calls stack into one batch.
+weight-gradient GEMM on row-scaled output gradients (whose rounding in a low precision the rule
+bounds, ``linear_rounding``); same-shape calls stack into one batch.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, Stacked, register_layer
+from .rules import LayerRule, Stacked, register_layer, scaling_roundoff
 
 
 class _FlatLinear(DPModule):
@@ -72,6 +73,23 @@ def as_btd(x: torch.Tensor, o: torch.Tensor):
     return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
 
 
+def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):
+    """The ``LayerRule.rounding`` of a linear call: u·Σ_t ‖o_t‖·√(‖a_t‖² + 1) (the bias a weight on
+    a constant 1), u the roundoff of the clipped sum's row scaling (``scaling_roundoff``; cuBLAS may
+    take TF32 where ``torch.backends.cuda.matmul.allow_tf32``).
+
+    Args:
+        a: (B, T, d) inputs; o: (B, T, p) output gradients (B may be n·B for stacked calls).
+        with_weight, with_bias: which of W and b the clipped sum computes.
+    Returns:
+        (B,) fp32 (fp64 for fp64 calls), or None where the sum rounds no more than fp32.
+    """
+    u = scaling_roundoff(o, torch.backends.cuda.matmul.allow_tf32)
+    if not u:
+        return None
+    return lin_ops.scaled_sum_rounding(a if with_weight else None, o, with_bias, u)
+
+
 def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "bias") -> LayerRule:
     """The rule of y = x Wᵀ + b on (B, ..., d) inputs (output gradient (B·T, p)).
 
@@ -112,6 +130,9 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         grad_w, grad_b = lin_ops.linear_clipped_grads(a, g, weights, weight in names, bias in names, transposed)
         return {n: grad for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None}
 
+    def rounding(m, x, o, names):
+        return linear_rounding(*as_btd(x, o), weight in names, bias in names)
+
     # same-shape calls (the projections of every transformer block) stack into one batch
     def key(m, x, o, names):
         if not x.is_floating_point():
@@ -143,7 +164,15 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         per_call = [(n, grad.unbind(0)) for n, grad in ((weight, grad_w), (bias, grad_b)) if grad is not None]
         return [{n: grads[i] for n, grads in per_call} for i in range(len(calls))]
 
-    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped), small_per_sample)
+    def stacked_rounding(calls):
+        a, g = stack(calls)
+        n, B, T, d = a.shape
+        names = calls[0][3]
+        rho = linear_rounding(a.view(n * B, T, d), g.view(n * B, T, g.shape[-1]), weight in names, bias in names)
+        return None if rho is None else rho.view(n, B)
+
+    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding),
+                     small_per_sample, rounding=rounding)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .linear import as_btd
+from .linear import as_btd, linear_rounding
 from .rules import LayerRule, register_layer
 
 
@@ -186,7 +186,12 @@ def _clipped(m, x, o, weights, names):
     return {n: grad for n, grad in ((weight, grad_w), (bias, grad_b)) if n is not None}
 
 
-_RULE = LayerRule(_per_sample, _sq_norms, _clipped)
+def _rounding(m, x, o, names):
+    weight, bias = _split(names)
+    return linear_rounding(*as_btd(x, o), weight is not None, bias is not None)
+
+
+_RULE = LayerRule(_per_sample, _sq_norms, _clipped, rounding=_rounding)
 register_layer(nn.RNN, DPRNN, _RULE)
 register_layer(nn.LSTM, DPLSTM, _RULE)
 register_layer(nn.GRU, DPGRU, _RULE)

@@ -17,6 +17,13 @@ clipped sum a B×|W| weighted sum instead of a second GEMM-sized pass.
 A rule may also say how same-shape calls are computed together (``Stacked``): book-keeping then
 forms the norms and clipped sums of n such calls (BERT's 48 attention projections, say) with one
 launch each instead of n, which is most of the host time a private step adds.
+
+A rule with norm formulas says how its clipped sum rounds (``rounding``). Where the sum scales
+each of a per-sample gradient's terms before adding them (positions of a sequence, pixels) in a
+low precision, each w_i·o_t is rounded relative to its own size, not to the sum's: a record whose
+terms cancel would exceed its bound by far more than a relative margin covers. ``rounding`` bounds
+that error per record, and the clipping state clips to c_i with it included. A rule that gives no
+``rounding`` forms its per-sample gradients in a low precision instead (``low_precision``).
 """
 from __future__ import annotations
 
@@ -34,6 +41,55 @@ ClippedGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | 
 
 
 Call = tuple  # (module, x, o, names): one call of a layer in a backward
+Rounding = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], "torch.Tensor | None"]
+
+# Unit roundoff of a clipped sum's row scaling w_i·o_t (round to nearest), by its dtype.
+_SCALING_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# fp32 through TF32 tensor cores: both operands of each product lose all but 10 mantissa bits
+# (truncated: 2^-10 relative each), the scaled one and the other.
+_TF32_ROUNDOFF = 2.0 ** -9
+
+
+def scaling_roundoff(t: torch.Tensor, tf32: bool) -> float:
+    """u such that a clipped sum Σ_t round(w·o_t)·a_tᵀ computed like ``t`` is within u·w·Σ_t ‖o_t‖‖a_t‖
+    of w·Σ_t o_t a_tᵀ (each scaled term rounded relative to its own size).
+
+    Args:
+        t: a tensor of the sum's dtype and device.
+        tf32: whether the sum's products may run in TF32 (``torch.backends.cuda.matmul.allow_tf32``
+            for GEMMs, ``torch.backends.cudnn.allow_tf32`` for convolutions).
+    Returns:
+        2^-8 for bf16, 2^-11 for fp16, 2^-9 for CUDA fp32 with ``tf32``, else 0.0 (fp32 and fp64
+        round at 2^-24 or finer: the fixed margin covers them).
+    """
+    if tf32 and t.dtype == torch.float32 and t.is_cuda:
+        return _TF32_ROUNDOFF
+    return _SCALING_ROUNDOFF.get(t.dtype, 0.0)
+
+
+def low_precision(t: torch.Tensor) -> bool:
+    """Whether clipped sums computed like ``t`` round by more than fp32.
+
+    Args:
+        t: a tensor of the sum's dtype and device.
+    Returns:
+        True for bf16 and fp16, and for CUDA fp32 where torch allows TF32 (for GEMMs or convolutions).
+    """
+    if t.dtype == torch.float32 and t.is_cuda:
+        return torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    return t.dtype in _SCALING_ROUNDOFF
+
+
+def exact_scaling(module, x, o, names) -> None:
+    """The ``rounding`` of a rule whose clipped sums weigh formed per-sample gradients (Σ_i w_i g_i,
+    each w_i g_i rounded relative to g_i) or scale in the accumulation dtype.
+
+    Args:
+        module, x, o, names: the call (not read).
+    Returns:
+        None: nothing beyond the fixed relative margin.
+    """
+    return None
 
 
 @dataclass(frozen=True)
@@ -50,11 +106,15 @@ class Stacked:
         clipped: ``clipped(calls, weights)`` with weights (B,) shared by the calls (flat clipping) or
             (n, B), one row per call (per-layer clipping) → a list of n {parameter name: Σ_i w_i g_i}
             dicts, each gradient of its parameter's shape.
+        rounding: ``rounding(calls)`` → (n, B) the calls' ``LayerRule.rounding`` bounds, or None
+            where they add nothing. Where a stack of a rule with norm formulas has none, its calls do
+            not stack in a low precision (each goes through the rule's own ``rounding``).
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
     sq_norms: Callable[[list], torch.Tensor]
     clipped: Callable[[list, torch.Tensor], list]
+    rounding: Callable[[list], torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +142,13 @@ class LayerRule:
             parameter used more than once (tied weights) whose gradients of an earlier use are held;
             None: they are formed with ``per_sample_grads`` and added. Worth giving where the
             gradients are sparse (an embedding's B×V×d touch only the sample's tokens' rows).
+        rounding: ``(module, x, o, names)`` → (B,) ρ_i ≥ 0 with ‖computed clipped sum of record i −
+            w_i g_i‖ ≤ w_i ρ_i beyond the fixed relative margin (e.g. u·Σ_t ‖o_t‖‖a_t‖ for a sum
+            that rounds each scaled w_i·o_t, ``scaling_roundoff``), or None where the call adds
+            nothing (``exact_scaling``). The clipping state clips ‖g_i‖ + ρ_i to c_i (ρ of different
+            parameters add in quadrature: their errors lie in different coordinates). None (no
+            function) with ``sq_norms`` given: in a low precision the calls form per-sample
+            gradients instead, whose weighted sums round relative to g_i.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -92,6 +159,7 @@ class LayerRule:
     materialize_when: Callable[[nn.Module, torch.Tensor, torch.Tensor, bool], bool] | None = None
     # (module, x, o, names, into {name: (B, *param.shape)}) -> None: this call's gradients added in place
     add_per_sample_grads: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple, dict], None] | None = None
+    rounding: Rounding | None = None
 
     @property
     def materializes(self) -> bool:
@@ -107,10 +175,21 @@ class LayerRule:
             kept: they would be kept until every layer's norms are known (flat clipping); False:
                 clipped and freed at once (per-layer clipping).
         Returns:
-            True when the rule has no norm formula or ``materialize_when`` says so for this call.
+            True when the rule has no norm formula, when it has no ``rounding`` and ``o`` is of a low
+            precision (``low_precision``), or when ``materialize_when`` says so for this call.
         """
-        return self.sq_norms is None or (self.materialize_when is not None
-                                         and self.materialize_when(module, x, o, kept))
+        return self.sq_norms is None or (self.rounding is None and low_precision(o)) or (
+            self.materialize_when is not None and self.materialize_when(module, x, o, kept))
+
+    def rounding_of(self, module, x, o, names) -> torch.Tensor | None:
+        """ρ of one call whose norms come from the rule's formulas (see ``rounding``).
+
+        Args:
+            module, x, o, names: the call, as in ``norms``.
+        Returns:
+            (B,) fp32 (fp64 for fp64 calls) or None where the call adds nothing.
+        """
+        return None if self.rounding is None else self.rounding(module, x, o, names)
 
     def norms(self, module, x, o, names) -> torch.Tensor:
         """Per-sample squared gradient norms ‖g_i‖² of one call, summed over the parameters ``names``.

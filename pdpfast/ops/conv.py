@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import workspace
 from .dispatch import declare
-from .linear import linear_weight_sq_norms
+from .linear import linear_weight_sq_norms, scaled_row_dot
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
@@ -285,6 +285,43 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
             list(module.dilation), False, [0] * n, module.groups, [False, True, False])
     grad_b = o.sum([0, *range(2, o.dim())]) if need_bias else None
     return grad_w, grad_b
+
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+_BOXES: dict = {}  # (kernel size, dtype, device) -> the all-ones (1, 1, *kernel) weight
+
+
+def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, u: float) -> torch.Tensor:
+    """u·Σ_q ‖o_q‖·√(‖patch_q‖² + [need_bias]) per sample, over output positions q: a clipped sum that
+    rounds each scaled w_i·o_q to a relative u is within w_i times this of w_i·g_i.
+
+    ‖patch_q‖² (the input values position q's output reads, every channel) is the channel-summed
+    squared input convolved with a box of the kernel's size, stride and dilation: two reductions and
+    a one-channel convolution, nothing of the unfolded input's size. Over all channels it bounds a
+    grouped convolution's too (by Cauchy-Schwarz over the groups).
+
+    Args:
+        x_pad, o, module, need_weight, need_bias, padding: as in ``conv_clipped_grads``.
+        u: the unit roundoff of the scaling.
+    Returns:
+        (B,) in the accumulation dtype (fp32, fp64 for fp64 inputs).
+    """
+    acc = torch.float64 if torch.float64 in (x_pad.dtype, o.dtype) else torch.float32
+    terms = torch.linalg.vector_norm(o, dim=1, dtype=acc).flatten(1)  # (B, out positions)
+    if not need_weight:
+        return terms.sum(1).mul_(u)
+    n = x_pad.dim() - 2
+    key = (tuple(module.kernel_size), acc, x_pad.device)
+    box = _BOXES.get(key)
+    if box is None:
+        box = _BOXES[key] = torch.ones((1, 1, *module.kernel_size), dtype=acc, device=x_pad.device)
+    sq = torch.linalg.vector_norm(x_pad, dim=1, dtype=acc).square_().unsqueeze(1)  # (B, 1, *spatial)
+    patch = _CONV_FN[n](sq, box, None, module.stride, _padding(padding, n), module.dilation).flatten(1)
+    if need_bias:
+        patch = patch.add_(1)
+    return scaled_row_dot(terms, patch.sqrt_(), u)  # patch: sums of squares, never negative
 
 
 # On a CPU, per-sample gradients of a layer with a fan-in C_in/G·k of at most this many (an RGB

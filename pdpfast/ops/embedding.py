@@ -85,17 +85,23 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
         padding_idx: the token id whose row gets no gradient (zeroed), or None.
     Returns:
         (V, p) gradient of the table, in ``o``'s dtype, on ``o``'s device.
+
+    fp16/bf16 rows are scaled and added in fp32, rounded once at the end: scaled in their own dtype,
+    each w_i·o_t would round relative to itself, and a token repeated with gradients that cancel
+    could push a record past its bound (rows added in bf16 also lose the small to the large).
     """
     B, p = ids.shape[0], o.shape[-1]
+    dtype = o.dtype
+    acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
-    o = o.reshape(B, ids.shape[1], p)
+    o = o.reshape(B, ids.shape[1], p).to(acc)
     if weights is not None:
-        o = o * weights.to(o.dtype).view(-1, 1, 1)
+        o = o * weights.to(acc).view(-1, 1, 1)
     ids, o = ids.reshape(-1), o.reshape(-1, p)
-    out = torch.zeros(num_embeddings, p, dtype=o.dtype, device=o.device).index_add_(0, ids, o)
+    out = torch.zeros(num_embeddings, p, dtype=acc, device=o.device).index_add_(0, ids, o)
     if padding_idx is not None:  # the padding row gets no gradient (zeroed, not masked: no host sync)
         out[padding_idx] = 0
-    return out
+    return out.to(dtype)
 
 
 def embedding_per_sample_grads(ids, o, num_embeddings, padding_idx, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -339,6 +339,47 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
     return grad_w, grad_b
 
 
+_ONE = torch.ones(())  # a 0-dim CPU tensor: ops on any device take it as a scalar, with no copy
+
+
+def scaled_sum_rounding(a: torch.Tensor | None, o: torch.Tensor, with_bias: bool, u: float) -> torch.Tensor:
+    """u·Σ_t ‖o_t‖·√(‖a_t‖² + [with_bias]) per sample: a clipped sum that rounds each scaled row
+    w_i·o_t (or w_i·a_t) to a relative u is within w_i times this of w_i·g_i.
+
+    Args:
+        a: (B, T, d) layer inputs, or None when only the bias's sum is computed (then u·Σ_t ‖o_t‖).
+        o: (B, T, p) output gradients.
+        with_bias: the sum includes the bias (a weight on a constant input 1).
+        u: the unit roundoff of the scaling.
+    Returns:
+        (B,) in the accumulation dtype (``acc_dtype``); four or five ops (this runs for every layer
+        call of a low-precision backward), no (B, T, ·) temporary.
+    """
+    acc = acc_dtype(o)
+    terms = torch.linalg.vector_norm(o, dim=-1, dtype=acc)  # (B, T)
+    if a is None:
+        return terms.sum(-1).mul_(u)
+    size = torch.linalg.vector_norm(a, dim=-1, dtype=acc)
+    if with_bias:
+        size = torch.hypot(size, _ONE)
+    return scaled_row_dot(terms, size, u)
+
+
+def scaled_row_dot(x: torch.Tensor, y: torch.Tensor, u: float) -> torch.Tensor:
+    """u·Σ_t x_{i,t} y_{i,t} per row i, in one op (a batched GEMM whose α is u).
+
+    Args:
+        x, y: (B, T) of one dtype and device.
+        u: the scale.
+    Returns:
+        (B,).
+    """
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape[0])
+    # β = 0: baddbmm ignores its input, which need only broadcast to (B, 1, 1)
+    return torch.baddbmm(x[:, None, :1], x.unsqueeze(1), y.unsqueeze(2), beta=0, alpha=u).view(x.shape[0])
+
+
 def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor, need_weight: bool,
                                  need_bias: bool, transposed: bool = False):
     """``linear_clipped_grads`` of n same-shape layer calls at once: one batched GEMM (cuBLAS) for the

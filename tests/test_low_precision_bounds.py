@@ -1,0 +1,213 @@
+"""Privacy property: in fp16/bf16 a record's rounded clipped contribution stays within its bound c_i
+even where the terms of its per-sample gradient cancel, for every layer family whose clipped sum
+scales terms one by one (positions, pixels, repeated tokens) and every clipping style.
+
+A clipped sum Σ_t round(w·o_t)·a_tᵀ rounds each term relative to |w·o_t|, not to the (small) sum,
+so a fixed relative margin cannot cover a record whose terms nearly cancel. The rules bound that
+rounding per record (``LayerRule.rounding``) or scale in fp32; these tests build such records
+(o = [1, -1 + eps] on equal inputs, the worst case for a relative margin) and measure.
+"""
+import pytest
+import torch
+from torch import nn
+
+import pdpfast
+from pdpfast import clipping
+from pdpfast.functional import clipped_gradients
+from pdpfast.nn.rules import LayerRule, low_precision
+
+STYLES = [dict(mode="bk", clipping="flat"), dict(mode="bk", clipping="per_layer"), dict(mode="ghost", clipping="flat")]
+STYLE_IDS = ["bk", "per_layer", "ghost"]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _ones(module):
+    for p in module.parameters():
+        nn.init.ones_(p) if p.dim() > 1 or p.numel() == 1 else nn.init.zeros_(p)
+    return module
+
+
+class _TwoLinear(nn.Module):
+    """Two layers, each with a cancelling record: flat clipping adds their rounding bounds."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _ones(nn.Linear(1, 1, bias=False)), _ones(nn.Linear(1, 1, bias=False))
+
+    def forward(self, x):
+        return torch.cat([self.a(x), self.b(x)], -1)
+
+
+def _hf_conv1d():
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+    return _ones(Conv1D(1, 1))
+
+
+# name -> (module factory, input factory (dtype), number of output values per record)
+CASES = {
+    "linear": (lambda: _ones(nn.Linear(1, 1, bias=False)), lambda dt: torch.ones(1, 2, 1, dtype=dt)),
+    "linear_bias": (lambda: _ones(nn.Linear(1, 1)), lambda dt: torch.ones(1, 2, 1, dtype=dt)),
+    "hf_conv1d": (_hf_conv1d, lambda dt: torch.ones(1, 2, 1, dtype=dt)),
+    "two_linear": (_TwoLinear, lambda dt: torch.ones(1, 2, 1, dtype=dt)),
+    # stacked in depth: the first layer's output gradients come through the second's backward
+    "two_deep": (lambda: nn.Sequential(_ones(nn.Linear(1, 1, bias=False)), _ones(nn.Linear(1, 1, bias=False))),
+                 lambda dt: torch.ones(1, 2, 1, dtype=dt)),
+    "conv2d": (lambda: _ones(nn.Conv2d(1, 1, 2, stride=2, bias=False)), lambda dt: torch.ones(1, 1, 2, 4, dtype=dt)),
+    "conv1d_bias": (lambda: _ones(nn.Conv1d(2, 1, 1)), lambda dt: torch.ones(1, 2, 2, dtype=dt)),
+    "embedding_repeated_token": (lambda: _ones(nn.Embedding(3, 1)), lambda dt: torch.tensor([[1, 1]])),
+    # one bag, its entries weighted 1 and -1 + eps: the per-entry rows w·s_j·o cancel
+    "embedding_bag": (lambda: _ones(nn.EmbeddingBag(3, 1, mode="sum")),
+                      lambda dt: (torch.tensor([[1, 1]]), None, torch.tensor([[1.0, -1.0 + _eps(dt)]], dtype=dt))),
+}
+
+
+def _eps(dtype):
+    return 2.0 ** (-7 if dtype == torch.bfloat16 else -10)  # -1 + eps is exact in the dtype
+
+
+def _worst_ratio(case, style, dtype, small_call_bytes=None, monkeypatch=None):
+    """max over clip bounds below the record's norm of ‖rounded contribution‖ / c (fp64 norms)."""
+    make_module, make_input = CASES[case]
+    eps = _eps(dtype)
+    if small_call_bytes is not None:
+        monkeypatch.setattr(clipping, "SMALL_CALL_BYTES", small_call_bytes)
+    worst = 0.0
+    for c in torch.linspace(0.05 * eps, 0.99 * eps, 25).tolist():  # every record is clipped
+        model = pdpfast.nn.convert(make_module().to(dtype))
+        inputs = make_input(dtype)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+
+        def losses(out):
+            flat = out.float().reshape(1, -1)  # the record's outputs: o = 1, -1 + eps, 1, ... on them
+            if flat.shape[1] == 1:
+                return flat.sum(1)
+            return (flat * torch.tensor([1.0, -1.0 + eps]).repeat(flat.shape[1] // 2)).sum(1)
+
+        result = clipped_gradients(model, losses, *inputs, clip_norms=torch.tensor([c]), **style)
+        norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())))
+        worst = max(worst, norm / c)
+    return worst
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cancelling_record_stays_within_bound(case, style, dtype):
+    worst = _worst_ratio(case, style, dtype)
+    assert worst <= 1.0
+    # not vacuous: the record contributes (ghost's second backward may round a repeated token's
+    # scaled rows to an exact cancellation, a contribution of 0)
+    assert worst > 0.3 or (style["mode"] == "ghost" and case.startswith("embedding"))
+
+
+@pytest.mark.parametrize("style", STYLES[:2], ids=STYLE_IDS[:2])
+@pytest.mark.parametrize("case", ["linear_bias", "two_linear"])
+def test_cancelling_record_stays_within_bound_when_calls_do_not_stack(case, style, monkeypatch):
+    """Calls too large to stack take the rule's own rounding bound, not the stack's."""
+    assert _worst_ratio(case, style, torch.bfloat16, small_call_bytes=0, monkeypatch=monkeypatch) <= 1.0
+
+
+def test_rounding_bound_costs_nothing_where_terms_do_not_cancel():
+    """One position per record (T = 1): ρ_i = u·‖g_i‖, so the bound loses only ~u of the signal."""
+    torch.manual_seed(0)
+    model = pdpfast.nn.convert(nn.Linear(8, 4).to(torch.bfloat16))
+    x = torch.randn(1, 8).to(torch.bfloat16) * 10
+    result = clipped_gradients(model, lambda out: out.float().pow(2).sum(1), x, clip_norms=torch.tensor([0.5]))
+    norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in result.grads.values())))
+    assert 0.5 * (1 - 6 * 2.0 ** -8) <= norm <= 0.5
+
+
+def test_rule_without_rounding_bound_forms_per_sample_gradients_in_low_precision():
+    """A registered rule with norm formulas but no ``rounding``: its clipped sum's rounding is
+    unknown, so in fp16/bf16 its calls form per-sample gradients (whose weighted sum rounds
+    relative to g_i); in fp32 on the CPU they keep the formulas."""
+    rule = LayerRule(lambda m, x, o: {}, sq_norms=lambda m, x, o, names: x.new_zeros(x.shape[0]))
+    x = torch.ones(2, 3)
+    assert rule.materializes_call(None, x, x.to(torch.bfloat16))
+    assert rule.materializes_call(None, x, x.to(torch.float16))
+    assert not rule.materializes_call(None, x, x)
+    assert low_precision(x.to(torch.bfloat16)) and not low_precision(x)
+
+
+# ------------------------------------------------------------------ the bounds against brute force
+
+
+def _brute_linear(a, o, with_weight, with_bias):
+    B, T = o.shape[:2]
+    out = torch.zeros(B, dtype=torch.float64)
+    for i in range(B):
+        for t in range(T):
+            size = (a[i, t].double().pow(2).sum() if with_weight else 0.0) + (1.0 if with_bias else 0.0)
+            out[i] += o[i, t].double().norm() * torch.as_tensor(size, dtype=torch.float64).sqrt()
+    return out
+
+
+@pytest.mark.parametrize("B,T", [(0, 3), (1, 1), (3, 5), (2, 0)])
+@pytest.mark.parametrize("with_weight,with_bias", [(True, True), (True, False), (False, True)])
+def test_linear_rounding_bound_is_u_times_sum_of_position_norm_products(B, T, with_weight, with_bias):
+    from pdpfast.nn.linear import linear_rounding
+
+    g = torch.Generator().manual_seed(B * 10 + T)
+    a = torch.randn(B, T, 6, generator=g).to(torch.bfloat16)
+    o = torch.randn(B, T, 4, generator=g).to(torch.bfloat16)
+    rho = linear_rounding(a, o, with_weight, with_bias)
+    assert rho.dtype == torch.float32 and rho.shape == (B,)
+    torch.testing.assert_close(rho.double(), 2.0 ** -8 * _brute_linear(a, o, with_weight, with_bias),
+                               rtol=1e-5, atol=0)
+    assert linear_rounding(a.float(), o.float(), with_weight, with_bias) is None  # fp32 on a CPU: none
+
+
+@pytest.mark.parametrize("conv", [
+    dict(kernel_size=3, padding=1), dict(kernel_size=(2, 3), stride=2), dict(kernel_size=3, dilation=2, padding=2),
+    dict(kernel_size=1), dict(kernel_size=3, groups=2, padding=1)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_rounding_bound_reads_each_output_positions_input_patch(conv, with_bias):
+    """u·Σ_q ‖o_q‖·√(‖patch_q‖² + 1): the patch norms from unfold (brute force), every channel."""
+    g = torch.Generator().manual_seed(0)
+    layer = pdpfast.nn.convert(nn.Conv2d(4, 6, bias=with_bias, **conv).to(torch.float16))
+    x = torch.randn(3, 4, 7, 9, generator=g).to(torch.float16)
+    o = torch.randn(layer(x).shape, generator=g).to(torch.float16)
+    names = ("weight", "bias") if with_bias else ("weight",)
+    rho = layer_rounding(layer, x, o, names)
+    k = layer.kernel_size
+    patches = nn.functional.unfold(x.double(), k, dilation=layer.dilation, padding=layer.padding,
+                                   stride=layer.stride)  # (B, C·kh·kw, Q)
+    size = patches.pow(2).sum(1) + (1.0 if with_bias else 0.0)
+    expected = 2.0 ** -11 * (o.double().flatten(2).norm(dim=1) * size.sqrt()).sum(1)
+    torch.testing.assert_close(rho.double(), expected, rtol=1e-5, atol=0)
+
+
+def test_conv1d_rounding_bound_matches_its_conv2d_twin():
+    g = torch.Generator().manual_seed(1)
+    c1 = pdpfast.nn.convert(nn.Conv1d(3, 5, 3, stride=2, padding=1).to(torch.bfloat16))
+    c2 = pdpfast.nn.convert(nn.Conv2d(3, 5, (1, 3), stride=(1, 2), padding=(0, 1)).to(torch.bfloat16))
+    x = torch.randn(2, 3, 11, generator=g).to(torch.bfloat16)
+    o = torch.randn(c1(x).shape, generator=g).to(torch.bfloat16)
+    names = ("weight", "bias")
+    torch.testing.assert_close(layer_rounding(c1, x, o, names),
+                               layer_rounding(c2, x.unsqueeze(2), o.unsqueeze(2), names), rtol=1e-6, atol=0)
+
+
+def layer_rounding(layer, x, o, names):
+    from pdpfast.nn.rules import rule_for
+
+    return rule_for(layer).rounding_of(layer, x, o, names)
+
+
+def test_last_rounding_reports_the_bound_where_a_layer_rounds():
+    """``ClippingState.last_rounding``: ρ_i of the last backward in bf16; None in fp32 on a CPU."""
+    from pdpfast.clipping import ClippingState
+
+    for dtype, expect in ((torch.bfloat16, True), (torch.float32, False)):
+        model = pdpfast.nn.convert(nn.Linear(5, 3).to(dtype))
+        state = ClippingState(model)
+        with state.attached():
+            state.begin_batch(torch.ones(2))
+            model(torch.randn(2, 4, 5).to(dtype)).float().sum().backward()
+            rho, norms = state.last_rounding, state.last_norms
+            state.end_draw()
+        if expect:
+            assert rho.shape == (2,) and (rho > 0).all() and (rho < norms).all()
+        else:
+            assert rho is None
