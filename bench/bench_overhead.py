@@ -8,6 +8,7 @@ non-private step of the same run.
     python -m bench.bench_overhead [--repeats 200] [--threads 1] [--out bench/results/overhead_cpu.json]
     python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
     python -m bench.bench_overhead --route large         # every call as a large model's call
+    python -m bench.bench_overhead --dtype bf16          # bf16 weights (the low-precision route)
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
@@ -99,11 +100,15 @@ def main(argv=None) -> int:
     parser.add_argument("--route", choices=("model", "large"), default="model",
                         help="large: every call takes a full-size model's route (no stacking, no per-sample "
                              "gradients formed); model: the route this model's sizes choose")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the model in bf16, whose calls also bound their clipped sums' rounding")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, inputs, y, loss = build(device)
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     with large_call_route() if args.route == "large" else contextlib.nullcontext():
         results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
@@ -116,8 +121,10 @@ def main(argv=None) -> int:
                 results[name]["launches_per_step"] = launches_per_step(step)
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
-             "repeats": args.repeats, "clock": args.clock, "route": args.route} for name, r in results.items()]
+             "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype}
+            for name, r in results.items()]
     suffix = "" if args.route == "model" else f"_{args.route}_calls"
+    suffix += "" if args.dtype == "fp32" else f"_{args.dtype}"
     out = Path(args.out or f"bench/results/overhead_{device.type}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))

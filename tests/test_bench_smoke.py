@@ -160,6 +160,30 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
 
 
+def test_bench_overhead_bf16_runs_the_low_precision_route(tmp_path):
+    """--dtype bf16 times the bf16 model, whose calls also bound their clipped sums' rounding."""
+    from bench import bench_overhead
+
+    out = tmp_path / "overhead_bf16.json"
+    assert bench_overhead.main(["--dtype", "bf16", "--route", "large", "--repeats", "2", "--providers",
+                                "non-private,pdpfast bk", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["dtype"] for r in rows] == ["bf16", "bf16"] and all(r["median_ms"] > 0 for r in rows)
+
+
+def test_bench_rounding_reports_the_signal_a_clipped_bf16_record_keeps(tmp_path):
+    from bench import bench_rounding
+
+    out = tmp_path / "rounding.json"
+    assert bench_rounding.main(["--models", "resnet18", "--batch", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "resnet18" and len(row["signal_kept"]) == 2
+    # the bound costs some signal, never all of it; ρ_i > 0: ResNet's convolutions sum over pixels
+    assert 0.5 < row["signal_kept_min"] < 1.0 and min(row["rho_over_norm"]) > 0
+    with pytest.raises(SystemExit, match="unknown"):
+        bench_rounding.main(["--models", "resnet"])
+
+
 def test_own_peak_memory_is_the_high_point_of_what_the_block_allocated_and_still_held():
     """On the CPU from the profiler's allocation events: 1 MiB kept, 2 MiB freed, then 0.5 MiB → a
     3 MiB high point; a block the process allocated before does not count, nor does its release."""
