@@ -101,6 +101,32 @@ def test_cancelling_record_stays_within_bound(case, style, dtype):
     assert worst > 0.3 or (style["mode"] == "ghost" and case.startswith("embedding"))
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_random_records_whose_position_pairs_cancel_stay_within_bound(style, dtype):
+    """Fresh random records of a wider layer (d = 8, p = 4, T = 6): positions come in pairs with the
+    same input and output gradients o and -(1 - δ)·o, so each record's gradient is a small remainder
+    of large terms; each clipped to a random fraction of its fp64 norm, 30 trials."""
+    g = torch.Generator().manual_seed(7)
+    worst = 0.0
+    for _trial in range(30):
+        a = torch.randn(1, 3, 8, generator=g)
+        x = torch.cat([a, a], 1).to(dtype)  # (1, 6, 8): positions t and t + 3 read the same input
+        signs = torch.randn(1, 3, 4, generator=g)
+        delta = 2.0 ** -int(torch.randint(3, 9, (), generator=g))
+        coef = torch.cat([signs, -(1 - delta) * signs], 1)  # the loss's o: o_{t+3} = -(1 - δ) o_t
+        exact = clipped_gradients(pdpfast.nn.convert(nn.Linear(8, 4).double()),
+                                  lambda out: (out * coef.double()).sum((1, 2)), x.double(),
+                                  clip_norms=torch.tensor([1e9])).norms  # fp64, unclipped
+        c = exact.float() * (0.05 + 0.85 * torch.rand(1, generator=g))
+        model = pdpfast.nn.convert(nn.Linear(8, 4).to(dtype))
+        result = clipped_gradients(model, lambda out: (out.float() * coef).sum((1, 2)), x, clip_norms=c, **style)
+        norm = float(torch.sqrt(sum(v.double().pow(2).sum() for v in result.grads.values())))
+        worst = max(worst, norm / float(c))
+    assert worst <= 1.0
+    assert worst > 0.5  # the bound costs signal here (every term cancels), not all of it
+
+
 @pytest.mark.parametrize("style", STYLES[:2], ids=STYLE_IDS[:2])
 @pytest.mark.parametrize("case", ["linear_bias", "two_linear"])
 def test_cancelling_record_stays_within_bound_when_calls_do_not_stack(case, style, monkeypatch):
