@@ -20,13 +20,11 @@ allocation events, ``bench.harness.own_peak_memory``).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from bench.harness import PROVIDERS, environment, measure, with_ratios
+from bench.harness import PROVIDERS, environment, measure, with_ratios, write_rows
 from bench.models import TinyTransformer, groupnorm_cnn
 from pdpfast._malloc import retain_freed_memory
 from pdpfast.models import resnet18_gn
@@ -73,8 +71,7 @@ def main(argv=None) -> None:
         for provider, r in results.items():
             rows.append({"benchmark": "cpu_step_time", "model": name, "provider": provider, **cfg, **r, **env,
                          "repeats": args.repeats, "clock": args.clock, "allocator": args.allocator})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    write_rows(args.out, rows)
     print("| model | provider | median step (ms) | × non-private | page faults / step | peak MiB | × memory |\n"
           "|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

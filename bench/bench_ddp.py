@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bench.harness import environment
+from bench.harness import environment, write_rows
 from pdpfast.distributed import leave_process_group
 
 N, SEQ, VOCAB, BATCH = 4096, 64, 1000, 64
@@ -97,9 +97,7 @@ def main(argv=None) -> int:
     for row in rows:
         row["speedup_vs_one_process"] = row["records_per_second"] / rows[0]["records_per_second"]
     tag = args.device
-    out = Path(args.out or f"bench/results/ddp_{tag}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = write_rows(args.out or f"bench/results/ddp_{tag}.json", rows)
     print("| processes | records/s | speed-up |\n|---:|---:|---:|")
     for row in rows:
         print(f"| {row['processes']} | {row['records_per_second']:.1f} | {row['speedup_vs_one_process']:.2f} |")

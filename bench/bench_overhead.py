@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from bench.harness import PROVIDERS, environment, measure, with_ratios
+from bench.harness import PROVIDERS, environment, measure, with_ratios, write_rows
 
 
 def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 4, seq: int = 8):
@@ -125,9 +123,7 @@ def main(argv=None) -> int:
             for name, r in results.items()]
     suffix = "" if args.route == "model" else f"_{args.route}_calls"
     suffix += "" if args.dtype == "fp32" else f"_{args.dtype}"
-    out = Path(args.out or f"bench/results/overhead_{device.type}{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = write_rows(args.out or f"bench/results/overhead_{device.type}{suffix}.json", rows)
     print("| provider | median step (ms) | × non-private | launches per step |\n|---|---:|---:|---:|")
     for r in rows:
         if "median_ms" in r:

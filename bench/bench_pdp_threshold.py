@@ -9,14 +9,12 @@ Writes bench/results/pdp_threshold_cpu.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.harness import environment
+from bench.harness import environment, write_rows
 
 LOSSES = ("fixed", "adaptive", "harmonic")
 
@@ -49,9 +47,7 @@ def main(argv=None) -> int:
                          "first_round_threshold": threshold, "accuracy_mean": float(np.mean(accuracies)),
                          "accuracy_std": float(np.std(accuracies)), "accuracies": accuracies, "seeds": args.seeds,
                          "epochs": args.epochs, **environment(torch.device("cpu"))})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_rows(args.out, rows)
     print("| budgets | loss | first-round τ | test accuracy |\n|---|---|---:|---:|")
     for r in rows:
         print(f"| {r['budgets']} | {r['loss']} | {r['first_round_threshold']:.3f} | "

@@ -12,9 +12,7 @@ no bound).
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +20,7 @@ from tqdm import tqdm
 
 import pdpfast
 from bench.bench_overhead import large_call_route
-from bench.harness import environment
+from bench.harness import environment, write_rows
 from pdpfast.clipping import ClippingState
 
 
@@ -91,9 +89,7 @@ def main(argv=None) -> int:
         row = measure(model, inputs, loss, args.batch)
         rows.append({"benchmark": "rounding_signal", "model": name, "shape": label, "batch": args.batch,
                      "dtype": "bf16 autocast", "route": "large", "seconds": time.perf_counter() - start, **row, **env})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    out = write_rows(args.out, rows)
     print("| model | signal kept by a clipped record (median, min) | ρ_i / ‖g_i‖ (median) |\n|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['signal_kept_median']:.3f}, {r['signal_kept_min']:.3f} "

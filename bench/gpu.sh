@@ -75,7 +75,9 @@ for step in $steps; do
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
                       --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks"
                   run bench_overhead_large python3 -m bench.bench_overhead --device cuda --repeats 100 --route large \
-                      --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
+                      --providers "non-private,pdpfast bk,pdpfast per-layer"
+                  run bench_overhead_large_bf16 python3 -m bench.bench_overhead --device cuda --repeats 100 \
+                      --route large --dtype bf16 --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
         e2e) e2e fp32; e2e bf16 ;;
         e2e-fp32) e2e fp32 ;;
         e2e-bf16) e2e bf16 ;;

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import datetime
 import gc
+import json
 import platform
 import statistics
 import sys
@@ -22,6 +23,7 @@ try:
 except ImportError:  # not on Windows: no page-fault counts there
     resource = None
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -325,6 +327,21 @@ def with_ratios(results: dict[str, dict], batch: int) -> dict[str, dict]:
             if "peak_memory_mb" in r and "peak_memory_mb" in base:
                 r["memory_ratio_vs_nonprivate"] = r["peak_memory_mb"] / base["peak_memory_mb"]
     return results
+
+
+def write_rows(out, rows: list) -> Path:
+    """Write benchmark rows as JSON to ``out`` (its folder made if missing).
+
+    Args:
+        out: a path (str or Path).
+        rows: JSON-serializable dicts.
+    Returns:
+        the Path written.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    return out
 
 
 def environment(device: torch.device) -> dict:
