@@ -18,25 +18,29 @@ constexpr int kThreadsPerBlock = 256;
 
 template <typename scalar_t>
 __global__ void clip_weights_kernel(const scalar_t* __restrict__ sq, const scalar_t* __restrict__ bounds,
-                                    scalar_t* __restrict__ out, int64_t n, scalar_t offset, scalar_t cap) {
+                                    const scalar_t* __restrict__ rho, scalar_t* __restrict__ out, int64_t n,
+                                    scalar_t offset, scalar_t cap) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreadsPerBlock + threadIdx.x;
   if (i >= n) return;
   const scalar_t s = sq[i];
-  const scalar_t root = sqrt(s < scalar_t(0) ? scalar_t(0) : s);  // NaN stays NaN
+  scalar_t root = sqrt(s < scalar_t(0) ? scalar_t(0) : s);  // NaN stays NaN
+  if (rho != nullptr) root += rho[i];
   const scalar_t w = bounds[i] / (root + offset);
   out[i] = w > cap ? cap : w;
 }
 
 }  // namespace
 
-void clip_weights_cuda(const at::Tensor& sq, const at::Tensor& bounds, at::Tensor& out, double offset, double cap) {
+void clip_weights_cuda(const at::Tensor& sq, const at::Tensor& bounds, const at::Tensor* rho, at::Tensor& out,
+                       double offset, double cap) {
   const c10::cuda::CUDAGuard device_guard(sq.device());
   const int64_t n = sq.numel();
   const int64_t blocks = (n + kThreadsPerBlock - 1) / kThreadsPerBlock;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(sq.scalar_type(), "pdpfast_clip_weights_cuda", [&] {
     clip_weights_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreadsPerBlock, 0, stream>>>(
-        sq.data_ptr<scalar_t>(), bounds.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n,
+        sq.data_ptr<scalar_t>(), bounds.data_ptr<scalar_t>(), rho == nullptr ? nullptr : rho->data_ptr<scalar_t>(),
+        out.data_ptr<scalar_t>(), n,
         static_cast<scalar_t>(offset), static_cast<scalar_t>(cap));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -71,35 +71,20 @@ _TF32_MARGIN = 8 * 2.0 ** -11
 _TF32X3_MARGIN = 8 * 2.0 ** -22
 
 
+def _rounds_finely(o: torch.Tensor) -> bool:
+    """fp32 on a CPU and fp64 round finely enough for the fixed margin: their rules' rounding bounds
+    are not asked for (a check cheaper than the call, on every layer call)."""
+    return (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64
+
+
 def _rounding_of(layer, names: tuple, x, o):
-    """ρ_i of a call whose norms come from its rule's formulas (``LayerRule.rounding``): None for
-    fp32 on a CPU and fp64, which round finely enough for the fixed margin (not asked: this runs
-    for every layer call)."""
-    if (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64:
-        return None
-    return layer.rule.rounding_of(layer.module, x, o, names)
+    """ρ_i of a call whose norms come from its rule's formulas (``LayerRule.rounding``), or None."""
+    return None if _rounds_finely(o) else layer.rule.rounding_of(layer.module, x, o, names)
 
 
 def _stack_rounding(stacked, calls):
-    """(n, B) ρ of a chunk of stacked calls, or None (see ``_rounding_of``)."""
-    o = calls[0][2]
-    if stacked.rounding is None or (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64:
-        return None
-    return stacked.rounding(calls)
-
-
-def with_rounding(sq: torch.Tensor, rho: torch.Tensor | None) -> torch.Tensor:
-    """(‖g_i‖ + ρ_i)²: the squared norms that clip a record's rounded contribution, within w_i(‖g_i‖ + ρ_i)
-    of zero, to its bound (``sq`` itself when ``rho`` is None).
-
-    Args:
-        sq: (B,) or (K, B) per-sample squared norms; rho: None or ρ_i ≥ 0 of ``sq``'s shape.
-    Returns:
-        a tensor like ``sq``.
-    """
-    if rho is None:
-        return sq
-    return sq.clamp_min(0).sqrt().add_(rho.to(sq.dtype)).square_()
+    """(n, B) ρ of a chunk of stacked calls, or None."""
+    return None if stacked.rounding is None or _rounds_finely(calls[0][2]) else stacked.rounding(calls)
 
 
 def rounding_margin(t: torch.Tensor) -> float:
@@ -751,7 +736,7 @@ class ClippingState:
             workspace.recycle(grads)
         else:
             sq = layer.rule.norms(layer.module, x, o, names)
-            weights = self._group_weights(with_rounding(sq, _rounding_of(layer, names, x, o)), k, o)
+            weights = self._group_weights(sq, k, o, rounding=_rounding_of(layer, names, x, o))
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -844,10 +829,13 @@ class ClippingState:
     def _note_precision(self, o: torch.Tensor) -> None:
         self._margin = max(self._margin, rounding_margin(o))
 
-    def _weights(self, sq: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    def _weights(self, sq: torch.Tensor, bounds: torch.Tensor, rounding: torch.Tensor | None = None) -> torch.Tensor:
         """Weights applied to the backward's output gradients (s·w_i, the loss scale s folded in):
-        sq the squared norms of their per-sample gradients, bounds c_i broadcast against sq."""
-        return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale)
+        sq the squared norms of their per-sample gradients, bounds c_i broadcast against sq, rounding
+        their rounding bounds ρ_i (``LayerRule.rounding``) or None."""
+        if rounding is not None and rounding.dtype != sq.dtype:
+            rounding = rounding.to(sq.dtype)
+        return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         parts, self._last_rho = self._rho_parts, None
@@ -855,15 +843,15 @@ class ClippingState:
             dtype = parts[0].dtype
             self._last_rho = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
                 torch.stack([p if p.dtype == dtype else p.to(dtype) for p in parts]), dim=0)
-            sq = with_rounding(sq, self._last_rho)
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin))
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho)
 
-    def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor) -> torch.Tensor:
+    def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor,
+                       rounding: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of per-layer group k for clipped sums computed like the tensors ``like`` (dtype,
         device): the bounds keep the widest of their rounding margins (a tied weight's group under
-        autocast holds fp32 and bf16 gradients)."""
+        autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None."""
         margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group])
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding)
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -978,7 +966,7 @@ class ClippingState:
             bounds = self._group_bounds(sq, margins[0], all_groups)
         else:  # stacks computed in different precisions keep their own margins
             bounds = torch.cat([self._group_bounds(sq, m, g) for m, g in zip(margins, groups)])
-        weights = self._weights(with_rounding(sq, rho), bounds)
+        weights = self._weights(sq, bounds, rho)
         start = 0
         for stacked, calls in chunks:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights[start:start + len(calls)])):

@@ -75,6 +75,40 @@ def test_cpp_clip_weights_equal_the_torch_formula_to_rounding(dtype, shape, loss
 
 
 @needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(0,), (1,), (37,), (4, 9)])
+@pytest.mark.parametrize("gamma", [None, 0.01])
+def test_cpp_clip_weights_with_a_rounding_bound_equal_the_torch_formula(dtype, shape, gamma):
+    """c_i / (‖g_i‖ + ρ_i + offset): one more correctly rounded step on the C++ route, one more op on torch's."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, shape, gamma, "rho")).encode()))
+    sq, bounds = _inputs(shape, dtype, g)
+    rho = (torch.rand(shape, generator=g, dtype=torch.float64) * sq.double().clamp_min(0).sqrt().nan_to_num(
+        posinf=1.0) * 0.1).to(dtype)
+    assert clip_weights_route(sq, bounds, None, rho) == "C++ kernel"
+    got = clip_weights(sq, bounds, None, gamma, 3.0, rho)
+    expected = clip_weights_reference(sq, bounds, None, gamma, 3.0, rho)
+    assert torch.equal(got.isnan(), expected.isnan())
+    ok = ~expected.isnan()
+    torch.testing.assert_close(got[ok], expected[ok], rtol=5 * torch.finfo(dtype).eps, atol=0)
+    # and ρ = 0 is no bound at all
+    torch.testing.assert_close(clip_weights(sq, bounds, None, gamma, 3.0, torch.zeros_like(sq)),
+                               clip_weights(sq, bounds, None, gamma, 3.0), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_op
+def test_cpp_clip_weights_keep_norm_plus_rounding_bound_within_the_clip_bound():
+    """w_i·(‖g_i‖ + ρ_i) ≤ s·c_i up to the rounding of the weight: a record's rounded contribution,
+    within w_i·(‖g_i‖ + ρ_i) of zero, stays within its bound."""
+    g = torch.Generator().manual_seed(12)
+    sq = torch.exp(torch.randn(10_000, generator=g) * 8)
+    rho = sq.sqrt() * torch.rand(10_000, generator=g)
+    bounds = torch.rand(10_000, generator=g) * 5
+    w = clip_weights(sq, bounds, loss_scale=2.0, rounding=rho)
+    eps = torch.finfo(torch.float32).eps
+    assert (w.double() * (sq.double().sqrt() + rho.double()) <= 2.0 * bounds.double() * (1 + 3 * eps)).all()
+
+
+@needs_op
 def test_cpp_clip_weights_keep_every_clipped_norm_within_its_bound():
     """w_i·‖g_i‖ ≤ s·c_i up to the rounding of the weight: the property clipping exists for."""
     g = torch.Generator().manual_seed(11)
@@ -97,6 +131,8 @@ def test_clip_weights_route_says_why_it_takes_torch():
     assert "broadcast" in clip_weights_route(torch.rand(3, 5), bounds)
     assert "dtype" in clip_weights_route(sq, bounds.double())
     assert "bfloat16" in clip_weights_route(sq.bfloat16(), bounds.bfloat16())
+    assert "rounding" in clip_weights_route(sq, bounds, None, torch.rand(3))
+    assert clip_weights_route(sq, bounds, None, torch.rand(5)) == "C++ kernel"
     assert "grad" in clip_weights_route(sq.requires_grad_(), bounds)
 
 
@@ -121,6 +157,8 @@ def test_cpp_clip_weights_refuse_mismatched_inputs_clearly():
         _C.clip_weights(torch.rand(3), torch.rand(3).double(), CLIP_EPS, 1.0)
     with pytest.raises(RuntimeError, match="float32 or float64"):
         _C.clip_weights(torch.rand(3).half(), torch.rand(3).half(), CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="rounding must have"):
+        _C.clip_weights(torch.rand(3), torch.rand(3), CLIP_EPS, 1.0, torch.rand(4))
 
 
 def test_the_extension_loads_whatever_module_is_imported_first():

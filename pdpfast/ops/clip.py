@@ -19,17 +19,19 @@ _C = _ext._C
 _FUSED_MISSING = _ext.missing("clip_weights", "clip.cpp")
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _FUSED = "C++ kernel"
+_TAKES_ROUNDING = getattr(_C, "clip_takes_rounding", False)
 
 
-def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
+                       rounding: torch.Tensor | None = None) -> str:
     """Which route ``clip_weights`` takes for these tensors.
 
     Args:
-        sq_norms, clip_norms, mask: as in ``clip_weights``.
+        sq_norms, clip_norms, mask, rounding: as in ``clip_weights``.
     Returns:
-        "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms`` and
-        ``clip_norms`` of one shape and dtype, fp32 or fp64, no separate mask, CPU tensors or CUDA
-        tensors with a CUDA build); otherwise "torch (<why>)".
+        "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms``,
+        ``clip_norms`` and ``rounding`` of one shape and dtype, fp32 or fp64, no separate mask, CPU
+        tensors or CUDA tensors with a CUDA build); otherwise "torch (<why>)".
     """
     if _FUSED_MISSING is not None:
         return f"torch ({_FUSED_MISSING})"
@@ -37,6 +39,12 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
         return "torch (a separate mask: the engine folds it into the bounds)"
     if sq_norms.shape != clip_norms.shape or sq_norms.dtype != clip_norms.dtype:
         return "torch (bounds that broadcast or have another dtype)"
+    if rounding is not None:
+        if not _TAKES_ROUNDING:
+            return ("torch (pdpfast._C predates the rounding argument; rebuild with "
+                    "`pip install --no-build-isolation -e .`)")
+        if rounding.shape != sq_norms.shape or rounding.dtype != sq_norms.dtype:
+            return "torch (a rounding bound of another shape or dtype)"
     if sq_norms.dtype not in _FUSED_DTYPES:
         return f"torch (dtype {sq_norms.dtype})"
     if sq_norms.requires_grad or clip_norms.requires_grad:
@@ -49,8 +57,13 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
 
 
 def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
-                 automatic_gamma: float | None = None, loss_scale: float = 1.0) -> torch.Tensor:
-    """w_i = m_i · min(1, c_i / (‖g_i‖ + 1e-6)), or m_i · c_i / (‖g_i‖ + γ) with automatic clipping.
+                 automatic_gamma: float | None = None, loss_scale: float = 1.0,
+                 rounding: torch.Tensor | None = None) -> torch.Tensor:
+    """w_i = m_i · min(1, c_i / (‖g_i‖ + ρ_i + 1e-6)), or m_i · c_i / (‖g_i‖ + ρ_i + γ) with automatic clipping.
+
+    ρ_i (``rounding``, 0 when None) bounds how far a low-precision clipped sum's rounding can take
+    record i's contribution from w_i·g_i (``pdpfast.nn.rules.LayerRule.rounding``): with it the
+    rounded contribution stays within c_i.
 
     With a loss scale s the norms are of gradients scaled down by s (a mean loss over s rows) and the
     result multiplies those gradients, so s·w_i is returned, computed as min(s, c_i / (√sq + ε/s)):
@@ -65,23 +78,26 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
         loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
             under a mean loss) gives all-zero weights.
+        rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms``.
     Returns:
         the weights s·w_i, shaped like ``sq_norms`` and ``clip_norms`` broadcast together (like
         ``sq_norms`` when s = 0), in ``sq_norms``' dtype.
     """
-    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask) == _FUSED:
+    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding) == _FUSED:
         if automatic_gamma is None:
-            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale)
-        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf)
-    return clip_weights_reference(sq_norms, clip_norms, mask, automatic_gamma, loss_scale)
+            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding)
+        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding)
+    return clip_weights_reference(sq_norms, clip_norms, mask, automatic_gamma, loss_scale, rounding)
 
 
 def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
-                           automatic_gamma: float | None = None, loss_scale: float = 1.0) -> torch.Tensor:
-    """``clip_weights`` in five torch ops, on any inputs: the route where the C++ op does not apply.
+                           automatic_gamma: float | None = None, loss_scale: float = 1.0,
+                           rounding: torch.Tensor | None = None) -> torch.Tensor:
+    """``clip_weights`` in five torch ops (six with ``rounding``), on any inputs: the route where the
+    C++ op does not apply.
 
     Args:
-        sq_norms, clip_norms, mask, automatic_gamma, loss_scale: as in ``clip_weights``.
+        sq_norms, clip_norms, mask, automatic_gamma, loss_scale, rounding: as in ``clip_weights``.
     Returns:
         the weights s·w_i, as ``clip_weights``.
     """
@@ -89,6 +105,8 @@ def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mas
         return torch.zeros_like(sq_norms)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
     root = sq_norms.clamp_min(0).sqrt_()
+    if rounding is not None:
+        root = root.add_(rounding.to(root.dtype))
     # in place where the bounds do not broadcast the result larger (torch.broadcast_shapes is a
     # Python function that costs more than the division on small tensors)
     out = root if root.shape == clip_norms.shape else None
