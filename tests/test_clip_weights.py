@@ -136,6 +136,18 @@ def test_clip_weights_route_says_why_it_takes_torch():
     assert "grad" in clip_weights_route(sq.requires_grad_(), bounds)
 
 
+def test_an_extension_built_before_the_rounding_argument_takes_the_torch_route(monkeypatch):
+    """A stale ``pdpfast._C`` (built before ``rounding`` existed) is not called with it: the torch
+    route computes the same weights and the route says to rebuild."""
+    import pdpfast.ops.clip as clip_ops
+
+    monkeypatch.setattr(clip_ops, "_TAKES_ROUNDING", False)
+    sq, bounds, rho = torch.tensor([4.0, 1.0]), torch.tensor([1.0, 3.0]), torch.tensor([1.0, 0.5])
+    if _ext.missing("clip_weights", "clip.cpp") is None:
+        assert "rebuild" in clip_weights_route(sq, bounds, None, rho)
+    torch.testing.assert_close(clip_weights(sq, bounds, rounding=rho), torch.tensor([1.0 / 3.0, 1.0]))
+
+
 def test_clip_weights_with_a_mask_or_broadcast_bounds_equal_the_formula():
     """The routes the C++ op does not take still compute the one formula (``clip_weights_reference``)."""
     sq = torch.tensor([[4.0, 0.25, 9.0], [1.0, 16.0, 0.0]])
