@@ -127,6 +127,23 @@ def test_random_records_whose_position_pairs_cancel_stay_within_bound(style, dty
     assert worst > 0.5  # the bound costs signal here (every term cancels), not all of it
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("layer", [nn.GRU, nn.LSTM, nn.RNN], ids=["gru", "lstm", "rnn"])
+def test_recurrent_layer_in_bf16_stays_within_bound(layer, style):
+    """A recurrent layer's projections sum over time steps; their rule bounds that sum's rounding too."""
+    g = torch.Generator().manual_seed(3)
+    worst = 0.0
+    for _trial in range(10):
+        torch.manual_seed(int(torch.randint(0, 2**31, (), generator=g)))
+        model = pdpfast.nn.convert(layer(3, 4, batch_first=True).to(torch.bfloat16))
+        x = torch.randn(1, 5, 3, generator=g).to(torch.bfloat16)
+        c = 1e-3  # below every record's norm here
+        result = clipped_gradients(model, lambda out: out[0].float().sum((1, 2)), x, clip_norms=torch.tensor([c]),
+                                   **style)
+        worst = max(worst, float(torch.sqrt(sum(v.double().pow(2).sum() for v in result.grads.values()))) / c)
+    assert 0.9 < worst <= 1.0
+
+
 @pytest.mark.parametrize("style", STYLES[:2], ids=STYLE_IDS[:2])
 @pytest.mark.parametrize("case", ["linear_bias", "two_linear"])
 def test_cancelling_record_stays_within_bound_when_calls_do_not_stack(case, style, monkeypatch):
