@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--physical-batch-size", type=int, help="memory cap per physical batch (draws are split)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="capture the step in CUDA graphs and replay it (needs CUDA and --physical-batch-size)")
+    g.add_argument("--precision", default=d.precision, choices=("fp32", "bf16"),
+                   help="bf16: forward and backward under torch.autocast(bfloat16), weights, norms and clip weights "
+                        "in fp32; clip bounds keep a per-record rounding bound (README, 'Mixed precision')")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--momentum", type=float, default=d.momentum)
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))

@@ -276,7 +276,7 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
 
 
 def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, criterion, *, until: int,
-                  on_step=None, cuda_graph: bool = False) -> None:
+                  on_step=None, cuda_graph: bool = False, autocast: torch.dtype | None = None) -> None:
     """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader
     (forward, backward, ``optimizer.step()``, ``zero_grad()``), for as many passes as it takes.
     Batches are moved to the model's device (non-blocking from pinned memory).
@@ -292,12 +292,21 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
         cuda_graph: run each physical batch through ``engine.make_step`` (the step captured in CUDA
             graphs and replayed; needs a physical batch size and a CUDA model) instead of the
             ordinary loop. The same steps, the same noise.
+        autocast: None, or the dtype the forward (and so the backward) runs in under
+            ``torch.autocast`` (``torch.bfloat16``); the weights, norms and clip weights stay fp32.
     Returns:
         None; the model and the engine's ledger have advanced.
     """
     model.train()
     device = model_device(model)
-    step = engine.make_step(lambda *batch: task.loss(model, batch, criterion), cuda_graph=True) if cuda_graph else None
+
+    def loss_of(batch):
+        if autocast is None:
+            return task.loss(model, batch, criterion)
+        with torch.autocast(device.type, dtype=autocast):
+            return task.loss(model, batch, criterion)
+
+    step = engine.make_step(lambda *batch: loss_of(batch), cuda_graph=True) if cuda_graph else None
     while engine.steps < until:
         for batch in loader:
             before = engine.steps
@@ -306,7 +315,7 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
             else:
                 if device.type != "cpu":
                     batch = to_device(batch, device)
-                loss = task.loss(model, batch, criterion)
+                loss = loss_of(batch)
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()

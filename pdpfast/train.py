@@ -41,6 +41,8 @@ __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingIn
            "under_spending_groups"]
 
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
+# --precision: the dtype the forward and backward run in under torch.autocast (None: fp32 throughout)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------------------------------------- devices
@@ -154,6 +156,7 @@ class TrainConfig:
     accountant: str = "rdp"
     physical_batch_size: int | None = None
     cuda_graph: bool = False
+    precision: str = "fp32"
     rounds: int = 2
     pdp_loss: str = "fixed"
     pdp_charge: str = "all"
@@ -241,6 +244,10 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
     check_choice("--optimizer", cfg.optimizer, ("sgd", "adam"))
+    check_choice("--precision", cfg.precision, PRECISIONS)
+    if cfg.precision != "fp32" and cfg.method == "pdp":
+        raise ValueError("--precision bf16 is offered for --method sample/scale/hybrid/dpsgd (PDP-SGD's rounds train "
+                         "in fp32)")
     if cfg.cuda_graph:
         if cfg.physical_batch_size is None:
             raise ValueError("--cuda-graph needs --physical-batch-size K: a captured step replays fixed shapes, and "
@@ -544,6 +551,7 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
               f"in [{budgets.min():.4g}, {budgets.max():.4g}], model {cfg.model}, method {cfg.method}, "
               f"{cfg.epochs} epochs of {steps_per_epoch} steps (expected batch {sample_rate * n:.1f}), "
               f"δ={cfg.delta:g}, device {device}" + (f", {world_size} processes" if world_size > 1 else "")
+              + (f", {cfg.precision} autocast" if cfg.precision != "fp32" else "")
               + (f", allocator: {allocator}" if allocator else ""))
     run_method = _run_pdp if cfg.method == "pdp" else _run_idp
     with _StopOnSignal() as stop:
@@ -553,6 +561,7 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
     summary["device"] = str(device)
+    summary["precision"] = cfg.precision
     if allocator:
         summary["cpu_allocator"] = allocator
     if test is not None:
@@ -684,7 +693,8 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     until = plan.steps if cfg.stop_after_steps is None else min(plan.steps, engine.steps + cfg.stop_after_steps)
     progress = _Progress(cfg, plan.steps, engine.steps, cfg.method, plan.expected_batch_size)
     job.train(lambda on_step: private_steps(engine, model, optimizer, loader, task, criterion, until=until,
-                                            on_step=on_step, cuda_graph=cfg.cuda_graph),
+                                            on_step=on_step, cuda_graph=cfg.cuda_graph,
+                                            autocast=PRECISIONS[cfg.precision]),
               lambda path, **extra: engine.save_checkpoint(path, model, **extra), model, progress)
     return {"method": cfg.method, "steps": engine.steps, "total_steps": plan.steps,
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),

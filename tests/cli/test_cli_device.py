@@ -97,3 +97,51 @@ def test_cuda_graph_trains_like_the_eager_step(cli, data_dir, tmp_path):
         summaries.append(json.loads(out_json.read_text()))
     assert summaries[0]["steps"] == summaries[1]["steps"]
     assert abs(summaries[0]["test"]["accuracy"] - summaries[1]["test"]["accuracy"]) < 0.02
+
+
+@pytest.mark.parametrize("method", ["sample", "scale"])
+def test_train_in_bf16_autocast_stays_within_budgets(cli, data_dir, tmp_path, method):
+    """--precision bf16 trains under torch.autocast: every budget group within its budget, a
+    classifier that learns, and the summary says which precision it ran in."""
+    rc, out, err = cli("train", *_args(data_dir), "--device", "cpu", "--method", method, "--precision", "bf16",
+                       "--out-json", tmp_path / "s.json", *SMALL, "--quiet")
+    assert rc == 0, err
+    assert "bf16 autocast" in out
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["precision"] == "bf16" and summary["finished"]
+    assert all(row["max_ratio"] <= 1.0 for row in summary["groups"])
+    assert summary["test"]["accuracy"] > 0.2
+
+
+def test_bf16_autocast_runs_the_forward_in_bf16(monkeypatch):
+    """private_steps(autocast=torch.bfloat16) computes each loss under autocast (the DP layers see bf16)."""
+    from pdpfast import loop
+
+    dtypes = []
+
+    class Probe:
+        def loss(self, model, batch, criterion):
+            dtypes.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            return model(batch[0]).sum()
+
+    class Engine:
+        steps = 0
+
+    class Optimizer:
+        def step(self):
+            Engine.steps += 1
+
+        def zero_grad(self):
+            pass
+
+    model = torch.nn.Linear(2, 1)
+    loop.private_steps(Engine(), model, Optimizer(), [(torch.ones(3, 2),)], Probe(), None, until=2,
+                       autocast=torch.bfloat16)
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+
+
+def test_unknown_precision_and_bf16_with_pdp_are_clear_errors(cli, data_dir):
+    rc, out, err = cli("train", *_args(data_dir), "--precision", "fp16", *SMALL, "--quiet")
+    assert rc != 0 and "--precision" in err
+    message = cli.fails("train", *_args(data_dir), "--precision", "bf16", "--method", "pdp", *SMALL)
+    assert "--precision bf16" in message and "sample/scale/hybrid/dpsgd" in message
