@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import embedding as emb_ops
+from ..ops.linear import acc_dtype
 from .layers import DPModule
 from .rules import LayerRule, exact_scaling, register_layer
 
@@ -180,7 +181,7 @@ def _bag_sq_norms(m, x, o, names):
 def _bag_clipped(m, x, o, weights, names):
     ids, w = x
     # scaled and added in fp32 for fp16/bf16, rounded once (as ``embedding_clipped_grad_reference``)
-    acc = o.dtype if o.dtype in (torch.float32, torch.float64) else torch.float32
+    acc = acc_dtype(o)
     scale = w.to(acc) if weights is None else w.to(acc) * weights.to(acc).unsqueeze(1)
     rows = (scale.unsqueeze(-1) * o.to(acc).unsqueeze(1)).flatten(0, 1)
     grad = torch.zeros(m.num_embeddings, o.shape[1], dtype=acc, device=o.device).index_add_(0, ids.flatten(), rows)

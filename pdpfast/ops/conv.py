@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import workspace
 from .dispatch import declare
-from .linear import linear_weight_sq_norms, scaled_row_dot
+from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
@@ -308,7 +308,7 @@ def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, 
     Returns:
         (B,) in the accumulation dtype (fp32, fp64 for fp64 inputs).
     """
-    acc = torch.float64 if torch.float64 in (x_pad.dtype, o.dtype) else torch.float32
+    acc = acc_dtype(x_pad, o)
     terms = torch.linalg.vector_norm(o, dim=1, dtype=acc).flatten(1)  # (B, out positions)
     if not need_weight:
         return terms.sum(1).mul_(u)

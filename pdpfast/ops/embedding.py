@@ -92,7 +92,7 @@ def embedding_clipped_grad_reference(ids: torch.Tensor, o: torch.Tensor, weights
     """
     B, p = ids.shape[0], o.shape[-1]
     dtype = o.dtype
-    acc = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    acc = acc_dtype(o)
     ids = ids.reshape(B, math.prod(ids.shape[1:]))
     o = o.reshape(B, ids.shape[1], p).to(acc)
     if weights is not None:
