@@ -194,6 +194,30 @@ def bench_linear_norms(rows, op, dtype_name, quick, reps):
         a = o = exact = None
 
 
+@benchmark("linear_sq_norms_rounding")
+def bench_linear_norms_rounding(rows, op, dtype_name, quick, reps):
+    """A linear call's norms and low-precision rounding bound from one launch (the Gram and rank-one
+    paths), against the reference's two computations (the norm, torch's four ops of the bound), at
+    BERT-base's and GPT-2's Gram-path calls and a rank-one head. ``graph_ms`` is the GPU's time
+    alone; ``median_ms`` includes the host's launches, which the fusion saves."""
+    dtype = DTYPES[dtype_name]
+    u = 2.0 ** -8
+    shapes = [(32, 128, 768, 768), (32, 128, 768, 3072), (8, 512, 768, 2304), (32, 1, 768, 2)]
+    if quick:
+        shapes = shapes[::2]
+    for B, T, d, p in shapes:
+        a = torch.randn(B, T, d, device="cuda", dtype=dtype)
+        o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+        nbytes = (a.numel() + o.numel()) * a.element_size() + 8 * B
+        flops = 2 * B * (d + p) if T == 1 else 2 * B * T * T * (d + p + 1)
+        _bench_pair(rows, op.name, (B, T, d, p), dtype_name, "fused", lambda: op.kernel(a, o, True, u),
+                    lambda: op.reference(a, o, True, u), nbytes, flops, reps)
+        for r in rows[-2:]:
+            r.graph_ms = cuda_graph_ms((lambda: op.kernel(a, o, True, u)) if r.provider == "triton"
+                                       else (lambda: op.reference(a, o, True, u)))
+        a = o = None
+
+
 # ResNet-18 on CIFAR-10 (batch 256): every distinct conv shape, (C_in, C_out, input side, kernel, stride).
 RESNET18_CIFAR_CONVS = [
     ("stem", 3, 64, 32, 3, 1),

@@ -1,7 +1,8 @@
 """Triton kernels of pdpfast, installed as ``pdpfast.kernels`` (DESIGN.md §2, §4).
 
 One file per family — ``norms`` (linear Gram/direct/rank-one, bias and embedding per-sample
-squared norms), ``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel), ``noise``
+squared norms; a linear call's norms with its low-precision rounding bound in the same launch),
+``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel), ``noise``
 (in-place Gaussian noise). Only kernels that beat torch are here: the clipped sum is cuBLAS's
 weight-gradient GEMM on row-scaled gradients, and clip weights are five torch ops (a Triton GEMM
 and clip-weight kernel, measured at 0.39-0.51x and 0.5-0.8x of torch on an H100, were removed).
@@ -15,6 +16,7 @@ import. Every launcher is a drop-in for the plain-torch ``<op>_reference`` of th
 """
 from .conv_norms import conv_weight_sq_norms
 from .noise import add_noise_
-from .norms import bias_sq_norms, embedding_sq_norms, linear_weight_sq_norms
+from .norms import bias_sq_norms, embedding_sq_norms, linear_sq_norms_rounding, linear_weight_sq_norms
 
-__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "linear_weight_sq_norms"]
+__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "linear_sq_norms_rounding",
+           "linear_weight_sq_norms"]

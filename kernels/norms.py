@@ -25,7 +25,12 @@ import triton.language as tl
 
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.embedding import embedding_sq_norms_reference
-from pdpfast.ops.linear import bias_sq_norms_reference, linear_sq_norms_reference, use_gram
+from pdpfast.ops.linear import (
+    bias_sq_norms_reference,
+    linear_sq_norms_reference,
+    linear_sq_norms_rounding_reference,
+    use_gram,
+)
 
 from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
 
@@ -39,12 +44,14 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def _linear_gram_sq_norms_kernel(
         a_ptr, o_ptr, partial_ptr, T, D, P,
         stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
-        N_TILES, N_SHIFTS,
+        N_TILES, N_SHIFTS, N_PARTIALS, U,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
     # Both Grams are symmetric, so only tile pairs {s, t} are visited, each once: program
     # (sample, s, shift) takes t = (s + shift) mod n. Shifts 0..n//2 cover every unordered pair
     # once, except that for an even n the shift n/2 meets each pair twice; one copy is dropped.
+    # ROUNDING: the diagonal programs (shift 0) also write U·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) of their
+    # rows, read off the Grams' diagonals, N_PARTIALS further on (0 from the other programs).
     pid = tl.program_id(0)
     shift = pid % N_SHIFTS
     tile_s = (pid // N_SHIFTS) % N_TILES
@@ -57,6 +64,7 @@ def _linear_gram_sq_norms_kernel(
     in_s = rows_s < T
     in_t = rows_t < T
     product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    terms = tl.zeros([BLOCK_T], dtype=tl.float32)
     if keep:
         a_base = a_ptr + sample * stride_ab
         gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
@@ -82,7 +90,15 @@ def _linear_gram_sq_norms_kernel(
             gram_a = gram_a + 1.0  # (rows past T have gram_o = 0: they still add nothing)
         # an off-diagonal pair stands for (s, t) and (t, s)
         product = gram_a * gram_o * tl.where(shift == 0, 1.0, 2.0)
+        if ROUNDING:
+            if shift == 0:  # rows_s = rows_t: the diagonals hold ‖a_t‖² (+ 1) and ‖o_t‖²
+                on_diag = rows_s[:, None] == rows_t[None, :]
+                sq_a = tl.sum(tl.where(on_diag, gram_a, 0.0), axis=1)
+                sq_o = tl.sum(tl.where(on_diag, gram_o, 0.0), axis=1)
+                terms = tl.sqrt(sq_a) * tl.sqrt(sq_o)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
+    if ROUNDING:
+        tl.store(partial_ptr + N_PARTIALS + pid, U * tl.sum(terms, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,8 +137,9 @@ def _linear_direct_sq_norms_kernel(
 # Linear, rank one (T = 1): ‖o aᵀ‖² = ‖a‖² ‖o‖², the 1×1 case of the Gram identity
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, D, P, stride_ab, stride_ad, stride_ob, stride_op,
-                              BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, B, D, P, stride_ab, stride_ad, stride_ob, stride_op, U,
+                              BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
+    # ROUNDING: also U·‖o‖·√(‖a‖² [+ 1]) = U·√(the squared norm), B further on
     sample = tl.program_id(0).to(tl.int64)
     acc_a = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, D, BLOCK):
@@ -137,7 +154,10 @@ def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, D, P, stride_ab, stride_ad,
     sq_a = tl.sum(acc_a, axis=0)
     if HAS_BIAS:  # (‖a‖² + 1)‖o‖²: the bias's ‖o‖² in the same launch
         sq_a = sq_a + 1.0
-    tl.store(out_ptr + sample, sq_a * tl.sum(acc_o, axis=0))
+    sq = sq_a * tl.sum(acc_o, axis=0)
+    tl.store(out_ptr + sample, sq)
+    if ROUNDING:
+        tl.store(out_ptr + B + sample, U * tl.sqrt(sq))
 
 
 def _strides(x: torch.Tensor):
@@ -184,6 +204,41 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
     if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype not in KERNEL_DTYPES:
         return linear_sq_norms_reference(a, o, with_bias)
+    return _linear_norms(a, o, path, with_bias, None)[0]
+
+
+def _fuses_rounding(a: torch.Tensor, o: torch.Tensor) -> bool:
+    """Where ``linear_sq_norms_rounding`` runs: where the norm kernel wins (``_kernel_wins``) on
+    its rank-one and Gram paths, whose launch also computes ρ."""
+    if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or not _kernel_wins(a, o):
+        return False
+    T = o.shape[1]
+    return T == 1 or use_gram(T, a.shape[-1], o.shape[-1])
+
+
+@register("linear_sq_norms_rounding", when=_fuses_rounding)
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):
+    """A linear call's per-sample squared norms (weight, + bias ``with_bias``) and its clipped sum's
+    rounding bound ρ_i = u·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) from one launch: the Gram path reads ‖a_t‖²
+    and ‖o_t‖² off its Grams' diagonals, the rank-one path takes ρ_i = u·‖g_i‖.
+
+    Args:
+        a: (B, T, d) layer inputs, fp32/fp16/bf16 (as ``linear_weight_sq_norms``).
+        o: (B, T, p) output gradients.
+        with_bias: the bias is among the call's parameters.
+        u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``).
+    Returns:
+        (sq, rho), each (B,) fp32. Calls on the direct path (or of other dtypes) compute them apart
+        (``pdpfast.ops.linear.linear_sq_norms_rounding_reference``).
+    """
+    if not _fuses_rounding(a, o):
+        return linear_sq_norms_rounding_reference(a, o, with_bias, u)
+    return _linear_norms(a, o, "rank_one" if o.shape[1] == 1 else "gram", with_bias, u)
+
+
+def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, u: float | None):
+    """(sq, rho): the launches of ``linear_weight_sq_norms``; rho (``linear_sq_norms_rounding``) when
+    ``u`` is given (rank-one and Gram paths only), else None."""
     B, T, D = a.shape
     P = o.shape[-1]
     if o.shape[:2] != a.shape[:2]:
@@ -192,30 +247,40 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
         common = torch.promote_types(a.dtype, o.dtype)
         a, o = a.to(common), o.to(common)
     a, o = _unit_inner(a), _unit_inner(o)
+    rounding = u is not None
     if B == 0:
-        return torch.zeros(0, dtype=torch.float32, device=a.device)
+        empty = torch.zeros(0, dtype=torch.float32, device=a.device)
+        return empty, (empty if rounding else None)
     # fp32: one TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin)
     flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
+    if rounding and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
+        # ‖a_t‖², ‖o_t‖² from TF32 products (operands truncated to 2^-10): a bound stays a bound
+        u *= 1 + 2.0 ** -8
     if path == "auto":
         path = "rank_one" if T == 1 else ("gram" if use_gram(T, D, P) else "direct")
+    n_out = 2 if rounding else 1
     with device_guard(a):
         if path == "rank_one":
-            out = new_buffer((B,), torch.float32, a.device)
+            out = new_buffer((n_out, B), torch.float32, a.device)
             _rank_one_sq_norms_kernel[(B,)](
-                a, o, out, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2),
-                BLOCK=block(max(D, P), 16, 1024), HAS_BIAS=with_bias, num_warps=4)
-            return out
+                a, o, out, B, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2), u or 0.0,
+                BLOCK=block(max(D, P), 16, 1024), HAS_BIAS=with_bias, ROUNDING=rounding, num_warps=4)
+            return out[0], (out[1] if rounding else None)
         if path == "gram":
             block_t = block(T, 16, 64)
             n_tiles = triton.cdiv(T, block_t)
             n_shifts = n_tiles // 2 + 1 if n_tiles else 0
-            partials = new_buffer((B, n_tiles * n_shifts), torch.float32, a.device)
-            if partials.numel():
-                _linear_gram_sq_norms_kernel[(partials.numel(),)](
-                    a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts,
+            partials = new_buffer((n_out * B, n_tiles * n_shifts), torch.float32, a.device)
+            n = B * n_tiles * n_shifts  # programs; their ρ partials follow their norms' (T = 0: none, sums 0)
+            if n:
+                _linear_gram_sq_norms_kernel[(n,)](
+                    a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts, n, u or 0.0,
                     BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), HAS_BIAS=with_bias,
-                    num_warps=4, **flags)
-            return sum_partials(partials)
+                    ROUNDING=rounding, num_warps=4, **flags)
+            out = sum_partials(partials)
+            return (out[:B], out[B:]) if rounding else (out, None)
+        if rounding:
+            raise ValueError(f"the rounding bound is fused on the rank-one and Gram paths only, not {path!r}")
         block_p, block_d = block(P, 16, 64), block(D, 16, 64)
         n_p, n_d = triton.cdiv(P, block_p), triton.cdiv(D, block_d)
         partials = new_buffer((B, n_p * n_d), torch.float32, a.device)
@@ -225,7 +290,7 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
                 BLOCK_T=block(T, 16, 32 if a.dtype == torch.float32 else 64), BLOCK_D=block_d, BLOCK_P=block_p,
                 num_warps=4, **flags)
         out = sum_partials(partials)
-        return out.add_(bias_sq_norms(o)) if with_bias else out
+        return (out.add_(bias_sq_norms(o)) if with_bias else out), None
 
 
 # ----------------------------------------------------------------------------------------------

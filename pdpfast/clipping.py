@@ -77,14 +77,14 @@ def _rounds_finely(o: torch.Tensor) -> bool:
     return (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64
 
 
-def _rounding_of(layer, names: tuple, x, o):
-    """ρ_i of a call whose norms come from its rule's formulas (``LayerRule.rounding``), or None."""
-    return None if _rounds_finely(o) else layer.rule.rounding_of(layer.module, x, o, names)
+def _norms_and_rounding(layer, names: tuple, x, o) -> tuple:
+    """(sq, ρ_i or None) of a call whose norms come from its rule's formulas (``LayerRule.rounding``)."""
+    return layer.rule.norms_and_rounding(layer.module, x, o, names, bound=not _rounds_finely(o))
 
 
-def _stack_rounding(stacked, calls):
-    """(n, B) ρ of a chunk of stacked calls, or None."""
-    return None if stacked.rounding is None or _rounds_finely(calls[0][2]) else stacked.rounding(calls)
+def _stack_norms_and_rounding(stacked, calls) -> tuple:
+    """((n, B) squared norms, (n, B) ρ or None) of a chunk of stacked calls."""
+    return stacked.norms_and_rounding(calls, bound=not _rounds_finely(calls[0][2]))
 
 
 def rounding_margin(t: torch.Tensor) -> float:
@@ -693,8 +693,9 @@ class ClippingState:
             elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
-                self._add_sq(layer.rule.norms(layer.module, x, o, normal))
-                self._add_rounding(_rounding_of(layer, normal, x, o))
+                sq, rho = _norms_and_rounding(layer, normal, x, o)
+                self._add_sq(sq)
+                self._add_rounding(rho)
                 self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
@@ -735,8 +736,8 @@ class ClippingState:
                 self._accumulate_param(params[n], weighted_sum(weights, g))
             workspace.recycle(grads)
         else:
-            sq = layer.rule.norms(layer.module, x, o, names)
-            weights = self._group_weights(sq, k, o, rounding=_rounding_of(layer, names, x, o))
+            sq, rho = _norms_and_rounding(layer, names, x, o)
+            weights = self._group_weights(sq, k, o, rounding=rho)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -758,8 +759,9 @@ class ClippingState:
         if reused:
             self._materialize(layer, reused, x, o, reused=True)
         if normal:
-            self._add_sq(layer.rule.norms(layer.module, x, o, normal))
-            self._add_rounding(_rounding_of(layer, normal, x, o))
+            sq, rho = _norms_and_rounding(layer, normal, x, o)
+            self._add_sq(sq)
+            self._add_rounding(rho)
             self._note_precision(o)
 
     def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
@@ -924,8 +926,8 @@ class ClippingState:
         """End of a bk backward: the clipped sums that needed every layer's norms."""
         chunks = self._stack_chunks()
         for stacked, calls in chunks:
-            self._add_sq(stacked.sq_norms(calls).sum(0))
-            rho = _stack_rounding(stacked, calls)
+            sq, rho = _stack_norms_and_rounding(stacked, calls)
+            self._add_sq(sq.sum(0))
             if rho is not None:
                 self._add_rounding(torch.linalg.vector_norm(rho, dim=0))
         packs, rest = self._packed(list(self._materialized))
@@ -951,8 +953,7 @@ class ClippingState:
         self._stacks, self._stack_bytes = {}, 0
         if not chunks:
             return
-        sq = [stacked.sq_norms(calls) for stacked, calls in chunks]  # (n_j, B) each
-        rho = [_stack_rounding(stacked, calls) for stacked, calls in chunks]
+        sq, rho = zip(*(_stack_norms_and_rounding(stacked, calls) for stacked, calls in chunks))  # (n_j, B) each
         sq = sq[0] if len(sq) == 1 else torch.cat(sq)
         if any(r is not None for r in rho):  # chunks without a bound add nothing: ρ = 0 there
             rho = torch.cat([torch.zeros(len(calls), sq.shape[1], dtype=sq.dtype, device=sq.device) if r is None

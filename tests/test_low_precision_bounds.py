@@ -235,7 +235,7 @@ def test_conv1d_rounding_bound_matches_its_conv2d_twin():
 def layer_rounding(layer, x, o, names):
     from pdpfast.nn.rules import rule_for
 
-    return rule_for(layer).rounding_of(layer, x, o, names)
+    return rule_for(layer).norms_and_rounding(layer, x, o, names, bound=True)[1]
 
 
 def test_last_rounding_reports_the_bound_where_a_layer_rounds():

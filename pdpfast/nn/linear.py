@@ -90,6 +90,25 @@ def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bi
     return lin_ops.scaled_sum_rounding(a if with_weight else None, o, with_bias, u)
 
 
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):
+    """(per-sample squared norms, ``linear_rounding``) of a linear call, from one launch where the
+    norm kernel runs (``pdpfast.ops.linear.linear_sq_norms_rounding``).
+
+    Args:
+        a: (B, T, d) inputs; o: (B, T, p) output gradients (B may be n·B for stacked calls).
+        with_weight, with_bias: which of W and b the call trains.
+    Returns:
+        (sq, rho): (B,) fp32 (fp64 for fp64 calls) each; rho None where the sum rounds no more than fp32.
+    """
+    u = scaling_roundoff(o, torch.backends.cuda.matmul.allow_tf32)
+    if not with_weight:
+        sq = lin_ops.bias_sq_norms(o)
+        return sq, (lin_ops.scaled_sum_rounding(None, o, with_bias, u) if u else None)
+    if not u:
+        return lin_ops.linear_sq_norms(a, o, with_bias=with_bias), None
+    return lin_ops.linear_sq_norms_rounding(a, o, with_bias, u)
+
+
 def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "bias") -> LayerRule:
     """The rule of y = x Wᵀ + b on (B, ..., d) inputs (output gradient (B·T, p)).
 
@@ -133,6 +152,9 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     def rounding(m, x, o, names):
         return linear_rounding(*as_btd(x, o), weight in names, bias in names)
 
+    def sq_norms_rounding(m, x, o, names):
+        return linear_sq_norms_rounding(*as_btd(x, o), weight in names, bias in names)
+
     # same-shape calls (the projections of every transformer block) stack into one batch
     def key(m, x, o, names):
         if not x.is_floating_point():
@@ -171,8 +193,17 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         rho = linear_rounding(a.view(n * B, T, d), g.view(n * B, T, g.shape[-1]), weight in names, bias in names)
         return None if rho is None else rho.view(n, B)
 
-    return LayerRule(per_sample, sq_norms, clipped, Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding),
-                     small_per_sample, rounding=rounding)
+    def stacked_sq_norms_rounding(calls):  # one stacking copy for both
+        a, g = stack(calls)
+        n, B, T, d = a.shape
+        names = calls[0][3]
+        sq, rho = linear_sq_norms_rounding(a.view(n * B, T, d), g.view(n * B, T, g.shape[-1]), weight in names,
+                                           bias in names)
+        return sq.view(n, B), (None if rho is None else rho.view(n, B))
+
+    stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
+    return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
+                     sq_norms_rounding=sq_norms_rounding)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -109,12 +109,29 @@ class Stacked:
         rounding: ``rounding(calls)`` → (n, B) the calls' ``LayerRule.rounding`` bounds, or None
             where they add nothing. Where a stack of a rule with norm formulas has none, its calls do
             not stack in a low precision (each goes through the rule's own ``rounding``).
+        sq_norms_rounding: ``sq_norms_rounding(calls)`` → (``sq_norms(calls)``, ``rounding(calls)``)
+            from one pass over the stacked calls, or None: the two apart.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
     sq_norms: Callable[[list], torch.Tensor]
     clipped: Callable[[list, torch.Tensor], list]
     rounding: Callable[[list], torch.Tensor | None] | None = None
+    sq_norms_rounding: Callable[[list], tuple] | None = None
+
+    def norms_and_rounding(self, calls: list, bound: bool) -> tuple:
+        """(n, B) squared norms of a chunk of stacked calls, and their (n, B) ρ or None.
+
+        Args:
+            calls: calls of one key; bound: whether their clipped sums need the rounding bound.
+        Returns:
+            (sq, rho): rho None where not ``bound``, or where the stack has no ``rounding``.
+        """
+        if not bound or self.rounding is None:
+            return self.sq_norms(calls), None
+        if self.sq_norms_rounding is not None:
+            return self.sq_norms_rounding(calls)
+        return self.sq_norms(calls), self.rounding(calls)
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,9 @@ class LayerRule:
             parameters add in quadrature: their errors lie in different coordinates). None (no
             function) with ``sq_norms`` given: in a low precision the calls form per-sample
             gradients instead, whose weighted sums round relative to g_i.
+        sq_norms_rounding: ``(module, x, o, names)`` → (``sq_norms(...)``, ``rounding(...)``) from one
+            pass where that is cheaper than two (the linear norm kernel reads the row norms of ρ off
+            its Grams' diagonals); None: the two apart. Given only with both of them.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -160,6 +180,7 @@ class LayerRule:
     # (module, x, o, names, into {name: (B, *param.shape)}) -> None: this call's gradients added in place
     add_per_sample_grads: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple, dict], None] | None = None
     rounding: Rounding | None = None
+    sq_norms_rounding: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], tuple] | None = None
 
     @property
     def materializes(self) -> bool:
@@ -181,15 +202,23 @@ class LayerRule:
         return self.sq_norms is None or (self.rounding is None and low_precision(o)) or (
             self.materialize_when is not None and self.materialize_when(module, x, o, kept))
 
-    def rounding_of(self, module, x, o, names) -> torch.Tensor | None:
-        """ρ of one call whose norms come from the rule's formulas (see ``rounding``).
+    def norms_and_rounding(self, module, x, o, names, bound: bool) -> tuple:
+        """A call's per-sample squared norms (``norms``) and, where ``bound``, its rounding bound ρ
+        (see ``rounding``), from one pass where the rule has one (``sq_norms_rounding``).
 
         Args:
             module, x, o, names: the call, as in ``norms``.
+            bound: whether the call's clipped sum needs ρ (it rounds more coarsely than the fixed
+                margin covers).
         Returns:
-            (B,) fp32 (fp64 for fp64 calls) or None where the call adds nothing.
+            (sq, rho): (B,) squared norms; (B,) ρ fp32 (fp64 for fp64 calls), or None where not
+            ``bound``, where the rule has no ``rounding`` or where the call adds nothing.
         """
-        return None if self.rounding is None else self.rounding(module, x, o, names)
+        if not bound or self.rounding is None:
+            return self.norms(module, x, o, names), None
+        if self.sq_norms_rounding is not None:
+            return self.sq_norms_rounding(module, x, o, names)
+        return self.norms(module, x, o, names), self.rounding(module, x, o, names)
 
     def norms(self, module, x, o, names) -> torch.Tensor:
         """Per-sample squared gradient norms ‖g_i‖² of one call, summed over the parameters ``names``.

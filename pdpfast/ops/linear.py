@@ -255,8 +255,23 @@ def bias_sq_norms_reference(o: torch.Tensor) -> torch.Tensor:
     return _as(o, acc_dtype(o)).sum(1).pow(2).sum(-1)
 
 
+def linear_sq_norms_rounding_reference(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):
+    """(``linear_sq_norms(a, o, with_bias)``, ``scaled_sum_rounding(a, o, with_bias, u)``), computed apart.
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+        with_bias: the bias is among the call's parameters.
+        u: the unit roundoff of the clipped sum's row scaling.
+    Returns:
+        (sq, rho), each (B,) in the accumulation dtype (``acc_dtype``).
+    """
+    return linear_sq_norms(a, o, with_bias), scaled_sum_rounding(a, o, with_bias, u)
+
+
 _LINEAR_WEIGHT_SQ_NORMS = declare("linear_weight_sq_norms", linear_weight_sq_norms_reference)
 _BIAS_SQ_NORMS = declare("bias_sq_norms", bias_sq_norms_reference)
+_LINEAR_SQ_NORMS_ROUNDING = declare("linear_sq_norms_rounding", linear_sq_norms_rounding_reference)
 
 
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -300,6 +315,24 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.
     if fn is _LINEAR_WEIGHT_SQ_NORMS.reference:
         return linear_sq_norms_reference(a, o, with_bias)
     return fn(a, o, with_bias=with_bias)
+
+
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):
+    """A linear call's per-sample squared norms and its clipped sum's rounding bound at once: one
+    launch where the norm kernel's rank-one or Gram path runs (it reads the row norms ρ needs off
+    its Grams' diagonals), else the two apart (``linear_sq_norms_rounding_reference``).
+
+    Args:
+        a: (B, T, d) layer inputs.
+        o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
+        with_bias: the bias is among the call's parameters (its norm added, and its constant input 1
+            in ρ's √(‖a_t‖² + 1)).
+        u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``).
+    Returns:
+        (sq, rho): ``linear_sq_norms(a, o, with_bias)`` and ``scaled_sum_rounding(a, o, with_bias, u)``,
+        each (B,) fp32 (fp64 for fp64 inputs).
+    """
+    return _LINEAR_SQ_NORMS_ROUNDING.pick(a, o)(a, o, with_bias, u)
 
 
 def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,

@@ -99,6 +99,11 @@ def _linear_case(tools, gen):
             tools.randn(gen, 3, 33, 7, dtype=torch.bfloat16, device=tools.device)), None
 
 
+def _linear_rounding_case(tools, gen):  # a Gram-path call: norms and ρ from one launch
+    return (tools.randn(gen, 3, 7, 65, dtype=torch.bfloat16, device=tools.device),
+            tools.randn(gen, 3, 7, 65, dtype=torch.bfloat16, device=tools.device), True, 2.0 ** -8), None
+
+
 def _conv_case(tools, gen):
     module = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(tools.device)
     x_pad = ops.conv.conv_pad(tools.randn(gen, 2, 3, 9, 7, device=tools.device), module)
@@ -121,6 +126,7 @@ def _noise_case(tools, gen):
 
 CASES = {
     "linear_weight_sq_norms": _linear_case,
+    "linear_sq_norms_rounding": _linear_rounding_case,
     "conv_weight_sq_norms": _conv_case,
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,

@@ -227,3 +227,82 @@ def test_linear_sq_norms_with_bias_in_one_launch(tools, gen, shape, path, dtype)
     scale = _linear_scale(a, o) + o.double().abs().sum(1).pow(2).sum(-1)
     tools.check(out, linear_sq_norms_reference(a, o, True), oracle,
                 atol=(ACC_RTOL + _tensor_core_rtol(a, o)) * scale + 1e-30, what=f"linear+bias {path} {shape}")
+
+
+def _rounding_oracle(a, o, with_bias, u):
+    """u·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) in float64."""
+    size = a.double().pow(2).sum(-1) + (1.0 if with_bias else 0.0)
+    return u * (o.double().norm(dim=-1) * size.sqrt()).sum(-1)
+
+
+# T = 1 (rank one), one tile, two tiles (the doubled shift), three tiles: every one on the Gram path
+FUSED_SHAPES = [(3, 1, 7, 5), (0, 1, 4, 4), (2, 7, 65, 7), (2, 65, 200, 200), (1, 129, 300, 280), (3, 0, 5, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=str)
+def test_linear_sq_norms_rounding_in_one_launch(tools, gen, shape, with_bias, dtype):
+    """The norms and ρ_i = u·Σ_t ‖o_t‖√(‖a_t‖² [+ 1]) from one launch (ρ's row norms off the Grams'
+    diagonals), each against float64."""
+    from pdpfast.ops.linear import linear_sq_norms_reference, use_gram
+
+    B, T, d, p = shape
+    assert T <= 1 or use_gram(T, d, p)  # the shapes exercise the fused paths, not the fallback
+    a = tools.randn(gen, B, T, d, dtype=dtype, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
+    u = 2.0 ** -8
+    sq, rho = norms.linear_sq_norms_rounding(a, o, with_bias, u)
+    assert sq.dtype == rho.dtype == torch.float32 and sq.shape == rho.shape == (B,)
+    oracle = _linear_oracle(a, o) + (o.double().sum(1).pow(2).sum(-1) if with_bias else 0.0)
+    scale = _linear_scale(a, o) + (o.double().abs().sum(1).pow(2).sum(-1) if with_bias else 0.0)
+    tools.check(sq, linear_sq_norms_reference(a, o, with_bias), oracle,
+                atol=(ACC_RTOL + _tensor_core_rtol(a, o)) * scale + 1e-30, what=f"fused norms {shape}")
+    expected = _rounding_oracle(a, o, with_bias, u)
+    torch.testing.assert_close(rho.double().cpu(), expected.cpu(), rtol=ACC_RTOL + _tensor_core_rtol(a, o), atol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 33, 7, 65), (2, 9, 6, 300)], ids=str)
+def test_linear_sq_norms_rounding_on_the_direct_path_computes_them_apart(tools, gen, shape):
+    """Where the direct norm is cheaper, ρ needs the rows' norms the direct kernel never forms: the
+    two are computed apart, and equal the references."""
+    from pdpfast.ops.linear import linear_sq_norms_reference, scaled_sum_rounding, use_gram
+
+    B, T, d, p = shape
+    assert not use_gram(T, d, p)
+    a = tools.randn(gen, B, T, d, dtype=torch.bfloat16, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=torch.bfloat16, device=tools.device)
+    sq, rho = norms.linear_sq_norms_rounding(a, o, True, 2.0 ** -8)
+    torch.testing.assert_close(sq, linear_sq_norms_reference(a, o, True), rtol=1e-4, atol=0)
+    torch.testing.assert_close(rho, scaled_sum_rounding(a, o, True, 2.0 ** -8), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_rounding_bound_adds_no_launch_to_the_norm_kernel(tools, gen, T):
+    """On the kernels' rank-one and Gram paths ρ costs no operation beyond the norms' own: the
+    host issues as many ops for both as for the norms alone (four more without the fusion). Views
+    launch nothing and are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pdpfast.ops import linear as lin_ops
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    a = tools.randn(gen, 4, T, 16, dtype=torch.bfloat16, device=tools.device)
+    o = tools.randn(gen, 4, T, 16, dtype=torch.bfloat16, device=tools.device)
+    with Count() as norms_only:
+        lin_ops.linear_sq_norms(a, o, with_bias=True)
+    with Count() as both:
+        lin_ops.linear_sq_norms_rounding(a, o, True, 2.0 ** -8)
+    with Count() as apart:
+        lin_ops.linear_sq_norms_rounding_reference(a, o, True, 2.0 ** -8)
+    assert both.ops == norms_only.ops
+    assert len(apart.ops) >= len(both.ops) + 3
