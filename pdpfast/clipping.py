@@ -879,7 +879,11 @@ class ClippingState:
 
     def _accumulate_packed(self, params: list, summed: torch.Tensor) -> None:
         """Add the (N,) clipped sums of a pack into its params' ``.grad``: one launch for those that
-        have a gradient of their dtype (``_foreach_add_``), views of ``summed`` for those that have none."""
+        have a gradient of their dtype (``_foreach_add_``), views of ``summed`` for those that have none.
+        Sums in the accumulation dtype (fp32) of low-precision params are cast once, not per param."""
+        dtype = params[0].dtype
+        if summed.dtype != dtype and all(p.dtype == dtype for p in params):
+            summed = summed.to(dtype)
         into, add = [], []
         for p, g in zip(params, summed.split([p.numel() for p in params])):
             if p.grad is not None and p.grad.dtype == g.dtype:
