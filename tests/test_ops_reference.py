@@ -578,7 +578,8 @@ def test_per_sample_gradients_are_formed_within_the_workspace_budget(monkeypatch
 def test_gpu_per_layer_route_at_real_shapes(model, B, T, calls, dtype, monkeypatch):
     """The GPU's cost model (``prefer_per_sample`` where the kernels run) at real models' calls: per-layer
     clipping forms GPT-2's fp32 per-sample gradients (T = 512: the norm costs 2.7-4.3× three passes
-    over them) and no others (BERT-base's T = 128, or bf16, whose tensor cores make norms cheap);
+    over them) and in bf16 those of its 768→768 call only (whose norm takes the direct path: 1.3×;
+    its other calls' Gram norms 0.8-0.9×, as measured on an H100), never BERT-base's (T = 128);
     book-keeping never forms them on a GPU."""
     monkeypatch.setattr(linear_ops, "use_triton", lambda *tensors: True)
     x, o = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
@@ -586,7 +587,8 @@ def test_gpu_per_layer_route_at_real_shapes(model, B, T, calls, dtype, monkeypat
     for d, p in calls:
         cost = lambda: linear_ops.norm_madds(B, T, d, p, cuda)  # noqa: E731
         per_layer = linear_ops.prefer_per_sample(B * d * p, x, o, kept=False, norm_cost=cost)
-        assert per_layer is (model == "gpt2-small" and dtype == torch.float32), (d, p)
+        expected = model == "gpt2-small" and (dtype == torch.float32 or (d, p) == (768, 768))
+        assert per_layer is expected, (d, p)
         assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=True, norm_cost=cost)
         assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=False)  # cost unknown: never
 

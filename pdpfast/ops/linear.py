@@ -82,12 +82,15 @@ MATERIALIZE_MIN_ELEMENTS = 1 << 23
 # norm's multiply-adds (B·min(Gram, direct), Gram split or not) with three passes over B·|W| values
 # (written by the per-sample GEMM, read by the norm, read by the weighted sum, which replaces the
 # clipped-sum GEMM of the same multiply-adds as the per-sample one). Which is faster depends on
-# how many FLOPs the GPU does in the time it moves a byte: about 20 in fp32 without tensor cores,
-# about 250 in fp16/bf16 on them and 10 in fp64 (H100 SXM datasheet: 67, 989 and 34 TFLOP/s, 3.35 TB/s).
-# Estimates, not measured: ``python -m bench.bench_kernels --ops per_layer_route`` times both
-# routes at BERT-base's and GPT-2's shapes and says what this model picks. It picks forming them
-# for GPT-2's fp32 calls (T = 512) and nowhere for BERT-base (T = 128) or in bf16.
-GPU_FLOPS_PER_BYTE = {torch.float32: 20, torch.float16: 250, torch.bfloat16: 250, torch.float64: 10}
+# how many FLOPs the GPU does in the time it moves a byte: about 20 in fp32 without tensor cores
+# and 10 in fp64 (H100 SXM datasheet: 67 and 34 TFLOP/s, 3.35 TB/s). In fp16/bf16 the datasheet's
+# ~300 (989 TFLOP/s) is more than the norm kernels reach: the captured times of both routes on an
+# H100 (``python -m bench.bench_kernels --ops per_layer_route``, 2026-11-24) put the balance where
+# the picks are right between 107 (GPT-2's 3072→768 call, T = 512: norms 0.091 ms, per-sample
+# 0.142) and 171 (its 768→768 call: norms 0.087 ms on the direct path, per-sample 0.061); 128.
+# It picks forming them for GPT-2's fp32 calls (T = 512) and its bf16 768→768 call, and nowhere
+# for BERT-base (T = 128).
+GPU_FLOPS_PER_BYTE = {torch.float32: 20, torch.float16: 128, torch.bfloat16: 128, torch.float64: 10}
 
 
 def norm_madds(B: int, T: int, d: int, p: int, device: torch.device) -> int:
