@@ -9,6 +9,8 @@ non-private step of the same run.
     python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
     python -m bench.bench_overhead --route large         # every call as a large model's call
     python -m bench.bench_overhead --dtype bf16          # bf16 weights (the low-precision route)
+    TRITON_INTERPRET=1 python -m bench.bench_overhead --dtype bf16 --route large --repeats 3
+                                                         # the kernels' launches per step (not times)
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
@@ -55,21 +57,55 @@ _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "tra
 
 
 def launches_per_step(step) -> int:
-    """The aten ops of one call of ``step`` that are not views: the kernels a GPU would be sent, each
-    one the host issues (a proxy of host work that does not depend on the clock)."""
+    """The kernels one call of ``step`` sends a GPU, each one the host issues (a proxy of host work
+    that does not depend on the clock): aten ops that are not views, plus one per Triton kernel
+    launch. Under ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU; the ops the interpreter
+    runs inside a kernel are not counted, so the count is the GPU's (the times are not)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    inside = [0]
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ not in _VIEW_OPS:
+            if not inside[0] and func.overloadpacket.__name__ not in _VIEW_OPS:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    with Count():
+    with Count(), _counting_triton_launches(Count, inside):
         step()
     return Count.n
+
+
+@contextlib.contextmanager
+def _counting_triton_launches(counter, inside: list):
+    """Each Triton kernel launch adds one to ``counter.n``; ``inside[0]`` > 0 while one runs."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # no Triton: no kernel launches to count
+        yield
+        return
+    saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def counting(run):
+        def wrapped(self, *args, **kwargs):
+            counter.n += 1
+            inside[0] += 1
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return wrapped
+
+    try:
+        for cls, run in saved.items():
+            cls.run = counting(run)
+        yield
+    finally:
+        for cls, run in saved.items():
+            cls.run = run
 
 
 @contextlib.contextmanager
