@@ -603,3 +603,17 @@ def test_norm_madds_counts_the_form_the_reference_computes():
     assert linear_ops.norm_madds(8, 512, 768, 3072, cuda) == 3 * 8 * linear_ops.gram_cost(512, 768, 3072) // 4
     assert not linear_ops.use_gram(512, 768, 768)
     assert linear_ops.norm_madds(8, 512, 768, 768, cuda) == 8 * linear_ops.direct_cost(512, 768, 768)
+
+
+def test_weights_as_casts_the_same_weights_once():
+    """Book-keeping hands every layer call the same clip weights: in bf16 they are cast once per
+    backward, and new weights (the next backward) are cast afresh, never served stale."""
+    w = torch.tensor([0.5, 1.0, 0.25])
+    first = linear_ops.weights_as(w, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and torch.equal(first.float(), w)
+    assert linear_ops.weights_as(w, torch.bfloat16) is first
+    assert linear_ops.weights_as(w, torch.float32) is w
+    half = linear_ops.weights_as(w, torch.float16)
+    assert half.dtype == torch.float16 and linear_ops.weights_as(w, torch.bfloat16) is not first
+    fresh = torch.tensor([0.125, 2.0, 1.0])
+    assert torch.equal(linear_ops.weights_as(fresh, torch.bfloat16).float(), fresh)

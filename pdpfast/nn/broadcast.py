@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.linear import weights_as
 from .layers import DPModule
 from .rules import LayerRule, exact_scaling, register_layer, register_rule
 
@@ -127,7 +128,7 @@ def _broadcast_sq_norms(module, x, o, names):
 
 def _broadcast_clipped(module, x, o, weights, names):
     flat = o.flatten(1)
-    grad = flat.sum(0) if weights is None else weights.to(o.dtype) @ flat
+    grad = flat.sum(0) if weights is None else weights_as(weights, o.dtype) @ flat
     return {names[0]: grad}
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.linear import weights_as
 from .layers import DPModule
 
 PerSampleGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
@@ -281,7 +282,7 @@ def weighted_sum(weights: torch.Tensor, per_sample: torch.Tensor) -> torch.Tenso
     Returns:
         (...) = per_sample.shape[1:], in the per-sample gradients' dtype.
     """
-    w = weights if weights.dtype == per_sample.dtype else weights.to(per_sample.dtype)
+    w = weights_as(weights, per_sample.dtype)
     if per_sample.dim() == 2:
         return w @ per_sample
     return (w @ per_sample.flatten(1)).view(per_sample.shape[1:])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import workspace
 from .dispatch import declare
-from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot
+from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot, weights_as
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
@@ -276,7 +276,7 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
         grad_b (C_out,), both in ``o``'s dtype; each None when not needed.
     """
     if weights is not None:
-        o = o * weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
+        o = o * weights_as(weights, o.dtype).view(-1, *([1] * (o.dim() - 1)))
     n = x_pad.dim() - 2
     grad_w = None
     if need_weight:

@@ -30,6 +30,32 @@ def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+# the last weights cast by ``weights_as``: (source, dtype, cast), the source held so its id is not reused
+_LAST_CAST: list = [None, None, None]
+
+
+def weights_as(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clip weights in ``dtype``, cast once per backward: book-keeping hands the same (B,) weights to
+    every layer call, and in a low precision each call would otherwise cast them again (one launch
+    a call).
+
+    Args:
+        weights: (B,) clip weights w_i.
+        dtype: the dtype of the call's gradients.
+    Returns:
+        ``weights`` where already of ``dtype``, else ``weights.to(dtype)`` (the tensor returned for
+        the same ``weights`` and ``dtype`` before, where there is one).
+    """
+    if weights.dtype == dtype:
+        return weights
+    source, cast_dtype, cast = _LAST_CAST
+    if source is weights and cast_dtype == dtype:
+        return cast
+    cast = weights.to(dtype)
+    _LAST_CAST[:] = weights, dtype, cast
+    return cast
+
+
 def gram_cost(T: int, d: int, p: int) -> int:
     """Multiply-adds per sample of the Gram (ghost) norm: two T×T Grams and their inner product.
 
@@ -361,7 +387,7 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
     d, p = a.shape[-1], o.shape[-1]
     scale_o = weights is not None and (p <= d or not need_weight)
     if weights is not None:
-        w = weights.to(o.dtype).view(-1, *([1] * (o.dim() - 1)))
+        w = weights_as(weights, o.dtype).view(-1, *([1] * (o.dim() - 1)))
         o, a = (o * w, a) if scale_o else (o, a * w)
     a2, o2 = a.reshape(-1, d), o.reshape(-1, p)
     grad_w = grad_b = None
@@ -371,7 +397,7 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
         grad_b = o2.sum(0)
     elif need_bias:
         per_sample = o.flatten(1, -2).sum(1) if o.dim() > 2 else o  # (B, p): Σ_t o_{i,t}
-        grad_b = weights.to(o.dtype) @ per_sample
+        grad_b = weights_as(weights, o.dtype) @ per_sample
     return grad_w, grad_b
 
 
@@ -434,7 +460,7 @@ def linear_clipped_grads_stacked(a: torch.Tensor, o: torch.Tensor, weights: torc
     """
     n, B, T, d = a.shape
     p = o.shape[-1]
-    w = weights if weights.dtype == o.dtype else weights.to(o.dtype)
+    w = weights_as(weights, o.dtype)
     scaled = (o * w.view(n if w.dim() == 2 else 1, B, 1, 1)).view(n, B * T, p)
     a = a.view(n, B * T, d)
     grad_w = None
