@@ -72,6 +72,16 @@ def _add_noise_kernel(first_ptr, table_ptr, n_tensors, seed, std,
     _add_noise_chunk(ptr, idx + 3 * QUARTER, numel, n3, std, COMPUTE_FP64)
 
 
+def _kept_table(entries: list[tuple[int, int, int, int]], device: torch.device, keep: list) -> torch.Tensor:
+    """(4, m) int64 table on ``device``, not cached: copied from a host tensor that ``keep`` holds
+    with it (a capture records the copy and repeats it from that tensor at every replay)."""
+    host = torch.tensor(entries, dtype=torch.int64).t().contiguous()
+    table = torch.empty(host.shape, dtype=torch.int64, device=device)
+    table.copy_(host, non_blocking=True)
+    keep += (host, table)
+    return table
+
+
 def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
     """(4, m) int64 table on ``device``, cached: it only depends on addresses, sizes and counters."""
     key = (device, tuple(entries))
@@ -79,8 +89,8 @@ def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> to
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a copy from a temporary host buffer would be replayed from freed memory
-            raise RuntimeError("the noise kernel's table must be built before CUDA graph capture: run the step "
-                               "once eagerly on the same gradient tensors first (pdpfast.graphs warms up)")
+            raise RuntimeError("the noise kernel's table is built inside a CUDA graph capture: pass keep= (a list the "
+                               "graph's owner holds), as pdpfast.graphs does")
         table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
         if device.type == "cuda":  # queued, not a host sync: grads move between steps, tables with them
             table = table.pin_memory()
@@ -109,13 +119,16 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
         device_seed: None, or a () int64 tensor on the grads' device holding ``step_seed(seed, step)``
             (``pdpfast.ops.noise.step_seed_tensor``), read by the kernel instead of (seed, step): the
             same noise, for a CUDA graph that replays the launch step after step.
-        keep: None, or a list that receives the launch's (4, m) int64 tables (a captured graph reads
-            them at every replay, so they must outlive the cache).
+        keep: None (eager steps: the tables are cached by address), or a list for a step body that
+            may be captured (``pdpfast.graphs``): each table is then built afresh, copied from a host
+            tensor by a queued copy, and the list receives both tensors. Inside a CUDA graph capture
+            the copy is recorded and repeated from that host tensor at every replay, so gradients
+            made inside the capture, whose addresses no earlier run knew, get their table.
     Returns:
         None.
     Raises:
         TypeError for a tensor that is not floating point; RuntimeError if a table has to be built
-        during CUDA graph capture (run the step eagerly first).
+        during CUDA graph capture without ``keep``.
     """
     if not grads or std == 0:
         return
@@ -140,9 +153,7 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
         for target, first_counter, n_blocks in members:
             entries.append((target.data_ptr(), target.numel(), first_counter, first_block))
             first_block += n_blocks
-        table = _table(entries, device)
-        if keep is not None:
-            keep.append(table)
+        table = _table(entries, device) if keep is None else _kept_table(entries, device, keep)
         with device_guard(members[0][0]):
             _add_noise_kernel[(first_block,)](
                 members[0][0], table, len(entries), philox_seed, float(std),

@@ -2,40 +2,55 @@
 
 On a fast GPU a private step is host-bound: every DP layer's backward issues its norms, clip
 weights and clipped sums from Python, and the GPU waits for them (``bench/README.md``). A
-``PrivateStep`` captures the step once and replays it, so a step costs two graph launches.
+``PrivateStep`` captures the step once and replays it, so a step costs one or two graph launches.
 
-Two graphs, because a Poisson draw may span several physical batches and the optimizer steps
-after the last of them only:
+A Poisson draw may span several physical batches, and the optimizer steps after the last of them
+only. So there are three step bodies, each captured once per input signature (shapes, dtypes, tree
+of the inputs; physical batches of a fixed size, ``physical_batch_size``, padded with masked rows,
+keep it to one):
 
-* **accumulate** — forward, loss, backward, per-sample norms, clip weights and the clipped sums
-  added into ``param.grad``, for one physical batch. One graph per input signature (shapes, dtypes,
-  tree of the inputs); physical batches of a fixed size (``physical_batch_size``, padded with
-  masked rows) keep it to one.
-* **update** — noise, normalization by the expected batch size, the wrapped optimizer's step, and
-  ``param.grad`` zeroed, for the draw's last batch.
+* **whole step** — a draw of one physical batch, the usual case when the physical batch holds the
+  expected batch with room to spare: forward, loss, backward, per-sample norms, clip weights,
+  clipped sums, noise, normalization by the expected batch size and the wrapped optimizer's step,
+  in one graph. ``param.grad`` is made during its backward and freed at its end, as the eager step
+  makes and frees it (``zero_grad()``), so the graph's memory is the eager step's: no gradient
+  buffer is alive through the forward.
+* **accumulate** — one physical batch of a draw that spans several: forward, backward and the
+  clipped sums added into static gradient buffers (made at the first such draw, kept after).
+* **update** — noise, normalization and the optimizer's step over those buffers, after the draw's
+  last batch; the buffers are zeroed for the next such draw.
+
+Between steps ``param.grad`` is None, as after ``zero_grad()``. The whole-step and accumulate
+graphs share one memory pool, so a run with draws of both kinds holds one pool of activations,
+not two. That is safe because each graph's outputs (the loss, the last norms and clip weights, the
+noise tables) are held for its life, so no later capture places anything over them, and because
+no graph of the pool replays between another's replay and the host reading that one's outputs
+(the state's norms point at the last replayed graph's). The update graph, which replays right
+after an accumulate graph and before anything reads the accumulate's norms, has a pool of its own.
 
 What changes from step to step lives in static device buffers that the graphs read: the batch's
 inputs, its rows' clip bounds and mask (copied in before each replay from pinned host memory, so
-the copy is queued, not waited for), and the noise's (seed, step) counter, which the update graph
-advances itself; the noise kernel derives its Philox seed from it on the device
+the copy is queued, not waited for), and the noise's (seed, step) counter, which the graphs that
+step advance themselves; the noise kernel derives its Philox seed from it on the device
 (``pdpfast.ops.noise.step_seed_tensor``), so a replayed step draws exactly the noise the eager step
 ``t`` draws. Everything the host must know — the batch lifecycle (``ClippingState``), the ledger's
 check before a step and its charge after, the step count — runs on the host around each replay,
 as the eager step runs it.
 
-``cuda_graph=False`` runs the same two bodies eagerly every time (its noise seeded on the host):
-the same static buffers, the same host lifecycle, no capture. The first ``warmup`` steps of a
-captured step run the very bodies the capture records, device counter included, eagerly on a side
-stream, as CUDA graph capture requires: every kernel a capture launches is compiled and loaded by
-then (a module cannot be loaded while a stream captures). Tests on the CPU check the eager path
-against the ordinary loop, that nothing in a step's body synchronises with the host, and, with the
-kernels under the Triton interpreter and a stand-in for the capture, that a capture launches no
-kernel variant its warm-up did not, repeats its last warm-up run op for op, and is repeated by
-every later run (``tests/kernels/test_captured_step.py``).
+``cuda_graph=False`` runs the same bodies eagerly every time (its noise seeded on the host): the
+same static buffers, the same host lifecycle, no capture. The first ``warmup`` steps of a captured
+step, and the first run of each body after them, run the very body the capture records, device
+counter included, eagerly on a side stream, as CUDA graph capture requires: every kernel a capture
+launches is compiled and loaded by then (a module cannot be loaded while a stream captures). Tests
+on the CPU check the eager path against the ordinary loop, that nothing in a step's body
+synchronises with the host, and, with the kernels under the Triton interpreter and a stand-in for
+the capture, that a capture launches no kernel variant its warm-up did not, repeats its last
+warm-up run op for op, and is repeated by every later run (``tests/kernels/test_captured_step.py``).
 
-Rebuilt rather than replayed: a new input signature (new accumulate graph), and a change of the
-optimizer's hyperparameters, state or noise (new update graph: a learning rate baked in as a
-number would go stale; give the optimizer a tensor learning rate to change it without recapture).
+Rebuilt rather than replayed: a new input signature (new accumulate and whole-step graphs), and a
+change of the optimizer's hyperparameters, state or noise (new update and whole-step graphs: a
+learning rate baked in as a number would go stale; give the optimizer a tensor learning rate to
+change it without recapture).
 """
 from __future__ import annotations
 
@@ -65,10 +80,16 @@ def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class _Body:
-    """One step body: run eagerly, or captured once in a CUDA graph and then replayed."""
+    """One step body: run eagerly, or captured once in a CUDA graph and then replayed.
 
-    def __init__(self, fn: Callable[[], tuple], device: torch.device, guard: Callable = contextlib.nullcontext):
-        self.fn, self.device, self.guard = fn, device, guard
+    ``key`` names the body its runs belong to (an input signature's accumulate or whole step, or
+    the update): the eager runs that rehearse a capture are ``_Body`` objects of the same key.
+    ``pool`` gives the memory pool the capture allocates from (the step's, shared by its graphs).
+    """
+
+    def __init__(self, fn: Callable[[], tuple], device: torch.device, guard: Callable = contextlib.nullcontext,
+                 key=None, pool: Callable | None = None):
+        self.fn, self.device, self.guard, self.key, self.pool = fn, device, guard, key, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: tuple | None = None
 
@@ -96,7 +117,8 @@ class _Body:
             # "thread_local": CUDA calls of other threads (a DataLoader's pin-memory thread queries its
             # events and allocates pinned blocks) do not invalidate the capture; those of this thread
             # and every launch into the capturing stream, the autograd engine's included, still count
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"), self.guard():
+            with torch.cuda.graph(graph, pool=None if self.pool is None else self.pool(),
+                                  capture_error_mode="thread_local"), self.guard():
                 outputs = self.fn()
         except RuntimeError as exc:
             hint = ""
@@ -122,7 +144,7 @@ class PrivateStep:
 
     Args:
         state: the model's ``ClippingState`` (``mode="bk"``, flat or per-layer clipping; ghost mode
-            runs two backwards over per-sample losses and is not offered here).
+            runs two backwards over per-sample losses and is not offered here), between draws.
         optimizer: the ``DPOptimizer`` of the model's parameters. Optimizers with a ``capturable``
             option (Adam, AdamW, ...) need ``capturable=True`` for a captured step.
         loss_fn: ``loss_fn(*inputs, **kw_inputs)`` → the scalar loss of one physical batch, reduced as
@@ -133,9 +155,10 @@ class PrivateStep:
             cuBLAS, the optimizer's state and the kernels' tables done first). Each is a real step.
 
     A call takes the physical batch the state has open (``state.begin_batch`` — the engine's data
-    loader opens each batch it yields), runs forward, backward and clipping into ``param.grad``,
-    and, when the optimizer is at a step boundary (the draw's last physical batch), the noisy
-    optimizer step. Returns the batch's loss (a fresh tensor, safe to keep).
+    loader opens each batch it yields), runs forward, backward and clipping, and, when the optimizer
+    is at a step boundary (the draw's last physical batch), the noisy optimizer step. Returns the
+    batch's loss (a fresh tensor, safe to keep). Between draws ``param.grad`` is None; inside a draw
+    of several physical batches it holds the clipped sums so far.
     """
 
     def __init__(self, state: ClippingState, optimizer: DPOptimizer, loss_fn: Callable, *,
@@ -149,6 +172,9 @@ class PrivateStep:
         if state.mode == "ghost":
             raise ValueError("a captured step runs one backward; mode='ghost' needs two over per-sample losses. Use "
                              "mode='bk' (book-keeping, the default) or clipping='per_layer'")
+        if state.pending:
+            raise RuntimeError("make the step between draws: a draw is in progress (its earlier physical batches ran "
+                               "without the step); finish it with optimizer.step() first")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup must be an int ≥ 1 (eager steps before the capture), got {warmup!r}")
         params = optimizer.trainable_params()
@@ -164,16 +190,18 @@ class PrivateStep:
         self.eager_steps = 0  # optimizer steps run eagerly (the warm-up)
         # wraps every run of a body (tests: ``no_host_sync`` shows a synchronisation on the CPU)
         self.body_guard: Callable = contextlib.nullcontext
-        self._accumulate: dict[tuple, _Accumulate] = {}
+        self._signatures: dict[tuple, _Signature] = {}
         self._update: _Body | None = None
         self._update_key = None
+        self._update_rehearsed = False             # the update body ran eagerly (its kernels are loaded)
+        self._grads: list | None = None            # static gradient buffers of draws of several batches
+        self._grads_dirty = False                  # they hold sums of a draw that never stepped
+        self._pool = None                          # the pool the whole-step and accumulate graphs share
         self._counter: torch.Tensor | None = None  # (seed, step) of the noise, on the device
         self._counter_value: tuple | None = None   # the (seed, step) it holds
-        self._tables: list = []                    # device tables the captured noise launch reads
-        with torch.no_grad():
-            for p in params:  # static gradient buffers: the graphs add into them and zero them
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        self._tables: list = []                    # what the captured update's noise launch reads
+        for p in params:  # a step starts from no gradients, as after zero_grad()
+            p.grad = None
 
     def _check_capturable(self, optimizer: DPOptimizer) -> None:
         if self.device.type != "cuda":
@@ -189,77 +217,118 @@ class PrivateStep:
             raise ValueError("cuda_graph=True needs the Triton noise kernel (its noise follows a step counter on the "
                              "GPU); Triton is not available or PDPFAST_DISABLE_TRITON is set (python -m pdpfast.info)")
 
+    def _graph_pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def _guard(self):
+        return self.body_guard()
+
     # ------------------------------------------------------------------ a call
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        state = self.state
+        state, optimizer = self.state, self.optimizer
         state.require_open()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves),
                tuple(state.clip_norms.shape), state.mask is None, state.loss_scale)
-        accumulate = self._accumulate.get(key)
-        if accumulate is None:
-            accumulate = self._accumulate[key] = _Accumulate(self, spec, leaves)
-            if len(self._accumulate) == _SIGNATURES_WARN + 1 and self.cuda_graph:
-                warnings.warn(f"the captured step has seen {len(self._accumulate)} input signatures (shapes, dtypes): "
-                              "each is captured in a graph of its own. Give every batch the same shapes "
+        signature = self._signatures.get(key)
+        if signature is None:
+            signature = self._signatures[key] = _Signature(self, spec, leaves)
+            if len(self._signatures) == _SIGNATURES_WARN + 1 and self.cuda_graph:
+                warnings.warn(f"the captured step has seen {len(self._signatures)} input signatures (shapes, dtypes): "
+                              "each is captured in graphs of its own. Give every batch the same shapes "
                               "(physical_batch_size= pads Poisson batches to a fixed size)", stacklevel=2)
         eager = not self.cuda_graph or self.eager_steps < self.warmup
-        # a signature's first batch runs eagerly (its kernels' lazy set-up), the next is captured
-        loss = accumulate(leaves, eager or accumulate.calls == 0)
-        if self.optimizer.at_step_boundary():
-            self.optimizer.before_step()
-            self._step(eager)
-            self.optimizer.after_step()
-            if eager:
-                self.eager_steps += 1
+        if not state.pending and optimizer.at_step_boundary():
+            # a draw of one physical batch: forward to optimizer step in one body
+            optimizer.before_step()  # a step past a budget is refused before any device work
+            if self.cuda_graph:
+                self._sync_counter()
+            loss = signature.whole_step(leaves, eager)
+            self._stepped(eager)
+            return loss.clone()
+        self._hold_grads()
+        loss = signature.accumulate(leaves, eager)
+        self._grads_dirty = True
+        if optimizer.at_step_boundary():
+            optimizer.before_step()
+            self._update_step(eager)
+            self._grads_dirty = False
+            for p in optimizer.trainable_params():  # the buffers stay with the step, zeroed
+                p.grad = None
+            self._stepped(eager)
         return loss.clone()
+
+    def _stepped(self, eager: bool) -> None:
+        """The host side after a step's device work: count it, charge it, close the draw."""
+        self.optimizer.after_step()
+        self._counter_value = (self.optimizer.seed, self.optimizer.steps)
+        if eager:
+            self.eager_steps += 1
+
+    def _hold_grads(self) -> None:
+        """``param.grad`` are the static buffers a draw of several physical batches sums into."""
+        if self.state.pending:
+            return  # inside the draw: they are already
+        params = self.optimizer.trainable_params()
+        with torch.no_grad():
+            if self._grads is None:
+                self._grads = [torch.zeros_like(p) for p in params]
+            elif self._grads_dirty:  # a draw discarded before its step (the update zeroes them otherwise)
+                torch._foreach_zero_(self._grads)
+        for p, g in zip(params, self._grads):
+            p.grad = g
 
     # ------------------------------------------------------------------ the update
 
-    def _update_body(self, on_device: bool, keep: list | None = None) -> tuple:
-        """Noise (from the device counter when ``on_device``), normalization, the optimizer step, grads zeroed."""
+    def _update_body(self, on_device: bool, keep: list | None = None, release: bool = False) -> tuple:
+        """Noise (from the device counter when ``on_device``), normalization, the optimizer step, and
+        the gradients freed (``release``: a whole step's, made in its backward) or zeroed (the static
+        buffers)."""
         optimizer = self.optimizer
-        if on_device:
-            optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=keep)
-        else:
-            optimizer.add_noise_and_normalize()
-        optimizer.original_optimizer.step()
-        torch._foreach_zero_([p.grad for p in optimizer.trainable_params()])
-        if on_device:
-            self._counter[1] += 1
+        with torch.no_grad():
+            if on_device:
+                optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=keep)
+            else:
+                optimizer.add_noise_and_normalize()
+            optimizer.original_optimizer.step()
+            params = optimizer.trainable_params()
+            if release:
+                for p in params:
+                    p.grad = None
+            else:
+                torch._foreach_zero_([p.grad for p in params])
+            if on_device:
+                self._counter[1] += 1
         return ()
 
-    def _step(self, eager: bool) -> None:
-        optimizer = self.optimizer
+    def _update_step(self, eager: bool) -> None:
+        """The update after the last batch of a draw of several: eager, rehearsed or replayed."""
         if not self.cuda_graph:
-            with torch.no_grad():
-                _Body(lambda: self._update_body(on_device=False), self.device,
-                      lambda: self.body_guard()).run_eagerly(side_stream=False)
+            _Body(lambda: self._update_body(on_device=False), self.device, self._guard,
+                  key="update").run_eagerly(side_stream=False)
             return
         self._sync_counter()
-        if eager:
-            # the warm-up runs the body the capture will record, device counter included: every
+        if eager or not self._update_rehearsed:
+            # the rehearsal runs the body the capture will record, device counter included: every
             # kernel it launches (the noise kernel's variant that reads its seed from the device,
             # above all) is compiled and loaded now, since loading a module during capture fails
-            with torch.no_grad():
-                _Body(lambda: self._update_body(on_device=True, keep=[]), self.device,
-                      lambda: self.body_guard()).run_eagerly(side_stream=True)
-        else:
-            key = self._hyper_key()
-            if self._update is None or key != self._update_key:
-                if self._update is not None:
-                    warnings.warn("the optimizer's hyperparameters, state or noise changed: the update graph is "
-                                  "captured again (a learning-rate schedule does this every step; give the optimizer "
-                                  "a tensor learning rate, e.g. lr=torch.tensor(1e-3, device='cuda'), to avoid it)",
-                                  stacklevel=3)
-                self._tables = []
-                self._update = _Body(lambda: self._update_body(on_device=True, keep=self._tables), self.device,
-                                     lambda: self.body_guard())
-                self._update_key = key
-            with torch.no_grad():
-                self._update.replay()
-        self._counter_value = (optimizer.seed, optimizer.steps + 1)
+            _Body(lambda: self._update_body(on_device=True, keep=[]), self.device, self._guard,
+                  key="update").run_eagerly(side_stream=True)
+            self._update_rehearsed = True
+            return
+        key = self._hyper_key()
+        if self._update is None or key != self._update_key:
+            if self._update is not None:
+                _warn_recapture("update")
+            self._tables = []
+            # a pool of its own: scratch of a shared pool could lie over the last accumulate's norms
+            self._update = _Body(lambda: self._update_body(on_device=True, keep=self._tables), self.device,
+                                 self._guard, key="update")
+            self._update_key = key
+        self._update.replay()
 
     def _sync_counter(self) -> None:
         """The device counter holds the optimizer's (seed, step): set where eager steps, a checkpoint
@@ -274,7 +343,7 @@ class PrivateStep:
         self._counter_value = value
 
     def _hyper_key(self) -> tuple:
-        """What the update graph bakes in: each group's hyperparameters (tensors by identity), the
+        """What a graph that steps bakes in: each group's hyperparameters (tensors by identity), the
         optimizer's state and groups objects (replaced by load_state_dict), the noise and B_exp."""
         optimizer = self.optimizer
         groups = tuple(tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in sorted(g.items())
@@ -283,8 +352,14 @@ class PrivateStep:
                 optimizer.expected_batch_size, optimizer.seed)
 
 
-class _Accumulate:
-    """The accumulate body of one input signature: static inputs, bounds and mask, and its graph."""
+def _warn_recapture(graph: str) -> None:
+    warnings.warn(f"the optimizer's hyperparameters, state or noise changed: the {graph} graph is captured again "
+                  "(a learning-rate schedule does this every step; give the optimizer a tensor learning rate, e.g. "
+                  "lr=torch.tensor(1e-3, device='cuda'), to avoid it)", stacklevel=4)
+
+
+class _Signature:
+    """The bodies of one input signature (accumulate, whole step) with their static inputs, bounds and mask."""
 
     def __init__(self, step: PrivateStep, spec, leaves: list):
         self.step, self.spec = step, spec
@@ -293,10 +368,15 @@ class _Accumulate:
         state = step.state
         self.clip_norms = torch.empty(state.clip_norms.shape, dtype=state.clip_norms.dtype, device=device)
         self.mask = None if state.mask is None else torch.empty(state.mask.shape, dtype=state.mask.dtype, device=device)
-        self.body = _Body(self._run, device, lambda: step.body_guard())
-        self.calls = 0
+        self._accumulate = _Body(self._forward_backward, device, step._guard, key=(self, "accumulate"),
+                                 pool=step._graph_pool)
+        self._accumulate_runs = 0
+        self._whole: _Body | None = None  # the captured whole step, and the hyperparameters it bakes in
+        self._whole_key = None
+        self._whole_runs = 0
+        self._whole_tables: list = []     # what its noise launch reads
 
-    def _run(self) -> tuple:
+    def _forward_backward(self) -> tuple:
         args, kwargs = pytree.tree_unflatten(self.inputs, self.spec)
         loss = self.step.loss_fn(*args, **kwargs)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
@@ -305,9 +385,13 @@ class _Accumulate:
         loss.backward()
         return (loss.detach(), *self.step.state.clipped_outputs())
 
-    def __call__(self, leaves: list, eager: bool) -> torch.Tensor:
+    def _whole_step(self, on_device: bool, keep: list | None) -> tuple:
+        outputs = self._forward_backward()
+        self.step._update_body(on_device, keep, release=True)
+        return outputs
+
+    def _load(self, leaves: list) -> None:
         device, state = self.step.device, self.step.state
-        self.calls += 1
         with torch.no_grad():
             for static, x in zip(self.inputs, leaves):
                 if isinstance(static, torch.Tensor):
@@ -315,16 +399,48 @@ class _Accumulate:
             self.clip_norms.copy_(_pinned(state.clip_norms, device), non_blocking=True)
             if self.mask is not None:
                 self.mask.copy_(_pinned(state.mask, device), non_blocking=True)
-        if eager or self.body.graph is None:
+
+    def _run(self, body: _Body, eager: bool) -> torch.Tensor:
+        state = self.step.state
+        if eager or body.graph is None:
             # the graph reads the static bounds and mask: bind them to the batch the host opened
             state.rebind_batch(self.clip_norms, self.mask)
         if eager:
-            outputs = self.body.run_eagerly(side_stream=self.step.cuda_graph)
-            return outputs[0]
-        outputs, captured = self.body.replay()
+            return body.run_eagerly(side_stream=self.step.cuda_graph)[0]
+        outputs, captured = body.replay()
         if not captured:  # the capture ran the host side of the backward itself
             state.replayed_backward(outputs[1:])
         return outputs[0]
+
+    def accumulate(self, leaves: list, eager: bool) -> torch.Tensor:
+        """One physical batch of a draw of several: its clipped sums added into ``param.grad``."""
+        self._load(leaves)
+        # a body's first run is eager (its kernels' lazy set-up), the next is captured
+        eager = eager or self._accumulate_runs == 0
+        self._accumulate_runs += 1
+        return self._run(self._accumulate, eager)
+
+    def whole_step(self, leaves: list, eager: bool) -> torch.Tensor:
+        """A draw of one physical batch, forward to optimizer step; ``param.grad`` is None after."""
+        step = self.step
+        self._load(leaves)
+        if not step.cuda_graph:
+            body = _Body(lambda: self._whole_step(False, None), step.device, step._guard, key=(self, "whole step"))
+        elif eager or self._whole_runs == 0:
+            body = _Body(lambda: self._whole_step(True, []), step.device, step._guard, key=(self, "whole step"))
+            eager = True
+        else:
+            key = step._hyper_key()
+            if self._whole is None or key != self._whole_key:
+                if self._whole is not None:
+                    _warn_recapture("whole-step")
+                self._whole_tables = []
+                self._whole = _Body(lambda: self._whole_step(True, self._whole_tables), step.device, step._guard,
+                                    key=(self, "whole step"), pool=step._graph_pool)
+                self._whole_key = key
+            body = self._whole
+        self._whole_runs += 1
+        return self._run(body, eager)
 
 
 # aten ops whose output size or value a CUDA device must report to the host before it returns

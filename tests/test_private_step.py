@@ -67,11 +67,16 @@ def _stepped(step, opt, loader, draws):
 
 
 @pytest.mark.parametrize("clipping,kwargs", [("flat", {}), ("per_layer", {}), ("flat", {"automatic_gamma": 0.01}),
-                                             ("flat", {"physical_batch_size": None})],
-                         ids=["bk", "per-layer", "automatic", "no-physical-batch"])
+                                             ("flat", {"physical_batch_size": None}),
+                                             ("flat", {"physical_batch_size": 8}),
+                                             ("per_layer", {"physical_batch_size": 8}),
+                                             ("flat", {"physical_batch_size": 16})],
+                         ids=["bk", "per-layer", "automatic", "no-physical-batch", "bk-mixed-draws",
+                              "per-layer-mixed-draws", "one-batch-draws"])
 def test_private_step_equals_the_ordinary_loop(clipping, kwargs):
     """Same weights, losses, last norms, step count and ledger as forward/backward/step/zero_grad,
-    over draws split into several physical batches of masked rows."""
+    over draws split into several physical batches of masked rows (accumulate and update bodies),
+    draws of one physical batch (the whole-step body), and both in one run."""
     pbs = kwargs.pop("physical_batch_size", 4)
     a_engine, a_model, a_opt, a_loader = _engine(_mlp(), clipping=clipping, physical_batch_size=pbs, **kwargs)
     b_engine, b_model, b_opt, b_loader = _engine(_mlp(), clipping=clipping, physical_batch_size=pbs, **kwargs)
@@ -79,14 +84,22 @@ def test_private_step_equals_the_ordinary_loop(clipping, kwargs):
     step = b_engine.make_step(_loss(b_model))
     assert not step.cuda_graph
     got = _stepped(step, b_opt, b_loader, 5)
-    assert len(got) == len(expected)
-    assert len(got) > 5 or pbs is None  # with physical batches, draws spanned several of them
+    whole = sum(s._whole_runs for s in step._signatures.values())
+    accumulated = sum(s._accumulate_runs for s in step._signatures.values())
+    assert whole + accumulated == len(got) == len(expected)
+    if pbs in (4, 8):
+        assert accumulated > 0  # draws spanned several physical batches
+    if pbs in (8, 16, None):
+        assert whole > 0  # draws of one physical batch
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), rtol=0, atol=0)
     for p, q in zip(b_model.parameters(), a_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-13)
+        assert p.grad is None  # between draws, as after zero_grad()
     torch.testing.assert_close(b_engine.state.last_norms, a_engine.state.last_norms, rtol=1e-13, atol=0)
     assert b_opt.steps == a_opt.steps == 5
     np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
+    if pbs == 16:
+        assert step._grads is None  # no gradient buffer outlives a step when every draw is one batch
 
 
 def test_private_step_returns_fresh_losses_and_accumulates_a_draws_physical_batches():
@@ -101,7 +114,8 @@ def test_private_step_returns_fresh_losses_and_accumulates_a_draws_physical_batc
         step(*next(batches))
     assert opt.steps == 1
     assert torch.equal(first, value)  # a returned loss is not overwritten by later steps
-    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())  # the step zeroed the sums
+    assert all(p.grad is None for p in model.parameters())  # between draws, as after zero_grad()
+    assert all(torch.count_nonzero(g) == 0 for g in step._grads)  # the step zeroed the sums it keeps
 
 
 def test_private_step_refuses_a_step_past_the_budget():
@@ -111,6 +125,36 @@ def test_private_step_refuses_a_step_past_the_budget():
         _stepped(step, opt, loader, 4)
     assert opt.steps == 3
     assert np.all(engine.epsilons() <= engine.budgets)
+
+
+def test_private_step_never_carries_a_discarded_draws_sums_into_the_next(tmp_path):
+    """A draw of several batches refused at its step (the budget) and discarded (zero_grad) leaves
+    its sums in the step's gradient buffers; the next such draw starts from zero all the same."""
+    a_engine, a_model, a_opt, a_loader = _engine(_mlp(), steps=3, physical_batch_size=2)
+    step = a_engine.make_step(_loss(a_model))
+    _stepped(step, a_opt, a_loader, 1)
+    a_engine.save_checkpoint(tmp_path / "ckpt.pt", a_model)
+    with pytest.raises(PrivacyBudgetExceeded):
+        _stepped(step, a_opt, a_loader, 4)
+    assert a_opt.steps == 3 and any(torch.count_nonzero(g) > 0 for g in step._grads)
+    a_opt.zero_grad()  # the refused draw is discarded
+    a_engine.load_checkpoint(tmp_path / "ckpt.pt", a_model)
+    _stepped(step, a_opt, a_loader, 3)
+
+    b_engine, b_model, b_opt, b_loader = _engine(_mlp(), steps=3, physical_batch_size=2)
+    b_engine.load_checkpoint(tmp_path / "ckpt.pt", b_model)
+    _stepped(b_engine.make_step(_loss(b_model)), b_opt, b_loader, 3)
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_private_step_is_made_between_draws():
+    engine, model, opt, loader = _engine(_mlp(), physical_batch_size=2)
+    batches = iter(loader)
+    _loss(model)(*next(batches)).backward()
+    assert not loader.current.is_last
+    with pytest.raises(RuntimeError, match="between draws"):
+        engine.make_step(_loss(model))
 
 
 def test_private_step_continues_exactly_after_a_checkpoint(tmp_path):
@@ -318,11 +362,13 @@ def test_private_step_second_call_into_a_clipped_batch_never_adds_a_second_contr
     batches = iter(loader)
     x, y = next(batches)
     step(x, y)
-    grads = [p.grad.clone() for p in model.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="already computed|needs an open batch"):
         step(x, y)
     if not loader.current.is_last:
         assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    else:  # a draw of one batch stepped: nothing was added after
+        assert all(p.grad is None for p in model.parameters())
     while not loader.current.is_last:
         step(*next(batches))
     with pytest.raises(RuntimeError, match="needs an open batch"):

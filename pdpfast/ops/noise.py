@@ -162,8 +162,9 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
         step: the optimizer step (int).
         device_seed: None, or ``step_seed_tensor(...)`` on the grads' device, read by the kernel at run
             time instead of (seed, step) (the same noise: a CUDA graph replays it with a new step).
-        keep: None, or a list that receives the device tensors the launch reads besides the grads (a
-            captured graph must keep them alive).
+        keep: None, or a list that receives the tensors the launch reads besides the grads, for a
+            step body that may be captured in a CUDA graph (which must keep them alive; see
+            ``kernels.noise.add_noise_``).
     Returns:
         None.
     Raises:

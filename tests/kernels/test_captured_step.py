@@ -97,7 +97,7 @@ def _engine(seed=3, clipping="flat", model="mlp", dtype=torch.float32):
     model, opt, loader = engine.make_private_with_budgets(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
         data_loader=DataLoader(data, batch_size=12), budgets=np.repeat([1.0, 4.0], N // 2), delta=1e-5, steps=8,
-        method="hybrid", physical_batch_size=4, clipping=clipping)
+        method="hybrid", physical_batch_size=12, clipping=clipping)
     return engine, model, opt, loader
 
 
@@ -142,7 +142,7 @@ class _Record(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen, self.first_in_capture, self.capturing = set(), [], False
-        self.first_capture, self.last_eager = {}, {}
+        self.first_capture, self.last_eager, self.captured_kinds = {}, {}, set()
         self.compared, self.stale, self.unrehearsed = 0, [], []
         self.stream: list | None = None
 
@@ -172,14 +172,8 @@ class _Record(TorchDispatchMode):
             self.stream = None
         return outputs, stream
 
-    @staticmethod
-    def _key(body):
-        """The step body ``body`` runs: an input signature's accumulate, or the update (whose
-        warm-up runs and capture are separate ``_Body`` objects)."""
-        return getattr(body.fn, "__self__", "update")
-
     def eager(self, body, run) -> object:
-        outputs, self.last_eager[self._key(body)] = self._run(body, run)
+        outputs, self.last_eager[body.key] = self._run(body, run)
         return outputs
 
     def capture(self, body) -> tuple:
@@ -195,8 +189,9 @@ class _Record(TorchDispatchMode):
         finally:
             self.capturing = False
             torch.cuda.is_current_stream_capturing = capturing
-        key = self._key(body)
+        key = body.key
         first = self.first_capture.setdefault(body, stream)
+        self.captured_kinds.add(key if isinstance(key, str) else key[1])
         if first is stream:
             self._compare(self.last_eager.get(key, []), stream, self.unrehearsed)
         else:
@@ -259,8 +254,9 @@ def test_captured_step_loads_every_kernel_before_capture_and_bakes_in_no_changin
         captured, route, model, clipping, dtype):
     engine, model, opt, loader = _engine(clipping=clipping, model=model, dtype=dtype)
     step = _captured_step(engine, model)
-    _run(opt, loader, 4, step)
-    assert step.eager_steps == step.warmup == 2 and step._update is not None  # the update was "captured"
+    _run(opt, loader, 8, step)  # draws of one physical batch of 12 rows and of two
+    assert step.eager_steps == step.warmup == 2
+    assert captured.captured_kinds == {"accumulate", "update", "whole step"}  # every body was "captured"
     assert any(name == "_add_noise_kernel" and ("SEED_FROM_PTR", True) in args for name, args in captured.seen)
     if dtype == torch.bfloat16:  # the backward's norm kernels ran (in fp32 some norms are torch's)
         assert {name for name, _ in captured.seen} - {"_add_noise_kernel"}

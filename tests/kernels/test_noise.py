@@ -129,7 +129,9 @@ def test_noise_gpu_sizes(tools):
 @pytest.mark.parametrize("seed,step", [(7, 3), (2 ** 56 - 5, 123456789), (2 ** 64 - 1, 2 ** 40 + 17)])
 def test_noise_from_a_device_side_step_counter_equals_host_seed_and_step(tools, seed, step):
     """A captured CUDA graph reads (seed, step) from device memory (``step_seed_tensor``): its noise
-    is the eager step's bit for bit, and the tables it reads are handed to ``keep``."""
+    is the eager step's bit for bit, and the tables it reads are handed to ``keep``: built afresh
+    (gradients made inside a capture have addresses no earlier run knew), with the host tensor a
+    captured copy repeats its table from, equal to the cached table an eager step reads."""
     from pdpfast.ops.noise import seed_and_step_tensor, step_seed_tensor
 
     shapes = [(5000,), (3, 7), (1,)]
@@ -140,7 +142,11 @@ def test_noise_from_a_device_side_step_counter_equals_host_seed_and_step(tools, 
     noise.add_noise_(grads, 1.0, 0, 0, device_seed=step_seed_tensor(counter), keep=keep)
     for x, y in zip(grads, eager):
         assert torch.equal(x.cpu(), y)
-    assert len(keep) == 1 and keep[0].device == grads[0].device
+    host, table = keep
+    assert host.device.type == "cpu" and table.device == grads[0].device and torch.equal(host, table.cpu())
+    assert all(table is not cached for cached in noise._TABLE_CACHE.values())
+    entries = [(g.data_ptr(), g.numel()) for g in grads]
+    assert [(a, n) for a, n in zip(host[0].tolist(), host[1].tolist())] == entries
     counter[1] += 1  # the graph's counter moves on: the next step's noise
     nxt = [torch.zeros(s, device=tools.device) for s in shapes]
     noise.add_noise_(nxt, 1.0, 0, 0, device_seed=step_seed_tensor(counter))
