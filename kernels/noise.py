@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from pdpfast.ops.dispatch import register
-from pdpfast.ops.noise import step_seed
+from pdpfast.ops.noise import set_aside_pinned, step_seed, take_pinned
 
 from ._utils import device_guard
 
@@ -73,12 +73,23 @@ def _add_noise_kernel(first_ptr, table_ptr, n_tensors, seed, std,
 
 
 def _kept_table(entries: list[tuple[int, int, int, int]], device: torch.device, keep: list) -> torch.Tensor:
-    """(4, m) int64 table on ``device``, not cached: copied from a host tensor that ``keep`` holds
-    with it (a capture records the copy and repeats it from that tensor at every replay)."""
+    """(4, m) int64 table on ``device``, not cached: copied by a queued copy from a host tensor that
+    ``keep`` holds with it. A CUDA graph capture records the copy and repeats it from that tensor at
+    every replay, so on CUDA it is pinned (a capture refuses a copy from pageable memory): inside a
+    capture, a pinned buffer an eager run of the same body set aside (pinning is not allowed while
+    a stream captures), filled on the host."""
     host = torch.tensor(entries, dtype=torch.int64).t().contiguous()
+    staging = host
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            staging = take_pinned(host.shape)
+            staging.copy_(host)
+        else:
+            staging = host.pin_memory()
+            set_aside_pinned(host.shape)
     table = torch.empty(host.shape, dtype=torch.int64, device=device)
-    table.copy_(host, non_blocking=True)
-    keep += (host, table)
+    table.copy_(staging, non_blocking=True)
+    keep += (staging, table)
     return table
 
 
@@ -120,10 +131,11 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
             (``pdpfast.ops.noise.step_seed_tensor``), read by the kernel instead of (seed, step): the
             same noise, for a CUDA graph that replays the launch step after step.
         keep: None (eager steps: the tables are cached by address), or a list for a step body that
-            may be captured (``pdpfast.graphs``): each table is then built afresh, copied from a host
-            tensor by a queued copy, and the list receives both tensors. Inside a CUDA graph capture
-            the copy is recorded and repeated from that host tensor at every replay, so gradients
-            made inside the capture, whose addresses no earlier run knew, get their table.
+            may be captured (``pdpfast.graphs``): each table is then built afresh, copied from a
+            (pinned, on CUDA) host tensor by a queued copy, and the list receives both tensors.
+            Inside a CUDA graph capture the copy is recorded and repeated from that host tensor at
+            every replay, so gradients made inside the capture, whose addresses no earlier run
+            knew, get their table; the capture needs an eager run of its body before it.
     Returns:
         None.
     Raises:

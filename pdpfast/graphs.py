@@ -39,13 +39,17 @@ as the eager step runs it.
 
 ``cuda_graph=False`` runs the same bodies eagerly every time (its noise seeded on the host): the
 same static buffers, the same host lifecycle, no capture. The first ``warmup`` steps of a captured
-step, and the first run of each body after them, run the very body the capture records, device
-counter included, eagerly on a side stream, as CUDA graph capture requires: every kernel a capture
-launches is compiled and loaded by then (a module cannot be loaded while a stream captures). Tests
-on the CPU check the eager path against the ordinary loop, that nothing in a step's body
-synchronises with the host, and, with the kernels under the Triton interpreter and a stand-in for
-the capture, that a capture launches no kernel variant its warm-up did not, repeats its last
-warm-up run op for op, and is repeated by every later run (``tests/kernels/test_captured_step.py``).
+step run the very bodies the capture records, device counter included, eagerly on a side stream, as
+CUDA graph capture requires: every kernel a capture launches is compiled and loaded by then (a
+module cannot be loaded while a stream captures). A body first met after the warm-up (the accumulate
+and update bodies at the first draw of several batches, when every warm-up draw was of one) runs
+eagerly once before its capture. Rehearsing them all in the warm-up instead would cost every run a
+gradient buffer through one forward, and the peak memory of a run counts its warm-up; an eager run
+after a capture reuses the memory the warm-up's eager steps left in torch's cache. Tests on the CPU
+check the eager path against the ordinary loop, that nothing in a step's body synchronises with the
+host, and, with the kernels under the Triton interpreter and a stand-in for the capture, that a
+capture launches no kernel variant its warm-up did not, repeats its last warm-up run op for op, and
+is repeated by every later run (``tests/kernels/test_captured_step.py``).
 
 Rebuilt rather than replayed: a new input signature (new accumulate and whole-step graphs), and a
 change of the optimizer's hyperparameters, state or noise (new update and whole-step graphs: a
@@ -64,7 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .clipping import ClippingState
 from .ops.dispatch import use_triton
-from .ops.noise import seed_and_step_tensor, step_seed_tensor
+from .ops.noise import release_pinned, seed_and_step_tensor, step_seed_tensor
 from .optimizer import DPOptimizer
 from .sampling import as_int64
 
@@ -323,6 +327,8 @@ class PrivateStep:
         if self._update is None or key != self._update_key:
             if self._update is not None:
                 _warn_recapture("update")
+                self._update = None  # the old graph goes before its pinned tables serve another
+                release_pinned(self._tables)
             self._tables = []
             # a pool of its own: scratch of a shared pool could lie over the last accumulate's norms
             self._update = _Body(lambda: self._update_body(on_device=True, keep=self._tables), self.device,
@@ -370,10 +376,10 @@ class _Signature:
         self.mask = None if state.mask is None else torch.empty(state.mask.shape, dtype=state.mask.dtype, device=device)
         self._accumulate = _Body(self._forward_backward, device, step._guard, key=(self, "accumulate"),
                                  pool=step._graph_pool)
-        self._accumulate_runs = 0
+        self.accumulate_runs = 0          # runs of the accumulate body, eager ones included
         self._whole: _Body | None = None  # the captured whole step, and the hyperparameters it bakes in
         self._whole_key = None
-        self._whole_runs = 0
+        self.whole_runs = 0               # runs of the whole-step body, eager ones included
         self._whole_tables: list = []     # what its noise launch reads
 
     def _forward_backward(self) -> tuple:
@@ -416,8 +422,8 @@ class _Signature:
         """One physical batch of a draw of several: its clipped sums added into ``param.grad``."""
         self._load(leaves)
         # a body's first run is eager (its kernels' lazy set-up), the next is captured
-        eager = eager or self._accumulate_runs == 0
-        self._accumulate_runs += 1
+        eager = eager or self.accumulate_runs == 0
+        self.accumulate_runs += 1
         return self._run(self._accumulate, eager)
 
     def whole_step(self, leaves: list, eager: bool) -> torch.Tensor:
@@ -426,7 +432,8 @@ class _Signature:
         self._load(leaves)
         if not step.cuda_graph:
             body = _Body(lambda: self._whole_step(False, None), step.device, step._guard, key=(self, "whole step"))
-        elif eager or self._whole_runs == 0:
+        elif eager or self.whole_runs == 0:
+            # a body's first run is eager (its kernels' lazy set-up), the next is captured
             body = _Body(lambda: self._whole_step(True, []), step.device, step._guard, key=(self, "whole step"))
             eager = True
         else:
@@ -434,12 +441,14 @@ class _Signature:
             if self._whole is None or key != self._whole_key:
                 if self._whole is not None:
                     _warn_recapture("whole-step")
+                    self._whole = None  # the old graph goes before its pinned tables serve another
+                    release_pinned(self._whole_tables)
                 self._whole_tables = []
                 self._whole = _Body(lambda: self._whole_step(True, self._whole_tables), step.device, step._guard,
                                     key=(self, "whole step"), pool=step._graph_pool)
                 self._whole_key = key
             body = self._whole
-        self._whole_runs += 1
+        self.whole_runs += 1
         return self._run(body, eager)
 
 

@@ -14,7 +14,14 @@ import pdpfast
 from pdpfast.clipping import Phase
 from pdpfast.engine import PrivacyBudgetExceeded
 from pdpfast.graphs import PrivateStep, no_host_sync
-from pdpfast.ops.noise import add_noise_reference_, seed_and_step_tensor, step_seed, step_seed_tensor
+from pdpfast.ops.noise import (
+    add_noise_reference_,
+    release_pinned,
+    seed_and_step_tensor,
+    step_seed,
+    step_seed_tensor,
+    take_pinned,
+)
 
 N = 60
 
@@ -84,8 +91,8 @@ def test_private_step_equals_the_ordinary_loop(clipping, kwargs):
     step = b_engine.make_step(_loss(b_model))
     assert not step.cuda_graph
     got = _stepped(step, b_opt, b_loader, 5)
-    whole = sum(s._whole_runs for s in step._signatures.values())
-    accumulated = sum(s._accumulate_runs for s in step._signatures.values())
+    whole = sum(s.whole_runs for s in step._signatures.values())
+    accumulated = sum(s.accumulate_runs for s in step._signatures.values())
     assert whole + accumulated == len(got) == len(expected)
     if pbs in (4, 8):
         assert accumulated > 0  # draws spanned several physical batches
@@ -338,6 +345,18 @@ def test_device_step_counter_gives_the_host_step_seed():
     for _ in range(500):
         seed, step = rng.getrandbits(rng.choice([8, 56, 64])), rng.getrandbits(rng.choice([4, 40, 64]))
         assert int(step_seed_tensor(seed_and_step_tensor(seed, step, "cpu"))) == step_seed(seed, step)
+
+
+def test_a_capture_takes_only_a_pinned_buffer_set_aside_before_it():
+    """A copy recorded in a CUDA capture reads a pinned host buffer that eager runs set aside (a
+    capture refuses pageable memory and cannot pin); a dropped graph gives back only pinned ones."""
+    with pytest.raises(RuntimeError, match="set aside by an eager run"):
+        take_pinned((4, 12347))
+    keep = [torch.zeros(4, 12347, dtype=torch.int64), torch.zeros(4, 12347, dtype=torch.int64)]
+    release_pinned(keep)  # pageable: nothing to give back
+    assert keep == []
+    with pytest.raises(RuntimeError, match="set aside by an eager run"):
+        take_pinned((4, 12347))
 
 
 def test_reference_noise_refuses_a_device_side_seed():

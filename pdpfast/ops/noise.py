@@ -172,3 +172,56 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
         for a non-floating tensor.
     """
     _ADD_NOISE.pick(*grads)(grads, std, seed, step, device_seed=device_seed, keep=keep)
+
+
+# Pinned host tensors set aside for copies a CUDA graph capture records (a capture refuses a copy
+# from pageable memory, and pinning is refused while a stream captures), by shape: eager runs of a
+# step body set them aside, a capture takes one and keeps it, a dropped graph gives its back.
+_PINNED: dict[tuple, list] = {}
+_PINNED_PER_SHAPE = 4
+
+
+def set_aside_pinned(shape: tuple) -> None:
+    """Outside a capture: make sure a pinned int64 host tensor of ``shape`` waits for a capture.
+
+    Args:
+        shape: the tensor's shape.
+    Returns:
+        None.
+    """
+    spares = _PINNED.setdefault(tuple(shape), [])
+    if len(spares) < _PINNED_PER_SHAPE:
+        spares.append(torch.empty(shape, dtype=torch.int64, pin_memory=True))
+
+
+def take_pinned(shape: tuple) -> torch.Tensor:
+    """Inside a capture: a pinned int64 host tensor of ``shape`` set aside before it.
+
+    Args:
+        shape: the tensor's shape.
+    Returns:
+        the tensor, the caller's from now on (a graph that reads it must keep it).
+    Raises:
+        RuntimeError when none was set aside (the body never ran eagerly before its capture).
+    """
+    spares = _PINNED.get(tuple(shape))
+    if not spares:
+        raise RuntimeError("a copy inside a CUDA graph capture needs a pinned host buffer set aside by an eager run "
+                           "of the same step body first (pdpfast.graphs rehearses every body before its capture)")
+    return spares.pop()
+
+
+def release_pinned(keep: list) -> None:
+    """Give the pinned host tensors of a dropped graph's ``keep`` list back for later captures.
+
+    Args:
+        keep: what the graph's noise launches read (``add_noise_``'s ``keep``); emptied.
+    Returns:
+        None.
+    """
+    for t in keep:
+        if t.device.type == "cpu" and t.is_pinned():
+            spares = _PINNED.setdefault(tuple(t.shape), [])
+            if len(spares) < _PINNED_PER_SHAPE:
+                spares.append(t)
+    keep.clear()

@@ -3,7 +3,9 @@
 Nothing is captured without a GPU. Here a stand-in for ``_Body.replay`` runs a body where a
 capture would record it, every time (each call is a "first capture", so the host side runs as it
 does in a real capture), while the Triton kernels run under the interpreter. What a real capture
-depends on can then be checked on any machine (three models, fp32 and bf16, both call routes):
+depends on can then be checked on any machine (five models, fp32 and bf16, both call routes; draws
+of one physical batch and of two, so all three bodies, whole step, accumulate and update, are
+captured and replayed):
 
 * every kernel variant (kernel, constexpr arguments) a capture launches was launched eagerly
   before it: a CUDA capture cannot compile and load a module (``cuModuleLoadData`` is refused while
@@ -16,7 +18,9 @@ depends on can then be checked on any machine (three models, fp32 and bf16, both
   changes from step to step, such as a host-side seed, would be baked into the graph) and the
   same tensor shapes;
 * the device-side (seed, step) counter the captured noise reads follows the optimizer: the noise
-  equals the ordinary loop's, through warm-up, capture and a checkpoint that brings another seed.
+  equals the ordinary loop's, through warm-up, capture and a checkpoint that brings another seed,
+  and whichever bodies the draws take (draws of one batch go through accumulate and update when
+  the warm-up never rehearsed the whole step).
 
 The capture and replay themselves are checked on CUDA in ``tests/test_cuda.py``.
 """
@@ -88,7 +92,9 @@ def _gpt2():
 MODELS = {"mlp": _mlp, "transformer": _transformer, "groupnorm-cnn": _cnn, "bert": _bert, "gpt2-tied": _gpt2}
 
 
-def _engine(seed=3, clipping="flat", model="mlp", dtype=torch.float32):
+def _engine(seed=6, clipping="flat", model="mlp", dtype=torch.float32, physical_batch_size=12):
+    """Draws of one physical batch and of two: with seed 6 and 12 rows, four of one, one of two,
+    one of one, one of two, one of one."""
     torch.manual_seed(0)
     model, x = MODELS[model]()
     model, x = model.to(dtype), x.to(dtype) if x.is_floating_point() else x
@@ -97,7 +103,7 @@ def _engine(seed=3, clipping="flat", model="mlp", dtype=torch.float32):
     model, opt, loader = engine.make_private_with_budgets(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),
         data_loader=DataLoader(data, batch_size=12), budgets=np.repeat([1.0, 4.0], N // 2), delta=1e-5, steps=8,
-        method="hybrid", physical_batch_size=12, clipping=clipping)
+        method="hybrid", physical_batch_size=physical_batch_size, clipping=clipping)
     return engine, model, opt, loader
 
 
@@ -266,11 +272,19 @@ def test_captured_step_loads_every_kernel_before_capture_and_bakes_in_no_changin
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_captured_step_noise_follows_the_seed_and_step_through_warm_up_and_capture(captured, clipping):
-    a_engine, a_model, a_opt, a_loader = _engine(clipping=clipping)
-    _ordinary(a_model, a_opt, a_loader, 5)
-    b_engine, b_model, b_opt, b_loader = _engine(clipping=clipping)
-    _run(b_opt, b_loader, 5, _captured_step(b_engine, b_model))
+@pytest.mark.parametrize("seed,physical_batch_size", [(6, 12), (10, 13)],
+                         ids=["several-first-met-after-warm-up", "whole-step-first-met-after-warm-up"])
+def test_captured_step_noise_follows_the_seed_and_step_through_warm_up_and_capture(
+        captured, clipping, seed, physical_batch_size):
+    """Seed 6: four draws of one batch, then draws of two; seed 10: three draws of two, then of one.
+    A body first met after the warm-up is rehearsed then captured, and the noise never moves."""
+    a_engine, a_model, a_opt, a_loader = _engine(seed, clipping, physical_batch_size=physical_batch_size)
+    _ordinary(a_model, a_opt, a_loader, 8)
+    b_engine, b_model, b_opt, b_loader = _engine(seed, clipping, physical_batch_size=physical_batch_size)
+    step = _captured_step(b_engine, b_model)
+    _run(b_opt, b_loader, 8, step)
+    assert captured.captured_kinds == {"accumulate", "update", "whole step"}
+    assert captured.first_in_capture == [] and captured.unrehearsed == [] and captured.stale == []
     for p, q in zip(b_model.parameters(), a_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
