@@ -195,15 +195,15 @@ class PrivateStep:
         # wraps every run of a body (tests: ``no_host_sync`` shows a synchronisation on the CPU)
         self.body_guard: Callable = contextlib.nullcontext
         self._signatures: dict[tuple, _Signature] = {}
-        self._update: _Body | None = None
-        self._update_key = None
+        # a pool of its own: scratch of a shared pool could lie over the last accumulate's norms
+        self._update = _SteppingGraph("update", lambda keep: self._update_body(on_device=True, keep=keep),
+                                      self.device, self._guard, key="update")
         self._update_rehearsed = False             # the update body ran eagerly (its kernels are loaded)
         self._grads: list | None = None            # static gradient buffers of draws of several batches
         self._grads_dirty = False                  # they hold sums of a draw that never stepped
         self._pool = None                          # the pool the whole-step and accumulate graphs share
         self._counter: torch.Tensor | None = None  # (seed, step) of the noise, on the device
         self._counter_value: tuple | None = None   # the (seed, step) it holds
-        self._tables: list = []                    # what the captured update's noise launch reads
         for p in params:  # a step starts from no gradients, as after zero_grad()
             p.grad = None
 
@@ -323,18 +323,7 @@ class PrivateStep:
                   key="update").run_eagerly(side_stream=True)
             self._update_rehearsed = True
             return
-        key = self._hyper_key()
-        if self._update is None or key != self._update_key:
-            if self._update is not None:
-                _warn_recapture("update")
-                self._update = None  # the old graph goes before its pinned tables serve another
-                release_pinned(self._tables)
-            self._tables = []
-            # a pool of its own: scratch of a shared pool could lie over the last accumulate's norms
-            self._update = _Body(lambda: self._update_body(on_device=True, keep=self._tables), self.device,
-                                 self._guard, key="update")
-            self._update_key = key
-        self._update.replay()
+        self._update.body_for(self._hyper_key()).replay()
 
     def _sync_counter(self) -> None:
         """The device counter holds the optimizer's (seed, step): set where eager steps, a checkpoint
@@ -358,10 +347,31 @@ class PrivateStep:
                 optimizer.expected_batch_size, optimizer.seed)
 
 
-def _warn_recapture(graph: str) -> None:
-    warnings.warn(f"the optimizer's hyperparameters, state or noise changed: the {graph} graph is captured again "
-                  "(a learning-rate schedule does this every step; give the optimizer a tensor learning rate, e.g. "
-                  "lr=torch.tensor(1e-3, device='cuda'), to avoid it)", stacklevel=4)
+class _SteppingGraph:
+    """A captured body that takes the optimizer's step (update, whole step): captured again when
+    what it bakes in (``PrivateStep._hyper_key``) changes, the old graph's pinned noise tables given
+    back first. ``fn(keep)`` runs the body, its noise launch's tables into ``keep``."""
+
+    def __init__(self, name: str, fn: Callable[[list], tuple], device: torch.device, guard: Callable, key,
+                 pool: Callable | None = None):
+        self.name, self.fn, self.device, self.guard, self.key, self.pool = name, fn, device, guard, key, pool
+        self.body: _Body | None = None
+        self.hyper = None
+        self.tables: list = []  # what the noise launch of the captured body reads
+
+    def body_for(self, hyper: tuple) -> _Body:
+        if self.body is None or hyper != self.hyper:
+            if self.body is not None:
+                warnings.warn(f"the optimizer's hyperparameters, state or noise changed: the {self.name} graph is "
+                              "captured again (a learning-rate schedule does this every step; give the optimizer a "
+                              "tensor learning rate, e.g. lr=torch.tensor(1e-3, device='cuda'), to avoid it)",
+                              stacklevel=4)
+                self.body = None  # the old graph goes before its pinned tables serve another
+                release_pinned(self.tables)
+            tables = self.tables = []
+            self.body = _Body(lambda: self.fn(tables), self.device, self.guard, key=self.key, pool=self.pool)
+            self.hyper = hyper
+        return self.body
 
 
 class _Signature:
@@ -377,10 +387,9 @@ class _Signature:
         self._accumulate = _Body(self._forward_backward, device, step._guard, key=(self, "accumulate"),
                                  pool=step._graph_pool)
         self.accumulate_runs = 0          # runs of the accumulate body, eager ones included
-        self._whole: _Body | None = None  # the captured whole step, and the hyperparameters it bakes in
-        self._whole_key = None
+        self._whole = _SteppingGraph("whole-step", lambda keep: self._whole_step(True, keep), device, step._guard,
+                                     key=(self, "whole step"), pool=step._graph_pool)
         self.whole_runs = 0               # runs of the whole-step body, eager ones included
-        self._whole_tables: list = []     # what its noise launch reads
 
     def _forward_backward(self) -> tuple:
         args, kwargs = pytree.tree_unflatten(self.inputs, self.spec)
@@ -437,17 +446,7 @@ class _Signature:
             body = _Body(lambda: self._whole_step(True, []), step.device, step._guard, key=(self, "whole step"))
             eager = True
         else:
-            key = step._hyper_key()
-            if self._whole is None or key != self._whole_key:
-                if self._whole is not None:
-                    _warn_recapture("whole-step")
-                    self._whole = None  # the old graph goes before its pinned tables serve another
-                    release_pinned(self._whole_tables)
-                self._whole_tables = []
-                self._whole = _Body(lambda: self._whole_step(True, self._whole_tables), step.device, step._guard,
-                                    key=(self, "whole step"), pool=step._graph_pool)
-                self._whole_key = key
-            body = self._whole
+            body = self._whole.body_for(step._hyper_key())
         self.whole_runs += 1
         return self._run(body, eager)
 

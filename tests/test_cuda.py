@@ -198,7 +198,7 @@ def test_cuda_captured_step_equals_the_eager_step(name, clipping, exact_fp32, de
     other cuBLAS algorithms than the eager warm-up did)."""
     eager_model, eager_engine, eager_losses, _ = _graph_run(*_GRAPH_MODELS[name], graph=False, clipping=clipping)
     model, engine, losses, step = _graph_run(*_GRAPH_MODELS[name], graph=True, clipping=clipping)
-    assert step.eager_steps == step.warmup and step._update.graph is not None
+    assert step.eager_steps == step.warmup and step._update.body.graph is not None
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -216,7 +216,7 @@ def test_cuda_captured_whole_step_equals_the_eager_step(name, clipping, exact_fp
     model, engine, losses, step = _graph_run(*_GRAPH_MODELS[name], graph=True, clipping=clipping,
                                              physical_batch_size=48)
     (signature,) = step._signatures.values()
-    assert step.eager_steps == step.warmup and signature._whole.graph is not None and step._grads is None
+    assert step.eager_steps == step.warmup and signature._whole.body.graph is not None and step._grads is None
     assert all(p.grad is None for p in model.parameters())
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
     for p, q in zip(model.parameters(), eager_model.parameters()):
