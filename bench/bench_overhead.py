@@ -11,6 +11,8 @@ non-private step of the same run.
     python -m bench.bench_overhead --dtype bf16          # bf16 weights (the low-precision route)
     TRITON_INTERPRET=1 python -m bench.bench_overhead --dtype bf16 --route large --repeats 3
                                                          # the kernels' launches per step (not times)
+    python -m bench.bench_overhead --route large --kernels stub
+                                                         # the GPU route's host time, on the CPU
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
@@ -20,6 +22,12 @@ The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, p
 choice for small calls, ``pdpfast.ops.linear.MATERIALIZE_RATIO``; on a GPU only per-layer clipping
 forms them, for calls with long sequences, ``prefer_per_sample``). At width 16 every call is small
 and stacks, so the default route measures less host work per layer than a large model issues.
+
+``--kernels stub`` times, on a CPU, the host work of the route a GPU takes: the Triton kernels are
+chosen as on a GPU (``TRITON_INTERPRET=1``) and every launch returns at once without running, so
+their outputs hold garbage and only the host's time means anything. It counts everything around a
+launch (the launcher's Python, its output buffers, the torch ops on its results, the noise
+kernel's table) but not Triton's own launch cost, which only a GPU measures.
 """
 from __future__ import annotations
 
@@ -108,6 +116,23 @@ def _counting_triton_launches(counter, inside: list):
             cls.run = run
 
 
+def stub_kernel_launches() -> None:
+    """Select the Triton kernels as on a GPU and make every launch a no-op (``--kernels stub``).
+
+    Must run before ``pdpfast.kernels`` is imported: Triton reads ``TRITON_INTERPRET`` when it
+    defines a kernel. Not undone (the process is a benchmark).
+    """
+    import os
+    import sys
+
+    if "pdpfast.kernels" in sys.modules or "kernels" in sys.modules:
+        raise RuntimeError("stub_kernel_launches() must run before the kernels are imported")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+
+
 @contextlib.contextmanager
 def large_call_route():
     """Every layer call computed on its own, with no per-sample gradient formed: the route of a
@@ -136,8 +161,13 @@ def main(argv=None) -> int:
                              "gradients formed); model: the route this model's sizes choose")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: the model in bf16, whose calls also bound their clipped sums' rounding")
+    parser.add_argument("--kernels", choices=("run", "stub"), default="run",
+                        help="stub: the GPU's kernel choices with every launch a no-op (the GPU route's host "
+                             "time on a CPU; outputs are garbage)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.kernels == "stub":
+        stub_kernel_launches()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model, inputs, y, loss = build(device)
@@ -155,10 +185,12 @@ def main(argv=None) -> int:
                 results[name]["launches_per_step"] = launches_per_step(step)
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
-             "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype}
+             "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
+             "kernels": args.kernels}
             for name, r in results.items()]
     suffix = "" if args.route == "model" else f"_{args.route}_calls"
     suffix += "" if args.dtype == "fp32" else f"_{args.dtype}"
+    suffix += "" if args.kernels == "run" else f"_{args.kernels}_kernels"
     out = write_rows(args.out or f"bench/results/overhead_{device.type}{suffix}.json", rows)
     print("| provider | median step (ms) | × non-private | launches per step |\n|---|---:|---:|---:|")
     for r in rows:

@@ -55,7 +55,7 @@ import triton.language as tl
 from pdpfast.ops.conv import conv_weight_sq_norms_reference
 from pdpfast.ops.dispatch import register
 
-from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
+from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
 
 
 @triton.jit
@@ -230,7 +230,7 @@ def _gram_blocks(geo: ConvNormGeometry, dtype: torch.dtype):
 
 def _estimate(flops, nbytes, programs, steps, dtype, tf32=False) -> float:
     hw = _H100
-    waves = triton.cdiv(programs, hw["resident_programs"])
+    waves = cdiv(programs, hw["resident_programs"])
     rate = hw["flops_per_s"]["tf32"] if tf32 and dtype == torch.float32 else \
         hw["flops_per_s"].get(dtype, hw["flops_per_s"][torch.float32])
     return (flops / rate
@@ -259,16 +259,16 @@ def conv_norm_costs(geo: ConvNormGeometry, dtype: torch.dtype, tf32: bool = Fals
     per_sample = geo.batch * geo.groups
 
     bl, bk, bp = _direct_blocks(geo, dtype)
-    n_l, n_k, n_p = triton.cdiv(geo.positions, bl), triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
+    n_l, n_k, n_p = cdiv(geo.positions, bl), cdiv(geo.patch, bk), cdiv(geo.out_channels, bp)
     programs = per_sample * n_p * n_k
     flops = 2.0 * programs * bp * bk * (n_l * bl + 1)
     nbytes = float(programs * elt * n_l * bl * (bk + bp))
     direct = PathCost(flops, nbytes, programs, n_l, _estimate(flops, nbytes, programs, n_l, dtype, tf32))
 
     bt, bk, bp = _gram_blocks(geo, dtype)
-    n_t = triton.cdiv(geo.positions, bt)
+    n_t = cdiv(geo.positions, bt)
     pairs = per_sample * n_t * (n_t + 1) // 2
-    n_k, n_p = triton.cdiv(geo.patch, bk), triton.cdiv(geo.out_channels, bp)
+    n_k, n_p = cdiv(geo.patch, bk), cdiv(geo.out_channels, bp)
     programs = per_sample * n_t * (n_t // 2 + 1)
     flops = 2.0 * pairs * bt * bt * (n_k * bk + n_p * bp + 1)
     nbytes = float(pairs * elt * 2 * bt * (n_k * bk + n_p * bp))
@@ -352,11 +352,11 @@ def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation,
     meta = {"KHW": kernel[0] * kernel[1], "KW": kernel[1], "num_warps": 4}
     if path == "direct":
         block_l, block_k, block_p = _direct_blocks(geo, dtype)
-        n_p, n_k = triton.cdiv(geo.out_channels, block_p), triton.cdiv(geo.patch, block_k)
+        n_p, n_k = cdiv(geo.out_channels, block_p), cdiv(geo.patch, block_k)
         return _Launch(_conv_direct_sq_norms_kernel, geo.batch, groups * n_p * n_k, args + (n_p, n_k),
                        dict(meta, BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_P=block_p))
     block_t, block_k, block_p = _gram_blocks(geo, dtype)
-    n_tiles = triton.cdiv(geo.positions, block_t)
+    n_tiles = cdiv(geo.positions, block_t)
     n_shifts = n_tiles // 2 + 1
     return _Launch(_conv_gram_sq_norms_kernel, geo.batch, groups * n_tiles * n_shifts, args + (n_tiles, n_shifts),
                    dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))

@@ -21,7 +21,7 @@ import triton.language as tl
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.noise import set_aside_pinned, step_seed, take_pinned
 
-from ._utils import device_guard
+from ._utils import cdiv, device_guard
 
 # Fixed, not tuned: the noise stream is a function of the block size.
 NOISE_BLOCK = 4096
@@ -152,7 +152,7 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
     for g in grads:
         if not g.is_floating_point():
             raise TypeError(f"add_noise_ needs floating tensors, got {g.dtype}")
-        n_blocks = triton.cdiv(g.numel(), NOISE_BLOCK)
+        n_blocks = cdiv(g.numel(), NOISE_BLOCK)
         if n_blocks:
             target = g
             if not g.is_contiguous():

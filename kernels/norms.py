@@ -32,7 +32,7 @@ from pdpfast.ops.linear import (
     use_gram,
 )
 
-from ._utils import KERNEL_DTYPES, _dot, block, device_guard, dot_flags, new_buffer, sum_partials
+from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -268,7 +268,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
             return out[0], (out[1] if rounding else None)
         if path == "gram":
             block_t = block(T, 16, 64)
-            n_tiles = triton.cdiv(T, block_t)
+            n_tiles = cdiv(T, block_t)
             n_shifts = n_tiles // 2 + 1 if n_tiles else 0
             partials = new_buffer((n_out * B, n_tiles * n_shifts), torch.float32, a.device)
             n = B * n_tiles * n_shifts  # programs; their ρ partials follow their norms' (T = 0: none, sums 0)
@@ -282,7 +282,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
         if rounding:
             raise ValueError(f"the rounding bound is fused on the rank-one and Gram paths only, not {path!r}")
         block_p, block_d = block(P, 16, 64), block(D, 16, 64)
-        n_p, n_d = triton.cdiv(P, block_p), triton.cdiv(D, block_d)
+        n_p, n_d = cdiv(P, block_p), cdiv(D, block_d)
         partials = new_buffer((B, n_p * n_d), torch.float32, a.device)
         if partials.numel():
             _linear_direct_sq_norms_kernel[(partials.numel(),)](
@@ -328,7 +328,7 @@ def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     o = _unit_inner(o)
     B, T, P = o.shape
     block_p = block(P, 16, 256)
-    n_p = triton.cdiv(P, block_p)
+    n_p = cdiv(P, block_p)
     partials = new_buffer((B, n_p), torch.float32, o.device)
     if partials.numel():
         with device_guard(o):
@@ -424,7 +424,7 @@ def embedding_sq_norms(ids: torch.Tensor, o: torch.Tensor, num_embeddings: int,
     sorted_ids, perm = torch.sort(ids, dim=1)
     sorted_ids, perm = sorted_ids.contiguous(), perm.contiguous()
     block_t = block(T, 16, 64)
-    n_tiles = triton.cdiv(T, block_t)
+    n_tiles = cdiv(T, block_t)
     partials = new_buffer((B, n_tiles), torch.float32, o.device)
     if partials.numel():
         with device_guard(o):
