@@ -64,11 +64,15 @@ _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "tra
                        "detach", "alias", "as_strided", "promote_types"})
 
 
-def launches_per_step(step) -> int:
+def launches_per_step(step) -> tuple[int, int]:
     """The kernels one call of ``step`` sends a GPU, each one the host issues (a proxy of host work
     that does not depend on the clock): aten ops that are not views, plus one per Triton kernel
     launch. Under ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU; the ops the interpreter
-    runs inside a kernel are not counted, so the count is the GPU's (the times are not)."""
+    runs inside a kernel are not counted, so the count is the GPU's (the times are not).
+
+    Returns:
+        (all launches, the Triton launches among them).
+    """
     from torch.utils._python_dispatch import TorchDispatchMode
 
     inside = [0]
@@ -81,9 +85,12 @@ def launches_per_step(step) -> int:
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    with Count(), _counting_triton_launches(Count, inside):
+    class Triton:
+        n = 0
+
+    with Count(), _counting_triton_launches(Triton, inside):
         step()
-    return Count.n
+    return Count.n + Triton.n, Triton.n
 
 
 @contextlib.contextmanager
@@ -182,7 +189,9 @@ def main(argv=None) -> int:
             if "median_ms" in results[name]:
                 step = make(copy.deepcopy(model), inputs, y, loss)
                 step(), step()  # warm: lazily built state is not counted
-                results[name]["launches_per_step"] = launches_per_step(step)
+                launches, triton_launches = launches_per_step(step)
+                results[name]["launches_per_step"] = launches
+                results[name]["triton_launches_per_step"] = triton_launches
     env = environment(device)
     rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
              "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,

@@ -160,6 +160,29 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
 
 
+def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
+    """--kernels stub picks the Triton kernels as a GPU does and makes their launches no-ops (in a
+    process of its own: it sets TRITON_INTERPRET before the kernels are imported). The private
+    step then launches the kernels a GPU runs, which the CPU route never does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "overhead_stub.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--kernels", "stub", "--route", "large",
+                    "--repeats", "2", "--providers", "non-private,pdpfast bk", "--out", str(out)],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())
+    assert [r["kernels"] for r in rows] == ["stub", "stub"] and all(r["median_ms"] > 0 for r in rows)
+    # the private step takes the GPU's kernels (norms, noise), which the CPU route never launches
+    assert rows[0]["triton_launches_per_step"] == 0 < rows[1]["triton_launches_per_step"]
+    assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
+
+
 def test_bench_overhead_bf16_runs_the_low_precision_route(tmp_path):
     """--dtype bf16 times the bf16 model, whose calls also bound their clipped sums' rounding."""
     from bench import bench_overhead

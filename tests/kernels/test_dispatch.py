@@ -239,3 +239,17 @@ def test_the_benchmarks_fp32_precision_switch_reaches_the_launch_and_is_restored
     assert _utils.dot_flags(torch.float32)["DOT_PRECISION"] == "tf32x3"
     exact = torch.tensor([1.0, 4.0, 0.0], dtype=torch.float64)
     assert max_rel_err(torch.tensor([1.0, 5.0, 0.0]), exact) == pytest.approx(0.25)
+
+
+def test_host_block_arithmetic_equals_tritons():
+    """The launchers' plain-Python cdiv and next_power_of_2 (Triton's are constexpr functions, slow
+    on the host) give Triton's results: the grids and blocks they size are unchanged."""
+    import triton
+
+    from pdpfast.kernels import _utils
+
+    for n in [0, 1, 2, 3, 4, 5, 7, 8, 9, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, (1 << 31) + 1]:
+        assert _utils.next_power_of_2(n) == triton.next_power_of_2(max(n, 1)), n
+        for b in [1, 2, 3, 16, 64, 1024]:
+            assert _utils.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    assert _utils.block(0, 16, 64) == 16 and _utils.block(100, 16, 64) == 64 and _utils.block(33, 16, 64) == 64
