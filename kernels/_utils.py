@@ -97,7 +97,7 @@ def dot_flags(dtype: torch.dtype, tf32: bool = False) -> dict:
     """
     return {
         "DOT_PRECISION": ("tf32" if tf32 else FP32_DOT_PRECISION) if dtype == torch.float32 else "tf32",
-        "UPCAST": bool(triton_interpret() and dtype == torch.bfloat16),
+        "UPCAST": dtype == torch.bfloat16 and triton_interpret(),  # the environment read only for bf16
     }
 
 
@@ -107,9 +107,15 @@ def device_guard(t: torch.Tensor):
     Args:
         t: a tensor of the launch.
     Returns:
-        a context manager: ``torch.cuda.device(t.device)`` for a CUDA tensor, else a no-op.
+        a context manager: ``torch.cuda.device(t.device)`` for a CUDA tensor on another GPU than the
+        current one, else a no-op.
     """
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD  # on the current GPU (nearly always): switching to it would cost host time per launch
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:
