@@ -1,5 +1,7 @@
 // Clip weights w_i = min(cap, c_i / (sqrt(max(sq_i, 0)) + rho_i + offset)) in one call (rho_i, the
-// per-record bound on a low-precision clipped sum's rounding, optional: 0 without it).
+// per-record bound on a low-precision clipped sum's rounding, optional: 0 without it). With parts,
+// sq_i = sq[i, 0] + ... + sq[i, K-1] is summed here, left to right: the per-program partial sums a
+// norm kernel wrote, so per-layer clipping needs no launch of its own to sum them.
 //
 // The torch route (pdpfast/ops/clip.py) takes five tensor ops on B values, each a dispatch (and on
 // a GPU a kernel launch) that costs far more than its arithmetic; per-layer clipping computes clip
@@ -16,17 +18,20 @@ namespace pdpfast {
 namespace clip {
 
 #ifdef PDPFAST_WITH_CUDA
-void clip_weights_cuda(const at::Tensor& sq, const at::Tensor& bounds, const at::Tensor* rho, at::Tensor& out,
-                       double offset, double cap);  // clip_cuda.cu
+void clip_weights_cuda(const at::Tensor& sq, int64_t parts, const at::Tensor& bounds, const at::Tensor* rho,
+                       at::Tensor& out, double offset, double cap);  // clip_cuda.cu
 #endif
 
 namespace {
 
+// sq holds `parts` values per weight, side by side (1: the squared norm itself)
 template <typename scalar_t>
-void clip_weights_cpu(const scalar_t* sq, const scalar_t* bounds, const scalar_t* rho, scalar_t* out, int64_t n,
-                      scalar_t offset, scalar_t cap) {
+void clip_weights_cpu(const scalar_t* sq, int64_t parts, const scalar_t* bounds, const scalar_t* rho, scalar_t* out,
+                      int64_t n, scalar_t offset, scalar_t cap) {
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t s = sq[i];
+    const scalar_t* row = sq + i * parts;
+    scalar_t s = parts > 0 ? row[0] : scalar_t(0);
+    for (int64_t k = 1; k < parts; ++k) s += row[k];
     // torch.clamp_min keeps NaN; a comparison written this way does too
     scalar_t root = std::sqrt(s < scalar_t(0) ? scalar_t(0) : s);
     if (rho != nullptr) root += rho[i];
@@ -37,12 +42,20 @@ void clip_weights_cpu(const scalar_t* sq, const scalar_t* bounds, const scalar_t
 
 }  // namespace
 
-// sq and bounds (and rho, when given): same shape, same device, float32 or float64 alike. cap = +inf
-// for automatic clipping (no upper bound). Returns a new tensor shaped like sq.
+// sq and bounds (and rho, when given): same shape (with parts, sq has one more trailing dim, summed),
+// same device, float32 or float64 alike. cap = +inf for automatic clipping (no upper bound). Returns a
+// new tensor shaped like bounds.
 at::Tensor clip_weights(const at::Tensor& sq, const at::Tensor& bounds, double offset, double cap,
-                        const std::optional<at::Tensor>& rounding) {
-  TORCH_CHECK(sq.sizes() == bounds.sizes(), "clip_weights: sq_norms of shape ", sq.sizes(),
-              " and clip_norms of shape ", bounds.sizes(), " must match");
+                        const std::optional<at::Tensor>& rounding, bool parts) {
+  if (parts) {
+    TORCH_CHECK(sq.dim() == bounds.dim() + 1 && sq.sizes().slice(0, bounds.dim()) == bounds.sizes(),
+                "clip_weights: with parts, sq_norms must be clip_norms' shape ", bounds.sizes(),
+                " plus a dim of partial sums, got ", sq.sizes());
+  } else {
+    TORCH_CHECK(sq.sizes() == bounds.sizes(), "clip_weights: sq_norms of shape ", sq.sizes(),
+                " and clip_norms of shape ", bounds.sizes(), " must match");
+  }
+  const int64_t k = parts ? sq.size(-1) : 1;
   TORCH_CHECK(sq.scalar_type() == bounds.scalar_type(), "clip_weights: sq_norms (", sq.scalar_type(),
               ") and clip_norms (", bounds.scalar_type(), ") must have one dtype");
   TORCH_CHECK(sq.scalar_type() == at::kFloat || sq.scalar_type() == at::kDouble,
@@ -51,20 +64,20 @@ at::Tensor clip_weights(const at::Tensor& sq, const at::Tensor& bounds, double o
               bounds.device(), " must be on one device");
   at::Tensor r;
   if (rounding.has_value()) {
-    TORCH_CHECK(rounding->sizes() == sq.sizes() && rounding->scalar_type() == sq.scalar_type() &&
+    TORCH_CHECK(rounding->sizes() == bounds.sizes() && rounding->scalar_type() == sq.scalar_type() &&
                     rounding->device() == sq.device(),
-                "clip_weights: rounding must have sq_norms' shape, dtype and device, got ", rounding->sizes(), " ",
-                rounding->scalar_type(), " on ", rounding->device());
+                "clip_weights: rounding must have clip_norms' shape and sq_norms' dtype and device, got ",
+                rounding->sizes(), " ", rounding->scalar_type(), " on ", rounding->device());
     r = rounding->contiguous();
   }
   const at::Tensor* rho = r.defined() ? &r : nullptr;
   const at::Tensor s = sq.contiguous();
   const at::Tensor b = bounds.contiguous();
-  at::Tensor out = at::empty_like(s);
-  if (s.numel() == 0) return out;
+  at::Tensor out = at::empty_like(b);
+  if (out.numel() == 0) return out;
   if (s.is_cuda()) {
 #ifdef PDPFAST_WITH_CUDA
-    clip_weights_cuda(s, b, rho, out, offset, cap);
+    clip_weights_cuda(s, k, b, rho, out, offset, cap);
     return out;
 #else
     TORCH_CHECK(false, "clip_weights: pdpfast._C was built without CUDA");
@@ -72,9 +85,9 @@ at::Tensor clip_weights(const at::Tensor& sq, const at::Tensor& bounds, double o
   }
   TORCH_CHECK(s.device().is_cpu(), "clip_weights: CPU or CUDA tensors, got ", s.device());
   AT_DISPATCH_FLOATING_TYPES(s.scalar_type(), "pdpfast_clip_weights_cpu", [&] {
-    clip_weights_cpu<scalar_t>(s.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
+    clip_weights_cpu<scalar_t>(s.data_ptr<scalar_t>(), k, b.data_ptr<scalar_t>(),
                                rho == nullptr ? nullptr : rho->data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                               s.numel(), static_cast<scalar_t>(offset), static_cast<scalar_t>(cap));
+                               out.numel(), static_cast<scalar_t>(offset), static_cast<scalar_t>(cap));
   });
   return out;
 }
@@ -85,10 +98,13 @@ at::Tensor clip_weights(const at::Tensor& sq, const at::Tensor& bounds, double o
 void register_clip(pybind11::module_& m) {
   m.def("clip_weights", &pdpfast::clip::clip_weights, pybind11::arg("sq_norms"), pybind11::arg("clip_norms"),
         pybind11::arg("offset"), pybind11::arg("cap"), pybind11::arg("rounding") = pybind11::none(),
+        pybind11::arg("parts") = false,
         "min(cap, clip_norms / (sqrt(max(sq_norms, 0)) + rounding + offset)) elementwise, in one call: sq_norms, "
         "clip_norms (and rounding, or None for 0) of one shape, dtype (float32/float64) and device (CPU, or CUDA "
-        "when built with it); cap = inf for no upper bound.");
+        "when built with it); cap = inf for no upper bound. parts=True: sq_norms has one more trailing dim of "
+        "partial sums, summed first.");
   m.attr("clip_takes_rounding") = true;  // builds before the rounding argument lack it (ops/clip.py)
+  m.attr("clip_takes_parts") = true;     // likewise for parts
 #ifdef PDPFAST_WITH_CUDA
   m.attr("clip_with_cuda") = true;
 #else

@@ -183,7 +183,7 @@ def _kernel_wins(a: torch.Tensor, o: torch.Tensor) -> bool:
 
 @register("linear_weight_sq_norms", when=_kernel_wins)
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
-                           with_bias: bool = False) -> torch.Tensor:
+                           with_bias: bool = False, parts: bool = False) -> torch.Tensor:
     """‖o_iᵀ a_i‖²_F per sample, never forming o_iᵀ a_i nor the T×T Grams in memory.
 
     Args:
@@ -194,17 +194,21 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
             ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
         with_bias: add the bias's ‖Σ_t o_{i,t}‖² — in the same launch on the rank-one and Gram
             paths (one launch per layer, not two), by the bias kernel on the direct path.
+        parts: return the launch's per-program partial sums, (B, K), unsummed: the caller sums
+            every layer's at once (book-keeping, once per backward) instead of one sum per layer.
     Returns:
-        (B,) fp32, accumulated in fp32. Other dtypes (fp64) or ranks run
-        ``pdpfast.ops.linear.linear_sq_norms_reference`` and return its result.
+        (B,) fp32, accumulated in fp32 ((B, K) with ``parts``, whose row sums are the norms). Other
+        dtypes (fp64) or ranks run ``pdpfast.ops.linear.linear_sq_norms_reference`` and return its
+        result ((B, 1) with ``parts``).
     Raises:
         ValueError for an unknown ``path``, or ``a`` and ``o`` that disagree on (B, T).
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
     if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype not in KERNEL_DTYPES:
-        return linear_sq_norms_reference(a, o, with_bias)
-    return _linear_norms(a, o, path, with_bias, None)[0]
+        sq = linear_sq_norms_reference(a, o, with_bias)
+        return sq.unsqueeze(1) if parts else sq
+    return _linear_norms(a, o, path, with_bias, None, parts)[0]
 
 
 def _fuses_rounding(a: torch.Tensor, o: torch.Tensor) -> bool:
@@ -236,9 +240,11 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, 
     return _linear_norms(a, o, "rank_one" if o.shape[1] == 1 else "gram", with_bias, u)
 
 
-def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, u: float | None):
+def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, u: float | None,
+                  parts: bool = False):
     """(sq, rho): the launches of ``linear_weight_sq_norms``; rho (``linear_sq_norms_rounding``) when
-    ``u`` is given (rank-one and Gram paths only), else None."""
+    ``u`` is given (rank-one and Gram paths only), else None. ``parts`` (without ``u``): sq as the
+    (B, K) partial sums the launch wrote, not summed here."""
     B, T, D = a.shape
     P = o.shape[-1]
     if o.shape[:2] != a.shape[:2]:
@@ -250,7 +256,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
     rounding = u is not None
     if B == 0:
         empty = torch.zeros(0, dtype=torch.float32, device=a.device)
-        return empty, (empty if rounding else None)
+        return (empty.view(0, 1) if parts else empty), (empty if rounding else None)
     # fp32: one TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin)
     flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
     if rounding and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
@@ -265,7 +271,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
             _rank_one_sq_norms_kernel[(B,)](
                 a, o, out, B, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2), u or 0.0,
                 BLOCK=block(max(D, P), 16, 1024), HAS_BIAS=with_bias, ROUNDING=rounding, num_warps=4)
-            return out[0], (out[1] if rounding else None)
+            return (out[0].unsqueeze(1) if parts else out[0]), (out[1] if rounding else None)
         if path == "gram":
             block_t = block(T, 16, 64)
             n_tiles = cdiv(T, block_t)
@@ -277,6 +283,8 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
                     a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts, n, u or 0.0,
                     BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), HAS_BIAS=with_bias,
                     ROUNDING=rounding, num_warps=4, **flags)
+            if parts and not rounding:
+                return partials, None
             out = sum_partials(partials)
             return (out[:B], out[B:]) if rounding else (out, None)
         if rounding:
@@ -289,6 +297,8 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
                 a, o, partials, T, D, P, *_strides(a), *_strides(o), n_p, n_d,
                 BLOCK_T=block(T, 16, 32 if a.dtype == torch.float32 else 64), BLOCK_D=block_d, BLOCK_P=block_p,
                 num_warps=4, **flags)
+        if parts:
+            return (torch.cat([partials, bias_sq_norms(o).unsqueeze(1)], 1) if with_bias else partials), None
         out = sum_partials(partials)
         return (out.add_(bias_sq_norms(o)) if with_bias else out), None
 

@@ -77,9 +77,10 @@ def _rounds_finely(o: torch.Tensor) -> bool:
     return (o.dtype == torch.float32 and not o.is_cuda) or o.dtype == torch.float64
 
 
-def _norms_and_rounding(layer, names: tuple, x, o) -> tuple:
-    """(sq, ρ_i or None) of a call whose norms come from its rule's formulas (``LayerRule.rounding``)."""
-    return layer.rule.norms_and_rounding(layer.module, x, o, names, bound=not _rounds_finely(o))
+def _norms_and_rounding(layer, names: tuple, x, o, parts: bool = False) -> tuple:
+    """(sq, ρ_i or None) of a call whose norms come from its rule's formulas (``LayerRule.rounding``);
+    ``parts``: sq may be (B, K) partial sums (``LayerRule.norm_parts``)."""
+    return layer.rule.norms_and_rounding(layer.module, x, o, names, bound=not _rounds_finely(o), parts=parts)
 
 
 def _stack_norms_and_rounding(stacked, calls) -> tuple:
@@ -638,9 +639,12 @@ class ClippingState:
         """(names clipped from norms, names whose per-sample gradients must be formed and kept)."""
         uses = self._uses
         params = layer.module._parameters
-        reused = tuple(n for n in names if uses[id(params[n])] > 1)
-        if not reused:
+        for n in names:  # a loop, not a generator: this runs for every layer call
+            if uses[id(params[n])] > 1:
+                break
+        else:
             return names, ()
+        reused = tuple(n for n in names if uses[id(params[n])] > 1)
         return tuple(n for n in names if n not in reused), reused
 
     def _materialize(self, layer: _Layer, names: tuple, x, o, reused: bool = False) -> None:
@@ -693,7 +697,8 @@ class ClippingState:
             elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
-                sq, rho = _norms_and_rounding(layer, normal, x, o)
+                # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
+                sq, rho = _norms_and_rounding(layer, normal, x, o, parts=True)
                 self._add_sq(sq)
                 self._add_rounding(rho)
                 self._tape.append((layer, x, o, normal))
@@ -736,8 +741,9 @@ class ClippingState:
                 self._accumulate_param(params[n], weighted_sum(weights, g))
             workspace.recycle(grads)
         else:
-            sq, rho = _norms_and_rounding(layer, names, x, o)
-            weights = self._group_weights(sq, k, o, rounding=rho)
+            # partial sums where the norm kernel leaves them: the clip-weight call sums them
+            sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
+            weights = self._group_weights(sq, k, o, rounding=rho, parts=sq.dim() == 2)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -770,7 +776,8 @@ class ClippingState:
 
     def _add_sq(self, sq: torch.Tensor) -> None:
         """Add one layer's (or group's) per-sample squared norms to the batch's total: kept, and summed
-        with the others once, at the end of the backward (one launch for all, not one per layer)."""
+        with the others once, at the end of the backward (one launch for all, not one per layer).
+        ``sq``: (B,), or (B, K) partial sums whose rows sum to the norms (``LayerRule.norm_parts``)."""
         self._sq_parts.append(sq)
 
     def _add_rounding(self, rho: torch.Tensor | None) -> None:
@@ -781,10 +788,11 @@ class ClippingState:
             self._rho_parts.append(rho)
 
     def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
-        """Per-layer clipping: keep clipping group k's own per-sample squared norms (for
-        ``last_group_norms``, when ``keep_group_norms`` is set); each group reports once per backward."""
+        """Per-layer clipping: keep clipping group k's own per-sample squared norms, (B,) or (B, K)
+        partial sums (for ``last_group_norms``, when ``keep_group_norms`` is set); each group reports
+        once per backward."""
         if self.keep_group_norms:
-            self._group_sq[group] = sq.detach()
+            self._group_sq[group] = (sq.sum(1) if sq.dim() == 2 else sq).detach()  # (B, K) partial sums: summed
 
     def _queue_finish(self, finish) -> None:
         if not self._queued:
@@ -831,13 +839,15 @@ class ClippingState:
     def _note_precision(self, o: torch.Tensor) -> None:
         self._margin = max(self._margin, rounding_margin(o))
 
-    def _weights(self, sq: torch.Tensor, bounds: torch.Tensor, rounding: torch.Tensor | None = None) -> torch.Tensor:
+    def _weights(self, sq: torch.Tensor, bounds: torch.Tensor, rounding: torch.Tensor | None = None,
+                 parts: bool = False) -> torch.Tensor:
         """Weights applied to the backward's output gradients (s·w_i, the loss scale s folded in):
-        sq the squared norms of their per-sample gradients, bounds c_i broadcast against sq, rounding
-        their rounding bounds ρ_i (``LayerRule.rounding``) or None."""
+        sq the squared norms of their per-sample gradients (with ``parts``, (..., K) partial sums of
+        them), bounds c_i broadcast against sq, rounding their rounding bounds ρ_i
+        (``LayerRule.rounding``) or None."""
         if rounding is not None and rounding.dtype != sq.dtype:
             rounding = rounding.to(sq.dtype)
-        return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding)
+        return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding, parts)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         parts, self._last_rho = self._rho_parts, None
@@ -848,12 +858,13 @@ class ClippingState:
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho)
 
     def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor,
-                       rounding: torch.Tensor | None = None) -> torch.Tensor:
+                       rounding: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor:
         """Weights of per-layer group k for clipped sums computed like the tensors ``like`` (dtype,
         device): the bounds keep the widest of their rounding margins (a tied weight's group under
-        autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None."""
+        autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None; ``parts``:
+        sq is (B, K) partial sums."""
         margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding)
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding, parts)
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -908,7 +919,10 @@ class ClippingState:
             return torch.zeros(self.batch_size, dtype=torch.float64)
         dtype = parts[0].dtype  # the first layer's accumulation dtype (fp64 for fp64 models)
         parts = [sq if sq.dtype == dtype else sq.to(dtype) for sq in parts]
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+        if all(sq.dim() == 1 for sq in parts):
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+        # (B, K) partial sums among them: all columns side by side, one sum
+        return torch.cat([sq if sq.dim() == 2 else sq.unsqueeze(1) for sq in parts], 1).sum(1)
 
     def _stack_chunks(self) -> list:
         """Stacked calls cut into chunks of at most ``STACK_BYTES`` of inputs and output gradients, so

@@ -96,6 +96,52 @@ def test_cpp_clip_weights_with_a_rounding_bound_equal_the_torch_formula(dtype, s
 
 
 @needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(0,), (1,), (37,), (4, 9)])
+@pytest.mark.parametrize("parts", [0, 1, 4, 7])
+@pytest.mark.parametrize("with_rho", [False, True])
+def test_cpp_clip_weights_from_partial_sums_equal_the_formula_on_their_sum(dtype, shape, parts, with_rho):
+    """parts=True: the squared norms arrive as (..., K) partial sums (a norm kernel's per-program
+    sums) and the op adds them up first, in the same call; the weights equal the formula on the
+    summed norms, up to the sums' different order (K roundings at most)."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, shape, parts, with_rho, "parts")).encode()))
+    sq, bounds = _inputs(shape, dtype, g)
+    split = (torch.rand(*shape, parts, generator=g, dtype=torch.float64) + 0.1).to(dtype)
+    partial = sq.unsqueeze(-1) * split / split.sum(-1, keepdim=True) if parts else torch.zeros(*shape, 0, dtype=dtype)
+    rho = (torch.rand(shape, generator=g, dtype=torch.float64) * 0.1).to(dtype) if with_rho else None
+    assert clip_weights_route(partial, bounds, None, rho, parts=True) == "C++ kernel"
+    got = clip_weights(partial, bounds, None, None, 3.0, rho, parts=True)
+    expected = clip_weights_reference(partial.sum(-1), bounds, None, None, 3.0, rho)
+    assert got.shape == bounds.shape and got.dtype == dtype
+    assert torch.equal(got.isnan(), expected.isnan())
+    ok = ~expected.isnan()
+    torch.testing.assert_close(got[ok], expected[ok], rtol=(parts + 5) * torch.finfo(dtype).eps, atol=0)
+
+
+@needs_op
+def test_cpp_clip_weights_sum_partial_sums_of_either_sign():
+    """A Gram norm's partial sums of off-diagonal tiles can be negative; only their sum is a squared
+    norm. Sums exact in float32: [3, -1, -2] is 0 (weight s), [8, 1, -5] is 4 (weight c/2)."""
+    partial = torch.tensor([[3.0, -1.0, -2.0], [8.0, 1.0, -5.0], [1.0, 0.0, 0.0]])
+    bounds = torch.tensor([1.0, 1.0, 0.5])
+    got = clip_weights(partial, bounds, loss_scale=2.0, parts=True)
+    torch.testing.assert_close(got, torch.tensor([2.0, 1.0 / (2.0 + CLIP_EPS / 2), 0.5 / (1.0 + CLIP_EPS / 2)]))
+
+
+def test_an_extension_built_before_the_parts_argument_sums_them_in_torch(monkeypatch):
+    """A stale ``pdpfast._C`` (built before ``parts`` existed) is not called with it: torch sums the
+    partial sums, the formula follows, and the route says to rebuild."""
+    import pdpfast.ops.clip as clip_ops
+
+    monkeypatch.setattr(clip_ops, "_TAKES_PARTS", False)
+    partial, bounds = torch.tensor([[1.0, 3.0], [0.25, 0.0]]), torch.tensor([1.0, 3.0])
+    if _ext.missing("clip_weights", "clip.cpp") is None:
+        assert "rebuild" in clip_weights_route(partial, bounds, parts=True)
+    torch.testing.assert_close(clip_weights(partial, bounds, parts=True),
+                               torch.tensor([1.0 / (2.0 + CLIP_EPS), 1.0]))
+
+
+@needs_op
 def test_cpp_clip_weights_keep_norm_plus_rounding_bound_within_the_clip_bound():
     """w_i·(‖g_i‖ + ρ_i) ≤ s·c_i up to the rounding of the weight: a record's rounded contribution,
     within w_i·(‖g_i‖ + ρ_i) of zero, stays within its bound."""
@@ -134,6 +180,8 @@ def test_clip_weights_route_says_why_it_takes_torch():
     assert "rounding" in clip_weights_route(sq, bounds, None, torch.rand(3))
     assert clip_weights_route(sq, bounds, None, torch.rand(5)) == "C++ kernel"
     assert "grad" in clip_weights_route(sq.requires_grad_(), bounds)
+    assert clip_weights_route(torch.rand(5, 3), bounds, parts=True) == "C++ kernel"
+    assert "broadcast" in clip_weights_route(torch.rand(3, 5), bounds, parts=True)
 
 
 def test_an_extension_built_before_the_rounding_argument_takes_the_torch_route(monkeypatch):
@@ -171,6 +219,10 @@ def test_cpp_clip_weights_refuse_mismatched_inputs_clearly():
         _C.clip_weights(torch.rand(3).half(), torch.rand(3).half(), CLIP_EPS, 1.0)
     with pytest.raises(RuntimeError, match="rounding must have"):
         _C.clip_weights(torch.rand(3), torch.rand(3), CLIP_EPS, 1.0, torch.rand(4))
+    with pytest.raises(RuntimeError, match="plus a dim of partial sums"):
+        _C.clip_weights(torch.rand(3), torch.rand(3), CLIP_EPS, 1.0, None, True)
+    with pytest.raises(RuntimeError, match="plus a dim of partial sums"):
+        _C.clip_weights(torch.rand(4, 2), torch.rand(3), CLIP_EPS, 1.0, None, True)
 
 
 def test_the_extension_loads_whatever_module_is_imported_first():

@@ -306,6 +306,13 @@ def test_cuda_clip_weights_op_equals_the_torch_formula(dtype, gamma):
     graph.replay()
     torch.testing.assert_close(out, clip_weights_reference(sq, bounds, None, gamma, 3.0),
                                rtol=2 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+    # parts=True: (B, K) partial sums, summed by the same thread that computes the weight
+    split = torch.rand(3001, 5, generator=g, dtype=torch.float64).to(dtype).cuda() + 0.1
+    partial = sq.unsqueeze(1) * split / split.sum(1, keepdim=True)
+    assert clip_weights_route(partial, bounds, parts=True) == "C++ kernel"
+    got = clip_weights(partial, bounds, None, gamma, 3.0, parts=True)
+    expected = clip_weights_reference(partial.sum(1), bounds, None, gamma, 3.0)
+    torch.testing.assert_close(got, expected, rtol=10 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
 
 
 def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():

@@ -90,13 +90,16 @@ def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bi
     return lin_ops.scaled_sum_rounding(a if with_weight else None, o, with_bias, u)
 
 
-def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool,
+                             parts: bool = False):
     """(per-sample squared norms, ``linear_rounding``) of a linear call, from one launch where the
     norm kernel runs (``pdpfast.ops.linear.linear_sq_norms_rounding``).
 
     Args:
         a: (B, T, d) inputs; o: (B, T, p) output gradients (B may be n·B for stacked calls).
         with_weight, with_bias: which of W and b the call trains.
+        parts: the caller sums sq's rows (``pdpfast.ops.linear.linear_sq_norms``): where the call has
+            no rounding bound, sq may be (B, K) partial sums.
     Returns:
         (sq, rho): (B,) fp32 (fp64 for fp64 calls) each; rho None where the sum rounds no more than fp32.
     """
@@ -105,7 +108,7 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool
         sq = lin_ops.bias_sq_norms(o)
         return sq, (lin_ops.scaled_sum_rounding(None, o, with_bias, u) if u else None)
     if not u:
-        return lin_ops.linear_sq_norms(a, o, with_bias=with_bias), None
+        return lin_ops.linear_sq_norms(a, o, with_bias=with_bias, parts=parts), None
     return lin_ops.linear_sq_norms_rounding(a, o, with_bias, u)
 
 
@@ -138,10 +141,10 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
             out[bias] = g.sum(1)
         return out
 
-    def sq_norms(m, x, o, names):
+    def sq_norms(m, x, o, names, parts=False):
         a, g = as_btd(x, o)
         if weight in names:
-            return lin_ops.linear_sq_norms(a, g, with_bias=bias in names)
+            return lin_ops.linear_sq_norms(a, g, with_bias=bias in names, parts=parts)
         return lin_ops.bias_sq_norms(g)
 
     def clipped(m, x, o, weights, names):
@@ -152,8 +155,8 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     def rounding(m, x, o, names):
         return linear_rounding(*as_btd(x, o), weight in names, bias in names)
 
-    def sq_norms_rounding(m, x, o, names):
-        return linear_sq_norms_rounding(*as_btd(x, o), weight in names, bias in names)
+    def sq_norms_rounding(m, x, o, names, parts=False):
+        return linear_sq_norms_rounding(*as_btd(x, o), weight in names, bias in names, parts)
 
     # same-shape calls (the projections of every transformer block) stack into one batch
     def key(m, x, o, names):
@@ -203,7 +206,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
 
     stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
-                     sq_norms_rounding=sq_norms_rounding)
+                     sq_norms_rounding=sq_norms_rounding, norm_parts=True)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -170,6 +170,11 @@ class LayerRule:
         sq_norms_rounding: ``(module, x, o, names)`` → (``sq_norms(...)``, ``rounding(...)``) from one
             pass where that is cheaper than two (the linear norm kernel reads the row norms of ρ off
             its Grams' diagonals); None: the two apart. Given only with both of them.
+        norm_parts: ``sq_norms`` and ``sq_norms_rounding`` take a keyword ``parts``: when True the
+            caller sums the rows of the squared norms itself, and they may return (B, K) partial
+            sums (the norm kernel's per-program sums) instead of (B,): book-keeping sums every
+            layer's once per backward, not once per call. Needs ``sq_norms``, and
+            ``sq_norms_rounding`` where ``rounding`` is given.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -182,6 +187,13 @@ class LayerRule:
     add_per_sample_grads: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple, dict], None] | None = None
     rounding: Rounding | None = None
     sq_norms_rounding: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], tuple] | None = None
+    norm_parts: bool = False
+
+    def __post_init__(self):
+        missing_rounding = self.rounding is not None and self.sq_norms_rounding is None
+        if self.norm_parts and (self.sq_norms is None or missing_rounding):
+            raise ValueError("norm_parts=True needs sq_norms, and sq_norms_rounding where rounding is given "
+                             "(both take the keyword parts)")
 
     @property
     def materializes(self) -> bool:
@@ -203,7 +215,7 @@ class LayerRule:
         return self.sq_norms is None or (self.rounding is None and low_precision(o)) or (
             self.materialize_when is not None and self.materialize_when(module, x, o, kept))
 
-    def norms_and_rounding(self, module, x, o, names, bound: bool) -> tuple:
+    def norms_and_rounding(self, module, x, o, names, bound: bool, parts: bool = False) -> tuple:
         """A call's per-sample squared norms (``norms``) and, where ``bound``, its rounding bound ρ
         (see ``rounding``), from one pass where the rule has one (``sq_norms_rounding``).
 
@@ -211,10 +223,16 @@ class LayerRule:
             module, x, o, names: the call, as in ``norms``.
             bound: whether the call's clipped sum needs ρ (it rounds more coarsely than the fixed
                 margin covers).
+            parts: the caller sums the squared norms' rows itself (``norm_parts``).
         Returns:
-            (sq, rho): (B,) squared norms; (B,) ρ fp32 (fp64 for fp64 calls), or None where not
-            ``bound``, where the rule has no ``rounding`` or where the call adds nothing.
+            (sq, rho): (B,) squared norms, or (B, K) partial sums with ``parts`` where the rule gives
+            them; (B,) ρ fp32 (fp64 for fp64 calls), or None where not ``bound``, where the rule has
+            no ``rounding`` or where the call adds nothing.
         """
+        if parts and self.norm_parts:
+            if not bound or self.rounding is None:
+                return self.sq_norms(module, x, o, names, parts=True), None
+            return self.sq_norms_rounding(module, x, o, names, parts=True)
         if not bound or self.rounding is None:
             return self.norms(module, x, o, names), None
         if self.sq_norms_rounding is not None:

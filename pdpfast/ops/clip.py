@@ -20,30 +20,34 @@ _FUSED_MISSING = _ext.missing("clip_weights", "clip.cpp")
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _FUSED = "C++ kernel"
 _TAKES_ROUNDING = getattr(_C, "clip_takes_rounding", False)
+_TAKES_PARTS = getattr(_C, "clip_takes_parts", False)
+_REBUILD = "rebuild with `pip install --no-build-isolation -e .`"
 
 
 def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
-                       rounding: torch.Tensor | None = None) -> str:
+                       rounding: torch.Tensor | None = None, parts: bool = False) -> str:
     """Which route ``clip_weights`` takes for these tensors.
 
     Args:
-        sq_norms, clip_norms, mask, rounding: as in ``clip_weights``.
+        sq_norms, clip_norms, mask, rounding, parts: as in ``clip_weights``.
     Returns:
-        "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms``,
-        ``clip_norms`` and ``rounding`` of one shape and dtype, fp32 or fp64, no separate mask, CPU
-        tensors or CUDA tensors with a CUDA build); otherwise "torch (<why>)".
+        "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms`` (less its
+        last dim, with ``parts``), ``clip_norms`` and ``rounding`` of one shape and dtype, fp32 or
+        fp64, no separate mask, CPU tensors or CUDA tensors with a CUDA build); otherwise
+        "torch (<why>)".
     """
     if _FUSED_MISSING is not None:
         return f"torch ({_FUSED_MISSING})"
     if mask is not None:
         return "torch (a separate mask: the engine folds it into the bounds)"
-    if sq_norms.shape != clip_norms.shape or sq_norms.dtype != clip_norms.dtype:
+    if parts and not _TAKES_PARTS:
+        return f"torch (pdpfast._C predates the parts argument; {_REBUILD})"
+    if (sq_norms.shape[:-1] if parts else sq_norms.shape) != clip_norms.shape or sq_norms.dtype != clip_norms.dtype:
         return "torch (bounds that broadcast or have another dtype)"
     if rounding is not None:
         if not _TAKES_ROUNDING:
-            return ("torch (pdpfast._C predates the rounding argument; rebuild with "
-                    "`pip install --no-build-isolation -e .`)")
-        if rounding.shape != sq_norms.shape or rounding.dtype != sq_norms.dtype:
+            return f"torch (pdpfast._C predates the rounding argument; {_REBUILD})"
+        if rounding.shape != clip_norms.shape or rounding.dtype != sq_norms.dtype:
             return "torch (a rounding bound of another shape or dtype)"
     if sq_norms.dtype not in _FUSED_DTYPES:
         return f"torch (dtype {sq_norms.dtype})"
@@ -58,7 +62,7 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
 
 def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
                  automatic_gamma: float | None = None, loss_scale: float = 1.0,
-                 rounding: torch.Tensor | None = None) -> torch.Tensor:
+                 rounding: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor:
     """w_i = m_i · min(1, c_i / (‖g_i‖ + ρ_i + 1e-6)), or m_i · c_i / (‖g_i‖ + ρ_i + γ) with automatic clipping.
 
     ρ_i (``rounding``, 0 when None) bounds how far a low-precision clipped sum's rounding can take
@@ -78,15 +82,20 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
         loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
             under a mean loss) gives all-zero weights.
-        rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms``.
+        rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms`` (less its last
+            dim, with ``parts``).
+        parts: ``sq_norms`` has one more trailing dim than the norms, (..., K): partial sums (a norm
+            kernel's per-program sums), added up here, in the same call on the C++ route.
     Returns:
-        the weights s·w_i, shaped like ``sq_norms`` and ``clip_norms`` broadcast together (like
-        ``sq_norms`` when s = 0), in ``sq_norms``' dtype.
+        the weights s·w_i, shaped like ``sq_norms`` (the summed norms, with ``parts``) and
+        ``clip_norms`` broadcast together (like those norms when s = 0), in ``sq_norms``' dtype.
     """
-    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding) == _FUSED:
+    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding, parts) == _FUSED:
         if automatic_gamma is None:
-            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding)
-        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding)
+            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
+        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding, parts)
+    if parts:
+        sq_norms = sq_norms.sum(-1)
     return clip_weights_reference(sq_norms, clip_norms, mask, automatic_gamma, loss_scale, rounding)
 
 

@@ -326,7 +326,7 @@ def bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     return _BIAS_SQ_NORMS.pick(o)(o)
 
 
-def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.Tensor:
+def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool, parts: bool = False) -> torch.Tensor:
     """Per-sample squared norm of a linear layer's weight (+ bias) gradient, dispatched like
     ``linear_weight_sq_norms``.
 
@@ -337,13 +337,18 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool) -> torch.
         a: (B, T, d) layer inputs.
         o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs.
         with_bias: add the bias's ‖Σ_t o_{i,t}‖².
+        parts: the caller sums the result's rows itself (book-keeping sums every layer's partial
+            sums at once, at the end of the backward): the kernel's per-program partial sums are
+            returned as they are, saving a launch per call.
     Returns:
-        (B,) fp32 (fp64 for fp64 inputs).
+        (B,) fp32 (fp64 for fp64 inputs); with ``parts``, (B, K) whose row sums are those norms
+        (K = 1 where the reference runs).
     """
     fn = _LINEAR_WEIGHT_SQ_NORMS.pick(a, o)
     if fn is _LINEAR_WEIGHT_SQ_NORMS.reference:
-        return linear_sq_norms_reference(a, o, with_bias)
-    return fn(a, o, with_bias=with_bias)
+        sq = linear_sq_norms_reference(a, o, with_bias)
+        return sq.unsqueeze(1) if parts else sq
+    return fn(a, o, with_bias=with_bias, parts=parts)
 
 
 def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):

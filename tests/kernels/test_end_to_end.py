@@ -103,3 +103,59 @@ def test_rounding_bound_with_kernels_matches_reference_math_in_bf16(name, clippi
         torch.testing.assert_close(rho, ref_rho, rtol=1e-4, atol=0)
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-2, atol=1e-3, msg=key)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_reference(clipping, monkeypatch, device):
+    """A large call on the norm kernel's Gram path leaves (B, K) per-program partial sums, K > 1.
+    Book-keeping keeps them and sums every layer's once, at the end of the backward; per-layer
+    clipping hands them to the clip-weight call, which sums them. Neither spends a launch per call
+    on the sum. Norms and clipped sums equal the torch references' (Triton off)."""
+    import pdpfast.clipping as clipping_module
+    import pdpfast.ops.linear as lin_ops
+    from pdpfast.clipping import ClippingState
+
+    # every call computed on its own, nothing formed: a full-size model's route on a GPU
+    monkeypatch.setattr(clipping_module, "SMALL_CALL_BYTES", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    seen = {"sq": [], "parts": []}
+    add_sq, weights_of = ClippingState._add_sq, clipping_module.clip_weights
+
+    def spy_add_sq(self, sq):
+        seen["sq"].append(tuple(sq.shape))
+        return add_sq(self, sq)
+
+    def spy_weights(*args, **kwargs):
+        seen["parts"].append(args[-1] if len(args) == 7 else kwargs.get("parts", False))
+        return weights_of(*args, **kwargs)
+
+    monkeypatch.setattr(ClippingState, "_add_sq", spy_add_sq)
+    monkeypatch.setattr(clipping_module, "clip_weights", spy_weights)
+    torch.manual_seed(0)
+    B, T, d = 3, 65, 200  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
+    assert lin_ops.use_gram(T, d, d)
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)).to(device))
+    x = torch.randn(B, T, d, device=device)
+
+    def run():
+        seen["sq"].clear(), seen["parts"].clear()
+        state = ClippingState(model, clipping=clipping)
+        with state.attached():
+            state.begin_batch(torch.linspace(0.05, 2.0, B))
+            model(x).pow(2).mean((1, 2)).sum().backward()
+            out = state.last_norms, {n: p.grad.clone() for n, p in model.named_parameters()}
+            state.end_draw()
+        model.zero_grad(set_to_none=True)
+        return out
+
+    norms, grads = run()
+    if clipping == "flat":
+        assert seen["sq"].count((B, 4)) == 2, seen["sq"]  # both calls' partial sums, unsummed
+    else:
+        assert seen["parts"] == [True, True], seen["parts"]  # each call's weights from its partial sums
+    monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+    ref_norms, ref_grads = run()
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)

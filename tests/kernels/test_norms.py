@@ -62,6 +62,23 @@ def test_linear_weight_sq_norms(tools, gen, shape, path, dtype):
     _check_linear(tools, a, o, path)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("path", ["auto", "gram", "direct"])
+@pytest.mark.parametrize("shape", [(3, 1, 7, 5), (2, 65, 7, 9), (2, 33, 7, 65), (0, 7, 5, 3), (2, 0, 5, 3)], ids=str)
+def test_linear_sq_norms_parts_are_the_launchs_partial_sums(tools, gen, shape, path, with_bias):
+    """parts=True returns the launch's per-program partial sums, (B, K), unsummed: their row sums
+    are the norms (the same additions in another order), and no sum is launched for them."""
+    B, T, d, p = shape
+    a = tools.randn(gen, B, T, d, device=tools.device)
+    o = tools.randn(gen, B, T, p, device=tools.device)
+    whole = norms.linear_weight_sq_norms(a, o, path=path, with_bias=with_bias)
+    partial = norms.linear_weight_sq_norms(a, o, path=path, with_bias=with_bias, parts=True)
+    assert partial.dim() == 2 and partial.shape[0] == B and partial.dtype == torch.float32
+    torch.testing.assert_close(partial.sum(1), whole, rtol=1e-5, atol=1e-6 * (float(whole.abs().max()) if B else 1.0))
+    if path == "gram" and T == 65:
+        assert partial.shape[1] == 4  # two tiles of T, two shifts each: four programs per sample
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_linear_weight_sq_norms_empty_batch(tools, path):
     a = torch.randn(0, 7, 5, device=tools.device)
