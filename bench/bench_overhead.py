@@ -13,6 +13,9 @@ non-private step of the same run.
                                                          # the kernels' launches per step (not times)
     python -m bench.bench_overhead --route large --kernels stub
                                                          # the GPU route's host time, on the CPU
+    python -m bench.bench_overhead --model bert-base --route large --kernels stub
+                                                         # BERT-base's launches per step on the GPU
+                                                         # route (counts only: no times)
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
@@ -52,6 +55,22 @@ def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 128, (batch, seq), generator=g)
     # explicit (B, T) position ids, as in bench_e2e: Opacus cannot broadcast HF's default (1, T) ids
+    inputs = {"input_ids": ids.to(device), "position_ids": torch.arange(seq).repeat(batch, 1).to(device)}
+    y = torch.randint(0, 2, (batch,), generator=g).to(device)
+    loss = lambda out, t: nn.functional.cross_entropy(out.logits, t, reduction="none")  # noqa: E731
+    return model, inputs, y, loss
+
+
+def build_bert_base(device: torch.device, batch: int = 2, seq: int = 128):
+    """(model, inputs, targets, per-sample loss) of BERT-base at ``bench_e2e``'s sequence length.
+    On a CPU its arithmetic dwarfs its host work, so it is for counting launches, not for timing;
+    the counts do not depend on the batch, hence 2 samples."""
+    from pdpfast.models import bert
+
+    torch.manual_seed(0)
+    model = bert("base", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, model.config.vocab_size, (batch, seq), generator=g)
     inputs = {"input_ids": ids.to(device), "position_ids": torch.arange(seq).repeat(batch, 1).to(device)}
     y = torch.randint(0, 2, (batch,), generator=g).to(device)
     loss = lambda out, t: nn.functional.cross_entropy(out.logits, t, reduction="none")  # noqa: E731
@@ -171,33 +190,41 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", choices=("run", "stub"), default="run",
                         help="stub: the GPU's kernel choices with every launch a no-op (the GPU route's host "
                              "time on a CPU; outputs are garbage)")
+    parser.add_argument("--model", choices=("bert-12x16", "bert-base"), default="bert-12x16",
+                        help="bert-base: BERT-base (batch 2, seq 128), launches per step only (no times: on a "
+                             "CPU its arithmetic dwarfs its host work)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.kernels == "stub":
         stub_kernel_launches()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model, inputs, y, loss = build(device)
+    timed = args.model == "bert-12x16"
+    model, inputs, y, loss = (build if timed else build_bert_base)(device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     with large_call_route() if args.route == "large" else contextlib.nullcontext():
-        results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10, providers=providers,
-                                      clock=args.clock),
-                              y.shape[0])
+        if timed:
+            results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10,
+                                          providers=providers, clock=args.clock), y.shape[0])
+        else:
+            results = {name: {} for name in providers}
         for name, make in providers.items():
-            if "median_ms" in results[name]:
+            if "median_ms" in results[name] or not timed:
                 step = make(copy.deepcopy(model), inputs, y, loss)
                 step(), step()  # warm: lazily built state is not counted
                 launches, triton_launches = launches_per_step(step)
                 results[name]["launches_per_step"] = launches
                 results[name]["triton_launches_per_step"] = triton_launches
     env = environment(device)
-    rows = [{"benchmark": "host_overhead", "model": "bert-12x16", "batch": 4, "seq": 8, "provider": name, **r, **env,
+    batch, seq = (4, 8) if timed else (2, 128)
+    rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r, **env,
              "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
              "kernels": args.kernels}
             for name, r in results.items()]
-    suffix = "" if args.route == "model" else f"_{args.route}_calls"
+    suffix = "" if timed else "_" + args.model.replace("-", "_")
+    suffix += "" if args.route == "model" else f"_{args.route}_calls"
     suffix += "" if args.dtype == "fp32" else f"_{args.dtype}"
     suffix += "" if args.kernels == "run" else f"_{args.kernels}_kernels"
     out = write_rows(args.out or f"bench/results/overhead_{device.type}{suffix}.json", rows)
@@ -206,6 +233,8 @@ def main(argv=None) -> int:
         if "median_ms" in r:
             print(f"| {r['provider']} | {r['median_ms']:.2f} | {r.get('time_ratio_vs_nonprivate', float('nan')):.2f} "
                   f"| {r.get('launches_per_step', '')} |")
+        elif "launches_per_step" in r:
+            print(f"| {r['provider']} | | | {r['launches_per_step']} |")
         else:
             print(f"| {r['provider']} | {r['error']} | |")
     print(f"device: {env['device']}, torch {env['torch']}, {env['date']}; written to {out}")

@@ -183,6 +183,20 @@ def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
 
 
+def test_bench_overhead_counts_bert_bases_launches_without_timing_them(tmp_path):
+    """--model bert-base counts a full-size model's launches per step (on a CPU its arithmetic would
+    swamp any time of its host work, so no time is reported)."""
+    from bench import bench_overhead
+
+    out = tmp_path / "overhead_bert_base.json"
+    assert bench_overhead.main(["--model", "bert-base", "--route", "large", "--providers",
+                                "non-private,pdpfast bk", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["seq"]) for r in rows] == [("bert-base", 128)] * 2
+    assert all("median_ms" not in r for r in rows)
+    assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"] > 0
+
+
 def test_bench_overhead_bf16_runs_the_low_precision_route(tmp_path):
     """--dtype bf16 times the bf16 model, whose calls also bound their clipped sums' rounding."""
     from bench import bench_overhead
