@@ -219,8 +219,8 @@ def main(argv=None) -> int:
                 results[name]["triton_launches_per_step"] = triton_launches
     env = environment(device)
     batch, seq = (4, 8) if timed else (2, 128)
-    rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r, **env,
-             "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
+    rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r,
+             **env, "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
              "kernels": args.kernels}
             for name, r in results.items()]
     suffix = "" if timed else "_" + args.model.replace("-", "_")
