@@ -1,5 +1,6 @@
 // CUDA path of clip_weights (clip.cpp): one thread per weight (summing its partial sums, if given),
-// on the current stream (so a CUDA graph capture records it). The same arithmetic as the CPU loop, rounded in the tensor's dtype.
+// on the current stream (so a CUDA graph capture records it). The same arithmetic as the CPU loop,
+// rounded in the tensor's dtype.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 // c10/cuda only (not ATen/cuda/CUDAContext.h, which pulls in cuSPARSE/cuBLAS headers a minimal
