@@ -221,7 +221,7 @@ def _fuses_rounding(a: torch.Tensor, o: torch.Tensor) -> bool:
 
 
 @register("linear_sq_norms_rounding", when=_fuses_rounding)
-def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float, parts: bool = False):
     """A linear call's per-sample squared norms (weight, + bias ``with_bias``) and its clipped sum's
     rounding bound ρ_i = u·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) from one launch: the Gram path reads ‖a_t‖²
     and ‖o_t‖² off its Grams' diagonals, the rank-one path takes ρ_i = u·‖g_i‖.
@@ -231,20 +231,22 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, 
         o: (B, T, p) output gradients.
         with_bias: the bias is among the call's parameters.
         u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``).
+        parts: return the launch's per-program partial sums of both, (B, K) each, unsummed.
     Returns:
-        (sq, rho), each (B,) fp32. Calls on the direct path (or of other dtypes) compute them apart
-        (``pdpfast.ops.linear.linear_sq_norms_rounding_reference``).
+        (sq, rho), each (B,) fp32 ((B, K) with ``parts``, whose row sums they are). Calls on the direct
+        path (or of other dtypes) compute them apart (``pdpfast.ops.linear.linear_sq_norms_rounding_reference``),
+        summed whatever ``parts``.
     """
     if not _fuses_rounding(a, o):
         return linear_sq_norms_rounding_reference(a, o, with_bias, u)
-    return _linear_norms(a, o, "rank_one" if o.shape[1] == 1 else "gram", with_bias, u)
+    return _linear_norms(a, o, "rank_one" if o.shape[1] == 1 else "gram", with_bias, u, parts)
 
 
 def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, u: float | None,
                   parts: bool = False):
     """(sq, rho): the launches of ``linear_weight_sq_norms``; rho (``linear_sq_norms_rounding``) when
-    ``u`` is given (rank-one and Gram paths only), else None. ``parts`` (without ``u``): sq as the
-    (B, K) partial sums the launch wrote, not summed here."""
+    ``u`` is given (rank-one and Gram paths only), else None. ``parts``: sq (and rho) as the (B, K)
+    partial sums the launch wrote, not summed here."""
     B, T, D = a.shape
     P = o.shape[-1]
     if o.shape[:2] != a.shape[:2]:
@@ -256,7 +258,9 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
     rounding = u is not None
     if B == 0:
         empty = torch.zeros(0, dtype=torch.float32, device=a.device)
-        return (empty.view(0, 1) if parts else empty), (empty if rounding else None)
+        if parts:
+            empty = empty.view(0, 1)
+        return empty, (empty if rounding else None)
     # fp32: one TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin)
     flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
     if rounding and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
@@ -271,7 +275,9 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
             _rank_one_sq_norms_kernel[(B,)](
                 a, o, out, B, D, P, a.stride(0), a.stride(2), o.stride(0), o.stride(2), u or 0.0,
                 BLOCK=block(max(D, P), 16, 1024), HAS_BIAS=with_bias, ROUNDING=rounding, num_warps=4)
-            return (out[0].unsqueeze(1) if parts else out[0]), (out[1] if rounding else None)
+            if parts:
+                out = out.unsqueeze(2)
+            return out[0], (out[1] if rounding else None)
         if path == "gram":
             block_t = block(T, 16, 64)
             n_tiles = cdiv(T, block_t)
@@ -283,8 +289,8 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
                     a, o, partials, T, D, P, *_strides(a), *_strides(o), n_tiles, n_shifts, n, u or 0.0,
                     BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64), HAS_BIAS=with_bias,
                     ROUNDING=rounding, num_warps=4, **flags)
-            if parts and not rounding:
-                return partials, None
+            if parts:
+                return (partials[:B], partials[B:]) if rounding else (partials, None)
             out = sum_partials(partials)
             return (out[:B], out[B:]) if rounding else (out, None)
         if rounding:

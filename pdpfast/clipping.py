@@ -49,7 +49,7 @@ from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
-from .ops.clip import clip_weights
+from .ops.clip import PendingWeights, clip_weights
 from .ops.linear import acc_dtype
 
 MODES = ("bk", "ghost")
@@ -79,8 +79,16 @@ def _rounds_finely(o: torch.Tensor) -> bool:
 
 def _norms_and_rounding(layer, names: tuple, x, o, parts: bool = False) -> tuple:
     """(sq, ρ_i or None) of a call whose norms come from its rule's formulas (``LayerRule.rounding``);
-    ``parts``: sq may be (B, K) partial sums (``LayerRule.norm_parts``)."""
+    ``parts``: sq (and ρ) may be (B, K) partial sums (``LayerRule.norm_parts``)."""
     return layer.rule.norms_and_rounding(layer.module, x, o, names, bound=not _rounds_finely(o), parts=parts)
+
+
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    """(B,) from (B,) values or (B, K) partial sums of them (``LayerRule.norm_parts``): a view where
+    K = 1 (the norm kernel's rank-one path), one sum otherwise."""
+    if t.dim() == 1:
+        return t
+    return t[:, 0] if t.shape[1] == 1 else t.sum(1)
 
 
 def _stack_norms_and_rounding(stacked, calls) -> tuple:
@@ -741,9 +749,11 @@ class ClippingState:
                 self._accumulate_param(params[n], weighted_sum(weights, g))
             workspace.recycle(grads)
         else:
-            # partial sums where the norm kernel leaves them: the clip-weight call sums them
+            # partial sums where the norm kernel leaves them: the clip-weight call sums them, and where
+            # the rule takes them, the weights are computed by the op that scales the clipped sum's rows
             sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
-            weights = self._group_weights(sq, k, o, rounding=rho, parts=sq.dim() == 2)
+            weights = self._group_weights(sq, k, o, rounding=rho, parts=sq.dim() == 2,
+                                          pending=layer.rule.pending_weights)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -783,16 +793,17 @@ class ClippingState:
     def _add_rounding(self, rho: torch.Tensor | None) -> None:
         """Flat clipping: keep one layer's (or stack's) ρ_i (``LayerRule.rounding``), combined with the
         others once, at the end of the backward: in quadrature, their errors lying in different
-        coordinates (different parameters)."""
+        coordinates (different parameters). ``rho``: (B,), or (B, K) partial sums (``norm_parts``),
+        summed here: a layer's ρ is the sum of its partial sums, not their quadrature."""
         if rho is not None:
-            self._rho_parts.append(rho)
+            self._rho_parts.append(_row_sums(rho))
 
     def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
         """Per-layer clipping: keep clipping group k's own per-sample squared norms, (B,) or (B, K)
         partial sums (for ``last_group_norms``, when ``keep_group_norms`` is set); each group reports
         once per backward."""
         if self.keep_group_norms:
-            self._group_sq[group] = (sq.sum(1) if sq.dim() == 2 else sq).detach()  # (B, K) partial sums: summed
+            self._group_sq[group] = _row_sums(sq).detach()
 
     def _queue_finish(self, finish) -> None:
         if not self._queued:
@@ -840,13 +851,16 @@ class ClippingState:
         self._margin = max(self._margin, rounding_margin(o))
 
     def _weights(self, sq: torch.Tensor, bounds: torch.Tensor, rounding: torch.Tensor | None = None,
-                 parts: bool = False) -> torch.Tensor:
+                 parts: bool = False, pending: bool = False) -> torch.Tensor | PendingWeights:
         """Weights applied to the backward's output gradients (s·w_i, the loss scale s folded in):
         sq the squared norms of their per-sample gradients (with ``parts``, (..., K) partial sums of
         them), bounds c_i broadcast against sq, rounding their rounding bounds ρ_i
-        (``LayerRule.rounding``) or None."""
+        (``LayerRule.rounding``) or None; ``pending``: uncomputed, for the op that applies them
+        (``LayerRule.pending_weights``)."""
         if rounding is not None and rounding.dtype != sq.dtype:
             rounding = rounding.to(sq.dtype)
+        if pending:
+            return PendingWeights(sq, bounds, self.automatic_gamma, self.loss_scale, rounding, parts)
         return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding, parts)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
@@ -858,13 +872,14 @@ class ClippingState:
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho)
 
     def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor,
-                       rounding: torch.Tensor | None = None, parts: bool = False) -> torch.Tensor:
+                       rounding: torch.Tensor | None = None, parts: bool = False,
+                       pending: bool = False) -> torch.Tensor | PendingWeights:
         """Weights of per-layer group k for clipped sums computed like the tensors ``like`` (dtype,
         device): the bounds keep the widest of their rounding margins (a tied weight's group under
         autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None; ``parts``:
-        sq is (B, K) partial sums."""
+        sq is (B, K) partial sums; ``pending``: as in ``_weights``."""
         margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding, parts)
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding, parts, pending)
 
     # ------------------------------------------------------------------ end of a backward
 

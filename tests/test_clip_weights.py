@@ -18,10 +18,20 @@ import pytest
 import torch
 
 from pdpfast import _ext
-from pdpfast.ops.clip import CLIP_EPS, clip_weights, clip_weights_reference, clip_weights_route
+from pdpfast.ops.clip import (
+    CLIP_EPS,
+    PendingWeights,
+    clip_scale,
+    clip_scale_route,
+    clip_weights,
+    clip_weights_reference,
+    clip_weights_route,
+)
 
 needs_op = pytest.mark.skipif(_ext.missing("clip_weights", "clip.cpp") is not None,
                               reason=str(_ext.missing("clip_weights", "clip.cpp")))
+needs_scale = pytest.mark.skipif(_ext.missing("clip_scale", "clip.cpp") is not None,
+                                 reason=str(_ext.missing("clip_scale", "clip.cpp")))
 
 
 def _inputs(shape, dtype, g):
@@ -235,3 +245,199 @@ def test_the_extension_loads_whatever_module_is_imported_first():
     probe = "import pdpfast._ext as e; print(e._IMPORT_ERROR)"
     fresh = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert fresh == str(_ext._IMPORT_ERROR)
+
+
+@needs_scale
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("parts", [0, 1, 4])
+def test_cpp_clip_weights_take_rounding_bounds_as_partial_sums_too(dtype, parts):
+    """With parts, ρ may arrive as (B, K) partial sums as well (the linear norm kernel writes both):
+    summed in the same call, they give the weights of their sum."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, parts, "rho parts")).encode()))
+    sq, bounds = _inputs((37,), dtype, g)
+    partial_sq = torch.cat([sq.unsqueeze(1), torch.zeros(37, max(parts - 1, 0), dtype=dtype)], 1)[:, :parts]
+    rho = (torch.rand(37, parts, generator=g, dtype=torch.float64) * 0.1).to(dtype)
+    assert clip_weights_route(partial_sq, bounds, None, rho, parts=True) == "C++ kernel"
+    got = clip_weights(partial_sq, bounds, None, None, 3.0, rho, parts=True)
+    expected = clip_weights_reference(partial_sq.sum(-1), bounds, None, None, 3.0, rho.sum(-1))
+    assert torch.equal(got.isnan(), expected.isnan())
+    ok = ~expected.isnan()
+    torch.testing.assert_close(got[ok], expected[ok], rtol=(parts + 5) * torch.finfo(dtype).eps, atol=0)
+
+
+def _pending(B, K, acc, g, rho, gamma, loss_scale):
+    """PendingWeights of B rows: norms as K partial sums (K = None: summed), ρ summed, as partial sums, or none."""
+    sq, bounds = _inputs((B,), acc, g)
+    sq = sq.clamp(max=1e6).nan_to_num(0.0)  # finite norms: the products below stay comparable
+    if K is not None:
+        split = (torch.rand(B, K, generator=g, dtype=torch.float64) + 0.1).to(acc)
+        sq = sq.unsqueeze(1) * split / split.sum(1, keepdim=True) if K else torch.zeros(B, 0, dtype=acc)
+    rounding = None
+    if rho == "summed":
+        rounding = (torch.rand(B, generator=g, dtype=torch.float64) * 0.1).to(acc)
+    elif rho == "parts":
+        rounding = (torch.rand(B, max(K, 1), generator=g, dtype=torch.float64) * 0.1).to(acc)
+    return PendingWeights(sq, bounds, gamma, loss_scale, rounding, K is not None)
+
+
+@needs_scale
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("row", [(), (7,), (3, 5), (0,), (2, 3000)])
+@pytest.mark.parametrize("K, rho", [(None, None), (None, "summed"), (0, None), (1, "parts"), (4, None),
+                                    (4, "summed"), (4, "parts")])
+@pytest.mark.parametrize("gamma, loss_scale", [(None, 1.0), (None, 7.0), (0.01, 2.0)])
+def test_cpp_clip_scale_equals_the_weights_cast_and_the_row_product_bit_for_bit(dtype, row, K, rho, gamma,
+                                                                                 loss_scale):
+    """One call computes the weights, rounds them to x's dtype and scales x's rows, each product
+    rounded once: bit for bit what ``clip_weights`` (the same C++ formula), ``.to(x.dtype)`` and
+    torch's ``x * w`` give, for every dtype per-layer clipping computes clipped sums in."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, row, K, rho, gamma, loss_scale)).encode()))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for B in (0, 1, 6):
+        weights = _pending(B, K, acc, g, rho, gamma, loss_scale)
+        x = torch.randn(B, *row, generator=g, dtype=torch.float64).mul_(10).to(dtype)
+        assert clip_scale_route(x, weights) == "C++ kernel"
+        scaled, w = clip_scale(x, weights)
+        expected_w = weights.tensor().to(dtype)
+        assert w.dtype == dtype and w.shape == (B,) and scaled.shape == x.shape and scaled.dtype == dtype
+        assert torch.equal(w, expected_w)
+        assert torch.equal(scaled, x * expected_w.view(-1, *[1] * len(row)))
+
+
+@needs_scale
+def test_cpp_clip_scale_scales_a_non_contiguous_tensor_and_leaves_it_alone():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, 5, generator=g).transpose(1, 2)  # (4, 5, 6), not contiguous
+    before = x.clone()
+    weights = PendingWeights(torch.rand(4, generator=g) * 9, torch.rand(4, generator=g), None, 1.0)
+    scaled, w = clip_scale(x, weights)
+    assert torch.equal(x, before)
+    assert torch.equal(scaled, x * weights.tensor().view(-1, 1, 1))
+
+
+def test_clip_scale_without_the_op_computes_the_same_weights_and_products(monkeypatch):
+    """A ``pdpfast._C`` built before ``clip_scale`` (or none): the weights come from ``clip_weights``
+    and torch scales the rows, the route saying to rebuild; an empty batch under a mean loss
+    (s = 0) weighs nothing on either route."""
+    import pdpfast.ops.clip as clip_ops
+
+    g = torch.Generator().manual_seed(5)
+    weights = _pending(6, 4, torch.float32, g, "parts", None, 3.0)
+    x = torch.randn(6, 8, 3, generator=g).bfloat16()
+    fused = clip_scale(x, weights)
+    monkeypatch.setattr(clip_ops, "_SCALE_MISSING", "pdpfast._C has no clip_scale (rebuild)")
+    assert "rebuild" in clip_scale_route(x, weights)
+    scaled, w = clip_scale(x, weights)
+    expected_w = weights.tensor().bfloat16()
+    assert torch.equal(w, expected_w) and torch.equal(scaled, x * expected_w.view(-1, 1, 1))
+    if _ext.missing("clip_scale", "clip.cpp") is None:
+        assert torch.equal(fused[0], scaled) and torch.equal(fused[1], w)
+    # and rounding bounds as partial sums reach the torch formula summed
+    assert "rebuild" in clip_weights_route(weights.sq_norms, weights.clip_norms, None, weights.rounding, parts=True)
+    monkeypatch.undo()
+    empty = weights._replace(loss_scale=0.0)
+    scaled, w = clip_scale(x, empty)
+    assert not scaled.any() and not w.any()
+
+
+def test_clip_scale_route_says_why_it_takes_torch():
+    g = torch.Generator().manual_seed(6)
+    weights = _pending(5, 3, torch.float32, g, None, None, 1.0)
+    x = torch.randn(5, 4)
+    if _ext.missing("clip_scale", "clip.cpp") is not None:
+        assert clip_scale_route(x, weights).startswith("torch (")
+        return
+    assert clip_scale_route(x, weights) == "C++ kernel"
+    assert "one per row" in clip_scale_route(torch.randn(4, 4), weights)
+    assert "one per row" in clip_scale_route(x, weights._replace(clip_norms=weights.clip_norms.expand(2, 5),
+                                                                 sq_norms=weights.sq_norms.expand(2, 5, 3)))
+    assert "dtype" in clip_scale_route(x.int(), weights)
+    assert "precision" in clip_scale_route(x.double(), weights)
+    assert "grad" in clip_scale_route(x.requires_grad_(), weights)
+    assert "broadcast" in clip_scale_route(x, weights._replace(clip_norms=torch.rand(1)))
+
+
+@needs_scale
+def test_cpp_clip_scale_refuses_mismatched_inputs_clearly():
+    from pdpfast import _C
+
+    sq, bounds = torch.rand(3), torch.rand(3)
+    with pytest.raises(RuntimeError, match="B = 3 rows"):
+        _C.clip_scale(torch.rand(4, 2), sq, bounds, CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match=r"must be \(B,\)"):
+        _C.clip_scale(torch.rand(3, 2), sq.expand(2, 3), bounds.expand(2, 3), CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="must be Float"):
+        _C.clip_scale(torch.rand(3, 2), sq.double(), bounds.double(), CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        _C.clip_scale(torch.ones(3, 2, dtype=torch.int32), sq, bounds, CLIP_EPS, 1.0)
+    with pytest.raises(RuntimeError, match="rounding must have"):
+        _C.clip_scale(torch.rand(3, 2), sq, bounds, CLIP_EPS, 1.0, torch.rand(3, 2))  # partial ρ without parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d, p", [(8, 3), (3, 8)])
+@pytest.mark.parametrize("need_weight, need_bias", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_linear_clipped_grads_from_pending_weights_equal_those_from_the_weights(dtype, d, p, need_weight, need_bias,
+                                                                                transposed):
+    """A linear call's clipped sum with its weights computed by the op that scales its rows equals
+    the sum with the weights computed first, bit for bit, whichever operand is scaled (the narrower:
+    o for p ≤ d, else a, the bias then weighing Σ_t o_t by the returned weights)."""
+    from pdpfast.ops.linear import linear_clipped_grads
+
+    g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, d, p, need_weight, need_bias, transposed)).encode()))
+    B, T = 5, 4
+    a = torch.randn(B, T, d, generator=g).to(dtype)
+    o = torch.randn(B, T, p, generator=g).to(dtype)
+    weights = _pending(B, 3, torch.float32, g, "parts" if dtype == torch.bfloat16 else None, None, 4.0)
+    got = linear_clipped_grads(a, o, weights, need_weight, need_bias, transposed)
+    expected = linear_clipped_grads(a, o, weights.tensor(), need_weight, need_bias, transposed)
+    for x, y in zip(got, expected):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+def test_per_layer_clipping_weighs_a_large_linear_call_in_the_op_that_scales_it(monkeypatch):
+    """Per-layer clipping of a linear call that is neither stacked nor formed per sample hands the
+    call its weights uncomputed (``LayerRule.pending_weights``): one ``clip_scale`` per call, and
+    the clipped gradients equal those of the weights computed first."""
+    import pdpfast
+    import pdpfast.clipping as clipping_module
+    import pdpfast.ops.clip as clip_ops
+    import pdpfast.ops.linear as lin_ops
+    from pdpfast.clipping import ClippingState
+
+    monkeypatch.setattr(clipping_module, "SMALL_CALL_BYTES", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    routes = []
+    scale = lin_ops.clip_scale
+
+    def spy(x, weights):
+        routes.append(clip_scale_route(x, weights))
+        return scale(x, weights)
+
+    monkeypatch.setattr(lin_ops, "clip_scale", spy)
+    torch.manual_seed(0)
+    model = pdpfast.nn.convert(torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 4)))
+    x = torch.randn(5, 7, 6)
+
+    def run():
+        state = ClippingState(model, clipping="per_layer")
+        with state.attached():
+            state.begin_batch(torch.linspace(0.05, 2.0, 5))
+            model(x).pow(2).sum().backward()
+            state.end_draw()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    grads = run()
+    fused = "C++ kernel" if _ext.missing("clip_scale", "clip.cpp") is None else routes[0]
+    assert routes == [fused, fused]
+    monkeypatch.setattr(clip_ops, "_SCALE_MISSING", "stale")  # the weights first, then torch's product
+    expected = run()
+    assert routes[2:] == ["torch (stale)"] * 2
+    for name in expected:
+        assert torch.equal(grads[name], expected[name]), name

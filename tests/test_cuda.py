@@ -315,6 +315,42 @@ def test_cuda_clip_weights_op_equals_the_torch_formula(dtype, gamma):
     torch.testing.assert_close(got, expected, rtol=10 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cuda_clip_scale_op_equals_the_cpu_op_bit_for_bit(dtype):
+    """The CUDA clip-scale op (csrc/clip_cuda.cu: the weights, their cast to x's dtype and the row
+    scaling in one kernel) against the CPU op, which equals the weights' formula, the cast and
+    torch's product bit for bit (tests/test_clip_weights.py): IEEE square root, division and
+    products round alike on both. Rows of several blocks, partial sums of the norms and of ρ, an
+    empty batch, and a CUDA graph capture."""
+    from pdpfast import _ext
+    from pdpfast.ops.clip import PendingWeights, clip_scale, clip_scale_route
+
+    if _ext.missing("clip_scale", "clip.cpp") is not None or not _ext._C.clip_with_cuda:
+        pytest.skip("pdpfast._C was built without CUDA (python setup.py build_ext --inplace on this machine)")
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(9)
+    for B, row, K in [(0, (5,), 3), (1, (7,), 1), (33, (3, 4096 + 5), 4), (6, (0,), 2)]:
+        sq = torch.exp(torch.randn(B, K, generator=g, dtype=torch.float64) * 4).to(acc)
+        rho = (torch.rand(B, K, generator=g, dtype=torch.float64) * 0.1).to(acc)
+        bounds = (torch.rand(B, generator=g, dtype=torch.float64) * 3).to(acc)
+        x = torch.randn(B, *row, generator=g, dtype=torch.float64).mul_(10).to(dtype)
+        for gamma, s, r in [(None, 1.0, None), (None, 7.0, rho), (0.01, 2.0, rho)]:
+            cpu = clip_scale(x, PendingWeights(sq, bounds, gamma, s, r, True))
+            weights = PendingWeights(sq.cuda(), bounds.cuda(), gamma, s, None if r is None else r.cuda(), True)
+            assert clip_scale_route(x.cuda(), weights) == "C++ kernel"
+            got = clip_scale(x.cuda(), weights)
+            assert torch.equal(got[0].cpu(), cpu[0]) and torch.equal(got[1].cpu(), cpu[1])
+        if B == 33:  # captured: the op launches on the capture stream and replays the same values
+            x_cuda = x.cuda()
+            out_x, out_w = torch.empty_like(x_cuda), torch.empty(B, dtype=dtype, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                scaled, w = clip_scale(x_cuda, weights)
+                out_x.copy_(scaled), out_w.copy_(w)
+            graph.replay()
+            assert torch.equal(out_x.cpu(), cpu[0]) and torch.equal(out_w.cpu(), cpu[1])
+
+
 def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
     """bench.harness drops each provider's model copy and empties the cache before the next: a
     captured step must hold what its graph writes (else an illegal memory access, seen on an H100)."""

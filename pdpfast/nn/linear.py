@@ -98,10 +98,11 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool
     Args:
         a: (B, T, d) inputs; o: (B, T, p) output gradients (B may be n·B for stacked calls).
         with_weight, with_bias: which of W and b the call trains.
-        parts: the caller sums sq's rows (``pdpfast.ops.linear.linear_sq_norms``): where the call has
-            no rounding bound, sq may be (B, K) partial sums.
+        parts: the caller sums the rows of sq and rho (``pdpfast.ops.linear.linear_sq_norms``): each may
+            be (B, K) partial sums.
     Returns:
-        (sq, rho): (B,) fp32 (fp64 for fp64 calls) each; rho None where the sum rounds no more than fp32.
+        (sq, rho): (B,) fp32 (fp64 for fp64 calls) each (or (B, K), with ``parts``); rho None where the
+        sum rounds no more than fp32.
     """
     u = scaling_roundoff(o, torch.backends.cuda.matmul.allow_tf32)
     if not with_weight:
@@ -109,7 +110,7 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool
         return sq, (lin_ops.scaled_sum_rounding(None, o, with_bias, u) if u else None)
     if not u:
         return lin_ops.linear_sq_norms(a, o, with_bias=with_bias, parts=parts), None
-    return lin_ops.linear_sq_norms_rounding(a, o, with_bias, u)
+    return lin_ops.linear_sq_norms_rounding(a, o, with_bias, u, parts)
 
 
 def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "bias") -> LayerRule:
@@ -206,7 +207,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
 
     stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
-                     sq_norms_rounding=sq_norms_rounding, norm_parts=True)
+                     sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -173,8 +173,13 @@ class LayerRule:
         norm_parts: ``sq_norms`` and ``sq_norms_rounding`` take a keyword ``parts``: when True the
             caller sums the rows of the squared norms itself, and they may return (B, K) partial
             sums (the norm kernel's per-program sums) instead of (B,): book-keeping sums every
-            layer's once per backward, not once per call. Needs ``sq_norms``, and
-            ``sq_norms_rounding`` where ``rounding`` is given.
+            layer's once per backward, not once per call. ``sq_norms_rounding`` may return ρ as
+            (B, K') partial sums too. Needs ``sq_norms``, and ``sq_norms_rounding`` where
+            ``rounding`` is given.
+        pending_weights: ``clipped_grads`` also takes its weights as ``pdpfast.ops.clip.PendingWeights``
+            (the norms and bounds they come from) and computes them in the op that applies them
+            (``pdpfast.ops.clip.clip_scale``): per-layer clipping then hands a call its weights
+            uncomputed, one op where three ran.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -188,12 +193,15 @@ class LayerRule:
     rounding: Rounding | None = None
     sq_norms_rounding: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], tuple] | None = None
     norm_parts: bool = False
+    pending_weights: bool = False
 
     def __post_init__(self):
         missing_rounding = self.rounding is not None and self.sq_norms_rounding is None
         if self.norm_parts and (self.sq_norms is None or missing_rounding):
             raise ValueError("norm_parts=True needs sq_norms, and sq_norms_rounding where rounding is given "
                              "(both take the keyword parts)")
+        if self.pending_weights and self.clipped_grads is None:
+            raise ValueError("pending_weights=True needs clipped_grads (which takes PendingWeights)")
 
     @property
     def materializes(self) -> bool:
@@ -226,8 +234,8 @@ class LayerRule:
             parts: the caller sums the squared norms' rows itself (``norm_parts``).
         Returns:
             (sq, rho): (B,) squared norms, or (B, K) partial sums with ``parts`` where the rule gives
-            them; (B,) ρ fp32 (fp64 for fp64 calls), or None where not ``bound``, where the rule has
-            no ``rounding`` or where the call adds nothing.
+            them; (B,) ρ fp32 (fp64 for fp64 calls) (or (B, K') partial sums, likewise), or None
+            where not ``bound``, where the rule has no ``rounding`` or where the call adds nothing.
         """
         if parts and self.norm_parts:
             if not bound or self.rounding is None:

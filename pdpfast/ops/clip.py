@@ -4,10 +4,16 @@ Where ``pdpfast._C`` has it, the formula runs as one call (``csrc/clip.cpp``, an
 on a GPU) instead of five tensor ops: per-layer clipping computes weights once per layer call, and
 on B values each op is all launch cost. Its steps are correctly rounded; torch's CPU square root is
 not always, so the routes agree to 4 eps relative (``tests/test_clip_weights.py``).
+
+A call's weights may also be left uncomputed (``PendingWeights``) for the op that applies them:
+``clip_scale`` computes them and scales a tensor's rows by them in one call, which is how per-layer
+clipping weighs a linear call (three ops become one: the weights, their cast to a low precision,
+the row scaling of the clipped sum).
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -18,9 +24,12 @@ CLIP_EPS = 1e-6
 _C = _ext._C
 _FUSED_MISSING = _ext.missing("clip_weights", "clip.cpp")
 _FUSED_DTYPES = (torch.float32, torch.float64)
+_SCALE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # of x in clip_scale
 _FUSED = "C++ kernel"
 _TAKES_ROUNDING = getattr(_C, "clip_takes_rounding", False)
 _TAKES_PARTS = getattr(_C, "clip_takes_parts", False)
+# clip_scale came with rounding bounds as partial sums too (in both ops)
+_SCALE_MISSING = _ext.missing("clip_scale", "clip.cpp")
 _REBUILD = "rebuild with `pip install --no-build-isolation -e .`"
 
 
@@ -47,7 +56,11 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
     if rounding is not None:
         if not _TAKES_ROUNDING:
             return f"torch (pdpfast._C predates the rounding argument; {_REBUILD})"
-        if rounding.shape != clip_norms.shape or rounding.dtype != sq_norms.dtype:
+        rounding_parts = parts and rounding.dim() == sq_norms.dim()
+        if rounding_parts and _SCALE_MISSING is not None:
+            return f"torch (pdpfast._C predates rounding bounds as partial sums; {_REBUILD})"
+        if (rounding.shape[:-1] if rounding_parts else rounding.shape) != clip_norms.shape or \
+                rounding.dtype != sq_norms.dtype:
             return "torch (a rounding bound of another shape or dtype)"
     if sq_norms.dtype not in _FUSED_DTYPES:
         return f"torch (dtype {sq_norms.dtype})"
@@ -82,8 +95,8 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
         loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
             under a mean loss) gives all-zero weights.
-        rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms`` (less its last
-            dim, with ``parts``).
+        rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms`` (with ``parts``,
+            like it or like it less its last dim: partial sums or not).
         parts: ``sq_norms`` has one more trailing dim than the norms, (..., K): partial sums (a norm
             kernel's per-program sums), added up here, in the same call on the C++ route.
     Returns:
@@ -95,8 +108,87 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
             return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
         return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding, parts)
     if parts:
+        if rounding is not None and rounding.dim() == sq_norms.dim():
+            rounding = rounding.sum(-1)
         sq_norms = sq_norms.sum(-1)
     return clip_weights_reference(sq_norms, clip_norms, mask, automatic_gamma, loss_scale, rounding)
+
+
+class PendingWeights(NamedTuple):
+    """Clip weights not yet computed: ``clip_weights``' arguments (no mask: the bounds carry it),
+    for the op that applies them to compute them in the same call (``clip_scale``). Per-layer
+    clipping hands a call's weights over this way: that call's clipped sum is their only use.
+
+    ``tensor()`` computes them apart, for a rule that needs them as a tensor.
+    """
+
+    sq_norms: torch.Tensor
+    clip_norms: torch.Tensor
+    automatic_gamma: float | None = None
+    loss_scale: float = 1.0
+    rounding: torch.Tensor | None = None
+    parts: bool = False
+
+    def tensor(self) -> torch.Tensor:
+        """The weights, computed apart.
+
+        Returns:
+            s·w_i, as ``clip_weights`` returns them for these arguments.
+        """
+        return clip_weights(self.sq_norms, self.clip_norms, None, self.automatic_gamma, self.loss_scale,
+                            self.rounding, self.parts)
+
+
+def clip_scale_route(x: torch.Tensor, weights: PendingWeights) -> str:
+    """Which route ``clip_scale`` takes.
+
+    Args:
+        x, weights: as in ``clip_scale``.
+    Returns:
+        "C++ kernel" where ``pdpfast._C.clip_scale`` computes the weights and scales ``x`` in one call
+        (``clip_weights_route`` holds with (B,) bounds, x float32/float64/float16/bfloat16 on the norms'
+        device, the norms float64 for a float64 x, else float32, nothing requiring grad); otherwise
+        "torch (<why>)".
+    """
+    if _SCALE_MISSING is not None:
+        return f"torch ({_SCALE_MISSING})"
+    route = clip_weights_route(weights.sq_norms, weights.clip_norms, None, weights.rounding, weights.parts)
+    if route != _FUSED:
+        return route
+    if weights.clip_norms.dim() != 1 or x.dim() == 0 or x.shape[0] != weights.clip_norms.shape[0]:
+        return "torch (bounds that are not one per row of x)"
+    if x.dtype not in _SCALE_DTYPES:
+        return f"torch (x of dtype {x.dtype})"
+    if weights.sq_norms.dtype != (torch.float64 if x.dtype == torch.float64 else torch.float32):
+        return "torch (norms of another precision than x's products)"
+    if x.device != weights.sq_norms.device:
+        return "torch (x on another device than its norms)"
+    if x.requires_grad:
+        return "torch (x requires grad: the C++ op has no backward)"
+    return _FUSED
+
+
+def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_i · w_i for every row i, with the weights computed in the same call: one op of
+    ``pdpfast._C`` (``clip_scale_route``) where three ran (the weights, their cast to x's dtype, the
+    product), no host synchronisation.
+
+    Args:
+        x: (B, ...) the tensor whose rows are scaled (a linear call's output gradients or inputs).
+        weights: the B rows' ``PendingWeights``, (B,) bounds.
+    Returns:
+        (scaled, w): scaled like x (contiguous) and w (B,) the weights s·w_i rounded to x's dtype, each
+        product x·w rounded once: what ``x * weights.tensor().to(x.dtype)`` gives, bit for bit, where
+        the weights are computed alike (``clip_weights_route``).
+    """
+    if weights.loss_scale != 0 and clip_scale_route(x, weights) == _FUSED:
+        sq, bounds, gamma, s, rounding, parts = weights
+        if gamma is None:
+            return _C.clip_scale(x, sq, bounds, CLIP_EPS / s, s, rounding, parts)
+        return _C.clip_scale(x, sq, bounds, gamma / s, math.inf, rounding, parts)
+    w = weights.tensor()
+    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    return x * w.view(-1, *([1] * (x.dim() - 1))), w
 
 
 def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from . import workspace
+from .clip import PendingWeights, clip_scale
 from .dispatch import declare, use_triton
 
 # A chunk of per-sample work holds at most this many elements (~128 MiB in fp32), so the direct
@@ -351,7 +352,7 @@ def linear_sq_norms(a: torch.Tensor, o: torch.Tensor, with_bias: bool, parts: bo
     return fn(a, o, with_bias=with_bias, parts=parts)
 
 
-def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float):
+def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, u: float, parts: bool = False):
     """A linear call's per-sample squared norms and its clipped sum's rounding bound at once: one
     launch where the norm kernel's rank-one or Gram path runs (it reads the row norms ρ needs off
     its Grams' diagonals), else the two apart (``linear_sq_norms_rounding_reference``).
@@ -362,15 +363,20 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, 
         with_bias: the bias is among the call's parameters (its norm added, and its constant input 1
             in ρ's √(‖a_t‖² + 1)).
         u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``).
+        parts: the caller sums the results' rows itself (as in ``linear_sq_norms``): where the kernel
+            runs, both are returned as its (B, K) per-program partial sums, saving the launch that sums them.
     Returns:
         (sq, rho): ``linear_sq_norms(a, o, with_bias)`` and ``scaled_sum_rounding(a, o, with_bias, u)``,
-        each (B,) fp32 (fp64 for fp64 inputs).
+        each (B,) fp32 (fp64 for fp64 inputs); with ``parts``, each (B, K) where the kernel runs.
     """
-    return _LINEAR_SQ_NORMS_ROUNDING.pick(a, o)(a, o, with_bias, u)
+    fn = _LINEAR_SQ_NORMS_ROUNDING.pick(a, o)
+    if fn is _LINEAR_SQ_NORMS_ROUNDING.reference:
+        return fn(a, o, with_bias, u)
+    return fn(a, o, with_bias, u, parts=parts)
 
 
-def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | None, need_weight: bool = True,
-                         need_bias: bool = False, transposed: bool = False):
+def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | PendingWeights | None,
+                         need_weight: bool = True, need_bias: bool = False, transposed: bool = False):
     """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}): the clipped weight and bias gradients of a linear layer.
 
     The weight gradient is the ordinary weight-gradient GEMM (cuBLAS on a GPU) over the B·T rows
@@ -381,7 +387,8 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
     Args:
         a: (B, T, d) layer inputs (also (B, d), or (B, ..., d) matching ``o``).
         o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs, same dtype as ``a``.
-        weights: (B,) clip weights w_i, or None for the plain sums.
+        weights: (B,) clip weights w_i, or None for the plain sums, or ``PendingWeights``: computed
+            by the op that scales the rows (``pdpfast.ops.clip.clip_scale``).
         need_weight: compute the weight gradient.
         need_bias: compute the bias gradient.
         transposed: the weight gradient as (d, p) instead of (p, d).
@@ -391,7 +398,10 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
     """
     d, p = a.shape[-1], o.shape[-1]
     scale_o = weights is not None and (p <= d or not need_weight)
-    if weights is not None:
+    if isinstance(weights, PendingWeights):  # computed and applied in one op
+        scaled, weights = clip_scale(o if scale_o else a, weights)
+        o, a = (scaled, a) if scale_o else (o, scaled)
+    elif weights is not None:
         w = weights_as(weights, o.dtype).view(-1, *([1] * (o.dim() - 1)))
         o, a = (o * w, a) if scale_o else (o, a * w)
     a2, o2 = a.reshape(-1, d), o.reshape(-1, p)

@@ -279,6 +279,32 @@ def test_linear_sq_norms_rounding_in_one_launch(tools, gen, shape, with_bias, dt
     torch.testing.assert_close(rho.double().cpu(), expected.cpu(), rtol=ACC_RTOL + _tensor_core_rtol(a, o), atol=0)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("shape", FUSED_SHAPES + [(2, 33, 7, 65)], ids=str)
+def test_linear_sq_norms_rounding_parts_are_the_launchs_partial_sums(tools, gen, shape, with_bias):
+    """parts=True returns the norms' and ρ's per-program partial sums, (B, K) each, unsummed (the
+    launch writes both side by side): their row sums are the summed results. Where the two are
+    computed apart (the direct path), they come summed, (B,), whatever ``parts``."""
+    from pdpfast.ops.linear import use_gram
+
+    B, T, d, p = shape
+    a = tools.randn(gen, B, T, d, dtype=torch.bfloat16, device=tools.device)
+    o = tools.randn(gen, B, T, p, dtype=torch.bfloat16, device=tools.device)
+    u = 2.0 ** -8
+    sq, rho = norms.linear_sq_norms_rounding(a, o, with_bias, u)
+    sq_parts, rho_parts = norms.linear_sq_norms_rounding(a, o, with_bias, u, parts=True)
+    if T > 1 and not use_gram(T, d, p):
+        assert sq_parts.shape == rho_parts.shape == (B,)
+        assert torch.equal(sq_parts, sq) and torch.equal(rho_parts, rho)
+        return
+    assert sq_parts.dim() == rho_parts.dim() == 2 and sq_parts.shape == rho_parts.shape and sq_parts.shape[0] == B
+    if T == 65:
+        assert sq_parts.shape[1] == 4  # two tiles of T, two shifts each: four programs per sample
+    scale = float(sq.abs().max()) if B else 1.0
+    torch.testing.assert_close(sq_parts.sum(1), sq, rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(rho_parts.sum(1), rho, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("shape", [(2, 33, 7, 65), (2, 9, 6, 300)], ids=str)
 def test_linear_sq_norms_rounding_on_the_direct_path_computes_them_apart(tools, gen, shape):
     """Where the direct norm is cheaper, ρ needs the rows' norms the direct kernel never forms: the
