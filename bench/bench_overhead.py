@@ -86,8 +86,10 @@ _VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "tra
 def launches_per_step(step) -> tuple[int, int]:
     """The kernels one call of ``step`` sends a GPU, each one the host issues (a proxy of host work
     that does not depend on the clock): aten ops that are not views, plus one per Triton kernel
-    launch. Under ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU; the ops the interpreter
-    runs inside a kernel are not counted, so the count is the GPU's (the times are not).
+    launch and one per call of ``pdpfast._C`` (each of its ops is one kernel on a GPU; the tensors
+    it allocates launch nothing). Under ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU;
+    the ops the interpreter (or the extension) runs inside a kernel are not counted, so the count
+    is the GPU's (the times are not).
 
     Returns:
         (all launches, the Triton launches among them).
@@ -107,9 +109,37 @@ def launches_per_step(step) -> tuple[int, int]:
     class Triton:
         n = 0
 
-    with Count(), _counting_triton_launches(Triton, inside):
+    with Count(), _counting_triton_launches(Triton, inside), _counting_extension_calls(Count, inside):
         step()
     return Count.n + Triton.n, Triton.n
+
+
+@contextlib.contextmanager
+def _counting_extension_calls(counter, inside: list):
+    """Each call of a ``pdpfast._C`` function adds one to ``counter.n``; ``inside[0]`` > 0 while one runs."""
+    from pdpfast import _ext
+
+    ext = _ext._C
+    names = [] if ext is None else [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))]
+    saved = {n: getattr(ext, n) for n in names}
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            counter.n += 1
+            inside[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] -= 1
+        return wrapped
+
+    try:
+        for n, fn in saved.items():
+            setattr(ext, n, counting(fn))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(ext, n, fn)
 
 
 @contextlib.contextmanager
@@ -143,7 +173,10 @@ def _counting_triton_launches(counter, inside: list):
 
 
 def stub_kernel_launches() -> None:
-    """Select the Triton kernels as on a GPU and make every launch a no-op (``--kernels stub``).
+    """Select the Triton kernels as on a GPU and make every launch a no-op (``--kernels stub``), and
+    take no batch in cache-sized chunks as the CPU route does (``pdpfast.ops.norm``,
+    ``pdpfast.ops.conv``: a GPU takes the whole batch at once, so the count of launches is the
+    GPU's whatever the CPU's cache or thread count).
 
     Must run before ``pdpfast.kernels`` is imported: Triton reads ``TRITON_INTERPRET`` when it
     defines a kernel. Not undone (the process is a benchmark).
@@ -157,6 +190,10 @@ def stub_kernel_launches() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
     InterpretedFunction.run = lambda self, *args, **kwargs: None
+    import pdpfast.ops.conv as conv_ops
+    import pdpfast.ops.norm as norm_ops
+
+    conv_ops._CPU_CHUNK_ELEMENTS = norm_ops._CPU_CHUNK_ELEMENTS = sys.maxsize
 
 
 @contextlib.contextmanager
