@@ -91,6 +91,28 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     return t[:, 0] if t.shape[1] == 1 else t.sum(1)
 
 
+def _in_quadrature(parts: list) -> torch.Tensor:
+    """√(Σ_l ρ_l²) over the layers' rounding bounds, each (B,), or (B, K) partial sums whose rows sum
+    to it (``LayerRule.norm_parts``): a layer's ρ is the sum of its partial sums, and the layers'
+    combine in quadrature. Layers of one K are summed together (one stack and one sum, not one sum
+    each). Returns (B,) in the first one's dtype."""
+    dtype = parts[0].dtype
+    if len(parts) == 1:
+        return _row_sums(parts[0])
+    summed, by_k = [], {}
+    for rho in parts:
+        rho = rho if rho.dtype == dtype else rho.to(dtype)
+        if rho.dim() == 1:
+            summed.append(rho)
+        else:
+            by_k.setdefault(rho.shape[1], []).append(rho)
+    rows = [torch.stack(summed)] if summed else []  # (L, B) each
+    for k, group in by_k.items():
+        group = torch.stack(group)  # (L, B, K)
+        rows.append(group[..., 0] if k == 1 else group.sum(-1))
+    return torch.linalg.vector_norm(rows[0] if len(rows) == 1 else torch.cat(rows), dim=0)
+
+
 def _stack_norms_and_rounding(stacked, calls) -> tuple:
     """((n, B) squared norms, (n, B) ρ or None) of a chunk of stacked calls."""
     return stacked.norms_and_rounding(calls, bound=not _rounds_finely(calls[0][2]))
@@ -794,9 +816,9 @@ class ClippingState:
         """Flat clipping: keep one layer's (or stack's) ρ_i (``LayerRule.rounding``), combined with the
         others once, at the end of the backward: in quadrature, their errors lying in different
         coordinates (different parameters). ``rho``: (B,), or (B, K) partial sums (``norm_parts``),
-        summed here: a layer's ρ is the sum of its partial sums, not their quadrature."""
+        kept unsummed (``_in_quadrature`` sums each layer's)."""
         if rho is not None:
-            self._rho_parts.append(_row_sums(rho))
+            self._rho_parts.append(rho)
 
     def _add_group_sq(self, group: int, sq: torch.Tensor) -> None:
         """Per-layer clipping: keep clipping group k's own per-sample squared norms, (B,) or (B, K)
@@ -864,11 +886,7 @@ class ClippingState:
         return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding, parts)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
-        parts, self._last_rho = self._rho_parts, None
-        if parts:
-            dtype = parts[0].dtype
-            self._last_rho = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(
-                torch.stack([p if p.dtype == dtype else p.to(dtype) for p in parts]), dim=0)
+        self._last_rho = _in_quadrature(self._rho_parts) if self._rho_parts else None
         return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho)
 
     def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor,

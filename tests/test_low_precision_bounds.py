@@ -254,3 +254,22 @@ def test_last_rounding_reports_the_bound_where_a_layer_rounds():
             assert rho.shape == (2,) and (rho > 0).all() and (rho < norms).all()
         else:
             assert rho is None
+
+
+def test_layers_rounding_bounds_combine_in_quadrature_after_summing_each_layers_partial_sums():
+    """Book-keeping keeps each layer's ρ as the norm kernel left it, (B,) or (B, K) partial sums,
+    and combines them at the end of the backward: a layer's ρ is the sum of its partial sums, the
+    layers' add in quadrature (their errors lie in different coordinates). Layers of one K are
+    summed together, whatever their order; a fp64 first layer keeps fp64."""
+    g = torch.Generator().manual_seed(0)
+    B = 5
+    parts = [torch.rand(B, 4, generator=g), torch.rand(B, generator=g), torch.rand(B, 1, generator=g),
+             torch.rand(B, 4, generator=g), torch.rand(B, 7, generator=g).double(), torch.rand(B, generator=g)]
+    expected = torch.stack([p.double().sum(1) if p.dim() == 2 else p.double() for p in parts]).pow(2).sum(0).sqrt()
+    got = clipping._in_quadrature(parts)
+    assert got.shape == (B,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+    assert clipping._in_quadrature([parts[4]] + parts[:4]).dtype == torch.float64
+    # one layer: its own ρ (its partial sums summed; a single column is a view)
+    torch.testing.assert_close(clipping._in_quadrature(parts[:1]), parts[0].sum(1))
+    assert clipping._in_quadrature(parts[2:3])._base is parts[2]

@@ -110,11 +110,11 @@ def test_rounding_bound_with_kernels_matches_reference_math_in_bf16(name, clippi
 def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_reference(clipping, dtype, monkeypatch,
                                                                                      device):
     """A large call on the norm kernel's Gram path leaves (B, K) per-program partial sums, K > 1
-    (in bf16, of its rounding bound ρ too). Book-keeping keeps the norms' and sums every layer's
-    once, at the end of the backward. Per-layer clipping hands both to the op that computes the
-    call's weights and scales its clipped sum's rows by them (``clip_scale``), which sums them.
-    Neither spends a launch per call on the sum. Norms and clipped sums equal the torch
-    references' (Triton off)."""
+    (in bf16, of its rounding bound ρ too). Book-keeping keeps both and sums them at the end of the
+    backward: every layer's norms with one sum, the ρ of layers of one K with one sum. Per-layer
+    clipping hands both to the op that computes the call's weights and scales its clipped sum's
+    rows by them (``clip_scale``), which sums them. Neither spends a launch per call on the sum.
+    Norms and clipped sums equal the torch references' (Triton off)."""
     import pdpfast.clipping as clipping_module
     import pdpfast.ops.linear as lin_ops
     from pdpfast.clipping import ClippingState
@@ -123,12 +123,16 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     monkeypatch.setattr(clipping_module, "SMALL_CALL_BYTES", 0)
     monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
     monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
-    seen = {"sq": [], "pending": []}
-    add_sq, scale = ClippingState._add_sq, lin_ops.clip_scale
+    seen = {"sq": [], "pending": [], "rho": []}
+    add_sq, add_rounding, scale = ClippingState._add_sq, ClippingState._add_rounding, lin_ops.clip_scale
 
     def spy_add_sq(self, sq):
         seen["sq"].append(tuple(sq.shape))
         return add_sq(self, sq)
+
+    def spy_add_rounding(self, rho):
+        seen["rho"].append(None if rho is None else tuple(rho.shape))
+        return add_rounding(self, rho)
 
     def spy_scale(x, weights):
         rho = None if weights.rounding is None else tuple(weights.rounding.shape)
@@ -136,6 +140,7 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
         return scale(x, weights)
 
     monkeypatch.setattr(ClippingState, "_add_sq", spy_add_sq)
+    monkeypatch.setattr(ClippingState, "_add_rounding", spy_add_rounding)
     monkeypatch.setattr(lin_ops, "clip_scale", spy_scale)
     torch.manual_seed(0)
     B, T, d = 3, 65, 200  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
@@ -144,7 +149,7 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     x = torch.randn(B, T, d, device=device, dtype=dtype)
 
     def run():
-        seen["sq"].clear(), seen["pending"].clear()
+        seen["sq"].clear(), seen["pending"].clear(), seen["rho"].clear()
         state = ClippingState(model, clipping=clipping)
         with state.attached():
             state.begin_batch(torch.linspace(0.05, 2.0, B))
@@ -156,6 +161,8 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
 
     norms, grads = run()
     assert seen["sq"].count((B, 4)) == 2, seen["sq"]  # both calls' partial sums, unsummed
+    if clipping == "flat" and dtype == torch.bfloat16:  # ρ's too: summed per layer at the end, then combined
+        assert seen["rho"] == [(B, 4)] * 2, seen["rho"]
     if clipping == "per_layer":  # each call's weights from its partial sums, in the op that applies them
         rho = (B, 4) if dtype == torch.bfloat16 else None
         assert seen["pending"] == [((B, 4), True, rho)] * 2, seen["pending"]
