@@ -4,7 +4,7 @@
     python -m bench.bench_kernels --ops conv_weight_sq_norms --dtypes bf16,fp32   # ResNet-18 conv layers
 
 The ops are those with a registered kernel (``pdpfast.ops.dispatch.registered()``), the ops of
-the compiled extension ``pdpfast._C`` that run on CUDA (``clip_weights``) and per-layer clipping's
+the compiled extension ``pdpfast._C`` that run on CUDA (``clip_weights``, ``clip_scale``) and per-layer clipping's
 two routes for a linear call (``per_layer_route``: which one the cost model picks, and what each
 costs on this GPU); each kernel has one
 benchmark function here, registered under the op's name with ``@benchmark(name)`` (an undeclared
@@ -341,6 +341,44 @@ def bench_clip_weights(rows, dtype_names, quick, reps):
                             3 * B * 4 / ms[name] / 1e6, 0.0, speedup, graph_ms=cuda_graph_ms(fn)))
 
 
+def bench_clip_scale(rows, dtype_names, quick, reps):
+    """Per-layer clipping's weighing of one linear call: the clip-scale op of ``pdpfast._C``
+    (``csrc/clip_cuda.cu``: the norms' and ρ's partial sums summed, the weights computed, rounded to
+    the gradients' dtype and applied to the rows, one launch) against the route it replaced (the
+    clip-weight op, the weights' cast, torch's row product; one or two launches more), at the
+    output gradients of BERT-base's and GPT-2's calls. Memory-bound: GB/s of the row scaling's
+    read and write; the graph column is GPU time alone."""
+    from pdpfast import _ext
+    from pdpfast.ops.clip import PendingWeights, clip_scale, clip_weights
+
+    if _ext.missing("clip_scale", "clip.cpp") is not None or not _ext._C.clip_with_cuda:
+        print("bench_kernels: pdpfast._C has no CUDA clip_scale (build it with `python setup.py build_ext "
+              "--inplace` on this machine)", file=sys.stderr)
+        return
+    shapes = [("bert-base", 32, 128, 768), ("bert-base", 32, 128, 3072), ("gpt2-small", 8, 512, 768)]
+    for dtype_name in dtype_names:
+        dtype = DTYPES[dtype_name]
+        for model, B, T, p in shapes[:1] if quick else shapes:
+            o = torch.randn(B, T, p, device="cuda", dtype=dtype)
+            sq, rho = torch.rand(B, 4, device="cuda") * 4, torch.rand(B, 4, device="cuda") * 1e-3
+            rho = rho if dtype != torch.float32 else None
+            bounds = torch.rand(B, device="cuda")
+            weights = PendingWeights(sq, bounds, None, float(B), rho, True)
+
+            def apart():
+                w = clip_weights(sq, bounds, None, None, float(B), rho, True)
+                return o * (w if w.dtype == dtype else w.to(dtype)).view(-1, 1, 1)
+
+            fns = {"C++": lambda: clip_scale(o, weights), "torch": apart}
+            ms = {name: cuda_time_ms(fn, reps=reps) for name, fn in fns.items()}
+            for name, fn in fns.items():
+                speedup = ms["torch"] / ms["C++"] if name == "C++" else None
+                variant = "one op" if name == "C++" else "clip_weights + cast + product"
+                rows.append(Row("clip_scale", name, f"{model} {(B, T, p)}", dtype_name, variant, ms[name],
+                                2 * o.numel() * o.element_size() / ms[name] / 1e6, 0.0, speedup,
+                                graph_ms=cuda_graph_ms(fn)))
+
+
 def bench_per_layer_route(rows, dtype_names, quick, reps):
     """Per-layer clipping of one linear call (weight and bias), the two exact routes on this GPU:
     "norms+GEMM" (the norm kernels or Gram/direct products, clip weights, the clipped-sum GEMM on
@@ -350,7 +388,7 @@ def bench_per_layer_route(rows, dtype_names, quick, reps):
     ``GPU_FLOPS_PER_BYTE``): a row whose pick is slower says the model's balance is wrong there."""
     from pdpfast.nn.rules import sq_norms_of, weighted_sum
     from pdpfast.ops import linear as lin_ops
-    from pdpfast.ops.clip import clip_weights
+    from pdpfast.ops.clip import PendingWeights, clip_weights
 
     shapes = [("bert-base", 32, 128, 768, 768), ("bert-base", 32, 128, 768, 3072),
               ("gpt2-small", 8, 512, 768, 2304), ("gpt2-small", 8, 512, 768, 768),
@@ -362,9 +400,9 @@ def bench_per_layer_route(rows, dtype_names, quick, reps):
             o = torch.randn(B, T, p, device="cuda", dtype=dtype) / (T * d) ** 0.5
             bounds = torch.full((B,), 1.0, device="cuda")
 
-            def norms_and_gemm():
-                w = clip_weights(lin_ops.linear_sq_norms(a, o, with_bias=True), bounds)
-                return lin_ops.linear_clipped_grads(a, o, w, True, True)
+            def norms_and_gemm():  # as per-layer clipping runs it: partial sums, weights applied by clip_scale
+                sq = lin_ops.linear_sq_norms(a, o, with_bias=True, parts=True)
+                return lin_ops.linear_clipped_grads(a, o, PendingWeights(sq, bounds, parts=True), True, True)
 
             def per_sample():
                 g, g_bias = lin_ops.linear_per_sample_grads(a, o), o.sum(1)
@@ -385,7 +423,8 @@ def bench_per_layer_route(rows, dtype_names, quick, reps):
 
 # Benchmarks of what is not a registered Triton kernel: ops of the compiled extension ``pdpfast._C``
 # and the per-layer route choice; ``fn(rows, dtype_names, quick, reps)``.
-EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "per_layer_route": bench_per_layer_route}
+EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "clip_scale": bench_clip_scale,
+                        "per_layer_route": bench_per_layer_route}
 
 
 @benchmark("add_noise_")
