@@ -95,7 +95,7 @@ def _linear_gram_sq_norms_kernel(
                 on_diag = rows_s[:, None] == rows_t[None, :]
                 sq_a = tl.sum(tl.where(on_diag, gram_a, 0.0), axis=1)
                 sq_o = tl.sum(tl.where(on_diag, gram_o, 0.0), axis=1)
-                terms = tl.sqrt(sq_a) * tl.sqrt(sq_o)
+                terms = tl.sqrt_rn(sq_a) * tl.sqrt_rn(sq_o)  # correctly rounded: tl.sqrt is approximate on a GPU
     tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
     if ROUNDING:
         tl.store(partial_ptr + N_PARTIALS + pid, U * tl.sum(terms, axis=0))
@@ -157,7 +157,7 @@ def _rank_one_sq_norms_kernel(a_ptr, o_ptr, out_ptr, B, D, P, stride_ab, stride_
     sq = sq_a * tl.sum(acc_o, axis=0)
     tl.store(out_ptr + sample, sq)
     if ROUNDING:
-        tl.store(out_ptr + B + sample, U * tl.sqrt(sq))
+        tl.store(out_ptr + B + sample, U * tl.sqrt_rn(sq))  # correctly rounded, as above
 
 
 def _strides(x: torch.Tensor):
