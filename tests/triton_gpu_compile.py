@@ -1,0 +1,234 @@
+"""Compile every Triton kernel of ``pdpfast.kernels`` for an NVIDIA GPU, on a machine without one.
+
+The kernel tests run the kernels in Triton's CPU interpreter, which executes each ``tl`` call with
+numpy and never compiles anything: a kernel that fails to compile for a GPU (a type the code
+generator refuses, a block shape it cannot lay out, an op the interpreter accepts and the compiler
+does not) passes there and fails at its first launch on a GPU. Triton compiles for a GPU target with
+no GPU present, so this script does, for each launch the launchers make:
+
+1. every ``JITFunction.run`` is replaced by one that records the launch and runs nothing, and each
+   registered op's kernel is called on (uninitialized) CPU tensors of the shapes, dtypes and options
+   that choose its compile-time variants (paths, block sizes, bias, rounding bound, seed source);
+2. each distinct (kernel, argument types, constexprs, launch options) is compiled to machine code
+   for the target (``triton.compile``; fp32 dot products both as "tf32", where torch allows TF32,
+   and as the default precision: only a CUDA tensor chooses between them).
+
+    python tests/triton_gpu_compile.py [--arch 90] [--list]
+
+Must run without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction``s); ``tests/test_triton_gpu_compile.py``
+runs it in a process of its own. Exit status 0 when every variant compiles, 1 when one does not
+(each failure printed), 2 when this Triton cannot compile for the target at all (a canary kernel
+fails: no NVIDIA backend in this build).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+          torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+          torch.bool: "i1"}
+
+
+def record_launches(calls) -> list:
+    """Run ``calls()`` with every Triton launch recorded and none run.
+
+    Returns:
+        [(JITFunction, args, kwargs)] in launch order (``grid`` and ``warmup`` dropped).
+    """
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    run = JITFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = recording
+    try:
+        calls()
+    finally:
+        JITFunction.run = run
+    return launches
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"a launch argument of type {type(value).__name__}")
+
+
+def variants(launches) -> dict:
+    """Distinct compile-time variants of the recorded launches.
+
+    Returns:
+        {key: (JITFunction, signature {name: type}, constexprs {name: value}, options)}; an fp32 launch
+        whose ``DOT_PRECISION`` is a constexpr appears with "tf32" and with its recorded precision.
+    """
+    out = {}
+    for fn, args, kwargs in launches:
+        names = fn.arg_names
+        is_const = {p.name: p.is_constexpr for p in fn.params}
+        bound = dict(zip(names, args))
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        bound.update((k, v) for k, v in kwargs.items() if k in names)
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise RuntimeError(f"{fn.__name__}: launched without {missing} (defaults are not recorded)")
+        signature = {n: "constexpr" if is_const[n] else _arg_type(v) for n, v in bound.items()}
+        constexprs = {n: v for n, v in bound.items() if is_const[n]}
+        precisions = [constexprs.get("DOT_PRECISION")]
+        if "DOT_PRECISION" in constexprs and "*fp32" in signature.values():
+            precisions = sorted({constexprs["DOT_PRECISION"], "tf32"})
+        for precision in precisions:
+            if precision is not None:
+                constexprs = dict(constexprs, DOT_PRECISION=precision)
+            key = (fn.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
+                   tuple(sorted(options.items())))
+            out.setdefault(key, (fn, signature, constexprs, options))
+    return out
+
+
+def compile_for(fn, signature: dict, constexprs: dict, options: dict, arch: int):
+    """``fn`` compiled for CUDA compute capability ``arch`` (e.g. 90: Hopper), warp size 32.
+
+    Returns:
+        the compiled kernel (its ``asm`` holds the PTX and the cubin).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _canary(arch: int) -> None:
+    """Compile a trivial kernel: raises where this Triton cannot target CUDA at all."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    compile_for(_copy, {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}, {}, arch)
+
+
+def defined_kernels() -> list[str]:
+    """Names of the launchable Triton kernels of ``pdpfast.kernels`` (the ``@triton.jit`` functions
+    named ``*_kernel``; the others are helpers compiled into them)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import pdpfast.kernels as package
+
+    names = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        names += [name for name, value in vars(module).items() if isinstance(value, JITFunction)
+                  and name.endswith("_kernel") and value.__module__ == module.__name__]
+    return names
+
+
+def _e(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def kernel_calls() -> None:
+    """Call each registered op's kernel once per compile-time variant the model layers choose: every
+    block configuration in each dtype, and each path's full-size configuration with every
+    combination of its flags (the flags' code is the same at other block sizes)."""
+    from pdpfast.kernels import conv_norms, noise, norms
+
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # (B, T, d, p), each path's full-size configuration first: rank one (T = 1) at BERT-base's pooler
+    # and at width 16; Gram at BERT-base's T = 128 and at short sequences (T blocks 16, 32); direct
+    # at GPT-2's 768→768 call (T = 512) and a tiny one
+    linear_shapes = [(2, 1, 768, 768), (2, 1, 16, 16), (2, 128, 768, 3072), (2, 8, 16, 64), (2, 20, 64, 64),
+                     (2, 512, 768, 768), (2, 4, 3, 2)]
+    for dtype in dtypes:
+        first_of_path = set()
+        for B, T, d, p in linear_shapes:
+            a, o = _e(B, T, d, dtype=dtype), _e(B, T, p, dtype=dtype)
+            path = "rank_one" if T == 1 else "gram" if norms.use_gram(T, d, p) else "direct"
+            every_flag = path not in first_of_path
+            first_of_path.add(path)
+            for with_bias in (False, True) if every_flag else (True,):
+                if every_flag or path == "direct":
+                    norms.linear_weight_sq_norms(a, o, with_bias=with_bias)
+                if path != "direct":
+                    norms.linear_sq_norms_rounding(a, o, with_bias, 2.0 ** -8)
+        for B, T, p in [(2, 8, 16), (2, 128, 768), (2, 3, 5)]:
+            norms.bias_sq_norms(_e(B, T, p, dtype=dtype))
+            ids = torch.zeros(B, T, dtype=torch.int64)
+            for padding_idx in (None, 0):
+                norms.embedding_sq_norms(ids, _e(B, T, p, dtype=dtype), 100, padding_idx)
+    # convolutions (inputs already padded), fp32 and one 16-bit dtype: a CIFAR ResNet-18's first 3×3
+    # layer, a strided 3×3 one, a 1×1 downsample, a grouped one and a Conv1d
+    convs = [((2, 3, 34, 34), (2, 64, 32, 32), (3, 3), 1, 1), ((2, 128, 9, 9), (2, 256, 4, 4), (3, 3), 2, 1),
+             ((2, 64, 16, 16), (2, 128, 8, 8), (1, 1), 2, 1), ((2, 32, 10, 10), (2, 32, 8, 8), (3, 3), 1, 4),
+             ((2, 8, 20), (2, 16, 18), (3,), 1, 1)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for x_shape, o_shape, kernel, stride, groups in convs:
+            module = SimpleNamespace(kernel_size=kernel, stride=(stride,) * len(kernel), dilation=(1,) * len(kernel),
+                                     groups=groups)
+            for path in ("direct", "gram"):
+                conv_norms.conv_weight_sq_norms(_e(*x_shape, dtype=dtype), _e(*o_shape, dtype=dtype), module, path)
+    for dtype in dtypes + (torch.float64,):
+        grads = [_e(5000, dtype=dtype), _e(3, 7, dtype=dtype)]
+        noise.add_noise_(grads, 1.0, 0, 3)
+        noise.add_noise_(grads, 1.0, 0, 3, device_seed=torch.tensor(12345, dtype=torch.int64), keep=[])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90: H100/H200)")
+    parser.add_argument("--list", action="store_true", help="print each variant as it compiles")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("triton_gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
+              file=sys.stderr)
+        return 2
+    try:
+        _canary(args.arch)
+    except Exception as exc:  # no NVIDIA backend (or no ptxas) in this Triton build: nothing to check here
+        print(f"triton_gpu_compile: this Triton cannot compile for sm_{args.arch}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
+    found = variants(record_launches(kernel_calls))
+    unlaunched = sorted(set(defined_kernels()) - {key[0] for key in found})
+    if unlaunched:
+        print(f"triton_gpu_compile: no call in kernel_calls() launches {unlaunched}: add one")
+        return 1
+    failures = []
+    start = time.perf_counter()
+    for (name, _, constexprs, options), (fn, signature, consts, opts) in found.items():
+        try:
+            compile_for(fn, signature, consts, opts, args.arch)
+            if args.list:
+                print(f"ok   {name} {dict(constexprs)} {dict(options)}")
+        except Exception as exc:
+            failures.append(name)
+            print(f"FAIL {name} {dict(constexprs)} {dict(options)}\n     {type(exc).__name__}: {exc}")
+    kernels = sorted({key[0] for key in found})
+    print(f"{len(found) - len(failures)} of {len(found)} variants of {len(kernels)} kernels compiled for "
+          f"sm_{args.arch} in {time.perf_counter() - start:.0f} s: {', '.join(kernels)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
