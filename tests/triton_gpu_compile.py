@@ -11,7 +11,9 @@ no GPU present, so this script does, for each launch the launchers make:
    that choose its compile-time variants (paths, block sizes, bias, rounding bound, seed source);
 2. each distinct (kernel, argument types, constexprs, launch options) is compiled to machine code
    for the target (``triton.compile``; fp32 dot products both as "tf32", where torch allows TF32,
-   and as the default precision: only a CUDA tensor chooses between them).
+   and as the default precision: only a CUDA tensor chooses between them), and the shared memory
+   it needs is checked against what a block of the target may use (an excess compiles and fails
+   only at launch).
 
     python tests/triton_gpu_compile.py [--arch 90] [--list]
 
@@ -29,6 +31,10 @@ import time
 from types import SimpleNamespace
 
 import torch
+
+# the most shared memory one block may use (opt-in) by compute capability: a variant that needs
+# more compiles, and fails at its launch with "out of resource: shared memory"
+SHARED_MEMORY_PER_BLOCK = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
           torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -216,17 +222,26 @@ def main(argv=None) -> int:
         return 1
     failures = []
     start = time.perf_counter()
+    limit = SHARED_MEMORY_PER_BLOCK.get(args.arch)
+    most_shared = 0
     for (name, _, constexprs, options), (fn, signature, consts, opts) in found.items():
         try:
-            compile_for(fn, signature, consts, opts, args.arch)
-            if args.list:
-                print(f"ok   {name} {dict(constexprs)} {dict(options)}")
+            shared = compile_for(fn, signature, consts, opts, args.arch).metadata.shared
         except Exception as exc:
             failures.append(name)
             print(f"FAIL {name} {dict(constexprs)} {dict(options)}\n     {type(exc).__name__}: {exc}")
+            continue
+        most_shared = max(most_shared, shared)
+        if limit is not None and shared > limit:
+            failures.append(name)
+            print(f"FAIL {name} {dict(constexprs)} {dict(options)}\n     needs {shared} bytes of shared memory, "
+                  f"more than a block of sm_{args.arch} may use ({limit})")
+        elif args.list:
+            print(f"ok   {name} {dict(constexprs)} {dict(options)} shared memory {shared} bytes")
     kernels = sorted({key[0] for key in found})
     print(f"{len(found) - len(failures)} of {len(found)} variants of {len(kernels)} kernels compiled for "
-          f"sm_{args.arch} in {time.perf_counter() - start:.0f} s: {', '.join(kernels)}")
+          f"sm_{args.arch} in {time.perf_counter() - start:.0f} s: {', '.join(kernels)}; the most shared "
+          f"memory a block uses: {most_shared} bytes (limit {limit or 'unknown'})")
     return 1 if failures else 0
 
 
