@@ -50,14 +50,31 @@ run() {  # run NAME COMMAND...: print and log to $LOGS/NAME.log as it goes, reme
     "$@" 2>&1 | tee "$LOGS/$name.log" || { echo "   FAILED (see $LOGS/$name.log)"; status=1; }
     echo "   ($((SECONDS - t0)) s)"
 }
+ext_check() {  # is pdpfast._C importable, built with CUDA, and does it define all that csrc/ defines?
+    python3 - <<'PY'
+import pathlib, re
+from pdpfast import _ext
+if _ext._IMPORT_ERROR:
+    raise SystemExit(f"pdpfast._C: {_ext._IMPORT_ERROR}")
+if not getattr(_ext._C, "clip_with_cuda", False):
+    raise SystemExit("pdpfast._C was built without CUDA")
+names = set()  # what a CUDA build of today's csrc/ defines
+for source in pathlib.Path("csrc").glob("*.cpp"):
+    names |= set(re.findall(r'm\.(?:def|attr)\("(\w+)"', source.read_text()))
+stale = sorted(n for n in names if not hasattr(_ext._C, n))
+if stale:  # e.g. a .so carried from a call before csrc/ gained them
+    raise SystemExit(f"pdpfast._C is stale: it lacks {', '.join(stale)}")
+print("pdpfast._C: importable, current, with CUDA")
+PY
+}
 warned=
 for step in $steps; do
-    # before the first timed step: is pdpfast._C there (built in this call, or carried from an earlier one)?
-    case $step in kernels|overhead|e2e*) [ -n "$warned" ] || {
+    # before the first test or timed step: is pdpfast._C there and current (built in this call, or
+    # carried from an earlier one)? Its CUDA tests skip, and timings take torch's routes, without it
+    case $step in tests|engine|kernels|overhead|e2e*) [ -n "$warned" ] || {
         warned=1
-        python3 -c "import pdpfast._ext as e; print('pdpfast._C:', e._IMPORT_ERROR or 'importable')" \
-            | tee -a "$LOGS/env.txt" | grep -q importable \
-            || echo "   WARNING: pdpfast._C is missing: the timings below take its slower torch routes (run the build step)"
+        ext_check 2>&1 | tee -a "$LOGS/env.txt" | grep -q "importable, current" \
+            || echo "   WARNING: $(tail -1 "$LOGS/env.txt"): its CUDA tests skip and the timings take slower torch routes (run the build step)"
     } ;;
     esac
     case $step in
