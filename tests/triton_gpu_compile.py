@@ -15,7 +15,7 @@ no GPU present, so this script does, for each launch the launchers make:
    it needs is checked against what a block of the target may use (an excess compiles and fails
    only at launch).
 
-    python tests/triton_gpu_compile.py [--arch 90] [--list]
+    python tests/triton_gpu_compile.py [--arch 90] [--list] [--resources]
 
 Must run without ``TRITON_INTERPRET`` (the kernels must be ``JITFunction``s); ``tests/test_triton_gpu_compile.py``
 runs it in a process of its own. Exit status 0 when every variant compiles, 1 when one does not
@@ -106,6 +106,11 @@ def variants(launches) -> dict:
     return out
 
 
+def signature_dtypes(signature: dict) -> str:
+    """The pointer dtypes of a signature, e.g. "bf16,i64"."""
+    return ",".join(dict.fromkeys(t[1:] for t in signature.values() if t.startswith("*")))
+
+
 def compile_for(fn, signature: dict, constexprs: dict, options: dict, arch: int):
     """``fn`` compiled for CUDA compute capability ``arch`` (e.g. 90: Hopper), warp size 32.
 
@@ -148,6 +153,28 @@ def defined_kernels() -> list[str]:
         names += [name for name, value in vars(module).items() if isinstance(value, JITFunction)
                   and name.endswith("_kernel") and value.__module__ == module.__name__]
     return names
+
+
+def resource_usage(compiled) -> tuple[int, int] | None:
+    """(registers per thread, stack bytes per thread: the spills) of a compiled kernel's cubin, read
+    by ``cuobjdump`` (Triton's own, else one on the PATH); None where there is none."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def _e(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -204,6 +231,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10 (90: H100/H200)")
     parser.add_argument("--list", action="store_true", help="print each variant as it compiles")
+    parser.add_argument("--resources", action="store_true",
+                        help="also print each variant's registers and spilled stack bytes per thread (cuobjdump)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("triton_gpu_compile: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)",
@@ -226,7 +255,8 @@ def main(argv=None) -> int:
     most_shared = 0
     for (name, _, constexprs, options), (fn, signature, consts, opts) in found.items():
         try:
-            shared = compile_for(fn, signature, consts, opts, args.arch).metadata.shared
+            compiled = compile_for(fn, signature, consts, opts, args.arch)
+            shared = compiled.metadata.shared
         except Exception as exc:
             failures.append(name)
             print(f"FAIL {name} {dict(constexprs)} {dict(options)}\n     {type(exc).__name__}: {exc}")
@@ -236,8 +266,11 @@ def main(argv=None) -> int:
             failures.append(name)
             print(f"FAIL {name} {dict(constexprs)} {dict(options)}\n     needs {shared} bytes of shared memory, "
                   f"more than a block of sm_{args.arch} may use ({limit})")
-        elif args.list:
-            print(f"ok   {name} {dict(constexprs)} {dict(options)} shared memory {shared} bytes")
+        elif args.list or args.resources:
+            usage = resource_usage(compiled) if args.resources else None
+            regs = "" if usage is None else f", {usage[0]} registers, {usage[1]} bytes spilled"
+            print(f"ok   {name} {signature_dtypes(signature)} {dict(constexprs)} {dict(options)} "
+                  f"shared memory {shared} bytes{regs}")
     kernels = sorted({key[0] for key in found})
     print(f"{len(found) - len(failures)} of {len(found)} variants of {len(kernels)} kernels compiled for "
           f"sm_{args.arch} in {time.perf_counter() - start:.0f} s: {', '.join(kernels)}; the most shared "
