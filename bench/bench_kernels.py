@@ -421,6 +421,31 @@ def bench_per_layer_route(rows, dtype_names, quick, reps):
                                 peak_extra_mib=_peak_extra_mib(fn), graph_ms=cuda_graph_ms(fn, calls=5, replays=5)))
 
 
+def _bench_norm_grads(rows, op, dtype_name, quick, reps, module_of):
+    """One launch against the reference's four ops, at BERT-base's, ViT-B/16's and GPT-2's
+    LayerNorm calls and a LLaMA-7B-wide one (the kernel takes a program per sample: GPT-2's batch
+    of 8 is the one that leaves most of the GPU idle)."""
+    dtype = DTYPES[dtype_name]
+    shapes = [("bert-base", 32, 128, 768), ("vit-b16", 64, 197, 768), ("gpt2-small", 8, 512, 768),
+              ("llama-7b width", 4, 512, 4096)]
+    for model, B, T, N in shapes[: 3 if quick else None]:
+        x = torch.randn(B, T, N, device="cuda", dtype=dtype)
+        o = torch.randn(B, T, N, device="cuda", dtype=dtype)
+        module = module_of(N).to("cuda")
+        _bench_pair(rows, op.name, f"{model} {(B, T, N)}", dtype_name, "", lambda: op.kernel(x, o, module),
+                    lambda: op.reference(x, o, module), 2 * x.numel() * x.element_size(), 0, reps)
+
+
+@benchmark("layer_norm_per_sample_grads")
+def bench_layer_norm_grads(rows, op, dtype_name, quick, reps):
+    _bench_norm_grads(rows, op, dtype_name, quick, reps, lambda n: torch.nn.LayerNorm(n))
+
+
+@benchmark("rms_norm_per_sample_grads")
+def bench_rms_norm_grads(rows, op, dtype_name, quick, reps):
+    _bench_norm_grads(rows, op, dtype_name, quick, reps, lambda n: torch.nn.RMSNorm(n, eps=1e-6))
+
+
 # Benchmarks of what is not a registered Triton kernel: ops of the compiled extension ``pdpfast._C``
 # and the per-layer route choice; ``fn(rows, dtype_names, quick, reps)``.
 EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "clip_scale": bench_clip_scale,

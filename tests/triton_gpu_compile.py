@@ -185,7 +185,7 @@ def kernel_calls() -> None:
     """Call each registered op's kernel once per compile-time variant the model layers choose: every
     block configuration in each dtype, and each path's full-size configuration with every
     combination of its flags (the flags' code is the same at other block sizes)."""
-    from pdpfast.kernels import conv_norms, noise, norms
+    from pdpfast.kernels import conv_norms, noise, norm_grads, norms
 
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     # (B, T, d, p), each path's full-size configuration first: rank one (T = 1) at BERT-base's pooler
@@ -210,6 +210,16 @@ def kernel_calls() -> None:
             ids = torch.zeros(B, T, dtype=torch.int64)
             for padding_idx in (None, 0):
                 norms.embedding_sq_norms(ids, _e(B, T, p, dtype=dtype), 100, padding_idx)
+    # LayerNorm (with and without bias) and RMSNorm rows: BERT's (N = 768, row tiles of 4), a narrow
+    # one (many rows a tile), LLaMA-7B's and the widest the kernel takes (8 and 16 warps), one position
+    for dtype in dtypes:
+        for B, T, N in [(2, 128, 768), (2, 8, 16), (2, 64, 4096), (2, 4, 8192), (2, 1, 33)]:
+            x = _e(B, T, N, dtype=dtype)
+            for bias in (True, False):
+                norm_grads.layer_norm_per_sample_grads(x, _e(B, T, N, dtype=dtype), SimpleNamespace(
+                    normalized_shape=(N,), eps=1e-5, bias=object() if bias else None))
+            norm_grads.rms_norm_per_sample_grads(x, _e(B, T, N, dtype=dtype), SimpleNamespace(
+                normalized_shape=(N,), eps=None))
     # convolutions (inputs already padded), fp32 and one 16-bit dtype: a CIFAR ResNet-18's first 3×3
     # layer, a strided 3×3 one, a 1×1 downsample, a grouped one and a Conv1d
     convs = [((2, 3, 34, 34), (2, 64, 32, 32), (3, 3), 1, 1), ((2, 128, 9, 9), (2, 256, 4, 4), (3, 3), 2, 1),

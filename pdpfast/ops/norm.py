@@ -3,6 +3,9 @@
 The affine weight's per-sample gradient is Σ_t o_{i,t} ⊙ x̂_{i,t} with x̂ the normalized input,
 the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are materialized.
 
+LayerNorm and RMSNorm dispatch (``pdpfast.ops.dispatch``): where the kernels run, one Triton launch
+per call (``pdpfast.kernels.norm_grads``) instead of the reference's four ops.
+
 GroupNorm and InstanceNorm on CPU fp32/fp64 tensors take the C++ kernel of ``pdpfast._C``
 (``csrc/norms.cpp``): one call that reads x and o from memory once, where the torch route is a dozen ops
 per cache-sized chunk of samples (GroupNorm CNN benchmark, 64 × 32 × 32 × 32: 0.21 against 0.69 ms
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from .. import _ext
 from . import workspace
+from .dispatch import declare
 
 # the compiled extension is optional: without it, the torch route below runs
 _C = _ext._C
@@ -57,8 +61,9 @@ def _sum_to(per_elem: torch.Tensor, trailing: int) -> torch.Tensor:
 
 
 @_by_batch_chunks
-def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of a LayerNorm's affine parameters: Σ_t o_{i,t} ⊙ x̂_{i,t} and Σ_t o_{i,t}.
+def layer_norm_per_sample_grads_reference(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of a LayerNorm's affine parameters: Σ_t o_{i,t} ⊙ x̂_{i,t} and Σ_t o_{i,t},
+    in plain torch (four ops: x̂ formed again, its product with o, two sums over the positions).
 
     On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
 
@@ -79,8 +84,8 @@ def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
 
 
 @_by_batch_chunks
-def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
-    """Per-sample gradient of an RMSNorm's weight: Σ_t o_{i,t} ⊙ x̂_{i,t}, x̂ = x / RMS(x).
+def rms_norm_per_sample_grads_reference(x, o, module) -> dict[str, torch.Tensor]:
+    """Per-sample gradient of an RMSNorm's weight: Σ_t o_{i,t} ⊙ x̂_{i,t}, x̂ = x / RMS(x), in plain torch.
 
     On a CPU a large batch is taken a few samples at a time (the same result, cache-sized temporaries).
 
@@ -94,6 +99,36 @@ def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     shape = tuple(module.normalized_shape)
     x_hat = F.rms_norm(x, shape, None, module.eps)
     return {"weight": _sum_to(x_hat.mul_(o), len(shape))}
+
+
+_LAYER_NORM_GRADS = declare("layer_norm_per_sample_grads", layer_norm_per_sample_grads_reference)
+_RMS_NORM_GRADS = declare("rms_norm_per_sample_grads", rms_norm_per_sample_grads_reference)
+
+
+def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """A LayerNorm's per-sample affine gradients (``layer_norm_per_sample_grads_reference``): one
+    kernel launch where it runs (``pdpfast.kernels.norm_grads``: x and o read once, x̂ never
+    stored), else the reference's four ops.
+
+    Args:
+        x, o, module: as in the reference.
+    Returns:
+        {"weight": (B, *normalized_shape)} in ``x``'s dtype, plus "bias" in ``o``'s dtype when the
+        module has one.
+    """
+    return _LAYER_NORM_GRADS.pick(x, o)(x, o, module)
+
+
+def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
+    """An RMSNorm's per-sample weight gradient (``rms_norm_per_sample_grads_reference``): the
+    LayerNorm kernel without centring where it runs, else the reference.
+
+    Args:
+        x, o, module: as in the reference.
+    Returns:
+        {"weight": (B, *normalized_shape)} in ``x``'s dtype.
+    """
+    return _RMS_NORM_GRADS.pick(x, o)(x, o, module)
 
 
 def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:

@@ -119,6 +119,16 @@ def _embedding_case(tools, gen):
     return (ids, tools.randn(gen, 3, 7, 5, device=tools.device), 4, 0), None
 
 
+def _layer_norm_case(tools, gen):
+    x = tools.randn(gen, 3, 7, 33, device=tools.device)
+    return (x, tools.randn(gen, 3, 7, 33, device=tools.device), torch.nn.LayerNorm(33)), None
+
+
+def _rms_norm_case(tools, gen):
+    x = tools.randn(gen, 3, 7, 33, device=tools.device)
+    return (x, tools.randn(gen, 3, 7, 33, device=tools.device), torch.nn.RMSNorm(33)), None
+
+
 def _noise_case(tools, gen):
     grads = [torch.zeros(5000, device=tools.device), torch.zeros(3, 7, device=tools.device)]
     return (grads, 1.0, 1, 2), _noise_alike
@@ -130,6 +140,8 @@ CASES = {
     "conv_weight_sq_norms": _conv_case,
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,
+    "layer_norm_per_sample_grads": _layer_norm_case,
+    "rms_norm_per_sample_grads": _rms_norm_case,
     "add_noise_": _noise_case,
 }
 

@@ -22,6 +22,12 @@ def _cnn():
     return model, (torch.randn(3, 2, 8, 8),), 3
 
 
+def _norms():  # an RMSNorm and a LayerNorm over two dims, each on a sequence: the norm-gradient kernel
+    model = nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8), nn.ReLU(), nn.Unflatten(2, (2, 4)), nn.LayerNorm((2, 4)),
+                          nn.Flatten(1), nn.Linear(40, 3))
+    return model, (torch.randn(3, 5, 6),), 3
+
+
 def _transformer():
     from bench.models import TinyTransformer
 
@@ -37,7 +43,7 @@ def _gpt2():
     return model, (torch.randint(0, 23, (2, 6)),), None
 
 
-MODELS = {"mlp": _mlp, "groupnorm-cnn": _cnn, "transformer": _transformer, "gpt2-tied": _gpt2}
+MODELS = {"mlp": _mlp, "groupnorm-cnn": _cnn, "norms": _norms, "transformer": _transformer, "gpt2-tied": _gpt2}
 
 
 def _loss_fn(classes):
@@ -74,9 +80,13 @@ def test_engine_with_kernels_matches_reference_math(name, mode, clipping, monkey
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_rounding_bound_with_kernels_matches_reference_math_in_bf16(name, clipping, monkeypatch, device):
     """bf16: the norm kernels' fused rounding bound (rank-one heads, Gram-path sequences, stacked
-    calls) gives the state the ρ_i and clipped sums the torch references give."""
+    calls) gives the state the ρ_i and clipped sums the torch references give. The LayerNorm
+    gradients take the reference in both runs: the kernel's round once to bf16 where the
+    reference's four bf16 ops round at each, which moves the norms by more than this comparison of
+    the linear kernels allows (``test_norm_grads.py`` checks it against float64)."""
     from pdpfast.clipping import ClippingState
 
+    monkeypatch.setattr(dispatch.op("layer_norm_per_sample_grads"), "kernel", None)
     torch.manual_seed(0)
     model, inputs, classes = MODELS[name]()
     model = pdpfast.nn.convert(model.to(device, torch.bfloat16))

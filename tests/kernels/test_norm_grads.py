@@ -1,0 +1,139 @@
+"""LayerNorm / RMSNorm per-sample affine gradient kernel against float64 oracles and the torch references."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("triton")
+
+from pdpfast.kernels import norm_grads  # noqa: E402
+from pdpfast.ops import dispatch  # noqa: E402
+from pdpfast.ops import norm as norm_ops  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (input shape, normalized shape): odd sizes, one position (2-D input), several row tiles of the
+# loop (BLOCK_T = 4096 // BLOCK_N rows: 33 positions at N = 768 take nine), N = 1 (x̂ = 0), a
+# two-dim normalized shape, a row of two N-blocks' worth (1500 → 2048)
+SHAPES = [((1, 1, 5), (5,)), ((3, 7, 33), (33,)), ((2, 9), (9,)), ((2, 33, 768), (768,)), ((3, 4, 1), (1,)),
+          ((2, 3, 4, 6), (4, 6)), ((1, 5, 1500), (1500,))]
+
+
+def _oracle(x, o, shape, eps, center):
+    """(Σ_t o ⊙ x̂, Σ_t o) per sample in float64, x̂ by torch's own normalization in float64."""
+    x64, o64 = x.double(), o.double()
+    x_hat = (nn.functional.layer_norm(x64, shape, None, None, eps) if center
+             else nn.functional.rms_norm(x64, shape, None, eps))
+    middle = list(range(1, x.dim() - len(shape)))
+    weight, bias = x_hat * o64, o64
+    return (weight.sum(middle), bias.sum(middle)) if middle else (weight, bias)
+
+
+def _atol(x, o, shape, dtype):
+    """fp32 accumulation over the positions (Σ_t |o|·|x̂| ≤ Σ_t |o|·√N) plus one rounding to the output dtype."""
+    middle = list(range(1, x.dim() - len(shape)))
+    scale = o.double().abs() * (torch.tensor(shape).prod().double().sqrt())
+    scale = scale.sum(middle) if middle else scale
+    return (1e-5 + torch.finfo(dtype).eps) * scale + 1e-30
+
+
+def _check(tools, x, o, module, center, what):
+    shape = tuple(module.normalized_shape)
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    launcher = norm_grads.layer_norm_per_sample_grads if center else norm_grads.rms_norm_per_sample_grads
+    reference = (norm_ops.layer_norm_per_sample_grads_reference if center
+                 else norm_ops.rms_norm_per_sample_grads_reference)
+    out, ref = launcher(x, o, module), reference(x, o, module)
+    weight, bias = _oracle(x, o, shape, eps, center)
+    assert set(out) == set(ref), what
+    assert out["weight"].dtype == x.dtype and out["weight"].shape == (x.shape[0], *shape), what
+    atol = _atol(x, o, shape, x.dtype)
+    tools.check(out["weight"], ref["weight"], weight, atol=atol, what=f"{what} weight")
+    if "bias" in out:
+        assert out["bias"].dtype == o.dtype, what
+        tools.check(out["bias"], ref["bias"], bias, atol=atol, what=f"{what} bias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_per_sample_grads(tools, gen, shapes, bias, dtype):
+    x_shape, shape = shapes
+    x = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 1
+    o = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)
+    module = nn.LayerNorm(shape, eps=1e-5, bias=bias)
+    _check(tools, x, o, module, True, f"layer norm {x_shape} {dtype} bias={bias}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rms_norm_per_sample_grads(tools, gen, shapes, eps, dtype):
+    x_shape, shape = shapes
+    x = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 1
+    o = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)
+    _check(tools, x, o, nn.RMSNorm(shape, eps=eps), False, f"rms norm {x_shape} {dtype} eps={eps}")
+
+
+def test_rows_far_from_zero_are_centred_before_squaring(tools, gen):
+    """x = 1000 + noise: the variance of each row in registers (two passes over it), not E[x²] − E[x]²,
+    whose cancellation would lose every digit of an fp32 variance of ~1 at a mean of 1000."""
+    x = 1000 + tools.randn(gen, 2, 6, 40, device=tools.device)
+    o = tools.randn(gen, 2, 6, 40, device=tools.device)
+    _check(tools, x, o, nn.LayerNorm(40), True, "offset rows")
+
+
+def test_strided_inputs(tools, gen):
+    """A transposed input (last dim not contiguous) and a sliced one (rows of a wider buffer)."""
+    module = nn.LayerNorm(9)
+    x = tools.randn(gen, 3, 9, 5, device=tools.device).transpose(1, 2)
+    o = tools.randn(gen, 3, 5, 9, device=tools.device)
+    _check(tools, x, o, module, True, "transposed x")
+    wide = tools.randn(gen, 3, 5, 20, device=tools.device)
+    _check(tools, wide[..., 4:13], o, module, True, "sliced x")
+
+
+@pytest.mark.parametrize("x_shape", [(0, 4, 8), (0, 8), (2, 0, 8)], ids=str)
+def test_empty_batches_and_empty_sequences(tools, x_shape):
+    """No sample: (0, N) outputs and no launch; samples without positions: zero gradients."""
+    x = torch.zeros(x_shape, device=tools.device)
+    for module, launcher in ((nn.LayerNorm(8), norm_grads.layer_norm_per_sample_grads),
+                             (nn.RMSNorm(8), norm_grads.rms_norm_per_sample_grads)):
+        out = launcher(x, x.clone(), module)
+        for g in out.values():
+            assert g.shape == (x_shape[0], 8) and torch.equal(g, torch.zeros_like(g)), (x_shape, type(module))
+
+
+def test_rows_too_long_or_mixed_dtypes_run_the_reference(tools, gen, monkeypatch):
+    """Rows longer than MAX_N (they would not fit a program's registers) and an input and output
+    gradient of different dtypes take the reference, with the reference's result."""
+    calls = []
+    reference = norm_grads.layer_norm_per_sample_grads_reference
+    monkeypatch.setattr(norm_grads, "layer_norm_per_sample_grads_reference",
+                        lambda *args: (calls.append(1), reference(*args))[1])
+    monkeypatch.setattr(norm_grads, "MAX_N", 16)
+    module = nn.LayerNorm(33)
+    x, o = tools.randn(gen, 2, 3, 33, device=tools.device), tools.randn(gen, 2, 3, 33, device=tools.device)
+    out = norm_grads.layer_norm_per_sample_grads(x, o, module)
+    assert calls == [1] and torch.equal(out["weight"], reference(x, o, module)["weight"])
+    monkeypatch.setattr(norm_grads, "MAX_N", 8192)
+    norm_grads.layer_norm_per_sample_grads(x, o.to(torch.bfloat16), module)
+    assert calls == [1, 1]
+
+
+def test_the_ops_dispatch_to_the_kernel(tools, gen, monkeypatch):
+    """``pdpfast.ops.norm``'s entry points run the kernel where the kernels run, the reference with
+    PDPFAST_DISABLE_TRITON=1, and agree."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    x, o = tools.randn(gen, 2, 5, 12, device=tools.device), tools.randn(gen, 2, 5, 12, device=tools.device)
+    for name, module in (("layer_norm_per_sample_grads", nn.LayerNorm(12)),
+                         ("rms_norm_per_sample_grads", nn.RMSNorm(12))):
+        op = dispatch.op(name)
+        assert op.pick(x, o) is getattr(norm_grads, name), name
+        fast = getattr(norm_ops, name)(x, o, module)
+        monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+        assert op.pick(x, o) is op.reference, name
+        slow = getattr(norm_ops, name)(x, o, module)
+        monkeypatch.delenv("PDPFAST_DISABLE_TRITON")
+        for key in slow:
+            torch.testing.assert_close(fast[key], slow[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
