@@ -446,6 +446,19 @@ def bench_rms_norm_grads(rows, op, dtype_name, quick, reps):
     _bench_norm_grads(rows, op, dtype_name, quick, reps, lambda n: torch.nn.RMSNorm(n, eps=1e-6))
 
 
+@benchmark("group_norm_affine_grads")
+def bench_group_norm_grads(rows, op, dtype_name, quick, reps):
+    """One launch against the reference's four ops at ResNet-18-GN's CIFAR stages (batch 256, 32
+    groups): 64 channels of 32×32 positions down to 512 of 4×4."""
+    dtype = DTYPES[dtype_name]
+    for C, H in [(64, 32), (128, 16), (256, 8), (512, 4)][: 2 if quick else None]:
+        x = torch.randn(256, C, H, H, device="cuda", dtype=dtype)
+        o = torch.randn(256, C, H, H, device="cuda", dtype=dtype)
+        _bench_pair(rows, op.name, f"resnet18-gn {(256, C, H, H)}", dtype_name, "32 groups",
+                    lambda: op.kernel(x, o, 32, 1e-5, True), lambda: op.reference(x, o, 32, 1e-5, True),
+                    2 * x.numel() * x.element_size(), 0, reps)
+
+
 # Benchmarks of what is not a registered Triton kernel: ops of the compiled extension ``pdpfast._C``
 # and the per-layer route choice; ``fn(rows, dtype_names, quick, reps)``.
 EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "clip_scale": bench_clip_scale,

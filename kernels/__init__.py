@@ -3,7 +3,7 @@
 One file per family — ``norms`` (linear Gram/direct/rank-one, bias and embedding per-sample
 squared norms; a linear call's norms with its low-precision rounding bound in the same launch),
 ``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel), ``norm_grads``
-(LayerNorm and RMSNorm per-sample affine gradients in one launch), ``noise`` (in-place Gaussian
+(LayerNorm, RMSNorm, GroupNorm and InstanceNorm per-sample affine gradients in one launch), ``noise`` (in-place Gaussian
 noise). Only kernels that beat torch are kept: the clipped sum is cuBLAS's weight-gradient GEMM
 on row-scaled gradients, and clip weights are five torch ops (a Triton GEMM and clip-weight kernel,
 measured at 0.39-0.51x and 0.5-0.8x of torch on an H100, were removed). ``norm_grads`` has not met a
@@ -19,8 +19,9 @@ import. Every launcher is a drop-in for the plain-torch ``<op>_reference`` of th
 """
 from .conv_norms import conv_weight_sq_norms
 from .noise import add_noise_
-from .norm_grads import layer_norm_per_sample_grads, rms_norm_per_sample_grads
+from .norm_grads import group_norm_affine_grads, layer_norm_per_sample_grads, rms_norm_per_sample_grads
 from .norms import bias_sq_norms, embedding_sq_norms, linear_sq_norms_rounding, linear_weight_sq_norms
 
-__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "layer_norm_per_sample_grads",
+__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "group_norm_affine_grads",
+           "layer_norm_per_sample_grads",
            "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]

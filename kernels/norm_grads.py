@@ -1,4 +1,4 @@
-"""Per-sample gradients of LayerNorm and RMSNorm weights (and LayerNorm biases) in one launch.
+"""Per-sample gradients of normalization layers' affine parameters in one launch per call.
 
 γ_i = Σ_t o_{i,t} ⊙ x̂_{i,t} and β_i = Σ_t o_{i,t}, x̂ the normalized input (x − mean)/√(var + ε)
 (RMSNorm: x/√(mean(x²) + ε)). The torch references (``pdpfast.ops.norm``) take four ops per call:
@@ -13,6 +13,11 @@ elements run here and longer ones run the reference. One program per sample keep
 registers, with no partial sums to add afterwards and no atomics (deterministic); a batch smaller
 than the GPU's count of multiprocessors leaves some idle (``bench_kernels`` times it against the
 reference at BERT's, ViT's and GPT-2's shapes).
+
+GroupNorm and InstanceNorm (G = C) normalize over a group of channels and scale per channel: a
+program per (sample, group) merges the group's mean and squared deviations tile by tile, then sums
+each channel's o·(x − mean) and o (x read twice, o once; the statistics in fp32, as torch's CUDA
+GroupNorm keeps them).
 """
 from __future__ import annotations
 
@@ -21,7 +26,11 @@ import triton
 import triton.language as tl
 
 from pdpfast.ops.dispatch import register
-from pdpfast.ops.norm import layer_norm_per_sample_grads_reference, rms_norm_per_sample_grads_reference
+from pdpfast.ops.norm import (
+    group_norm_affine_grads_reference,
+    layer_norm_per_sample_grads_reference,
+    rms_norm_per_sample_grads_reference,
+)
 
 from ._utils import KERNEL_DTYPES, block, device_guard, new_buffer
 
@@ -79,14 +88,19 @@ def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: 
     return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
 
 
+def _same_dtypes(x: torch.Tensor, o: torch.Tensor) -> bool:
+    """The kernels' inputs: fp32/fp16/bf16, x and o alike (autocast casts x to o's dtype first)."""
+    return x.dtype in KERNEL_DTYPES and o.dtype == x.dtype and o.shape == x.shape
+
+
 def _runs_here(x: torch.Tensor, o: torch.Tensor, shape: tuple) -> bool:
     n = 1
     for s in shape:
         n *= s
-    return x.dtype in KERNEL_DTYPES and o.dtype == x.dtype and o.shape == x.shape and 0 < n <= MAX_N
+    return _same_dtypes(x, o) and 0 < n <= MAX_N
 
 
-@register("layer_norm_per_sample_grads")
+@register("layer_norm_per_sample_grads", when=_same_dtypes)
 def layer_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[str, torch.Tensor]:
     """A LayerNorm's per-sample affine gradients in one launch.
 
@@ -105,7 +119,7 @@ def layer_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dic
     return _launch(x, o, shape, module.eps, True, getattr(module, "bias", None) is not None)
 
 
-@register("rms_norm_per_sample_grads")
+@register("rms_norm_per_sample_grads", when=_same_dtypes)
 def rms_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[str, torch.Tensor]:
     """An RMSNorm's per-sample weight gradient in one launch (the LayerNorm kernel, not centred).
 
@@ -123,3 +137,102 @@ def rms_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[
         return rms_norm_per_sample_grads_reference(x, o, module)
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return _launch(x, o, shape, eps, False, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# GroupNorm / InstanceNorm: γ_{i,c} = Σ_s o_{i,c,s} x̂_{i,c,s}, β_{i,c} = Σ_s o_{i,c,s}, x̂ normalized
+# over the (C/G)·S values of the channel's group
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _group_norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, C, S, CPG, eps,
+                                    stride_xb, stride_xc, stride_ob, stride_oc,
+                                    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)
+    groups = C // CPG
+    sample = (pid // groups).to(tl.int64)
+    first = (pid % groups) * CPG
+    x_base = x_ptr + sample * stride_xb + first * stride_xc
+    o_base = o_ptr + sample * stride_ob + first * stride_oc
+    rc = tl.arange(0, BLOCK_C)
+    rs = tl.arange(0, BLOCK_S)
+    # pass 1: the group's mean and sum of squared deviations, tile by tile (Chan et al.'s merge of
+    # (count, mean, M2): no E[x²] − E[x]² cancellation)
+    n = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for c0 in range(0, CPG, BLOCK_C):
+        channels = c0 + rc
+        for s0 in range(0, S, BLOCK_S):
+            positions = s0 + rs
+            inside = (channels < CPG)[:, None] & (positions < S)[None, :]
+            x = tl.load(x_base + channels[:, None] * stride_xc + positions[None, :], mask=inside,
+                        other=0.0).to(tl.float32)
+            count = tl.sum(tl.sum(inside.to(tl.float32), axis=1), axis=0)
+            tile_mean = tl.sum(tl.sum(x, axis=1), axis=0) / count
+            deviation = tl.where(inside, x - tile_mean, 0.0)
+            # corrected two-pass: the deviations' own sum fixes the rounding of the first sum
+            correction = tl.sum(tl.sum(deviation, axis=1), axis=0) / count
+            tile_mean += correction
+            deviation = tl.where(inside, deviation - correction, 0.0)
+            tile_m2 = tl.sum(tl.sum(deviation * deviation, axis=1), axis=0)
+            delta = tile_mean - mean
+            total = n + count
+            mean += delta * (count / total)
+            m2 += tile_m2 + delta * delta * (n * count / total)
+            n = total
+    rstd = 1.0 / tl.sqrt_rn(m2 / n + eps)
+    # pass 2: per channel, Σ_s o·(x − mean) (scaled by rstd at the end) and Σ_s o
+    for c0 in range(0, CPG, BLOCK_C):
+        channels = c0 + rc
+        in_c = channels < CPG
+        acc_w = tl.zeros([BLOCK_C], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            positions = s0 + rs
+            inside = in_c[:, None] & (positions < S)[None, :]
+            x = tl.load(x_base + channels[:, None] * stride_xc + positions[None, :], mask=inside,
+                        other=0.0).to(tl.float32)
+            o = tl.load(o_base + channels[:, None] * stride_oc + positions[None, :], mask=inside,
+                        other=0.0).to(tl.float32)
+            acc_w += tl.sum(o * tl.where(inside, x - mean, 0.0), axis=1)
+            if HAS_BIAS:
+                acc_b += tl.sum(o, axis=1)
+        out = sample * C + first + channels
+        tl.store(weight_ptr + out, (acc_w * rstd).to(weight_ptr.dtype.element_ty), mask=in_c)
+        if HAS_BIAS:
+            tl.store(bias_ptr + out, acc_b.to(bias_ptr.dtype.element_ty), mask=in_c)
+
+
+@register("group_norm_affine_grads", when=_same_dtypes)
+def group_norm_affine_grads(x: torch.Tensor, o: torch.Tensor, num_groups: int, eps: float,
+                            with_bias: bool) -> dict[str, torch.Tensor]:
+    """A GroupNorm's (or InstanceNorm's, G = C) per-sample affine gradients in one launch: a program
+    per (sample, group) reads x twice (the statistics, then the sums) and o once.
+
+    Args:
+        x: (B, C, *spatial) the layer's input (or (B, C)), fp32/fp16/bf16, any strides.
+        o: like ``x``, of ``x``'s dtype, the gradient w.r.t. the layer's output.
+        num_groups: G, dividing C; eps: the layer's ε; with_bias: also the bias's gradient.
+    Returns:
+        {"weight": (B, C)}, plus "bias" with ``with_bias``, in ``x``'s dtype, summed in fp32. Other
+        dtypes run ``pdpfast.ops.norm.group_norm_affine_grads_reference``.
+    """
+    if not _same_dtypes(x, o):
+        return group_norm_affine_grads_reference(x, o, num_groups, eps, with_bias)
+    B, C = x.shape[0], x.shape[1]
+    out = new_buffer((2 if with_bias else 1, B, C), x.dtype, x.device)
+    weight, bias = out[0], out[-1]
+    S = x[0, 0].numel() if B and C else 0
+    if B and C and not S:  # no positions: nothing to sum
+        out.zero_()
+    elif B and C:
+        x3, o3 = x.reshape(B, C, S), o.reshape(B, C, S)
+        x3 = x3 if x3.stride(2) == 1 or S == 1 else x3.contiguous()
+        o3 = o3 if o3.stride(2) == 1 or S == 1 else o3.contiguous()
+        block_s = block(S, 16, 1024)
+        with device_guard(x):
+            _group_norm_affine_grads_kernel[(B * num_groups,)](
+                x3, o3, weight, bias, C, S, C // num_groups, eps, x3.stride(0), x3.stride(1), o3.stride(0),
+                o3.stride(1), HAS_BIAS=with_bias, BLOCK_C=block(C // num_groups, 1, max(1, 2048 // block_s)),
+                BLOCK_S=block_s, num_warps=4)
+    return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}

@@ -220,6 +220,11 @@ def kernel_calls() -> None:
                     normalized_shape=(N,), eps=1e-5, bias=object() if bias else None))
             norm_grads.rms_norm_per_sample_grads(x, _e(B, T, N, dtype=dtype), SimpleNamespace(
                 normalized_shape=(N,), eps=None))
+    # GroupNorm at ResNet-18-GN's first and last stages, a (B, C) input, instance norm (G = C)
+    for dtype in dtypes:
+        for shape, groups in [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((2, 8, 9), 8)]:
+            for bias in (True, False):
+                norm_grads.group_norm_affine_grads(_e(*shape, dtype=dtype), _e(*shape, dtype=dtype), groups, 1e-5, bias)
     # convolutions (inputs already padded), fp32 and one 16-bit dtype: a CIFAR ResNet-18's first 3×3
     # layer, a strided 3×3 one, a 1×1 downsample, a grouped one and a Conv1d
     convs = [((2, 3, 34, 34), (2, 64, 32, 32), (3, 3), 1, 1), ((2, 128, 9, 9), (2, 256, 4, 4), (3, 3), 2, 1),

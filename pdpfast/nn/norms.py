@@ -96,7 +96,8 @@ def _norm_rule(per_sample_grads, config, stacks=None) -> LayerRule:
     Their math is per sample, so n same-shape calls stack along the batch: one normalization over
     (n·B, ...) forms every call's per-sample gradients. ``config(module)``: what the math reads
     from the module (calls stack only when it is equal). ``stacks(x, o)``: False for calls whose
-    route costs one op anyway (the C++ GroupNorm kernel), where stacking would only copy x and o.
+    route costs one op anyway (GroupNorm's C++ kernel on a CPU, its Triton kernel on a GPU), where
+    stacking would only copy x and o.
     """
     def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
         return per_sample_grads(x, o, m)
@@ -134,7 +135,7 @@ register_layer(nn.LayerNorm, DPLayerNorm, _norm_rule(norm_ops.layer_norm_per_sam
 
 
 def _torch_route(x, o) -> bool:
-    return norm_ops.group_norm_kernel(x, o) != "C++ kernel"
+    return not norm_ops.group_norm_in_one_op(x, o)
 
 
 register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sample_grads,

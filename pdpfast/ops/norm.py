@@ -35,17 +35,17 @@ _CPU_CHUNK_ELEMENTS = 1 << 17
 
 
 def _by_batch_chunks(per_sample_grads):
-    """``per_sample_grads(x, o, module)`` run on cache-sized slices of the batch on a CPU."""
+    """``per_sample_grads(x, o, *args)`` run on cache-sized slices of the batch on a CPU."""
     @functools.wraps(per_sample_grads)
-    def wrapper(x, o, module):
+    def wrapper(x, o, *args):
         B = x.shape[0]
         per_sample = x[0].numel() if B else 0
         chunk = _CPU_CHUNK_ELEMENTS * torch.get_num_threads()
         if x.device.type != "cpu" or B * per_sample <= chunk:
-            return per_sample_grads(x, o, module)
+            return per_sample_grads(x, o, *args)
         out = None
         for samples in workspace.batch_chunks(B, per_sample, chunk):
-            part = per_sample_grads(x[samples], o[samples], module)
+            part = per_sample_grads(x[samples], o[samples], *args)
             if out is None:
                 out = {name: g.new_empty((B, *g.shape[1:])) for name, g in part.items()}
             for name, g in part.items():
@@ -149,18 +149,67 @@ def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:
     return "C++ kernel"
 
 
-def _group_norm_grads(x, o, num_groups: int, eps: float, with_bias: bool, torch_route) -> dict[str, torch.Tensor]:
+def group_norm_affine_grads_reference(x, o, num_groups: int, eps: float, with_bias: bool) -> dict[str, torch.Tensor]:
+    """Per-sample gradients of a GroupNorm's per-channel affine parameters, summed over positions:
+    Σ_s o_{i,c,s} x̂_{i,c,s} and Σ_s o_{i,c,s} (InstanceNorm: one channel per group).
+
+    CPU fp32/fp64: the C++ kernel (``group_norm_kernel``); elsewhere four torch ops (x̂ formed
+    again, its product with o, two sums), a large CPU batch a few samples at a time.
+
+    Args:
+        x: (B, C, *spatial) the layer's input (no spatial dims: (B, C)).
+        o: like ``x``, the gradient of the summed loss w.r.t. the layer's output.
+        num_groups: G, dividing C; eps: the layer's ε; with_bias: also the bias's gradient.
+    Returns:
+        {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype with ``with_bias``.
+    """
     if group_norm_kernel(x, o) == "C++ kernel":
         weight, bias = _C.group_norm_per_sample_grads_cpu(x, o, num_groups, eps, with_bias)
         return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
-    return torch_route(x, o)
+    return _group_norm_grads_torch(x, o, num_groups, eps, with_bias)
+
+
+@_by_batch_chunks
+def _group_norm_grads_torch(x, o, num_groups: int, eps: float, with_bias: bool) -> dict[str, torch.Tensor]:
+    # weights are per channel (dim 1): sum over the spatial dims only
+    x_hat = F.group_norm(x, num_groups, None, None, eps)
+    spatial = list(range(2, x.dim()))
+    out = {"weight": x_hat.mul_(o).sum(spatial) if spatial else x_hat.mul_(o)}
+    if with_bias:
+        out["bias"] = o.sum(spatial) if spatial else o
+    return out
+
+
+_GROUP_NORM_GRADS = declare("group_norm_affine_grads", group_norm_affine_grads_reference)
+
+
+def group_norm_affine_grads(x, o, num_groups: int, eps: float, with_bias: bool) -> dict[str, torch.Tensor]:
+    """GroupNorm's per-sample affine gradients (``group_norm_affine_grads_reference``): one Triton
+    launch where the kernels run (``pdpfast.kernels.norm_grads``), else the reference.
+
+    Args:
+        x, o, num_groups, eps, with_bias: as in the reference.
+    Returns:
+        as the reference.
+    """
+    return _GROUP_NORM_GRADS.pick(x, o)(x, o, num_groups, eps, with_bias)
+
+
+def group_norm_in_one_op(x: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether a GroupNorm or InstanceNorm call's gradients take one op (the C++ kernel on a CPU,
+    the Triton kernel where the kernels run): same-shape calls then gain nothing from stacking.
+
+    Args:
+        x: the layer's input; o: the gradient w.r.t. its output.
+    Returns:
+        a bool.
+    """
+    return _GROUP_NORM_GRADS.pick(x, o) is not _GROUP_NORM_GRADS.reference or group_norm_kernel(x, o) == "C++ kernel"
 
 
 def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of a GroupNorm's per-channel affine parameters, summed over positions.
-
-    CPU fp32/fp64: the C++ kernel (``group_norm_kernel``); elsewhere torch, a large CPU batch a few
-    samples at a time (the same result, cache-sized temporaries).
+    """Per-sample gradients of a GroupNorm's per-channel affine parameters, summed over positions
+    (``group_norm_affine_grads``).
 
     Args:
         x: (B, C, *spatial) the layer's input (no spatial dims: (B, C)).
@@ -170,25 +219,13 @@ def group_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
         {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
         a bias.
     """
-    return _group_norm_grads(x, o, module.num_groups, module.eps, module.bias is not None,
-                             lambda x, o: _group_norm_per_sample_grads_torch(x, o, module))
-
-
-@_by_batch_chunks
-def _group_norm_per_sample_grads_torch(x, o, module) -> dict[str, torch.Tensor]:
-    # weights are per channel (dim 1): sum over the spatial dims only
-    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
-    spatial = list(range(2, x.dim()))
-    out = {"weight": x_hat.mul_(o).sum(spatial) if spatial else x_hat.mul_(o)}
-    if module.bias is not None:
-        out["bias"] = o.sum(spatial) if spatial else o
-    return out
+    return group_norm_affine_grads(x, o, module.num_groups, module.eps, module.bias is not None)
 
 
 def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     """Per-sample gradients of an InstanceNorm1d/2d/3d's per-channel affine parameters.
 
-    Instance norm is GroupNorm with one channel per group: the same routes (``group_norm_kernel``).
+    Instance norm is GroupNorm with one channel per group: the same op (``group_norm_affine_grads``).
 
     Args:
         x: (B, C, *spatial) the layer's input, at least one spatial dim.
@@ -198,15 +235,4 @@ def instance_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
         {"weight": (B, C)} in ``x``'s dtype, plus "bias": (B, C) in ``o``'s dtype when the module has
         a bias.
     """
-    return _group_norm_grads(x, o, x.shape[1], module.eps, module.bias is not None,
-                             lambda x, o: _instance_norm_per_sample_grads_torch(x, o, module))
-
-
-@_by_batch_chunks
-def _instance_norm_per_sample_grads_torch(x, o, module) -> dict[str, torch.Tensor]:
-    x_hat = F.instance_norm(x, eps=module.eps)
-    spatial = list(range(2, x.dim()))
-    out = {"weight": x_hat.mul_(o).sum(spatial)}
-    if module.bias is not None:
-        out["bias"] = o.sum(spatial)
-    return out
+    return group_norm_affine_grads(x, o, x.shape[1], module.eps, module.bias is not None)

@@ -129,6 +129,11 @@ def _rms_norm_case(tools, gen):
     return (x, tools.randn(gen, 3, 7, 33, device=tools.device), torch.nn.RMSNorm(33)), None
 
 
+def _group_norm_case(tools, gen):
+    x = tools.randn(gen, 3, 8, 5, 5, device=tools.device)
+    return (x, tools.randn(gen, 3, 8, 5, 5, device=tools.device), 4, 1e-5, True), None
+
+
 def _noise_case(tools, gen):
     grads = [torch.zeros(5000, device=tools.device), torch.zeros(3, 7, device=tools.device)]
     return (grads, 1.0, 1, 2), _noise_alike
@@ -140,6 +145,7 @@ CASES = {
     "conv_weight_sq_norms": _conv_case,
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,
+    "group_norm_affine_grads": _group_norm_case,
     "layer_norm_per_sample_grads": _layer_norm_case,
     "rms_norm_per_sample_grads": _rms_norm_case,
     "add_noise_": _noise_case,

@@ -137,3 +137,73 @@ def test_the_ops_dispatch_to_the_kernel(tools, gen, monkeypatch):
         monkeypatch.delenv("PDPFAST_DISABLE_TRITON")
         for key in slow:
             torch.testing.assert_close(fast[key], slow[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def _group_oracle(x, o, num_groups, eps):
+    x_hat = nn.functional.group_norm(x.double(), num_groups, None, None, eps)
+    spatial = list(range(2, x.dim()))
+    weight, bias = x_hat * o.double(), o.double()
+    return (weight.sum(spatial), bias.sum(spatial)) if spatial else (weight, bias)
+
+
+# (input shape, groups): ResNet-18-GN's first stage (two channels a group, 32×32 positions: one
+# tile) and last (16 channels of 4×4), one position per channel ((B, C) input), Conv1d- and
+# Conv3d-shaped inputs, instance norm (G = C), one sample, groups of several channel tiles
+GROUP_SHAPES = [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((3, 8, 5, 7), 4), ((2, 4, 9), 2),
+                ((2, 3, 2, 3, 4), 3), ((1, 16, 4, 4), 16), ((2, 256, 3, 3), 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", GROUP_SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+def test_group_norm_affine_grads(tools, gen, shapes, bias, dtype):
+    """Against float64 at inputs far from zero (mean 100, deviation 3): the group's statistics are
+    merged tile by tile from deviations, not from E[x²] − E[x]²."""
+    x_shape, groups = shapes
+    x = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 100
+    o = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)
+    out = norm_grads.group_norm_affine_grads(x, o, groups, 1e-5, bias)
+    ref = norm_ops.group_norm_affine_grads_reference(x, o, groups, 1e-5, bias)
+    weight, bias_grad = _group_oracle(x, o, groups, 1e-5)
+    assert set(out) == set(ref) and out["weight"].shape == weight.shape and out["weight"].dtype == dtype
+    spatial = list(range(2, x.dim()))
+    scale = o.double().abs().sum(spatial) if spatial else o.double().abs()
+    atol = (1e-5 + torch.finfo(dtype).eps) * scale * 2 + 1e-30  # x̂ of a few ulps of the mean, summed
+    what = f"group norm {x_shape} G={groups} {dtype}"
+    tools.check(out["weight"], ref["weight"], weight, atol=atol, what=f"{what} weight")
+    if bias:
+        tools.check(out["bias"], ref["bias"], bias_grad, atol=atol, what=f"{what} bias")
+
+
+def test_group_norm_empty_inputs_and_channels_last(tools, gen):
+    """No sample, no position (zero gradients, not the reference's NaN) and a channels-last input."""
+    for shape in [(0, 4, 3, 3), (2, 4, 0)]:
+        out = norm_grads.group_norm_affine_grads(torch.zeros(shape, device=tools.device),
+                                                 torch.zeros(shape, device=tools.device), 2, 1e-5, True)
+        for g in out.values():
+            assert g.shape == shape[:2] and torch.equal(g, torch.zeros_like(g)), shape
+    x = tools.randn(gen, 2, 8, 5, 5, device=tools.device).to(memory_format=torch.channels_last)
+    o = tools.randn(gen, 2, 8, 5, 5, device=tools.device)
+    out = norm_grads.group_norm_affine_grads(x, o, 4, 1e-5, True)
+    weight, bias = _group_oracle(x, o, 4, 1e-5)
+    torch.testing.assert_close(out["weight"].double(), weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["bias"].double(), bias, rtol=1e-5, atol=1e-5)
+
+
+def test_group_and_instance_norm_layers_dispatch_to_the_kernel(tools, gen, monkeypatch):
+    """GroupNorm and InstanceNorm layers reach the kernel through ``pdpfast.ops.norm`` (G = C for
+    InstanceNorm), and their calls no longer stack (one launch each already)."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    x, o = tools.randn(gen, 2, 6, 4, 4, device=tools.device), tools.randn(gen, 2, 6, 4, 4, device=tools.device)
+    assert norm_ops.group_norm_in_one_op(x, o)
+    calls = []
+    kernel = norm_grads.group_norm_affine_grads
+    monkeypatch.setattr(dispatch.op("group_norm_affine_grads"), "kernel",
+                        lambda *args: (calls.append(args[2]), kernel(*args))[1])
+    for module, groups in ((nn.GroupNorm(3, 6), 3), (nn.InstanceNorm2d(6, affine=True), 6)):
+        fast = (norm_ops.group_norm_per_sample_grads if groups == 3 else norm_ops.instance_norm_per_sample_grads)(
+            x, o, module)
+        assert calls[-1] == groups
+        expected = norm_ops.group_norm_affine_grads_reference(x, o, groups, module.eps, True)
+        for key in expected:
+            torch.testing.assert_close(fast[key], expected[key], rtol=1e-5, atol=1e-5)
