@@ -35,14 +35,14 @@ def report() -> str:
     for name, op in sorted(dispatch.registered(load_kernels=reason is None).items()):
         impl = "triton kernel" if reason is None and op.kernel is not None else \
             f"torch reference ({reason or 'no kernel registered'})"
-        lines.append(f"  {name:<24} {impl}")
+        lines.append(f"  {name:<28} {impl}")
     why = sampling.unavailable_reason()
-    lines.append(f"  {'poisson_sample':<24} {sampling.backend()}" + (f" ({why})" if why else ""))
+    lines.append(f"  {'poisson_sample':<28} {sampling.backend()}" + (f" ({why})" if why else ""))
     cpu = torch.zeros(1, 1)
-    lines.append(f"  {'group_norm (CPU)':<24} {norm.group_norm_kernel(cpu, cpu)}")
+    lines.append(f"  {'group_norm (CPU)':<28} {norm.group_norm_kernel(cpu, cpu)}")
     for device in ["cpu"] + (["cuda"] if cuda else []):
         w = torch.zeros(1, device=device)
-        lines.append(f"  {f'clip_weights ({device.upper()})':<24} {clip.clip_weights_route(w, w)}")
+        lines.append(f"  {f'clip_weights ({device.upper()})':<28} {clip.clip_weights_route(w, w)}")
     return "\n".join(lines)
 
 
