@@ -21,6 +21,8 @@ GroupNorm keeps them).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -69,9 +71,7 @@ def _norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, T, N, eps,
 
 
 def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: bool, with_bias: bool) -> dict:
-    B, N = x.shape[0], 1
-    for n in shape:
-        N *= n
+    B, N = x.shape[0], math.prod(shape)
     # both outputs in one allocation (x and o share a dtype here): an allocator call fewer per call
     out = new_buffer((2 if with_bias else 1, B, *shape), x.dtype, x.device)
     weight, bias = out[0], out[-1]
@@ -94,10 +94,7 @@ def _same_dtypes(x: torch.Tensor, o: torch.Tensor) -> bool:
 
 
 def _runs_here(x: torch.Tensor, o: torch.Tensor, shape: tuple) -> bool:
-    n = 1
-    for s in shape:
-        n *= s
-    return _same_dtypes(x, o) and 0 < n <= MAX_N
+    return _same_dtypes(x, o) and 0 < math.prod(shape) <= MAX_N
 
 
 @register("layer_norm_per_sample_grads", when=_same_dtypes)
