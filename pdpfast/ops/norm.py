@@ -3,8 +3,9 @@
 The affine weight's per-sample gradient is Σ_t o_{i,t} ⊙ x̂_{i,t} with x̂ the normalized input,
 the bias's is Σ_t o_{i,t}; both are as small as the parameters, so they are materialized.
 
-LayerNorm and RMSNorm dispatch (``pdpfast.ops.dispatch``): where the kernels run, one Triton launch
-per call (``pdpfast.kernels.norm_grads``) instead of the reference's four ops.
+LayerNorm, RMSNorm and GroupNorm/InstanceNorm dispatch (``pdpfast.ops.dispatch``): where the
+kernels run, one Triton launch per call (``pdpfast.kernels.norm_grads``) instead of the reference's
+four ops.
 
 GroupNorm and InstanceNorm on CPU fp32/fp64 tensors take the C++ kernel of ``pdpfast._C``
 (``csrc/norms.cpp``): one call that reads x and o from memory once, where the torch route is a dozen ops
