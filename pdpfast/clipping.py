@@ -897,7 +897,11 @@ class ClippingState:
         autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None; ``parts``:
         sq is (B, K) partial sums; ``pending``: as in ``_weights``."""
         margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, margin)[group], rounding, parts, pending)
+        key = (sq.device, sq.dtype, margin, group)
+        bounds = self._bounds.get(key)  # the group's row, kept for the batch: no view made per call
+        if bounds is None:
+            bounds = self._bounds[key] = self._bounds_for(sq.device, sq.dtype, margin)[group]
+        return self._weights(sq, bounds, rounding, parts, pending)
 
     # ------------------------------------------------------------------ end of a backward
 

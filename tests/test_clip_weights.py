@@ -190,6 +190,8 @@ def test_clip_weights_route_says_why_it_takes_torch():
     assert "rounding" in clip_weights_route(sq, bounds, None, torch.rand(3))
     assert clip_weights_route(sq, bounds, None, torch.rand(5)) == "C++ kernel"
     assert "grad" in clip_weights_route(sq.requires_grad_(), bounds)
+    with torch.no_grad():  # as in a backward: nothing the C++ op returns could be differentiated
+        assert clip_weights_route(sq, bounds) == "C++ kernel"
     assert clip_weights_route(torch.rand(5, 3), bounds, parts=True) == "C++ kernel"
     assert "broadcast" in clip_weights_route(torch.rand(3, 5), bounds, parts=True)
 
@@ -355,6 +357,21 @@ def test_clip_scale_route_says_why_it_takes_torch():
     assert "precision" in clip_scale_route(x.double(), weights)
     assert "grad" in clip_scale_route(x.requires_grad_(), weights)
     assert "broadcast" in clip_scale_route(x, weights._replace(clip_norms=torch.rand(1)))
+
+
+@needs_scale
+def test_clip_scale_takes_the_cpp_op_for_a_saved_input_inside_a_backward():
+    """A layer's saved input requires grad, but its backward runs with grad mode off: the C++ op
+    (one call) scales its rows, as the torch route would, and the result requires no grad."""
+    g = torch.Generator().manual_seed(7)
+    weights = _pending(5, 3, torch.float32, g, None, None, 1.0)
+    x = torch.randn(5, 4, generator=g).requires_grad_()
+    with torch.no_grad():
+        assert clip_scale_route(x, weights) == "C++ kernel"
+        scaled, w = clip_scale(x, weights)
+    assert not scaled.requires_grad
+    torch.testing.assert_close(scaled, x.detach() * weights.tensor().unsqueeze(1), rtol=0, atol=0)
+    torch.testing.assert_close(w, weights.tensor(), rtol=0, atol=0)
 
 
 @needs_scale

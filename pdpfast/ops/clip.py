@@ -42,8 +42,8 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
     Returns:
         "C++ kernel" when ``pdpfast._C`` computes the weights in one call (``sq_norms`` (less its
         last dim, with ``parts``), ``clip_norms`` and ``rounding`` of one shape and dtype, fp32 or
-        fp64, no separate mask, CPU tensors or CUDA tensors with a CUDA build); otherwise
-        "torch (<why>)".
+        fp64, no separate mask, CPU tensors or CUDA tensors with a CUDA build, none requiring grad
+        while grad mode is on); otherwise "torch (<why>)".
     """
     if _FUSED_MISSING is not None:
         return f"torch ({_FUSED_MISSING})"
@@ -64,7 +64,7 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
             return "torch (a rounding bound of another shape or dtype)"
     if sq_norms.dtype not in _FUSED_DTYPES:
         return f"torch (dtype {sq_norms.dtype})"
-    if sq_norms.requires_grad or clip_norms.requires_grad:
+    if (sq_norms.requires_grad or clip_norms.requires_grad) and torch.is_grad_enabled():
         return "torch (inputs that require grad: the C++ op has no backward)"
     if sq_norms.device.type == "cuda" and not _C.clip_with_cuda:
         return "torch (pdpfast._C was built without CUDA)"
@@ -147,8 +147,8 @@ def clip_scale_route(x: torch.Tensor, weights: PendingWeights) -> str:
     Returns:
         "C++ kernel" where ``pdpfast._C.clip_scale`` computes the weights and scales ``x`` in one call
         (``clip_weights_route`` holds with (B,) bounds, x float32/float64/float16/bfloat16 on the norms'
-        device, the norms float64 for a float64 x, else float32, nothing requiring grad); otherwise
-        "torch (<why>)".
+        device, the norms float64 for a float64 x, else float32, nothing requiring grad while grad mode
+        is on: a backward runs without it); otherwise "torch (<why>)".
     """
     if _SCALE_MISSING is not None:
         return f"torch ({_SCALE_MISSING})"
@@ -163,7 +163,7 @@ def clip_scale_route(x: torch.Tensor, weights: PendingWeights) -> str:
         return "torch (norms of another precision than x's products)"
     if x.device != weights.sq_norms.device:
         return "torch (x on another device than its norms)"
-    if x.requires_grad:
+    if x.requires_grad and torch.is_grad_enabled():  # (a layer's saved input does, in its backward)
         return "torch (x requires grad: the C++ op has no backward)"
     return _FUSED
 

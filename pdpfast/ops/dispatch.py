@@ -141,8 +141,13 @@ def triton_disabled() -> bool:
     return os.environ.get("PDPFAST_DISABLE_TRITON", "0") not in ("", "0")
 
 
+@functools.cache
 def triton_interpret() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (the tests).
+
+    Read once, at the first call: Triton reads ``TRITON_INTERPRET`` when it defines a kernel, so a
+    later change could not make the kernels interpreted or compiled anyway (and every op's
+    dispatch on the CPU asks, ~1 µs an environment read).
 
     Returns:
         True when ``TRITON_INTERPRET`` is set to anything but "" or "0".

@@ -163,12 +163,13 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
         ``per_sample_elements`` ≤ max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
     """
     nbytes = per_sample_elements * o.element_size()
-    if workspace.lent_bytes() + nbytes > workspace.MAX_BYTES:
+    if use_triton(x, o):  # (book-keeping's calls, kept, stop at the first test: one per layer call)
+        if kept or norm_cost is None or o.dtype not in GPU_FLOPS_PER_BYTE or \
+                2 * norm_cost() <= 3 * nbytes * GPU_FLOPS_PER_BYTE[o.dtype]:
+            return False
+    elif per_sample_elements > max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel())):
         return False
-    if use_triton(x, o):
-        balance = GPU_FLOPS_PER_BYTE.get(o.dtype)
-        return not kept and norm_cost is not None and balance is not None and 2 * norm_cost() > 3 * nbytes * balance
-    return per_sample_elements <= max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel()))
+    return workspace.lent_bytes() + nbytes <= workspace.MAX_BYTES
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
