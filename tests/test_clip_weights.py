@@ -375,6 +375,55 @@ def test_clip_scale_takes_the_cpp_op_for_a_saved_input_inside_a_backward():
 
 
 @needs_scale
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_layer_clipping_scales_a_widening_layers_saved_input_in_one_op(dtype, monkeypatch):
+    """A widening linear call (p > d) scales its input's rows, the narrower operand: inside the
+    backward that saved input requires grad, and grad mode is off, so per-layer clipping still
+    computes its weights and the product in the C++ op (no weights computed apart), with the
+    gradients the torch route gives bit for bit."""
+    import torch.nn as nn
+
+    import pdpfast
+    import pdpfast.clipping as clipping_module
+    import pdpfast.ops.clip as clip_ops
+    import pdpfast.ops.linear as lin_ops
+    from pdpfast.clipping import ClippingState
+
+    monkeypatch.setattr(clipping_module, "SMALL_CALL_BYTES", 0)  # each call on its own: a full-size model's route
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    torch.manual_seed(3)
+    B, T, d = 4, 5, 8
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 4 * d)).to(dtype))
+    x = torch.randn(B, T, d, dtype=dtype)
+    apart = []
+    tensor = PendingWeights.tensor
+
+    def spy_tensor(self):
+        apart.append(tuple(self.clip_norms.shape))
+        return tensor(self)
+
+    def run():
+        state = ClippingState(model, clipping="per_layer")
+        with state.attached():
+            state.begin_batch(torch.linspace(0.05, 2.0, B))
+            model(x).float().pow(2).mean((1, 2)).sum().backward()
+            state.end_draw()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    monkeypatch.setattr(PendingWeights, "tensor", spy_tensor)
+    grads = run()
+    assert apart == [], apart  # both calls' weights computed in the op that applies them
+    monkeypatch.setattr(clip_ops, "clip_scale_route", lambda x, weights: "torch (forced)")
+    reference = run()
+    assert len(apart) == 2, apart
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=0, atol=0, msg=name)
+
+
+@needs_scale
 def test_cpp_clip_scale_refuses_mismatched_inputs_clearly():
     from pdpfast import _C
 
