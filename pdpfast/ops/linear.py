@@ -163,7 +163,7 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
         ``per_sample_elements`` ≤ max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
     """
     nbytes = per_sample_elements * o.element_size()
-    if use_triton(x, o):  # (book-keeping's calls, kept, stop at the first test: one per layer call)
+    if use_triton(x, o):  # never where they would be kept; else where the norm costs more (``kept`` first)
         if kept or norm_cost is None or o.dtype not in GPU_FLOPS_PER_BYTE or \
                 2 * norm_cost() <= 3 * nbytes * GPU_FLOPS_PER_BYTE[o.dtype]:
             return False
