@@ -146,12 +146,20 @@ def test_stale_batch_context_is_never_reused_for_a_hand_built_batch():
 
 
 def test_forward_in_eval_mode_or_without_grad_needs_no_batch():
+    """Evaluation computes the layers as they are, without opening or needing a batch."""
     engine, model, opt, criterion, loader = _engine(n=4)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        first, last = model[0], model[2]
+        expected = nn.functional.linear(torch.tanh(nn.functional.linear(x, first.weight, first.bias)),
+                                        last.weight, last.bias)
     model.eval()
-    model(torch.randn(3, 4))
+    out = model(x)
+    torch.testing.assert_close(out.detach(), expected)
     model.train()
     with torch.no_grad():
-        model(torch.randn(3, 4))
+        torch.testing.assert_close(model(x), expected)
+    assert engine.state.phase is Phase.IDLE
 
 
 def test_zero_grad_between_physical_batches_keeps_the_draw():
