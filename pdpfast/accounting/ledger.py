@@ -193,6 +193,69 @@ class _RecordLedger:
         obj.load_state_dict(state)
         return obj
 
+    def remaining(self, delta) -> np.ndarray:
+        """Budget left per record: max(ε_i − spent, 0).
+
+        Args:
+            delta: δ in (0, 1).
+        Returns:
+            (N,) float64 ≥ 0.
+        Raises:
+            ValueError without ``budgets`` or for δ outside (0, 1).
+        """
+        if self.budgets is None:
+            raise ValueError(f"remaining needs budgets (pass budgets= to {type(self).__name__})")
+        return np.maximum(self.budgets - self.epsilons(delta), 0.0)
+
+    def _record_state(self) -> dict:
+        """The entries of ``state_dict`` every ledger writes: "accountant", "format_version",
+        "group_of" (N,), "group_rates" / "group_noise" (G,), "steps_taken", "budgets" ((N,), or (0,)
+        with "has_budgets" False); copies."""
+        return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
+                "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
+                "group_noise": self.group_noise.copy(), "steps_taken": np.int64(self.steps_taken),
+                "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
+                "has_budgets": np.bool_(self.budgets is not None)}
+
+    def _checked_record_state(self, state: dict) -> dict:
+        """The entries of ``_record_state`` read back from ``state`` and checked, nothing assigned
+        yet: a state that fails any check leaves the ledger as it was. A corrupt file must never
+        load as a ledger that under-reports spending or compares against broken budgets (a NaN
+        budget would never be exceeded).
+
+        Returns:
+            {"group_of", "group_rates", "group_noise", "steps_taken", "budgets"} (budgets None
+            without them).
+        Raises:
+            ValueError if the state was written by another accountant's ledger or another
+            format_version; if group_rates and group_noise are not two 1-D arrays of one length, or
+            hold a q outside [0, 1] or a z < 0 or NaN; if group_of indexes past them; if
+            steps_taken < 0; or if budgets are not one finite ε > 0 per record.
+        """
+        _check_accountant(state, self.name)
+        if int(state["format_version"]) != _FORMAT_VERSION:
+            raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
+        group_of = np.asarray(state["group_of"], dtype=np.int64)
+        group_rates = np.asarray(state["group_rates"], dtype=np.float64)
+        group_noise = np.asarray(state["group_noise"], dtype=np.float64)
+        if group_rates.shape != group_noise.shape or group_rates.ndim != 1:
+            raise ValueError("ledger state: group_rates and group_noise do not match")
+        if group_of.ndim != 1:
+            raise ValueError(f"ledger state: group_of must be 1-D (one group per record), got shape {group_of.shape}")
+        if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rates.shape[0]):
+            raise ValueError("ledger state: group_of out of range")
+        _check_rates(group_rates, group_noise)
+        steps_taken = int(state["steps_taken"])
+        if steps_taken < 0:
+            raise ValueError(f"ledger state: steps_taken must be >= 0, got {steps_taken}")
+        budgets = None
+        if bool(state["has_budgets"]):
+            if np.shape(state["budgets"]) != group_of.shape:
+                raise ValueError("ledger state: budgets do not match group_of")
+            budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0, low_inclusive=False)
+        return {"group_of": group_of, "group_rates": group_rates, "group_noise": group_noise,
+                "steps_taken": steps_taken, "budgets": budgets}
+
 
 @register_ledger("rdp")
 class IndividualAccountant(_RecordLedger):
@@ -419,20 +482,6 @@ class IndividualAccountant(_RecordLedger):
         n = check_positive_integer("n", n)
         return self._group_eps(delta, extra_steps=n)[self.group_of] > self.budgets
 
-    def remaining(self, delta) -> np.ndarray:
-        """Budget left per record: max(ε_i − spent, 0).
-
-        Args:
-            delta: δ in (0, 1).
-        Returns:
-            (N,) float64 ≥ 0.
-        Raises:
-            ValueError without ``budgets`` or for δ outside (0, 1).
-        """
-        if self.budgets is None:
-            raise ValueError("remaining needs budgets (pass budgets= to IndividualAccountant)")
-        return np.maximum(self.budgets - self.epsilons(delta), 0.0)
-
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         """The ledger's state as numpy values (what ``save`` writes to .npz).
@@ -442,14 +491,8 @@ class IndividualAccountant(_RecordLedger):
             "group_rates" / "group_noise" / "group_own_order" / "group_own_rdp" (G,), "group_rdp"
             (G, n_orders), "steps_taken", "budgets" ((N,), or (0,) with "has_budgets" False).
         """
-        return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
-                "orders": self.orders.copy(),
-                "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
-                "group_noise": self.group_noise.copy(), "group_rdp": self.group_rdp.copy(),
-                "group_own_order": self.group_own_order.copy(), "group_own_rdp": self.group_own_rdp.copy(),
-                "steps_taken": np.int64(self.steps_taken),
-                "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
-                "has_budgets": np.bool_(self.budgets is not None)}
+        return {**self._record_state(), "orders": self.orders.copy(), "group_rdp": self.group_rdp.copy(),
+                "group_own_order": self.group_own_order.copy(), "group_own_rdp": self.group_own_rdp.copy()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state written by ``state_dict`` (states without an accountant name or own orders,
@@ -460,33 +503,32 @@ class IndividualAccountant(_RecordLedger):
         Returns:
             None; the ledger's state is replaced in place and its caches cleared.
         Raises:
-            ValueError if the state was written by another accountant's ledger, has another
-            format_version, or its arrays do not match.
+            ValueError for a state ``_checked_record_state`` refuses, or whose orders are not all > 1,
+            whose group_rdp is not (groups, orders) of values ≥ 0 (inf allowed), or whose own orders
+            (NaN: none, else finite and > 1) and their RDP (≥ 0) are not one per group; the ledger is
+            then unchanged.
         """
-        _check_accountant(state, self.name)
-        if int(state["format_version"]) != _FORMAT_VERSION:
-            raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
-        group_of = np.asarray(state["group_of"], dtype=np.int64)
+        records = self._checked_record_state(state)
+        g = records["group_rates"].shape[0]
+        orders = as_orders(np.asarray(state["orders"], dtype=np.float64))[0]
         group_rdp = np.asarray(state["group_rdp"], dtype=np.float64)
-        orders = np.asarray(state["orders"], dtype=np.float64)
-        if group_rdp.ndim != 2 or group_rdp.shape[1] != orders.shape[0]:
-            raise ValueError("ledger state: group_rdp does not match orders")
-        if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rdp.shape[0]):
-            raise ValueError("ledger state: group_of out of range")
-        self.__dict__.pop("_pair_cache", None)
-        self.__dict__.pop("_step_rdp", None)
-        g = group_rdp.shape[0]
+        if group_rdp.shape != (g, orders.shape[0]):
+            raise ValueError(f"ledger state: group_rdp has shape {group_rdp.shape}, expected (groups, orders) = "
+                             f"({g}, {orders.shape[0]})")
         # states written before rows had their own order: none
         own_order = np.asarray(state.get("group_own_order", np.full(g, np.nan)), dtype=np.float64)
         own_rdp = np.asarray(state.get("group_own_rdp", np.zeros(g)), dtype=np.float64)
         if own_order.shape != (g,) or own_rdp.shape != (g,):
             raise ValueError("ledger state: group_own_order / group_own_rdp do not match group_rdp")
-        self.orders, self.group_of, self.group_rdp = orders, group_of, group_rdp
+        if np.any(~np.isnan(own_order) & ~((own_order > 1.0) & np.isfinite(own_order))):
+            raise ValueError("ledger state: group_own_order must be finite and > 1 (NaN for none)")
+        if np.any(np.isnan(group_rdp) | (group_rdp < 0)) or np.any(np.isnan(own_rdp) | (own_rdp < 0)):
+            raise ValueError("ledger state: accumulated RDP must be >= 0 (inf allowed), found a negative or NaN value")
+        self.__dict__.pop("_pair_cache", None)
+        self.__dict__.pop("_step_rdp", None)
+        self.__dict__.update(records)
+        self.orders, self.group_rdp = orders, group_rdp
         self.group_own_order, self.group_own_rdp = own_order, own_rdp
-        self.group_rates = np.asarray(state["group_rates"], dtype=np.float64)
-        self.group_noise = np.asarray(state["group_noise"], dtype=np.float64)
-        self.steps_taken = int(state["steps_taken"])
-        self.budgets = np.asarray(state["budgets"], dtype=np.float64) if bool(state["has_budgets"]) else None
 
 
 
@@ -628,20 +670,6 @@ class PLDIndividualAccountant(_RecordLedger):
                 over |= (self.group_of == g) & (eps > self.budgets)
         return over
 
-    def remaining(self, delta) -> np.ndarray:
-        """Budget left per record: max(ε_i − spent, 0).
-
-        Args:
-            delta: δ in (0, 1).
-        Returns:
-            (N,) float64 ≥ 0.
-        Raises:
-            ValueError without ``budgets`` or for δ outside (0, 1).
-        """
-        if self.budgets is None:
-            raise ValueError("remaining needs budgets (pass budgets= to PLDIndividualAccountant)")
-        return np.maximum(self.budgets - self.epsilons(delta), 0.0)
-
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         """The ledger's state as numpy values (what ``save`` writes to .npz).
@@ -651,12 +679,7 @@ class PLDIndividualAccountant(_RecordLedger):
             "group_noise" (G,), "steps_taken", "budgets" ((N,), or (0,) with "has_budgets" False),
             "horizon" (0: none), "value_discretization_interval".
         """
-        return {"accountant": np.str_(self.name), "format_version": np.int64(_FORMAT_VERSION),
-                "group_of": self.group_of.copy(), "group_rates": self.group_rates.copy(),
-                "group_noise": self.group_noise.copy(), "steps_taken": np.int64(self.steps_taken),
-                "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
-                "has_budgets": np.bool_(self.budgets is not None),
-                "horizon": np.int64(0 if self.horizon is None else self.horizon),
+        return {**self._record_state(), "horizon": np.int64(0 if self.horizon is None else self.horizon),
                 "value_discretization_interval": np.float64(self.value_discretization_interval)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -667,30 +690,18 @@ class PLDIndividualAccountant(_RecordLedger):
         Returns:
             None; the ledger's state is replaced in place and its caches cleared.
         Raises:
-            ValueError if the state was written by another accountant's ledger, has another
-            format_version, or its arrays do not match or are out of range.
+            ValueError for a state ``_checked_record_state`` refuses, or whose horizon is < 0 or
+            value_discretization_interval not finite and > 0; the ledger is then unchanged.
         """
-        _check_accountant(state, self.name)
-        if int(state["format_version"]) != _FORMAT_VERSION:
-            raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
-        group_of = np.asarray(state["group_of"], dtype=np.int64)
-        group_rates = np.asarray(state["group_rates"], dtype=np.float64)
-        group_noise = np.asarray(state["group_noise"], dtype=np.float64)
-        if group_rates.shape != group_noise.shape or group_rates.ndim != 1:
-            raise ValueError("ledger state: group_rates and group_noise do not match")
-        if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rates.shape[0]):
-            raise ValueError("ledger state: group_of out of range")
-        _check_rates(group_rates, group_noise)
-        budgets = None
-        if bool(state["has_budgets"]):
-            if np.shape(state["budgets"]) != group_of.shape:
-                raise ValueError("ledger state: budgets do not match group_of")
-            budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0,
-                                    low_inclusive=False)
-        self.group_of, self.group_rates, self.group_noise = group_of, group_rates, group_noise
-        self.steps_taken = int(state["steps_taken"])
-        self.budgets = budgets
-        self.horizon = int(state["horizon"]) or None
-        self.value_discretization_interval = float(state["value_discretization_interval"])
+        records = self._checked_record_state(state)
+        horizon = int(state["horizon"])
+        if horizon < 0:
+            raise ValueError(f"ledger state: horizon must be >= 0 (0: none), got {horizon}")
+        vdi = float(state["value_discretization_interval"])
+        if not (vdi > 0 and np.isfinite(vdi)):
+            raise ValueError(f"ledger state: value_discretization_interval must be finite and > 0, got {vdi!r}")
+        self.__dict__.update(records)
+        self.horizon = horizon or None
+        self.value_discretization_interval = vdi
         self._reset_caches()
 

@@ -1,0 +1,105 @@
+"""Loading a ledger state: both ledgers check what they read, alike, and a refused state leaves the
+ledger as it was. A ledger restored from a damaged checkpoint must not under-report spending or
+compare ε against budgets that can never be exceeded (a NaN budget: ε > NaN is always False)."""
+import numpy as np
+import pytest
+
+from pdpfast.accounting import IndividualAccountant, PLDIndividualAccountant
+
+DELTA = 1e-5
+LEDGERS = {"rdp": IndividualAccountant, "pld": PLDIndividualAccountant}
+
+
+def _ledger(kind):
+    rng = np.random.default_rng(7)
+    q = rng.choice([0.02, 0.05], 12)
+    return LEDGERS[kind](q, 2.0, budgets=rng.uniform(1.0, 3.0, 12)).step(5)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f") for k in a)
+
+
+# (what is damaged, how, the message's words): one entry each ledger writes
+RECORD_DAMAGE = [
+    ("budgets of another length", lambda s: s.update(budgets=s["budgets"][:-1]), "budgets do not match"),
+    ("a NaN budget", lambda s: s["budgets"].__setitem__(3, np.nan), "budgets must be finite"),
+    ("a budget of 0", lambda s: s["budgets"].__setitem__(0, 0.0), "budgets must be > 0"),
+    ("a sampling rate above 1", lambda s: s["group_rates"].__setitem__(0, 1.5), r"sample_rates must lie in \[0, 1\]"),
+    ("a negative noise multiplier", lambda s: s["group_noise"].__setitem__(0, -1.0), "noise_multipliers must be >= 0"),
+    ("rates and noise of other lengths", lambda s: s.update(group_noise=s["group_noise"][:1].repeat(5)),
+     "group_rates and group_noise do not match"),
+    ("a record's group past the groups", lambda s: s["group_of"].__setitem__(0, 99), "group_of out of range"),
+    ("group_of of two dims", lambda s: s.update(group_of=s["group_of"].reshape(3, 4)), "group_of must be 1-D"),
+    ("negative steps", lambda s: s.update(steps_taken=np.int64(-2)), "steps_taken must be >= 0"),
+    ("another format", lambda s: s.update(format_version=np.int64(99)), "unsupported ledger format_version"),
+]
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+@pytest.mark.parametrize("what,damage,message", RECORD_DAMAGE, ids=[d[0] for d in RECORD_DAMAGE])
+def test_a_damaged_ledger_state_is_refused_and_the_ledger_is_unchanged(kind, what, damage, message):
+    ledger = _ledger(kind)
+    before = ledger.state_dict()
+    state = ledger.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match=message):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+    fresh = LEDGERS[kind].__new__(LEDGERS[kind])
+    with pytest.raises(ValueError, match=message):
+        fresh.load_state_dict(state)
+
+
+RDP_DAMAGE = [
+    ("negative accumulated RDP", lambda s: s.update(group_rdp=-s["group_rdp"]), "accumulated RDP must be >= 0"),
+    ("NaN accumulated RDP", lambda s: s["group_rdp"].__setitem__((0, 0), np.nan), "accumulated RDP must be >= 0"),
+    ("RDP of another order count", lambda s: s.update(group_rdp=s["group_rdp"][:, 1:]), "group_rdp has shape"),
+    ("an order of 1", lambda s: s["orders"].__setitem__(0, 1.0), "orders must all be > 1"),
+    ("an own order of 0.5", lambda s: s.update(group_own_order=np.full_like(s["group_own_order"], 0.5)),
+     "group_own_order must be finite and > 1"),
+]
+
+
+@pytest.mark.parametrize("what,damage,message", RDP_DAMAGE, ids=[d[0] for d in RDP_DAMAGE])
+def test_a_damaged_rdp_history_is_refused_and_the_ledger_is_unchanged(what, damage, message):
+    ledger = _ledger("rdp")
+    before = ledger.state_dict()
+    state = ledger.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match=message):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+
+
+@pytest.mark.parametrize("what,damage,message", [
+    ("a negative horizon", lambda s: s.update(horizon=np.int64(-1)), "horizon must be >= 0"),
+    ("a zero discretization", lambda s: s.update(value_discretization_interval=np.float64(0.0)),
+     "value_discretization_interval must be finite and > 0"),
+], ids=["negative horizon", "zero discretization"])
+def test_a_damaged_pld_setting_is_refused_and_the_ledger_is_unchanged(what, damage, message):
+    ledger = _ledger("pld")
+    before = ledger.state_dict()
+    state = ledger.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match=message):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+def test_a_loaded_ledger_reports_and_refuses_as_the_saved_one(kind, tmp_path):
+    ledger = _ledger(kind)
+    path = tmp_path / "ledger.npz"
+    ledger.save(path)
+    again = LEDGERS[kind].load(path)
+    np.testing.assert_array_equal(again.epsilons(DELTA), ledger.epsilons(DELTA))
+    np.testing.assert_array_equal(again.remaining(DELTA), ledger.remaining(DELTA))
+    np.testing.assert_array_equal(again.would_exceed(DELTA, 400), ledger.would_exceed(DELTA, 400))
+    assert again.would_exceed(DELTA, 400).any() and not again.would_exceed(DELTA, 1).any()
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+def test_remaining_without_budgets_names_the_ledger(kind):
+    with pytest.raises(ValueError, match=f"remaining needs budgets .*{LEDGERS[kind].__name__}"):
+        LEDGERS[kind](0.1, 1.0).remaining(DELTA)
