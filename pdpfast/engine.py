@@ -812,6 +812,13 @@ class PrivacyEngine:
                     ledger.step(taken)
             else:
                 ledger.load_state_dict(state["ledger"])
+                # the plans match; the ledger must be that plan's: the same records, budgets and rates
+                # (one holding other budgets, records or a lower rate would let records overspend)
+                if not (ledger.num_records == self.plan.num_records
+                        and np.array_equal(ledger.budgets, self.accountant.budgets)
+                        and np.array_equal(ledger.sample_rates, self.plan.sample_rates)):
+                    raise ValueError("the checkpoint's privacy ledger does not belong to its plan (other records, "
+                                     "budgets or sampling rates); resume from a checkpoint this run wrote")
         elif self.plan is not None:
             raise ValueError("the checkpoint holds no privacy ledger but this engine has a plan: resume a "
                              "make_private_with_budgets run from its own checkpoint")

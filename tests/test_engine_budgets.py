@@ -87,6 +87,28 @@ def test_resume_with_a_different_plan_is_refused(tmp_path):
         other.load_checkpoint(tmp_path / "c.pt", model2)
 
 
+@pytest.mark.parametrize("damage", [
+    lambda ledger: ledger.update(budgets=ledger["budgets"] * 100),                                    # looser budgets
+    lambda ledger: ledger.update(group_of=ledger["group_of"][:20], budgets=ledger["budgets"][:20]),  # fewer records
+    lambda ledger: ledger.update(group_rates=ledger["group_rates"] / 2),                             # slower spending
+], ids=["other budgets", "fewer records", "lower rates"])
+def test_a_checkpoint_whose_ledger_is_not_its_plans_is_refused_and_the_engine_unchanged(tmp_path, damage):
+    budgets = np.full(30, 1.0)
+    engine, model, opt, loader = _setup(budgets, steps=4)
+    _train(model, opt, loader, 2)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+    damage(checkpoint["engine"]["ledger"])
+    torch.save(checkpoint, tmp_path / "damaged.pt")
+    resumed, model2, *_ = _setup(budgets, steps=4)
+    ledger = resumed.accountant
+    with pytest.raises(ValueError, match="ledger does not belong to its plan"):
+        resumed.load_checkpoint(tmp_path / "damaged.pt", model2)
+    assert resumed.accountant is ledger and ledger.steps_taken == 0 and not resumed.epsilons().any()
+    resumed.load_checkpoint(tmp_path / "c.pt", model2)         # the undamaged one resumes
+    np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budgets=np.ones(29)), "budgets"),
     (dict(budgets=np.r_[np.ones(29), np.nan]), "budget|epsilon"),
