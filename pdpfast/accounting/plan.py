@@ -86,8 +86,55 @@ class PrivacyPlan:
         self.group_sizes = np.asarray(self.group_sizes, dtype=np.int64)
         if self.group_orders is not None:
             self.group_orders = np.asarray(self.group_orders, dtype=np.float64)
+        self._check()
         self.sample_rates = self.group_sample_rates[self.group_index]
         self.clip_norms = self.group_clip_norms[self.group_index]
+
+    def _check(self) -> None:
+        """Refuse a plan that cannot be what calibration made, before anything trains on it or audits
+        with it: a plan read from a file (``from_dict``, ``from_json``, a checkpoint) is checked as
+        one built in memory.
+
+        Raises:
+            ValueError naming the field: σ not finite and ≥ 0; C not finite and > 0; steps < 1; δ
+            outside (0, 1); group arrays not all (G,); budgets not finite and > 0; a rate outside
+            [0, 1]; a clip norm not finite and > 0; a guaranteed ε not finite, < 0 or above its
+            budget; a group_index outside [0, G) or group sizes that do not count it; an RDP order
+            (``orders``, ``group_orders``) not > 1.
+        """
+        if not (np.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+            raise ValueError(f"plan: noise_multiplier must be finite and >= 0, got {self.noise_multiplier!r}")
+        if not (np.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"plan: max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}")
+        if self.steps < 1:
+            raise ValueError(f"plan: steps must be >= 1, got {self.steps}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"plan: delta must lie in (0, 1), got {self.delta!r}")
+        g = self.budget_values.shape
+        for name in ("budget_values", "group_sizes", "group_sample_rates", "group_clip_norms", "group_epsilons"):
+            if getattr(self, name).shape != g or len(g) != 1:
+                raise ValueError(f"plan: {name} must have one value per group ({g[0] if g else '?'} groups), got shape "
+                                 f"{getattr(self, name).shape}")
+        budgets, eps = self.budget_values, self.group_epsilons
+        if not (np.isfinite(budgets).all() and (budgets > 0).all()):
+            raise ValueError("plan: budgets (groups' epsilon) must be finite and > 0")
+        q = self.group_sample_rates
+        if not (np.isfinite(q).all() and ((q >= 0) & (q <= 1)).all()):
+            raise ValueError("plan: sample rates must lie in [0, 1]")
+        c = self.group_clip_norms
+        if not (np.isfinite(c).all() and (c > 0).all()):
+            raise ValueError("plan: clip norms must be finite and > 0")
+        if not (np.isfinite(eps).all() and (eps >= 0).all() and (eps <= budgets).all()):
+            raise ValueError("plan: every group's guaranteed epsilon must be finite, >= 0 and within its budget")
+        index = self.group_index
+        if index.ndim != 1 or (index.size and (index.min() < 0 or index.max() >= g[0])):
+            raise ValueError("plan: group_index out of range")
+        if not np.array_equal(np.bincount(index, minlength=g[0]), self.group_sizes):
+            raise ValueError("plan: group sizes do not match group_index")
+        if any(not o > 1 for o in self.orders):
+            raise ValueError(f"plan: RDP orders must all be > 1, got {self.orders}")
+        if self.group_orders is not None and (self.group_orders.shape != g or not (self.group_orders > 1).all()):
+            raise ValueError("plan: group_orders must be one RDP order > 1 per group")
 
     @classmethod
     def from_groups(cls, *, method, accountant, noise_multiplier, max_grad_norm, steps, delta, budget_values,
@@ -235,18 +282,15 @@ class PrivacyPlan:
         Returns:
             the plan (an instance of ``cls``).
         Raises:
-            ValueError for another ``format_version``, a ``group_index`` out of range or group sizes that do
-            not match it; KeyError for a missing entry.
+            ValueError for another ``format_version``, or a plan calibration cannot have made (``_check``:
+            e.g. a NaN σ, a rate above 1, a guaranteed ε above its budget, group sizes that do not
+            count ``group_index``); KeyError for a missing entry.
         """
         if d.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported plan format_version {d.get('format_version')!r}")
         g = d["groups"]
         index = np.asarray(d["group_index"], dtype=np.int64)
         sizes = np.asarray(g["size"], dtype=np.int64)
-        if index.size and (index.min() < 0 or index.max() >= sizes.shape[0]):
-            raise ValueError("plan dict: group_index out of range")
-        if not np.array_equal(np.bincount(index, minlength=sizes.shape[0]), sizes):
-            raise ValueError("plan dict: group sizes do not match group_index")
         return cls.from_groups(method=d["method"], accountant=d["accountant"], noise_multiplier=d["noise_multiplier"],
                                max_grad_norm=d["max_grad_norm"], steps=d["steps"], delta=d["delta"],
                                budget_values=g["epsilon"], group_index=index, counts=sizes,

@@ -498,7 +498,10 @@ class ScheduledPlan(PrivacyPlan):
     def __post_init__(self):
         super().__post_init__()
         if self.noise_factors is not None:
-            self.noise_factors = np.asarray(self.noise_factors, dtype=np.float64)
+            h = self.noise_factors = np.asarray(self.noise_factors, dtype=np.float64)
+            if h.shape != (self.steps,) or not (np.isfinite(h).all() and (h > 0).all()):
+                raise ValueError(f"plan: noise_factors must be {self.steps} finite values > 0 (one per step), got "
+                                 f"shape {h.shape}")
 
     def noise_multiplier_at(self, step: int) -> float:
         """σ_t = σ₀·h(t) of step t (the base multiplier; record i's is ``noise_multipliers[i]·h(t)``).

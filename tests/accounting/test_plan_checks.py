@@ -1,0 +1,73 @@
+"""A privacy plan read from a file is checked as one built in memory: a damaged or hand-edited plan
+(a NaN σ, a rate above 1, a guaranteed ε above its budget, …) is refused before anything trains on
+it or audits with it."""
+import copy
+
+import numpy as np
+import pytest
+
+from pdpfast.accounting import PrivacyPlan, calibrate
+from pdpfast.accounting.schedules import ScheduledPlan, TimeDecay, calibrate_scheduled
+
+DELTA = 1e-5
+
+
+@pytest.fixture(scope="module")
+def plan_dict():
+    return calibrate(np.repeat([1.0, 2.0, 4.0], [10, 6, 4]), delta=DELTA, steps=20, sample_rate=0.1).to_dict()
+
+
+def _set(path, value):
+    def damage(d):
+        *outer, last = path
+        for key in outer:
+            d = d[key]
+        if isinstance(last, tuple):  # (key, index): one element of a list
+            d[last[0]][last[1]] = value
+        else:
+            d[last] = value
+    return damage
+
+
+DAMAGE = [
+    ("a NaN noise multiplier", _set(["noise_multiplier"], float("nan")), "noise_multiplier must be finite"),
+    ("a negative noise multiplier", _set(["noise_multiplier"], -1.0), "noise_multiplier must be finite and >= 0"),
+    ("a clip norm C of 0", _set(["max_grad_norm"], 0.0), "max_grad_norm must be finite and > 0"),
+    ("no steps", _set(["steps"], 0), "steps must be >= 1"),
+    ("a delta of 1", _set(["delta"], 1.0), r"delta must lie in \(0, 1\)"),
+    ("a NaN budget", _set(["groups", ("epsilon", 1)], float("nan")), "budgets .* must be finite and > 0"),
+    ("a rate above 1", _set(["groups", ("sample_rate", 0)], 1.5), r"sample rates must lie in \[0, 1\]"),
+    ("a negative clip norm", _set(["groups", ("clip_norm", 2)], -1.0), "clip norms must be finite and > 0"),
+    ("a guarantee above its budget", _set(["groups", ("guaranteed_epsilon", 0)], 1.5),
+     "guaranteed epsilon must be finite, >= 0 and within its budget"),
+    ("a group missing its rate", lambda d: d["groups"]["sample_rate"].pop(),
+     "sample_rates must have one value per group"),
+    ("a record in no group", _set([("group_index", 0)], 7), "group_index out of range"),
+    ("sizes that do not count the records", _set(["groups", ("size", 0)], 3), "group sizes do not match"),
+    ("an RDP order of 1", _set([("orders", 0)], 1.0), "RDP orders must all be > 1"),
+    ("a group order below 1", _set([("group_orders", 1)], 0.5), "group_orders must be one RDP order > 1"),
+]
+
+
+@pytest.mark.parametrize("what,damage,message", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_a_damaged_plan_is_refused_naming_what_is_wrong(plan_dict, what, damage, message):
+    d = copy.deepcopy(plan_dict)
+    damage(d)
+    with pytest.raises(ValueError, match=message):
+        PrivacyPlan.from_dict(d)
+
+
+def test_an_undamaged_plan_round_trips_and_keeps_its_guarantee(plan_dict):
+    plan = PrivacyPlan.from_json(PrivacyPlan.from_dict(plan_dict).to_json())
+    assert plan.to_dict() == plan_dict
+    assert (plan.epsilons() <= plan.budgets).all()
+
+
+def test_a_damaged_noise_schedule_is_refused():
+    plan = calibrate_scheduled(np.repeat([1.0, 2.0], 5), delta=DELTA, steps=8, sample_rate=0.2,
+                               noise_schedule=TimeDecay(0.05))
+    d = plan.to_dict()
+    assert ScheduledPlan.from_dict(d).noise_factors.tolist() == plan.noise_factors.tolist()
+    for bad in (d["noise_factors"][:-1], [0.0] + d["noise_factors"][1:], [float("nan")] * 8):
+        with pytest.raises(ValueError, match="noise_factors must be 8 finite values > 0"):
+            ScheduledPlan.from_dict(d | {"noise_factors": bad})
