@@ -204,15 +204,26 @@ class FederatedLedger:
         Returns:
             None; the ledger's state is replaced by copies of the saved one.
         Raises:
-            ValueError when the state was saved for other sample rates or budgets.
+            ValueError when the state was saved for other sample rates or budgets, or its counts cannot
+            be a history (not one per record, negative, more participations than rounds charged or
+            more rounds charged than seen): such a state would under-report spending. The ledger is
+            then unchanged.
         """
         if not (np.array_equal(state["sample_rates"], self.sample_rates) and
                 np.array_equal(state["budgets"], self.budgets)):
             raise ValueError("ledger state was saved for other sample_rates or budgets")
-        self.active = np.asarray(state["active"], dtype=bool).copy()
-        self.rounds_charged = np.asarray(state["rounds_charged"], dtype=np.int64).copy()
-        self.participations = np.asarray(state["participations"], dtype=np.int64).copy()
-        self.rounds_seen = int(state["rounds_seen"])
+        active = np.asarray(state["active"], dtype=bool).copy()
+        charged = np.asarray(state["rounds_charged"], dtype=np.int64).copy()
+        participations = np.asarray(state["participations"], dtype=np.int64).copy()
+        seen = int(state["rounds_seen"])
+        n = self.budgets.shape
+        if active.shape != n or charged.shape != n or participations.shape != n:
+            raise ValueError(f"ledger state: active, rounds_charged and participations must hold one value per record "
+                             f"({n[0]})")
+        if seen < 0 or (participations < 0).any() or (participations > charged).any() or (charged > seen).any():
+            raise ValueError("ledger state: the counts cannot be a history (need 0 <= participations <= rounds_charged "
+                             "<= rounds_seen)")
+        self.active, self.rounds_charged, self.participations, self.rounds_seen = active, charged, participations, seen
 
     def save(self, path) -> None:
         """Write the state to a file atomically: never left half-written.

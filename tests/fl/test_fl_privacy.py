@@ -128,3 +128,26 @@ def test_ledger_state_survives_a_restart(tmp_path):
         again.begin_round(3, True)
     with pytest.raises(ValueError, match="other sample_rates or budgets"):
         _ledger(q, b * 2).load(tmp_path / "ledger.npz")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda s: s.update(rounds_charged=s["rounds_charged"] - 5),                # negative: spending forgotten
+    lambda s: s.update(participations=s["rounds_charged"] + 1),               # more participations than rounds
+    lambda s: s.update(rounds_charged=s["rounds_charged"] + s["rounds_seen"]),  # charged for rounds never seen
+    lambda s: s.update(active=s["active"][:2]),                                # not one per record
+    lambda s: s.update(rounds_seen=np.int64(-1)),
+], ids=["negative charges", "participations past charges", "charges past rounds", "short active", "negative rounds"])
+def test_a_ledger_state_that_cannot_be_a_history_is_refused_and_the_ledger_unchanged(damage):
+    q, b = np.array([0.05, 0.3, 0.2]), np.array([1.0, 2.0, 1.0])
+    led = _ledger(q, b)
+    for t, s in [(1, True), (2, False), (3, True)]:
+        led.begin_round(t, s)
+        led.end_round(s)
+    before = led.state_dict()
+    state = led.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match="ledger state"):
+        led.load_state_dict(state)
+    for key, value in before.items():
+        np.testing.assert_array_equal(led.state_dict()[key], value)
+    assert led.rounds_seen == 3 and led.rounds_charged.max() == 3
