@@ -340,6 +340,27 @@ class AdaptiveTraining:
         """
         return {"bounds": None if self.clipping is None else self.tracker.bounds.copy(), "seed": self.seed}
 
+    def check_state(self, state: dict) -> np.ndarray | None:
+        """Check what ``load_state_dict`` would restore, changing nothing (the engine checks a whole
+        checkpoint before it restores any of it).
+
+        Args:
+            state: a dict with "seed" and "bounds", as ``state_dict()`` returns it.
+        Returns:
+            the bounds to restore (float64, the tracker's shape), or None where there are none
+            (no adaptive clipping, or none saved).
+        Raises:
+            ValueError for bounds not of the tracker's shape or not all finite and > 0.
+        """
+        int(state["seed"])
+        if self.clipping is None or state.get("bounds") is None:
+            return None
+        bounds = np.array(state["bounds"], dtype=np.float64)
+        if bounds.shape != self.tracker.bounds.shape or not (np.isfinite(bounds).all() and (bounds > 0).all()):
+            raise ValueError(f"adaptive clipping state: bounds must be {self.tracker.bounds.shape} finite values "
+                             f"> 0, got shape {bounds.shape}")
+        return bounds
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict()`` returned and reset the ledger's multipliers for the engine's step.
 
@@ -347,9 +368,12 @@ class AdaptiveTraining:
             state: a dict with "seed" and "bounds" (bounds ignored when None or without adaptive clipping).
         Returns:
             None.
+        Raises:
+            ValueError as ``check_state`` (nothing changed).
         """
-        self.seed = int(state["seed"])
-        if self.clipping is not None and state.get("bounds") is not None:
-            self.tracker.bounds = np.array(state["bounds"], dtype=np.float64)
+        bounds = self.check_state(state)
+        if bounds is not None:
+            self.tracker.bounds = bounds
             self._bounds_tensor = torch.from_numpy(self.bounds.copy())
+        self.seed = int(state["seed"])
         self._set_ledger(self.engine.optimizer.steps)

@@ -824,6 +824,8 @@ class PrivacyEngine:
                              "make_private_with_budgets run from its own checkpoint")
         if ("loader" in state) != (self.data_loader is not None):
             raise ValueError("the checkpoint and this engine disagree on poisson_sampling")
+        if getattr(self, "adaptive", None) is not None and "adaptive" in state:
+            self.adaptive.check_state(state["adaptive"])
         history = None
         if self.plan is None and self.accountant is not None:
             if "accountant" not in state:

@@ -374,7 +374,9 @@ class PDPSGD:
         Returns:
             None; the driver's state and the optimizer's are replaced.
         Raises:
-            ValueError when the state is not a PDP-SGD state, or was saved with other settings or budgets.
+            ValueError when the state is not a PDP-SGD state, was saved with other settings or budgets,
+            or holds spending that cannot be (a remaining budget outside [0, budget], negative or
+            non-finite spent δ or ledger ε, arrays not one per record); the driver is then unchanged.
         """
         if state.get("format_version") != 1:
             raise ValueError("not a PDP-SGD state (format_version)")
@@ -384,9 +386,20 @@ class PDPSGD:
                              "with the same ones")
         if not np.array_equal(np.asarray(state["budgets"]), self.budgets):
             raise ValueError("the checkpoint's budgets differ from this run's; resume with the same budgets")
-        self.remaining = np.asarray(state["remaining"], dtype=np.float64).copy()
-        self.spent_delta = np.asarray(state["spent_delta"], dtype=np.float64).copy()
-        self.ledger_eps = np.asarray(state["ledger_eps"], dtype=np.float64).copy()
+        remaining = np.asarray(state["remaining"], dtype=np.float64).copy()
+        spent_delta = np.asarray(state["spent_delta"], dtype=np.float64).copy()
+        ledger_eps = np.asarray(state["ledger_eps"], dtype=np.float64).copy()
+        # a record's remaining budget above its budget, or negative spending, would let it overspend
+        n = self.budgets.shape
+        if remaining.shape != n or spent_delta.shape != n or ledger_eps.shape != n:
+            raise ValueError("PDP-SGD state: remaining, spent_delta and ledger_eps must hold one value per record "
+                             f"({n[0]})")
+        if not (np.isfinite(remaining).all() and (remaining >= 0).all() and (remaining <= self.budgets).all()):
+            raise ValueError("PDP-SGD state: every remaining budget must lie in [0, its budget]")
+        if not (np.isfinite(spent_delta).all() and (spent_delta >= 0).all()
+                and np.isfinite(ledger_eps).all() and (ledger_eps >= 0).all()):
+            raise ValueError("PDP-SGD state: spent_delta and ledger_eps must be finite and >= 0")
+        self.remaining, self.spent_delta, self.ledger_eps = remaining, spent_delta, ledger_eps
         self.round, self.current = int(state["round"]), state["current"]
         self.history = [RoundRecord(**r) for r in state["history"]]
         self.completed_steps, self.finished = int(state["completed_steps"]), bool(state["finished"])

@@ -272,6 +272,25 @@ def test_a_resumed_adaptive_run_continues_exactly(tmp_path, schedule):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("bad", [np.nan, 0.0, "short"], ids=["NaN bound", "zero bound", "wrong shape"])
+def test_a_checkpoint_with_damaged_adaptive_bounds_is_refused_before_the_engine_changes(tmp_path, bad):
+    from pdpfast.adaptive import QuantileClipping
+
+    engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5), steps=12)
+    _train(engine, model, opt, loader, criterion, steps=3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+    bounds = checkpoint["engine"]["adaptive"]["bounds"]
+    checkpoint["engine"]["adaptive"]["bounds"] = bounds[:-1] if bad == "short" else np.full_like(bounds, bad)
+    torch.save(checkpoint, tmp_path / "damaged.pt")
+    fresh, model2, *_ = _engine(adaptive=QuantileClipping(0.5), steps=12)
+    with pytest.raises(ValueError, match="adaptive clipping state: bounds"):
+        fresh.load_checkpoint(tmp_path / "damaged.pt", model2)
+    assert fresh.steps == 0 and not fresh.epsilons().any()          # nothing restored, not even the ledger
+    fresh.load_checkpoint(tmp_path / "c.pt", model2)
+    np.testing.assert_array_equal(fresh.adaptive.bounds, engine.adaptive.bounds)
+
+
 def test_demo_adaptive_command_writes_its_results(tmp_path):
     import json
 

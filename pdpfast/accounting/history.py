@@ -132,11 +132,18 @@ class HistoryAccountant:
         Returns:
             None; the history is replaced in place.
         Raises:
-            ValueError if the state was written by an accountant of another name.
+            ValueError if the state was written by an accountant of another name, or holds an entry
+            that cannot be a step (z NaN or < 0, q outside [0, 1], a step count < 1); the history is
+            then unchanged.
         """
         if state.get("mechanism") != self.name:
             raise ValueError(f"the saved accountant is {state.get('mechanism')!r}, this one is {self.name!r}")
-        self.history = [(float(z), float(q), int(n)) for z, q, n in state["history"]]
+        history = [(float(z), float(q), int(n)) for z, q, n in state["history"]]
+        for z, q, n in history:
+            if not (z >= 0 and 0 <= q <= 1 and n >= 1):  # (NaN fails every comparison)
+                raise ValueError(f"accountant state: the entry (noise_multiplier={z}, sample_rate={q}, steps={n}) "
+                                 "cannot be a step; need noise_multiplier >= 0, sample_rate in [0, 1], steps >= 1")
+        self.history = history
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(history={self.history})"

@@ -103,3 +103,21 @@ def test_a_loaded_ledger_reports_and_refuses_as_the_saved_one(kind, tmp_path):
 def test_remaining_without_budgets_names_the_ledger(kind):
     with pytest.raises(ValueError, match=f"remaining needs budgets .*{LEDGERS[kind].__name__}"):
         LEDGERS[kind](0.1, 1.0).remaining(DELTA)
+
+
+@pytest.mark.parametrize("entry", [(float("nan"), 0.1, 3), (-1.0, 0.1, 3), (1.0, 1.5, 3), (1.0, 0.1, 0)],
+                         ids=["NaN noise", "negative noise", "rate above 1", "no steps"])
+def test_a_uniform_accountant_history_that_cannot_be_steps_is_refused_and_kept(entry):
+    from pdpfast.accounting.history import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.1)
+    state = accountant.state_dict()
+    before = accountant.get_epsilon(DELTA)
+    state["history"].append(list(entry))
+    with pytest.raises(ValueError, match="cannot be a step"):
+        accountant.load_state_dict(state)
+    assert accountant.history == [(1.0, 0.1, 1)] and accountant.get_epsilon(DELTA) == before
+    state["history"].pop()
+    accountant.load_state_dict(state)
+    assert accountant.get_epsilon(DELTA) == before

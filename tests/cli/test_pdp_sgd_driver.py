@@ -96,6 +96,27 @@ def test_driver_state_round_trips_mid_round_and_continues_exactly(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("damage,match", [
+    (lambda s: s.update(remaining=s["budgets"] * 2), r"remaining budget must lie in \[0, its budget\]"),
+    (lambda s: s["remaining"].__setitem__(0, np.nan), r"remaining budget must lie in \[0, its budget\]"),
+    (lambda s: s.update(spent_delta=-np.ones_like(s["spent_delta"])), "spent_delta and ledger_eps must be finite"),
+    (lambda s: s.update(ledger_eps=s["ledger_eps"][:3]), "one value per record"),
+], ids=["remaining above budget", "NaN remaining", "negative delta spent", "short ledger"])
+def test_a_driver_state_that_would_let_records_overspend_is_refused_and_the_driver_unchanged(damage, match):
+    model, dataset, budgets = _problem()
+    driver = PDPSGD(model, dataset, budgets, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), delta=DELTA,
+                    rounds=2, steps_per_round=3, sample_rate=0.25, seed=2)
+    driver.run(max_steps=4)
+    before = (driver.remaining.copy(), driver.spent_delta.copy(), driver.ledger_eps.copy())
+    state = driver.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match=match):
+        driver.load_state_dict(state)
+    for now, then in zip((driver.remaining, driver.spent_delta, driver.ledger_eps), before):
+        np.testing.assert_array_equal(now, then)
+    assert (driver.remaining < driver.budgets).any()             # the run spent something to protect
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rule="some"), "rule"), (dict(loss="l2"), "loss"), (dict(rounds=0), "rounds"),
     (dict(sample_rate=None), "exactly one"), (dict(expected_batch_size=10), "exactly one"),
