@@ -833,6 +833,13 @@ class PrivacyEngine:
                                  "make_private run")
             history = type(self.accountant)()
             history.load_state_dict(state["accountant"])
+        accounted = ledger if ledger is not None else history
+        taken = int(state["optimizer"]["steps"])
+        if accounted is not None and accounted.steps_taken != taken:
+            # the noise of step t comes from (seed, t): a count behind the steps taken would draw the
+            # same noise again; a count ahead of the accounting would leave steps unaccounted
+            raise ValueError(f"the checkpoint's optimizer has taken {taken} steps but its privacy accounting "
+                             f"holds {accounted.steps_taken}; resume from a checkpoint this run wrote")
         self.optimizer.load_state_dict(state["optimizer"])
         if self.data_loader is not None:
             self.data_loader.seed = int(state["loader"]["seed"])

@@ -109,6 +109,23 @@ def test_a_checkpoint_whose_ledger_is_not_its_plans_is_refused_and_the_engine_un
     np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
 
 
+@pytest.mark.parametrize("shift", [-1, 1], ids=["steps behind the ledger", "steps ahead of the ledger"])
+def test_a_checkpoint_whose_optimizer_count_is_not_its_ledgers_is_refused(tmp_path, shift):
+    """The noise of step t is drawn from (seed, t): an optimizer count behind the ledger would add a
+    step's noise twice; one ahead would leave steps unaccounted."""
+    budgets = np.full(30, 1.0)
+    engine, model, opt, loader = _setup(budgets, steps=6)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+    checkpoint["engine"]["optimizer"]["steps"] += shift
+    torch.save(checkpoint, tmp_path / "shifted.pt")
+    resumed, model2, opt2, _ = _setup(budgets, steps=6)
+    with pytest.raises(ValueError, match="optimizer has taken .* steps but its privacy accounting holds 3"):
+        resumed.load_checkpoint(tmp_path / "shifted.pt", model2)
+    assert resumed.steps == 0 and opt2.steps == 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budgets=np.ones(29)), "budgets"),
     (dict(budgets=np.r_[np.ones(29), np.nan]), "budget|epsilon"),
