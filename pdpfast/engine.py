@@ -840,6 +840,11 @@ class PrivacyEngine:
             # same noise again; a count ahead of the accounting would leave steps unaccounted
             raise ValueError(f"the checkpoint's optimizer has taken {taken} steps but its privacy accounting "
                              f"holds {accounted.steps_taken}; resume from a checkpoint this run wrote")
+        if "loader" in state and int(state["loader"]["next_step"]) < taken:
+            # draw t is Poisson-sampled from (seed, t): a loader behind the steps would draw the same
+            # batches again, and a record drawn twice by one draw is not what the accounting assumed
+            raise ValueError(f"the checkpoint's loader would draw from step {int(state['loader']['next_step'])} "
+                             f"but {taken} steps were taken; resume from a checkpoint this run wrote")
         self.optimizer.load_state_dict(state["optimizer"])
         if self.data_loader is not None:
             self.data_loader.seed = int(state["loader"]["seed"])

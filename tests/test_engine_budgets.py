@@ -126,6 +126,22 @@ def test_a_checkpoint_whose_optimizer_count_is_not_its_ledgers_is_refused(tmp_pa
     assert resumed.steps == 0 and opt2.steps == 0
 
 
+def test_a_checkpoint_whose_loader_is_behind_its_steps_is_refused(tmp_path):
+    """Draw t is Poisson-sampled from (seed, t): a loader behind the steps taken would repeat draws,
+    and the accounting assumes every step's draw is fresh."""
+    budgets = np.full(30, 1.0)
+    engine, model, opt, loader = _setup(budgets, steps=6)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+    checkpoint["engine"]["loader"]["next_step"] = 1
+    torch.save(checkpoint, tmp_path / "behind.pt")
+    resumed, model2, _, loader2 = _setup(budgets, steps=6)
+    with pytest.raises(ValueError, match="loader would draw from step 1 but 3 steps were taken"):
+        resumed.load_checkpoint(tmp_path / "behind.pt", model2)
+    assert resumed.steps == 0 and loader2.next_step == 0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budgets=np.ones(29)), "budgets"),
     (dict(budgets=np.r_[np.ones(29), np.nan]), "budget|epsilon"),
