@@ -20,6 +20,18 @@ def _same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f") for k in a)
 
 
+def _refused_and_unchanged(ledger, damage, message) -> dict:
+    """Load ``ledger``'s own state, damaged: it must be refused with ``message`` and leave the ledger
+    as it was. Returns the damaged state."""
+    before = ledger.state_dict()
+    state = ledger.state_dict()
+    damage(state)
+    with pytest.raises(ValueError, match=message):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+    return state
+
+
 # (what is damaged, how, the message's words): one entry each ledger writes
 RECORD_DAMAGE = [
     ("budgets of another length", lambda s: s.update(budgets=s["budgets"][:-1]), "budgets do not match"),
@@ -39,13 +51,7 @@ RECORD_DAMAGE = [
 @pytest.mark.parametrize("kind", sorted(LEDGERS))
 @pytest.mark.parametrize("what,damage,message", RECORD_DAMAGE, ids=[d[0] for d in RECORD_DAMAGE])
 def test_a_damaged_ledger_state_is_refused_and_the_ledger_is_unchanged(kind, what, damage, message):
-    ledger = _ledger(kind)
-    before = ledger.state_dict()
-    state = ledger.state_dict()
-    damage(state)
-    with pytest.raises(ValueError, match=message):
-        ledger.load_state_dict(state)
-    assert _same_state(ledger.state_dict(), before)
+    state = _refused_and_unchanged(_ledger(kind), damage, message)
     fresh = LEDGERS[kind].__new__(LEDGERS[kind])
     with pytest.raises(ValueError, match=message):
         fresh.load_state_dict(state)
@@ -63,13 +69,7 @@ RDP_DAMAGE = [
 
 @pytest.mark.parametrize("what,damage,message", RDP_DAMAGE, ids=[d[0] for d in RDP_DAMAGE])
 def test_a_damaged_rdp_history_is_refused_and_the_ledger_is_unchanged(what, damage, message):
-    ledger = _ledger("rdp")
-    before = ledger.state_dict()
-    state = ledger.state_dict()
-    damage(state)
-    with pytest.raises(ValueError, match=message):
-        ledger.load_state_dict(state)
-    assert _same_state(ledger.state_dict(), before)
+    _refused_and_unchanged(_ledger("rdp"), damage, message)
 
 
 @pytest.mark.parametrize("what,damage,message", [
@@ -78,13 +78,7 @@ def test_a_damaged_rdp_history_is_refused_and_the_ledger_is_unchanged(what, dama
      "value_discretization_interval must be finite and > 0"),
 ], ids=["negative horizon", "zero discretization"])
 def test_a_damaged_pld_setting_is_refused_and_the_ledger_is_unchanged(what, damage, message):
-    ledger = _ledger("pld")
-    before = ledger.state_dict()
-    state = ledger.state_dict()
-    damage(state)
-    with pytest.raises(ValueError, match=message):
-        ledger.load_state_dict(state)
-    assert _same_state(ledger.state_dict(), before)
+    _refused_and_unchanged(_ledger("pld"), damage, message)
 
 
 @pytest.mark.parametrize("kind", sorted(LEDGERS))

@@ -112,12 +112,17 @@ def test_training_does_not_touch_global_torch_rng():
     assert torch.equal(state, torch.random.get_rng_state())
 
 
+def _ledger_after_three_rounds(q, b):
+    led = _ledger(q, b)
+    for t, sampled in [(1, True), (2, False), (3, True)]:
+        led.begin_round(t, sampled)
+        led.end_round(sampled)
+    return led
+
+
 def test_ledger_state_survives_a_restart(tmp_path):
     q, b = np.array([0.05, 0.3, 0.0]), np.array([1.0, 2.0, 1.0])
-    led = _ledger(q, b)
-    for t, s in [(1, True), (2, False), (3, True)]:
-        led.begin_round(t, s)
-        led.end_round(s)
+    led = _ledger_after_three_rounds(q, b)
     led.save(tmp_path / "ledger.npz")
     again = _ledger(q, b)
     again.load(tmp_path / "ledger.npz")
@@ -139,10 +144,7 @@ def test_ledger_state_survives_a_restart(tmp_path):
 ], ids=["negative charges", "participations past charges", "charges past rounds", "short active", "negative rounds"])
 def test_a_ledger_state_that_cannot_be_a_history_is_refused_and_the_ledger_unchanged(damage):
     q, b = np.array([0.05, 0.3, 0.2]), np.array([1.0, 2.0, 1.0])
-    led = _ledger(q, b)
-    for t, s in [(1, True), (2, False), (3, True)]:
-        led.begin_round(t, s)
-        led.end_round(s)
+    led = _ledger_after_three_rounds(q, b)
     before = led.state_dict()
     state = led.state_dict()
     damage(state)
