@@ -115,6 +115,22 @@ def test_resume_from_a_checkpoint_continues_the_ledger_exactly(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_a_uniform_checkpoint_whose_record_ledger_is_not_its_runs_is_refused(tmp_path):
+    from pdpfast.integrations.transformers import ENGINE_FILE
+
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), noise_multiplier=1.0, max_grad_norm=0.5,
+              delta=1e-5).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    state = torch.load(checkpoint / ENGINE_FILE, weights_only=False)
+    state["uniform_ledger"]["steps_taken"] = np.int64(1)       # one step of the two left unaccounted
+    torch.save(state, checkpoint / ENGINE_FILE)
+    resumed = DPTrainer(model=bert(), args=arguments(tmp_path / "again", max_steps=4), train_dataset=Records(),
+                        noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)
+    with pytest.raises(ValueError, match="per-record ledger holds 1 steps .* the optimizer took 2 steps"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
 def test_uniform_dp_with_a_noise_multiplier(tmp_path):
     trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=3), train_dataset=Records(),
                         noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)

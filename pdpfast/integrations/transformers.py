@@ -397,6 +397,17 @@ class DPTrainer(transformers.Trainer):
             raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
                                     "privacy ledger is unknown and training cannot resume from it")
         state = torch.load(path, map_location="cpu", weights_only=False)
+        uniform = None
+        if "uniform_ledger" in state:  # checked before the engine changes: a refused checkpoint changes nothing
+            from ..accounting.ledger import IndividualAccountant
+
+            uniform = IndividualAccountant.__new__(IndividualAccountant)
+            uniform.load_state_dict(state["uniform_ledger"])
+            taken = int(state["optimizer"]["steps"])
+            if uniform.steps_taken != taken or uniform.num_records != self.uniform_ledger.num_records:
+                raise ValueError(f"{path}: its per-record ledger holds {uniform.steps_taken} steps of "
+                                 f"{uniform.num_records} records, the optimizer took {taken} steps of "
+                                 f"{self.uniform_ledger.num_records}; resume from a checkpoint this run wrote")
         self.privacy_engine.load_state_dict(state)
-        if "uniform_ledger" in state:
-            self.uniform_ledger.load_state_dict(state["uniform_ledger"])
+        if uniform is not None:
+            self.uniform_ledger = uniform
