@@ -196,9 +196,14 @@ class DPOptimizer(Optimizer):
             state_dict: a dict with "optimizer", "steps" and "seed".
         Returns:
             None.
+        Raises:
+            ValueError for steps < 0 (nothing changed).
         """
+        steps, seed = int(state_dict["steps"]), int(state_dict["seed"])
+        if steps < 0:
+            raise ValueError(f"DPOptimizer state: steps must be >= 0, got {steps}")
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
-        self.steps, self.seed = int(state_dict["steps"]), int(state_dict["seed"])
+        self.steps, self.seed = steps, seed
 
     def __repr__(self) -> str:
         return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, "

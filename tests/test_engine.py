@@ -141,6 +141,20 @@ def test_noise_is_reproducible_from_seed_and_step():
     assert not torch.equal(draw(4, 3), draw(5, 3))
 
 
+def test_an_optimizer_state_with_negative_steps_is_refused_and_the_optimizer_unchanged():
+    p = nn.Parameter(torch.zeros(4))
+    opt = DPOptimizer(torch.optim.SGD([p], lr=1.0, momentum=0.9), noise_multiplier=1.0, max_grad_norm=1.0,
+                      expected_batch_size=1.0, seed=3)
+    opt.zero_grad()
+    opt.step()
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+        opt.load_state_dict(state | {"steps": -1, "seed": 9})
+    assert opt.steps == 1 and opt.seed == 3
+    opt.load_state_dict(state)
+    assert opt.steps == 1
+
+
 @pytest.mark.parametrize("mode,clipping", [("bk", "flat"), ("ghost", "flat"), ("bk", "per_layer")])
 def test_physical_batches_with_masks_give_the_same_step_as_one_batch(mode, clipping):
     grads = {}
