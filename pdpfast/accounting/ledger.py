@@ -311,6 +311,8 @@ class IndividualAccountant(_RecordLedger):
         """(len(rates), n_orders) RDP of one step per (q, z), each distinct pair computed once
         and cached (training repeats the same pairs every step)."""
         cache = self.__dict__.setdefault("_pair_cache", {})
+        if not len(rates):  # a step no record takes part in (record_ids empty): nothing to charge
+            return np.zeros((0, self.orders.shape[0]))
         pairs, inverse = _pair_keys(rates, noises)
         keys = list(map(tuple, pairs.tolist()))
         missing = [k for k in keys if k not in cache]
@@ -336,7 +338,9 @@ class IndividualAccountant(_RecordLedger):
         Returns:
             self, updated in place.
         Raises:
-            ValueError for n not a positive integer, an id out of range, or a rate / multiplier out of range.
+            ValueError for n not a positive integer, an id out of range, or a rate / multiplier out of range
+            or of another length than the records; TypeError for ids that are not integers (a boolean
+            mask: pass ``np.flatnonzero(mask)``).
         """
         n = check_positive_integer("n", n)
         ids = self._set_rates(sample_rates, noise_multipliers, record_ids)
@@ -366,7 +370,8 @@ class IndividualAccountant(_RecordLedger):
         Returns:
             self, updated in place.
         Raises:
-            ValueError for an id out of range or a rate / multiplier out of range.
+            ValueError for an id out of range or a rate / multiplier out of range or of another length;
+            TypeError for ids that are not integers.
         """
         self._set_rates(sample_rates, noise_multipliers, record_ids)
         return self
@@ -380,7 +385,12 @@ class IndividualAccountant(_RecordLedger):
         if record_ids is None:
             ids = None
         else:
-            given = np.asarray(record_ids, dtype=np.int64).ravel()
+            raw = np.asarray(record_ids)
+            if raw.size and (raw.dtype == bool or not np.issubdtype(raw.dtype, np.integer)):
+                # a boolean mask read as ids 0 and 1 would charge two records in place of the masked ones
+                raise TypeError(f"record_ids must be integer record indices, got dtype {raw.dtype} (for a boolean "
+                                "mask of the records taking part, pass np.flatnonzero(mask))")
+            given = raw.astype(np.int64).ravel()
             ids, first, where = np.unique(given, return_index=True, return_inverse=True)
             if ids.size and (ids[0] < 0 or ids[-1] >= self.num_records):
                 raise ValueError(f"record_ids must lie in [0, {self.num_records})")
@@ -411,10 +421,18 @@ class IndividualAccountant(_RecordLedger):
 
     def _update_rates(self, sample_rates, noise_multipliers, ids):
         sel = np.arange(self.num_records) if ids is None else ids
-        q = self.group_rates[self.group_of[sel]] if sample_rates is None else np.broadcast_to(
-            np.asarray(sample_rates, dtype=np.float64), sel.shape).copy()
-        z = self.group_noise[self.group_of[sel]] if noise_multipliers is None else np.broadcast_to(
-            np.asarray(noise_multipliers, dtype=np.float64), sel.shape).copy()
+
+        def per_record(name, values, current):
+            if values is None:
+                return current[self.group_of[sel]]
+            v = np.asarray(values, dtype=np.float64)
+            if v.ndim > 1 or (v.ndim == 1 and v.shape[0] not in (1, sel.shape[0])):
+                raise ValueError(f"{name} must be a scalar or one value per record ({sel.shape[0]}), got shape "
+                                 f"{v.shape}")
+            return np.broadcast_to(v, sel.shape).copy()
+
+        q = per_record("sample_rates", sample_rates, self.group_rates)
+        z = per_record("noise_multipliers", noise_multipliers, self.group_noise)
         _check_rates(q, z)
         self._split(sel, q, z)
 

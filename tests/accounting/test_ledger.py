@@ -140,3 +140,32 @@ def test_a_record_named_twice_must_carry_one_rate():
         acc.step(1, sample_rates=[0.1, 0.2], record_ids=[2, 0, 2])
     acc.step(1, sample_rates=[0.1, 0.2, 0.1], record_ids=[2, 0, 2])   # the same rate twice is fine
     np.testing.assert_array_equal(acc.sample_rates, [0.2, 0.02, 0.1, 0.02])
+
+
+def test_record_ids_that_are_not_integers_are_refused_so_a_mask_never_charges_records_0_and_1():
+    acc = IndividualAccountant(np.full(4, 0.1), 1.0, budgets=np.ones(4))
+    mask = np.array([False, False, True, True])
+    for ids in (mask, [0.5, 2.0]):
+        with pytest.raises(TypeError, match="record_ids must be integer record indices.*np.flatnonzero"):
+            acc.step(record_ids=ids)
+    assert acc.steps_taken == 0 and not acc.epsilons(1e-5).any()
+    acc.step(record_ids=np.flatnonzero(mask))
+    eps = acc.epsilons(1e-5)
+    assert eps[0] == eps[1] == 0 and eps[2] == eps[3] > 0
+
+
+def test_a_step_no_record_takes_part_in_charges_nothing():
+    acc = IndividualAccountant(np.full(3, 0.1), 1.0, budgets=np.ones(3)).step(2)
+    before = acc.epsilons(1e-5)
+    acc.step(record_ids=[])
+    np.testing.assert_array_equal(acc.epsilons(1e-5), before)
+    assert acc.steps_taken == 3
+
+
+def test_rates_of_another_length_than_the_records_are_refused_naming_the_argument():
+    acc = IndividualAccountant(np.full(4, 0.1), 1.0)
+    with pytest.raises(ValueError, match=r"sample_rates must be a scalar or one value per record \(4\), got shape"):
+        acc.step(sample_rates=[0.1] * 3)
+    with pytest.raises(ValueError, match=r"noise_multipliers must be a scalar or one value per record \(4\)"):
+        acc.set_rates(noise_multipliers=np.ones((2, 2)))
+    assert acc.steps_taken == 0
