@@ -56,13 +56,15 @@ def check_positive_integer(name: str, value) -> int:
     """Check a positive integer (a count of steps, rounds).
 
     Args:
-        name; value: an int ≥ 1 (an integral float such as 2.0 is accepted, a bool is not).
+        name; value: an int ≥ 1 (an integral float such as 2.0 is accepted, a bool or a string is not).
     Returns:
         int(value).
     Raises:
-        ValueError ("a positive integer").
+        TypeError for a value that is not a number, ValueError ("a positive integer") otherwise.
     """
-    if isinstance(value, bool) or not float(value).is_integer() or float(value) < 1:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a positive integer, got {type(value).__name__} {value!r}")
+    if not float(value).is_integer() or float(value) < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -186,16 +188,34 @@ def check_rate(name: str, value) -> float:
 
 def _in_unit_interval(name: str, value, *, one_allowed: bool) -> float:
     interval = "(0, 1]" if one_allowed else "(0, 1)"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number in {interval}, got {value!r}") from None
+    # a number, not a string float() would read ("1e-5") nor a bool: as ``check_number``
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number in {interval}, got {type(value).__name__} {value!r}")
+    v = float(value)
     if not (0.0 < v <= 1.0 if one_allowed else 0.0 < v < 1.0):
         raise ValueError(f"{name} must lie in {interval}, got {value!r}")
     return v
 
 
 # ---------------------------------------------------------------------------------------------- arrays
+def as_float_array(name: str, values) -> np.ndarray:
+    """Numbers given as a scalar, a sequence or an array (a CPU tensor too), as float64.
+
+    Args:
+        name: the argument, as the message names it.
+        values: ints or floats of any shape.
+    Returns:
+        a float64 array (``values`` itself when it is one).
+    Raises:
+        TypeError for strings numpy would read as numbers ("1"), bools, or anything else that is not
+        ints or floats.
+    """
+    raw = values if isinstance(values, np.ndarray) else np.asarray(values)
+    if raw.dtype.kind not in "iuf":
+        raise TypeError(f"{name} must be numbers (scalar or array), got {type(values).__name__} of {raw.dtype}")
+    return raw.astype(np.float64, copy=False)
+
+
 def check_epsilons(name: str, values) -> np.ndarray:
     """Check privacy budgets ε of any shape.
 
@@ -207,10 +227,7 @@ def check_epsilons(name: str, values) -> np.ndarray:
         TypeError if not numbers, ValueError if empty or an entry is not finite and > 0 (the message counts
             them).
     """
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be numbers (scalar or array), got {type(values).__name__}") from None
+    arr = as_float_array(name, values)
     if arr.size == 0:
         raise ValueError(f"{name} is empty")
     bad = ~np.isfinite(arr) | (arr <= 0)

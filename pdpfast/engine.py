@@ -10,7 +10,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ._checks import as_per_record, check_choice, check_flag, check_int, check_nonnegative, check_positive
+from ._checks import (
+    as_per_record,
+    check_choice,
+    check_delta,
+    check_epsilons,
+    check_flag,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_rate,
+)
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase
@@ -684,11 +694,12 @@ class PrivacyEngine:
             raise ValueError("make_private_with_budgets needs poisson_sampling=True: each record's budget is spent "
                              "through its own sampling rate, which only the Poisson loader applies")
         n = len(data_loader.dataset)
-        budgets = np.asarray(budgets, dtype=np.float64)
+        budgets = np.asarray(budgets.detach().cpu() if isinstance(budgets, torch.Tensor) else budgets)
         if budgets.ndim != 1 or budgets.shape[0] != n:
             raise ValueError(f"budgets must have one ε per record of the dataset ({n}), got shape {budgets.shape}")
-        if sample_rate is None:
-            sample_rate = 1.0 / len(data_loader)
+        budgets = check_epsilons("budgets", budgets)
+        delta = check_delta("delta", delta)
+        sample_rate = 1.0 / len(data_loader) if sample_rate is None else check_rate("sample_rate", sample_rate)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs= and steps=")

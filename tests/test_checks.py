@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from pdpfast import _checks
 
@@ -64,3 +65,37 @@ def test_check_choice_lists_the_choices():
 def test_delta_lies_strictly_inside_the_unit_interval(value):
     with pytest.raises(ValueError, match="delta"):
         _checks.check_delta("delta", value)
+
+
+@pytest.mark.parametrize("value", ["1e-5", True, None, [1e-5]])
+def test_delta_and_rates_must_be_numbers_not_strings_float_would_read(value):
+    with pytest.raises(TypeError, match=r"delta must be a number in \(0, 1\)"):
+        _checks.check_delta("delta", value)
+    with pytest.raises(TypeError, match=r"sample_rate must be a number in \(0, 1\]"):
+        _checks.check_rate("sample_rate", value)
+    assert _checks.check_delta("delta", np.float32(1e-5)) == pytest.approx(1e-5)
+    assert _checks.check_rate("sample_rate", 1) == 1.0
+
+
+@pytest.mark.parametrize("values", [["1", "2"], np.array([True, True]), [1.0, None], np.array(["0.5"])])
+def test_budgets_must_be_numbers_not_strings_bools_or_objects(values):
+    with pytest.raises(TypeError, match="budgets must be numbers"):
+        _checks.check_epsilons("budgets", values)
+    np.testing.assert_array_equal(_checks.check_epsilons("budgets", [1, 2.5]), [1.0, 2.5])
+    np.testing.assert_array_equal(_checks.check_epsilons("budgets", torch.tensor([0.5, 2.0])), [0.5, 2.0])
+
+
+@pytest.mark.parametrize("value", ["10", True, None])
+def test_a_count_given_as_text_or_a_bool_is_a_type_error(value):
+    with pytest.raises(TypeError, match="steps must be a positive integer"):
+        _checks.check_positive_integer("steps", value)
+    assert _checks.check_positive_integer("steps", np.int64(3)) == 3 and _checks.check_positive_integer("n", 2.0) == 2
+
+
+def test_compute_rdp_refuses_text_where_numbers_belong():
+    from pdpfast.accounting import compute_rdp
+
+    for args, name in [(("0.1", 1.0, 10), "q"), ((0.1, "1.0", 10), "noise_multiplier"), ((0.1, 1.0, "10"), "steps")]:
+        with pytest.raises(TypeError, match=f"{name} must be numbers"):
+            compute_rdp(*args)
+    assert compute_rdp(0.1, 1.0, 10).shape == compute_rdp(np.float32(0.1), 1, np.int64(10)).shape

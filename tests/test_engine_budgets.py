@@ -162,6 +162,23 @@ def test_bad_budget_arguments_are_refused(kwargs, match):
             data_loader=DataLoader(ds, batch_size=5), budgets=budgets, delta=delta, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(delta="1e-5"), TypeError, r"delta must be a number in \(0, 1\), got str"),
+    (dict(budgets=["1"] * 30), TypeError, "budgets must be numbers"),
+    (dict(budgets=np.ones(30, dtype=bool)), TypeError, "budgets must be numbers"),
+    (dict(sample_rate=0.0), ValueError, r"sample_rate must lie in \(0, 1\]"),
+    (dict(sample_rate="0.1"), TypeError, "sample_rate must be a number"),
+], ids=["delta as text", "budgets as text", "budgets as bools", "sample_rate 0", "sample_rate as text"])
+def test_budget_arguments_of_the_wrong_type_or_range_get_the_error_that_names_them(kwargs, error, match):
+    args = dict(budgets=np.ones(30), delta=1e-5, epochs=1) | kwargs
+    model = nn.Linear(6, 3)
+    ds = TensorDataset(torch.randn(30, 6), torch.zeros(30, dtype=torch.long))
+    with pytest.raises(error, match=match):
+        pdpfast.PrivacyEngine().make_private_with_budgets(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(ds, batch_size=5), **args)
+
+
 # ---------------------------------------------------------------------------- accountant="pld"
 PLD_BUDGETS = np.repeat([1.0, 2.0, 3.0], [40, 35, 25])
 PLD_STEPS = 8       # one plan for every test below: PLD calibration is cached, not redone

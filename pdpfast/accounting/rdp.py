@@ -21,7 +21,7 @@ import warnings
 
 import numpy as np
 
-from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from .._checks import as_float_array, check_delta, check_epsilons, check_positive_integer, check_rate
 from . import _grid
 from .sgm import DEFAULT_ORDERS, OPACUS_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_one_step_series
 
@@ -43,15 +43,18 @@ def compute_rdp(q, noise_multiplier, steps, orders=DEFAULT_ORDERS) -> np.ndarray
     Returns:
         float64 array of shape broadcast(q, noise_multiplier) + (len(orders),); without the last
         axis when ``orders`` is a scalar. Can be inf (noise_multiplier = 0).
+    Raises:
+        TypeError for values that are not numbers (a string such as "0.1" included); ValueError for q
+        outside [0, 1], a noise multiplier < 0 or NaN, or steps < 0.
     """
     orders_arr, scalar_order = as_orders(orders)
-    q = np.asarray(q, dtype=np.float64)
-    z = np.asarray(noise_multiplier, dtype=np.float64)
+    q = as_float_array("q", q)
+    z = as_float_array("noise_multiplier", noise_multiplier)
     if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
         raise ValueError("q (sample rate) must lie in [0, 1]")
     if np.any(np.isnan(z)) or np.any(z < 0):
         raise ValueError("noise_multiplier must be >= 0")
-    steps = float(steps)
+    steps = float(as_float_array("steps", steps))
     if not steps >= 0 or not math.isfinite(steps):
         raise ValueError(f"steps must be a finite number >= 0, got {steps}")
     shape = np.broadcast_shapes(q.shape, z.shape)
