@@ -79,14 +79,12 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
     Returns:
         float(value), finite and inside.
     Raises:
-        ValueError naming the interval, e.g. "must lie in (0, 1]".
+        TypeError if not a number (``check_number``); ValueError naming the interval, e.g. "must lie
+        in (0, 1]".
     """
     lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
     where = f"{name} must lie in {lo}{low:g}, {high:g}{hi}"
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{where}, got {value!r} (not a number)") from None
+    v = check_number(name, value)  # not a string float() would read, nor a bool
     too_low = v <= low if low_open else v < low
     too_high = v >= high if high_open else v > high
     if not math.isfinite(v) or too_low or too_high:

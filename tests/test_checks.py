@@ -99,3 +99,14 @@ def test_compute_rdp_refuses_text_where_numbers_belong():
         with pytest.raises(TypeError, match=f"{name} must be numbers"):
             compute_rdp(*args)
     assert compute_rdp(0.1, 1.0, 10).shape == compute_rdp(np.float32(0.1), 1, np.int64(10)).shape
+
+
+@pytest.mark.parametrize("value", ["0.1", True])
+def test_an_interval_check_refuses_text_and_bools_as_type_errors(value):
+    with pytest.raises(TypeError, match="client_rate must be a number"):
+        _checks.check_in_range("client_rate", value, low=0.0, high=1.0)
+    from pdpfast.fl.config import FLConfig
+
+    with pytest.raises(TypeError, match="delta must be a number"):
+        FLConfig(delta=value)
+    assert _checks.check_in_range("client_rate", np.float32(0.5), low=0.0, high=1.0) == 0.5

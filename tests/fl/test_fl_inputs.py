@@ -11,11 +11,19 @@ from pdpfast.fl.cli import main
 SMALL = dict(dataset="breast_cancer", clients=3, rounds=1, local_steps=1)
 
 
-@pytest.mark.parametrize("client_rate", [0.0, -0.2, 1.5, float("nan"), "half"])
+@pytest.mark.parametrize("client_rate", [0.0, -0.2, 1.5, float("nan")])
 def test_client_rate_outside_unit_interval(client_rate):
     with pytest.raises(ValueError, match=r"client_rate must lie in \(0, 1\]"):
         fl.FLConfig(client_rate=client_rate)
     with pytest.raises(ValueError, match="client_rate"):
+        fl.simulate(client_rate=client_rate, **SMALL)
+
+
+@pytest.mark.parametrize("client_rate", ["half", "0.5", True])
+def test_client_rate_that_is_not_a_number(client_rate):
+    with pytest.raises(TypeError, match="client_rate must be a number"):
+        fl.FLConfig(client_rate=client_rate)
+    with pytest.raises(TypeError, match="client_rate"):
         fl.simulate(client_rate=client_rate, **SMALL)
 
 
