@@ -317,10 +317,14 @@ def as_per_record(name: str, values, n: int, *, low: float, high: float | None =
             ``low`` itself is allowed.
     Returns:
         (n,) float64, each finite and in [low, high] (or (low, high]).
+    Raises:
+        TypeError for values that are not numbers (``as_float_array``, ``check_number``); ValueError
+        for another length than n, or a value not finite or outside the bounds.
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    arr = np.asarray(values, dtype=np.float64) if not np.isscalar(values) else np.full(n, float(values))
+    # numbers only: not strings numpy would read ("0.1"), nor bools
+    arr = as_float_array(name, values) if not np.isscalar(values) else np.full(n, check_number(name, values))
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"{name} must be a number or have one value per record ({n}), got shape {arr.shape}")
     if not np.isfinite(arr).all():

@@ -110,3 +110,13 @@ def test_an_interval_check_refuses_text_and_bools_as_type_errors(value):
     with pytest.raises(TypeError, match="delta must be a number"):
         FLConfig(delta=value)
     assert _checks.check_in_range("client_rate", np.float32(0.5), low=0.0, high=1.0) == 0.5
+
+
+@pytest.mark.parametrize("values", ["0.1", True, ["0.1", "0.2", "0.3"], np.array([True, False, True])])
+def test_per_record_values_must_be_numbers(values):
+    with pytest.raises(TypeError, match="sample_rates must be (a number|numbers)"):
+        _checks.as_per_record("sample_rates", values, 3, low=0.0, high=1.0)
+    np.testing.assert_array_equal(_checks.as_per_record("sample_rates", np.float32(0.5), 3, low=0.0, high=1.0),
+                                  [0.5, 0.5, 0.5])
+    np.testing.assert_array_equal(_checks.as_per_record("clip_norms", torch.tensor([1, 2, 3]), 3, low=0.0,
+                                                        low_inclusive=False), [1.0, 2.0, 3.0])
