@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 
-from .._checks import as_per_record, check_delta, check_positive_integer
+from .._checks import as_float_array, as_per_record, check_delta, check_positive_integer
 from .._io import atomic_write
 from . import pld
 from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
@@ -68,8 +68,8 @@ def _check_rates(q, z):
 
 def _per_record(sample_rates, noise_multipliers):
     """(N,) q and (N,) z, broadcast against each other and validated."""
-    q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
-    z = np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64))
+    q = np.atleast_1d(as_float_array("sample_rates", sample_rates))
+    z = np.atleast_1d(as_float_array("noise_multipliers", noise_multipliers))
     n = max(q.shape[0], z.shape[0])
     q, z = np.broadcast_to(q, (n,)).copy(), np.broadcast_to(z, (n,)).copy()
     _check_rates(q, z)
@@ -425,7 +425,7 @@ class IndividualAccountant(_RecordLedger):
         def per_record(name, values, current):
             if values is None:
                 return current[self.group_of[sel]]
-            v = np.asarray(values, dtype=np.float64)
+            v = as_float_array(name, values)
             if v.ndim > 1 or (v.ndim == 1 and v.shape[0] not in (1, sel.shape[0])):
                 raise ValueError(f"{name} must be a scalar or one value per record ({sel.shape[0]}), got shape "
                                  f"{v.shape}")

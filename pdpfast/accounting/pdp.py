@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from .._checks import as_float_array, check_delta, check_epsilons, check_positive_integer, check_rate
 from .rdp import get_noise_multiplier
 
 __all__ = ["RoundPlan", "charge", "charge_delta", "round_plan", "sampling_probabilities", "schedule",
@@ -33,7 +33,7 @@ _RULES = ("all", "sampled")
 
 
 def _budgets(budgets, allow_zero=False) -> np.ndarray:
-    arr = np.asarray(budgets, dtype=np.float64).ravel()
+    arr = as_float_array("budgets", budgets).ravel()
     if arr.size == 0:
         raise ValueError("budgets is empty")
     if allow_zero:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import as_float_array
 from .._io import atomic_write
 from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon
 from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
@@ -76,8 +77,8 @@ class FederatedLedger:
 
     def __init__(self, sample_rates, budgets, *, noise_multiplier: float, local_steps: int, client_rate: float,
                  delta: float, conversion: str = "standard", orders=None):
-        q = np.asarray(sample_rates, dtype=np.float64).ravel()
-        b = np.asarray(budgets, dtype=np.float64).ravel()
+        q = as_float_array("sample_rates", sample_rates).ravel()
+        b = as_float_array("budgets", budgets).ravel()
         if q.shape != b.shape:
             raise ValueError(f"budgets has {b.shape[0]} values but sample_rates has {q.shape[0]}")
         if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):

@@ -169,3 +169,13 @@ def test_rates_of_another_length_than_the_records_are_refused_naming_the_argumen
     with pytest.raises(ValueError, match=r"noise_multipliers must be a scalar or one value per record \(4\)"):
         acc.set_rates(noise_multipliers=np.ones((2, 2)))
     assert acc.steps_taken == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(sample_rates=["0.1", "0.1"]), dict(noise_multipliers=True)],
+                         ids=["rates as text", "noise as a bool"])
+def test_a_ledger_of_values_that_are_not_numbers_is_a_type_error(kwargs):
+    args = dict(sample_rates=[0.1, 0.1], noise_multipliers=1.0) | kwargs
+    with pytest.raises(TypeError, match=f"{next(iter(kwargs))} must be numbers"):
+        IndividualAccountant(**args)
+    with pytest.raises(TypeError, match="sample_rates must be numbers"):
+        IndividualAccountant([0.1, 0.1], 1.0).set_rates(sample_rates=["0.2", "0.2"])
