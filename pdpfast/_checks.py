@@ -62,7 +62,7 @@ def check_positive_integer(name: str, value) -> int:
     Raises:
         TypeError for a value that is not a number, ValueError ("a positive integer") otherwise.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a positive integer, got {type(value).__name__} {value!r}")
     if not float(value).is_integer() or float(value) < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -92,6 +92,12 @@ def check_in_range(name: str, value, *, low: float, high: float = math.inf, low_
     return v
 
 
+def _is_number(value) -> bool:
+    """An int, a float or a numpy scalar of either: not a bool, a string float() would read, a
+    tensor or an array."""
+    return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+
+
 def check_number(name: str, value) -> float:
     """Check that a value is a real number (not a bool, a string or a tensor of several values).
 
@@ -103,7 +109,7 @@ def check_number(name: str, value) -> float:
     Raises:
         TypeError naming ``name`` otherwise.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
 
@@ -186,8 +192,7 @@ def check_rate(name: str, value) -> float:
 
 def _in_unit_interval(name: str, value, *, one_allowed: bool) -> float:
     interval = "(0, 1]" if one_allowed else "(0, 1)"
-    # a number, not a string float() would read ("1e-5") nor a bool: as ``check_number``
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):  # not a string float() would read ("1e-5"), nor a bool
         raise TypeError(f"{name} must be a number in {interval}, got {type(value).__name__} {value!r}")
     v = float(value)
     if not (0.0 < v <= 1.0 if one_allowed else 0.0 < v < 1.0):
