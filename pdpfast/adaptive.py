@@ -352,7 +352,7 @@ class AdaptiveTraining:
         Raises:
             ValueError for bounds not of the tracker's shape or not all finite and > 0.
         """
-        int(state["seed"])
+        int(state["seed"])  # a missing or non-integer seed fails here, before anything changes
         if self.clipping is None or state.get("bounds") is None:
             return None
         bounds = np.array(state["bounds"], dtype=np.float64)
