@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ._checks import (
+    as_budget_vector,
     as_per_record,
     check_choice,
     check_delta,
-    check_epsilons,
     check_flag,
     check_int,
     check_nonnegative,
@@ -694,10 +694,9 @@ class PrivacyEngine:
             raise ValueError("make_private_with_budgets needs poisson_sampling=True: each record's budget is spent "
                              "through its own sampling rate, which only the Poisson loader applies")
         n = len(data_loader.dataset)
-        budgets = np.asarray(budgets.detach().cpu() if isinstance(budgets, torch.Tensor) else budgets)
-        if budgets.ndim != 1 or budgets.shape[0] != n:
+        budgets = as_budget_vector("budgets", budgets)
+        if budgets.shape[0] != n:
             raise ValueError(f"budgets must have one ε per record of the dataset ({n}), got shape {budgets.shape}")
-        budgets = check_epsilons("budgets", budgets)
         delta = check_delta("delta", delta)
         sample_rate = 1.0 / len(data_loader) if sample_rate is None else check_rate("sample_rate", sample_rate)
         steps_per_epoch = max(1, round(1.0 / sample_rate))
