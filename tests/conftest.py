@@ -13,6 +13,7 @@ as its first dim, so sample i's case is the slices ``[i:i+1]``.
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -62,6 +63,8 @@ class Oracle:
         """{name: (B, *param.shape)} per-sample gradients of ``loss`` for every trainable parameter."""
         inputs, targets = tuple(inputs), tuple(targets)
         B = inputs[0].shape[0]
+        if any(isinstance(m, nn.RNNBase) for m in model.modules()):
+            method = "loop"  # vmap cannot batch torch's recurrent kernels
         if method == "loop" or B == 0:
             return self._per_sample_loop(model, loss, inputs, targets)
         if method != "vmap":
@@ -76,7 +79,9 @@ class Oracle:
             assert losses.shape == (1,), losses.shape
             return losses.sum()
 
-        return vmap(grad(sample_loss), in_dims=(None, 0, 0))(trainable, inputs, targets)
+        with warnings.catch_warnings():  # ops vmap runs one sample at a time (attention, bags): slower, exact
+            warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+            return vmap(grad(sample_loss), in_dims=(None, 0, 0))(trainable, inputs, targets)
 
     def _per_sample_loop(self, model, loss, inputs, targets):
         """Micro-batching: batches of one sample, one ordinary backward each."""
@@ -187,7 +192,8 @@ class Oracle:
         low = 0.3 + 0.6 * torch.rand(B, dtype=torch.float64)
         high = 1.1 + 1.9 * torch.rand(B, dtype=torch.float64)
         factor = torch.where(clipped, low, high)
-        base = norms.clamp_min(1e-3 * float(norms.median()) if B else 1.0)
+        median = float(norms.median()) if B else 0.0
+        base = norms.clamp_min(1e-3 * median if median > 0 else 1.0)  # (a batch of zero gradients: bounds ~1)
         return base * factor
 
     @staticmethod
@@ -245,6 +251,29 @@ class Oracle:
         result = self.run(model, loss, inputs, targets, clip_norms=clip_norms, mask=mask, **kwargs)
         self.assert_matches(result, expected)
         return result, expected
+
+    def check_one(self, model, loss, inputs, targets=(), *, clipped: bool, reference=None, method="vmap",
+                  **kwargs):
+        """``check`` on the case's first sample alone (the slices ``[:1]``), unmasked, its bound below
+        its norm (``clipped``) or above it. Returns (result, expected)."""
+        inputs, targets = tuple(t[:1] for t in inputs), tuple(t[:1] for t in targets)
+        per_sample = self.per_sample_grads(model if reference is None else reference, loss, inputs, targets, method)
+        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values()))
+        return self.check(model, loss, inputs, targets, reference=reference, method=method, mask=None,
+                          clip_norms=self.bounds(norms, torch.tensor([clipped])), **kwargs)
+
+    def check_empty(self, model, loss, inputs, targets=(), **kwargs):
+        """The case with no sample (the slices ``[:0]``): norms of shape (0,), and a gradient for every
+        trainable parameter, of its shape and all zero. Returns the result."""
+        inputs, targets = tuple(t[:0] for t in inputs), tuple(t[:0] for t in targets)
+        result = self.run(model, loss, inputs, targets, clip_norms=torch.ones(0), mask=torch.ones(0), **kwargs)
+        assert result.norms.shape == (0,)
+        trainable = self.trainable(model)
+        assert set(result.grads) == set(trainable), (sorted(result.grads), sorted(trainable))
+        for name, p in trainable.items():
+            assert result.grads[name].shape == p.shape, name
+            assert not result.grads[name].any(), name
+        return result
 
 
 @pytest.fixture(scope="session")

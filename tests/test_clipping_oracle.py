@@ -43,7 +43,52 @@ def ids(high, *shape, low=0):
     return torch.randint(low, high, (B, *shape))
 
 
-# (layer, input) builders: each returns a module and its batch of inputs.
+class SelfAttention(nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True, **options)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Outputs(nn.Module):
+    """A recurrent layer's output sequence (its final state dropped)."""
+
+    def __init__(self, layer: nn.RNNBase):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x)[0]
+
+
+def hf(name: str, **extra) -> nn.Module:
+    """A Hugging Face vision module of the families pdpfast registers, on 8×8 images in 4×4 patches."""
+    transformers = pytest.importorskip("transformers")
+    config_class, module_path = {
+        "ViTEmbeddings": ("ViTConfig", "vit.modeling_vit"), "DeiTEmbeddings": ("DeiTConfig", "deit.modeling_deit"),
+        "Dinov2Embeddings": ("Dinov2Config", "dinov2.modeling_dinov2"),
+        "Dinov2LayerScale": ("Dinov2Config", "dinov2.modeling_dinov2")}[name]
+    import importlib
+
+    config = getattr(transformers, config_class)(image_size=8, patch_size=4, num_channels=3, hidden_size=8,
+                                                 num_hidden_layers=1, num_attention_heads=2, **extra)
+    module = getattr(importlib.import_module(f"transformers.models.{module_path}"), name)(config)
+    if name == "Dinov2Embeddings":  # its mask token is used as mask_token.expand(B, T, -1): not batch-aligned
+        module.mask_token.requires_grad_(False)
+    return module
+
+
+def hf_conv1d(nf: int, nx: int) -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    pytest.importorskip("transformers")
+    return Conv1D(nf, nx)
+
+
+# (layer, input) builders: each returns a module and its batch of inputs. Every registered layer
+# family has at least one (``test_every_registered_layer_family_has_a_case``).
 LAYERS = {
     # Linear: 2-D (T = 1), 3-D and 4-D inputs, with and without bias, both norm paths
     "linear-2d": lambda: (nn.Linear(7, 5), floats(7)),
@@ -103,6 +148,20 @@ LAYERS = {
     "rmsnorm-eps": lambda: (nn.RMSNorm(5, eps=1e-5), floats(5)),
     "rmsnorm-noaffine": lambda: (nn.Sequential(nn.Linear(5, 5), nn.RMSNorm(5, elementwise_affine=False)),
                                  floats(3, 5)),
+    # attention, bags, recurrent layers
+    "multihead-attention": lambda: (SelfAttention(), floats(4, 8)),
+    "multihead-attention-nobias": lambda: (SelfAttention(bias=False), floats(3, 8)),
+    "embedding-bag-mean-padding": lambda: (nn.EmbeddingBag(11, 5, mode="mean", padding_idx=0), ids(4, 6)),
+    "rnn-2-layers-bidirectional": lambda: (Outputs(nn.RNN(4, 5, num_layers=2, bidirectional=True, batch_first=True)),
+                                           floats(3, 4)),
+    "lstm": lambda: (Outputs(nn.LSTM(4, 5, batch_first=True)), floats(3, 4)),
+    "gru-nobias": lambda: (Outputs(nn.GRU(4, 5, bias=False, batch_first=True)), floats(3, 4)),
+    # Hugging Face: GPT-2's Conv1D, the vision models' embeddings (batch-broadcast tokens) and layer scale
+    "hf-conv1d": lambda: (hf_conv1d(6, 4), floats(3, 4)),
+    "hf-vit-embeddings": lambda: (hf("ViTEmbeddings"), floats(3, 8, 8)),
+    "hf-deit-embeddings": lambda: (hf("DeiTEmbeddings"), floats(3, 8, 8)),
+    "hf-dinov2-embeddings": lambda: (hf("Dinov2Embeddings"), floats(3, 8, 8)),
+    "hf-dinov2-layer-scale": lambda: (hf("Dinov2LayerScale", layerscale_value=0.5), floats(3, 8)),
 }
 
 
@@ -113,6 +172,31 @@ def build(name):
     with torch.no_grad():
         target = torch.randn_like(reference(x))
     return model, reference, x, target
+
+
+def test_every_registered_layer_family_has_a_case():
+    """Each family ``convert`` knows (``registered_layers``) is built by some LAYERS case, so the
+    oracle tests over LAYERS (any batch, one sample, none, all masked) cover it."""
+    import importlib
+
+    from pdpfast.nn.rules import registered_layers
+
+    built = set()
+    for name in LAYERS:
+        layer, _ = LAYERS[name]()
+        built |= {type(m) for m in layer.modules()}
+    missing = []
+    for key in registered_layers():
+        if isinstance(key, str):
+            module, _, cls = key.rpartition(".")
+            if module.split(".")[0] in ("tests", "conftest") or module.startswith("test_"):
+                continue  # registered by another test module
+            key = getattr(importlib.import_module(module), cls)
+        elif key.__module__.split(".")[0] in ("tests", "conftest") or key.__module__.startswith("test_"):
+            continue
+        if not any(issubclass(t, key) for t in built):
+            missing.append(f"{key.__module__}.{key.__qualname__}")
+    assert not missing, f"registered layer families with no case in LAYERS: {missing}"
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -278,22 +362,23 @@ def test_batch_of_one(clipped, mask, style, oracle):
         assert total == pytest.approx(float(bounds[0]) * float(norms[0]) / (float(norms[0]) + 1e-6), rel=1e-9)
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "embedding-padding", "conv2d-groups", "layernorm-2d-shape"])
-def test_empty_batch(model_name, style, oracle):
-    """B = 0: norms of shape (0,), every gradient zero (and present)."""
-    if model_name == "mlp":
+@pytest.mark.parametrize("clipped", [True, False], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_batch_of_one(name, clipped, style, oracle):
+    """B = 1 for every layer case: one sample's norms, weights and clipped gradients."""
+    model, reference, x, target = build(name)
+    oracle.check_one(model, sq_loss, (x,), (target,), reference=reference, clipped=clipped, **style)
+
+
+@pytest.mark.parametrize("name", ["mlp", *LAYERS])
+def test_empty_batch(name, style, oracle):
+    """B = 0 for every layer case: norms of shape (0,), every gradient zero (and present)."""
+    if name == "mlp":
         model, _ = mlp()
         x, target = torch.randn(0, 6, dtype=torch.float64), torch.randn(0, 3, dtype=torch.float64)
     else:
-        model, _, x, target = build(model_name)
-        x, target = x[:0], target[:0]
-    result = oracle.run(model, sq_loss, (x,), (target,), clip_norms=torch.ones(0),
-                        mask=torch.ones(0), **style)
-    assert result.norms.shape == (0,)
-    assert set(result.grads) == set(oracle.trainable(model))
-    for name, p in oracle.trainable(model).items():
-        assert result.grads[name].shape == p.shape
-        assert not result.grads[name].any(), name
+        model, _, x, target = build(name)
+    oracle.check_empty(model, sq_loss, (x,), (target,), **style)
 
 
 def test_all_masked_batch_gives_zero_gradients_and_true_norms(style, oracle):
@@ -302,6 +387,13 @@ def test_all_masked_batch_gives_zero_gradients_and_true_norms(style, oracle):
     result, expected = oracle.check(model, ce_loss, (x,), (y,), reference=reference, mask=torch.zeros(B), **style)
     assert all(not g.any() for g in result.grads.values())
     assert (result.norms > 0).all()
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_all_masked_batch_of_every_layer_gives_zero_gradients_and_true_norms(name, style, oracle):
+    model, reference, x, target = build(name)
+    result, _ = oracle.check(model, sq_loss, (x,), (target,), reference=reference, mask=torch.zeros(B), **style)
+    assert all(not g.any() for g in result.grads.values())
 
 
 def test_masked_rows_do_not_change_the_sum(oracle):

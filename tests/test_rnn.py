@@ -74,6 +74,16 @@ def test_recurrent_layer_matches_oracle(kind, layers, bidirectional, bias, with_
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_one_sample_and_no_sample(kind, style, oracle):
+    """B = 1 against the oracle (two bidirectional layers from an initial state), and B = 0."""
+    reference, model, inputs = case(kind, 2, True, True, True)
+    reference, model = StateFirst(reference), StateFirst(model)
+    targets = (torch.randint(0, 3, (B,)),)
+    oracle.check_one(model, ce_loss, inputs, targets, reference=reference, method="loop", clipped=True, **style)
+    oracle.check_empty(model, ce_loss, inputs, targets, **style)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_private_forward_equals_torch(kind):
     reference, model, inputs = case(kind, 2, True, True, False)
     labels = torch.randint(0, 3, (B,))

@@ -87,6 +87,9 @@ class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
         return None
 
     def _compute(self, x, p):
+        if x.shape[0] == 0:  # torch's instance_norm fails on an empty batch (an empty Poisson draw); the
+            # same normalization as GroupNorm with one channel a group returns its empty output
+            return F.group_norm(x, x.shape[1], p.get("weight"), p.get("bias"), self.eps)
         return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
 
 

@@ -89,7 +89,7 @@ class DPRNNBase(DPModule):
                 names_ih = (f"weight_ih{suffix}", f"bias_ih{suffix}")
                 names_hh = (f"weight_hh{suffix}", f"bias_hh{suffix}")
                 gates_x = state.partial_forward(self, seq, names_ih, lambda x, p, n=names_ih: _projection(x, p, *n))
-                gates_x = gates_x.view(B, T, -1)
+                gates_x = gates_x.view(B, T, gates_x.shape[-1])  # (not -1: an empty batch has no rows to infer it)
                 h, c, steps = h0[k], (c0[k] if lstm else None), []
                 for t in range(T):
                     gates_h = state.partial_forward(self, h, names_hh, lambda x, p, n=names_hh: _projection(x, p, *n))
