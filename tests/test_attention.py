@@ -112,13 +112,11 @@ def test_private_forward_equals_torch(name):
         torch.testing.assert_close(seen[0], reference(*inputs), rtol=1e-12, atol=1e-12)
 
 
-def test_batch_of_one_and_empty_batch(oracle):
-    reference, model, inputs, targets = case("self")
-    one = tuple(t[:1] for t in inputs), tuple(t[:1] for t in targets)
-    oracle.check(model, ce_loss, *one, reference=reference, method="loop", mask=None)
-    result = oracle.run(model, ce_loss, tuple(t[:0] for t in inputs), tuple(t[:0] for t in targets),
-                        clip_norms=torch.ones(0))
-    assert result.norms.shape == (0,) and not result.grads["attn.in_proj_weight"].any()
+@pytest.mark.parametrize("name", ["self", "encoder-layer"])
+def test_batch_of_one_and_empty_batch(name, style, oracle):
+    reference, model, inputs, targets = case(name)
+    oracle.check_one(model, ce_loss, inputs, targets, reference=reference, method="loop", clipped=True, **style)
+    oracle.check_empty(model, ce_loss, inputs, targets, **style)
 
 
 @pytest.mark.parametrize("options,message", [

@@ -303,6 +303,9 @@ def test_hf_conv1d_is_converted(oracle):
     x, t = torch.randn(B, 6, 4, dtype=torch.float64), torch.randn(B, 6, 3, dtype=torch.float64)
     for kwargs in (dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")):
         oracle.check(model, sq_loss, (x,), (t,), reference=reference, **kwargs)
+        for clipped in (True, False):
+            oracle.check_one(model, sq_loss, (x,), (t,), reference=reference, clipped=clipped, **kwargs)
+        oracle.check_empty(model, sq_loss, (x,), (t,), **kwargs)
 
 
 def test_instance_norm_with_running_statistics_is_refused():

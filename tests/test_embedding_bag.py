@@ -56,6 +56,20 @@ def test_embedding_bag_matches_oracle(name, style, oracle):
     assert "bag.weight" in result.grads
 
 
+@pytest.mark.parametrize("clipped", [True, False], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_bag_and_no_bag(name, clipped, style, oracle):
+    """B = 1 against the oracle, and B = 0: no norm, every gradient zero."""
+    options, weighted = CASES[name]
+    reference = Bags(**options).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    ids = ids_with_repeats()[1:]  # (row 0 is all padding)
+    inputs = (ids,) + ((torch.rand(B - 1, L, dtype=torch.float64),) if weighted else ())
+    targets = (torch.randint(0, 3, (B - 1,)),)
+    oracle.check_one(model, ce_loss, inputs, targets, reference=reference, method="loop", clipped=clipped, **style)
+    oracle.check_empty(model, ce_loss, inputs, targets, **style)
+
+
 @pytest.mark.parametrize("include_last_offset", [False, True])
 def test_offsets_input_equals_the_two_dimensional_layout(include_last_offset, oracle):
     torch.manual_seed(2)

@@ -83,6 +83,12 @@ def test_lora_adapters_match_oracle(case, style, oracle):
     assert result.grads and all("lora_" in n or "modules_to_save" in n for n in result.grads)
 
 
+def test_lora_adapters_match_oracle_for_one_sample(case, style, oracle):
+    """(Hugging Face models cannot run an empty batch; B = 0 is tested on the small models.)"""
+    reference, model, inputs, targets, loss = case
+    oracle.check_one(model, loss, inputs, targets, reference=reference, method="loop", clipped=True, **style)
+
+
 def test_only_the_adapters_are_clipping_groups(case):
     _, model, *_ = case
     state = ClippingState(model, clipping="per_layer")

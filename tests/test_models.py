@@ -423,12 +423,15 @@ def test_hf_private_forward_matches_the_original(hf_case):
         torch.testing.assert_close(c["model"](*c["inputs"]), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_hf_batch_of_one(hf_case, oracle):
+@pytest.mark.parametrize("clipped", [True, False], ids=["clipped", "unclipped"])
+def test_hf_batch_of_one(hf_case, clipped, style, oracle):
     """(The HF models themselves cannot run an empty batch; B = 0 is tested on the small models.)"""
     c = hf_case
     one = tuple(t[:1] for t in c["inputs"]), tuple(t[:1] for t in c["targets"])
     per_sample = {n: g[:1] for n, g in c["per_sample"].items()}
-    for mode in ("bk", "ghost"):
-        expected = oracle.expected(c["reference"], per_sample, torch.tensor([1e-3]))
-        result = oracle.run(c["model"], c["loss"], *one, clip_norms=torch.tensor([1e-3]), mode=mode)
-        oracle.assert_matches(result, expected)
+    norms = oracle.expected(c["reference"], per_sample, torch.ones(1)).norms
+    bounds = oracle.bounds(norms, torch.tensor([clipped]))
+    options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
+    expected = oracle.expected(c["reference"], per_sample, bounds, **options)
+    result = oracle.run(c["model"], c["loss"], *one, clip_norms=bounds, **style)
+    oracle.assert_matches(result, expected)

@@ -43,7 +43,48 @@ def _gpt2():
     return model, (torch.randint(0, 23, (2, 6)),), None
 
 
-MODELS = {"mlp": _mlp, "groupnorm-cnn": _cnn, "norms": _norms, "transformer": _transformer, "gpt2-tied": _gpt2}
+class _Volumes(nn.Module):
+    """Conv3d, InstanceNorm3d, then Conv1d over the flattened volume: the other convolutions' norm kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv3 = nn.Conv3d(2, 3, 2)
+        self.norm = nn.InstanceNorm3d(3, affine=True)
+        self.conv1 = nn.Conv1d(3, 4, 3, stride=2)
+        self.head = nn.Linear(52, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.conv3(x))).flatten(2)  # (B, 3, 27)
+        return self.head(torch.tanh(self.conv1(h)).flatten(1))
+
+
+class _Sequences(nn.Module):
+    """Token embeddings through self-attention and a GRU, plus a bag of the same tokens."""
+
+    def __init__(self, vocab=13, d=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.bag = nn.EmbeddingBag(vocab, d, mode="mean")
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.gru = nn.GRU(d, d, batch_first=True)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(self.gru(h)[0][:, -1] + self.bag(ids))
+
+
+def _volumes():
+    return _Volumes(), (torch.randn(3, 2, 4, 4, 4),), 3
+
+
+def _sequences():
+    return _Sequences(), (torch.randint(0, 13, (3, 6)),), 3
+
+
+MODELS = {"mlp": _mlp, "groupnorm-cnn": _cnn, "norms": _norms, "transformer": _transformer, "gpt2-tied": _gpt2,
+          "conv3d-instancenorm-conv1d": _volumes, "attention-gru-bag": _sequences}
 
 
 def _loss_fn(classes):
@@ -183,3 +224,48 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-2 if low else 1e-4, atol=1e-3 if low else 1e-5,
                                    msg=key)
+
+
+def _per_sample_loss(classes):
+    """The per-sample loss as the oracle calls it: (outputs, *targets) → (B,), in the outputs' dtype."""
+    if classes is None:
+        return lambda out: out.logits.pow(2).mean((1, 2))
+    return lambda out, labels: nn.functional.cross_entropy(out, labels, reduction="none")
+
+
+@pytest.mark.parametrize("batch", ["full", "one", "empty"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, style, oracle, exact_fp32, device):
+    """Every mode with the kernels, in fp32, against per-sample gradients of a float64 copy by
+    micro-batching (``tests/conftest.py``): the models above at their batch, one sample and none."""
+    import copy
+
+    torch.manual_seed(0)
+    model, inputs, classes = MODELS[name]()
+    reference = copy.deepcopy(model).double().train()  # the same values: fp32 → fp64 is exact
+    model = pdpfast.nn.convert(model.to(device))
+    B = inputs[0].shape[0]
+    targets = () if classes is None else (torch.arange(B) % classes,)
+    loss = _per_sample_loss(classes)
+    if batch == "empty":
+        if name == "gpt2-tied":
+            pytest.skip("Hugging Face's GPT-2 cannot run an empty batch")
+        oracle.check_empty(model, loss, tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in targets),
+                           **style)
+        return
+    if batch == "one":
+        inputs, targets, B = tuple(t[:1] for t in inputs), tuple(t[:1] for t in targets), 1
+    as_double = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    per_sample = oracle.per_sample_grads(reference, loss, as_double, targets, method="loop")
+    norms = oracle.expected(reference, per_sample, torch.ones(B)).norms
+    clip_norms = oracle.bounds(norms)
+    options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
+    expected = oracle.expected(reference, per_sample, clip_norms, **options)
+    assert dispatch.use_triton(inputs[0].float().to(device))
+    result = oracle.run(model, loss, tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in targets),
+                        clip_norms=clip_norms.float(), **style)
+    torch.testing.assert_close(result.norms.double().cpu(), expected.norms, rtol=1e-4, atol=1e-6)
+    assert set(result.grads) == set(expected.grads)
+    for key, g in expected.grads.items():
+        scale = max(1.0, float(g.abs().max()))
+        torch.testing.assert_close(result.grads[key].double().cpu(), g, rtol=1e-4, atol=1e-5 * scale, msg=key)
