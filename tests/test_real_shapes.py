@@ -24,16 +24,9 @@ B = 3
 
 
 def ce_loss(logits, labels):
+    if not isinstance(logits, torch.Tensor):  # a Hugging Face model's output
+        logits = logits.logits
     return nn.functional.cross_entropy(logits, labels, reduction="none")
-
-
-class Logits(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids).logits
 
 
 def bert_base_block():
@@ -41,7 +34,7 @@ def bert_base_block():
 
     model = bert("base", num_hidden_layers=1, vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0, attn_implementation="eager")
-    return Logits(model), (torch.randint(0, 64, (B, 16)),), (torch.randint(0, 2, (B,)),), ce_loss
+    return model, (torch.randint(0, 64, (B, 16)),), (torch.randint(0, 2, (B,)),), ce_loss
 
 
 def gpt2_small_block():
@@ -51,10 +44,10 @@ def gpt2_small_block():
                  attn_implementation="eager")
     ids = torch.randint(0, 64, (B, 16))
 
-    def lm_loss(logits, ids):  # next-token loss per sample, over the tied embedding and head
-        per_token = ce_loss(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    def lm_loss(outputs, ids):  # next-token loss per sample, over the tied embedding and head
+        per_token = ce_loss(outputs.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         return per_token.view(ids.shape[0], -1).mean(1)
-    return Logits(model), (ids,), (ids,), lm_loss
+    return model, (ids,), (ids,), lm_loss
 
 
 def resnet18_last_stage():
