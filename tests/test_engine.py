@@ -79,6 +79,41 @@ def test_empty_draw_yields_empty_batch_and_still_steps_with_noise():
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(5, 6, num_layers=2, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # x (B, 4, 5)
+        return self.head(self.gru(x)[0][:, -1])
+
+
+def _instance_norm_cnn():
+    return nn.Sequential(nn.Conv1d(4, 4, 3), nn.InstanceNorm1d(4, affine=True), nn.Flatten(), nn.Linear(12, 3))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("build", [_Recurrent, _instance_norm_cnn], ids=["gru", "instance-norm"])
+def test_empty_draw_through_recurrent_and_instance_norm_layers_still_steps_with_noise(build, clipping):
+    """Layers whose torch forward rejects (InstanceNorm) or whose private forward once mis-shaped
+    (the recurrent layers' input projection) an empty batch: an empty draw still takes its step."""
+    torch.manual_seed(0)
+    model = build()
+    ds = TensorDataset(torch.randn(30, 4, 5), torch.randint(0, 3, (30,)))
+    engine = pdpfast.PrivacyEngine(seed=3)
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                             max_grad_norm=1.0, sample_rates=1e-9, clipping=clipping)
+    before = [p.detach().clone() for p in model.parameters()]
+    xb, yb = next(iter(loader))
+    assert xb.shape == (0, 4, 5)
+    nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+    opt.step()
+    assert engine.steps == 1
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_normalization_uses_expected_batch_size_not_realized():
     n = 60
     q = np.where(np.arange(n) % 2 == 0, 0.3, 0.1)
