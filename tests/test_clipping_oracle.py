@@ -81,9 +81,9 @@ def hf(name: str, **extra) -> nn.Module:
 
 
 def hf_conv1d(nf: int, nx: int) -> nn.Module:
+    pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
-    pytest.importorskip("transformers")
     return Conv1D(nf, nx)
 
 
