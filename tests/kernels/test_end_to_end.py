@@ -75,6 +75,13 @@ class _Sequences(nn.Module):
         return self.head(self.gru(h)[0][:, -1] + self.bag(ids))
 
 
+def _bias_only():  # frozen weights (BitFit): the linear calls' norms are their biases' (the bias kernel)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5), nn.Flatten(), nn.Linear(20, 3))
+    for layer in model[0], model[2]:
+        layer.weight.requires_grad_(False)
+    return model, (torch.randn(3, 4, 6),), 3
+
+
 def _volumes():
     return _Volumes(), (torch.randn(3, 2, 4, 4, 4),), 3
 
@@ -84,7 +91,7 @@ def _sequences():
 
 
 MODELS = {"mlp": _mlp, "groupnorm-cnn": _cnn, "norms": _norms, "transformer": _transformer, "gpt2-tied": _gpt2,
-          "conv3d-instancenorm-conv1d": _volumes, "attention-gru-bag": _sequences}
+          "bias-only": _bias_only, "conv3d-instancenorm-conv1d": _volumes, "attention-gru-bag": _sequences}
 
 
 def _loss_fn(classes):
@@ -233,13 +240,24 @@ def _per_sample_loss(classes):
     return lambda out, labels: nn.functional.cross_entropy(out, labels, reduction="none")
 
 
+@pytest.mark.parametrize("route", ["by-size", "full-size-calls"])
 @pytest.mark.parametrize("batch", ["full", "one", "empty"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, style, oracle, exact_fp32, device):
+def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, route, style, oracle, exact_fp32, device,
+                                                            monkeypatch):
     """Every mode with the kernels, in fp32, against per-sample gradients of a float64 copy by
-    micro-batching (``tests/conftest.py``): the models above at their batch, one sample and none."""
+    micro-batching (``tests/conftest.py``): the models above at their batch, one sample and none;
+    on the route these small calls take (stacked, some per-sample gradients formed) and on the
+    route of a full-size model's calls (each call on its own, nothing formed: a GPU's)."""
     import copy
 
+    import pdpfast.clipping
+    import pdpfast.ops.linear
+
+    if route == "full-size-calls":
+        monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+        for threshold in ("MATERIALIZE_RATIO", "MATERIALIZE_MIN_ELEMENTS"):
+            monkeypatch.setattr(pdpfast.ops.linear, threshold, 0)
     torch.manual_seed(0)
     model, inputs, classes = MODELS[name]()
     reference = copy.deepcopy(model).double().train()  # the same values: fp32 → fp64 is exact
