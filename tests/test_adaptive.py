@@ -209,32 +209,35 @@ def test_counts_are_the_unclipped_members_of_each_group():
     np.testing.assert_allclose(counts, want)
 
 
-def test_per_layer_bounds_per_group_clip_each_layer_to_its_own_bound():
-    """(K, B) bounds in begin_batch: each clipping group's clipped contribution is ≤ its row."""
+@pytest.mark.parametrize("automatic_gamma", [None, 0.05])
+def test_per_layer_bounds_per_group_clip_each_layer_to_its_own_bound(automatic_gamma, oracle):
+    """(K, B) bounds in begin_batch: group k's clipped sum is Σ_i w_{k,i} g_{k,i}, its weights from row
+    k, for every parameter of every group (against the float64 oracle's per-sample gradients)."""
+    import copy
+
     from pdpfast.clipping import ClippingState
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
-    pdpfast.nn.convert(model)
-    state = ClippingState(model, clipping="per_layer")
+    reference = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    state = ClippingState(model, clipping="per_layer", automatic_gamma=automatic_gamma)
     state.keep_group_norms = True
-    state.attach()
-    x, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
     bounds = torch.tensor([[0.05, 1e3, 0.2, 0.01], [1e3, 0.03, 0.1, 0.02]], dtype=torch.float64)
-    state.begin_batch(bounds)
-    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
-    norms = state.last_group_norms
-    w = torch.clamp(bounds / (norms + 1e-6), max=1.0)
-    # the clipped sum of layer 0 equals Σ_i w_{0,i} g_{0,i} (oracle by micro-batching)
-    grads = []
-    for i in range(4):
-        model_i = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
-        model_i.load_state_dict(model.state_dict())
-        nn.functional.cross_entropy(model_i(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
-        grads.append(model_i[0].weight.grad)
-    want = sum(w[0, i].float() * grads[i] for i in range(4))
-    torch.testing.assert_close(model[0].weight.grad, want, rtol=1e-4, atol=1e-6)
-    state.detach()
+    with state.attached():
+        state.begin_batch(bounds)
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        group_norms = state.last_group_norms
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    per_sample = oracle.per_sample_grads(reference, loss, (x,), (y,))
+    groups = oracle.groups(reference)
+    assert group_norms.shape == (len(groups), 4)
+    for k, group in enumerate(groups):
+        norms = torch.sqrt(sum(per_sample[n].flatten(1).pow(2).sum(1) for n in group.param_names))
+        oracle.assert_close(group_norms[k], norms, f"norms of group {group.name}")
+        w = oracle._weights(norms, bounds[k], None, automatic_gamma)
+        for name in group.param_names:
+            oracle.assert_close(model.get_parameter(name).grad, torch.tensordot(w, per_sample[name], dims=1), name)
 
 
 def test_bad_engine_inputs_raise_naming_the_argument():
