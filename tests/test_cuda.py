@@ -1,5 +1,6 @@
-"""The engine on a CUDA device (skipped without one): every clipping mode against the float64 CPU
-oracle with the Triton kernels on, fp16/bf16 bounds, autocast, and a training loop under budgets.
+"""The engine on a CUDA device (skipped without one): every clipping mode against the float64
+brute-force oracle (per-sample gradients by micro-batching on the CPU) with the Triton kernels on,
+fp16/bf16 bounds, autocast, and a training loop under budgets.
 
 Run by ``bench/gpu.sh tests`` on a GPU machine; the same math runs on the CPU everywhere else.
 """
@@ -38,24 +39,33 @@ def _models():
 MODELS = {name: (model, inputs, loss) for name, model, inputs, loss in _models()}
 
 
-@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
-@pytest.mark.parametrize("name", list(MODELS))
-def test_cuda_clipped_sums_equal_the_float64_oracle(name, style, exact_fp32):
+def clipped_sums_against_the_oracle(name, style, oracle, device):
+    """Every mode on ``device`` in fp32 against the brute-force float64 oracle (``tests/conftest.py``:
+    per-sample gradients by micro-batching a float64 copy of the plain torch model)."""
     import copy
 
     model, inputs, loss = MODELS[name]
     B = inputs[0].shape[0]
-    clip_norms = torch.linspace(0.05, 3.0, B)
-    cpu = pdpfast.nn.convert(copy.deepcopy(model).double())
-    oracle = clipped_gradients(cpu, loss, *(t.double() if t.is_floating_point() else t for t in inputs),
-                               clip_norms=clip_norms, **style)
-    gpu = pdpfast.nn.convert(copy.deepcopy(model).cuda())
-    result = clipped_gradients(gpu, loss, *(t.cuda() for t in inputs), clip_norms=clip_norms, **style)
-    torch.testing.assert_close(result.norms.double().cpu(), oracle.norms, rtol=2e-4, atol=1e-6)
-    for key, expected in oracle.grads.items():
+    clip_norms = torch.linspace(0.05, 3.0, B, dtype=torch.float64)
+    reference = copy.deepcopy(model).double().train()
+    per_sample = oracle.per_sample_grads(reference, loss, tuple(t.double() if t.is_floating_point() else t
+                                                                for t in inputs), method="loop")
+    expected = oracle.expected(reference, per_sample, clip_norms, clipping=style["clipping"])
+    converted = pdpfast.nn.convert(copy.deepcopy(model).to(device))
+    result = clipped_gradients(converted, loss, *(t.to(device) for t in inputs), clip_norms=clip_norms.float(),
+                               **style)
+    torch.testing.assert_close(result.norms.double().cpu(), expected.norms, rtol=2e-4, atol=1e-6)
+    assert set(result.grads) == set(expected.grads)
+    for key, want in expected.grads.items():
         got = result.grads[key].double().cpu()
-        scale = max(1e-3, float(expected.abs().max()))
-        torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-4 * scale, msg=key)
+        scale = max(1e-3, float(want.abs().max()))
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-4 * scale, msg=key)
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_clipped_sums_equal_the_float64_oracle(name, style, exact_fp32, oracle):
+    clipped_sums_against_the_oracle(name, style, oracle, "cuda")
 
 
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
