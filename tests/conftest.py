@@ -299,6 +299,19 @@ def style(request) -> dict:
 
 
 @pytest.fixture
+def full_size_calls(monkeypatch):
+    """Every layer call on the route a full-size model's calls take on a GPU: computed on its own
+    (small same-shape calls otherwise stack) and without forming per-sample gradients, as
+    ``bench_overhead --route large`` runs them."""
+    import pdpfast.clipping
+    import pdpfast.ops.linear
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
+    for name in ("MATERIALIZE_RATIO", "MATERIALIZE_MIN_ELEMENTS"):
+        monkeypatch.setattr(pdpfast.ops.linear, name, 0)
+
+
+@pytest.fixture
 def exact_fp32():
     """No TF32 while the test runs: cuDNN's default TF32 convolutions (and, on a GPU, the kernels that
     follow them) round fp32 operands, and the state then keeps a 0.4% margin on the bounds; oracle

@@ -70,13 +70,8 @@ def case(request):
 
 
 @pytest.mark.parametrize("route", ["by-size", "full-size-calls"])
-def test_full_width_block_matches_oracle(case, route, style, oracle, monkeypatch):
-    import pdpfast.clipping
-    import pdpfast.ops.linear
-
+def test_full_width_block_matches_oracle(case, route, style, oracle, request):
     if route == "full-size-calls":
-        monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
-        for name in ("MATERIALIZE_RATIO", "MATERIALIZE_MIN_ELEMENTS"):
-            monkeypatch.setattr(pdpfast.ops.linear, name, 0)
+        request.getfixturevalue("full_size_calls")
     reference, model, inputs, targets, loss = case
     oracle.check(model, loss, inputs, targets, reference=reference, method="loop", **style)

@@ -166,21 +166,16 @@ def test_rounding_bound_with_kernels_matches_reference_math_in_bf16(name, clippi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_reference(clipping, dtype, monkeypatch,
-                                                                                     device):
+                                                                                     device, full_size_calls):
     """A large call on the norm kernel's Gram path leaves (B, K) per-program partial sums, K > 1
     (in bf16, of its rounding bound ρ too). Book-keeping keeps both and sums them at the end of the
     backward: every layer's norms with one sum, the ρ of layers of one K with one sum. Per-layer
     clipping hands both to the op that computes the call's weights and scales its clipped sum's
     rows by them (``clip_scale``), which sums them. Neither spends a launch per call on the sum.
     Norms and clipped sums equal the torch references' (Triton off)."""
-    import pdpfast.clipping as clipping_module
     import pdpfast.ops.linear as lin_ops
     from pdpfast.clipping import ClippingState
 
-    # every call computed on its own, nothing formed: a full-size model's route on a GPU
-    monkeypatch.setattr(clipping_module, "SMALL_CALL_BYTES", 0)
-    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
-    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
     seen = {"sq": [], "pending": [], "rho": []}
     add_sq, add_rounding, scale = ClippingState._add_sq, ClippingState._add_rounding, lin_ops.clip_scale
 
@@ -244,20 +239,15 @@ def _per_sample_loss(classes):
 @pytest.mark.parametrize("batch", ["full", "one", "empty"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, route, style, oracle, exact_fp32, device,
-                                                            monkeypatch):
+                                                            request):
     """Every mode with the kernels, in fp32, against per-sample gradients of a float64 copy by
     micro-batching (``tests/conftest.py``): the models above at their batch, one sample and none;
     on the route these small calls take (stacked, some per-sample gradients formed) and on the
     route of a full-size model's calls (each call on its own, nothing formed: a GPU's)."""
     import copy
 
-    import pdpfast.clipping
-    import pdpfast.ops.linear
-
     if route == "full-size-calls":
-        monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0)
-        for threshold in ("MATERIALIZE_RATIO", "MATERIALIZE_MIN_ELEMENTS"):
-            monkeypatch.setattr(pdpfast.ops.linear, threshold, 0)
+        request.getfixturevalue("full_size_calls")
     torch.manual_seed(0)
     model, inputs, classes = MODELS[name]()
     reference = copy.deepcopy(model).double().train()  # the same values: fp32 → fp64 is exact
