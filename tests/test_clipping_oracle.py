@@ -522,6 +522,48 @@ def test_user_given_layer_shares(as_sequence, automatic_gamma, oracle):
     assert not torch.allclose(equal.grads["0.weight"], expected.grads["0.weight"])
 
 
+class Parallel(nn.Module):
+    """Copies of one layer on the same input, outputs summed: same-shape calls of different
+    clipping groups, which stack into one launch per op."""
+
+    def __init__(self, layer: nn.Module, copies: int):
+        super().__init__()
+        self.copies = nn.ModuleList([layer] + [randomize_(copy.deepcopy(layer)) for _ in range(copies - 1)])
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.copies)
+
+
+@pytest.mark.parametrize("stacking", ["every-call-stacked", "every-call-alone"])
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("style", ["per_layer", "per_layer-automatic"], indirect=True)
+def test_unequal_layer_shares_reach_each_group_of_every_layer_family(name, stacking, style, oracle, monkeypatch):
+    """Unequal shares C_k, each group's own: with the default (equal) shares every group's bounds
+    c_i·C_k are alike, so a call clipped against another group's row would go unseen. Three copies
+    of each layer case make same-shape calls of three groups, stacked into one clip-weight
+    computation (their rows gathered by group) or each computed alone."""
+    import pdpfast.clipping
+
+    monkeypatch.setattr(pdpfast.clipping, "SMALL_CALL_BYTES", 0 if stacking == "every-call-alone" else 1 << 40)
+    monkeypatch.setattr(pdpfast.clipping, "STACK_BYTES", 1 << 40 if stacking == "every-call-stacked" else 0)
+    layer, x = LAYERS[name]()
+    reference = Parallel(randomize_(layer), 3).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    with torch.no_grad():
+        target = torch.randn_like(reference(x))
+    groups = oracle.groups(reference)
+    assert len(groups) >= 3
+    raw = 0.2 + torch.rand(len(groups), dtype=torch.float64)
+    shares = {g.module_names[0]: float(s) for g, s in zip(groups, raw / raw.norm())}
+    per_sample = oracle.per_sample_grads(reference, sq_loss, (x,), (target,))
+    clip_norms = 0.5 * oracle.bounds(oracle.expected(reference, per_sample, torch.ones(B)).norms)
+    _, expected = oracle.check(model, sq_loss, (x,), (target,), reference=reference, clip_norms=clip_norms,
+                               layer_shares=shares, **style)
+    equal = oracle.expected(reference, per_sample, clip_norms, clipping="per_layer",
+                            automatic_gamma=style.get("automatic_gamma"))
+    assert any(not torch.allclose(equal.grads[n], g) for n, g in expected.grads.items())  # the shares matter
+
+
 # ------------------------------------------------------------------------ bad input
 
 
