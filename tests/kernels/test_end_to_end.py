@@ -280,14 +280,14 @@ def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, route, 
 
 
 
+@pytest.mark.parametrize("ops", ["kernels", "torch"])
 @pytest.mark.parametrize("route", ["by-size", "full-size-calls"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_engine_with_kernels_in_bf16_matches_the_brute_force_oracle(name, route, style, oracle, device, request,
-                                                                    monkeypatch):
-    """Every mode with the kernels, bf16 weights and inputs, against per-sample gradients of a float64
-    copy of the same (bf16-valued) model by micro-batching: the low-precision route the fp32 test
-    above does not run (the bias kernel, the norm kernels' fused rounding bound, the clipped sums'
-    bf16 row scaling).
+def test_engine_in_bf16_matches_the_brute_force_oracle(name, route, ops, style, oracle, device, request, monkeypatch):
+    """Every mode, bf16 weights and inputs, with the kernels and with the torch references, against
+    per-sample gradients of a float64 copy of the same (bf16-valued) model by micro-batching: the
+    low-precision route the fp32 test above does not run (the bias kernel, the norm kernels' fused
+    rounding bound, the clipped sums' bf16 row scaling).
 
     In bf16 the engine clips against c_i(1 − m) with ‖g_i‖ + ρ_i, a margin for its own rounding
     (``rounding_margin``, ``LayerRule.rounding``) that the oracle does not know: weights ~2% low,
@@ -328,7 +328,9 @@ def test_engine_with_kernels_in_bf16_matches_the_brute_force_oracle(name, route,
     clip_norms = oracle.bounds(norms)
     options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
     expected = oracle.expected(reference, per_sample, clip_norms, **options)
-    assert dispatch.use_triton(inputs[0].to(device).float())
+    if ops == "torch":
+        monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+    assert dispatch.use_triton(inputs[0].to(device).float()) == (ops == "kernels")
     result = oracle.run(model, loss, tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in targets),
                         clip_norms=clip_norms.float(), **style)
     torch.testing.assert_close(result.norms.double().cpu(), expected.norms, rtol=5e-3, atol=1e-4)
