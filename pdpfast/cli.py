@@ -10,6 +10,7 @@ final checkpoint and exits with 128 + the signal's number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -245,6 +246,20 @@ def _import_bench(module: str, roots=None):
         raise
 
 
+class _NamingOutput:
+    """stdout with the staging file's name replaced by the one the user gave: the benchmark prints
+    where it wrote its JSON, which under ``pdpfast bench`` is a temporary file moved into place."""
+
+    def __init__(self, stream, staged: str, final: str):
+        self.stream, self.staged, self.final = stream, staged, final
+
+    def write(self, text: str) -> int:
+        return self.stream.write(text.replace(self.staged, self.final))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def _bench(args) -> int:
     import torch
 
@@ -268,7 +283,8 @@ def _bench(args) -> int:
             argv = ["--repeats", str(args.repeats or 15), "--out", tmp_json]
             if args.models:
                 argv += ["--models", args.models]
-            rc = module.main(argv)
+            with contextlib.redirect_stdout(_NamingOutput(sys.stdout, str(tmp_json), str(out))):
+                rc = module.main(argv)
             key, title = "time_ratio_vs_nonprivate", "step time × non-private (CPU; lower is better)"
         else:
             module = _import_bench("bench_e2e")
@@ -276,7 +292,8 @@ def _bench(args) -> int:
                     "--size", args.size, "--dtype", args.dtype]
             if args.models:
                 argv += ["--models", args.models]
-            rc = module.main(argv)
+            with contextlib.redirect_stdout(_NamingOutput(sys.stdout, str(tmp_json), str(out))):
+                rc = module.main(argv)
             key, title = "throughput_ratio_vs_nonprivate", "throughput × non-private (higher is better)"
         if rc not in (None, 0):
             raise RuntimeError(f"bench.{module.__name__.split('.')[-1]} exited with status {rc}")
@@ -332,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="individualized DP-SGD vs DP-SGD vs PDP-SGD vs non-private on digits",
                           description="Trains non-private, DP-SGD at ε=1, IDP Sample / Scale / hybrid and PDP-SGD on "
-                                      "scikit-learn's digits (groups 34%%/43%%/23%% at ε=1/2/3, δ=1e-5); prints a "
+                                      "scikit-learn's digits (groups 34%/43%/23% at ε=1/2/3, δ=1e-5); prints a "
                                       "table and writes accuracy.png, epsilon.png and results.json into --out.")
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over (default 3)")
@@ -340,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"private methods, comma-separated (default {','.join(DEMO_METHODS)})")
     demo.add_argument("--rounds", type=int, default=2, help="PDP-SGD rounds (default 2)")
     demo.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
-                      help="accountant that calibrates sample/scale/hybrid plans (default rdp)")
+                      help="accountant that calibrates the dpsgd/sample/scale/hybrid plans (default rdp)")
     demo.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
     demo.add_argument("--lr", type=float, default=0.2, help="private learning rate (non-private uses lr/5)")
     demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
@@ -365,13 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", help="a Hugging Face tokenizer name for --text-column (may download)")
     g.add_argument("--tokens", action="store_true", help="feature columns are integer token ids (implied by bert/gpt2)")
     g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per text (default 64)")
-    g.add_argument("--image-shape", help="view flat features as images C,H,W (e.g. 1,8,8) for cnn / resnet18-gn")
+    g.add_argument("--image-shape", help="view flat features as images C,H,W (e.g. 1,8,8) for cnn, resnet18-gn, vit")
     g.add_argument("--image-size", type=int, default=d.image_size, help="image folders are resized to this (32)")
     g.add_argument("--test-fraction", type=float, default=d.test_fraction,
                    help="held-out fraction for evaluation (default 0.2; 0 = none)")
     g = train.add_argument_group("budgets")
     g.add_argument("--budget-column", help="CSV / HF column with each record's ε")
-    g.add_argument("--budgets", help="budgets file: .npy, .csv (one column), .txt (one per line)")
+    g.add_argument("--budgets", help="budgets file: .npy, .npz (key budgets or its only array), .csv (one column), "
+                                     ".txt (one per line)")
     g.add_argument("--epsilon", type=float, help="the same ε for every record")
     g.add_argument("--delta", type=float, default=d.delta)
     g = train.add_argument_group("model and method")

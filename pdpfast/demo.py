@@ -199,7 +199,8 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
         rounds: PDP-SGD's number of rounds.
         pdp_loss: PDP-SGD's threshold loss ("fixed", "adaptive" or "harmonic"; see
             :class:`pdpfast.pdp_sgd.PDPSGD`).
-        accountant: "rdp" or "pld", what calibrates (and accounts) the IDP methods' plans.
+        accountant: "rdp" or "pld", what calibrates (and accounts) the plans of DP-SGD and the IDP methods
+            (PDP-SGD's rounds keep their own RDP guarantees).
     Returns:
         :class:`RunResult` with ε per group from the per-record ledger.
     """
@@ -287,7 +288,7 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
         threads: torch threads for the run (1 by default: the model is tiny, and more threads only
             contend on a shared machine); None or 0 leaves torch's setting.
         eval_every: steps between curve points (default: about 60 points per run).
-        accountant: "rdp" or "pld" for the IDP methods' plans.
+        accountant: "rdp" or "pld" for the plans of DP-SGD and the IDP methods.
     Returns:
         {method: [RunResult per seed]}, "non-private" first.
     Raises:

@@ -256,6 +256,9 @@ def _check_config(cfg: TrainConfig) -> None:
             raise ValueError("--cuda-graph captures one backward; --mode ghost needs two (use bk, the default)")
         if cfg.method == "pdp" or cfg.nproc > 1:
             raise ValueError("--cuda-graph is offered for --method sample/scale/hybrid/dpsgd in one process")
+        device = resolve_device(cfg.device)
+        if device.type != "cuda":
+            raise ValueError(f"--cuda-graph needs a CUDA device (--device cuda); this run is on {device.type}")
 
 
 def _hidden_widths(cfg: TrainConfig) -> list[int]:
@@ -569,7 +572,10 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         _say(cfg, "test: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items()))
     summary["groups"] = group_report(budgets, summary.pop("spent"))
     _say(cfg, format_groups(summary["groups"], f"ε spent per budget group ({summary['ledger']})"))
-    if summary["finished"]:
+    if summary["finished"] and not summary["records_per_second"]:  # resumed from a finished run's checkpoint
+        _say(cfg, f"done: the run had finished ({summary['steps']} steps); nothing left to train"
+             + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
+    elif summary["finished"]:
         _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s "
                   f"({summary['records_per_second']:.0f} records/s on {device})"
              + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))

@@ -1,5 +1,5 @@
-"""Command line of the federated front end: ``python -m pdpfast.fl <command>`` (or, once hooked in,
-``pdpfast fl <command>``).
+"""Command line of the federated front end: ``pdpfast fl <command>`` (or ``python -m pdpfast.fl
+<command>``).
 
 * ``simulate``: rPDP-FL and the baselines in process; prints an accuracy table, writes
   ``<out>.json`` and a plot of accuracy per round ``<out>.png``.

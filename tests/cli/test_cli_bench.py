@@ -21,6 +21,7 @@ def test_bench_e2e_smoke_writes_json_and_plot(cli, tmp_path):
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.parent.iterdir()) == ["e2e.json", "e2e.png"]
+    assert f"written to {out}" in stdout  # the path the user gave, not the staging file's
 
 
 def test_bench_e2e_without_cuda_says_so(cli, tmp_path):

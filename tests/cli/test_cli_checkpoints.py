@@ -249,3 +249,14 @@ def test_a_second_signal_stops_at_once_and_handlers_are_restored():
             signal.raise_signal(signal.SIGINT)       # the second: now
             pytest.fail("the second signal did not interrupt")
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_resuming_a_finished_run_says_so_instead_of_a_throughput(cli, data_dir, tmp_path):
+    ck = tmp_path / "run.pt"
+    args = (*_npy_args(data_dir), "--epochs", 1, "--batch-size", 40)
+    assert cli("train", *args, "--checkpoint", ck, "--quiet")[0] == 0
+    rc, out, err = cli("train", *args, "--resume", ck)
+    assert rc == 0, err
+    assert "done: the run had finished (7 steps); nothing left to train" in out
+    assert "records/s" not in out
+    assert _steps(ck) == 7
