@@ -165,6 +165,9 @@ def test_bad_arguments_are_refused(tmp_path):
                         train_dataset=data, budgets=BUDGETS)
     with pytest.raises(ValueError, match="whole number"):
         trainer.train()
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets="epsilon")
+    with pytest.raises(ValueError, match="names a column of a datasets.Dataset, but train_dataset is a Records"):
+        trainer.train()  # a torch Dataset of dicts has no columns: the budgets go in as an array
 
 
 def test_per_sample_loss_of_a_causal_lm_ignores_padding_and_is_per_record():

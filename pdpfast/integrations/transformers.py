@@ -214,7 +214,11 @@ class DPTrainer(transformers.Trainer):
         spec = self.budgets_spec
         if isinstance(spec, str):
             names = getattr(dataset, "column_names", None)
-            if names is None or spec not in names:
+            if names is None:
+                raise ValueError(f"budgets={spec!r} names a column of a datasets.Dataset, but train_dataset is a "
+                                 f"{type(dataset).__name__}, which has no columns: pass the budgets as an array "
+                                 "of one ε per record instead (or build it with datasets.Dataset.from_list)")
+            if spec not in names:
                 raise ValueError(f"budgets={spec!r} names a column, but train_dataset has no such column"
                                  + (f" (columns: {names})" if names else ""))
             return _per_record(dataset[spec], len(dataset), "budgets")
