@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # each other without cycles.
 _LAZY = {
     "PrivacyEngine": "pdpfast.engine",
+    "PrivacyBudgetExceeded": "pdpfast.engine",
     "DPDataLoader": "pdpfast.data",
     "DPOptimizer": "pdpfast.optimizer",
     "calibrate": "pdpfast.accounting",

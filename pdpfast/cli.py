@@ -61,7 +61,8 @@ def _demo(args) -> int:
         raise ValueError(f"--out {args.out!r} is a file; give a directory for the plots and results.json")
     print(f"pdpfast demo: digits, privacy groups "
           f"{', '.join(f'{f:.0%} at ε={e:g}' for f, e in zip(GROUP_FRACTIONS, GROUP_EPSILONS))}, δ={DELTA:g}; "
-          f"{args.epochs} epochs, {args.seeds} seed(s), PDP-SGD in {args.rounds} rounds", flush=True)
+          f"{args.epochs} epochs, {args.seeds} seed(s)" + (f", PDP-SGD in {args.rounds} rounds" if "pdp" in methods
+                                                            else ""), flush=True)
     start = time.perf_counter()
     results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, progress=not args.quiet,
                        rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size,
