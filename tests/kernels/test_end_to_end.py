@@ -235,6 +235,16 @@ def _per_sample_loss(classes):
     return lambda out, labels: nn.functional.cross_entropy(out, labels, reduction="none")
 
 
+def _expected(oracle, reference, loss, inputs, targets, style):
+    """(bounds around the samples' own norms, the oracle's result for them): per-sample gradients of
+    the float64 ``reference`` on ``inputs`` by micro-batching."""
+    as_double = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    per_sample = oracle.per_sample_grads(reference, loss, as_double, targets, method="loop")
+    clip_norms = oracle.bounds(oracle.expected(reference, per_sample, torch.ones(inputs[0].shape[0])).norms)
+    options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
+    return clip_norms, oracle.expected(reference, per_sample, clip_norms, **options)
+
+
 @pytest.mark.parametrize("route", ["by-size", "full-size-calls"])
 @pytest.mark.parametrize("batch", ["full", "one", "empty"])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -263,12 +273,7 @@ def test_engine_with_kernels_matches_the_brute_force_oracle(name, batch, route, 
         return
     if batch == "one":
         inputs, targets, B = tuple(t[:1] for t in inputs), tuple(t[:1] for t in targets), 1
-    as_double = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-    per_sample = oracle.per_sample_grads(reference, loss, as_double, targets, method="loop")
-    norms = oracle.expected(reference, per_sample, torch.ones(B)).norms
-    clip_norms = oracle.bounds(norms)
-    options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
-    expected = oracle.expected(reference, per_sample, clip_norms, **options)
+    clip_norms, expected = _expected(oracle, reference, loss, inputs, targets, style)
     assert dispatch.use_triton(inputs[0].float().to(device))
     result = oracle.run(model, loss, tuple(t.to(device) for t in inputs), tuple(t.to(device) for t in targets),
                         clip_norms=clip_norms.float(), **style)
@@ -322,12 +327,7 @@ def test_engine_in_bf16_matches_the_brute_force_oracle(name, route, ops, style, 
             return per_sample_loss(type(out)(logits=out.logits.float() if low else out.logits))
         return per_sample_loss(out.float() if low else out, *targets)
 
-    as_double = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-    per_sample = oracle.per_sample_grads(reference, loss, as_double, targets, method="loop")
-    norms = oracle.expected(reference, per_sample, torch.ones(B)).norms
-    clip_norms = oracle.bounds(norms)
-    options = {k: style[k] for k in ("clipping", "automatic_gamma") if k in style}
-    expected = oracle.expected(reference, per_sample, clip_norms, **options)
+    clip_norms, expected = _expected(oracle, reference, loss, inputs, targets, style)
     if ops == "torch":
         monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
     assert dispatch.use_triton(inputs[0].to(device).float()) == (ops == "kernels")
