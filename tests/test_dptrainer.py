@@ -113,6 +113,10 @@ def test_resume_from_a_checkpoint_continues_the_ledger_exactly(tmp_path):
     np.testing.assert_array_equal(resumed.epsilons(), whole.epsilons())
     for (name, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # the logged epoch continues too (the Trainer restarts it when it does not replay the skipped draws)
+    def epochs(trainer):
+        return {log["step"]: log["epoch"] for log in trainer.state.log_history if "loss" in log}
+    assert epochs(resumed) == epochs(whole) and epochs(whole)[4] > epochs(whole)[2] > 0
 
 
 def test_a_uniform_checkpoint_whose_record_ledger_is_not_its_runs_is_refused(tmp_path):

@@ -242,7 +242,7 @@ class DPTrainer(transformers.Trainer):
         base = DataLoader(dataset, batch_size=physical, collate_fn=collate,
                           num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
         optimizer = self.create_optimizer()
-        steps_per_epoch = max(1, round(1.0 / sample_rate))
+        steps_per_epoch = self._steps_per_epoch = max(1, round(1.0 / sample_rate))
         common = dict(module=self.model, optimizer=optimizer, data_loader=base, mode=self.dp_mode,
                       clipping=self.dp_clipping, physical_batch_size=physical, loss_reduction="mean")
         if self.dp_mode == "ghost":
@@ -371,7 +371,8 @@ class DPTrainer(transformers.Trainer):
         """The Trainer's ``log``, with the privacy spent added to every log that has a training loss.
 
         Args:
-            logs: the metrics to log; when it holds "loss" (after training started) it gets "epsilon",
+            logs: the metrics to log; when it holds "loss" (after training started) its "epoch" is
+                steps / steps per epoch (continued by a resumed run), and it gets "epsilon",
                 the largest ε spent by any record, and for up to ``MAX_LOGGED_GROUPS`` distinct budgets
                 "epsilon_budget_<budget>", the largest ε spent by a record with that budget.
             start_time: passed to ``Trainer.log``.
@@ -379,6 +380,9 @@ class DPTrainer(transformers.Trainer):
             None.
         """
         if self._train_loader is not None and "loss" in logs:
+            # the epoch in expected passes over the data: the Trainer counts it from the batches of this
+            # call, and a resumed run does not replay the draws before its checkpoint (ignore_data_skip)
+            self.state.epoch = self.state.global_step / self._steps_per_epoch
             eps = self.epsilons()
             logs["epsilon"] = float(eps.max())
             for name, members in self._groups:
