@@ -272,6 +272,8 @@ def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
     Returns:
         (N,) float64 ε_i, each finite and > 0.
     """
+    if np.asarray(values).dtype.kind == "b":  # True would read as ε = 1
+        raise ValueError(f"{what} must be numbers, not booleans")
     try:
         arr = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
@@ -304,7 +306,9 @@ def check_positive_per_record(name: str, values, n: int, *, records: str = "reco
     Returns:
         (n,) float64, every value finite and > 0.
     """
-    arr = np.asarray(values, dtype=np.float64)
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = as_float_array(name, values)  # not strings numpy would read ("1.0"), nor bools
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"{name} must have one value per {records} ({n}), got shape {arr.shape}")
     if not np.all(np.isfinite(arr)) or np.any(arr <= 0):
@@ -350,14 +354,22 @@ def as_per_sample(name: str, values, batch_size: int | None = None, *, positive:
             positive: whether every value must be > 0.
     Returns:
         (B,) tensor: float as given, or float64 from ints / bools; finite.
+    Raises:
+        TypeError for values that are not numbers (strings; booleans where ``positive``); ValueError
+        for another shape or length, a value not finite, or (``positive``) ≤ 0.
     """
     if isinstance(values, (int, float)) and not isinstance(values, bool):
         if batch_size is None:
             raise TypeError(f"{name} must be a 1-D tensor or array of per-sample values")
         values = torch.full((batch_size,), float(values))
-    t = torch.as_tensor(values)
+    try:
+        t = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a 1-D tensor or array of numbers, got {type(values).__name__}") from None
     if not (t.is_floating_point() or t.dtype in (torch.bool, torch.int64, torch.int32)):
         raise TypeError(f"{name} must hold real numbers, got dtype {t.dtype}")
+    if positive and t.dtype == torch.bool:  # True would read as a bound of 1
+        raise TypeError(f"{name} must hold numbers, not booleans")
     t = t.double() if not t.is_floating_point() else t
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D (one value per sample), got shape {tuple(t.shape)}")

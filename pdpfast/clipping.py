@@ -41,10 +41,11 @@ import math
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 
-from ._checks import as_per_sample, check_choice, check_positive
+from ._checks import as_per_sample, check_choice, check_nonnegative, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
@@ -398,13 +399,14 @@ class ClippingState:
         """Open a batch of B = len(clip_norms) samples (padded rows have mask 0).
 
         Args:
-            clip_norms: (B,) c_i, positive, in gradient-L2-norm units (a scalar is broadcast); with
-                ``clipping="per_layer"`` also (K, B), row k the bounds of clipping group k itself (then the
+            clip_norms: (B,) c_i, positive, in gradient-L2-norm units (a 1-D tensor or array: it sets
+                B); with ``clipping="per_layer"`` also (K, B), row k the bounds of clipping group k itself (then the
                 layer shares are not applied: record i's sensitivity is sqrt(Σ_k c_{k,i}²)), which is how
                 per-layer adaptive clipping moves each layer's bound.
             mask: None, or (B,) of 0 / 1 (0 for a padded row).
             loss_scale: how much the backward's output gradients are scaled down relative to
-                per-sample losses (B for a loss that is the batch mean, 1 for a sum).
+                per-sample losses (B for a loss that is the batch mean, 1 for a sum; 0 for an empty
+                batch under a mean loss: all weights 0), a finite number ≥ 0.
             draw: the id of the Poisson draw this (physical) batch belongs to. With a draw id, a batch of a
                 new draw is refused while the previous draw's clipped sums still wait for
                 ``optimizer.step()``; without one (the functional API, benchmarks) the caller owns the
@@ -413,7 +415,8 @@ class ClippingState:
             None; the state enters phase ``OPEN``.
         Raises:
             RuntimeError for a new draw while the previous one is pending; ValueError for bad clip norms
-            (wrong shape, K rows for per-layer) or a mask that is not 0 / 1.
+            (wrong shape, K rows for per-layer), a mask that is not 0 / 1, or a loss scale < 0 or not
+            finite; TypeError for a loss scale that is not a number.
         """
         if draw is not None and self.pending and draw != self.draw:
             raise RuntimeError(
@@ -427,7 +430,8 @@ class ClippingState:
         self.mask = None if mask is None else as_per_sample("mask", mask, self.batch_size, positive=False)
         if self.mask is not None and not ((self.mask == 0) | (self.mask == 1)).all():
             raise ValueError("mask must hold only 0 and 1")
-        self.loss_scale = float(loss_scale)
+        # s < 0 would flip every weight's sign and lift its clip: min(s, c/‖g‖) is then s, unbounded
+        self.loss_scale = check_nonnegative("loss_scale", loss_scale)
         self._uses: dict[int, int] = {}  # id(parameter) → calls in this batch's forward
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
@@ -437,8 +441,9 @@ class ClippingState:
         self._enter(Phase.OPEN)
 
     def _as_clip_norms(self, clip_norms) -> torch.Tensor:
-        t = torch.as_tensor(clip_norms) if not isinstance(clip_norms, (int, float)) else clip_norms
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and self.clipping == "per_layer":
+        t = clip_norms if isinstance(clip_norms, torch.Tensor) else np.asarray(clip_norms)
+        if t.ndim == 2 and self.clipping == "per_layer":
+            t = torch.as_tensor(t)
             K = len(self.group_names)
             if t.shape[0] != K:
                 raise ValueError(f"per-layer clip_norms of shape (K, B) need K = {K} rows (one per clipping "

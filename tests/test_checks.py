@@ -120,3 +120,62 @@ def test_per_record_values_must_be_numbers(values):
                                   [0.5, 0.5, 0.5])
     np.testing.assert_array_equal(_checks.as_per_record("clip_norms", torch.tensor([1, 2, 3]), 3, low=0.0,
                                                         low_inclusive=False), [1.0, 2.0, 3.0])
+
+
+# ------------------------------------------------------------- values that would silently change a bound
+
+
+@pytest.mark.parametrize("loss_scale,error", [(-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError),
+                                              ("3", TypeError), (True, TypeError)])
+def test_a_loss_scale_that_would_lift_the_clip_bound_is_refused(loss_scale, error):
+    """s·w_i = min(s, c_i/‖g_i‖) with s < 0 is s: one record contributed 38× its bound."""
+    from torch import nn
+
+    from pdpfast.clipping import ClippingState
+    from pdpfast.nn import convert
+
+    state = ClippingState(convert(nn.Linear(3, 2)))
+    with pytest.raises(error, match="loss_scale"):
+        state.begin_batch(torch.ones(1), None, loss_scale=loss_scale)
+    state.begin_batch(torch.ones(1), None, loss_scale=0.0)  # an empty draw under a mean loss
+    assert state.loss_scale == 0.0
+
+
+@pytest.mark.parametrize("clip_norms,error", [(torch.ones(3, dtype=torch.bool), TypeError), ("1", TypeError),
+                                              (["1", "1", "1"], TypeError)])
+def test_clip_norms_that_are_not_numbers_are_refused_by_name(clip_norms, error):
+    from torch import nn
+
+    from pdpfast.functional import clipped_gradients
+    from pdpfast.nn import convert
+
+    model = convert(nn.Linear(3, 2))
+    with pytest.raises(error, match="clip_norms"):
+        clipped_gradients(model, lambda out: out.sum(1), torch.randn(3, 3), clip_norms=clip_norms)
+
+
+def test_boolean_budgets_are_refused_where_users_give_budgets():
+    """True would read as ε = 1: the API, the CLI's files and programs' per-record arrays alike."""
+    flags = np.ones(4, dtype=bool)
+    with pytest.raises(ValueError, match="not booleans"):
+        _checks.check_budgets(flags, 4)
+    with pytest.raises(TypeError, match="budgets"):
+        _checks.check_positive_per_record("budgets", flags, 4)
+    with pytest.raises(TypeError, match="budgets"):
+        _checks.check_positive_per_record("budgets", ["2.0"] * 4, 4)
+    with pytest.raises(TypeError, match="budgets"):
+        _checks.as_budget_vector("budgets", flags)
+
+
+def test_the_ledger_refuses_per_id_rates_that_are_not_numbers():
+    from pdpfast.accounting import IndividualAccountant
+
+    ledger = IndividualAccountant(np.full(4, 0.1), np.full(4, 1.0))
+    before = ledger.epsilons(1e-5)
+    for rates in ([True, True], ["0.5", "0.5"]):
+        with pytest.raises(TypeError, match="sample_rates"):
+            ledger.step(record_ids=[0, 1], sample_rates=rates)
+    with pytest.raises(ValueError, match="sample_rates") as caught:
+        ledger.step(record_ids=[0, 1], sample_rates=[math.nan, 0.5])
+    assert "twice" not in str(caught.value)
+    np.testing.assert_array_equal(ledger.epsilons(1e-5), before)  # nothing was charged

@@ -136,11 +136,11 @@ def _per_id(name: str, values, n_given: int, first: np.ndarray, where: np.ndarra
     """
     if values is None or np.ndim(values) == 0:
         return values
-    v = np.asarray(values, dtype=np.float64).ravel()
+    v = as_float_array(name, values).ravel()  # numbers only: a True rate would read as q = 1
     if v.shape[0] != n_given:
         raise ValueError(f"{name} must be a scalar or one value per entry of record_ids ({n_given}), got "
                          f"{v.shape[0]}")
-    if np.any(v != v[first][where]):
+    if not np.array_equal(v, v[first][where], equal_nan=True):  # (a NaN is refused with the rates)
         raise ValueError(f"record_ids names a record twice with different {name}")
     return v[first]
 

@@ -39,6 +39,7 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .._checks import as_budget_vector
 from .._io import atomic_write
 from ..engine import DPLoss, PrivacyEngine
 
@@ -85,7 +86,7 @@ class _DrawLoader:
 
 
 def _per_record(values, n: int, name: str) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64)
+    arr = as_budget_vector(name, values)  # numbers only (not "2.0" nor True), each finite and > 0
     if arr.ndim != 1 or arr.shape[0] != n:
         raise ValueError(f"{name} must have one value per training record ({n}), got shape {arr.shape}")
     return arr
