@@ -284,8 +284,18 @@ class PrivacyPlan:
         Raises:
             ValueError for another ``format_version``, or a plan calibration cannot have made (``_check``:
             e.g. a NaN σ, a rate above 1, a guaranteed ε above its budget, group sizes that do not
-            count ``group_index``); KeyError for a missing entry.
+            count ``group_index``; ``_reaccount``: stored guarantees its settings do not give);
+            KeyError for a missing entry; TypeError for ``d`` not a dict.
         """
+        plan = cls._read(d)
+        plan._reaccount()
+        return plan
+
+    @classmethod
+    def _read(cls, d: dict) -> PrivacyPlan:
+        """``from_dict`` without re-accounting (a subclass re-accounts with its own fields)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a plan dict (as to_dict returns) was expected, got {type(d).__name__}")
         if d.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"unsupported plan format_version {d.get('format_version')!r}")
         g = d["groups"]
@@ -297,6 +307,35 @@ class PrivacyPlan:
                                group_sample_rates=g["sample_rate"], group_clip_norms=g["clip_norm"],
                                group_epsilons=g["guaranteed_epsilon"], orders=d.get("orders", ()),
                                group_orders=d.get("group_orders"))
+
+    def _reaccount(self) -> None:
+        """Account every group again from the plan's settings (σ, C, rates, clip norms, steps, δ) with
+        its own ledger, and refuse a plan whose stored guarantees are not what they give: a plan read
+        from a file could otherwise report the ε of settings since changed (σ set to 0, a rate to 1).
+
+        Raises:
+            ValueError naming the first group whose re-accounted ε exceeds its budget or differs from
+            its stored guaranteed ε (by more than 10⁻⁶ relative).
+        """
+        self._refuse_changed(self._group_epsilons_again())
+
+    def _group_epsilons_again(self) -> np.ndarray:
+        """(G,) each group's ε accounted from the plan's settings by its own ledger."""
+        from .ledger import ledger_for_plan
+
+        ledger = ledger_for_plan(self)
+        ledger.step(self.steps)
+        spent = ledger.epsilons(self.delta)
+        return np.array([spent[self.group_index == k].max() if self.group_sizes[k] else self.group_epsilons[k]
+                         for k in range(self.budget_values.shape[0])])
+
+    def _refuse_changed(self, again: np.ndarray) -> None:
+        for budget, stored, eps in zip(self.budget_values, self.group_epsilons, again):
+            eps = float(eps)
+            if not eps <= budget or abs(eps - stored) > 1e-6 * stored + 1e-12:
+                raise ValueError(f"plan: the group with budget {budget:g} re-accounts to ε = {eps:.8g} from the "
+                                 f"plan's noise multiplier, rates, clip norms and steps, but the plan states "
+                                 f"{stored:.8g}: it was changed after calibration; calibrate again")
 
     def to_json(self) -> str:
         """The plan as JSON text.

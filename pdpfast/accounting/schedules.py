@@ -544,12 +544,21 @@ class ScheduledPlan(PrivacyPlan):
         Raises:
             as ``PrivacyPlan.from_dict``.
         """
-        base = PrivacyPlan.from_dict(d)
+        base = PrivacyPlan._read(d)
         fields = {k: getattr(base, k) for k in ("method", "accountant", "noise_multiplier", "max_grad_norm", "steps",
                                                  "delta", "budget_values", "group_index", "group_sizes",
                                                  "group_sample_rates", "group_clip_norms", "group_epsilons",
                                                  "orders", "group_orders")}
-        return cls(**fields, noise_factors=d.get("noise_factors"), schedule_name=d.get("schedule", ""))
+        plan = cls(**fields, noise_factors=d.get("noise_factors"), schedule_name=d.get("schedule", ""))
+        plan._reaccount()
+        return plan
+
+    def _group_epsilons_again(self) -> np.ndarray:
+        """(G,) each group's ε accounted again over the whole schedule, as calibration certified it."""
+        if self.noise_factors is None:
+            return super()._group_epsilons_again()
+        scheduled = _Scheduled(self.noise_factors, self.delta, as_orders(self.orders or DEFAULT_ORDERS)[0])
+        return scheduled.eps(self.group_sample_rates, self.group_noise_multipliers, exact=True)[0]
 
 
 def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, method="sample", max_grad_norm=1.0,

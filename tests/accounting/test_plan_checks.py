@@ -71,3 +71,35 @@ def test_a_damaged_noise_schedule_is_refused():
     for bad in (d["noise_factors"][:-1], [0.0] + d["noise_factors"][1:], [float("nan")] * 8):
         with pytest.raises(ValueError, match="noise_factors must be 8 finite values > 0"):
             ScheduledPlan.from_dict(d | {"noise_factors": bad})
+
+
+def _plans():
+    budgets = np.repeat([1.0, 2.0, 4.0], [10, 6, 4])
+    yield "rdp", calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.1, method="hybrid")
+    yield "pld", calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.1, method="scale", accountant="pld")
+    yield "scheduled", calibrate_scheduled(budgets, delta=DELTA, steps=8, sample_rate=0.2,
+                                           noise_schedule=TimeDecay(0.05))
+
+
+@pytest.mark.parametrize("kind,plan", list(_plans()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("change", [_set(("noise_multiplier",), 0.0), _set(("noise_multiplier",), 0.5),
+                                    _set(("steps",), 2000), _set(("groups", ("sample_rate", 0)), 1.0),
+                                    _set(("groups", ("clip_norm", 2)), 50.0)],
+                         ids=["no-noise", "less-noise", "more-steps", "rate-1", "larger-clip"])
+def test_a_plan_whose_settings_changed_after_calibration_is_refused_on_load(kind, plan, change):
+    """Its stored guarantees would otherwise still read ≤ the budgets (``epsilons()``) while training
+    with its settings spends more: every group is accounted again from σ, C, q, c, T and δ on load."""
+    cls = type(plan)
+    assert cls.from_dict(plan.to_dict()).epsilons().tolist() == plan.epsilons().tolist()  # unchanged: loads
+    d = copy.deepcopy(plan.to_dict())
+    change(d)
+    # (a scheduled plan's extra steps are caught first: it holds one noise factor per step)
+    with pytest.raises(ValueError, match="changed after calibration|noise_factors must be 2000 finite values"):
+        cls.from_dict(d)
+
+
+def test_a_plan_that_is_not_a_dict_is_a_type_error():
+    with pytest.raises(TypeError, match="plan dict"):
+        PrivacyPlan.from_dict(None)
+    with pytest.raises(TypeError, match="plan dict"):
+        PrivacyPlan.from_json("[1, 2]")
