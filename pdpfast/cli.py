@@ -185,7 +185,18 @@ def _calibrate(args) -> int:
     outputs = {"--out": check_output_path(args.out, "--out"), "--plot": check_output_path(plot, "--plot")}
     if outputs["--out"] == outputs["--plot"]:
         raise ValueError("--out and --plot name the same file; give each its own path")
-    budgets = read_budgets(args.budgets, column=args.column)
+    if args.sample_rate is not None and args.batch_size is not None:
+        raise ValueError("give one of --sample-rate and --batch-size, not both (each sets q)")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    for option, value in (("--steps", args.steps), ("--epochs", args.epochs)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be a positive integer, got {value}")
+    if args.hybrid_weight is not None and args.method != "hybrid":
+        raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {args.method})")
+    if args.column is not None and Path(args.budgets).suffix.lower() not in (".csv", ".npz"):
+        raise ValueError(f"--column names a column of a .csv or an array of a .npz; {args.budgets!r} is neither")
+    budgets = read_budgets(args.budgets, column=args.column, column_option="--column")
     if 0 < args.delta < 1 and args.delta >= 1.0 / budgets.shape[0]:
         print(f"pdpfast calibrate: warning: --delta {args.delta:g} ≥ 1/N = 1/{budgets.shape[0]}: a mechanism with "
               "such a δ may publish a few records in the clear; use δ well below 1/N", file=sys.stderr)
@@ -207,7 +218,8 @@ def _calibrate(args) -> int:
         warnings.simplefilter("always")
         plan = pdpfast.calibrate(budgets, delta=args.delta, steps=steps, sample_rate=sample_rate,
                                  method=args.method, max_grad_norm=args.max_grad_norm,
-                                 hybrid_weight=args.hybrid_weight, accountant=args.accountant)
+                                 hybrid_weight=0.5 if args.hybrid_weight is None else args.hybrid_weight,
+                                 accountant=args.accountant)
     for w in caught:
         print(f"pdpfast calibrate: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
     if sample_rate == 1.0:
@@ -444,14 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Turn a budgets file into a PrivacyPlan: prints its summary per group, writes "
                                      "the plan as JSON and a histogram of q_i and c_i as PNG.")
     cal.add_argument("budgets", help="budgets file: .npy, .npz, .csv (one column or --column), .txt (one per line)")
-    cal.add_argument("--column", help="CSV column holding the budgets")
+    cal.add_argument("--column", help="CSV column (or .npz array) holding the budgets")
     cal.add_argument("--delta", type=float, default=1e-5)
     cal.add_argument("--steps", type=int)
     cal.add_argument("--epochs", type=int)
     cal.add_argument("--sample-rate", type=float, help="mean Poisson rate q (expected batch / N)")
     cal.add_argument("--batch-size", type=int, help="expected batch size (sets q = B / N)")
     cal.add_argument("--method", default="sample", choices=("sample", "scale", "hybrid"))
-    cal.add_argument("--hybrid-weight", type=float, default=0.5)
+    cal.add_argument("--hybrid-weight", type=float, help="λ of --method hybrid (0 = scale, 1 = sample; default 0.5)")
     cal.add_argument("--max-grad-norm", type=float, default=1.0)
     cal.add_argument("--accountant", default="rdp", choices=("rdp", "pld"))
     cal.add_argument("--out", default="plan.json", help="the plan as JSON (default plan.json)")

@@ -123,13 +123,16 @@ def _number(text: str, what: str) -> float:
         raise ValueError(f"{what}: {text!r} is not a number") from None
 
 
-def read_budgets(path, *, column: str | None = None, n: int | None = None) -> np.ndarray:
+def read_budgets(path, *, column: str | None = None, n: int | None = None,
+                 column_option: str | None = None) -> np.ndarray:
     """Per-record budgets from a file.
 
     Args:
         path: .npy (1-D array), .npz (key ``budgets`` or its only array), .csv (``column``, or the
             only column; a header row is detected) or .txt (one number per line).
-        column: the CSV column. n: the number of records they must match (None: any).
+        column: the CSV column (or .npz array). n: the number of records they must match (None: any).
+        column_option: the command-line option that names ``column``, for the messages (None: there
+            is none, so a file must hold one column or array).
     Returns:
         (N,) float64 ε_i, each finite and > 0.
     """
@@ -144,10 +147,11 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None) -> np
             with np.load(path, allow_pickle=False) as z:
                 key = column or ("budgets" if "budgets" in z.files else (z.files[0] if len(z.files) == 1 else None))
                 if key not in z.files:
-                    raise ValueError(f"budgets file {path!r} has arrays {z.files}; name one with --budget-column")
+                    raise ValueError(f"budgets file {path!r} has arrays {z.files}; " + (
+                        f"name one with {column_option}" if column_option else "give one named 'budgets'"))
                 values = z[key]
         elif ext == ".csv":
-            values = _csv_column(path, column)
+            values = _csv_column(path, column, column_option)
         elif ext in (".txt", ""):
             with open(path, encoding="utf-8") as f:
                 values = [_number(line.strip(), f"{path} line {i + 1}") for i, line in enumerate(f) if line.strip()]
@@ -162,7 +166,7 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None) -> np
     return check_budgets(values, n, f"budgets in {path!r}")
 
 
-def _csv_column(path: str, column: str | None) -> list[float]:
+def _csv_column(path: str, column: str | None, column_option: str | None = None) -> list[float]:
     header, rows = _read_csv(path)
     if header is None:          # no header: one number per row
         if column is not None:
@@ -172,7 +176,8 @@ def _csv_column(path: str, column: str | None) -> list[float]:
         return [_number(r[0], f"{path} row {i + 1}") for i, r in enumerate(rows)]
     if column is None:
         if len(header) != 1:
-            raise ValueError(f"{path} has columns {_columns(header)}; name the budget column (--budget-column)")
+            raise ValueError(f"{path} has columns {_columns(header)}; " + (
+                f"name the budget column ({column_option})" if column_option else "give a file with one column"))
         column = header[0]
     if column not in header:
         raise ValueError(f"{path} has no column {column!r} (columns: {_columns(header)})")

@@ -41,7 +41,9 @@ def test_calibrate_runs_as_a_module_in_a_subprocess(data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing file", "nan", "zero", "letters", "empty", "no steps", "both steps",
-                                  "bad extension", "multi-column csv", "bad delta"])
+                                  "bad extension", "multi-column csv", "bad delta", "rate and batch size",
+                                  "zero batch size", "zero epochs", "hybrid weight of sample", "column of npy",
+                                  "boolean budgets"])
 def test_calibrate_bad_input_fails_in_one_line_and_writes_nothing(cli, tmp_path, case):
     work = tmp_path / "w"
     work.mkdir()
@@ -63,7 +65,19 @@ def test_calibrate_bad_input_fails_in_one_line_and_writes_nothing(cli, tmp_path,
         "bad extension": (work / "b.json", "--steps", 5, "--sample-rate", 0.1),
         "multi-column csv": (work / "two.csv", "--steps", 5, "--sample-rate", 0.1),
         "bad delta": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--delta", 2),
+        # options that would be ignored, and the messages that name the option given
+        "rate and batch size": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.5, "--batch-size", 8),
+        "zero batch size": (work / "ok.npy", "--steps", 5, "--batch-size", 0),
+        "zero epochs": (work / "ok.npy", "--epochs", 0, "--sample-rate", 0.1),
+        "hybrid weight of sample": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--hybrid-weight", 0.2),
+        "column of npy": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--column", "eps"),
+        "boolean budgets": (work / "flags.npy", "--steps", 5, "--sample-rate", 0.1),  # True would read as ε = 1
     }[case]
+    np.save(work / "flags.npy", np.ones(10, dtype=bool))
+    names = {"rate and batch size": "--batch-size", "zero batch size": "--batch-size", "zero epochs": "--epochs",
+             "hybrid weight of sample": "--hybrid-weight", "column of npy": "--column", "boolean budgets": "booleans",
+             "multi-column csv": "(--column)"}
     before = outputs(work)
-    cli.fails("calibrate", *args, "--out", work / "plan.json")
+    message = cli.fails("calibrate", *args, "--out", work / "plan.json")
+    assert names.get(case, "") in message
     assert outputs(work) == before
