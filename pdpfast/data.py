@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 
-from ._checks import as_per_record
+from ._checks import as_per_record, check_int
 from .sampling import poisson_sample
 
 
@@ -131,8 +131,8 @@ class DPDataLoader:
                 raise ValueError(f"{key} cannot be set: batches are drawn by Poisson sampling")
         self.steps_per_epoch = steps_per_epoch
         self.physical_batch_size = physical_batch_size
-        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
-        self.next_step = int(start_step)
+        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else check_int("seed", seed, 0)
+        self.next_step = check_int("start_step", start_step, 0)
         self.on_batch: Callable[[PhysicalBatch], None] | None = None
         self.current: PhysicalBatch | None = None
         self._pending: deque[PhysicalBatch] = deque()

@@ -178,7 +178,7 @@ class PrivacyEngine:
         if secure_mode:
             raise ValueError("secure_mode=True is not supported: pdpfast draws Poisson masks and noise from "
                              "seeded counter-based generators, not from a cryptographically secure one")
-        self.seed = seed
+        self.seed = None if seed is None else check_int("seed", seed, 0)
         self.distributed = None  # a DistributedContext when the model is DDP-wrapped
         self.accountant = create_accountant(_ACCOUNTANTS[accountant])
         self.plan = None

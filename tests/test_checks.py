@@ -179,3 +179,19 @@ def test_the_ledger_refuses_per_id_rates_that_are_not_numbers():
         ledger.step(record_ids=[0, 1], sample_rates=[math.nan, 0.5])
     assert "twice" not in str(caught.value)
     np.testing.assert_array_equal(ledger.epsilons(1e-5), before)  # nothing was charged
+
+
+@pytest.mark.parametrize("seed", ["123", 1.7, True, -1])
+def test_a_seed_that_is_not_a_non_negative_int_is_refused_by_name(seed):
+    """A seed fixes every Poisson draw and the noise: "123" failed deep inside, 1.7 ran as 1."""
+    import pdpfast
+    from pdpfast.data import DPDataLoader
+
+    with pytest.raises(ValueError, match="seed must be an int"):
+        pdpfast.PrivacyEngine(seed=seed)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 2))
+    with pytest.raises(ValueError, match="seed must be an int"):
+        DPDataLoader(data, sample_rates=0.5, seed=seed)
+    with pytest.raises(ValueError, match="start_step must be an int"):
+        DPDataLoader(data, sample_rates=0.5, seed=3, start_step=seed)
+    assert DPDataLoader(data, sample_rates=0.5, seed=np.int64(3), start_step=2).next_step == 2
