@@ -391,6 +391,12 @@ class PrivacyEngine:
                                      "come from your data_loader and the accounting uses q = 1/len(data_loader)")
         if unsupported_modules(module):
             convert(module)  # raises the message that names every such module, and changes nothing
+        seq_first = [f"{name or '<model>'} ({type(m).__name__})" for name, m in module.named_modules()
+                     if getattr(m, "batch_first", None) is False]
+        if seq_first:  # (ClippingState refuses them too, but only once convert has changed the model)
+            raise ValueError("DP layers need batch-first tensors (per-sample = per row of dim 0), but these "
+                             "modules are batch_first=False: " + "; ".join(seq_first) +
+                             ". Construct them with batch_first=True")
         params = {id(p) for p in module.parameters()}
         if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("optimizer holds parameters that are not the module's: build it from "
@@ -704,6 +710,14 @@ class PrivacyEngine:
             raise ValueError("give exactly one of epochs= and steps=")
         if epochs is not None:
             steps = check_int("epochs", epochs, 1) * steps_per_epoch
+        if adaptive_clipping is not None:  # refused before the model is made private, not after
+            from .adaptive import QuantileClipping
+
+            if not isinstance(adaptive_clipping, QuantileClipping):
+                raise TypeError(f"adaptive_clipping must be a QuantileClipping, got {type(adaptive_clipping).__name__}")
+            if inner_module(module) is not module:  # DDP-wrapped
+                raise ValueError("adaptive_clipping is not supported with DistributedDataParallel (the counts of "
+                                 "unclipped records would need an all-reduce)")
         if noise_schedule is None:
             self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
                                   max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
@@ -729,9 +743,6 @@ class PrivacyEngine:
         if noise_schedule is not None or adaptive_clipping is not None:
             from .adaptive import AdaptiveTraining
 
-            if adaptive_clipping is not None and self.distributed is not None:
-                raise ValueError("adaptive_clipping is not supported with DistributedDataParallel (the counts of "
-                                 "unclipped records would need an all-reduce)")
             self.adaptive = AdaptiveTraining(self, self.plan, clipping=adaptive_clipping,
                                              factors=getattr(self.plan, "noise_factors", None),
                                              seed=None if self.seed is None else self.seed + 2).attach()

@@ -292,3 +292,24 @@ def test_iterating_the_private_loader_leaves_torch_global_rng_alone():
     for _ in loader:
         pass
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_arguments_refused_late_used_to_leave_the_model_converted():
+    """A refusal leaves the model and the engine as they were, so the user can fix the call and retry."""
+    from torch import nn as tnn
+
+    import pdpfast
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3, 4)), batch_size=4)
+    seq_first = tnn.Sequential(tnn.LSTM(4, 5))
+    engine = pdpfast.PrivacyEngine()
+    with pytest.raises(ValueError, match=r"batch_first=False: 0 \(LSTM\)"):
+        engine.make_private(module=seq_first, optimizer=torch.optim.SGD(seq_first.parameters(), lr=0.1),
+                            data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0)
+    assert type(seq_first[0]) is tnn.LSTM and engine.state is None
+    model = tnn.Sequential(tnn.Flatten(), tnn.Linear(12, 2))
+    with pytest.raises(TypeError, match="adaptive_clipping must be a QuantileClipping"):
+        engine.make_private_with_budgets(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=data, budgets=np.full(8, 2.0), delta=1e-5, epochs=1,
+                                         adaptive_clipping="quantile")
+    assert type(model[1]) is tnn.Linear and engine.state is None
