@@ -150,6 +150,25 @@ SMALL_CALL_BYTES = 1 << 20
 PACK_BYTES = 1 << 20
 
 
+def refuse_sequence_first(model: nn.Module) -> None:
+    """Refuse modules laid out (T, B, ...): per-sample means per row of dim 0, and such a module
+    would make DP layers clip per position (undetectable when T == B).
+
+    Args:
+        model: the model, converted or not.
+    Returns:
+        None.
+    Raises:
+        ValueError naming every module with ``batch_first=False``.
+    """
+    seq_first = [f"{name or '<model>'} ({type(m).__name__})" for name, m in model.named_modules()
+                 if getattr(m, "batch_first", None) is False]
+    if seq_first:
+        raise ValueError("DP layers need batch-first tensors (per-sample = per row of dim 0), but these "
+                         "modules are batch_first=False: " + "; ".join(seq_first) +
+                         ". Construct them with batch_first=True")
+
+
 class Phase(enum.Enum):
     """The phase of a ``ClippingState``'s batch lifecycle (see the module docstring)."""
 
@@ -212,7 +231,7 @@ class ClippingState:
             check_positive("automatic_gamma", automatic_gamma)
         self.model, self.mode, self.clipping, self.automatic_gamma = model, mode, clipping, automatic_gamma
         self._names = {m: name or "<model>" for name, m in model.named_modules()}
-        self._check_batch_first(model)
+        refuse_sequence_first(model)
         self.layers = [m for m in model.modules() if isinstance(m, DPModule)]
         loose = [f"{self._names[m]} ({type(m).__name__})" for m in model.modules()
                  if not isinstance(m, DPModule) and _trainable(m)]
@@ -244,16 +263,6 @@ class ClippingState:
         self._enter(Phase.IDLE)
 
     # ------------------------------------------------------------------ structure
-
-    def _check_batch_first(self, model: nn.Module) -> None:
-        # per-sample means per row of dim 0; a module that lays out (T, B, ...) would make DP layers
-        # clip per position (undetectable when T == B), so such modules are refused up front
-        seq_first = [f"{self._names[m]} ({type(m).__name__})" for m in model.modules()
-                     if getattr(m, "batch_first", None) is False]
-        if seq_first:
-            raise ValueError("DP layers need batch-first tensors (per-sample = per row of dim 0), but these "
-                             "modules are batch_first=False: " + "; ".join(seq_first) +
-                             ". Construct them with batch_first=True")
 
     def _build_groups(self) -> None:
         """Clipping groups: one per DP layer, merged where layers share a parameter (tied weights).

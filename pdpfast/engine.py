@@ -23,7 +23,7 @@ from ._checks import (
 )
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
-from .clipping import ClippingState, Phase
+from .clipping import ClippingState, Phase, refuse_sequence_first
 from .data import DPDataLoader, PhysicalBatch
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
@@ -391,12 +391,7 @@ class PrivacyEngine:
                                      "come from your data_loader and the accounting uses q = 1/len(data_loader)")
         if unsupported_modules(module):
             convert(module)  # raises the message that names every such module, and changes nothing
-        seq_first = [f"{name or '<model>'} ({type(m).__name__})" for name, m in module.named_modules()
-                     if getattr(m, "batch_first", None) is False]
-        if seq_first:  # (ClippingState refuses them too, but only once convert has changed the model)
-            raise ValueError("DP layers need batch-first tensors (per-sample = per row of dim 0), but these "
-                             "modules are batch_first=False: " + "; ".join(seq_first) +
-                             ". Construct them with batch_first=True")
+        refuse_sequence_first(module)  # before convert changes the model (ClippingState checks it too)
         params = {id(p) for p in module.parameters()}
         if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
             raise ValueError("optimizer holds parameters that are not the module's: build it from "
