@@ -314,8 +314,9 @@ class PrivacyPlan:
         from a file could otherwise report the ε of settings since changed (σ set to 0, a rate to 1).
 
         Raises:
-            ValueError naming the first group whose re-accounted ε exceeds its budget or differs from
-            its stored guaranteed ε (by more than 10⁻⁶ relative).
+            ValueError naming the first group whose re-accounted ε exceeds its budget or its stored
+            guaranteed ε (by more than 10⁻⁶ relative). Cost: one ledger evaluation, ~3 s for 10⁵
+            distinct RDP budgets on 2 cores, milliseconds for a few.
         """
         self._refuse_changed(self._group_epsilons_again())
 
@@ -332,7 +333,9 @@ class PrivacyPlan:
     def _refuse_changed(self, again: np.ndarray) -> None:
         for budget, stored, eps in zip(self.budget_values, self.group_epsilons, again):
             eps = float(eps)
-            if not eps <= budget or abs(eps - stored) > 1e-6 * stored + 1e-12:
+            # more than stated: below is harmless (the ledger may certify a group at a better order
+            # than calibration's, by up to ~3e-5 relative at 10^5 distinct budgets)
+            if not (eps <= budget and eps <= stored * (1 + 1e-6) + 1e-12):
                 raise ValueError(f"plan: the group with budget {budget:g} re-accounts to ε = {eps:.8g} from the "
                                  f"plan's noise multiplier, rates, clip norms and steps, but the plan states "
                                  f"{stored:.8g}: it was changed after calibration; calibrate again")
