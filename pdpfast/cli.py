@@ -178,6 +178,7 @@ def _calibrate(args) -> int:
     import pdpfast
 
     from . import plots
+    from ._checks import check_positive_integer
     from ._io import check_output_path
     from .datasets import read_budgets
 
@@ -187,11 +188,9 @@ def _calibrate(args) -> int:
         raise ValueError("--out and --plot name the same file; give each its own path")
     if args.sample_rate is not None and args.batch_size is not None:
         raise ValueError("give one of --sample-rate and --batch-size, not both (each sets q)")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    for option, value in (("--steps", args.steps), ("--epochs", args.epochs)):
-        if value is not None and value < 1:
-            raise ValueError(f"{option} must be a positive integer, got {value}")
+    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--epochs", args.epochs)):
+        if value is not None:
+            check_positive_integer(option, value)
     if args.hybrid_weight is not None and args.method != "hybrid":
         raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {args.method})")
     if args.column is not None and Path(args.budgets).suffix.lower() not in (".csv", ".npz"):

@@ -572,13 +572,12 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         _say(cfg, "test: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["test"].items()))
     summary["groups"] = group_report(budgets, summary.pop("spent"))
     _say(cfg, format_groups(summary["groups"], f"ε spent per budget group ({summary['ledger']})"))
+    saved = f"; checkpoint {checkpoint_path}" if checkpoint_path else ""
     if summary["finished"] and not summary["records_per_second"]:  # resumed from a finished run's checkpoint
-        _say(cfg, f"done: the run had finished ({summary['steps']} steps); nothing left to train"
-             + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
+        _say(cfg, f"done: the run had finished ({summary['steps']} steps); nothing left to train{saved}")
     elif summary["finished"]:
         _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s "
-                  f"({summary['records_per_second']:.0f} records/s on {device})"
-             + (f"; checkpoint {checkpoint_path}" if checkpoint_path else ""))
+                  f"({summary['records_per_second']:.0f} records/s on {device}){saved}")
     else:
         _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
                   f"--resume {checkpoint_path}")
