@@ -112,3 +112,19 @@ def test_a_plan_of_many_distinct_budgets_loads_although_its_ledger_certifies_a_l
     plan = calibrate(budgets, delta=DELTA, steps=1000, sample_rate=0.01, method="hybrid")
     assert (plan._group_epsilons_again() < plan.group_epsilons).any()
     assert PrivacyPlan.from_json(plan.to_json()).epsilons().tolist() == plan.epsilons().tolist()
+
+
+def test_each_group_is_re_accounted_at_its_worst_record_and_an_empty_group_keeps_its_stored_guarantee(plan_dict):
+    from pdpfast.accounting.ledger import ledger_for_plan
+
+    d = copy.deepcopy(plan_dict)
+    for key, value in (("epsilon", 8.0), ("size", 0), ("sample_rate", 0.5), ("clip_norm", 1.0),
+                       ("guaranteed_epsilon", 7.5)):
+        d["groups"][key].append(value)  # a group no record is in
+    d["group_orders"].append(d["group_orders"][0])
+    plan = PrivacyPlan.from_dict(d)
+    ledger = ledger_for_plan(plan)
+    ledger.step(plan.steps)
+    spent = ledger.epsilons(DELTA)
+    by_hand = [spent[plan.group_index == k].max() for k in range(3)] + [7.5]
+    np.testing.assert_array_equal(plan._group_epsilons_again(), by_hand)
