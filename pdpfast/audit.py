@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ._checks import check_in_range, check_int
+
 AUDITED_METHODS = ("sample", "scale", "hybrid", "dpsgd", "non-private")
 BROKEN = (None, "no-clipping", "no-noise")
 # numbers of guesses tried, as fractions of a group's canaries; the confidence is split over them
@@ -316,10 +318,9 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
 
     from .demo import load_digits_split
 
-    if not (isinstance(canaries_count, int) and canaries_count >= 2 * len(group_epsilons)):
+    if check_int("canaries_count", canaries_count, 0) < 2 * len(group_epsilons):
         raise ValueError(f"canaries_count must be an int ≥ 2 per group, got {canaries_count!r}")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    confidence = check_in_range("confidence", confidence, low=0.0, high=1.0, high_open=True)
     x_tr, y_tr, _, _ = load_digits_split(seed)
     rng = np.random.default_rng(seed)
     budgets = rng.choice(np.asarray(group_epsilons, dtype=np.float64), size=len(x_tr))

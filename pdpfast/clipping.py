@@ -220,6 +220,8 @@ class ClippingState:
     def __init__(self, model: nn.Module, *, mode: str = "bk", clipping: str = "flat",
                  layer_shares: Mapping[str, float] | Sequence[float] | None = None,
                  automatic_gamma: float | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_choice("mode", mode, MODES)
         check_choice("clipping", clipping, CLIPPINGS)
         if clipping == "per_layer" and mode == "ghost":

@@ -108,9 +108,10 @@ class DPDataLoader:
                  collate_fn: Callable | None = None, start_step: int = 0, rank: int = 0, world_size: int = 1,
                  **loader_kwargs):
         n = len(dataset)
-        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-            raise ValueError(f"rank must be in [0, world_size) and world_size ≥ 1, got rank={rank!r}, "
-                             f"world_size={world_size!r}")
+        world_size = check_int("world_size", world_size, 1)
+        if check_int("rank", rank, 0) >= world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
+        rank = int(rank)
         self.rank, self.world_size = rank, world_size
         if n == 0:
             raise ValueError("dataset is empty")
@@ -122,10 +123,9 @@ class DPDataLoader:
             raise ValueError("sample_rates are all 0: no record would ever be drawn")
         if steps_per_epoch is None:
             steps_per_epoch = max(1, round(n / self.expected_batch_size))
-        if not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
-            raise ValueError(f"steps_per_epoch must be a positive int, got {steps_per_epoch!r}")
-        if physical_batch_size is not None and (not isinstance(physical_batch_size, int) or physical_batch_size <= 0):
-            raise ValueError(f"physical_batch_size must be a positive int or None, got {physical_batch_size!r}")
+        steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
+        if physical_batch_size is not None:
+            physical_batch_size = check_int("physical_batch_size", physical_batch_size, 1)
         for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if key in loader_kwargs:
                 raise ValueError(f"{key} cannot be set: batches are drawn by Poisson sampling")

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ._checks import check_flag, check_int
+
 GROUP_FRACTIONS = (0.34, 0.43, 0.23)
 GROUP_EPSILONS = (1.0, 2.0, 3.0)
 DELTA = 1e-5
@@ -267,8 +269,7 @@ def demo_task(epochs, seeds):
     Raises:
         ValueError for a bad ``epochs`` or no seeds.
     """
-    if not (isinstance(epochs, int) and epochs > 0):
-        raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+    epochs = check_int("epochs", epochs, 1)
     if not seeds:
         raise ValueError("seeds must not be empty")
     data = load_digits_split()
@@ -299,6 +300,7 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    check_flag("progress", progress)
     data, budgets = demo_task(epochs, seeds)
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ._checks import check_flag
 from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, demo_task, make_model
 from .loop import Task, private_steps
 
@@ -122,6 +123,7 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
         unknown = [m for m in given if m not in known]
         if unknown:
             raise ValueError(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    check_flag("progress", progress)
     data, budgets = demo_task(epochs, seeds)
     runs = []
     with _threads(threads):

@@ -66,6 +66,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._checks import check_int
 from .clipping import ClippingState
 from .ops.dispatch import use_triton
 from .ops.noise import release_pinned, seed_and_step_tensor, step_seed_tensor
@@ -179,8 +180,7 @@ class PrivateStep:
         if state.pending:
             raise RuntimeError("make the step between draws: a draw is in progress (its earlier physical batches ran "
                                "without the step); finish it with optimizer.step() first")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be an int ≥ 1 (eager steps before the capture), got {warmup!r}")
+        warmup = check_int("warmup (eager steps before the capture)", warmup, 1)
         params = optimizer.trainable_params()
         if not params:
             raise ValueError("the optimizer has no trainable parameters")

@@ -301,7 +301,7 @@ def poisson_sample(sample_rates, seed: int, step: int, num_threads: int | None =
     sample_rates = _as_rate_tensor(sample_rates)
     seed, step = _check_counter("seed", seed), _check_counter("step", step)
     if num_threads is not None:
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+        if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)):
             raise TypeError(f"num_threads must be a positive int or None, got {type(num_threads).__name__}")
         if num_threads < 1:
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads}")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
+from ._checks import check_flag
 from .nn.convert import replace_batchnorm, unsupported_modules
 
 __all__ = ["ModuleValidator", "UnsupportedModuleError"]
@@ -37,11 +38,12 @@ class ModuleValidator:
             a list with one ``UnsupportedModuleError`` per problem ("name (Type: why)"); empty when the
             model can be trained privately.
         Raises:
-            TypeError when ``module`` is not an ``nn.Module``; UnsupportedModuleError listing every problem
-            when ``strict=True`` and there is one.
+            TypeError when ``module`` is not an ``nn.Module`` or ``strict`` not a bool;
+            UnsupportedModuleError listing every problem when ``strict=True`` and there is one.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        check_flag("strict", strict)
         problems = list(unsupported_modules(module))
         problems += [f"{name or '<model>'} ({type(m).__name__}: batch_first=False; DP layers need batch-first "
                      "tensors, construct it with batch_first=True)"

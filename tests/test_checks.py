@@ -195,3 +195,59 @@ def test_a_seed_that_is_not_a_non_negative_int_is_refused_by_name(seed):
     with pytest.raises(ValueError, match="start_step must be an int"):
         DPDataLoader(data, sample_rates=0.5, seed=3, start_step=seed)
     assert DPDataLoader(data, sample_rates=0.5, seed=np.int64(3), start_step=2).next_step == 2
+
+
+@pytest.mark.parametrize("name", ["steps_per_epoch", "physical_batch_size", "world_size", "rank"])
+@pytest.mark.parametrize("value", [True, 2.0, "2", -1])
+def test_the_loaders_counts_are_ints_and_bools_floats_or_text_are_refused_by_name(name, value):
+    from pdpfast.data import DPDataLoader
+
+    data = torch.utils.data.TensorDataset(torch.randn(10, 2))
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        DPDataLoader(data, sample_rates=0.5, **{name: value})
+
+
+def test_the_loaders_counts_may_be_numpy_ints_and_come_back_as_python_ints():
+    from pdpfast.data import DPDataLoader
+
+    data = torch.utils.data.TensorDataset(torch.randn(10, 2))
+    loader = DPDataLoader(data, sample_rates=0.5, steps_per_epoch=np.int64(4), physical_batch_size=np.int32(8),
+                          rank=np.int64(1), world_size=np.int64(2))
+    assert (loader.steps_per_epoch, loader.physical_batch_size, loader.rank, loader.world_size) == (4, 8, 1, 2)
+    assert all(type(v) is int for v in (loader.steps_per_epoch, loader.physical_batch_size, loader.rank))
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size\)"):
+        DPDataLoader(data, sample_rates=0.5, rank=2, world_size=2)
+
+
+def test_counts_elsewhere_accept_numpy_ints_and_refuse_bools():
+    from pdpfast.accounting import calibrate
+
+    budgets = np.array([1.0, 2.0, 2.0])
+    plan = calibrate(budgets, delta=1e-5, steps=10, sample_rate=0.5, accountant="pld", pld_classes=np.int64(2))
+    assert plan.budget_values.tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="pld_classes must be an int"):
+        calibrate(budgets, delta=1e-5, steps=10, sample_rate=0.5, accountant="pld", pld_classes=True)
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error_where_models_are_taken():
+    from pdpfast.clipping import ClippingState
+    from pdpfast.nn import replace_batchnorm
+
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        ClippingState("model")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got int"):
+        replace_batchnorm(5)
+    with pytest.raises(ValueError, match="max_groups must be an int ≥ 1"):
+        replace_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)), max_groups=0)
+
+
+@pytest.mark.parametrize("value", ["yes", "no", 1, None])
+def test_switches_given_as_text_or_numbers_are_refused(value):
+    """``strict="no"`` would have been truthy and raised; ``progress="no"`` would have drawn bars."""
+    from pdpfast.demo import run_demo
+    from pdpfast.validators import ModuleValidator
+
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        ModuleValidator.validate(torch.nn.Linear(2, 2), strict=value)
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        run_demo(epochs=1, seeds=(0,), methods=("sample",), progress=value)

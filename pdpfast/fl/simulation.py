@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_positive_per_record
+from .._checks import check_flag, check_positive_per_record
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
 from .config import FLConfig, sampled_clients
@@ -288,6 +288,7 @@ def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test
     M, T = len(silos), config.rounds
     if M == 0:
         raise ValueError("clients must be ≥ 1")
+    check_flag("progress", progress)
     weights = initial_weights(model_fn, config.seed)
     loss, acc = np.zeros(T + 1), np.zeros(T + 1)
     loss[0], acc[0] = evaluate(model_fn, weights, test_features, test_labels)

@@ -10,6 +10,7 @@ import functools
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._checks import check_int
 from . import rules
 from .layers import DPModule
 
@@ -134,9 +135,14 @@ def replace_batchnorm(model: nn.Module, max_groups: int = 32) -> nn.Module:
     Returns:
         ``model`` itself. Each GroupNorm keeps the BatchNorm's ``eps`` and ``affine`` and its device
         (its parameters are in the default dtype).
+    Raises:
+        TypeError when ``model`` is not an ``nn.Module``; ValueError when ``max_groups`` is not an int ≥ 1.
     """
     import math
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    max_groups = check_int("max_groups", max_groups, 1)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, _BatchNorm):

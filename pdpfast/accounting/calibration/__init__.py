@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..._checks import as_budget_vector, check_delta, check_positive, check_positive_integer, check_rate
+from ..._checks import as_budget_vector, check_delta, check_int, check_positive, check_positive_integer, check_rate
 from ..plan import GroupSummary, PrivacyPlan
 from ..pld import MAX_PAIRS
 from ..sgm import DEFAULT_ORDERS, as_orders
@@ -73,8 +73,7 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
-    if not (isinstance(pld_classes, int) and pld_classes >= 1):
-        raise ValueError(f"pld_classes must be a positive int, got {pld_classes!r}")
+    pld_classes = check_int("pld_classes", pld_classes, 1)
     problem = Problem(arr, delta, steps, q, c, lam, orders_arr)
     if accountant == "pld":
         if problem.values.shape[0] > pld_classes:
