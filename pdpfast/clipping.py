@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._checks import as_per_sample, check_choice, check_nonnegative, check_positive
+from ._checks import as_per_sample, check_choice, check_nonnegative, check_number, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
@@ -320,13 +320,19 @@ class ClippingState:
                 if module is None or module not in self._group_of:
                     raise ValueError(f"layer_shares names {name!r}, which is not a DP layer with trainable parameters; "
                                      f"clipping groups: {self.group_names}")
-                by_name[self._group_of[module]] = float(share)
+                by_name[self._group_of[module]] = check_number(f"layer_shares[{name!r}]", share)
             missing = [self.group_names[k] for k in range(K) if k not in by_name]
             if missing:
                 raise ValueError(f"layer_shares gives no share for the clipping groups {missing}")
             shares = torch.tensor([by_name[k] for k in range(K)], dtype=torch.float64)
         else:
-            shares = torch.as_tensor(list(layer_shares), dtype=torch.float64)
+            if isinstance(layer_shares, torch.Tensor):
+                if layer_shares.is_complex() or layer_shares.dtype == torch.bool:
+                    raise TypeError(f"layer_shares must be real numbers, got a {layer_shares.dtype} tensor")
+                shares = layer_shares.detach().to("cpu", torch.float64).reshape(-1)
+            else:  # not text float() would read, nor bools
+                shares = torch.tensor([check_number(f"layer_shares[{k}]", s) for k, s in enumerate(layer_shares)],
+                                      dtype=torch.float64)
             if shares.shape != (K,):
                 raise ValueError(f"layer_shares must have one value per clipping group ({K}: {self.group_names}), "
                                  f"got {tuple(shares.shape)}")

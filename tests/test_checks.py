@@ -251,3 +251,39 @@ def test_switches_given_as_text_or_numbers_are_refused(value):
         ModuleValidator.validate(torch.nn.Linear(2, 2), strict=value)
     with pytest.raises(TypeError, match="progress must be True or False"):
         run_demo(epochs=1, seeds=(0,), methods=("sample",), progress=value)
+
+
+@pytest.mark.parametrize("value", ["0.5", True])
+def test_numbers_given_as_text_or_bools_are_refused_in_calibration_and_schedules(value):
+    """float() read these: "0.5" calibrated a hybrid plan, and a schedule spec's period 50.9 ran as 50."""
+    from pdpfast.accounting import calibrate, get_privacy_spent
+    from pdpfast.accounting.schedules import ExponentialDecay, as_schedule
+
+    with pytest.raises(TypeError, match="hybrid_weight must be a number"):
+        calibrate(np.array([1.0, 2.0]), delta=1e-5, steps=10, sample_rate=0.5, method="hybrid", hybrid_weight=value)
+    with pytest.raises(TypeError, match="delta must be a number"):
+        get_privacy_spent([2.0, 4.0], [0.5, 1.0], value)
+    with pytest.raises(TypeError, match="k must be a number"):
+        ExponentialDecay(value)
+    with pytest.raises(ValueError, match="period must be a positive integer, got 50.9"):
+        as_schedule("step:0.7,50.9")
+    with pytest.raises(ValueError, match="noise_schedule 'exponential:x'"):
+        as_schedule("exponential:x")
+    assert as_schedule("step:0.7,50").period == 50
+
+
+@pytest.mark.parametrize("shares,message", [(["0.7", "0.7"], r"layer_shares\[0\] must be a number"),
+                                            ([True, 0.7], r"layer_shares\[0\] must be a number"),
+                                            ({"0": 0.7, "1": "0.7"}, r"layer_shares\['1'\] must be a number"),
+                                            (torch.ones(2, dtype=torch.bool), "layer_shares must be real numbers")])
+def test_layer_shares_that_are_not_numbers_are_refused_by_name(shares, message):
+    from pdpfast.clipping import ClippingState
+    from pdpfast.nn import convert
+
+    model = convert(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=message):
+        ClippingState(model, clipping="per_layer", layer_shares=shares)
+    half = math.sqrt(0.5)
+    for given in ([half, half], np.array([half, half]), torch.tensor([half, half])):
+        shares = ClippingState(model, clipping="per_layer", layer_shares=given).shares
+        assert shares.tolist() == pytest.approx([half, half])

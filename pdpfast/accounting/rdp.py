@@ -86,7 +86,10 @@ def get_privacy_spent(orders, rdp, delta):
     if rdp.shape[-1] != orders_arr.shape[0]:
         raise ValueError(f"orders ({orders_arr.shape[0]}) and rdp (last dim {rdp.shape[-1]}) must have "
                          "the same length")
-    d = np.asarray(delta, dtype=np.float64)
+    d = np.asarray(delta)
+    if d.dtype.kind not in "iuf":  # not text numpy would read as a number, nor bools
+        raise TypeError(f"delta must be a number in (0, 1) (or an array of them), got {delta!r}")
+    d = d.astype(np.float64)
     if np.any(~((d > 0) & (d < 1))):
         raise ValueError(f"delta must lie in (0, 1), got {delta}")
     eps, idx = eps_from_rdp(orders_arr, rdp, d)

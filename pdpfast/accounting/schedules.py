@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
-from .._checks import check_delta, check_epsilons, check_positive_integer, check_rate
+from .._checks import check_delta, check_epsilons, check_number, check_positive_integer, check_rate
 from . import _grid
 from .calibration.problem import renormalize_capped
 from .plan import PrivacyPlan
@@ -48,12 +48,7 @@ _WINDOW = 8             # orders either side of the last optimum in the solvers'
 
 
 def _check_number(name: str, value, *, low=None, low_inclusive=True, high=None) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    v = check_number(name, value)  # not a bool, nor a string float() would read
     if not math.isfinite(v) or (low is not None and (v < low or (v == low and not low_inclusive))) or (
             high is not None and v > high):
         bound = "" if low is None else (f" {'≥' if low_inclusive else '>'} {low:g}")
@@ -238,12 +233,10 @@ def as_schedule(schedule) -> NoiseSchedule:
         name, _, args = schedule.partition(":")
         if name not in _BY_NAME:
             raise ValueError(f"noise_schedule: unknown schedule {name!r}; choose from {sorted(_BY_NAME)}")
-        values = [float(a) for a in args.split(",") if a.strip()]
-        if name in ("step", "polynomial") and len(values) > 1:
-            values[0 if name == "polynomial" else 1] = int(values[0 if name == "polynomial" else 1])
-        try:
+        try:  # the spec's numbers as floats: a period checks as a positive integer (50.0, not 50.9)
+            values = [float(a) for a in args.split(",") if a.strip()]
             return _BY_NAME[name](*values)
-        except TypeError as err:
+        except (TypeError, ValueError) as err:
             raise ValueError(f"noise_schedule {schedule!r}: {err}") from None
     if callable(schedule):
         return FunctionSchedule(schedule)

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 import warnings
 
-from ..._checks import as_budget_vector, check_delta, check_int, check_positive, check_positive_integer, check_rate
+from ..._checks import (
+    as_budget_vector,
+    check_delta,
+    check_in_range,
+    check_int,
+    check_positive,
+    check_positive_integer,
+    check_rate,
+)
 from ..plan import GroupSummary, PrivacyPlan
 from ..pld import MAX_PAIRS
 from ..sgm import DEFAULT_ORDERS, as_orders
@@ -61,12 +69,7 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
     c = check_positive("max_grad_norm", max_grad_norm)
-    try:
-        lam = float(hybrid_weight)
-    except (TypeError, ValueError):
-        raise TypeError(f"hybrid_weight must be a number in [0, 1], got {hybrid_weight!r}") from None
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"hybrid_weight must lie in [0, 1], got {hybrid_weight!r}")
+    lam = check_in_range("hybrid_weight", hybrid_weight, low=0.0, high=1.0, low_open=False)
     names = sorted({m for m, _ in METHODS})
     if method not in names:
         raise ValueError(f"method must be one of {names}, got {method!r}")
