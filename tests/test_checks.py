@@ -287,3 +287,11 @@ def test_layer_shares_that_are_not_numbers_are_refused_by_name(shares, message):
     for given in ([half, half], np.array([half, half]), torch.tensor([half, half])):
         shares = ClippingState(model, clipping="per_layer", layer_shares=given).shares
         assert shares.tolist() == pytest.approx([half, half])
+
+
+@pytest.mark.parametrize("rates,multipliers", [(np.full(3, 0.1), np.ones(5)), (np.full((3, 2), 0.1), 1.0)])
+def test_a_ledger_of_mismatched_rates_and_multipliers_names_both_shapes(rates, multipliers):
+    from pdpfast.accounting import IndividualAccountant
+
+    with pytest.raises(ValueError, match=r"sample_rates and noise_multipliers must be .* got shapes"):
+        IndividualAccountant(rates, multipliers)

@@ -67,9 +67,13 @@ def _check_rates(q, z):
 
 
 def _per_record(sample_rates, noise_multipliers):
-    """(N,) q and (N,) z, broadcast against each other and validated."""
+    """(N,) q and (N,) z, broadcast against each other (a number or one value stands for every record)
+    and validated."""
     q = np.atleast_1d(as_float_array("sample_rates", sample_rates))
     z = np.atleast_1d(as_float_array("noise_multipliers", noise_multipliers))
+    if q.ndim != 1 or z.ndim != 1 or (q.shape[0] != z.shape[0] and 1 not in (q.shape[0], z.shape[0])):
+        raise ValueError(f"sample_rates and noise_multipliers must be numbers or 1-D with one value per record "
+                         f"(the same length), got shapes {q.shape} and {z.shape}")
     n = max(q.shape[0], z.shape[0])
     q, z = np.broadcast_to(q, (n,)).copy(), np.broadcast_to(z, (n,)).copy()
     _check_rates(q, z)
