@@ -27,10 +27,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message}\n")
 
 
-def _fail(command: str, exc: BaseException) -> int:
+def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | None = None, args=None) -> int:
     text = " ".join(str(exc).split()) or type(exc).__name__
+    if parser is not None:
+        text = as_option_words(parser, args, text)
     print(f"pdpfast {command}: error: {text}", file=sys.stderr)
     return EXIT_ERROR
+
+
+def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
+    """An error message that opens with a Python argument name (``rounds must be an int ≥ 1``, raised
+    by the API a command calls) as the user typed it: ``--rounds must be …``.
+
+    Args:
+        parser: the top-level parser; args: what it parsed (which subcommands ran); text: the message.
+    Returns:
+        ``text`` with its first word replaced by the option of the command that ran whose destination
+        it names; unchanged when it names none.
+    """
+    while True:  # down to the subcommand that ran
+        chosen = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not chosen or getattr(args, chosen[0].dest, None) not in chosen[0].choices:
+            break
+        parser = chosen[0].choices[getattr(args, chosen[0].dest)]
+    name, sep, rest = text.partition(" ")
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if action.dest == name and longs and sep:
+            return f"{longs[0]} {rest}"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- demo
@@ -105,15 +130,18 @@ def _demo_adaptive(args, methods) -> int:
 # ---------------------------------------------------------------------------------------------- audit
 def _audit(args) -> int:
     from .audit import AUDITED_METHODS, format_table, plot, run_audit
+    from .demo import GROUP_EPSILONS
     from .plots import Staging
 
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in AUDITED_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(AUDITED_METHODS)}")
-    for name in ("canaries", "epochs"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} must be a positive integer")
+    if args.epochs <= 0:
+        raise ValueError("--epochs must be a positive integer")
+    if args.canaries < 2 * len(GROUP_EPSILONS):
+        raise ValueError(f"--canaries must be at least {2 * len(GROUP_EPSILONS)} (2 per privacy group), "
+                         f"got {args.canaries}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out!r} is a file; give a directory for audit.json and audit.png")
@@ -536,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
         if os.environ.get("PDPFAST_DEBUG"):
             raise
-        return _fail(args.command, exc)
+        return _fail(args.command, exc, parser, args)
 
 
 if __name__ == "__main__":

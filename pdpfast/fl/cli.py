@@ -252,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"pdpfast fl {args.fl_command}: error: {exc}", file=sys.stderr)
+        from ..cli import as_option_words
+
+        print(f"pdpfast fl {args.fl_command}: error: {as_option_words(parser, args, str(exc))}", file=sys.stderr)
         return 2
 
 

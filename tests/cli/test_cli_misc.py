@@ -36,3 +36,24 @@ def test_fl_subcommand_says_why_when_the_federated_front_end_is_missing(cli, mon
     message = cli.fails("fl", "simulate", "--rounds", 3)
     assert "could not be loaded" in message and "flwr" in message
 
+
+
+@pytest.mark.parametrize("args,option", [(("simulate", "--rounds", 0), "--rounds"),
+                                         (("simulate", "--client-rate", 2), "--client-rate"),
+                                         (("simulate", "--clients", 0), "--clients")])
+def test_an_error_the_api_raises_names_the_option_the_user_typed(cli, args, option):
+    """``fl simulate --rounds 0`` failed with "rounds must be …", the API's name, not the option's."""
+    pytest.importorskip("pdpfast.fl.cli")
+    message = cli.fails("fl", *args)
+    assert f"error: {option} must" in message, message
+
+
+def test_the_standalone_fl_command_names_options_too(capsys):
+    fl_cli = pytest.importorskip("pdpfast.fl.cli")
+    assert fl_cli.main(["simulate", "--rounds", "0"]) == 2
+    assert "error: --rounds must be an int ≥ 1" in capsys.readouterr().err
+
+
+def test_an_audit_with_fewer_than_two_canaries_per_group_is_refused_before_it_starts(cli):
+    message = cli.fails("audit", "--canaries", 5, "--quiet")
+    assert "--canaries must be at least 6 (2 per privacy group), got 5" in message

@@ -86,4 +86,4 @@ def test_unreachable_budget_is_reported():
 
 def test_cli_reports_errors_with_exit_code_2(capsys):
     assert main(["simulate", "--client-rate", "0", "--rounds", "1", "--quiet", "--no-plot"]) == 2
-    assert "client_rate must lie in (0, 1]" in capsys.readouterr().err
+    assert "--client-rate must lie in (0, 1]" in capsys.readouterr().err
