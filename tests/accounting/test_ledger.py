@@ -179,3 +179,70 @@ def test_a_ledger_of_values_that_are_not_numbers_is_a_type_error(kwargs):
         IndividualAccountant(**args)
     with pytest.raises(TypeError, match="sample_rates must be numbers"):
         IndividualAccountant([0.1, 0.1], 1.0).set_rates(sample_rates=["0.2", "0.2"])
+
+
+def _would_exceed_by_full_evaluation(acc, delta, n):
+    """What ``would_exceed`` answered before it bounded ε from an anchor: every row evaluated."""
+    return acc._group_eps(delta, extra_steps=n)[0][acc.group_of] > acc.budgets
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_would_exceed_answers_as_a_full_evaluation_every_step_while_records_reach_their_budgets(seed):
+    """``would_exceed`` evaluates exactly only the records an anchored upper bound does not clear;
+    its answer must still equal the full evaluation bit for bit: on budgets set to the ledger's own ε
+    at some step (equality, the rounding edge), through rate changes, subsets, δ changes and n > 1."""
+    rng = np.random.default_rng(seed)
+    n_records, delta = 400, 1e-5
+    q = rng.choice([0.01, 0.03, 0.1], n_records) * rng.uniform(0.5, 1.5, n_records)
+    z = rng.uniform(0.6, 3.0, n_records)
+    probe = IndividualAccountant(q, z).step(60)
+    # a few records at (or a hair around) their ε at step 60: fewer than a quarter ever run out, as in
+    # training, where the engine stops at the first (past a quarter, every row is evaluated anyway)
+    budgets = probe.epsilons(delta) * rng.choice([0.999999, 1.0, 1.0 + 1e-15, 1.3, 6.0], n_records,
+                                                 p=[0.04, 0.04, 0.04, 0.08, 0.8])
+    acc = IndividualAccountant(q, z, budgets=budgets, record_orders=np.where(rng.random(n_records) < 0.2, 7.5, np.nan))
+    anchors, tangents = [], acc._tangents
+    acc._tangents = lambda *a: anchors.append(1) or tangents(*a)
+    flipped = 0
+    for t in range(300):
+        if t == 150:
+            acc.set_rates(sample_rates=q * 0.8)
+        if t % 97 == 50:
+            acc.step(1, record_ids=rng.choice(n_records, 50, replace=False))
+            continue
+        for d, n in ((delta, 1), (delta, 1 + t % 3), (2 * delta if t % 40 == 0 else delta, 1)):
+            got = acc.would_exceed(d, n)
+            np.testing.assert_array_equal(got, _would_exceed_by_full_evaluation(acc, d, n))
+        flipped += int(got.sum())
+        acc.step()
+    assert 0 < flipped, "no record reached its budget: the test checked nothing near the edge"
+    assert len(anchors) < 40, "nearly every call evaluated every row: the bound was never used"
+
+
+def test_would_exceed_after_a_restored_state_answers_as_a_full_evaluation():
+    rng = np.random.default_rng(5)
+    acc = IndividualAccountant(rng.uniform(0.01, 0.1, 50), rng.uniform(0.8, 2.0, 50), budgets=rng.uniform(1, 3, 50))
+    acc.step(20)
+    acc.would_exceed(1e-5)                                  # anchors at step 20
+    state = acc.state_dict()
+    acc.step(30)
+    acc.load_state_dict(state)                              # back to step 20 with the same rows
+    for _ in range(40):
+        np.testing.assert_array_equal(acc.would_exceed(1e-5), _would_exceed_by_full_evaluation(acc, 1e-5, 1))
+        acc.step()
+
+
+def test_many_distinct_rates_are_accounted_in_chunks_as_the_cached_path_accounts_few(monkeypatch):
+    """Past a quarter of the pair cache the one-step RDP is computed in chunks and not cached (a dict
+    of 10^6 rows took gigabytes); the numbers must not change."""
+    from pdpfast.accounting import ledger
+
+    rng = np.random.default_rng(3)
+    q, z = rng.uniform(0.001, 0.2, 50), rng.uniform(0.7, 3.0, 50)
+    cached = IndividualAccountant(q, z).step(7)
+    monkeypatch.setattr(ledger, "_PAIR_CACHE_SIZE", 8)
+    monkeypatch.setattr(ledger, "_PAIR_CHUNK", 3)
+    chunked = IndividualAccountant(q, z).step(7)
+    assert not chunked.__dict__.get("_pair_cache")
+    np.testing.assert_array_equal(chunked.rdp(), cached.rdp())
+    np.testing.assert_array_equal(chunked.epsilons(1e-5), cached.epsilons(1e-5))
