@@ -150,10 +150,21 @@ class AuditRow:
 class _Scorer:
     """Accumulates, for every canary i, Σ_t ⟨W_t[:, i] − W_{t+1}[:, i], δ_i(θ_t)/‖δ_i(θ_t)‖⟩: how far
     each step moved canary i's own input column of the first layer along the direction its own
-    gradient points (δ_i: the gradient of its loss at the first layer's output)."""
+    gradient points (δ_i: the gradient of its loss at the first layer's output).
+
+    Canaries are Dirac inputs (canary i is non-zero on its own column only), so the first layer's
+    output for canary i is its value there times that column of W, plus the bias: O(m·hidden) a step
+    where the dense (m, features + m) product was O(m²·hidden) (the audit's cost at 10^4 canaries).
+    """
 
     def __init__(self, model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, columns: torch.Tensor):
-        self.model, self.x, self.y, self.columns = model, x, y, columns
+        rows = torch.arange(len(x))
+        self.values = x[rows, columns]
+        others = x.clone()
+        others[rows, columns] = 0
+        if others.any():
+            raise ValueError("canaries must be Dirac inputs: non-zero on their own column only")
+        self.model, self.y, self.columns = model, y, columns
         self.scores = torch.zeros(len(x), dtype=torch.float64)
         self._snapshot()
 
@@ -162,7 +173,10 @@ class _Scorer:
         was_training = self.model.training
         self.model.eval()  # DP layers compute their plain forward outside a private batch
         with torch.enable_grad():
-            hidden = first(self.x)
+            hidden = self.values[:, None] * first.weight.detach()[:, self.columns].t()
+            if first.bias is not None:
+                hidden = hidden + first.bias.detach()
+            hidden.requires_grad_(True)
             loss = nn.functional.cross_entropy(rest(hidden), self.y, reduction="sum")
             (delta,) = torch.autograd.grad(loss, hidden)
         self.model.train(was_training)

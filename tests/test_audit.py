@@ -85,3 +85,22 @@ def test_cli_writes_the_json_and_the_plot(tmp_path, capsys):
     assert [r["method"] for r in result["rows"]] == ["sample"] * 3 + ["non-private"]
     assert "| sample | 1 |" in capsys.readouterr().out
     assert main(["audit", "--methods", "fast"]) != 0
+
+
+def test_the_scorer_reads_the_dirac_canaries_as_the_dense_forward_does():
+    """The scorer forms the first layer's output of canary i from W's column i alone; its gradient
+    directions must be those of the dense forward over (m, features + m) inputs."""
+    import torch
+
+    torch.manual_seed(0)
+    x, y, _, _ = audit.canaries(40, 6, 10, 3, 10.0, seed=1)
+    model = audit.audit_model(x.shape[1], hidden=16)
+    columns = torch.arange(6, 46)
+    scorer = audit._Scorer(model, x, y, columns)
+    hidden = model[0](x).detach().requires_grad_(True)
+    (delta,) = torch.autograd.grad(torch.nn.functional.cross_entropy(model[1:](hidden), y, reduction="sum"), hidden)
+    delta = delta.double()
+    torch.testing.assert_close(scorer.directions, delta / delta.norm(dim=1, keepdim=True))
+    x[0, 0] = 1.0  # a canary that is not Dirac
+    with pytest.raises(ValueError, match="Dirac"):
+        audit._Scorer(model, x, y, columns)
