@@ -456,6 +456,14 @@ class IndividualAccountant(_RecordLedger):
         q = per_record("sample_rates", sample_rates, self.group_rates)
         z = per_record("noise_multipliers", noise_multipliers, self.group_noise)
         _check_rates(q, z)
+        if ids is None:  # every record: when each row's members get one value (a noise schedule
+            # scaling every z, a new scalar rate), the rows stay as they are: no sort of N records
+            row_q, row_z = self.group_rates.copy(), self.group_noise.copy()
+            row_q[self.group_of], row_z[self.group_of] = q + 0.0, z + 0.0
+            if np.array_equal(row_q[self.group_of], q) and np.array_equal(row_z[self.group_of], z):
+                self.group_rates, self.group_noise = row_q, row_z
+                self.__dict__.pop("_step_rdp", None)
+                return
         self._split(sel, q, z)
 
     def _split(self, sel, q, z):

@@ -246,3 +246,21 @@ def test_many_distinct_rates_are_accounted_in_chunks_as_the_cached_path_accounts
     assert not chunked.__dict__.get("_pair_cache")
     np.testing.assert_array_equal(chunked.rdp(), cached.rdp())
     np.testing.assert_array_equal(chunked.epsilons(1e-5), cached.epsilons(1e-5))
+
+
+def test_new_rates_given_row_by_row_keep_the_rows_and_the_numbers_of_a_split():
+    """A noise schedule sets every record's z each step; when each row's members get one value the
+    ledger keeps its rows (no sort of N records) and must account exactly as splitting would."""
+    rng = np.random.default_rng(4)
+    q, z = rng.choice([0.01, 0.05], 300), rng.choice([1.0, 2.0], 300)
+    fast, split = IndividualAccountant(q, z), IndividualAccountant(q, z)
+    split._update_rates = lambda sr, nm, ids: IndividualAccountant._update_rates(split, sr, nm, np.arange(300))
+    for t in range(1, 6):
+        for ledger in (fast, split):
+            ledger.set_rates(noise_multipliers=z * (1 + 0.1 * t))
+            ledger.step(2)
+        assert fast.group_rdp.shape[0] == 4
+        np.testing.assert_array_equal(fast.epsilons(1e-5), split.epsilons(1e-5))
+        np.testing.assert_array_equal(fast.noise_multipliers, z * (1 + 0.1 * t))
+    fast.set_rates(noise_multipliers=rng.uniform(1, 2, 300))     # members of a row now differ: split
+    assert fast.group_rdp.shape[0] > 4
