@@ -313,3 +313,31 @@ def test_arguments_refused_late_used_to_leave_the_model_converted():
                                          data_loader=data, budgets=np.full(8, 2.0), delta=1e-5, epochs=1,
                                          adaptive_clipping="quantile")
     assert type(model[1]) is tnn.Linear and engine.state is None
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_epsilon_of_per_record_rates_is_the_worst_records_and_the_ledger_is_kept_between_calls(accountant):
+    """get_epsilon with per-record rates and bounds steps one kept ledger on from call to call (its
+    one-step RDP per distinct pair is the cost); the ε must be that of a fresh ledger at every call."""
+    from pdpfast.accounting.ledger import IndividualAccountant, PLDIndividualAccountant
+
+    rates, bounds = np.repeat([0.05, 0.1, 0.3], 20), np.tile([0.5, 1.5], 30)   # 6 distinct (q, z)
+    model, ds = _mlp(), _data(60)
+    engine = pdpfast.PrivacyEngine(accountant=accountant, seed=3)
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.0,
+                                             max_grad_norm=1.0, sample_rates=rates, clip_norms=bounds)
+    ledger_type = {"rdp": IndividualAccountant, "pld": PLDIndividualAccountant}[accountant]
+    kept = None
+    for step, (x, y) in enumerate(loader):
+        if step == 3:
+            break
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        fresh = ledger_type(rates, 1.0 / bounds).step(engine.steps).epsilons(1e-5).max()
+        assert engine.get_epsilon(1e-5) == pytest.approx(fresh, rel=1e-12)
+        assert kept is None or engine._epsilon_ledger[3] is kept
+        kept = engine._epsilon_ledger[3]
+    engine.sample_rates = rates / 2                         # other rates: a new ledger, their ε
+    assert engine.get_epsilon(1e-5) < fresh and engine._epsilon_ledger[3] is not kept
