@@ -260,6 +260,25 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     return q[inverse].reshape(np.shape(budgets))
 
 
+_GRID_MEMO: dict = {}   # setting → {q: ε(q)} of the exact grids (the clients of a federation share them)
+
+
+def _grid_eps(qs: np.ndarray, s: _Setting) -> np.ndarray:
+    """ε(q) of grid points, remembered per setting: every client of a federation with many distinct
+    budgets reads its rates off (nearly) the same grid, and it is the costly part of its setup."""
+    key = (s.noise_multiplier, s.delta, s.local_steps, s.rounds, s.client_rate, s.threat, s.conversion,
+           s.orders.tobytes())
+    if key not in _GRID_MEMO and len(_GRID_MEMO) >= 8:
+        _GRID_MEMO.clear()
+    memo = _GRID_MEMO.setdefault(key, {})
+    if len(memo) > 1 << 17:
+        memo.clear()
+    missing = np.array([q for q in qs.tolist() if q not in memo], dtype=np.float64)
+    if missing.size:
+        memo.update(zip(missing.tolist(), _eps(missing, s)[0].tolist()))
+    return np.array([memo[q] for q in qs.tolist()])
+
+
 def _exact_rates(targets, guess, s: _Setting):
     """Largest q with ε(q) ≤ target·(1 − MARGIN), from SCF guesses: bracket, then refine."""
     goal = targets * (1 - _grid.MARGIN)
@@ -270,11 +289,11 @@ def _exact_rates(targets, guess, s: _Setting):
     if targets.shape[0] > _grid.REFINE_MAX:
         # many budgets: an exact grid (consecutive ε within 0.1%), read off downwards
         grid = np.geomspace(_grid.Q_FLOOR, 1.0, 64)
-        e = np.maximum.accumulate(evaluate(grid)[0])
+        e = np.maximum.accumulate(_grid_eps(grid, s))
         a = max(0, int(np.searchsorted(e, goal.min(), side="right")) - 1)
         b = min(63, int(np.searchsorted(e, goal.max(), side="left")))
         fine = _grid.fine_points(grid, e, a, b, 1.001, 0.5 * goal.min())
-        fe = np.maximum.accumulate(evaluate(fine)[0])
+        fe = np.maximum.accumulate(_grid_eps(fine, s))
         j = np.searchsorted(fe, goal, side="right") - 1
         return fine[np.maximum(j, 0)]
     q0 = np.clip(guess, _grid.Q_FLOOR, 1.0)

@@ -57,6 +57,30 @@ def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client
     return {"clients": rho_clients, "server": rho_local}
 
 
+_ROUND_MEMO: dict = {}   # (σ, τ, λ, orders) → {q: (clients row, server row)}
+
+
+def _remembered_round_rdp(rates: np.ndarray, *, noise_multiplier, local_steps, client_rate, orders) -> dict:
+    """``round_rdp`` of distinct rates, each remembered per setting: the clients of a federation
+    with many distinct budgets read their rates off the same exact grid (``rpdp.sample_rates``), so
+    all but the first compute (nearly) nothing."""
+    key = (float(noise_multiplier), int(local_steps), float(client_rate), orders.tobytes())
+    if key not in _ROUND_MEMO and len(_ROUND_MEMO) >= 8:
+        _ROUND_MEMO.clear()
+    memo = _ROUND_MEMO.setdefault(key, {})
+    if len(memo) > 1 << 15:   # ~90 MB of rows: refined (not grid) rates are new for every client
+        memo.clear()
+    missing = [q for q in rates.tolist() if q not in memo]
+    if missing:
+        rows = round_rdp(np.array(missing), noise_multiplier=noise_multiplier, local_steps=local_steps,
+                         client_rate=client_rate, orders=orders)
+        memo.update(zip(missing, zip(rows["clients"], rows["server"])))
+    found = [memo[q] for q in rates.tolist()]
+    shape = (0, orders.shape[0])
+    return {"clients": np.array([c for c, _ in found]).reshape(shape if not found else (len(found), -1)),
+            "server": np.array([s for _, s in found]).reshape(shape if not found else (len(found), -1))}
+
+
 class FederatedLedger:
     """Per-record rPDP-FL ledger of one client.
 
@@ -92,8 +116,8 @@ class FederatedLedger:
         self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         # one round's RDP per distinct rate, computed once (the costly part of accounting)
         distinct, self._rate_index = np.unique(q, return_inverse=True)
-        self._round_rdp = round_rdp(distinct, noise_multiplier=noise_multiplier, local_steps=local_steps,
-                                    client_rate=client_rate, orders=self.orders)
+        self._round_rdp = _remembered_round_rdp(distinct, noise_multiplier=noise_multiplier,
+                                                local_steps=local_steps, client_rate=client_rate, orders=self.orders)
         self.active = q > 0
         self.rounds_charged = np.zeros(q.shape[0], dtype=np.int64)
         self.participations = np.zeros(q.shape[0], dtype=np.int64)
