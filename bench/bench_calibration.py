@@ -8,6 +8,11 @@ baseline, in the same process, is the per-budget bisection of the reference impl
 (Opacus's ``get_noise_multiplier`` for each distinct budget, as IDP-SGD's code does): it is timed
 on a few budgets and reported per budget, and extrapolated (marked so) to N.
 
+With each plan it also times what follows calibration at that many distinct budgets: loading the
+plan (``PrivacyPlan.from_json``, which accounts every group again) and a training step's
+accounting by the plan's ledger (``would_exceed`` then ``step``, the engine's check and charge;
+the median over ``LEDGER_STEPS`` steps after the first).
+
 Writes bench/results/calibration_cpu.json (one row per measurement) and
 bench/results/calibration_time.png (log-log time vs N).
 """
@@ -28,6 +33,7 @@ import scipy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DELTA, STEPS, RATE = 1e-5, 1000, 0.01
+LEDGER_STEPS = 50
 METHODS = ("sample", "scale", "hybrid")
 
 
@@ -75,7 +81,37 @@ def bench_pdpfast(sizes, repeats) -> list:
                          "max_eps_over_budget": float(used.max()), "min_eps_over_budget": float(used.min())})
             print(f"pdpfast  {method:7s} N={n:>8d}  {rows[-1]['seconds']:.3f} s  (eps/budget in "
                   f"[{used.min():.4f}, {used.max():.7f}])", flush=True)
+            rows += _after_calibration(plan, budgets, method)
     return rows
+
+
+def _after_calibration(plan, budgets, method) -> list:
+    """Rows for loading ``plan`` and for one step of its ledger's check and charge."""
+    from pdpfast.accounting import PrivacyPlan
+    from pdpfast.accounting.ledger import ledger_for_plan
+
+    text = plan.to_json()
+    t0 = time.perf_counter()
+    PrivacyPlan.from_json(text)
+    load = time.perf_counter() - t0
+    ledger = ledger_for_plan(plan, budgets)
+    t0 = time.perf_counter()
+    ledger.would_exceed(DELTA)
+    ledger.step()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(LEDGER_STEPS):
+        t0 = time.perf_counter()
+        ledger.would_exceed(DELTA)
+        ledger.step()
+        times.append(time.perf_counter() - t0)
+    common = {"provider": "pdpfast", "method": method, "N": len(budgets), "distinct_budgets": len(plan.budget_values),
+              "ledger_rows": int(ledger.group_rates.shape[0])}
+    print(f"         {'':7s} {'':10s} plan load {load:.3f} s, ledger step {statistics.median(times) * 1e3:.2f} ms "
+          f"(first {first:.2f} s, {common['ledger_rows']} rows)", flush=True)
+    return [{"benchmark": "plan_load", **common, "seconds": load},
+            {"benchmark": "ledger_step", **common, "seconds": statistics.median(times), "first_step_seconds": first,
+             "all_seconds": times}]
 
 
 def bench_baseline(n_budgets: int, sizes) -> list:
@@ -105,7 +141,8 @@ def plot(rows, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for method, marker in zip(METHODS, "osd"):
-        pts = sorted((r["N"], r["seconds"]) for r in rows if r["provider"] == "pdpfast" and r["method"] == method)
+        pts = sorted((r["N"], r["seconds"]) for r in rows
+                     if r["benchmark"] == "calibration" and r["provider"] == "pdpfast" and r["method"] == method)
         ax.plot(*zip(*pts), marker=marker, label=f"pdpfast {method}")
     base = sorted((r["N"], r["seconds"]) for r in rows if r["provider"] != "pdpfast" and r["extrapolated"])
     if base:
@@ -141,7 +178,7 @@ def main(argv=None) -> None:
     per_budget = next((r["seconds_per_budget"] for r in rows if r["provider"] != "pdpfast"), None)
     if per_budget:
         for r in rows:
-            if r["provider"] == "pdpfast":
+            if r["benchmark"] == "calibration" and r["provider"] == "pdpfast":
                 r["speedup_vs_bisection_extrapolated"] = per_budget * r["N"] / r["seconds"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")

@@ -272,3 +272,18 @@ def test_a_captured_steps_memory_window_reaches_its_capture():
     from pdpfast.graphs import PrivateStep
 
     assert MEMORY_STEPS > inspect.signature(PrivateStep).parameters["warmup"].default
+
+
+def test_calibration_benchmark_times_the_plan_load_and_the_ledger_step_with_each_plan(tmp_path):
+    from bench import bench_calibration
+
+    out = tmp_path / "calibration.json"
+    bench_calibration.main(["--sizes", "200", "--repeats", "1", "--baseline-budgets", "0", "--out", str(out),
+                            "--plot", str(tmp_path / "calibration.png")])
+    rows = json.loads(out.read_text())
+    for method in bench_calibration.METHODS:
+        timed = {r["benchmark"]: r for r in rows if r["method"] == method}
+        assert set(timed) == {"calibration", "plan_load", "ledger_step"}
+        assert all(r["seconds"] > 0 and r["N"] == 200 and r["device"] == "cpu" for r in timed.values())
+        assert len(timed["ledger_step"]["all_seconds"]) == bench_calibration.LEDGER_STEPS
+    assert (tmp_path / "calibration.png").stat().st_size > 0
