@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, ImportError) as exc:
-        from ..cli import as_option_words
+        from .._options import as_option_words
 
         print(f"pdpfast fl {args.fl_command}: error: {as_option_words(parser, args, str(exc))}", file=sys.stderr)
         return 2
