@@ -260,23 +260,38 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     return q[inverse].reshape(np.shape(budgets))
 
 
-_GRID_MEMO: dict = {}   # setting → {q: ε(q)} of the exact grids (the clients of a federation share them)
+def remembered(store: dict, key: tuple, rates: np.ndarray, compute, max_entries: int) -> list:
+    """Per-rate results of a public setting, remembered in ``store[key]``: the clients of a
+    federation with many distinct budgets read their rates off (nearly) the same exact grid, so
+    what a setting gives each grid rate is computed once for all of them.
+
+    Args:
+        store: the memo, {key: {rate: result}} (at most 8 settings, each of at most ``max_entries``
+            rates; past that it starts again). key: the setting, hashable. rates: (P,) float64.
+        compute: (M,) float64 rates → M results, one per rate, in order.
+    Returns:
+        the P results, in the order of ``rates``.
+    """
+    if key not in store and len(store) >= 8:
+        store.clear()
+    memo = store.setdefault(key, {})
+    if len(memo) > max_entries:
+        memo.clear()
+    values = rates.tolist()
+    missing = [q for q in values if q not in memo]
+    if missing:
+        memo.update(zip(missing, compute(np.array(missing, dtype=np.float64))))
+    return [memo[q] for q in values]
+
+
+_GRID_MEMO: dict = {}   # setting → {q: ε(q)} of the exact grids
 
 
 def _grid_eps(qs: np.ndarray, s: _Setting) -> np.ndarray:
-    """ε(q) of grid points, remembered per setting: every client of a federation with many distinct
-    budgets reads its rates off (nearly) the same grid, and it is the costly part of its setup."""
+    """ε(q) of grid points, remembered per setting (the costly part of a federation client's setup)."""
     key = (s.noise_multiplier, s.delta, s.local_steps, s.rounds, s.client_rate, s.threat, s.conversion,
            s.orders.tobytes())
-    if key not in _GRID_MEMO and len(_GRID_MEMO) >= 8:
-        _GRID_MEMO.clear()
-    memo = _GRID_MEMO.setdefault(key, {})
-    if len(memo) > 1 << 17:
-        memo.clear()
-    missing = np.array([q for q in qs.tolist() if q not in memo], dtype=np.float64)
-    if missing.size:
-        memo.update(zip(missing.tolist(), _eps(missing, s)[0].tolist()))
-    return np.array([memo[q] for q in qs.tolist()])
+    return np.array(remembered(_GRID_MEMO, key, qs, lambda m: _eps(m, s)[0].tolist(), 1 << 17))
 
 
 def _exact_rates(targets, guess, s: _Setting):

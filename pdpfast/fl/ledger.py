@@ -29,7 +29,7 @@ import numpy as np
 
 from .._checks import as_float_array
 from .._io import atomic_write
-from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon
+from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon, remembered
 from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
 from .config import CONVERSIONS, THREATS
 
@@ -64,18 +64,14 @@ def _remembered_round_rdp(rates: np.ndarray, *, noise_multiplier, local_steps, c
     """``round_rdp`` of distinct rates, each remembered per setting: the clients of a federation
     with many distinct budgets read their rates off the same exact grid (``rpdp.sample_rates``), so
     all but the first compute (nearly) nothing."""
-    key = (float(noise_multiplier), int(local_steps), float(client_rate), orders.tobytes())
-    if key not in _ROUND_MEMO and len(_ROUND_MEMO) >= 8:
-        _ROUND_MEMO.clear()
-    memo = _ROUND_MEMO.setdefault(key, {})
-    if len(memo) > 1 << 15:   # ~90 MB of rows: refined (not grid) rates are new for every client
-        memo.clear()
-    missing = [q for q in rates.tolist() if q not in memo]
-    if missing:
-        rows = round_rdp(np.array(missing), noise_multiplier=noise_multiplier, local_steps=local_steps,
+    def compute(missing):
+        rows = round_rdp(missing, noise_multiplier=noise_multiplier, local_steps=local_steps,
                          client_rate=client_rate, orders=orders)
-        memo.update(zip(missing, zip(rows["clients"], rows["server"])))
-    found = [memo[q] for q in rates.tolist()]
+        return zip(rows["clients"], rows["server"])
+
+    key = (float(noise_multiplier), int(local_steps), float(client_rate), orders.tobytes())
+    # at most ~90 MB of rows: refined (not grid) rates are new for every client
+    found = remembered(_ROUND_MEMO, key, rates, compute, 1 << 15)
     shape = (0, orders.shape[0])
     return {"clients": np.array([c for c, _ in found]).reshape(shape if not found else (len(found), -1)),
             "server": np.array([s for _, s in found]).reshape(shape if not found else (len(found), -1))}
