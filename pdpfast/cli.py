@@ -37,7 +37,6 @@ def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | No
     return EXIT_ERROR
 
 
-
 # ---------------------------------------------------------------------------------------------- demo
 def _demo(args) -> int:
     from .demo import (
