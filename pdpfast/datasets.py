@@ -137,8 +137,7 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
         (N,) float64 ε_i, each finite and > 0.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"budgets file {path!r} does not exist")
+    _check_file("budgets file", path)
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".npy":
@@ -195,6 +194,15 @@ def _columns(names, show: int = 8) -> str:
     if len(names) <= show:
         return ", ".join(names)
     return ", ".join(names[: show - 2]) + f", ..., {', '.join(names[-2:])} ({len(names)} columns)"
+
+
+def _check_file(kind: str, path: str) -> None:
+    """FileNotFoundError unless ``path`` is a regular file, saying which it is not."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{kind} {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{kind} {path!r} is not a regular file"
+                                + (" (a directory)" if os.path.isdir(path) else ""))
 
 
 def _read_csv(path: str):
@@ -302,8 +310,7 @@ def load_csv(path, *, label_column: str | None, budget_column: str | None = None
         ids (N, T) int64; labels (N,) int64; budgets (N,) float64 or None.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+    _check_file("data file", path)
     header, rows = _read_csv(path)
     if header is None:
         raise ValueError(f"{path} needs a header row naming its columns")
@@ -367,8 +374,7 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
         ``TrainData`` ((N, C, H, W) arrays are images).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+    _check_file("data file", path)
     budgets = None
     try:
         if path.endswith(".npz"):
@@ -384,8 +390,7 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
             x = np.load(path, allow_pickle=False)
             y = None
         if labels is not None:
-            if not os.path.isfile(os.fspath(labels)):
-                raise FileNotFoundError(f"labels file {os.fspath(labels)!r} does not exist")
+            _check_file("labels file", os.fspath(labels))
             y = np.load(os.fspath(labels), allow_pickle=False)
     except (OSError, EOFError) as exc:
         raise ValueError(f"{path}: cannot read NumPy data ({exc})") from None

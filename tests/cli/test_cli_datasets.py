@@ -82,3 +82,13 @@ def test_hugging_face_without_datasets_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match="pip install datasets"):
         datasets.load_data(hf_dataset="imdb")
+
+
+def test_a_path_that_is_not_a_file_says_what_it_is(tmp_path):
+    """A directory given as a budgets or data file was reported as missing."""
+    with pytest.raises(FileNotFoundError, match="budgets file .* is not a regular file \\(a directory\\)"):
+        datasets.read_budgets(tmp_path)
+    with pytest.raises(FileNotFoundError, match="budgets file .* does not exist"):
+        datasets.read_budgets(tmp_path / "none.npy")
+    with pytest.raises(FileNotFoundError, match="data file .* is not a regular file"):
+        datasets.load_numpy(tmp_path)

@@ -168,10 +168,10 @@ def _write(path, text):
     return path
 
 
-@pytest.mark.parametrize("case", ["missing budgets file", "NaN budget", "zero budget", "negative budget",
-                                  "empty budget", "too few budgets", "malformed budgets file", "unknown model",
-                                  "unknown method", "budgets twice", "no budgets", "missing data", "missing labels",
-                                  "unknown label column", "bad image shape", "cnn on flat features"])
+@pytest.mark.parametrize("case", ["missing budgets file", "budgets file a directory", "NaN budget", "zero budget",
+                                  "negative budget", "empty budget", "too few budgets", "malformed budgets file",
+                                  "unknown model", "unknown method", "budgets twice", "no budgets", "missing data",
+                                  "missing labels", "unknown label column", "bad image shape", "cnn on flat features"])
 def test_bad_input_fails_in_one_line_and_leaves_no_output(cli, data_dir, tmp_path, case):
     work = tmp_path / "work"
     work.mkdir()
@@ -185,6 +185,7 @@ def test_bad_input_fails_in_one_line_and_leaves_no_output(cli, data_dir, tmp_pat
     npy = ("--data", data_dir / "x.npy", "--labels", data_dir / "y.npy")
     args = {
         "missing budgets file": (*npy, "--budgets", work / "nope.npy"),
+        "budgets file a directory": (*npy, "--budgets", work),
         "NaN budget": ("--data", csv_with_budget("nan"), "--label-column", "digit", "--budget-column", "eps"),
         "zero budget": ("--data", csv_with_budget("0"), "--label-column", "digit", "--budget-column", "eps"),
         "negative budget": ("--data", csv_with_budget("-1"), "--label-column", "digit", "--budget-column", "eps"),
