@@ -108,10 +108,9 @@ class DPDataLoader:
                  collate_fn: Callable | None = None, start_step: int = 0, rank: int = 0, world_size: int = 1,
                  **loader_kwargs):
         n = len(dataset)
-        world_size = check_int("world_size", world_size, 1)
-        if check_int("rank", rank, 0) >= world_size:
+        world_size, rank = check_int("world_size", world_size, 1), check_int("rank", rank, 0)
+        if rank >= world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
-        rank = int(rank)
         self.rank, self.world_size = rank, world_size
         if n == 0:
             raise ValueError("dataset is empty")

@@ -72,9 +72,9 @@ def _remembered_round_rdp(rates: np.ndarray, *, noise_multiplier, local_steps, c
     key = (float(noise_multiplier), int(local_steps), float(client_rate), orders.tobytes())
     # at most ~90 MB of rows: refined (not grid) rates are new for every client
     found = remembered(_ROUND_MEMO, key, rates, compute, 1 << 15)
-    shape = (0, orders.shape[0])
-    return {"clients": np.array([c for c, _ in found]).reshape(shape if not found else (len(found), -1)),
-            "server": np.array([s for _, s in found]).reshape(shape if not found else (len(found), -1))}
+    shape = (len(found), orders.shape[0])
+    return {"clients": np.array([c for c, _ in found]).reshape(shape),
+            "server": np.array([s for _, s in found]).reshape(shape)}
 
 
 class FederatedLedger:
