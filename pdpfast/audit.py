@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ._checks import check_in_range, check_int
+from ._checks import check_delta, check_in_range, check_int, check_positive
 
 AUDITED_METHODS = ("sample", "scale", "hybrid", "dpsgd", "non-private")
 BROKEN = (None, "no-clipping", "no-noise")
@@ -323,7 +323,8 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     Returns:
         {"delta", "confidence", "broken", "seconds" (wall time of the runs), "rows": [AuditRow as dict, ...]}.
     Raises:
-        ValueError for too few canaries, a confidence outside (0, 1), or as :func:`audit_method`.
+        ValueError for too few canaries, a confidence outside (0, 1), a negative seed, epochs or batch_size
+        below 1, lr ≤ 0 or δ outside (0, 1), or as :func:`audit_method`.
     """
     from tqdm.auto import tqdm
 
@@ -332,6 +333,11 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     if check_int("canaries_count", canaries_count, 0) < 2 * len(group_epsilons):
         raise ValueError(f"canaries_count must be an int ≥ 2 per group, got {canaries_count!r}")
     confidence = check_in_range("confidence", confidence, low=0.0, high=1.0, high_open=True)
+    check_int("seed", seed, 0)
+    check_int("epochs", epochs, 1)
+    check_int("batch_size", batch_size, 1)
+    check_positive("lr", lr)
+    check_delta("delta", delta)
     x_tr, y_tr, _, _ = load_digits_split(seed)
     rng = np.random.default_rng(seed)
     budgets = rng.choice(np.asarray(group_epsilons, dtype=np.float64), size=len(x_tr))

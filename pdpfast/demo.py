@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ._checks import check_flag, check_int
+from ._checks import check_flag, check_int, check_positive
 
 GROUP_FRACTIONS = (0.34, 0.43, 0.23)
 GROUP_EPSILONS = (1.0, 2.0, 3.0)
@@ -258,18 +258,23 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def demo_task(epochs, seeds):
+def demo_task(epochs, seeds, *, batch_size=128, lr=0.2, threads=1):
     """The demo's data and budgets, after checking the run's settings.
 
     Args:
         epochs: a positive int.
         seeds: a non-empty sequence.
+        batch_size: a positive int; lr: a finite number > 0; threads: None or an int ≥ 0.
     Returns:
         (data from :func:`load_digits_split`, (N,) budgets from :func:`assign_budgets`).
     Raises:
-        ValueError for a bad ``epochs`` or no seeds.
+        ValueError (TypeError for a non-number) naming the setting that is out of range, or for no seeds.
     """
     epochs = check_int("epochs", epochs, 1)
+    check_int("batch_size", batch_size, 1)
+    check_positive("lr", lr)
+    if threads is not None:
+        check_int("threads", threads, 0)
     if not seeds:
         raise ValueError("seeds must not be empty")
     data = load_digits_split()
@@ -301,7 +306,7 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     check_flag("progress", progress)
-    data, budgets = demo_task(epochs, seeds)
+    data, budgets = demo_task(epochs, seeds, batch_size=batch_size, lr=lr, threads=threads)
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
     results: dict[str, list[RunResult]] = {"non-private": []}

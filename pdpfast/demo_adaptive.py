@@ -124,7 +124,7 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
         if unknown:
             raise ValueError(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     check_flag("progress", progress)
-    data, budgets = demo_task(epochs, seeds)
+    data, budgets = demo_task(epochs, seeds, batch_size=batch_size, lr=lr, threads=threads)
     runs = []
     with _threads(threads):
         for method in methods:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._checks import check_int, check_positive
+
 if TYPE_CHECKING:
     import torch
 
@@ -134,7 +136,7 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
         num_clients: M, an int in [1, N].
         split: "iid", "label" or "dirichlet" (Dirichlet(α) label proportions).
         seed: of the split.
-        dirichlet_alpha: α > 0, for split "dirichlet".
+        dirichlet_alpha: α, a finite number > 0, used by split "dirichlet" (checked for every split).
     Returns:
         (N,) int64 client index 0..M−1 of each record.
     Raises:
@@ -142,8 +144,10 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
-        raise ValueError(f"clients must be an int ≥ 1, got {num_clients!r}")
+    check_int("clients", num_clients, 1)
+    check_int("seed", seed, 0)
+    # α is checked whatever the split: a bad value given with another split is a mistake, not a no-op
+    check_positive("dirichlet_alpha", dirichlet_alpha)
     labels = np.asarray(labels)
     n = labels.shape[0]
     if num_clients > n:
@@ -159,8 +163,6 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
         for j, shard in enumerate(rng.permutation(2 * num_clients)):
             owner[shards[shard]] = j // 2
     else:
-        if not dirichlet_alpha > 0:
-            raise ValueError(f"dirichlet_alpha must be > 0, got {dirichlet_alpha!r}")
         for c in np.unique(labels):
             members = rng.permutation(np.flatnonzero(labels == c))
             shares = rng.dirichlet(np.full(num_clients, float(dirichlet_alpha)))

@@ -52,6 +52,7 @@ except ImportError as exc:   # pragma: no cover - exercised only without flwr
 else:
     FLWR_IMPORT_ERROR = None
 
+from .._checks import check_int, check_positive  # noqa: E402
 from .client import LocalUpdate, Silo, Weights  # noqa: E402
 from .config import FLConfig, sampled_clients  # noqa: E402
 from .simulation import aggregate, build_silo, collect_result, evaluate, initial_weights, resolve_budgets  # noqa: E402
@@ -159,16 +160,15 @@ class PoissonFedAvg(Strategy):
         failures: number of failed client calls per round.
         weights: the latest global model's arrays.
     Raises:
-        ImportError when Flower is not installed; ValueError when ``num_clients`` < 1.
+        ImportError when Flower is not installed; ValueError when ``num_clients`` < 1 or ``wait_timeout``
+        is not a finite number > 0.
     """
 
     def __init__(self, *, num_clients: int, config: FLConfig, initial: Weights,
                  evaluate_fn: Callable[[Weights], tuple[float, float]] | None = None, wait_timeout: float = 120.0):
         _require_flwr()
-        if num_clients < 1:
-            raise ValueError(f"num_clients must be ≥ 1, got {num_clients!r}")
-        self.num_clients, self.config, self.initial = int(num_clients), config, initial
-        self.evaluate_fn, self.wait_timeout = evaluate_fn, float(wait_timeout)
+        self.num_clients, self.config, self.initial = check_int("num_clients", num_clients, 1), config, initial
+        self.evaluate_fn, self.wait_timeout = evaluate_fn, check_positive("wait_timeout", wait_timeout)
         self._proxies: dict[int, ClientProxy] = {}
         self._current: Weights | None = None
         self.sampled: list[list[bool]] = []
@@ -475,10 +475,15 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
         the JSON dict ("config", "accuracy", "loss", "sampled", "contributed", "failures"), plus
         "weights" (the final global arrays).
     Raises:
-        ImportError when Flower is not installed.
+        ImportError when Flower is not installed; ValueError for a timeout that is not a finite number > 0,
+        or as :func:`~pdpfast.fl.load_federated`.
     """
     _require_flwr()
     from flwr.server import start_server
+
+    check_positive("wait_timeout", wait_timeout)
+    if round_timeout is not None:
+        check_positive("round_timeout", round_timeout)
 
     from .datasets import load_federated, model_factory
 
@@ -523,10 +528,13 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
         that dict: "client_id", "budgets", "sample_rates", "epsilon_clients", "epsilon_server" (lists
         of n floats) and "stats" (``Silo.stats``).
     Raises:
-        ImportError when Flower is not installed; ValueError for a ``client_id`` outside [0, M).
+        ImportError when Flower is not installed; ValueError for a ``client_id`` outside [0, M) or a
+        ``max_wait_time`` that is not a finite number > 0.
     """
     _require_flwr()
     from flwr.client import start_client
+
+    check_positive("max_wait_time", max_wait_time)
 
     data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     silo = build_silo(data, per_record, config, client_id)
@@ -570,12 +578,16 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         {"server": ..., "clients": [...], "address": ..., "workdir": ...}, the first two read from the
         processes' JSON outputs (the server's with its final "weights").
     Raises:
-        ImportError when Flower is not installed; ValueError when ``budgets`` is not a name;
-        RuntimeError, with the logs, when a process fails or the time runs out.
+        ImportError when Flower is not installed; ValueError when ``budgets`` is not a name, ``timeout``
+        not a finite number > 0, or as :func:`~pdpfast.fl.load_federated`; RuntimeError, with the logs,
+        when a process fails or the time runs out.
     """
     _require_flwr()
     if not isinstance(budgets, str):
         raise ValueError("budgets must be a distribution name for launch_local (processes rebuild them)")
+    check_positive("timeout", timeout)
+    # the federation is checked here, where its errors name the argument, not in a process's log
+    _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
     address = f"127.0.0.1:{free_port()}"
     common = ["--dataset", dataset, "--clients", str(clients), "--split", split, "--budgets", budgets,

@@ -57,3 +57,36 @@ def test_the_standalone_fl_command_names_options_too(capsys):
 def test_an_audit_with_fewer_than_two_canaries_per_group_is_refused_before_it_starts(cli):
     message = cli.fails("audit", "--canaries", 5, "--quiet")
     assert "--canaries must be at least 6 (2 per privacy group), got 5" in message
+
+
+@pytest.mark.parametrize("args,option", [(("demo", "--lr", "nan"), "--lr"),
+                                         (("demo", "--lr", -1), "--lr"),
+                                         (("demo", "--adaptive", "--lr", 0), "--lr"),
+                                         (("demo", "--threads", -1), "--threads"),
+                                         (("audit", "--seed", -1), "--seed"),
+                                         (("fl", "simulate", "--dirichlet-alpha", 0), "--dirichlet-alpha"),
+                                         (("fl", "simulate", "--dirichlet-alpha", "nan"), "--dirichlet-alpha")])
+def test_settings_that_used_to_train_or_fail_inside_a_library_are_refused_by_option(cli, args, option, tmp_path):
+    """``demo --lr nan`` trained on NaN weights, ``fl simulate --dirichlet-alpha 0`` ran an iid split with
+    the bad α unread, and ``audit --seed -1`` failed inside scikit-learn."""
+    if args[0] == "fl":
+        pytest.importorskip("pdpfast.fl.cli")
+    message = cli.fails(*args, "--out", tmp_path / "never", "--quiet")
+    assert f"error: {option} must" in message, message
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("args,option", [(("fl", "server", "--wait-timeout", -1), "--wait-timeout"),
+                                         (("fl", "server", "--wait-timeout", "nan"), "--wait-timeout"),
+                                         (("fl", "client", "--client-id", 0, "--max-wait-time", 0), "--max-wait-time"),
+                                         (("fl", "launch", "--timeout", 0), "--timeout"),
+                                         (("fl", "launch", "--clients", 0), "--clients"),
+                                         (("fl", "launch", "--dirichlet-alpha", -1), "--dirichlet-alpha")])
+def test_flower_processes_refuse_bad_settings_before_they_open_a_port_or_start_a_process(cli, args, option):
+    """A server with ``--wait-timeout -1`` used to start and wait; ``fl launch --clients 0`` started the
+    server and reported its error from the server's log."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("pdpfast.fl.cli")
+    message = cli.fails(*args)
+    assert f"error: {option} must" in message, message
+    assert "Flower processes failed" not in message

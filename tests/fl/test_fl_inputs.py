@@ -87,3 +87,11 @@ def test_unreachable_budget_is_reported():
 def test_cli_reports_errors_with_exit_code_2(capsys):
     assert main(["simulate", "--client-rate", "0", "--rounds", "1", "--quiet", "--no-plot"]) == 2
     assert "--client-rate must lie in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("alpha", [0.0, -1.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("split", ["iid", "dirichlet"])
+def test_a_dirichlet_alpha_out_of_range_is_refused_whatever_the_split(split, alpha):
+    """α used to be read only by the dirichlet split: with another split a bad one passed unnoticed."""
+    with pytest.raises(ValueError, match="dirichlet_alpha must be a finite number > 0"):
+        fl.partition(np.repeat([0, 1], 6), 2, split, dirichlet_alpha=alpha)
