@@ -149,6 +149,10 @@ def _audit(args) -> int:
 def _train(args) -> int:
     from .train import TrainConfig, run
 
+    if args.hybrid_weight is None:
+        args.hybrid_weight = TrainConfig.hybrid_weight
+    elif args.method != "hybrid":
+        raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {args.method})")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be ≥ 1, got {args.nproc}")
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -195,7 +199,8 @@ def _calibrate(args) -> int:
         raise ValueError("--out and --plot name the same file; give each its own path")
     if args.sample_rate is not None and args.batch_size is not None:
         raise ValueError("give one of --sample-rate and --batch-size, not both (each sets q)")
-    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--epochs", args.epochs)):
+    for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--epochs", args.epochs),
+                          ("--max-rows", args.max_rows)):
         if value is not None:
             check_positive_integer(option, value)
     if args.hybrid_weight is not None and args.method != "hybrid":
@@ -220,6 +225,9 @@ def _calibrate(args) -> int:
     if not 0 < sample_rate <= 1:
         raise ValueError(f"--sample-rate must lie in (0, 1], got {sample_rate!r}")
     steps = args.steps if args.steps is not None else args.epochs * max(1, round(1 / sample_rate))
+    # a header before the work: PLD calibration of 10⁵–10⁶ records takes minutes (README, "Calibration")
+    print(f"pdpfast calibrate: {budgets.shape[0]} records, {np.unique(budgets).size} distinct budgets; "
+          f"--method {args.method}, --accountant {args.accountant}, {steps} steps at q = {sample_rate:.4g}", flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = pdpfast.calibrate(budgets, delta=args.delta, steps=steps, sample_rate=sample_rate,
@@ -285,20 +293,38 @@ def _bench(args) -> int:
     from . import plots
     from ._io import check_output_path
 
+    from ._checks import check_positive_integer
+
     suite = args.suite
     if suite == "auto":
         suite = "e2e" if torch.cuda.is_available() else "cpu"
-    if suite == "e2e" and args.device == "cuda" and not torch.cuda.is_available():
+    e2e_only = {"--device": args.device, "--size": args.size, "--dtype": args.dtype}
+    if suite == "cpu" and any(v is not None for v in e2e_only.values()):
+        given = ", ".join(k for k, v in e2e_only.items() if v is not None)
+        raise ValueError(f"{given}: for the end-to-end suite (--suite e2e) only; this is the CPU suite")
+    device, size, dtype = args.device or "cuda", args.size or "full", args.dtype or "fp32"
+    if suite == "e2e" and device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the end-to-end benchmark needs a CUDA device (none here); use --suite cpu, or "
                            "--device cpu --size micro for a smoke test")
+    if suite == "e2e":
+        from .train import resolve_device
+
+        resolve_device(device)
+    if args.repeats is not None:
+        check_positive_integer("--repeats", args.repeats)
     out = Path(args.out or f"bench/results/cli_{suite}.json")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if check_output_path(out, "--out") == check_output_path(plot, "--plot"):
         raise ValueError("--out and --plot name the same file; give each its own path")
     with plots.Staging() as staging:
         tmp_json = staging.path(out)
+        module = _import_bench("bench_cpu" if suite == "cpu" else "bench_e2e")
+        known = tuple(module.CONFIGS) if suite == "cpu" else module.MODELS
+        unknown = [m for m in (args.models or "").split(",") if m and m not in known]
+        if unknown:
+            raise ValueError(f"--models: unknown {', '.join(unknown)} for the {suite} suite; choose from "
+                             f"{', '.join(known)}")
         if suite == "cpu":
-            module = _import_bench("bench_cpu")
             argv = ["--repeats", str(args.repeats or 15), "--out", tmp_json]
             if args.models:
                 argv += ["--models", args.models]
@@ -306,9 +332,8 @@ def _bench(args) -> int:
                 rc = module.main(argv)
             key, title = "time_ratio_vs_nonprivate", "step time × non-private (CPU; lower is better)"
         else:
-            module = _import_bench("bench_e2e")
-            argv = ["--repeats", str(args.repeats or 20), "--out", tmp_json, "--device", args.device,
-                    "--size", args.size, "--dtype", args.dtype]
+            argv = ["--repeats", str(args.repeats or 20), "--out", tmp_json, "--device", device, "--size", size,
+                    "--dtype", dtype]
             if args.models:
                 argv += ["--models", args.models]
             with contextlib.redirect_stdout(_NamingOutput(sys.stdout, str(tmp_json), str(out))):
@@ -394,8 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data", help="file.csv, x.npy (with --labels), data.npz (x, y[, budgets]) or an image folder")
     g.add_argument("--labels", help="labels .npy for --data x.npy")
     g.add_argument("--hf-dataset", help="a Hugging Face dataset name (needs the `datasets` package)")
-    g.add_argument("--hf-split", default="train")
-    g.add_argument("--hf-config")
+    g.add_argument("--hf-split", help="split of --hf-dataset (default train)")
+    g.add_argument("--hf-config", help="configuration of --hf-dataset")
     g.add_argument("--label-column", help="CSV / HF label column")
     g.add_argument("--text-column", help="text column, tokenized for bert/gpt2 models (hashing tokenizer by default)")
     g.add_argument("--tokenizer", help="a Hugging Face tokenizer name for --text-column (may download)")
@@ -419,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample | scale | hybrid (individualized DP-SGD), dpsgd (min ε for everyone), pdp (PDP-SGD)")
     g.add_argument("--clipping", default=d.clipping, choices=("flat", "per_layer"))
     g.add_argument("--mode", default=d.mode, choices=("bk", "ghost"))
-    g.add_argument("--hybrid-weight", type=float, default=d.hybrid_weight, help="λ of hybrid (0=Scale, 1=Sample)")
+    g.add_argument("--hybrid-weight", type=float,
+                   help=f"λ of --method hybrid (0 = Scale, 1 = Sample; default {d.hybrid_weight:g})")
     g.add_argument("--accountant", default=d.accountant, choices=("rdp", "pld"))
     g.add_argument("--rounds", type=int, default=d.rounds, help="PDP-SGD rounds (default 2)")
     g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive", "harmonic"),
@@ -484,9 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: e2e when CUDA is present, else cpu")
     bench.add_argument("--models", help="cpu: transformer,cnn; e2e: bert,resnet18,gpt2")
     bench.add_argument("--repeats", type=int)
-    bench.add_argument("--device", default="cuda", help="e2e only (cpu for a smoke test)")
-    bench.add_argument("--size", default="full", choices=("full", "tiny", "micro"), help="e2e only")
-    bench.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="e2e only")
+    bench.add_argument("--device", help="e2e only: cuda (default), cuda:N, or cpu for a smoke test")
+    bench.add_argument("--size", choices=("full", "tiny", "micro"), help="e2e only (default full)")
+    bench.add_argument("--dtype", choices=("fp32", "bf16"), help="e2e only (default fp32)")
     bench.add_argument("--out", help="JSON path (default bench/results/cli_<suite>.json)")
     bench.add_argument("--plot", help="PNG path (default: --out with .png)")
     bench.set_defaults(run=_bench)

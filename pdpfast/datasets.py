@@ -106,10 +106,12 @@ class TrainData:
         Returns:
             a new ``TrainData`` of kind "image" (the features reshaped, no copy when they are contiguous).
         Raises:
-            ValueError for token records, a shape that is not 3 numbers, or a product that does not match.
+            ValueError for token records, a shape that is not 3 positive numbers, or a product that does not
+            match.
         """
         shape = tuple(int(s) for s in shape)
-        if self.kind not in ("features", "image") or len(shape) != 3 or math.prod(shape) != math.prod(self.input_shape):
+        if (self.kind not in ("features", "image") or len(shape) != 3 or min(shape) < 1
+                or math.prod(shape) != math.prod(self.input_shape)):
             raise ValueError(f"cannot view records of shape {self.input_shape} as images of shape {shape} (C,H,W)")
         return replace(self, features=self.features.reshape(len(self), *shape), kind="image")
 
@@ -492,24 +494,41 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
 
 
 def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
-              text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split="train",
+              text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split=None,
               hf_config=None) -> TrainData:
     """Load records by what ``data`` is (a directory → image folder, .csv, .npy/.npz) or from
     ``hf_dataset``, then attach budgets from ``budgets`` (a file) when given.
 
     Args:
-        data / hf_dataset: where the records are; the other arguments as in the loaders above.
+        data / hf_dataset: where the records are; the other arguments as in the loaders above
+            (``hf_split`` None: "train").
     Returns:
-        ``TrainData`` (budgets None when none were given). Raises ValueError for budgets given twice.
+        ``TrainData`` (budgets None when none were given).
+    Raises:
+        ValueError for budgets given twice, or for an argument the source does not read (``labels``
+        beside anything but a .npy, a column beside anything but a CSV or a Hugging Face dataset, a
+        tokenizer name without text, ``hf_split`` / ``hf_config`` beside ``data``): nothing given is ignored.
     """
     if (data is None) == (hf_dataset is None):
         raise ValueError("give exactly one of --data and --hf-dataset")
+    ext = "" if data is None else os.path.splitext(os.fspath(data))[1].lower()
+    unread = {"--labels": (labels, "a .npy --data (an .npz holds its labels as y, a CSV in --label-column)",
+                           ext == ".npy"),
+              "--label-column": (label_column, "CSV or Hugging Face data", ext == ".csv" or data is None),
+              "--text-column": (text_column, "CSV or Hugging Face data", ext == ".csv" or data is None),
+              "--tokenizer": (tokenizer if isinstance(tokenizer, str) else None,      # a name; ints are defaults
+                              "text (a CSV's --text-column, or a Hugging Face dataset)",
+                              data is None or (ext == ".csv" and text_column is not None)),
+              "--hf-split": (hf_split, "--hf-dataset", data is None),
+              "--hf-config": (hf_config, "--hf-dataset", data is None)}
+    for option, (value, where, read) in unread.items():
+        if value is not None and not read:
+            raise ValueError(f"{option} applies to {where}; it would be ignored here")
     if hf_dataset is not None:
-        out = load_hf(hf_dataset, split=hf_split, config=hf_config, label_column=label_column or "label",
+        out = load_hf(hf_dataset, split=hf_split or "train", config=hf_config, label_column=label_column or "label",
                       text_column=text_column, budget_column=budget_column, tokenizer=tokenizer, max_length=max_length)
     else:
         path = os.fspath(data)
-        ext = os.path.splitext(path)[1].lower()
         if os.path.isdir(path):
             out = load_image_folder(path, image_size=image_size)
         elif ext == ".csv":

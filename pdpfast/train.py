@@ -127,7 +127,7 @@ class TrainConfig:
     data: str | None = None
     labels: str | None = None
     hf_dataset: str | None = None
-    hf_split: str = "train"
+    hf_split: str | None = None
     hf_config: str | None = None
     label_column: str | None = None
     budget_column: str | None = None
@@ -240,6 +240,8 @@ def _check_config(cfg: TrainConfig) -> None:
     check_int("--seed", cfg.seed, 0)
     if cfg.model == "mlp":
         _hidden_widths(cfg)
+    if cfg.image_shape:
+        _image_shape(cfg)
     check_int("--checkpoint-every", cfg.checkpoint_every, 0)
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
@@ -270,6 +272,16 @@ def _hidden_widths(cfg: TrainConfig) -> list[int]:
         raise ValueError(f"--hidden must be comma-separated positive layer widths (e.g. 128 or 256,64), "
                          f"got {cfg.hidden!r}")
     return widths
+
+
+def _image_shape(cfg: TrainConfig) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(s) for s in str(cfg.image_shape).split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"--image-shape must be three positive ints C,H,W (e.g. 1,8,8), got {cfg.image_shape!r}")
+    return shape
 
 
 def _check_outputs(cfg: TrainConfig) -> None:
@@ -344,11 +356,7 @@ def load_training_data(cfg: TrainConfig):
                      max_length=cfg.max_length, image_size=cfg.image_size, hf_split=cfg.hf_split,
                      hf_config=cfg.hf_config)
     if cfg.image_shape:
-        try:
-            shape = tuple(int(s) for s in cfg.image_shape.split(","))
-        except ValueError:
-            raise ValueError(f"--image-shape must be C,H,W, got {cfg.image_shape!r}") from None
-        data = data.as_images(shape)
+        data = data.as_images(_image_shape(cfg))
     if data.budgets is None:
         if cfg.epsilon is None:
             raise ValueError("no budgets: give --budget-column (CSV), --budgets FILE, or --epsilon E (the same ε for "

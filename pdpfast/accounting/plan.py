@@ -7,6 +7,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .._checks import check_int
+
 __all__ = ["GroupSummary", "PrivacyPlan"]
 
 _FORMAT_VERSION = 1
@@ -224,11 +226,14 @@ class PrivacyPlan:
         """A printable table: the plan's constants, then one row per group (elided in the middle).
 
         Args:
-            max_rows: most group rows shown; with more groups the first and last ``max_rows // 2``
-                are shown around a "..." row.
+            max_rows: most group rows shown, an int ≥ 1; with more groups the first
+                ``(max_rows + 1) // 2`` and the last ``max_rows // 2`` are shown around a "..." row.
         Returns:
             the table, a str.
+        Raises:
+            ValueError for ``max_rows`` < 1 (a table with no group in it).
         """
+        check_int("max_rows", max_rows, 1)
         head = (f"PrivacyPlan(method={self.method}, accountant={self.accountant}) for {self.num_records} records, "
                 f"{len(self.budget_values)} distinct budgets\n"
                 f"  noise multiplier sigma = {self.noise_multiplier:.6g}, reference clip C = {self.max_grad_norm:.6g}, "
@@ -239,7 +244,7 @@ class PrivacyPlan:
         cols = ("epsilon", "size", "sample_rate", "clip_norm", "noise_mult", "guaranteed_eps", "used")
         lines = ["  " + " ".join(f"{c:>14}" for c in cols)]
         g = len(self.budget_values)
-        rows = list(range(g)) if g <= max_rows else list(range(max_rows // 2)) + [-1] + list(
+        rows = list(range(g)) if g <= max_rows else list(range((max_rows + 1) // 2)) + [-1] + list(
             range(g - max_rows // 2, g))
         z = self.group_noise_multipliers
         for r in rows:

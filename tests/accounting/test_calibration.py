@@ -153,6 +153,21 @@ def test_summary_is_a_printable_table():
     assert len(text.splitlines()) <= 30
 
 
+@pytest.mark.parametrize("max_rows,shown", [(1, [0]), (2, [0, -1]), (3, [0, 1, -1]), (4, [0, 1, -2, -1])])
+def test_summary_shows_the_first_and_last_groups_around_the_elision(max_rows, shown):
+    plan = calibrate(np.repeat([1.0, 2.0, 3.0, 4.0, 5.0], 20), delta=DELTA, steps=100, sample_rate=0.05)
+    rows = plan.summary(max_rows=max_rows).splitlines()[4:]
+    values = [float(r.split()[0]) for r in rows if not r.strip().startswith("...")]
+    assert values == [plan.budget_values[i] for i in shown] and len(rows) == max_rows + 1
+
+
+@pytest.mark.parametrize("max_rows", [0, -1, 2.5, True])
+def test_a_summary_of_no_rows_is_refused(max_rows):
+    plan = calibrate(np.repeat([1.0, 2.0], 5), delta=DELTA, steps=10, sample_rate=0.5)
+    with pytest.raises(ValueError, match="max_rows must be an int ≥ 1"):
+        plan.summary(max_rows=max_rows)
+
+
 def test_accepts_torch_tensors():
     torch = pytest.importorskip("torch")
     plan = calibrate(torch.tensor([1.0, 2.0, 2.0]), delta=DELTA, steps=50, sample_rate=0.1, method="scale")

@@ -39,3 +39,19 @@ def test_bench_outside_a_checkout_says_to_run_it_from_the_repository(tmp_path, m
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="repository root"):
         pdpfast_cli._import_bench("bench_cpu", roots=[tmp_path])
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("--suite", "cpu", "--dtype", "bf16"), "--dtype: for the end-to-end suite (--suite e2e) only"),
+    (("--suite", "cpu", "--device", "cpu", "--size", "tiny"), "--device, --size: for the end-to-end suite"),
+    (("--suite", "cpu", "--repeats", 0), "--repeats must be a positive integer"),
+    (("--suite", "cpu", "--models", "transformer,bogus"), "--models: unknown bogus for the cpu suite; choose from "
+                                                           "transformer, cnn"),
+    (("--suite", "e2e", "--device", "cpu", "--models", "resnet"), "--models: unknown resnet for the e2e suite"),
+    (("--suite", "e2e", "--device", "bogus"), "--device bogus: not a device")])
+def test_bench_options_that_would_be_ignored_or_fail_deep_inside_are_refused_first(cli, tmp_path, args, expected):
+    """``--suite cpu --dtype bf16`` used to run the fp32 CPU suite; ``--repeats -1`` failed with "no median
+    for empty data", ``--models bogus`` with a bare KeyError."""
+    message = cli.fails("bench", *args, "--out", tmp_path / "x.json")
+    assert expected in message, message
+    assert not list(tmp_path.iterdir())

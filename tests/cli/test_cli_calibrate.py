@@ -43,7 +43,7 @@ def test_calibrate_runs_as_a_module_in_a_subprocess(data_dir, tmp_path):
 @pytest.mark.parametrize("case", ["missing file", "nan", "zero", "letters", "empty", "no steps", "both steps",
                                   "bad extension", "multi-column csv", "bad delta", "rate and batch size",
                                   "zero batch size", "zero epochs", "hybrid weight of sample", "column of npy",
-                                  "boolean budgets"])
+                                  "boolean budgets", "no rows"])
 def test_calibrate_bad_input_fails_in_one_line_and_writes_nothing(cli, tmp_path, case):
     work = tmp_path / "w"
     work.mkdir()
@@ -72,11 +72,12 @@ def test_calibrate_bad_input_fails_in_one_line_and_writes_nothing(cli, tmp_path,
         "hybrid weight of sample": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--hybrid-weight", 0.2),
         "column of npy": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--column", "eps"),
         "boolean budgets": (work / "flags.npy", "--steps", 5, "--sample-rate", 0.1),  # True would read as ε = 1
+        "no rows": (work / "ok.npy", "--steps", 5, "--sample-rate", 0.1, "--max-rows", 0),   # refused before it works
     }[case]
     np.save(work / "flags.npy", np.ones(10, dtype=bool))
     names = {"rate and batch size": "--batch-size", "zero batch size": "--batch-size", "zero epochs": "--epochs",
              "hybrid weight of sample": "--hybrid-weight", "column of npy": "--column", "boolean budgets": "booleans",
-             "multi-column csv": "(--column)"}
+             "multi-column csv": "(--column)", "no rows": "--max-rows must be a positive integer"}
     before = outputs(work)
     message = cli.fails("calibrate", *args, "--out", work / "plan.json")
     assert names.get(case, "") in message

@@ -100,3 +100,42 @@ def test_bad_numbers_get_a_message_naming_the_option(cli, data_dir, tmp_path, op
     message = cli.fails("train", *_npy(data_dir), *budget, option, value, "--checkpoint", tmp_path / "ck.pt", *SMALL)
     assert option in message and expected in message, message
     assert outputs(tmp_path) == []
+
+
+def test_a_hybrid_weight_given_with_another_method_is_refused_not_ignored(cli, data_dir, tmp_path):
+    message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--method", "scale",
+                        "--hybrid-weight", 0.3, "--out-json", tmp_path / "s.json", *SMALL)
+    assert "--hybrid-weight is for --method hybrid (this is --method scale)" in message
+    assert not (tmp_path / "s.json").exists()
+    rc, _, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--method", "hybrid",
+                     "--hybrid-weight", 0.3, "--stop-after-steps", 1, *SMALL)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("shape", ["0", "-1,-2,4", "1,8", "1,8,8,1", "0,8,8"])
+def test_an_image_shape_that_is_not_three_positive_ints_is_refused_before_the_data_load(cli, data_dir, shape):
+    message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--model", "cnn",
+                        f"--image-shape={shape}", *SMALL)
+    assert f"--image-shape must be three positive ints C,H,W (e.g. 1,8,8), got '{shape}'" in message
+
+
+@pytest.mark.parametrize("extra,option", [(("--label-column", "y"), "--label-column"),
+                                          (("--text-column", "text"), "--text-column"),
+                                          (("--hf-split", "test"), "--hf-split"),
+                                          (("--hf-config", "plain"), "--hf-config"),
+                                          (("--tokenizer", "bert-base-uncased"), "--tokenizer")])
+def test_an_option_the_data_source_does_not_read_is_refused_not_ignored(cli, data_dir, tmp_path, extra, option):
+    """``--label-column y`` beside NumPy data, or ``--hf-split test`` beside a file, used to train as if
+    they had not been given."""
+    message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", *extra,
+                        "--out-json", tmp_path / "s.json", *SMALL)
+    assert f"{option} applies to" in message and "ignored" in message, message
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_labels_beside_an_npz_that_holds_its_own_are_refused(cli, tmp_path, data_dir):
+    x, y = np.load(data_dir / "x.npy"), np.load(data_dir / "y.npy")
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    message = cli.fails("train", "--data", tmp_path / "d.npz", "--labels", data_dir / "y.npy", "--budgets",
+                        data_dir / "budgets.npy", *SMALL)
+    assert "--labels applies to a .npy --data" in message
