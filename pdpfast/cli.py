@@ -128,7 +128,7 @@ def _audit(args) -> int:
         print(f"pdpfast audit: digits, groups at ε = 1/2/3, δ = 1e-5, {args.canaries} canaries, "
               f"methods {', '.join(methods)}", flush=True)
     result = run_audit(methods=methods, canaries_count=args.canaries, epochs=args.epochs, seed=args.seed,
-                       confidence=args.confidence, quiet=args.quiet)
+                       confidence=args.confidence, quiet=args.quiet, threads=args.threads)
     print(format_table(result))
     over = [r for r in result["rows"]
             if r["certified_epsilon"] is not None and r["epsilon_lower_bound"] > r["certified_epsilon"]]
@@ -291,9 +291,8 @@ def _bench(args) -> int:
     import torch
 
     from . import plots
-    from ._io import check_output_path
-
     from ._checks import check_positive_integer
+    from ._io import check_output_path
 
     suite = args.suite
     if suite == "auto":
@@ -527,6 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     audit.add_argument("--confidence", type=float, default=0.95, help="of the lower bounds (default 0.95)")
     audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--threads", type=int,
+                       help="torch threads (default: torch's own; 1 is far faster on a machine other jobs load)")
     audit.add_argument("--out", default="audit_out", help="directory for audit.json and audit.png")
     audit.add_argument("--quiet", action="store_true", help="no progress bars")
     audit.set_defaults(run=_audit)

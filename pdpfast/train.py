@@ -219,7 +219,7 @@ def _option(name: str) -> str:
 
 
 def _check_config(cfg: TrainConfig) -> None:
-    from .models import model_names
+    from .models import model_names, model_spec
 
     if cfg.method not in METHODS:
         raise ValueError(f"unknown method {cfg.method!r}; choose from {', '.join(METHODS)}")
@@ -242,6 +242,10 @@ def _check_config(cfg: TrainConfig) -> None:
         _hidden_widths(cfg)
     if cfg.image_shape:
         _image_shape(cfg)
+    if (cfg.labels or cfg.label_column) and model_spec(cfg.model).task == "lm":
+        given = "--labels" if cfg.labels else "--label-column"
+        raise ValueError(f"{given}: --model {cfg.model} is a language model (next-token loss on the token ids) and "
+                         "reads no labels")
     check_int("--checkpoint-every", cfg.checkpoint_every, 0)
     if cfg.checkpoint_every and not (cfg.checkpoint or cfg.resume):
         raise ValueError("--checkpoint-every needs --checkpoint PATH")
@@ -314,7 +318,8 @@ def _check_outputs(cfg: TrainConfig) -> None:
 
 
 def _warn(text: str) -> None:
-    print(f"pdpfast train: warning: {text}", file=sys.stderr)
+    if _speaks():
+        print(f"pdpfast train: warning: {text}", file=sys.stderr)
 
 
 def _digest(array) -> str:
@@ -331,8 +336,14 @@ def _fingerprint(budgets: np.ndarray, data) -> dict:
             "budgets_sha256": _digest(np.asarray(budgets, dtype=np.float64))}
 
 
+def _speaks() -> bool:
+    """Whether this process reports: under torchrun (``--nproc``) only rank 0 does."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _say(cfg: TrainConfig, text: str) -> None:
-    print(text, file=cfg.log or sys.stdout)
+    if _speaks():
+        print(text, file=cfg.log or sys.stdout)
 
 
 def load_training_data(cfg: TrainConfig):
@@ -375,6 +386,9 @@ def _build(cfg: TrainConfig, train):
     if spec.task == "classification" and train.num_classes < 2:
         raise ValueError(f"model {cfg.model!r} classifies, but the data have {train.num_classes} class; "
                          "name the label column (--label-column) or labels file (--labels)")
+    if spec.task == "lm" and train.num_classes > 1:
+        _warn(f"--model {cfg.model} is a language model (next-token loss on the token ids): the data's "
+              f"{train.num_classes} label classes are not read")
     options = {"hidden": _hidden_widths(cfg)} if cfg.model == "mlp" else {}
     model_config = {"name": cfg.model, "input_shape": list(train.input_shape), "num_classes": train.num_classes,
                     "vocab_size": train.vocab_size, "input_kind": train.kind, "options": options}
@@ -481,7 +495,8 @@ def run(cfg: TrainConfig) -> dict:
         cfg: the command's settings (see ``pdpfast train --help``).
     Returns:
         the summary (also written to ``cfg.out_json``): method, steps, total_steps, finished,
-        seconds, device, records_per_second, test metrics, ε per budget group ("groups"), and on a
+        seconds (the whole job), train_seconds (its training steps), device, records_per_second
+        (steps × expected batch / train_seconds), test metrics, ε per budget group ("groups"), and on a
         CPU cpu_allocator (``pdpfast._malloc.retain_unless_configured``), ...
     Raises:
         ValueError for settings, data or a checkpoint that do not fit; :class:`TrainingInterrupted`
@@ -584,8 +599,8 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
     if summary["finished"] and not summary["records_per_second"]:  # resumed from a finished run's checkpoint
         _say(cfg, f"done: the run had finished ({summary['steps']} steps); nothing left to train{saved}")
     elif summary["finished"]:
-        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s "
-                  f"({summary['records_per_second']:.0f} records/s on {device}){saved}")
+        _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, {summary['train_seconds']:.1f}s "
+                  f"of them training ({summary['records_per_second']:.0f} records/s on {device}){saved}")
     else:
         _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
                   f"--resume {checkpoint_path}")
@@ -626,8 +641,12 @@ class _Progress:
         self.start = clock()
         self.steps = 0          # taken by this invocation (a resumed run starts at its checkpoint's step)
 
+    def seconds(self) -> float:
+        """Since the bar opened: the training steps of this invocation, not the setup before them."""
+        return self.clock() - self.start
+
     def records_per_second(self) -> float:
-        return self.steps * self.expected_batch_size / max(self.clock() - self.start, 1e-9)
+        return self.steps * self.expected_batch_size / max(self.seconds(), 1e-9)
 
     def step(self, loss: float, **postfix) -> None:
         self.steps += 1
@@ -713,7 +732,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
             "finished": engine.steps >= plan.steps, "spent": engine.epsilons(),
             "ledger": f"{engine.accountant.name.upper()} ledger at δ={cfg.delta:g}",
             "noise_multiplier": plan.noise_multiplier,
-            "records_per_second": progress.records_per_second()}
+            "records_per_second": progress.records_per_second(), "train_seconds": progress.seconds()}
 
 
 def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, total_steps) -> dict:
@@ -739,4 +758,4 @@ def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     return {"method": "pdp", "steps": driver.steps, "total_steps": driver.total_steps, "finished": driver.finished,
             "spent": result.epsilons, "ledger": "PDP-SGD round guarantees charged", "rounds": [
                 dataclasses.asdict(r) for r in result.rounds], "max_delta": float(result.deltas.max()),
-            "records_per_second": progress.records_per_second()}
+            "records_per_second": progress.records_per_second(), "train_seconds": progress.seconds()}

@@ -104,3 +104,13 @@ def test_the_scorer_reads_the_dirac_canaries_as_the_dense_forward_does():
     x[0, 0] = 1.0  # a canary that is not Dirac
     with pytest.raises(ValueError, match="Dirac"):
         audit._Scorer(model, x, y, columns)
+
+
+def test_the_audit_table_does_not_depend_on_the_threads_and_the_setting_is_restored():
+    import torch
+
+    before = torch.get_num_threads()
+    runs = [audit.run_audit(methods=("sample",), canaries_count=600, epochs=2, quiet=True, threads=t)["rows"]
+            for t in (1, 2)]
+    assert runs[0] == runs[1]
+    assert torch.get_num_threads() == before

@@ -203,6 +203,8 @@ def test_cli_nproc_2_trains_the_one_process_model(tmp_path):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr[-3000:]
+        # one report, from rank 0: the other rank used to print every line again
+        assert done.stdout.count("pdpfast train:") == 1 and done.stdout.count("done:") == 1, done.stdout
         runs[nproc] = (json.loads((tmp_path / f"n{nproc}.json").read_text()),
                        torch.load(str(out) + ".pt", weights_only=False)["model"])
     (one, one_weights), (two, two_weights) = runs[1], runs[2]

@@ -64,6 +64,7 @@ def test_an_audit_with_fewer_than_two_canaries_per_group_is_refused_before_it_st
                                          (("demo", "--adaptive", "--lr", 0), "--lr"),
                                          (("demo", "--threads", -1), "--threads"),
                                          (("audit", "--seed", -1), "--seed"),
+                                         (("audit", "--threads", -1), "--threads"),
                                          (("fl", "simulate", "--dirichlet-alpha", 0), "--dirichlet-alpha"),
                                          (("fl", "simulate", "--dirichlet-alpha", "nan"), "--dirichlet-alpha")])
 def test_settings_that_used_to_train_or_fail_inside_a_library_are_refused_by_option(cli, args, option, tmp_path):

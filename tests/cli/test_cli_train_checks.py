@@ -139,3 +139,14 @@ def test_labels_beside_an_npz_that_holds_its_own_are_refused(cli, tmp_path, data
     message = cli.fails("train", "--data", tmp_path / "d.npz", "--labels", data_dir / "y.npy", "--budgets",
                         data_dir / "budgets.npy", *SMALL)
     assert "--labels applies to a .npy --data" in message
+
+
+def test_a_language_model_given_labels_is_refused_and_labels_in_its_data_are_named_unread(cli, data_dir, tmp_path):
+    """GPT-2 trains on next-token loss: labels given to it used to be dropped without a word."""
+    message = cli.fails("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+                        data_dir / "budgets.npy", "--model", "gpt2-micro", *SMALL)
+    assert "--labels: --model gpt2-micro is a language model" in message and "reads no labels" in message
+    rc, _, err = cli("train", "--data", data_dir / "tokens.npz", "--model", "gpt2-micro", "--stop-after-steps", 1,
+                     "--epochs", 1, "--batch-size", 8, "--quiet")
+    assert rc == 0, err
+    assert "warning: --model gpt2-micro is a language model" in err and "are not read" in err, err
