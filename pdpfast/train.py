@@ -337,8 +337,9 @@ def _fingerprint(budgets: np.ndarray, data) -> dict:
 
 
 def _speaks() -> bool:
-    """Whether this process reports: under torchrun (``--nproc``) only rank 0 does."""
-    return os.environ.get("RANK", "0") == "0"
+    """Whether this process reports: in a torchrun job of several processes (``--nproc``; the same
+    test of WORLD_SIZE as ``_start_distributed``) only rank 0 does."""
+    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
 
 
 def _say(cfg: TrainConfig, text: str) -> None:

@@ -211,3 +211,19 @@ def test_cli_nproc_2_trains_the_one_process_model(tmp_path):
     assert two["steps"] == one["steps"] and two["groups"] == one["groups"]
     for name, w in one_weights.items():
         torch.testing.assert_close(two_weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("env,speaks", [({}, True), ({"RANK": "3", "WORLD_SIZE": "1"}, True),
+                                        ({"RANK": "0", "WORLD_SIZE": "2"}, True),
+                                        ({"RANK": "1", "WORLD_SIZE": "2"}, False)])
+def test_only_rank_0_of_a_multi_process_job_reports(monkeypatch, capsys, env, speaks):
+    from pdpfast import train
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    train._say(train.TrainConfig(), "a report line")
+    train._warn("a warning")
+    out, err = capsys.readouterr()
+    assert ("a report line" in out) == speaks and ("a warning" in err) == speaks
