@@ -3,28 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 __all__ = ["as_option_words"]
 
 
 def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
-    """An error message that opens with a Python argument name (``rounds must be an int ≥ 1``, raised
-    by the API a command calls) as the user typed it: ``--rounds must be …``.
+    """An error message in the words the user typed: a Python argument name raised by the API a
+    command calls becomes the option of the command that ran (``rounds must be an int ≥ 1`` →
+    ``--rounds must be …``; ``… or a larger dirichlet_alpha`` → ``… or a larger --dirichlet-alpha``).
 
     Args:
         parser: the top-level parser; args: what it parsed (which subcommands ran); text: the message.
     Returns:
-        ``text`` with its first word replaced by the option of the command that ran whose destination
-        it names; unchanged when it names none.
+        ``text`` with its first word replaced where it is an option's destination, and so is every
+        other word with an underscore (a name no sentence uses otherwise); unchanged where none is.
     """
     while True:  # down to the subcommand that ran
         chosen = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         if not chosen or getattr(args, chosen[0].dest, None) not in chosen[0].choices:
             break
         parser = chosen[0].choices[getattr(args, chosen[0].dest)]
-    name, sep, rest = text.partition(" ")
+    options = {}
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
-        if action.dest == name and longs and sep:
-            return f"{longs[0]} {rest}"
-    return text
+        if longs:
+            options.setdefault(action.dest, longs[0])
+    name, sep, rest = text.partition(" ")
+    if sep and name in options:
+        text = f"{options[name]} {rest}"
+    return re.sub(r"(?<![\w./-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w./-])",
+                  lambda m: options.get(m.group(0), m.group(0)), text)

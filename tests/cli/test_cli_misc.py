@@ -91,3 +91,22 @@ def test_flower_processes_refuse_bad_settings_before_they_open_a_port_or_start_a
     message = cli.fails(*args)
     assert f"error: {option} must" in message, message
     assert "Flower processes failed" not in message
+
+
+def test_python_names_inside_an_error_become_the_options_of_the_command_that_ran():
+    from pdpfast._options import as_option_words
+    from pdpfast.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["calibrate", "b.npy"])
+    assert as_option_words(parser, args, "a hybrid_weight of 2 with sample_rate=0.5 and max_grad_norm") == \
+        "a --hybrid-weight of 2 with --sample-rate=0.5 and --max-grad-norm"
+    # a path, an unknown name and a name of another command stay as written
+    text = "/data/max_grad_norm.csv: unknown_name, dirichlet_alpha"
+    assert as_option_words(parser, args, text) == text
+
+
+def test_a_split_that_leaves_a_client_empty_names_the_option_to_change(cli):
+    pytest.importorskip("pdpfast.fl.cli")
+    message = cli.fails("fl", "simulate", "--split", "dirichlet", "--dirichlet-alpha", 0.01, "--clients", 40)
+    assert "a larger --dirichlet-alpha" in message, message
