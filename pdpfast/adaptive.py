@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._checks import check_int
+
 __all__ = ["QuantileClipping", "GeometricQuantileTracker", "split_noise", "pair_noise_multiplier",
            "AdaptiveTraining"]
 
@@ -65,6 +67,15 @@ def _number(name: str, value, low: float, high: float, *, low_open=False, high_o
     if not math.isfinite(v) or below or above:
         raise ValueError(f"{name} must lie in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}, "
                          f"got {value!r}")
+    return v
+
+
+def _nonnegative_array(name: str, values) -> np.ndarray:
+    if isinstance(values, (bool, np.bool_, str)):
+        raise TypeError(f"{name} must be a number or an array of numbers, got {type(values).__name__}")
+    v = np.asarray(values, dtype=np.float64)
+    if not np.all(np.isfinite(v)) or np.any(v < 0):
+        raise ValueError(f"{name} must be finite and ≥ 0, got {values!r}")
     return v
 
 
@@ -109,10 +120,13 @@ def split_noise(noise_multiplier, count_share: float, count_sensitivity: float =
         (z_grad, σ_count), float64 arrays of z's shape (0-d for a float): z_grad = z/√(1−f),
         σ_count = s·z/√f.
     Raises:
-        TypeError when ``count_share`` is not a number; ValueError when it is outside (0, 1).
+        TypeError when ``count_share`` or ``count_sensitivity`` is not a number; ValueError when f is
+        outside (0, 1), s is not a finite number > 0 (a count of sensitivity 0 would be released
+        unnoised), or a z is negative or not finite.
     """
     f = _number("count_share", count_share, 0.0, 1.0, low_open=True, high_open=True)
-    z = np.asarray(noise_multiplier, dtype=np.float64)
+    count_sensitivity = _number("count_sensitivity", count_sensitivity, 0.0, math.inf, low_open=True)
+    z = _nonnegative_array("noise_multiplier", noise_multiplier)
     return z / math.sqrt(1.0 - f), count_sensitivity * z / math.sqrt(f)
 
 
@@ -126,9 +140,12 @@ def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: f
         count_sensitivity: s, the count's L2 sensitivity (½ for one centered bit per record).
     Returns:
         z = (z_grad^-2 + (s/σ_count)^2)^-1/2, float64, broadcast over the arrays.
+    Raises:
+        ValueError for a negative or non-finite z_grad or σ_count, or s not a finite number > 0.
     """
-    zg = np.asarray(grad_noise_multiplier, dtype=np.float64)
-    sc = np.asarray(count_std, dtype=np.float64)
+    count_sensitivity = _number("count_sensitivity", count_sensitivity, 0.0, math.inf, low_open=True)
+    zg = _nonnegative_array("grad_noise_multiplier", grad_noise_multiplier)
+    sc = _nonnegative_array("count_std", count_std)
     return 1.0 / np.sqrt(zg ** -2.0 + (count_sensitivity / sc) ** 2)
 
 
@@ -160,8 +177,14 @@ class GeometricQuantileTracker:
             expected_count: E, the expected number of records behind each count (a constant), shape S.
         Returns:
             float64 array of the broadcast shape; may leave [0, 1] (it is noised).
+        Raises:
+            ValueError for an E that is not finite and > 0 (the fraction, and the bounds, would be NaN or
+            0 or ∞).
         """
-        return np.asarray(noisy_centered_count, dtype=np.float64) / np.asarray(expected_count) + 0.5
+        expected = np.asarray(expected_count, dtype=np.float64)
+        if not np.all(np.isfinite(expected)) or np.any(expected <= 0):
+            raise ValueError(f"expected_count must be finite and > 0, got {expected_count!r}")
+        return np.asarray(noisy_centered_count, dtype=np.float64) / expected + 0.5
 
     def update(self, noisy_centered_count, expected_count) -> np.ndarray:
         """One geometric step of every bound: C ← C·exp(−η(b̄ − γ)), b̄ from ``unclipped_fraction``.
@@ -190,12 +213,19 @@ class AdaptiveTraining:
         factors: (T,) noise factors h(t), or None (constant noise); steps past T use h(T − 1).
         seed: the seed of the counts' noise (an int); None draws one from ``os.urandom``.
     Raises:
-        TypeError when ``clipping`` is neither a QuantileClipping nor None.
+        TypeError when ``clipping`` is neither a QuantileClipping nor None; ValueError for factors that
+        are not a non-empty (T,) array of finite numbers > 0, or a seed that is not an int ≥ 0.
     """
 
     def __init__(self, engine, plan, *, clipping: QuantileClipping | None = None, factors=None, seed=None):
         if clipping is not None and not isinstance(clipping, QuantileClipping):
             raise TypeError(f"adaptive_clipping must be a QuantileClipping, got {type(clipping).__name__}")
+        if factors is not None:
+            f = np.asarray(factors, dtype=np.float64) if not isinstance(factors, str) else np.array([np.nan])
+            if f.ndim != 1 or f.size == 0 or not np.all(np.isfinite(f)) or np.any(f <= 0):
+                raise ValueError(f"factors must be a non-empty (T,) array of finite numbers > 0, got {factors!r}")
+        if seed is not None:
+            check_int("seed", seed, 0)
         state = engine.state
         self.engine, self.plan, self.clipping = engine, plan, clipping
         self.factors = None if factors is None else np.asarray(factors, dtype=np.float64)
@@ -372,8 +402,10 @@ class AdaptiveTraining:
             ValueError as ``check_state`` (nothing changed).
         """
         bounds = self.check_state(state)
+        seed = state["seed"]
+        seed = check_int("seed", seed.item() if isinstance(seed, np.ndarray) and seed.ndim == 0 else seed, 0)
         if bounds is not None:
             self.tracker.bounds = bounds
             self._bounds_tensor = torch.from_numpy(self.bounds.copy())
-        self.seed = int(state["seed"])
+        self.seed = seed
         self._set_ledger(self.engine.optimizer.steps)

@@ -303,3 +303,30 @@ def test_demo_adaptive_command_writes_its_results(tmp_path):
     assert main(["demo", "--adaptive", "--epochs", "1", "--seeds", "1", "--methods", "scale", "--quiet",
                  "--out", str(out)]) == 0
     assert (out / "adaptive.png").stat().st_size > 0 and json.loads((out / "adaptive.json").read_text())
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda: split_noise(1.0, 0.01, count_sensitivity=0), "count_sensitivity"),      # the count unnoised
+    (lambda: split_noise(-1.0, 0.1), "noise_multiplier"),
+    (lambda: split_noise([1.0, np.nan], 0.1), "noise_multiplier"),
+    (lambda: pair_noise_multiplier(-2.0, 1.0), "grad_noise_multiplier"),
+    (lambda: pair_noise_multiplier(1.0, -1.0), "count_std"),
+    (lambda: pair_noise_multiplier(1.0, 1.0, count_sensitivity=-0.5), "count_sensitivity"),
+    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update(np.zeros(2), 0.0), "expected_count"),
+    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update(np.zeros(2), np.inf), "expected_count")])
+def test_noise_splits_and_bound_updates_refuse_what_would_release_a_count_unnoised_or_nan_bounds(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(factors=[1.0, -1.0]), "factors"), (dict(factors=[]), "factors"),
+                                         (dict(factors=[1.0, np.nan]), "factors"), (dict(seed=-1), "seed"),
+                                         (dict(seed=1.5), "seed")])
+def test_adaptive_training_refuses_bad_factors_and_seeds_at_once_not_at_a_later_step(kwargs, name):
+    from pdpfast.adaptive import AdaptiveTraining
+
+    engine = _engine(adaptive=QuantileClipping())[0]
+    with pytest.raises(ValueError, match=name):
+        AdaptiveTraining(engine, engine.plan, clipping=QuantileClipping(), **kwargs)
+    with pytest.raises(ValueError, match="seed"):
+        engine.adaptive.load_state_dict(engine.adaptive.state_dict() | {"seed": -5})

@@ -65,19 +65,22 @@ class FLConfig:
         from ..clipping import CLIPPINGS, MODES  # the engine's own choices (imports torch: lazily)
         from .methods import METHODS
 
-        check_int("rounds", self.rounds, 1)
-        check_int("local_steps", self.local_steps, 1)
-        check_in_range("client_rate", self.client_rate, low=0.0, high=1.0)
-        check_in_range("noise_multiplier", self.noise_multiplier, low=0.0)
-        check_in_range("max_grad_norm", self.max_grad_norm, low=0.0)
-        check_in_range("delta", self.delta, low=0.0, high=1.0, high_open=True)
-        check_in_range("lr", self.lr, low=0.0)
+        # numbers are kept as Python ints and floats: a numpy scalar would not survive to_dict's JSON
+        # or config_to_argv's text
+        for name, value in (("rounds", check_int("rounds", self.rounds, 1)),
+                            ("local_steps", check_int("local_steps", self.local_steps, 1)),
+                            ("client_rate", check_in_range("client_rate", self.client_rate, low=0.0, high=1.0)),
+                            ("noise_multiplier", check_in_range("noise_multiplier", self.noise_multiplier, low=0.0)),
+                            ("max_grad_norm", check_in_range("max_grad_norm", self.max_grad_norm, low=0.0)),
+                            ("delta", check_in_range("delta", self.delta, low=0.0, high=1.0, high_open=True)),
+                            ("lr", check_in_range("lr", self.lr, low=0.0)),
+                            ("seed", check_int("seed", self.seed, 0))):
+            object.__setattr__(self, name, value)
         check_choice("method", self.method, tuple(METHODS))
         check_choice("threat", self.threat, THREATS)
         check_choice("conversion", self.conversion, CONVERSIONS)
         check_choice("mode", self.mode, MODES)
         check_choice("clipping", self.clipping, CLIPPINGS)
-        check_int("seed", self.seed, 0)
 
     @property
     def private(self) -> bool:
@@ -118,9 +121,15 @@ def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate:
         client_rate: λ in (0, 1].
     Returns:
         (M,) bool, True for the sampled clients.
+    Raises:
+        ValueError (TypeError for a non-number) for a seed < 0, a round < 1, no clients or λ outside (0, 1].
     """
+    check_int("seed", seed, 0)
+    check_int("server_round", server_round, 1)
+    check_int("num_clients", num_clients, 1)
+    client_rate = check_in_range("client_rate", client_rate, low=0.0, high=1.0)
     rng = np.random.default_rng([_CLIENT_SAMPLING_SALT, int(seed), int(server_round)])
-    return rng.random(int(num_clients)) < float(client_rate)
+    return rng.random(int(num_clients)) < client_rate
 
 
 def local_seed(seed: int, server_round: int, client_id: int) -> int:
@@ -132,6 +141,11 @@ def local_seed(seed: int, server_round: int, client_id: int) -> int:
         client_id: 0..M−1.
     Returns:
         a seed ≥ 0, a pure function of the three.
+    Raises:
+        ValueError (TypeError for a non-int) for a seed or client_id < 0, or a round < 1.
     """
+    check_int("seed", seed, 0)
+    check_int("server_round", server_round, 1)
+    check_int("client_id", client_id, 0)
     state = np.random.SeedSequence([_LOCAL_TRAINING_SALT, int(seed), int(server_round), int(client_id)])
     return int(state.generate_state(1, np.uint64)[0] >> np.uint64(2))

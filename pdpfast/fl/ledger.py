@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import as_float_array
+from .._checks import as_float_array, check_delta, check_in_range, check_int
 from .._io import atomic_write
 from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon, remembered
 from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
@@ -49,12 +49,28 @@ def round_rdp(sample_rates, *, noise_multiplier: float, local_steps: int, client
         orders: the RDP orders α > 1, (n,) (default ``DEFAULT_ORDERS``).
     Returns:
         {"clients": (P, n) float64, "server": (P, n) float64}, the RDP of one round at each order.
+    Raises:
+        ValueError (TypeError for a non-number) for a rate outside [0, 1] or a setting out of range.
     """
     orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
-    q = np.atleast_1d(np.asarray(sample_rates, dtype=np.float64))
-    rho_local = int(local_steps) * rdp_one_step(q, np.array([float(noise_multiplier)]), orders)
+    q = _check_rates(as_float_array("sample_rates", sample_rates).ravel())
+    noise_multiplier, local_steps, client_rate = _check_round(noise_multiplier, local_steps, client_rate)
+    rho_local = local_steps * rdp_one_step(q, np.array([noise_multiplier]), orders)
     rho_clients = np.where(q[:, None] == 0.0, 0.0, client_sampled_rdp(rho_local, orders, client_rate))
     return {"clients": rho_clients, "server": rho_local}
+
+
+def _check_rates(q: np.ndarray) -> np.ndarray:
+    if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
+        raise ValueError("sample_rates must lie in [0, 1]")
+    return q
+
+
+def _check_round(noise_multiplier, local_steps, client_rate) -> tuple[float, int, float]:
+    """(σ, τ, λ) of a round, checked as ``FLConfig`` checks them: a σ ≤ 0, τ = 0 or λ = NaN would
+    charge nothing, or NaN, and a record would never be dropped."""
+    return (check_in_range("noise_multiplier", noise_multiplier, low=0.0), check_int("local_steps", local_steps, 1),
+            check_in_range("client_rate", client_rate, low=0.0, high=1.0))
 
 
 _ROUND_MEMO: dict = {}   # (σ, τ, λ, orders) → {q: (clients row, server row)}
@@ -91,8 +107,9 @@ class FederatedLedger:
         participations: (n,) int64 rounds charged under "server".
         rounds_seen: the last round seen (int, 0 before the first).
     Raises:
-        ValueError when the shapes differ, a rate lies outside [0, 1], a budget is NaN or ≤ 0, or the
-        conversion is unknown.
+        ValueError when the shapes differ, a rate lies outside [0, 1], a budget is NaN or ≤ 0, δ lies
+        outside (0, 1), σ, τ or λ is out of range (as ``FLConfig`` checks them), or the conversion is
+        unknown.
     """
 
     def __init__(self, sample_rates, budgets, *, noise_multiplier: float, local_steps: int, client_rate: float,
@@ -101,8 +118,9 @@ class FederatedLedger:
         b = as_float_array("budgets", budgets).ravel()
         if q.shape != b.shape:
             raise ValueError(f"budgets has {b.shape[0]} values but sample_rates has {q.shape[0]}")
-        if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
-            raise ValueError("sample_rates must lie in [0, 1]")
+        _check_rates(q)
+        noise_multiplier, local_steps, client_rate = _check_round(noise_multiplier, local_steps, client_rate)
+        delta = check_delta("delta", delta)
         if np.any(np.isnan(b)) or np.any(b <= 0):
             raise ValueError("budgets must be > 0 (use q = 0 for records that never take part)")
         if conversion not in CONVERSIONS:
@@ -165,11 +183,13 @@ class FederatedLedger:
             (n,) float64 sampling rates of this round (q_j for records taking part, 0 for the others);
             ``active`` is updated in place.
         Raises:
-            ValueError when ``server_round`` was already seen.
+            ValueError (TypeError for a non-int) when ``server_round`` was already seen or is not an int;
+            the ledger is then unchanged.
         """
-        self.advance_to(server_round - 1)
-        if server_round != self.rounds_seen + 1:
+        check_int("server_round", server_round, 1)
+        if server_round <= self.rounds_seen:
             raise ValueError(f"server_round {server_round} was already seen (last round {self.rounds_seen})")
+        self.advance_to(server_round - 1)
         self._drop("clients", self.rounds_charged + 1)
         if sampled:
             self._drop("server", self.participations + 1)
@@ -197,7 +217,10 @@ class FederatedLedger:
             server_round: the last round to account (1-based; nothing happens for a round already seen).
         Returns:
             None; the state advances in place, records dropping out as their budgets run out.
+        Raises:
+            TypeError / ValueError for a round that is not an int ≥ 0 (an infinite one would never end).
         """
+        check_int("server_round", server_round, 0)
         while self.rounds_seen < server_round:
             self.begin_round(self.rounds_seen + 1, sampled=False)
             self.end_round(sampled=False)
@@ -233,10 +256,18 @@ class FederatedLedger:
         if not (np.array_equal(state["sample_rates"], self.sample_rates) and
                 np.array_equal(state["budgets"], self.budgets)):
             raise ValueError("ledger state was saved for other sample_rates or budgets")
+        missing = [k for k in ("active", "rounds_charged", "participations", "rounds_seen") if k not in state]
+        if missing:
+            raise ValueError(f"ledger state lacks {', '.join(missing)}: not a state_dict() of a FederatedLedger")
+        counts = {k: np.asarray(state[k]) for k in ("rounds_charged", "participations", "rounds_seen")}
+        for k, v in counts.items():  # a float count cast to int would drop its fraction and under-report
+            if not (np.issubdtype(v.dtype, np.integer) or (np.issubdtype(v.dtype, np.floating) and
+                                                          np.all(np.isfinite(v)) and np.all(v == np.round(v)))):
+                raise ValueError(f"ledger state: {k} must hold whole counts, got {v.dtype} values")
         active = np.asarray(state["active"], dtype=bool).copy()
-        charged = np.asarray(state["rounds_charged"], dtype=np.int64).copy()
-        participations = np.asarray(state["participations"], dtype=np.int64).copy()
-        seen = int(state["rounds_seen"])
+        charged = counts["rounds_charged"].astype(np.int64)
+        participations = counts["participations"].astype(np.int64)
+        seen = int(counts["rounds_seen"])
         n = self.budgets.shape
         if active.shape != n or charged.shape != n or participations.shape != n:
             raise ValueError(f"ledger state: active, rounds_charged and participations must hold one value per record "

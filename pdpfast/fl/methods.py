@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import as_float_array
+
 
 @dataclass(frozen=True)
 class Method:
@@ -85,8 +87,16 @@ def target_budgets(method: str, budgets, federation) -> np.ndarray:
     Returns:
         (n,) float64 target ε per record (NaN: left out; ∞: no privacy).
     Raises:
-        ValueError for an unregistered method.
+        ValueError for an unregistered method, or budgets (either) that are not a flat array of finite
+        numbers > 0 (a NaN in ``federation`` would silently leave a client training nothing).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
-    return METHODS[method].targets(budgets, federation)
+    return METHODS[method].targets(_budgets("budgets", budgets), _budgets("federation", federation))
+
+
+def _budgets(name: str, values) -> np.ndarray:
+    arr = as_float_array(name, values)   # not bools, nor strings numpy would read
+    if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
+        raise ValueError(f"{name} must be a non-empty flat array of finite numbers > 0, got shape {arr.shape}")
+    return arr

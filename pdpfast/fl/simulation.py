@@ -233,7 +233,8 @@ def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
             idx = data.records_of(k)
             if len(b) != idx.shape[0]:
                 raise ValueError(f"budgets[{k}] has {len(b)} values but client {k} holds {idx.shape[0]} records")
-            out[idx] = b
+            # each array as a flat one is checked: a bool or a numeric string is not a budget
+            out[idx] = check_positive_per_record(f"budgets[{k}]", b, idx.shape[0], records="record of the client")
         budgets = out
     return check_positive_per_record("budgets", budgets, n, records="training record")
 
@@ -279,12 +280,20 @@ def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test
         a dict: "weights" (the final global arrays), "accuracy" / "loss" (T+1,) float (index 0: the
         initial model), "sampled" / "contributed" (T, M) bool.
     Raises:
-        ValueError when the silos are not in client-id order, or there is none.
+        ValueError when the silos are not in client-id order, there is none, or a silo was built
+        for another client rate λ than ``config``'s (its ledger would account another sampling).
     """
     from tqdm.auto import tqdm
 
     if any(s.client_id != k for k, s in enumerate(silos)):
         raise ValueError("silos must be given in client-id order 0..M−1")
+    # the run samples clients at its own λ; a silo's ledger amplifies by its config's λ ("clients")
+    other = [s.client_id for s in silos if s.config.client_rate != config.client_rate]
+    if other:
+        raise ValueError(f"silo(s) {other} were built for client_rate λ = {silos[other[0]].config.client_rate:g}, but "
+                         f"this run samples clients at λ = {config.client_rate:g}: their ledgers would under- or "
+                         "over-charge; build them with this run's config (more rounds than planned are fine: the "
+                         "ledgers drop records as budgets run out)")
     M, T = len(silos), config.rounds
     if M == 0:
         raise ValueError("clients must be ≥ 1")

@@ -95,3 +95,109 @@ def test_a_dirichlet_alpha_out_of_range_is_refused_whatever_the_split(split, alp
     """α used to be read only by the dirichlet split: with another split a bad one passed unnoticed."""
     with pytest.raises(ValueError, match="dirichlet_alpha must be a finite number > 0"):
         fl.partition(np.repeat([0, 1], 6), 2, split, dirichlet_alpha=alpha)
+
+
+LEDGER = dict(noise_multiplier=1.0, local_steps=2, client_rate=1.0, delta=1e-5)
+
+
+@pytest.mark.parametrize("name,value,error", [
+    ("delta", 1.5, ValueError), ("delta", 10.0, ValueError), ("delta", 0.0, ValueError),
+    ("delta", float("inf"), ValueError),
+    ("delta", True, TypeError), ("delta", "1e-5", TypeError),
+    ("local_steps", 0, ValueError), ("local_steps", -1, ValueError), ("local_steps", 2.7, ValueError),
+    ("local_steps", "2", ValueError),
+    ("client_rate", float("nan"), ValueError), ("client_rate", 0.0, ValueError), ("client_rate", 1.5, ValueError),
+    ("client_rate", "0.5", TypeError),
+    ("noise_multiplier", -1.0, ValueError), ("noise_multiplier", float("nan"), ValueError)])
+def test_the_federated_ledger_refuses_settings_that_would_under_charge(name, value, error):
+    """δ = 1.5 gave negative ε (a budget-1 record trained 16 rounds worth ε ≈ 23 at δ = 1e-5), τ = 0
+    charged nothing, λ = NaN made ε NaN and the record was never dropped."""
+    from pdpfast.fl.ledger import FederatedLedger, round_rdp
+
+    with pytest.raises(error, match=name):
+        FederatedLedger([0.5], [1.0], **(LEDGER | {name: value}))
+    if name != "delta":
+        with pytest.raises(error, match=name):
+            round_rdp([0.5], **{k: v for k, v in (LEDGER | {name: value}).items() if k != "delta"})
+
+
+@pytest.mark.parametrize("rates", [[1.5], [-0.1], [float("nan")]])
+def test_round_rdp_refuses_rates_outside_the_unit_interval(rates):
+    from pdpfast.fl.ledger import round_rdp
+
+    with pytest.raises(ValueError, match=r"sample_rates must lie in \[0, 1\]"):
+        round_rdp(rates, noise_multiplier=1.0, local_steps=1, client_rate=0.5)
+
+
+def test_a_refused_round_leaves_the_ledger_as_it_was_and_an_endless_advance_is_refused():
+    from pdpfast.fl.ledger import FederatedLedger
+
+    ledger = FederatedLedger([0.5], [100.0], **LEDGER)
+    before = {k: np.copy(v) for k, v in ledger.state_dict().items()}
+    for bad in (1.5, float("inf"), True):
+        with pytest.raises((TypeError, ValueError), match="server_round"):
+            ledger.begin_round(bad, sampled=True)
+    with pytest.raises(ValueError, match="server_round"):
+        ledger.advance_to(float("inf"))
+    after = ledger.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("key,value", [("rounds_charged", np.array([0.9])), ("rounds_seen", np.float64(2.5)),
+                                       ("participations", np.array([np.nan]))])
+def test_a_ledger_state_with_fractional_counts_is_refused_not_truncated(key, value):
+    from pdpfast.fl.ledger import FederatedLedger
+
+    ledger = FederatedLedger([0.5], [100.0], **LEDGER)
+    ledger.advance_to(3)
+    state = ledger.state_dict() | {key: value}
+    with pytest.raises(ValueError, match=f"{key} must hold whole counts"):
+        ledger.load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks rounds_seen"):
+        ledger.load_state_dict({k: v for k, v in ledger.state_dict().items() if k != "rounds_seen"})
+
+
+def test_silos_built_for_another_client_rate_are_refused_by_the_run():
+    """Silos built for λ = 0.2 and run at λ = 1 were sampled every round while their ledgers charged
+    rounds at λ = 0.2: ε was reported 0.72 against 1.31 spent."""
+    from pdpfast.fl.simulation import run_federated
+
+    data = fl.load_federated("breast_cancer", 2, "iid", seed=0)
+    budgets = np.full(data.y_train.shape[0], 1.0)
+    silos = [fl.build_silo(data, budgets, fl.FLConfig(rounds=2, local_steps=1, client_rate=0.2), k) for k in range(2)]
+    with pytest.raises(ValueError, match=r"client_rate λ = 0.2, but this run samples clients at λ = 1"):
+        run_federated(silos, fl.model_factory("breast_cancer"), data.x_test, data.y_test,
+                      fl.FLConfig(rounds=2, local_steps=1, client_rate=1.0))
+
+
+def test_per_client_budgets_and_federation_budgets_are_checked_like_flat_ones():
+    from pdpfast.fl.methods import target_budgets
+    from pdpfast.fl.simulation import resolve_budgets
+
+    data = fl.load_federated("breast_cancer", 2, "iid", seed=0)
+    flags = [np.ones(data.records_of(k).shape[0], dtype=bool) for k in range(2)]
+    with pytest.raises(TypeError, match=r"budgets\[0\]"):
+        resolve_budgets(flags, data)
+    for federation in ([1.0, float("nan")], [1.0, -1.0], [[1.0]], [True, True]):
+        with pytest.raises((TypeError, ValueError), match="federation"):
+            target_budgets("minimum", [1.0], federation)
+
+
+def test_config_numbers_are_python_numbers_so_results_serialize():
+    config = fl.FLConfig(rounds=np.int64(2), delta=np.float64(1e-5), client_rate=np.float32(0.5), seed=np.int64(1))
+    assert type(config.rounds) is int and type(config.delta) is float and type(config.seed) is int
+    import json
+
+    json.dumps(config.to_dict())
+    from pdpfast.fl.flower import config_to_argv
+
+    assert "np." not in " ".join(config_to_argv(config))
+
+
+@pytest.mark.parametrize("args", [(0, 1, 3, float("nan")), (0, 1, 3, 0.0), (0, 1, 3, "0.5"), (-1, 1, 3, 0.5),
+                                  (0, 0, 3, 0.5), (0, 1.5, 3, 0.5), (0, 1, 0, 0.5)])
+def test_sampled_clients_refuses_what_would_sample_nobody_or_everybody(args):
+    from pdpfast.fl.config import sampled_clients
+
+    with pytest.raises((TypeError, ValueError)):
+        sampled_clients(*args)
