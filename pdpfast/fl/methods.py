@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import as_float_array
+from .._checks import as_budget_vector
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,4 @@ def target_budgets(method: str, budgets, federation) -> np.ndarray:
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
-    return METHODS[method].targets(_budgets("budgets", budgets), _budgets("federation", federation))
-
-
-def _budgets(name: str, values) -> np.ndarray:
-    arr = as_float_array(name, values)   # not bools, nor strings numpy would read
-    if arr.ndim != 1 or arr.size == 0 or not np.all(np.isfinite(arr)) or np.any(arr <= 0):
-        raise ValueError(f"{name} must be a non-empty flat array of finite numbers > 0, got shape {arr.shape}")
-    return arr
+    return METHODS[method].targets(as_budget_vector("budgets", budgets), as_budget_vector("federation", federation))
