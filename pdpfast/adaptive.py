@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._checks import check_int
+from ._checks import as_float_array, check_int, check_positive
 
 __all__ = ["QuantileClipping", "GeometricQuantileTracker", "split_noise", "pair_noise_multiplier",
            "AdaptiveTraining"]
@@ -71,9 +71,7 @@ def _number(name: str, value, low: float, high: float, *, low_open=False, high_o
 
 
 def _nonnegative_array(name: str, values) -> np.ndarray:
-    if isinstance(values, (bool, np.bool_, str)):
-        raise TypeError(f"{name} must be a number or an array of numbers, got {type(values).__name__}")
-    v = np.asarray(values, dtype=np.float64)
+    v = as_float_array(name, values)   # not bools, nor strings numpy would read
     if not np.all(np.isfinite(v)) or np.any(v < 0):
         raise ValueError(f"{name} must be finite and ≥ 0, got {values!r}")
     return v
@@ -125,7 +123,7 @@ def split_noise(noise_multiplier, count_share: float, count_sensitivity: float =
         unnoised), or a z is negative or not finite.
     """
     f = _number("count_share", count_share, 0.0, 1.0, low_open=True, high_open=True)
-    count_sensitivity = _number("count_sensitivity", count_sensitivity, 0.0, math.inf, low_open=True)
+    count_sensitivity = check_positive("count_sensitivity", count_sensitivity)
     z = _nonnegative_array("noise_multiplier", noise_multiplier)
     return z / math.sqrt(1.0 - f), count_sensitivity * z / math.sqrt(f)
 
@@ -143,7 +141,7 @@ def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: f
     Raises:
         ValueError for a negative or non-finite z_grad or σ_count, or s not a finite number > 0.
     """
-    count_sensitivity = _number("count_sensitivity", count_sensitivity, 0.0, math.inf, low_open=True)
+    count_sensitivity = check_positive("count_sensitivity", count_sensitivity)
     zg = _nonnegative_array("grad_noise_multiplier", grad_noise_multiplier)
     sc = _nonnegative_array("count_std", count_std)
     return 1.0 / np.sqrt(zg ** -2.0 + (count_sensitivity / sc) ** 2)
@@ -221,7 +219,7 @@ class AdaptiveTraining:
         if clipping is not None and not isinstance(clipping, QuantileClipping):
             raise TypeError(f"adaptive_clipping must be a QuantileClipping, got {type(clipping).__name__}")
         if factors is not None:
-            f = np.asarray(factors, dtype=np.float64) if not isinstance(factors, str) else np.array([np.nan])
+            f = as_float_array("factors", factors)
             if f.ndim != 1 or f.size == 0 or not np.all(np.isfinite(f)) or np.any(f <= 0):
                 raise ValueError(f"factors must be a non-empty (T,) array of finite numbers > 0, got {factors!r}")
         if seed is not None:
