@@ -232,7 +232,7 @@ def _calibrate(args) -> int:
         warnings.simplefilter("always")
         plan = pdpfast.calibrate(budgets, delta=args.delta, steps=steps, sample_rate=sample_rate,
                                  method=args.method, max_grad_norm=args.max_grad_norm,
-                                 hybrid_weight=0.5 if args.hybrid_weight is None else args.hybrid_weight,
+                                 hybrid_weight=args.hybrid_weight,
                                  accountant=args.accountant)
     for w in caught:
         print(f"pdpfast calibrate: warning: {' '.join(str(w.message).split())}", file=sys.stderr)

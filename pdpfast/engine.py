@@ -658,8 +658,8 @@ class PrivacyEngine:
     def make_private_with_budgets(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
                                   data_loader: DataLoader, budgets, delta: float, epochs: int | None = None,
                                   steps: int | None = None, method: str = "sample", sample_rate: float | None = None,
-                                  max_grad_norm: float = 1.0, hybrid_weight: float = 0.5, accountant: str = "rdp",
-                                  noise_schedule=None, adaptive_clipping=None, **kwargs):
+                                  max_grad_norm: float = 1.0, hybrid_weight: float | None = None,
+                                  accountant: str = "rdp", noise_schedule=None, adaptive_clipping=None, **kwargs):
         """Calibrate per-record (q_i, c_i, σ) from budgets ε_i and make the training private with them.
 
         budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``; delta: δ in (0, 1); the
@@ -683,7 +683,8 @@ class PrivacyEngine:
             budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``.
             delta: δ in (0, 1).
             epochs, steps: the run's length: passes (in expectation) or optimizer steps.
-            method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``); hybrid_weight: its mix.
+            method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``).
+            hybrid_weight: λ of "hybrid" in [0, 1] (None: 0.5); refused with the other methods.
             sample_rate: mean Poisson rate (default: batch_size / N of ``data_loader``).
             max_grad_norm: C, the reference clip bound.
             accountant: "rdp" or "pld", the plan's accountant and ledger.

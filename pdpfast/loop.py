@@ -233,7 +233,7 @@ class PrivateRun(NamedTuple):
 
 def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
                    sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
-                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float = 0.5,
+                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float | None = None,
                    accountant: str = "rdp", physical_batch_size: int | None = None):
     """Make ``model`` private for a method: IDP with the records' own budgets ("sample", "scale",
     "hybrid") or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).

@@ -710,7 +710,8 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     engine, model, optimizer, loader, criterion = private_engine(
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
-        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed, hybrid_weight=cfg.hybrid_weight,
+        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed,
+        hybrid_weight=cfg.hybrid_weight if cfg.method == "hybrid" else None,      # the others would refuse it
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
 

@@ -248,3 +248,14 @@ def test_a_pld_checkpoint_with_the_old_rdp_ledger_resumes_with_a_pld_ledger(tmp_
     resumed.load_checkpoint(tmp_path / "old.pt", model2)
     assert resumed.accountant.name == "pld" and resumed.accountant.steps_taken == 3
     np.testing.assert_array_equal(resumed.epsilons(), engine.epsilons())
+
+
+@pytest.mark.parametrize("method", ["sample", "scale"])
+@pytest.mark.parametrize("noise_schedule", [None, "exponential:0.01"])
+def test_a_hybrid_weight_given_with_sample_or_scale_is_refused_not_ignored(method, noise_schedule):
+    with pytest.raises(ValueError, match=f"hybrid_weight is for method='hybrid'.*method='{method}'"):
+        _setup(np.full(40, 2.0), method=method, hybrid_weight=0.3, noise_schedule=noise_schedule)
+    engine, *_ = _setup(np.repeat([1.0, 3.0], 20), method="hybrid", hybrid_weight=0.3)   # where it applies
+    default, *_ = _setup(np.repeat([1.0, 3.0], 20), method="hybrid")
+    half, *_ = _setup(np.repeat([1.0, 3.0], 20), method="hybrid", hybrid_weight=0.5)
+    assert default.plan.to_dict() == half.plan.to_dict() != engine.plan.to_dict()    # None means 0.5

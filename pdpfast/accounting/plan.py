@@ -290,9 +290,14 @@ class PrivacyPlan:
             ValueError for another ``format_version``, or a plan calibration cannot have made (``_check``:
             e.g. a NaN σ, a rate above 1, a guaranteed ε above its budget, group sizes that do not
             count ``group_index``; ``_reaccount``: stored guarantees its settings do not give);
-            KeyError for a missing entry; TypeError for ``d`` not a dict.
+            KeyError for a missing entry; TypeError for ``d`` not a dict; ValueError for a
+            ``ScheduledPlan``'s dict read as a ``PrivacyPlan`` (its schedule would be dropped).
         """
         plan = cls._read(d)
+        if d.get("noise_factors") is not None and cls is PrivacyPlan:
+            raise ValueError("plan: this dict has noise_factors, a noise schedule: read it with "
+                             "pdpfast.accounting.schedules.ScheduledPlan.from_dict (as a PrivacyPlan its schedule "
+                             "would be dropped)")
         plan._reaccount()
         return plan
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
-from .._checks import check_delta, check_epsilons, check_number, check_positive_integer, check_rate
+from .._checks import as_float_array, check_delta, check_epsilons, check_number, check_positive_integer, check_rate
 from . import _grid
-from .calibration.problem import renormalize_capped
+from .calibration.problem import MEAN_SLACK, hybrid_weight_of, renormalize_capped, spread_message
 from .plan import PrivacyPlan
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
@@ -278,8 +278,12 @@ def scheduled_rdp(sample_rates, noise_multipliers, factors, orders=DEFAULT_ORDER
     Raises:
         ValueError for a rate outside [0, 1], a multiplier < 0, bad factors or an order ≤ 1.
     """
-    q, z = np.broadcast_arrays(np.atleast_1d(np.asarray(sample_rates, dtype=np.float64)),
-                               np.atleast_1d(np.asarray(noise_multipliers, dtype=np.float64)))
+    q, z = (np.atleast_1d(as_float_array(name, v)) for name, v in (("sample_rates", sample_rates),
+                                                                   ("noise_multipliers", noise_multipliers)))
+    if q.ndim != 1 or z.ndim != 1 or (q.shape != z.shape and 1 not in (q.size, z.size)):
+        raise ValueError(f"sample_rates and noise_multipliers must be 1-D of one length (or one a scalar), got "
+                         f"shapes {q.shape} and {z.shape}")
+    q, z = np.broadcast_arrays(q, z)
     if np.any(~np.isfinite(q)) or np.any((q < 0) | (q > 1)):
         raise ValueError("sample_rates must lie in [0, 1]")
     if np.any(np.isnan(z)) or np.any(z < 0):
@@ -457,6 +461,17 @@ def _sample(s: _Scheduled, values, counts, q, method="Sample"):
         rates = last["rates"] = _solve_rates(s, float(np.exp(log_sigma)), values, method, last.get("rates"))
         return float(np.log(np.dot(counts, rates) / n) - np.log(q))
 
+    # below σ_f the smallest budget's rate would fall under the floor: the root lies above it, or
+    # (when the mean rate there is already above q) nowhere
+    sigma_f = float(_solve_noise(s, np.array([_grid.Q_FLOOR]), values[:1], method)[0]) * (1.0 + 1e-9)
+    if sigma_f > sigma_lo:
+        sigma_lo = sigma_f
+        mean_f = float(np.dot(counts, _solve_rates(s, sigma_f, values, method)) / n)
+        if mean_f > q * (1.0 + MEAN_SLACK):
+            raise ValueError(spread_message(
+                method, float(values[0]), values, q, sigma_f, f"below it this budget would need a sample rate "
+                f"below {_grid.Q_FLOOR:g}, and there the mean rate is already {mean_f:.4g}",
+                steps=s.counts.sum(), delta=s.delta) + " (noise_multiplier is the schedule's base)")
     a, b = np.log(sigma_lo), np.log(sigma_hi)
     fa, fb = mean_gap(a), mean_gap(b)
     if fa >= 0:
@@ -481,7 +496,7 @@ class ScheduledPlan(PrivacyPlan):
     accounts that whole sequence. Its other fields are :class:`PrivacyPlan`'s.
 
     Attributes:
-        noise_factors: (steps,) float64 h(t) > 0, or None.
+        noise_factors: (steps,) float64 h(t) > 0 (required: a constant noise is a ``PrivacyPlan``).
         schedule_name: the schedule's repr (str).
     """
 
@@ -490,11 +505,13 @@ class ScheduledPlan(PrivacyPlan):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.noise_factors is not None:
-            h = self.noise_factors = np.asarray(self.noise_factors, dtype=np.float64)
-            if h.shape != (self.steps,) or not (np.isfinite(h).all() and (h > 0).all()):
-                raise ValueError(f"plan: noise_factors must be {self.steps} finite values > 0 (one per step), got "
-                                 f"shape {h.shape}")
+        if self.noise_factors is None:
+            raise ValueError("plan: a ScheduledPlan needs noise_factors (one h(t) per step); a plan with a constant "
+                             "noise is a PrivacyPlan")
+        h = self.noise_factors = np.asarray(self.noise_factors, dtype=np.float64)
+        if h.shape != (self.steps,) or not (np.isfinite(h).all() and (h > 0).all()):
+            raise ValueError(f"plan: noise_factors must be {self.steps} finite values > 0 (one per step), got "
+                             f"shape {h.shape}")
 
     def noise_multiplier_at(self, step: int) -> float:
         """σ_t = σ₀·h(t) of step t (the base multiplier; record i's is ``noise_multipliers[i]·h(t)``).
@@ -535,27 +552,28 @@ class ScheduledPlan(PrivacyPlan):
         Returns:
             the :class:`ScheduledPlan`.
         Raises:
-            as ``PrivacyPlan.from_dict``.
+            as ``PrivacyPlan.from_dict``; ValueError for a dict without "noise_factors".
         """
         base = PrivacyPlan._read(d)
+        if d.get("noise_factors") is None:
+            raise ValueError("plan: this dict has no noise_factors; a plan with a constant noise is read with "
+                             "PrivacyPlan.from_dict")
         fields = {k: getattr(base, k) for k in ("method", "accountant", "noise_multiplier", "max_grad_norm", "steps",
                                                  "delta", "budget_values", "group_index", "group_sizes",
                                                  "group_sample_rates", "group_clip_norms", "group_epsilons",
                                                  "orders", "group_orders")}
-        plan = cls(**fields, noise_factors=d.get("noise_factors"), schedule_name=d.get("schedule", ""))
+        plan = cls(**fields, noise_factors=d["noise_factors"], schedule_name=d.get("schedule", ""))
         plan._reaccount()
         return plan
 
     def _group_epsilons_again(self) -> np.ndarray:
         """(G,) each group's ε accounted again over the whole schedule, as calibration certified it."""
-        if self.noise_factors is None:
-            return super()._group_epsilons_again()
         scheduled = _Scheduled(self.noise_factors, self.delta, as_orders(self.orders or DEFAULT_ORDERS)[0])
         return scheduled.eps(self.group_sample_rates, self.group_noise_multipliers, exact=True)[0]
 
 
 def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, method="sample", max_grad_norm=1.0,
-                        hybrid_weight=0.5, orders=None) -> ScheduledPlan:
+                        hybrid_weight=None, orders=None) -> ScheduledPlan:
     """Calibrate per-record (q_i, c_i) and the scale σ₀ of a noise schedule from budgets.
 
     Cost grows with the number of distinct budgets times distinct factors h(t); it is meant for
@@ -569,7 +587,7 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
         noise_schedule: a ``NoiseSchedule``, callable h(t) or spec string (``as_schedule``).
         method: "sample" | "scale" | "hybrid".
         max_grad_norm: the reference clip norm C > 0.
-        hybrid_weight: λ in [0, 1] ("hybrid" only; 0 = Scale).
+        hybrid_weight: λ in [0, 1] ("hybrid" only, refused with the others; 0 = Scale; None: 0.5).
         orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``).
     Returns:
         ScheduledPlan (accountant "rdp") whose ``epsilons()`` are the exact scheduled RDP
@@ -587,9 +605,9 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
     c = _check_number("max_grad_norm", max_grad_norm, low=0.0, low_inclusive=False)
-    lam = _check_number("hybrid_weight", hybrid_weight, low=0.0, high=1.0)
     if method not in ("sample", "scale", "hybrid"):
         raise ValueError(f"method must be one of ['hybrid', 'sample', 'scale'], got {method!r}")
+    lam = _check_number("hybrid_weight", hybrid_weight_of(method, hybrid_weight), low=0.0, high=1.0)
     orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
     factors = schedule.factors(steps)
     values, inverse, counts = np.unique(arr, return_inverse=True, return_counts=True)

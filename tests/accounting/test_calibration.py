@@ -215,6 +215,28 @@ def test_sample_refuses_a_budget_needing_a_rate_below_the_floor():
         calibrate([0.009, 50.0], delta=DELTA, steps=1000, sample_rate=0.1, method="sample")
 
 
+@pytest.mark.parametrize("method", ["sample", "hybrid"])
+def test_sample_refuses_budgets_too_far_apart_naming_the_spread_not_a_solver_error(method):
+    # the ε = 10⁶ record sits at rate 1 wherever ε = 1 has a rate ≥ 1e-12, so the mean rate of the
+    # two is ≥ 0.5 against q = 0.1: no plan exists (this used to end in scipy's "f(a) and f(b)
+    # must have different signs" after minutes)
+    with pytest.raises(ValueError, match=r"budget epsilon=1 cannot be met by IDP-Sample: the budgets are spread too "
+                                         r"far \(1 to 1e\+06\).*mean rate is already 0\.5.*use method 'scale'"):
+        calibrate([1e6, 1.0], delta=DELTA, steps=100, sample_rate=0.1, method=method)
+    with pytest.warns(UserWarning, match="edge of the order grid"):     # ε = 10⁶ needs an order below 1.1
+        plan = calibrate([1e6, 1.0], delta=DELTA, steps=100, sample_rate=0.1, method="scale")    # the advice works
+    assert (plan.epsilons() <= [1e6, 1.0]).all()
+
+
+@pytest.mark.parametrize("method", ["sample", "scale"])
+def test_a_hybrid_weight_given_with_sample_or_scale_is_refused_not_ignored(method):
+    with pytest.raises(ValueError, match=f"hybrid_weight is for method='hybrid'.*method='{method}'"):
+        calibrate([1.0, 2.0], delta=DELTA, steps=10, sample_rate=0.5, method=method, hybrid_weight=0.5)
+    kw = dict(delta=DELTA, steps=50, sample_rate=0.1)
+    assert (calibrate([1.0, 2.0], method="hybrid", **kw).to_dict()
+            == calibrate([1.0, 2.0], method="hybrid", hybrid_weight=0.5, **kw).to_dict())   # None means 0.5
+
+
 def test_sample_uncaps_large_budgets_to_meet_the_mean():
     # half the records could take q = 1 but the mean is 0.5: they end just below 1, budget used
     budgets = np.r_[np.full(10, 0.5), np.full(10, 50.0)]

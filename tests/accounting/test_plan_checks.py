@@ -2,6 +2,7 @@
 (a NaN σ, a rate above 1, a guaranteed ε above its budget, …) is refused before anything trains on
 it or audits with it."""
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -71,6 +72,25 @@ def test_a_damaged_noise_schedule_is_refused():
     for bad in (d["noise_factors"][:-1], [0.0] + d["noise_factors"][1:], [float("nan")] * 8):
         with pytest.raises(ValueError, match="noise_factors must be 8 finite values > 0"):
             ScheduledPlan.from_dict(d | {"noise_factors": bad})
+
+
+def test_a_scheduled_plan_needs_its_noise_factors():
+    plan = calibrate_scheduled(np.repeat([1.0, 2.0], 5), delta=DELTA, steps=8, sample_rate=0.2,
+                               noise_schedule=TimeDecay(0.05))
+    d = plan.to_dict()
+    for missing in ({k: v for k, v in d.items() if k != "noise_factors"}, d | {"noise_factors": None}):
+        with pytest.raises(ValueError, match="no noise_factors.*PrivacyPlan.from_dict"):
+            ScheduledPlan.from_dict(missing)
+    with pytest.raises(ValueError, match="ScheduledPlan needs noise_factors"):
+        dataclasses.replace(plan, noise_factors=None)
+
+
+def test_a_scheduled_plan_read_as_a_constant_plan_is_refused_not_stripped_of_its_schedule():
+    plan = calibrate_scheduled(np.repeat([1.0, 2.0], 5), delta=DELTA, steps=8, sample_rate=0.2,
+                               noise_schedule=TimeDecay(0.05))
+    with pytest.raises(ValueError, match="noise_factors.*ScheduledPlan.from_dict"):
+        PrivacyPlan.from_json(plan.to_json())
+    assert ScheduledPlan.from_json(plan.to_json()).to_dict() == plan.to_dict()
 
 
 def _plans():

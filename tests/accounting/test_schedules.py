@@ -39,6 +39,13 @@ def test_shapes_follow_their_formulas():
                                    method="bogus"), ValueError, "method"),
     (lambda: S.calibrate_scheduled([1.0], delta=1e-5, steps=10, sample_rate=0.1, noise_schedule="constant",
                                    max_grad_norm=0), ValueError, "max_grad_norm"),
+    (lambda: S.calibrate_scheduled([1.0, 2.0], delta=1e-5, steps=10, sample_rate=0.1, noise_schedule="constant",
+                                   method="scale", hybrid_weight=0.3), ValueError,
+     "hybrid_weight is for method='hybrid'"),
+    (lambda: S.scheduled_rdp([0.1, 0.2, 0.3], [1.0, 2.0], [1.0]), ValueError,
+     r"sample_rates and noise_multipliers must be 1-D of one length .* \(3,\) and \(2,\)"),
+    (lambda: S.scheduled_rdp([[0.1]], 1.0, [1.0]), ValueError, "sample_rates and noise_multipliers must be 1-D"),
+    (lambda: S.scheduled_rdp(["0.1"], 1.0, [1.0]), TypeError, "sample_rates must be numbers"),
 ])
 def test_bad_inputs_raise_naming_the_argument(bad, err, name):
     with pytest.raises(err, match=name):
@@ -87,3 +94,26 @@ def test_every_group_epsilon_within_budget_and_close_to_it(method, schedule):
     assert abs(plan.expected_batch_size / plan.num_records - 0.05) < 1e-8
     # a decaying schedule starts above the constant plan's σ (it must end below it)
     assert plan.noise_factors[0] == 1.0 and plan.noise_factors[-1] < 1.0
+
+
+def test_scheduled_sample_finds_the_plan_when_the_smallest_budget_has_no_rate_at_the_lowest_noise():
+    # at the σ₀ where ε = 1000 meets q, ε = 1 would need a rate below 1e-12; the plan lies higher
+    # (σ ≈ 3.92, as the constant calibration finds). The search used to start there and refuse.
+    from pdpfast.accounting import calibrate
+
+    budgets = np.r_[np.ones(99), 1000.0]
+    plain = calibrate(budgets, delta=DELTA, steps=100, sample_rate=0.1, method="sample")
+    sched = S.calibrate_scheduled(budgets, delta=DELTA, steps=100, sample_rate=0.1, noise_schedule="constant")
+    np.testing.assert_allclose(sched.noise_multiplier, plain.noise_multiplier, rtol=5e-3)
+    np.testing.assert_allclose(sched.group_sample_rates, plain.group_sample_rates, rtol=1e-2)
+    assert (sched.epsilons() <= budgets).all() and sched.sample_rates.mean() == pytest.approx(0.1, rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["sample", "hybrid"])
+def test_scheduled_sample_refuses_budgets_too_far_apart_naming_the_spread(method):
+    # ε = 10⁶ stays at rate 1 wherever ε = 1 has a rate: the mean is ≥ 0.5 against q = 0.1. The
+    # error used to blame ε = 1 alone, at the lowest noise tried.
+    with pytest.raises(ValueError, match=r"budget epsilon=1 cannot be met by IDP-.*spread too far \(1 to 1e\+06\)"
+                                         r".*mean rate is already 0\.5.*use method 'scale'"):
+        S.calibrate_scheduled([1e6, 1.0], delta=DELTA, steps=100, sample_rate=0.1, noise_schedule="exponential:0.01",
+                              method=method)

@@ -31,12 +31,12 @@ from ..pld import MAX_PAIRS
 from ..sgm import DEFAULT_ORDERS, as_orders
 from . import pld, rdp  # noqa: F401 — importing them registers the built-in methods
 from .pld import bin_budgets_down
-from .problem import METHODS, Problem, Solution, register_method
+from .problem import METHODS, Problem, Solution, hybrid_weight_of, register_method
 
 __all__ = ["calibrate", "register_method", "Problem", "Solution", "PrivacyPlan", "GroupSummary"]
 
 
-def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=0.5,
+def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=None,
               accountant="rdp", orders=None, pld_classes: int = MAX_PAIRS) -> PrivacyPlan:
     """Turn per-record budgets into a :class:`PrivacyPlan`.
 
@@ -48,7 +48,8 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
         sample_rate: target mean Poisson rate q in (0, 1] (expected batch size / N).
         method: "sample", "scale", "hybrid", or a name given to ``register_method``.
         max_grad_norm: reference clip norm C > 0 (the plan's mean clip norm for Scale/hybrid).
-        hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample).
+        hybrid_weight: λ in [0, 1] for "hybrid" (0 = Scale, 1 = Sample; None: 0.5). Refused with
+            "sample" and "scale", which would ignore it.
         accountant: "rdp" or "pld" (dp_accounting privacy loss distributions).
         orders: RDP orders, floats > 1 (default ``DEFAULT_ORDERS``).
         pld_classes: PLD only, most distinct budgets solved (positive int, default
@@ -69,10 +70,10 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
     c = check_positive("max_grad_norm", max_grad_norm)
-    lam = check_in_range("hybrid_weight", hybrid_weight, low=0.0, high=1.0, low_open=False)
     names = sorted({m for m, _ in METHODS})
     if method not in names:
         raise ValueError(f"method must be one of {names}, got {method!r}")
+    lam = check_in_range("hybrid_weight", hybrid_weight_of(method, hybrid_weight), low=0.0, high=1.0, low_open=False)
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     orders_arr = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]

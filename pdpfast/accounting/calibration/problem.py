@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["Problem", "Solution", "METHODS", "MEAN_SLACK", "register_method", "budget_error", "harmonic_sigma",
-           "renormalize_capped"]
+__all__ = ["Problem", "Solution", "METHODS", "MEAN_SLACK", "register_method", "budget_error", "spread_message",
+           "hybrid_weight_of", "harmonic_sigma", "renormalize_capped"]
 
 
 class Problem:
@@ -99,6 +99,53 @@ def budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
     """
     where = ", ".join(f"{k}={v:.6g}" for k, v in ctx.items())
     return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
+
+
+def hybrid_weight_of(method: str, hybrid_weight) -> object:
+    """λ for ``method``: None means 0.5; a λ given with "sample" or "scale", which do not read it,
+    is refused rather than ignored (a registered method may read ``Problem.hybrid_weight``).
+
+    Args:
+        method: the method's name.
+        hybrid_weight: λ as given (None: not given).
+    Returns:
+        λ, unchecked (the caller checks its range).
+    Raises:
+        ValueError for a λ given with "sample" or "scale".
+    """
+    if hybrid_weight is None:
+        return 0.5
+    if method in ("sample", "scale"):
+        raise ValueError(f"hybrid_weight is for method='hybrid' (0 = Scale, 1 = Sample); method={method!r} "
+                         f"would ignore hybrid_weight={hybrid_weight!r}")
+    return hybrid_weight
+
+
+def spread_message(method: str, budget: float, values: np.ndarray, sample_rate: float, noise_multiplier: float,
+                   why: str, **ctx) -> str:
+    """The one wording of "the budgets are too far apart for IDP-Sample's one shared noise multiplier".
+
+    Sample's rates grow with σ; the σ whose mean rate is q can lie so low that a small budget's
+    records would need a rate below the floor there, while the large budgets' records, at rate 1
+    already, hold the mean above q at every σ where it fits. Scale varies c_i, not q_i: no such limit.
+
+    Args:
+        method: the display name ("Sample", "hybrid").
+        budget: the ε that cannot be met at ``noise_multiplier``.
+        values: (U,) the distinct budgets, ascending.
+        sample_rate: q, the mean rate sought.
+        noise_multiplier: the σ (base σ₀ under a schedule) where the search stopped.
+        why: what fails at that σ, a sentence fragment.
+        ctx: further numbers (steps=, delta=), shown with 6 significant digits.
+    Returns:
+        the message, a str.
+    """
+    where = ", ".join(f"{k}={v:.6g}" for k, v in ctx.items())
+    return (f"budget epsilon={budget:.6g} cannot be met by IDP-{method}: the budgets are spread too far "
+            f"({values[0]:.4g} to {values[-1]:.4g}) for one shared noise multiplier. Its search for the one that "
+            f"gives a mean sample rate of {sample_rate:.6g} stopped at noise_multiplier={noise_multiplier:.6g}: {why} "
+            f"({where}); use method 'scale' (per-record clip norms, any spread), "
+            "or a smaller sample rate")
 
 
 def harmonic_sigma(problem: Problem, noise_multipliers: np.ndarray) -> float:

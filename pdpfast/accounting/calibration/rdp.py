@@ -21,7 +21,16 @@ from scipy import interpolate, optimize
 
 from .. import _grid
 from ..orders import eps_at, polish
-from .problem import MEAN_SLACK, Problem, Solution, budget_error, harmonic_sigma, register_method, renormalize_capped
+from .problem import (
+    MEAN_SLACK,
+    Problem,
+    Solution,
+    budget_error,
+    harmonic_sigma,
+    register_method,
+    renormalize_capped,
+    spread_message,
+)
 
 __all__ = ["sample", "scale", "hybrid"]
 
@@ -76,15 +85,10 @@ def _rates_at(problem: Problem, sigma: float, own_orders: bool = True):
     except _grid.BudgetError as err:
         # σ lies below the smallest budget's own σ at rate q (probes stay in [σ_lo, σ_hi]): only
         # the large budgets, whose records reach rate 1 quickly, pull the mean rate up to q at so
-        # low a noise. The spread of the budgets is what fails; Scale varies c_i, not q_i, and has
-        # no such limit.
-        raise _SpreadError(
-            f"budget epsilon={err.budget:.6g} cannot be met by IDP-Sample: the budgets are spread too far "
-            f"({problem.values[0]:.4g} to {problem.values[-1]:.4g}) for one shared noise multiplier. Its search "
-            f"for the one that gives a mean sample rate of {problem.sample_rate:.6g} reached "
-            f"noise_multiplier={sigma:.6g}, where this budget cannot be met ({err}; steps={problem.steps}, "
-            f"delta={problem.delta:.6g}); use method 'scale' (per-record clip norms, any spread), or a smaller "
-            "sample rate") from None
+        # low a noise (``spread_message``).
+        raise _SpreadError(spread_message("Sample", err.budget, problem.values, problem.sample_rate, sigma,
+                                          f"this budget cannot be met there ({err})", steps=problem.steps,
+                                          delta=problem.delta)) from None
 
 
 def _one(problem: Problem, method: str, budget: float, *, sample_rate=None, noise_multiplier=None):
@@ -112,6 +116,27 @@ def _runs(sorted_keys: np.ndarray):
     return first, run
 
 
+def _refuse_spread(problem: Problem, sigma_lo: float) -> None:
+    """Refuse at once budgets too far apart for Sample: below σ_f, where the smallest budget's rate
+    reaches the floor, that budget fails; rates grow with σ, so if the mean rate at σ_f is already
+    above q, no σ gives mean q. (The search would otherwise probe down to there, slowly.)"""
+    if problem.values.shape[0] == 1:
+        return
+    sigma_f = _one(problem, "Sample", problem.values[0], sample_rate=_grid.Q_FLOOR)[0]
+    if sigma_f <= sigma_lo:
+        return
+    try:
+        rates = _grid.solve_rate(sigma_f, problem.steps, problem.delta, problem.values, problem.orders,
+                                 ratio=_GRID_RATIO)[0]
+    except _grid.BudgetError:       # rounding at the very edge: the search decides
+        return
+    if problem.mean(rates) > problem.sample_rate * (1.0 + MEAN_SLACK):
+        raise _SpreadError(spread_message(
+            "Sample", problem.values[0], problem.values, problem.sample_rate, sigma_f,
+            f"below it this budget would need a sample rate below {_grid.Q_FLOOR:g}, and there the mean rate is "
+            f"already {problem.mean(rates):.4g}", steps=problem.steps, delta=problem.delta))
+
+
 def _solve_sample(problem: Problem, own_orders: bool = True):
     """σ and safe rates whose mean is exactly sample_rate, each certified at its own RDP order (at the
     grid's without ``own_orders``). Returns (σ, q_u, ε_u, grid order index_u, order_u)."""
@@ -123,6 +148,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
                            delta=problem.delta) from None
     (sigma_hi, sigma_lo), (idx_min, idx_max) = ends.tolist(), ends_idx.tolist()
     problem.noise_range = (sigma_lo, sigma_hi)
+    _refuse_spread(problem, sigma_lo)
     if problem.values.shape[0] == 1 or q == 1.0:
         # one budget: q_i = q for all; q = 1: every rate must be 1, the smallest budget sets σ
         u = problem.values.shape[0]
