@@ -154,24 +154,139 @@ def test_budgets_from_a_column_name(tmp_path):
     assert np.all(trainer.epsilons() <= BUDGETS)
 
 
-def test_bad_arguments_are_refused(tmp_path):
-    data = Records()
-    with pytest.raises(ValueError, match="exactly one"):
-        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data)
-    with pytest.raises(ValueError, match="method"):
-        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS, method="fast")
-    with pytest.raises(ValueError, match="delta"):
-        DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS, delta=1.5)
-    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets=BUDGETS[:-1])
-    with pytest.raises(ValueError, match="one value per training record"):
+def parameters(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_unchanged(model, before):
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
+
+
+def refused_when_built(tmp_path, error, match, **settings):
+    """DPTrainer(**settings) raises ``error`` matching ``match``, and the model is left as it was."""
+    model = bert()
+    before = parameters(model)
+    options = dict(args=arguments(tmp_path), train_dataset=Records())
+    options.update(settings)
+    with pytest.raises(error, match=match):
+        DPTrainer(model=model, **options)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("budgets,error,match", [
+    (BUDGETS[:-1], ValueError, r"budgets must have one value per training record \(48\)"),
+    (np.r_[BUDGETS[:-1], 0.0], ValueError, "budgets must be finite and > 0"),
+    (np.r_[BUDGETS[:-1], -1.0], ValueError, "budgets must be finite and > 0"),
+    (np.r_[BUDGETS[:-1], np.nan], ValueError, "budgets must be finite and > 0"),
+    (np.r_[BUDGETS[:-1], np.inf], ValueError, "budgets must be finite and > 0"),
+    (np.array([]), ValueError, "budgets is empty"),
+    (BUDGETS.reshape(2, -1), ValueError, "budgets must be 1-D"),
+    (["2.0"] * N, TypeError, "budgets must be numbers"),
+    ([True] * N, TypeError, "budgets must be numbers"),
+    ("epsilon", ValueError, "budgets='epsilon' names a column of a datasets.Dataset, but train_dataset is a Records"),
+], ids=["short", "zero", "negative", "nan", "inf", "empty", "2d", "strings", "bools", "column-of-no-table"])
+def test_dptrainer_refuses_bad_budgets_when_built(tmp_path, budgets, error, match):
+    refused_when_built(tmp_path, error, match, budgets=budgets)
+
+
+def test_dptrainer_refuses_a_missing_budget_column_when_built(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"input_ids": Records().ids.tolist(), "labels": [0] * N})
+    refused_when_built(tmp_path, ValueError, "budgets='epsilon' names a column, but train_dataset has no such column",
+                       train_dataset=table, budgets="epsilon")
+
+
+@pytest.mark.parametrize("settings,error,match", [
+    (dict(delta=0.0), ValueError, r"delta must lie in \(0, 1\)"),
+    (dict(delta=1.0), ValueError, r"delta must lie in \(0, 1\)"),
+    (dict(delta=1.5), ValueError, r"delta must lie in \(0, 1\)"),
+    (dict(delta=float("nan")), ValueError, r"delta must lie in \(0, 1\)"),
+    (dict(delta="1e-5"), TypeError, "delta must be a number"),
+    (dict(max_grad_norm=0.0), ValueError, "max_grad_norm must be a finite number > 0"),
+    (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm must be a finite number > 0"),
+    (dict(max_grad_norm=float("inf")), ValueError, "max_grad_norm must be a finite number > 0"),
+    (dict(max_grad_norm=[1.0, 2.0]), TypeError, "max_grad_norm must be a number"),
+    (dict(method="fast"), ValueError, "method must be one of 'sample', 'scale', 'hybrid', 'dpsgd', got 'fast'"),
+    (dict(accountant="prv"), ValueError, "accountant must be one of 'rdp', 'pld', got 'prv'"),
+    (dict(mode="hooks"), ValueError, "mode must be one of 'bk', 'ghost', got 'hooks'"),
+    (dict(clipping="adaptive"), ValueError, "clipping must be one of 'flat', 'per_layer', got 'adaptive'"),
+    (dict(seed=-1), ValueError, "seed must be an int ≥ 0"),
+    (dict(per_sample_loss="mse"), TypeError, "per_sample_loss must be a function"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_dptrainer_refuses_bad_dp_settings_when_built(tmp_path, settings, error, match):
+    refused_when_built(tmp_path, error, match, budgets=BUDGETS, **settings)
+
+
+@pytest.mark.parametrize("sigma,error", [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+                                         ("1.0", TypeError)])
+def test_dptrainer_refuses_a_bad_noise_multiplier_when_built(tmp_path, sigma, error):
+    refused_when_built(tmp_path, error, "noise_multiplier must be a", noise_multiplier=sigma)
+
+
+def test_dptrainer_refuses_neither_or_both_of_budgets_and_noise_multiplier_when_built(tmp_path):
+    refused_when_built(tmp_path, ValueError, "give budgets=.*or noise_multiplier=.*exactly one")
+    refused_when_built(tmp_path, ValueError, "give budgets=.*or noise_multiplier=.*exactly one", budgets=BUDGETS,
+                       noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("name,value", [("method", "sample"), ("method", "dpsgd"), ("accountant", "rdp"),
+                                        ("accountant", "pld")])
+def test_dptrainer_refuses_budget_only_arguments_with_a_noise_multiplier(tmp_path, name, value):
+    refused_when_built(tmp_path, ValueError, rf"{name}='{value}' applies to individualized DP \(budgets=\) only",
+                       noise_multiplier=1.0, **{name: value})
+
+
+def test_dptrainer_method_and_accountant_default_to_sample_and_rdp_with_budgets(tmp_path):
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=Records(), budgets=BUDGETS)
+    assert (trainer.method, trainer.dp_accountant) == ("sample", "rdp")
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=Records(), noise_multiplier=1.0)
+    assert (trainer.method, trainer.dp_accountant) == (None, None)  # uniform DP has no plan to read them
+
+
+def test_dptrainer_refuses_bad_training_setup_when_built(tmp_path):
+    refused_when_built(tmp_path, ValueError, "DPTrainer needs args=", budgets=BUDGETS, args=None)
+    refused_when_built(tmp_path, TypeError, "args must be a transformers.TrainingArguments", budgets=BUDGETS,
+                       args=dict(output_dir=str(tmp_path)))
+    refused_when_built(tmp_path, ValueError, "DPTrainer needs train_dataset=", budgets=BUDGETS, train_dataset=None)
+    refused_when_built(tmp_path, ValueError, "train_dataset is empty", noise_multiplier=1.0,
+                       train_dataset=Records(n=0))
+    refused_when_built(tmp_path, TypeError, "train_dataset must have a length", noise_multiplier=1.0,
+                       train_dataset=iter(Records()))
+    refused_when_built(tmp_path, ValueError, r"expected batch .*per_device_train_batch_size × "
+                       r"gradient_accumulation_steps = 8\) is larger than train_dataset \(6 records\)",
+                       noise_multiplier=1.0, train_dataset=Records(n=6))
+    refused_when_built(tmp_path, ValueError, "num_train_epochs must be a positive whole number", budgets=BUDGETS,
+                       args=arguments(tmp_path, max_steps=-1, num_train_epochs=1.5))
+
+
+def test_dptrainer_construction_does_no_training(tmp_path):
+    for settings in (dict(budgets=BUDGETS, method="hybrid"), dict(noise_multiplier=1.0)):
+        model = bert()
+        before = parameters(model)
+        trainer = DPTrainer(model=model, args=arguments(tmp_path), train_dataset=Records(), **settings)
+        assert_unchanged(model, before)
+        assert trainer.state.global_step == 0 and trainer.privacy_engine.steps == 0
+        assert trainer.privacy_engine.state is None and trainer.optimizer is None  # not made private yet
+        with pytest.raises(RuntimeError, match="known once training has started"):
+            trainer.epsilons()
+
+
+def test_dptrainer_checks_a_train_dataset_set_after_construction_at_train(tmp_path):
+    model = bert()
+    trainer = DPTrainer(model=model, args=arguments(tmp_path), train_dataset=Records(), budgets=BUDGETS)
+    trainer.train_dataset = Records(n=N - 1)  # only now do the budgets no longer match the records
+    before = parameters(model)
+    with pytest.raises(ValueError, match=r"budgets must have one value per training record \(47\)"):
         trainer.train()
-    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=-1, num_train_epochs=1.5),
-                        train_dataset=data, budgets=BUDGETS)
-    with pytest.raises(ValueError, match="whole number"):
-        trainer.train()
-    trainer = DPTrainer(model=bert(), args=arguments(tmp_path), train_dataset=data, budgets="epsilon")
-    with pytest.raises(ValueError, match="names a column of a datasets.Dataset, but train_dataset is a Records"):
-        trainer.train()  # a torch Dataset of dicts has no columns: the budgets go in as an array
+    assert_unchanged(model, before)
+
+
+def test_dptrainer_allows_a_zero_noise_multiplier_and_reports_infinite_epsilon(tmp_path):
+    trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=1), train_dataset=Records(),
+                        noise_multiplier=0.0)
+    trainer.train()
+    assert np.all(np.isinf(trainer.epsilons()))
 
 
 def test_per_sample_loss_of_a_causal_lm_ignores_padding_and_is_per_record():

@@ -31,6 +31,7 @@ What changes against the plain Trainer, and why:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import numpy as np
@@ -39,13 +40,15 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .._checks import as_budget_vector
+from .._checks import as_budget_vector, check_choice, check_delta, check_nonnegative, check_positive
 from .._io import atomic_write
+from ..clipping import CLIPPINGS, MODES
 from ..engine import DPLoss, PrivacyEngine
 
 ENGINE_FILE = "pdpfast_engine.pt"
 MAX_LOGGED_GROUPS = 8
 METHODS = ("sample", "scale", "hybrid", "dpsgd")
+ACCOUNTANTS = ("rdp", "pld")  # the plan's accountants (``pdpfast.calibrate``)
 
 
 class _Draw:
@@ -92,6 +95,68 @@ def _per_record(values, n: int, name: str) -> np.ndarray:
     return arr
 
 
+def _budgets(spec, dataset) -> np.ndarray:
+    if isinstance(spec, str):
+        names = getattr(dataset, "column_names", None)
+        if names is None:
+            raise ValueError(f"budgets={spec!r} names a column of a datasets.Dataset, but train_dataset is a "
+                             f"{type(dataset).__name__}, which has no columns: pass the budgets as an array "
+                             "of one ε per record instead (or build it with datasets.Dataset.from_list)")
+        if spec not in names:
+            raise ValueError(f"budgets={spec!r} names a column, but train_dataset has no such column"
+                             + (f" (columns: {names})" if names else ""))
+        return _per_record(dataset[spec], len(dataset), "budgets")
+    return _per_record(spec, len(dataset), "budgets")
+
+
+def _check_train_data(dataset, budgets, expected_batch: int) -> np.ndarray | None:
+    """Check the training data against the DP settings that depend on it.
+
+    Args:
+        dataset: the train dataset (map-style: ``len`` and indexing, as Poisson sampling draws by index).
+        budgets: the ``budgets`` argument (an array of one ε per record, a column name, or None).
+        expected_batch: per_device_train_batch_size × gradient_accumulation_steps.
+    Returns:
+        (N,) float64 budgets, or None without ``budgets``.
+    Raises:
+        ValueError for no or an empty dataset, budgets not one finite ε > 0 per record (or a column name
+        that is not one of the dataset's), or an expected batch larger than the dataset; TypeError for a
+        dataset without a length, or budgets that are not numbers.
+    """
+    if dataset is None:
+        raise ValueError("DPTrainer needs train_dataset=: the budgets and the sampling rate are per training record")
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise TypeError(f"train_dataset must have a length (a map-style dataset; Poisson sampling draws records by "
+                        f"index), got {type(dataset).__name__}") from None
+    if n == 0:
+        raise ValueError("train_dataset is empty")
+    vector = None if budgets is None else _budgets(budgets, dataset)
+    if expected_batch > n:
+        raise ValueError(f"the expected batch (per_device_train_batch_size × gradient_accumulation_steps = "
+                         f"{expected_batch}) is larger than train_dataset ({n} records)")
+    return vector
+
+
+def _check_plan_length(training_args) -> None:
+    """Check that the TrainingArguments give a privacy plan a whole number of steps.
+
+    Args:
+        training_args: the ``TrainingArguments``.
+    Returns:
+        None.
+    Raises:
+        ValueError unless ``max_steps`` > 0 or ``num_train_epochs`` is a positive whole number.
+    """
+    if training_args.max_steps > 0:
+        return
+    epochs = training_args.num_train_epochs
+    if epochs != int(epochs) or epochs <= 0:
+        raise ValueError(f"num_train_epochs must be a positive whole number for a privacy plan, got {epochs}; "
+                         "or set max_steps")
+
+
 def _is_causal_lm(model: nn.Module) -> bool:
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
 
@@ -130,58 +195,91 @@ def default_per_sample_loss(model: nn.Module):
 class DPTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` training with individualized DP-SGD (see the module docstring).
 
-    Give ``budgets`` (individualized DP) or ``noise_multiplier`` (uniform DP), exactly one. The run is
-    made private when the train data loader is first asked for (``train()``).
+    Give ``budgets`` (individualized DP) or ``noise_multiplier`` (uniform DP), exactly one. Every setting is
+    checked here, when the trainer is built (nothing is trained); the run is made private when the train
+    data loader is first asked for (``train()``).
 
     Args:
         *args, **kwargs: the Trainer's (``model``, ``args``, ``train_dataset``, ``data_collator``, ...);
-            ``args`` (TrainingArguments) is required: its batch size and steps or epochs set the plan.
+            ``args`` (TrainingArguments) and ``train_dataset`` (with a length) are required: the batch size,
+            the steps or epochs and the number of records set the plan.
         budgets: one ε per training record (array of N), or the name of a column of ``train_dataset``
             (a ``datasets.Dataset``) holding them (removed before batching).
         delta: δ in (0, 1).
-        method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``) or "dpsgd" (standard DP-SGD at
-            the smallest budget); with budgets only.
-        noise_multiplier: σ for uniform DP without budgets (then every record has q = expected batch / N).
-        max_grad_norm: C, the clip norm (default 1.0).
-        accountant: "rdp" | "pld".
+        method: with budgets only: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``) or "dpsgd"
+            (standard DP-SGD at the smallest budget); None (default): "sample".
+        noise_multiplier: σ ≥ 0 for uniform DP without budgets (then every record has q = expected batch / N;
+            σ = 0 trains without noise and reports ε = ∞).
+        max_grad_norm: C > 0, the clip norm (default 1.0).
+        accountant: with budgets only: "rdp" | "pld", the plan's accountant and ledger; None (default):
+            "rdp". Uniform DP is always accounted by RDP.
         mode: "bk" | "ghost".
         clipping: "flat" | "per_layer".
         per_sample_loss: ``fn(outputs, labels)`` → (B,) per-record losses; default
             ``default_per_sample_loss(model)``.
-        seed: of the draws and the noise (default ``args.seed``).
+        seed: of the draws and the noise, an int ≥ 0 (default ``args.seed``).
     Raises:
-        ValueError for both or neither of ``budgets`` and ``noise_multiplier``, an unknown method, δ out of
-        range, or no ``args``.
+        ValueError naming the argument for: both or neither of ``budgets`` and ``noise_multiplier``;
+        ``method`` or ``accountant`` given with ``noise_multiplier`` (they apply to budgets only); a budget
+        that is not finite and > 0, or not one per record of ``train_dataset`` (or a column it lacks); δ
+        outside (0, 1); σ < 0 or not finite; C ≤ 0 or not finite; an unknown method, accountant, mode or
+        clipping; no ``args`` or no ``train_dataset``, an empty one, or an expected batch
+        (per_device_train_batch_size × gradient_accumulation_steps) larger than it; with budgets, epochs
+        that are not a whole number (and no ``max_steps``); a seed < 0. TypeError for a value that is not
+        a number where one is expected (``delta="1e-5"``), ``args`` that is not a TrainingArguments, a
+        ``train_dataset`` without a length, or a ``per_sample_loss`` that is not callable.
     """
 
-    def __init__(self, *args, budgets=None, delta: float = 1e-5, method: str = "sample",
-                 noise_multiplier: float | None = None, max_grad_norm: float = 1.0, accountant: str = "rdp",
+    def __init__(self, *args, budgets=None, delta: float = 1e-5, method: str | None = None,
+                 noise_multiplier: float | None = None, max_grad_norm: float = 1.0, accountant: str | None = None,
                  mode: str = "bk", clipping: str = "flat", per_sample_loss=None, seed: int | None = None, **kwargs):
         if (budgets is None) == (noise_multiplier is None):
             raise ValueError("give budgets= (individualized DP) or noise_multiplier= (uniform DP), exactly one")
-        if budgets is not None and method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(map(repr, METHODS))}, got {method!r}")
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if budgets is None:
+            for name, value in (("method", method), ("accountant", accountant)):
+                if value is not None:  # nothing is silently ignored
+                    raise ValueError(f"{name}={value!r} applies to individualized DP (budgets=) only; uniform DP "
+                                     f"(noise_multiplier=) has no calibrated plan (one σ, one q, an RDP ledger): "
+                                     f"leave {name} out")
+            noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
+        else:
+            method = "sample" if method is None else method
+            check_choice("method", method, METHODS)
+            accountant = "rdp" if accountant is None else accountant
+            check_choice("accountant", accountant, ACCOUNTANTS)
+        delta = check_delta("delta", delta)
+        max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        check_choice("mode", mode, MODES)
+        check_choice("clipping", clipping, CLIPPINGS)
+        if per_sample_loss is not None and not callable(per_sample_loss):
+            raise TypeError(f"per_sample_loss must be a function (outputs, labels) -> (B,) losses, got "
+                            f"{type(per_sample_loss).__name__}")
+        bound = inspect.signature(transformers.Trainer.__init__).bind(None, *args, **kwargs)
+        training_args = bound.arguments.get("args")
         if training_args is None:
             raise ValueError("DPTrainer needs args= (TrainingArguments): the batch size and the number of steps "
                              "or epochs set the privacy plan")
-        self.accumulation_steps = int(training_args.gradient_accumulation_steps)
+        if not isinstance(training_args, transformers.TrainingArguments):
+            raise TypeError(f"args must be a transformers.TrainingArguments, got {type(training_args).__name__}")
+        accumulation_steps = int(training_args.gradient_accumulation_steps)
+        if budgets is not None:
+            _check_plan_length(training_args)
+        dataset = bound.arguments.get("train_dataset")
+        budget_vector = _check_train_data(dataset, budgets,
+                                          int(training_args.per_device_train_batch_size) * accumulation_steps)
+        engine = PrivacyEngine(seed=training_args.seed if seed is None else seed)
         # one Trainer micro-step per update: the draw's physical batches run inside training_step
-        private_args = dataclasses.replace(training_args, gradient_accumulation_steps=1, max_grad_norm=0.0,
-                                           ignore_data_skip=True)
-        if len(args) > 1:
-            args = (args[0], private_args, *args[2:])
-        else:
-            kwargs["args"] = private_args
-        super().__init__(*args, **kwargs)
-        self.budgets_spec, self.delta, self.method = budgets, float(delta), method
+        bound.arguments["args"] = dataclasses.replace(training_args, gradient_accumulation_steps=1,
+                                                      max_grad_norm=0.0, ignore_data_skip=True)
+        super().__init__(*bound.args[1:], **bound.kwargs)
+        self.accumulation_steps = accumulation_steps
+        self.budgets_spec, self.delta, self.method = budgets, delta, method
         self.dp_noise_multiplier, self.dp_max_grad_norm = noise_multiplier, max_grad_norm
         self.dp_accountant = accountant
         self.dp_mode, self.dp_clipping = mode, clipping
         self.per_sample_loss = per_sample_loss or default_per_sample_loss(self.model)
-        self.privacy_engine = PrivacyEngine(seed=self.args.seed if seed is None else seed)
+        self.privacy_engine = engine
+        self._checked_data = (dataset, budget_vector)  # the train_dataset checked, and its budgets
         self._train_loader = None
         self._groups: list[tuple[str, np.ndarray]] = []
         self.uniform_ledger = None  # uniform DP: the RDP ledger of (q, σ); budgets: the engine's
@@ -205,39 +303,18 @@ class DPTrainer(transformers.Trainer):
     def _plan_steps(self, steps_per_epoch: int) -> int:
         if self.args.max_steps > 0:
             return int(self.args.max_steps)
-        epochs = self.args.num_train_epochs
-        if epochs != int(epochs) or epochs <= 0:
-            raise ValueError(f"num_train_epochs must be a positive whole number for a privacy plan, got {epochs}; "
-                             "or set max_steps")
-        return int(epochs) * steps_per_epoch
-
-    def _budgets(self, dataset) -> np.ndarray:
-        spec = self.budgets_spec
-        if isinstance(spec, str):
-            names = getattr(dataset, "column_names", None)
-            if names is None:
-                raise ValueError(f"budgets={spec!r} names a column of a datasets.Dataset, but train_dataset is a "
-                                 f"{type(dataset).__name__}, which has no columns: pass the budgets as an array "
-                                 "of one ε per record instead (or build it with datasets.Dataset.from_list)")
-            if spec not in names:
-                raise ValueError(f"budgets={spec!r} names a column, but train_dataset has no such column"
-                                 + (f" (columns: {names})" if names else ""))
-            return _per_record(dataset[spec], len(dataset), "budgets")
-        return _per_record(spec, len(dataset), "budgets")
+        return int(self.args.num_train_epochs) * steps_per_epoch  # a whole number (_check_plan_length)
 
     def _make_private(self) -> None:
         dataset = self.train_dataset
-        if dataset is None:
-            raise ValueError("DPTrainer needs a train_dataset")
-        n = len(dataset)
-        budgets = self._budgets(dataset) if self.budgets_spec is not None else None
-        if isinstance(self.budgets_spec, str) and hasattr(dataset, "remove_columns"):
-            dataset = dataset.remove_columns(self.budgets_spec)
         physical = int(self.args.per_device_train_batch_size)
         expected = physical * self.accumulation_steps
-        if expected > n:
-            raise ValueError(f"the expected batch (per_device_train_batch_size × gradient_accumulation_steps = "
-                             f"{expected}) is larger than the dataset ({n} records)")
+        if dataset is not self._checked_data[0]:  # a train_dataset set after construction: checked now
+            self._checked_data = (dataset, _check_train_data(dataset, self.budgets_spec, expected))
+        budgets = self._checked_data[1]
+        n = len(dataset)
+        if isinstance(self.budgets_spec, str) and hasattr(dataset, "remove_columns"):
+            dataset = dataset.remove_columns(self.budgets_spec)
         sample_rate = expected / n
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
         base = DataLoader(dataset, batch_size=physical, collate_fn=collate,
@@ -295,9 +372,8 @@ class DPTrainer(transformers.Trainer):
             a loader of Poisson draws, each an iterable of the draw's physical batches (as the data
             collator makes them, ``per_device_train_batch_size`` rows, the last padded with masked rows).
         Raises:
-            ValueError from making the run private (no train dataset, a budget column that is missing,
-            budgets not one per record, an expected batch larger than the dataset, epochs that are not a
-            whole number), and what the engine refuses.
+            what the engine refuses; for a ``train_dataset`` set after construction, what ``__init__``
+            refuses of one (none, empty, budgets not one per record, an expected batch larger than it).
         """
         if self._train_loader is None:
             self._make_private()
