@@ -331,7 +331,7 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     """
     from tqdm.auto import tqdm
 
-    from .demo import _threads, load_digits_split
+    from .demo import load_digits_split, torch_threads
 
     if check_int("canaries_count", canaries_count, 0) < 2 * len(group_epsilons):
         raise ValueError(f"canaries_count must be an int ≥ 2 per group, got {canaries_count!r}")
@@ -351,7 +351,7 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     for method in methods:
         n = len(x_tr) + canaries_count
         steps = epochs * round(n / batch_size)
-        with tqdm(total=steps, desc=f"audit {method}", disable=quiet, leave=False) as bar, _threads(threads):
+        with tqdm(total=steps, desc=f"audit {method}", disable=quiet, leave=False) as bar, torch_threads(threads):
             rows += audit_method(method, (x_tr, y_tr), budgets, canary_set, group_epsilons=group_epsilons,
                                  delta=delta, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, broken=broken,
                                  progress=bar, confidence=confidence)

@@ -246,7 +246,15 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
 
 
 @contextlib.contextmanager
-def _threads(n: int | None):
+def torch_threads(n: int | None):
+    """Run the block with ``torch.set_num_threads(n)``, restoring torch's setting after it (the demo,
+    the audit and ``fl simulate``'s ``--threads``).
+
+    Args:
+        n: the thread count, an int ≥ 1, checked by the caller; None or 0 leaves torch's setting.
+    Returns:
+        a context manager (it yields None).
+    """
     if not n:
         yield
         return
@@ -310,7 +318,7 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
     results: dict[str, list[RunResult]] = {"non-private": []}
-    with _threads(threads):
+    with torch_threads(threads):
         for seed in seeds:
             results["non-private"].append(train_nonprivate(data, epochs=epochs, batch_size=batch_size, lr=lr / 5,
                                                            seed=seed, eval_every=every, progress=progress))

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ._checks import check_flag
-from .demo import DELTA, GROUP_EPSILONS, _threads, accuracy, demo_task, make_model
+from .demo import DELTA, GROUP_EPSILONS, accuracy, demo_task, make_model, torch_threads
 from .loop import Task, private_steps
 
 METHODS = ("sample", "scale", "hybrid")
@@ -126,7 +126,7 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
     check_flag("progress", progress)
     data, budgets = demo_task(epochs, seeds, batch_size=batch_size, lr=lr, threads=threads)
     runs = []
-    with _threads(threads):
+    with torch_threads(threads):
         for method in methods:
             for variant in variants:
                 for seed in seeds:

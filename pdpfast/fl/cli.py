@@ -32,6 +32,10 @@ _HELP = {
 }
 _CHOICES = {"method": tuple(METHODS), "threat": THREATS, "conversion": CONVERSIONS, "mode": ("bk", "ghost"),
             "clipping": ("flat", "per_layer")}   # the engine's (FLConfig checks against it)
+# settings only the private methods read: the nonprivate baseline trains without budgets, clipping,
+# noise or a ledger. ``fl simulate`` parses them with no default, to tell one the user gave from none.
+_PRIVATE_ONLY = ("budgets", "noise_multiplier", "max_grad_norm", "delta", "threat", "conversion", "mode", "clipping")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FLConfig)} | {"budgets": "ThreeLevels"}
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +43,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=5, help="M, number of clients (silos)")
     parser.add_argument("--split", default="iid", choices=SPLITS, help="how records are split across clients")
     parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="α of --split dirichlet")
-    parser.add_argument("--budgets", default="ThreeLevels", choices=distributions(),
+    parser.add_argument("--budgets", default=_DEFAULTS["budgets"], choices=distributions(),
                         help="per-record budget distribution")
 
 
@@ -107,14 +111,28 @@ def plot_accuracy(results: dict, path, title: str) -> None:
     plt.close(fig)
 
 
+def _private_only_given(args) -> None:
+    """Refuse a privacy setting given to a run of the non-private baseline alone (it would be
+    ignored); fill the settings not given with their defaults."""
+    given = [name for name in _PRIVATE_ONLY if getattr(args, name) is not None]
+    if given and not any(METHODS[m].private for m in args.methods):
+        option, private = "--" + given[0].replace("_", "-"), ", ".join(m for m in METHODS if METHODS[m].private)
+        raise ValueError(f"{option} is for the private methods ({private}); "
+                         f"--methods {' '.join(args.methods)} trains without budgets, clipping or noise")
+    for name in _PRIVATE_ONLY:
+        if getattr(args, name) is None:
+            setattr(args, name, _DEFAULTS[name])
+
+
 def _simulate(args) -> int:
     from .simulation import _json_float, simulate
 
+    _private_only_given(args)
     results, rows = {}, []
     for method in args.methods:
         config = _config(args, method=method)
         start = time.perf_counter()
-        res = simulate(budgets=args.budgets, progress=not args.quiet, **_data_kwargs(args),
+        res = simulate(budgets=args.budgets, progress=not args.quiet, threads=args.threads, **_data_kwargs(args),
                        **{k: v for k, v in config.to_dict().items()})
         results[method] = res
         rows.append(res.summary() | {"seconds": time.perf_counter() - start})
@@ -201,7 +219,11 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--out", help="write <out>.json and <out>.png (accuracy per round)")
     sim.add_argument("--no-plot", action="store_true")
     sim.add_argument("--quiet", action="store_true", help="no progress bars")
-    sim.set_defaults(run=_simulate)
+    sim.add_argument("--threads", type=int,
+                     help="torch threads (default: torch's own setting; 0 = the same), restored afterwards; "
+                          "the results do not depend on it beyond float rounding")
+    # no default: a privacy setting given with --methods nonprivate alone is refused (_private_only_given)
+    sim.set_defaults(run=_simulate, **dict.fromkeys(_PRIVATE_ONLY))
 
     flw = sub.add_parser("flower", help="the same run on Flower: its server loop with clients in process, "
                                         "or its Ray simulation engine")

@@ -132,7 +132,7 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
     """Share the records out across clients.
 
     Args:
-        labels: (N,) int labels.
+        labels: (N,) int labels (a 1-D array, list or CPU tensor of integers).
         num_clients: M, an int in [1, N].
         split: "iid", "label" or "dirichlet" (Dirichlet(α) label proportions).
         seed: of the split.
@@ -140,7 +140,8 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
     Returns:
         (N,) int64 client index 0..M−1 of each record.
     Raises:
-        ValueError for an unknown split, a bad ``num_clients`` or α, or if a client would get no record.
+        TypeError for labels that are not integers; ValueError for labels that are not 1-D, an unknown
+        split, a bad ``num_clients`` or α, or if a client would get no record.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
@@ -148,7 +149,7 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
     check_int("seed", seed, 0)
     # α is checked whatever the split: a bad value given with another split is a mistake, not a no-op
     check_positive("dirichlet_alpha", dirichlet_alpha)
-    labels = np.asarray(labels)
+    labels = _check_labels(labels)
     n = labels.shape[0]
     if num_clients > n:
         raise ValueError(f"clients={num_clients} is more than the {n} training records: a client would have no data")
@@ -175,6 +176,19 @@ def partition(labels: np.ndarray, num_clients: int, split: str, seed: int = 0,
         raise ValueError(f"split={split!r} leaves client(s) {empty} with no data; use fewer clients, "
                          "another seed, or a larger dirichlet_alpha")
     return owner
+
+
+def _check_labels(labels) -> np.ndarray:
+    """(N,) integer class labels as an array; refused by name before numpy fails on them deep in a split."""
+    try:
+        arr = np.asarray(labels)
+    except (TypeError, ValueError):   # ragged lists
+        raise TypeError(f"labels must be a 1-D array of integer class labels, got {type(labels).__name__}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"labels must be 1-D (one class label per record), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":   # not floats (2.5), booleans or strings
+        raise TypeError(f"labels must be integer class labels, got dtype {arr.dtype}")
+    return arr
 
 
 def load_federated(dataset: str = "digits", clients: int = 5, split: str = "iid", *, seed: int = 0,

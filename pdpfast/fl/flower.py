@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -118,8 +118,17 @@ class PDPClient(NumPyClient):
         Returns:
             (delta arrays (float32, local − global), num_examples n, {"client_id": k, "contributed": 1}),
             or ([], 0, {"client_id": k, "contributed": 0}) when no record has budget left.
+        Raises:
+            TypeError when ``config`` is not a dict; ValueError when it lacks "server_round" or that is
+            not an int ≥ 1 (before the silo or its ledger changes).
         """
-        server_round = int(config["server_round"])
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config must be a dict (Flower's fit config) with 'server_round', "
+                            f"got {type(config).__name__}")
+        if "server_round" not in config:
+            raise ValueError(f"config lacks 'server_round' (the 1-based round, which PoissonFedAvg.configure_fit "
+                             f"sends); its keys are {sorted(map(str, config))}")
+        server_round = check_int("config['server_round']", config["server_round"], 1)
         self.last_round = server_round
         update = self.silo.fit([np.asarray(array) for array in parameters], server_round)
         if self.ledger_path is not None and self.silo.ledger is not None:

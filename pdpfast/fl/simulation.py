@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_flag, check_positive_per_record
+from .._checks import check_flag, check_int, check_positive_per_record
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
 from .config import FLConfig, sampled_clients
@@ -244,16 +244,21 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
 
     Args:
         data: the federation.
-        budgets: (N,) float64 ε_i of the training set.
+        budgets: (N,) float64 ε_i of the whole training set (all clients' records, as
+            :func:`resolve_budgets` gives them; the silo takes its own by ``data.records_of``).
         config: the run's settings.
         client_id: 0..M−1.
     Returns:
         its :class:`Silo` (records, budgets, sampling rates, ledger).
     Raises:
-        ValueError for a ``client_id`` outside [0, M).
+        ValueError for a ``client_id`` outside [0, M), or ``budgets`` that are not N finite values > 0
+        (TypeError for values that are not numbers).
     """
-    if not 0 <= client_id < data.num_clients:
+    check_int("client_id", client_id, 0)
+    if client_id >= data.num_clients:
         raise ValueError(f"client_id must lie in [0, {data.num_clients}), got {client_id!r}")
+    n = int(data.y_train.shape[0])
+    budgets = check_positive_per_record("budgets", budgets, n, records="training record of the federation")
     x, y = data.client_data(client_id)
     return Silo(client_id, x, y, budgets[data.records_of(client_id)], config=config,
                 model_fn=model_factory(data.name), federation_budgets=budgets)
@@ -352,7 +357,8 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
              method: str = "rpdp", *, rounds: int = 40, local_steps: int = 10, client_rate: float = 0.5,
              noise_multiplier: float = 4.0, max_grad_norm: float = 1.0, delta: float = 1e-4, lr: float = 0.05,
              threat: str = "clients", conversion: str = "standard", mode: str = "bk", clipping: str = "flat",
-             dirichlet_alpha: float = 0.5, seed: int = 0, progress: bool = False) -> FederatedResult:
+             dirichlet_alpha: float = 0.5, seed: int = 0, progress: bool = False,
+             threads: int | None = None) -> FederatedResult:
     """Simulate rPDP-FL (or a baseline) in process and return a ``FederatedResult``.
 
     Args:
@@ -361,17 +367,28 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
             ``seed``), an (N,) array over the training set, or a list of M per-client arrays.
         method: "rpdp", "minimum", "dropout" or "nonprivate". rounds: T; local_steps: τ;
             client_rate: λ ∈ (0, 1]; noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
+            With method "nonprivate" the privacy settings (σ, C, δ, threat, conversion, mode,
+            clipping, budgets) are checked but not used.
+        threads: torch threads for the run (``torch.set_num_threads``, restored afterwards); None or 0
+            (the default) leaves torch's setting. The result does not depend on it beyond float rounding.
     Returns:
         the ``FederatedResult``: accuracy per round, (N,) ε spent per record under both threat
         models, per-client statistics.
+    Raises:
+        ValueError (TypeError for a value of the wrong kind) naming the argument that is out of range.
     """
+    from ..demo import torch_threads
+
+    if threads is not None:
+        check_int("threads", threads, 0)
     config = FLConfig(rounds=rounds, local_steps=local_steps, client_rate=client_rate,
                       noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=delta, lr=lr,
                       method=method, threat=threat, conversion=conversion, mode=mode, clipping=clipping, seed=seed)
     data = load_federated(dataset, clients, split, seed=seed, dirichlet_alpha=dirichlet_alpha)
     per_record = resolve_budgets(budgets, data, seed)
-    silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
-    run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)
+    with torch_threads(threads):
+        silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
+        run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)
     info = {"split": split, "budgets": budgets if isinstance(budgets, str) else "custom",
             "aggregation": "FedAvg of model deltas weighted by client size n_k, over the clients that sent one"}
     return collect_result(silos, data, per_record, config, run, info)

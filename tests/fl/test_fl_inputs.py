@@ -201,3 +201,195 @@ def test_sampled_clients_refuses_what_would_sample_nobody_or_everybody(args):
 
     with pytest.raises((TypeError, ValueError)):
         sampled_clients(*args)
+
+
+# ---------------------------------------------------------------------------------------------- probe fixes
+@pytest.mark.parametrize("split", ["iid", "label", "dirichlet"])
+@pytest.mark.parametrize("labels, error, message", [
+    (np.zeros((12, 2), dtype=np.int64), ValueError,
+     r"labels must be 1-D \(one class label per record\), got shape \(12, 2\)"),
+    (np.zeros((12, 1), dtype=np.int64), ValueError, r"labels must be 1-D .* got shape \(12, 1\)"),
+    (np.int64(3), ValueError, r"labels must be 1-D .* got shape \(\)"),
+    (np.repeat([0.0, 1.5], 6), TypeError, "labels must be integer class labels, got dtype float64"),
+    (np.repeat([True, False], 6), TypeError, "labels must be integer class labels, got dtype bool"),
+    (["a", "b"] * 6, TypeError, "labels must be integer class labels"),
+    ([[0, 1], [1]] * 6, TypeError, "labels must be a 1-D array of integer class labels"),
+])
+def test_partition_refuses_labels_that_are_not_one_integer_per_record(split, labels, error, message):
+    """2-D labels failed deep inside numpy (np.lexsort, np.split) or, with split iid, passed unread."""
+    with pytest.raises(error, match=message):
+        fl.partition(labels, 2, split)
+
+
+def test_partition_takes_integer_labels_as_a_list_or_a_tensor():
+    labels = np.repeat([0, 1, 2], 4)
+    want = fl.partition(labels, 2, "label", seed=3)
+    np.testing.assert_array_equal(fl.partition(labels.tolist(), 2, "label", seed=3), want)
+    np.testing.assert_array_equal(fl.partition(torch.from_numpy(labels), 2, "label", seed=3), want)
+    np.testing.assert_array_equal(fl.partition(labels.astype(np.uint8), 2, "label", seed=3), want)
+
+
+@pytest.fixture(scope="module")
+def federation():
+    data = fl.load_federated("breast_cancer", 3, "iid", seed=0)
+    return data, np.ones(data.y_train.shape[0])
+
+
+def test_build_silo_refuses_budgets_that_are_not_one_per_training_record(federation):
+    """build_silo indexes the whole training set's budgets with the client's record indices: budgets of the
+    client's own length failed with an IndexError (or silently took the wrong records when long enough)."""
+    data, budgets = federation
+    n, own = budgets.shape[0], data.records_of(1).shape[0]
+    config = fl.FLConfig(rounds=1, local_steps=1, method="nonprivate")
+    for bad in (budgets[:own], budgets[:-1], np.ones(n + 1), np.ones((n, 1))):
+        with pytest.raises(ValueError, match=rf"budgets must have one value per training record of the federation "
+                                             rf"\({n}\), got shape \({bad.shape[0]},"):
+            fl.build_silo(data, bad, config, 1)
+    with pytest.raises(ValueError, match="budgets must be finite and > 0"):
+        fl.build_silo(data, np.where(np.arange(n) == 4, np.nan, budgets), config, 1)
+    with pytest.raises(TypeError, match="budgets must be numbers"):
+        fl.build_silo(data, ["1.0"] * n, config, 1)
+    silo = fl.build_silo(data, torch.ones(n, dtype=torch.float64), config, 1)   # a tensor is an array too
+    assert silo.num_records == own
+
+
+@pytest.mark.parametrize("client_id, message", [(3, r"client_id must lie in \[0, 3\), got 3"),
+                                                (-1, "client_id must be an int ≥ 0, got -1"),
+                                                (1.0, "client_id must be an int ≥ 0, got 1.0"),
+                                                (True, "client_id must be an int ≥ 0, got True")])
+def test_build_silo_refuses_a_client_id_that_is_not_a_client(federation, client_id, message):
+    data, budgets = federation
+    with pytest.raises(ValueError, match=message):
+        fl.build_silo(data, budgets, fl.FLConfig(rounds=1, local_steps=1, method="nonprivate"), client_id)
+
+
+@pytest.mark.parametrize("config, error, message", [
+    ({}, ValueError, r"config lacks 'server_round' .*its keys are \[\]"),
+    ({"num_rounds": 3}, ValueError, r"config lacks 'server_round' .*its keys are \['num_rounds'\]"),
+    (None, TypeError, "config must be a dict"),
+    ({"server_round": 0}, ValueError, r"config\['server_round'\] must be an int ≥ 1, got 0"),
+    ({"server_round": "1"}, ValueError, r"config\['server_round'\] must be an int ≥ 1, got '1'"),
+])
+def test_flower_client_fit_names_a_missing_or_bad_server_round(federation, config, error, message):
+    """``PDPClient.fit`` without "server_round" failed with a bare KeyError; the refusal comes before the
+    silo or its ledger changes."""
+    pytest.importorskip("flwr", reason="Flower (flwr) is not installed")
+    from pdpfast.fl.flower import PDPClient
+
+    data, budgets = federation
+    silo = fl.build_silo(data, budgets, fl.FLConfig(rounds=2, local_steps=1, noise_multiplier=1.0), 0)
+    client = PDPClient(silo)
+    before = {k: np.copy(v) for k, v in silo.ledger.state_dict().items()}
+    weights = fl.get_weights(fl.model_factory("breast_cancer")())
+    with pytest.raises(error, match=message):
+        client.fit(weights, config)
+    assert client.last_round == 0 and silo.rounds_sampled == 0
+    assert all(np.array_equal(before[k], v) for k, v in silo.ledger.state_dict().items())
+    delta, n, metrics = client.fit(weights, {"server_round": 1, "num_rounds": 2})
+    assert n == silo.num_records and metrics == {"client_id": 0, "contributed": 1}
+
+
+THREADS_RUN = dict(dataset="breast_cancer", clients=2, rounds=2, local_steps=2, client_rate=1.0, seed=1)
+
+
+@pytest.mark.parametrize("method", ["rpdp", "nonprivate"])
+def test_simulate_result_does_not_depend_on_the_thread_count(method):
+    one = fl.simulate(method=method, threads=1, **THREADS_RUN)
+    two = fl.simulate(method=method, threads=2, **THREADS_RUN)
+    for a, b in zip(one.weights, two.weights):   # full-batch GEMMs may round differently across threads
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(one.loss, two.loss, rtol=1e-5)
+    np.testing.assert_array_equal(one.sampled, two.sampled)
+    np.testing.assert_array_equal(one.sample_rates, two.sample_rates)
+    np.testing.assert_array_equal(one.epsilon_clients, two.epsilon_clients)
+    np.testing.assert_array_equal(one.epsilon_server, two.epsilon_server)
+
+
+@pytest.mark.parametrize("threads, error", [(-1, ValueError), (1.5, ValueError), (True, ValueError),
+                                            ("2", ValueError)])
+def test_simulate_refuses_a_thread_count_that_is_not_an_int_of_at_least_zero(threads, error):
+    with pytest.raises(error, match=rf"threads must be an int ≥ 0, got {threads!r}"):
+        fl.simulate(threads=threads, **THREADS_RUN)
+
+
+@pytest.mark.parametrize("entry", ["fl", "pdpfast"])
+def test_cli_simulate_threads_sets_torch_threads_for_the_run_and_restores_them(entry, monkeypatch, capsys):
+    import pdpfast.cli
+    import pdpfast.fl.simulation as simulation
+
+    original = torch.get_num_threads()
+    outside = 3 if original != 3 else 2
+    seen = []
+    run_federated = simulation.run_federated
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return run_federated(*args, **kwargs)
+
+    monkeypatch.setattr(simulation, "run_federated", spy)
+    argv = ["simulate", "--dataset", "breast_cancer", "--clients", "2", "--rounds", "1", "--local-steps", "1",
+            "--methods", "nonprivate", "--quiet", "--no-plot"]
+    torch.set_num_threads(outside)
+    try:
+        rc = main([*argv, "--threads", "1"]) if entry == "fl" else pdpfast.cli.main(["fl", *argv, "--threads", "1"])
+        assert (rc, seen, torch.get_num_threads()) == (0, [1], outside)
+        seen.clear()   # without --threads, or with 0: torch's own setting
+        assert main(argv) == 0 and main([*argv, "--threads", "0"]) == 0
+        assert seen == [outside, outside] and torch.get_num_threads() == outside
+    finally:
+        torch.set_num_threads(original)
+
+
+@pytest.mark.parametrize("entry, prefix", [("fl", "pdpfast fl simulate: error: "), ("pdpfast", "pdpfast fl: error: ")])
+def test_cli_simulate_refuses_a_negative_thread_count_by_option(entry, prefix, capsys):
+    import pdpfast.cli
+
+    argv = ["simulate", "--threads", "-1", "--quiet", "--no-plot"]
+    assert (main(argv) if entry == "fl" else pdpfast.cli.main(["fl", *argv])) == 2
+    assert capsys.readouterr().err.strip() == prefix + "--threads must be an int ≥ 0, got -1"
+
+
+class _Stop(Exception):
+    """Raised by a stand-in for simulate, after recording what it was given."""
+
+
+@pytest.mark.parametrize("option, value", [("--budgets", "BoundedPareto"), ("--noise-multiplier", "2"),
+                                           ("--max-grad-norm", "0.5"), ("--delta", "1e-5"), ("--threat", "server"),
+                                           ("--conversion", "improved"), ("--mode", "ghost"),
+                                           ("--clipping", "per_layer")])
+def test_cli_nonprivate_alone_refuses_a_privacy_option_it_would_ignore(option, value, monkeypatch, capsys):
+    """``fl simulate --methods nonprivate --noise-multiplier 2`` ran the baseline with σ unread; with a private
+    method beside it the option is that method's, and passed on."""
+    import pdpfast.fl.simulation as simulation
+
+    assert main(["simulate", "--methods", "nonprivate", option, value, "--quiet", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {option} is for the private methods (rpdp, minimum, dropout); --methods nonprivate" in err
+
+    given = []
+
+    def stand_in(**kwargs):
+        given.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(simulation, "simulate", stand_in)
+    with pytest.raises(_Stop):
+        main(["simulate", "--methods", "minimum", "nonprivate", option, value, "--quiet", "--no-plot"])
+    name = option[2:].replace("-", "_")
+    assert str(given[0][name]) == str(type(given[0][name])(value))
+
+
+def test_cli_nonprivate_alone_runs_with_the_default_privacy_settings(monkeypatch):
+    import pdpfast.fl.simulation as simulation
+
+    given = []
+
+    def stand_in(**kwargs):
+        given.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(simulation, "simulate", stand_in)
+    with pytest.raises(_Stop):
+        main(["simulate", "--methods", "nonprivate", "--quiet", "--no-plot"])
+    defaults = fl.FLConfig(method="nonprivate").to_dict() | {"budgets": "ThreeLevels"}
+    assert {k: given[0][k] for k in defaults} == defaults
