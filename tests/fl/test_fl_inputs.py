@@ -360,26 +360,17 @@ class _Stop(Exception):
 def test_cli_nonprivate_alone_refuses_a_privacy_option_it_would_ignore(option, value, monkeypatch, capsys):
     """``fl simulate --methods nonprivate --noise-multiplier 2`` ran the baseline with σ unread; with a private
     method beside it the option is that method's, and passed on."""
-    import pdpfast.fl.simulation as simulation
-
     assert main(["simulate", "--methods", "nonprivate", option, value, "--quiet", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert f"error: {option} is for the private methods (rpdp, minimum, dropout); --methods nonprivate" in err
 
-    given = []
-
-    def stand_in(**kwargs):
-        given.append(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(simulation, "simulate", stand_in)
-    with pytest.raises(_Stop):
-        main(["simulate", "--methods", "minimum", "nonprivate", option, value, "--quiet", "--no-plot"])
+    given = _first_simulate_call(monkeypatch, ["--methods", "minimum", "nonprivate", option, value])
     name = option[2:].replace("-", "_")
-    assert str(given[0][name]) == str(type(given[0][name])(value))
+    assert str(given[name]) == str(type(given[name])(value))
 
 
-def test_cli_nonprivate_alone_runs_with_the_default_privacy_settings(monkeypatch):
+def _first_simulate_call(monkeypatch, argv) -> dict:
+    """The keyword arguments ``fl simulate`` passes to ``simulate`` for its first method (not run)."""
     import pdpfast.fl.simulation as simulation
 
     given = []
@@ -390,6 +381,11 @@ def test_cli_nonprivate_alone_runs_with_the_default_privacy_settings(monkeypatch
 
     monkeypatch.setattr(simulation, "simulate", stand_in)
     with pytest.raises(_Stop):
-        main(["simulate", "--methods", "nonprivate", "--quiet", "--no-plot"])
+        main(["simulate", *argv, "--quiet", "--no-plot"])
+    return given[0]
+
+
+def test_cli_nonprivate_alone_runs_with_the_default_privacy_settings(monkeypatch):
+    given = _first_simulate_call(monkeypatch, ["--methods", "nonprivate"])
     defaults = fl.FLConfig(method="nonprivate").to_dict() | {"budgets": "ThreeLevels"}
-    assert {k: given[0][k] for k in defaults} == defaults
+    assert {k: given[k] for k in defaults} == defaults
