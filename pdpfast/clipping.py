@@ -47,6 +47,7 @@ from torch import nn
 
 from ._checks import as_per_sample, check_choice, check_nonnegative, check_number, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
+from .nn.convert import refuse_unsupported_layers
 from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
@@ -213,8 +214,9 @@ class ClippingState:
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping w_i = c_i / (‖g_i‖ + γ).
     Raises:
         ValueError for an unknown mode / clipping, an option that does not apply, shares that are not
-        positive or do not satisfy Σ C_k² = 1, a batch_first=False module, trainable parameters outside DP
-        layers, or no trainable DP parameter at all.
+        positive or do not satisfy Σ C_k² = 1, a batch_first=False module, a DP layer with options its
+        private forward cannot train (``pdpfast.nn.convert.layer_problem``, as ``convert`` words it),
+        trainable parameters outside DP layers, or no trainable DP parameter at all.
     """
 
     def __init__(self, model: nn.Module, *, mode: str = "bk", clipping: str = "flat",
@@ -235,6 +237,7 @@ class ClippingState:
         self._names = {m: name or "<model>" for name, m in model.named_modules()}
         refuse_sequence_first(model)
         self.layers = [m for m in model.modules() if isinstance(m, DPModule)]
+        refuse_unsupported_layers(self.layers, self._names)  # DP layers built directly skip convert's check
         loose = [f"{self._names[m]} ({type(m).__name__})" for m in model.modules()
                  if not isinstance(m, DPModule) and _trainable(m)]
         if loose:

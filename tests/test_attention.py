@@ -122,7 +122,7 @@ def test_batch_of_one_and_empty_batch(name, style, oracle):
 @pytest.mark.parametrize("options,message", [
     (dict(add_bias_kv=True), "add_bias_kv"),
     (dict(add_zero_attn=True), "add_zero_attn"),
-    (dict(kdim=5, vdim=7), "kdim/vdim"),
+    (dict(kdim=5, vdim=7), r"kdim/vdim .*kdim=5, vdim=7"),
 ])
 def test_unsupported_options_are_refused_by_name(options, message):
     model = nn.Sequential(nn.MultiheadAttention(E, H, batch_first=True, **options))
@@ -134,3 +134,27 @@ def test_sequence_first_attention_is_refused():
     model = pdpfast.nn.convert(nn.Sequential(nn.MultiheadAttention(E, H)))  # batch_first=False
     with pytest.raises(ValueError, match="batch_first=False"):
         pdpfast.clipping.ClippingState(model)
+
+
+class DirectAttention(nn.Module):
+    """Self-attention with the DP classes built directly, not by ``convert``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = pdpfast.nn.DPMultiheadAttention(E, H, batch_first=True)
+        self.head = pdpfast.nn.DPLinear(E, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_a_dp_attention_built_directly_needs_convert_for_its_out_proj_and_then_equals_the_oracle(oracle):
+    torch.manual_seed(3)
+    model = DirectAttention().double()
+    with pytest.raises(ValueError, match=r"call pdpfast.nn.convert\(model\) first. Modules: attn.out_proj"):
+        pdpfast.clipping.ClippingState(model)
+    reference = copy.deepcopy(model)
+    pdpfast.nn.convert(model)
+    assert isinstance(model.attn.out_proj, pdpfast.nn.DPLinear)
+    inputs, targets = (torch.randn(B, T, E, dtype=torch.float64),), (torch.randint(0, 3, (B,)),)
+    oracle.check(model, ce_loss, inputs, targets, reference=reference, method="loop")

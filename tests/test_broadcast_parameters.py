@@ -166,3 +166,39 @@ def test_register_broadcast_host_checks_its_arguments():
         pdpfast.nn.register_broadcast_host(3, "token")
     with pytest.raises(TypeError, match="names of the batch-broadcast parameters"):
         pdpfast.nn.register_broadcast_host(TwoTokens)
+
+
+def test_register_broadcast_host_refuses_names_that_are_not_parameter_names():
+    with pytest.raises(ValueError, match=r"names must be parameter names.*'embeddings.cls_token'"):
+        pdpfast.nn.register_broadcast_host(TwoTokens, "embeddings.cls_token")
+    with pytest.raises(ValueError, match="names are given more than once"):
+        pdpfast.nn.register_broadcast_host(TwoTokens, "token", "token")
+
+
+class PReLUHost(nn.PReLU):
+    pass
+
+
+def test_a_host_registered_with_a_name_it_does_not_have_is_refused_by_name():
+    """Only an instance tells whether a name is the host's; convert refuses a name it lacks entirely
+    (a name set to None, like ViT's unused mask token, is fine)."""
+    pdpfast.nn.register_broadcast_host(PReLUHost, "nonexistent_attr")
+    with pytest.raises(ValueError, match=r"0 \(PReLUHost: registered batch-broadcast names nonexistent_attr "
+                                         r"are not attributes"):
+        pdpfast.nn.convert(nn.Sequential(PReLUHost(3)))
+
+
+class TokenAndUnusedMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.token = nn.Parameter(torch.zeros(1, 1, 4))
+        self.mask_token = None  # as ViT's without use_mask_token
+
+    def forward(self, x):
+        return x + self.token
+
+
+def test_a_registered_name_set_to_none_is_accepted():
+    pdpfast.nn.register_broadcast_host(TokenAndUnusedMask, "token", "mask_token")
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(4, 4), TokenAndUnusedMask()))
+    ClippingState(model)

@@ -10,8 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+import pdpfast.nn as pnn
+from pdpfast.clipping import ClippingState
 from pdpfast.functional import clipped_gradients
 from pdpfast.nn import DPModule, convert, replace_batchnorm
+from pdpfast.nn.convert import unsupported_modules
 
 B = 4
 
@@ -200,6 +203,78 @@ def test_frozen_embedding_with_max_norm_is_refused():
     model[0].requires_grad_(False)
     with pytest.raises(ValueError, match="max_norm"):
         convert(model)
+
+
+# ------------------------------------------------------------------------ DP layers built directly
+
+# (DP layer built directly, a regex of the refusal: class, option and its value)
+IGNORED_OPTIONS = {
+    "attention-add_bias_kv": (lambda: pnn.DPMultiheadAttention(4, 2, add_bias_kv=True, batch_first=True),
+                              r"DPMultiheadAttention: add_bias_kv=True is not supported; use add_bias_kv=False"),
+    "attention-add_zero_attn": (lambda: pnn.DPMultiheadAttention(4, 2, add_zero_attn=True, batch_first=True),
+                                r"DPMultiheadAttention: add_zero_attn=True is not supported"),
+    "attention-kdim-vdim": (lambda: pnn.DPMultiheadAttention(4, 2, kdim=3, vdim=3, batch_first=True),
+                            r"DPMultiheadAttention: kdim/vdim .*kdim=3, vdim=3, embed_dim=4"),
+    "embedding-bag-max": (lambda: pnn.DPEmbeddingBag(10, 2, mode="max"),
+                          r"DPEmbeddingBag: mode='max' is not supported.*use 'sum' or 'mean'"),
+    "embedding-max_norm": (lambda: pnn.DPEmbedding(10, 2, max_norm=1.0),
+                           r"DPEmbedding: max_norm=1.0 .*set max_norm=None"),
+    "embedding-scale_grad_by_freq": (lambda: pnn.DPEmbedding(10, 2, scale_grad_by_freq=True),
+                                     r"DPEmbedding: scale_grad_by_freq=True .*set scale_grad_by_freq=False"),
+    "embedding-sparse": (lambda: pnn.DPEmbedding(10, 2, sparse=True),
+                         r"DPEmbedding: sparse=True .*set sparse=False"),
+    "instance-norm-running-stats": (lambda: pnn.DPInstanceNorm(3, affine=True, track_running_stats=True),
+                                    r"DPInstanceNorm: track_running_stats=True .*set track_running_stats=False"),
+    "lstm-proj_size": (lambda: pnn.DPLSTM(3, 4, proj_size=2, batch_first=True),
+                       r"DPLSTM: proj_size=2 .*use proj_size=0"),
+}
+
+
+@pytest.mark.parametrize("name", list(IGNORED_OPTIONS))
+def test_a_dp_module_built_directly_with_an_option_its_private_forward_ignores_is_refused(name):
+    """convert refuses these options on torch modules; a DP class built directly skipped that check,
+    and its private forward ignored them (a clipped gradient of another function than the model's)."""
+    make, match = IGNORED_OPTIONS[name]
+    model = nn.Sequential(OrderedDict(layer=make()))
+    with pytest.raises(ValueError, match="layer \\(" + match):
+        ClippingState(model)  # the route of clipped_gradients and make_private, converted or not
+    with pytest.raises(ValueError, match="layer \\(" + match):
+        convert(model)  # convert checks the DP layers it meets too
+    assert unsupported_modules(model) != []
+    assert dp_modules(model) == ["layer"]  # nothing changed on error (an attention's out_proj stays torch's)
+
+
+def test_a_dp_attention_built_directly_with_add_bias_kv_is_refused_before_any_gradient():
+    """The probe's route: bias_k / bias_v got no gradient and the private output differed from eval."""
+    x = torch.randn(3, 4, 4)
+    with pytest.raises(ValueError, match="add_bias_kv=True"):
+        clipped_gradients(pnn.DPMultiheadAttention(4, 2, add_bias_kv=True, batch_first=True),
+                          lambda out: out[0].pow(2).sum((1, 2)), x, x, x, clip_norms=torch.ones(3))
+
+
+def test_a_dp_module_changed_after_conversion_to_an_option_it_ignores_is_refused():
+    model = convert(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)))
+    ClippingState(model)
+    model[0].max_norm = 1.0
+    with pytest.raises(ValueError, match=r"0 \(DPEmbedding: max_norm=1.0"):
+        ClippingState(model)
+
+
+def test_a_lazy_layer_is_refused_until_initialized():
+    model = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"0 \(LazyLinear: uninitialized \(lazy\) parameters weight, bias: "
+                                         r"initialize it with a forward pass first, or use nn.Linear"):
+        convert(model)
+    assert dp_modules(model) == []
+    model(torch.randn(B, 5))  # torch turns it into an nn.Linear(5, 3)
+    assert isinstance(convert(model)[0], pnn.DPLinear)
+
+
+def test_a_correctly_built_dp_module_built_directly_trains_and_equals_the_oracle(oracle):
+    """DP layers built directly (no convert) train through clipped_gradients, exact per sample."""
+    model = nn.Sequential(pnn.DPEmbedding(11, 5, padding_idx=3), pnn.DPLinear(5, 2)).double()
+    ids, t = torch.randint(0, 11, (B, 7)), torch.randn(B, 7, 2, dtype=torch.float64)
+    oracle.check(model, sq_loss, (ids,), (t,))
 
 
 # ------------------------------------------------------------------------ forward parity

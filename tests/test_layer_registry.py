@@ -188,3 +188,28 @@ def test_every_registered_layer_has_a_rule():
     for torch_class, dp_class in layers.items():
         assert issubclass(dp_class, DPModule), torch_class
         assert rule_for_class(dp_class) is not None, torch_class
+
+
+def test_register_rule_refuses_what_is_not_a_dp_class_or_a_rule():
+    """A later private step failed deep (AttributeError on None) after these were accepted."""
+    with pytest.raises(TypeError, match="rule must be a pdpfast.nn.LayerRule, got None"):
+        register_rule(DPElementwiseScale, rule=None, replace=True)
+    with pytest.raises(TypeError, match="types must be subclasses of pdpfast.nn.DPModule.*ElementwiseScale"):
+        register_rule(ElementwiseScale, rule=SCALE_RULE)
+    with pytest.raises(TypeError, match="at least one DP class"):
+        register_rule(rule=SCALE_RULE)
+    assert rule_for_class(DPElementwiseScale) is SCALE_RULE  # nothing was replaced
+
+
+def test_a_dp_module_built_directly_without_a_rule_is_refused_by_name():
+    class DPNoRule(DPModule, ElementwiseScale):  # never registered
+        def _compute(self, x, p):
+            return x * p["scale"]
+
+    from pdpfast.clipping import ClippingState
+
+    model = nn.Sequential(DPNoRule(3))
+    with pytest.raises(ValueError, match=r"0 \(DPNoRule: no per-sample rule is registered for DPNoRule"):
+        ClippingState(model)
+    with pytest.raises(ValueError, match="no per-sample rule"):
+        convert(model)

@@ -65,7 +65,8 @@ class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
         if module.add_zero_attn:
             return "add_zero_attn=True is not supported; use add_zero_attn=False"
         if not module._qkv_same_embed_dim:
-            return "kdim/vdim other than embed_dim are not supported (separate q/k/v projection weights)"
+            return (f"kdim/vdim other than embed_dim are not supported (kdim={module.kdim}, vdim={module.vdim}, "
+                    f"embed_dim={module.embed_dim}: separate q/k/v projection weights); use kdim=vdim=None")
         return None
 
     def _compute(self, x, p):  # the packed input projection, on the flattened (B·T, E) input

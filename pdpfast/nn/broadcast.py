@@ -110,10 +110,16 @@ def broadcast_parameters(*names: str) -> type:
     Returns:
         a new ``DPBroadcastHost`` subclass with ``broadcast_names = names``.
     Raises:
-        TypeError when no name is given or a name is not a non-empty string.
+        TypeError when no name is given or a name is not a non-empty string; ValueError for a name that
+        is not a parameter name (a Python identifier) or is given twice.
     """
     if not names or not all(isinstance(n, str) and n for n in names):
         raise TypeError("broadcast_parameters needs the names of the batch-broadcast parameters")
+    odd = [n for n in names if not n.isidentifier()]
+    if odd:
+        raise ValueError(f"names must be parameter names of the host (identifiers, no dots), got {odd}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"names are given more than once: {list(names)}")
     return type("DPBroadcastHost", (DPBroadcastHost,), {"broadcast_names": tuple(names)})
 
 
@@ -186,9 +192,15 @@ def check_broadcast_host(broadcast_names: tuple, module) -> str | None:
         broadcast_names: a tuple of the parameter names registered as batch-broadcast.
         module: the would-be host.
     Returns:
-        a reason string when one of its own trainable parameters is not in ``broadcast_names`` or a
-        trainable broadcast parameter is 0-D or its dim 0 is not of size 1; None when it can host them.
+        a reason string when a name of ``broadcast_names`` is no attribute of the module at all (a
+        parameter set to None, like an unused mask token, is fine), one of its own trainable parameters
+        is not in ``broadcast_names``, or a trainable broadcast parameter is 0-D or its dim 0 is not of
+        size 1; None when it can host them.
     """
+    missing = [n for n in broadcast_names if not hasattr(module, n)]
+    if missing:
+        return (f"registered batch-broadcast names {', '.join(missing)} are not attributes of the module "
+                "(check the names given to pdpfast.nn.register_broadcast_host)")
     own = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
     others = [n for n in own if n not in broadcast_names]
     if others:
@@ -217,7 +229,9 @@ def register_broadcast_host(module_class: type | str, *names: str) -> None:
         None.
     Raises:
         TypeError for a ``module_class`` that is neither, or bad ``names`` (``broadcast_parameters``);
-        ValueError for a class name without a module path.
+        ValueError for a class name without a module path, or ``names`` that are not identifiers or
+        repeat. Whether the names are the host's parameters is only known from an instance: ``convert``
+        refuses a host that has no attribute of a registered name.
     """
     if not (isinstance(module_class, str) or (isinstance(module_class, type) and issubclass(module_class, nn.Module))):
         raise TypeError(f"module_class must be an nn.Module subclass or its qualified name, got {module_class!r}")

@@ -6,9 +6,12 @@ buffer, hook and attribute stays where it was (an optimizer built before convers
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedParameter
 
 from .._checks import check_int
 from . import rules
@@ -45,26 +48,73 @@ def _path(name: str) -> str:
     return name or "<model>"
 
 
+_UNSUPPORTED = ("pdpfast has no private version of these modules with trainable parameters (freeze them "
+                "with requires_grad_(False), or replace them): ")
+
+
+def layer_problem(module: nn.Module, dp_class: type) -> str | None:
+    """Why ``dp_class`` cannot train ``module`` privately, or None: the one check of a layer's options.
+
+    ``convert`` runs it before swapping a torch module and on every module that already is a DP layer
+    (built directly, or converted before); ``ClippingState`` runs it on every DP layer of the model it
+    is given. Construction time only, never in a forward or backward.
+
+    Args:
+        module: the module (a torch module ``convert`` would swap, or a DP layer).
+        dp_class: its DP class (``type(module)`` for a DP layer).
+    Returns:
+        a one-line reason: uninitialized (lazy) parameters, no per-sample rule registered for
+        ``dp_class``, or ``dp_class.unsupported_options(module)`` (an option its private forward would
+        ignore or train wrongly); None when ``dp_class`` trains ``module`` exactly.
+    """
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        lazy = [n for n, p in module._parameters.items() if isinstance(p, UninitializedParameter)]
+        eager = getattr(module, "cls_to_become", None)
+        instead = f"nn.{eager.__name__}" if isinstance(eager, type) else "a layer built with its sizes"
+        return (f"uninitialized (lazy) parameters {', '.join(lazy)}: initialize it with a forward pass first, "
+                f"or use {instead}")
+    if rules.rule_for_class(dp_class) is None:
+        return f"no per-sample rule is registered for {dp_class.__name__} (pdpfast.nn.register_rule)"
+    return dp_class.unsupported_options(module)
+
+
+def refuse_unsupported_layers(layers: Iterable[nn.Module], names: Mapping[nn.Module, str]) -> None:
+    """Refuse the DP layers that ``layer_problem`` refuses (``ClippingState`` calls this once, when built).
+
+    Args:
+        layers: the model's DP layers (``DPModule`` instances).
+        names: each layer's path in the model ("<model>" for the model itself).
+    Returns:
+        None.
+    Raises:
+        ValueError in ``convert``'s wording, naming every such layer by path, class and reason.
+    """
+    problems = [f"{names[m]} ({type(m).__name__}: {problem})" for m in layers
+                if (problem := layer_problem(m, type(m)))]
+    if problems:
+        raise ValueError(_UNSUPPORTED + "; ".join(problems))
+
+
 def _scan(model: nn.Module):
-    """(BatchNorm modules, modules with trainable parameters and no DP version, planned swaps)."""
+    """(BatchNorm modules, modules with trainable parameters and no DP version or options their DP
+    class refuses (DP layers included), planned swaps)."""
     batchnorms, unsupported, swaps = [], [], []
     for name, module in model.named_modules():
-        if isinstance(module, DPModule):
-            continue
-        if isinstance(module, _BatchNorm):
+        is_dp = isinstance(module, DPModule)
+        if not is_dp and isinstance(module, _BatchNorm):
             batchnorms.append(f"{_path(name)} ({type(module).__name__})")
             continue
-        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        dp_class = _dp_class_for(type(module))
+        dp_class = type(module) if is_dp else _dp_class_for(type(module))
         if dp_class is None:
+            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if trainable:
                 unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
             continue
-        problem = dp_class.unsupported_options(module)
+        problem = layer_problem(module, dp_class)
         if problem:
             unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
-            continue
-        swaps.append((module, dp_class))
+        elif not is_dp:
+            swaps.append((module, dp_class))
     return batchnorms, unsupported, swaps
 
 
@@ -75,8 +125,8 @@ def unsupported_modules(model: nn.Module) -> list[str]:
         model: the model to check.
     Returns:
         a list of str, one "name (Type: why)" entry per module: every BatchNorm, then every module with
-        trainable parameters that has no DP version or options its DP version refuses; [] when
-        ``convert`` would succeed.
+        trainable parameters that has no DP version or options its DP version refuses (``layer_problem``;
+        DP layers already in the model included); [] when ``convert`` would succeed.
     """
     batchnorms, unsupported, _ = _scan(model)
     return [f"{b[:-1]}: mixes the samples of a batch, use GroupNorm)" for b in batchnorms] + unsupported
@@ -102,7 +152,9 @@ def convert(model: nn.Module) -> nn.Module:
         TypeError when ``model`` is not an ``nn.Module``. ValueError naming every BatchNorm (it mixes the
         samples of a batch, so no per-sample gradient exists; use GroupNorm, e.g.
         ``pdpfast.nn.replace_batchnorm``) or, in one message, every module with trainable parameters that
-        has no DP version (or options its DP version refuses). Nothing is changed on error.
+        has no DP version, or options its DP version refuses (``layer_problem``: also checked on modules
+        that already are DP layers, e.g. built directly), or lazy parameters not yet initialized.
+        Nothing is changed on error.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -114,9 +166,7 @@ def convert(model: nn.Module) -> nn.Module:
             "per-sample gradient exists. Replace it with GroupNorm (pdpfast.nn.replace_batchnorm(model) "
             "does this, e.g. nn.GroupNorm(min(32, C), C)). BatchNorm modules: " + "; ".join(batchnorms))
     if unsupported:
-        raise ValueError(
-            "pdpfast has no private version of these modules with trainable parameters (freeze them "
-            "with requires_grad_(False), or replace them): " + "; ".join(unsupported))
+        raise ValueError(_UNSUPPORTED + "; ".join(unsupported))
     for module, dp_class in swaps:
         module.__class__ = dp_class
     return model

@@ -35,11 +35,13 @@ class DPEmbedding(DPModule, nn.Embedding):
             ``scale_grad_by_freq`` (batch-wide token counts) or ``sparse=True``; None otherwise.
         """
         if module.max_norm is not None:
-            return "max_norm renormalizes table rows in place from the batch's tokens; set max_norm=None"
+            return (f"max_norm={module.max_norm} renormalizes table rows in place from the batch's tokens; "
+                    "set max_norm=None")
         if module.scale_grad_by_freq:
-            return "scale_grad_by_freq scales gradients by batch-wide token counts; set it to False"
+            return ("scale_grad_by_freq=True scales gradients by batch-wide token counts; "
+                    "set scale_grad_by_freq=False")
         if module.sparse:
-            return "sparse gradients are not supported; set sparse=False"
+            return "sparse=True (sparse gradients) is not supported; set sparse=False"
         return None
 
     def _compute(self, x, p):

@@ -130,7 +130,8 @@ class DPModule:
     A DP class usually lists it before the torch layer it replaces (``class DPLinear(..., nn.Linear)``)
     and takes that layer's constructor arguments; one that does not (``DPLayerScale``, broadcast
     hosts) is mixed into the module's own class by ``convert``. ``convert`` makes DP layers by
-    changing the class of existing modules, so they are rarely constructed directly.
+    changing the class of existing modules, so they are rarely constructed directly; one built
+    directly is checked (``unsupported_options``) by ``convert`` and by ``ClippingState``.
     """
 
     _pdpfast_state = None
@@ -148,10 +149,14 @@ class DPModule:
 
     @classmethod
     def unsupported_options(cls, module: nn.Module) -> str | None:
-        """Why ``convert`` must not swap ``module`` for this class, or None. Checked before the swap.
+        """Why ``module`` cannot be trained privately with this class, or None.
+
+        Checked by ``pdpfast.nn.convert.layer_problem``: before ``convert`` swaps a torch module, on a
+        module that already is a DP layer (built directly: ``convert`` and ``ClippingState`` both check
+        it), never in a forward or backward.
 
         Args:
-            module: the torch module ``convert`` would swap (still of its original class).
+            module: the torch module ``convert`` would swap (still of its original class), or a DP layer.
         Returns:
             a one-line reason naming the options whose per-sample gradient would be wrong or would leak
             (and what to set instead), or None when the module can be swapped (the base class: always None).

@@ -47,7 +47,7 @@ class DPRNNBase(DPModule):
             the reason for ``proj_size > 0``; None otherwise.
         """
         if getattr(module, "proj_size", 0):
-            return "proj_size > 0 (LSTM with projections) is not supported"
+            return f"proj_size={module.proj_size} (LSTM with projections) is not supported; use proj_size=0"
         return None
 
     def forward(self, input, hx=None):

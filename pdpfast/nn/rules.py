@@ -414,9 +414,17 @@ def register_rule(*types: type, rule: LayerRule, replace: bool = False) -> None:
     Returns:
         None.
     Raises:
-        ValueError when one of ``types`` already has a rule and ``replace`` is False (the types before
-        it are registered by then).
+        TypeError when no type is given, one of ``types`` is not a ``DPModule`` subclass or ``rule`` is not
+        a ``LayerRule``; ValueError when one of ``types`` already has a rule and ``replace`` is False (the
+        types before it are registered by then).
     """
+    if not types:
+        raise TypeError("register_rule needs at least one DP class (*types)")
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, DPModule))]
+    if bad:
+        raise TypeError(f"types must be subclasses of pdpfast.nn.DPModule, got {', '.join(map(repr, bad))}")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"rule must be a pdpfast.nn.LayerRule, got {rule!r}")
     for t in types:
         if t in _RULES and not replace:
             raise ValueError(f"a rule for {t.__name__} is already registered; pass replace=True")
