@@ -40,10 +40,11 @@ update that spends the budget leaves the process, so a crash can only over-count
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
-from .._checks import as_float_array, as_per_record, check_delta, check_positive_integer
+from .._checks import as_float_array, as_per_record, check_delta, check_int, check_positive_integer
 from .._io import atomic_write
 from . import pld
 from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
@@ -84,6 +85,37 @@ def _per_record(sample_rates, noise_multipliers):
     return q, z
 
 
+def _whole(name: str, value, ndim: int) -> np.ndarray:
+    """A count read from a ledger state: whole numbers (an int dtype, or floats without a fraction) of
+    ``ndim`` dimensions, as int64. A count cast to int would drop its fraction (4.9 steps loading as 4
+    under-reports; a group index 1.5 read as 1 moves the record to another row)."""
+    v = np.asarray(value)
+    whole = v.dtype.kind in "iu" or (v.dtype.kind == "f" and bool(np.all(np.isfinite(v) & (v == np.round(v))
+                                                                        & (np.abs(v) < 2.0 ** 62))))
+    if not whole:
+        shown = repr(v.item()) if v.ndim == 0 else f"{v.dtype} values"
+        raise ValueError(f"ledger state: {name} must hold whole numbers, got {shown}")
+    if v.ndim != ndim:
+        raise ValueError(f"ledger state: {name} must be {'one number' if ndim == 0 else f'{ndim}-D'}, got shape "
+                         f"{v.shape}")
+    return v.astype(np.int64)
+
+
+def _state_values(state, keys, ledger: str, accountant: str) -> None:
+    """Refuse a state that is not a mapping, was written by another accountant's ledger (said first
+    when the state names its accountant: its keys differ too), or lacks any of ``keys`` (all named at
+    once; a state without a name is an RDP ledger's of an earlier version)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"ledger state must be a dict as state_dict() returns it (or a loaded .npz), got "
+                        f"{type(state).__name__}")
+    if "accountant" in state:
+        _check_accountant(state, accountant)
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"ledger state lacks {', '.join(missing)}: not a state_dict() of a {ledger}")
+    _check_accountant(state, accountant)
+
+
 def _check_accountant(state: dict, expected: str) -> None:
     # states written before the PLD ledger existed carry no name: they are RDP ledgers
     saved = str(state.get("accountant", "rdp"))
@@ -121,8 +153,11 @@ def ledger_for_plan(plan, budgets=None):
         an :class:`IndividualAccountant` ("rdp") or :class:`PLDIndividualAccountant` ("pld") with no
         step taken.
     Raises:
-        ValueError if no ledger is registered for the plan's accountant.
+        TypeError if ``plan`` is not a plan (None, a string, a dict); ValueError if no ledger is
+        registered for the plan's accountant.
     """
+    if not isinstance(getattr(plan, "accountant", None), str):
+        raise TypeError(f"plan must be a PrivacyPlan (what calibrate returns), got {type(plan).__name__}")
     if plan.accountant not in _LEDGERS:
         raise ValueError(f"no ledger for accountant {plan.accountant!r}; known: {sorted(_LEDGERS)}")
     return _LEDGERS[plan.accountant].for_plan(plan, plan.budgets if budgets is None else budgets)
@@ -140,12 +175,12 @@ def _per_id(name: str, values, n_given: int, first: np.ndarray, where: np.ndarra
     Returns:
         None, the scalar, or (U,) float64 values of the sorted unique ids.
     Raises:
-        ValueError for another length, or an id given twice with different values.
+        ValueError for another length or more than one dimension, or an id given twice with different values.
     """
     if values is None or np.ndim(values) == 0:
         return values
-    v = as_float_array(name, values).ravel()  # numbers only: a True rate would read as q = 1
-    if v.shape[0] != n_given:
+    v = as_float_array(name, values)  # numbers only: a True rate would read as q = 1
+    if v.ndim != 1 or v.shape[0] != n_given:
         raise ValueError(f"{name} must be a scalar or one value per entry of record_ids ({n_given}), got "
                          f"{v.shape[0]}")
     if not np.array_equal(v, v[first][where], equal_nan=True):  # (a NaN is refused with the rates)
@@ -225,39 +260,49 @@ class _RecordLedger:
                 "budgets": np.zeros(0) if self.budgets is None else self.budgets.copy(),
                 "has_budgets": np.bool_(self.budgets is not None)}
 
-    def _checked_record_state(self, state: dict) -> dict:
+    _RECORD_KEYS = ("format_version", "group_of", "group_rates", "group_noise", "steps_taken", "budgets",
+                    "has_budgets")
+
+    def _checked_record_state(self, state: dict, keys: tuple = ()) -> dict:
         """The entries of ``_record_state`` read back from ``state`` and checked, nothing assigned
         yet: a state that fails any check leaves the ledger as it was. A corrupt file must never
         load as a ledger that under-reports spending or compares against broken budgets (a NaN
         budget would never be exceeded).
 
+        Args:
+            state: what ``state_dict`` wrote; keys: the entries the ledger's own ``load_state_dict``
+                needs besides the shared ones (all missing ones are named at once).
         Returns:
             {"group_of", "group_rates", "group_noise", "steps_taken", "budgets"} (budgets None
             without them).
         Raises:
-            ValueError if the state was written by another accountant's ledger or another
-            format_version; if group_rates and group_noise are not two 1-D arrays of one length, or
-            hold a q outside [0, 1] or a z < 0 or NaN; if group_of indexes past them; if
-            steps_taken < 0; or if budgets are not one finite ε > 0 per record.
+            TypeError if ``state`` is not a dict (or loaded .npz), or holds values that are not
+            numbers; ValueError if it lacks an entry, was written by another accountant's ledger or
+            another format_version; if group_rates and group_noise are not two 1-D arrays of one
+            length, or hold a q outside [0, 1] or a z < 0 or NaN; if group_of or steps_taken are
+            not whole numbers (4.9 steps would load as 4), group_of indexes past the groups or
+            steps_taken < 0; if has_budgets is not True or False; or if budgets are not one finite
+            ε > 0 per record.
         """
-        _check_accountant(state, self.name)
-        if int(state["format_version"]) != _FORMAT_VERSION:
+        _state_values(state, self._RECORD_KEYS + tuple(keys), type(self).__name__, self.name)
+        if int(_whole("format_version", state["format_version"], 0)) != _FORMAT_VERSION:
             raise ValueError(f"unsupported ledger format_version {state['format_version']!r}")
-        group_of = np.asarray(state["group_of"], dtype=np.int64)
-        group_rates = np.asarray(state["group_rates"], dtype=np.float64)
-        group_noise = np.asarray(state["group_noise"], dtype=np.float64)
+        group_of = _whole("group_of", state["group_of"], 1)
+        group_rates = as_float_array("ledger state: group_rates", state["group_rates"])
+        group_noise = as_float_array("ledger state: group_noise", state["group_noise"])
         if group_rates.shape != group_noise.shape or group_rates.ndim != 1:
             raise ValueError("ledger state: group_rates and group_noise do not match")
-        if group_of.ndim != 1:
-            raise ValueError(f"ledger state: group_of must be 1-D (one group per record), got shape {group_of.shape}")
         if group_of.size and (group_of.min() < 0 or group_of.max() >= group_rates.shape[0]):
             raise ValueError("ledger state: group_of out of range")
         _check_rates(group_rates, group_noise)
-        steps_taken = int(state["steps_taken"])
+        steps_taken = int(_whole("steps_taken", state["steps_taken"], 0))
         if steps_taken < 0:
             raise ValueError(f"ledger state: steps_taken must be >= 0, got {steps_taken}")
+        has_budgets = np.asarray(state["has_budgets"])
+        if has_budgets.dtype != bool or has_budgets.ndim != 0:   # "no" would read as True
+            raise ValueError(f"ledger state: has_budgets must be True or False, got {state['has_budgets']!r}")
         budgets = None
-        if bool(state["has_budgets"]):
+        if bool(has_budgets):
             if np.shape(state["budgets"]) != group_of.shape:
                 raise ValueError("ledger state: budgets do not match group_of")
             budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0, low_inclusive=False)
@@ -280,8 +325,12 @@ class IndividualAccountant(_RecordLedger):
         noise_multipliers: (N,) or scalar effective z_i = σC/c_i ≥ 0.
         orders: RDP orders (default ``DEFAULT_ORDERS``).
         budgets: optional (N,) ε_i, for ``would_exceed`` and ``remaining``.
-        record_orders: optional (N,) one more RDP order per record (> 1; NaN: none), accounted
-            alongside ``orders``: a calibrated plan's own order of each record's group.
+        record_orders: optional one more RDP order per record (> 1, finite; NaN: none), a number or (N,),
+            accounted alongside ``orders``: a calibrated plan's own order of each record's group.
+
+    Raises:
+        TypeError for arguments that are not numbers (strings, bools); ValueError for a rate, noise
+        multiplier, order or budget out of range, or arrays of another length than the records.
     """
 
     name = "rdp"
@@ -293,7 +342,11 @@ class IndividualAccountant(_RecordLedger):
                                                                   low_inclusive=False)
         own = np.full(q.shape[0], np.nan)
         if record_orders is not None:
-            own = np.broadcast_to(np.asarray(record_orders, dtype=np.float64), q.shape).copy()
+            given = as_float_array("record_orders", record_orders)
+            if given.ndim > 1 or (given.ndim == 1 and given.shape != q.shape):
+                raise ValueError(f"record_orders must be a number or one order per record ({q.shape[0]}), got shape "
+                                 f"{given.shape}")
+            own = np.broadcast_to(given, q.shape).copy()
             if np.any(~np.isnan(own) & ~(own > 1.0)) or np.any(np.isinf(own)):
                 raise ValueError("record_orders must be finite and > 1 (NaN for none)")
         first, inverse = distinct_rows(q + 0.0, z + 0.0, np.nan_to_num(own, nan=0.0))
@@ -356,13 +409,13 @@ class IndividualAccountant(_RecordLedger):
         Args:
             n: the number of steps (positive int).
             sample_rates, noise_multipliers: new current (q_i, z_i), as in ``set_rates``; None: keep.
-            record_ids: ints in [0, N), the records taking part; None: all.
+            record_ids: ints in [0, N) (one id or 1-D), the records taking part; None: all.
         Returns:
             self, updated in place.
         Raises:
-            ValueError for n not a positive integer, an id out of range, or a rate / multiplier out of range
-            or of another length than the records; TypeError for ids that are not integers (a boolean
-            mask: pass ``np.flatnonzero(mask)``).
+            ValueError for n not a positive integer, ids of more than one dimension or out of range, or a
+            rate / multiplier out of range or of another length than the records; TypeError for ids that
+            are not integers (a boolean mask: pass ``np.flatnonzero(mask)``).
         """
         n = check_positive_integer("n", n)
         ids = self._set_rates(sample_rates, noise_multipliers, record_ids)
@@ -408,6 +461,8 @@ class IndividualAccountant(_RecordLedger):
             ids = None
         else:
             raw = np.asarray(record_ids)
+            if raw.ndim > 1:   # [[0, 1]] was flattened: ids are one list of records
+                raise ValueError(f"record_ids must be one id or a 1-D sequence of ids, got shape {raw.shape}")
             if raw.size and (raw.dtype == bool or not np.issubdtype(raw.dtype, np.integer)):
                 # a boolean mask read as ids 0 and 1 would charge two records in place of the masked ones
                 raise TypeError(f"record_ids must be integer record indices, got dtype {raw.dtype} (for a boolean "
@@ -595,21 +650,21 @@ class IndividualAccountant(_RecordLedger):
         Returns:
             None; the ledger's state is replaced in place and its caches cleared.
         Raises:
-            ValueError for a state ``_checked_record_state`` refuses, or whose orders are not all > 1,
-            whose group_rdp is not (groups, orders) of values ≥ 0 (inf allowed), or whose own orders
-            (NaN: none, else finite and > 1) and their RDP (≥ 0) are not one per group; the ledger is
-            then unchanged.
+            TypeError / ValueError for a state ``_checked_record_state`` refuses (not a dict, an entry
+            missing, ...), or whose orders are not all > 1, whose group_rdp is not (groups, orders) of
+            values ≥ 0 (inf allowed), or whose own orders (NaN: none, else finite and > 1) and their
+            RDP (≥ 0) are not one per group; the ledger is then unchanged.
         """
-        records = self._checked_record_state(state)
+        records = self._checked_record_state(state, ("orders", "group_rdp"))
         g = records["group_rates"].shape[0]
-        orders = as_orders(np.asarray(state["orders"], dtype=np.float64))[0]
-        group_rdp = np.asarray(state["group_rdp"], dtype=np.float64)
+        orders = as_orders(state["orders"])[0]
+        group_rdp = as_float_array("ledger state: group_rdp", state["group_rdp"])
         if group_rdp.shape != (g, orders.shape[0]):
             raise ValueError(f"ledger state: group_rdp has shape {group_rdp.shape}, expected (groups, orders) = "
                              f"({g}, {orders.shape[0]})")
         # states written before rows had their own order: none
-        own_order = np.asarray(state.get("group_own_order", np.full(g, np.nan)), dtype=np.float64)
-        own_rdp = np.asarray(state.get("group_own_rdp", np.zeros(g)), dtype=np.float64)
+        own_order = as_float_array("ledger state: group_own_order", state.get("group_own_order", np.full(g, np.nan)))
+        own_rdp = as_float_array("ledger state: group_own_rdp", state.get("group_own_rdp", np.zeros(g)))
         if own_order.shape != (g,) or own_rdp.shape != (g,):
             raise ValueError("ledger state: group_own_order / group_own_rdp do not match group_rdp")
         if np.any(~np.isnan(own_order) & ~((own_order > 1.0) & np.isfinite(own_order))):
@@ -639,9 +694,16 @@ class PLDIndividualAccountant(_RecordLedger):
         budgets: optional (N,) ε_i, for ``would_exceed`` and ``remaining``.
         horizon: optional step count up to which every record is expected to stay within its budget
             (a plan's ``steps``): ``would_exceed`` checks it once per group instead of every step.
-        value_discretization_interval: of the PLD (default ``pld.VALUE_DISCRETIZATION``, as in
-            calibration: the ledger then reproduces the plan's guaranteed ε exactly).
-        max_pairs: most distinct (q, z) groups accepted (``pld.MAX_PAIRS``).
+        value_discretization_interval: of the PLD, a finite number > 0 (default
+            ``pld.VALUE_DISCRETIZATION``, as in calibration: the ledger then reproduces the plan's
+            guaranteed ε exactly).
+        max_pairs: most distinct (q, z) groups accepted, an int ≥ 1 (default ``pld.MAX_PAIRS``).
+
+    Raises:
+        TypeError for arguments that are not numbers (strings, bools); ValueError for a rate out of
+        [0, 1], a noise multiplier that is not finite and ≥ 0 (a PLD of z = inf cannot be built),
+        budgets, horizon, value_discretization_interval or max_pairs out of range, or more groups than
+        ``max_pairs``.
     """
 
     name = "pld"
@@ -649,8 +711,12 @@ class PLDIndividualAccountant(_RecordLedger):
     def __init__(self, sample_rates, noise_multipliers, budgets=None, *, horizon=None,
                  value_discretization_interval=None, max_pairs=None):
         q, z = _per_record(sample_rates, noise_multipliers)
+        if not np.all(np.isfinite(z)):
+            raise ValueError("noise_multipliers must be finite for the PLD ledger (a PLD of z = inf cannot be built)")
+        vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
+        vdi = pld.check_discretization(vdi)
         pairs, inverse = _pair_keys(q, z)
-        max_pairs = pld.MAX_PAIRS if max_pairs is None else int(max_pairs)
+        max_pairs = pld.MAX_PAIRS if max_pairs is None else check_int("max_pairs", max_pairs, 1)
         if pairs.shape[0] > max_pairs:
             raise ValueError(f"the PLD ledger accounts at most {max_pairs} distinct (sample_rate, noise_multiplier) "
                              f"pairs, got {pairs.shape[0]}; use the RDP IndividualAccountant")
@@ -660,10 +726,7 @@ class PLDIndividualAccountant(_RecordLedger):
         self.budgets = None if budgets is None else as_per_record("budgets", budgets, q.shape[0], low=0.0,
                                                                   low_inclusive=False)
         self.horizon = None if horizon is None else check_positive_integer("horizon", horizon)
-        vdi = pld.VALUE_DISCRETIZATION if value_discretization_interval is None else value_discretization_interval
-        if not (float(vdi) > 0 and np.isfinite(vdi)):
-            raise ValueError(f"value_discretization_interval must be > 0, got {vdi!r}")
-        self.value_discretization_interval = float(vdi)
+        self.value_discretization_interval = vdi
         self.steps_taken = 0
         self._reset_caches()
 
@@ -782,16 +845,21 @@ class PLDIndividualAccountant(_RecordLedger):
         Returns:
             None; the ledger's state is replaced in place and its caches cleared.
         Raises:
-            ValueError for a state ``_checked_record_state`` refuses, or whose horizon is < 0 or
-            value_discretization_interval not finite and > 0; the ledger is then unchanged.
+            TypeError / ValueError for a state ``_checked_record_state`` refuses (not a dict, an entry
+            missing, steps_taken not a whole number, ...), a noise multiplier that is not finite, or whose
+            horizon is not a whole number ≥ 0 or value_discretization_interval not finite and > 0; the
+            ledger is then unchanged.
         """
-        records = self._checked_record_state(state)
-        horizon = int(state["horizon"])
+        records = self._checked_record_state(state, ("horizon", "value_discretization_interval"))
+        if not np.all(np.isfinite(records["group_noise"])):
+            raise ValueError("ledger state: noise_multipliers must be finite for the PLD ledger")
+        horizon = int(_whole("horizon", state["horizon"], 0))
         if horizon < 0:
             raise ValueError(f"ledger state: horizon must be >= 0 (0: none), got {horizon}")
-        vdi = float(state["value_discretization_interval"])
-        if not (vdi > 0 and np.isfinite(vdi)):
+        vdi = as_float_array("ledger state: value_discretization_interval", state["value_discretization_interval"])
+        if vdi.ndim != 0 or not (float(vdi) > 0 and np.isfinite(vdi)):
             raise ValueError(f"ledger state: value_discretization_interval must be finite and > 0, got {vdi!r}")
+        vdi = float(vdi)
         self.__dict__.update(records)
         self.horizon = horizon or None
         self.value_discretization_interval = vdi

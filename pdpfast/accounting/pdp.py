@@ -22,7 +22,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import as_float_array, check_delta, check_epsilons, check_positive_integer, check_rate
+from .._checks import (
+    as_float_array,
+    check_choice,
+    check_delta,
+    check_epsilons,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_positive_integer,
+    check_rate,
+)
 from .rdp import get_noise_multiplier
 
 __all__ = ["RoundPlan", "charge", "charge_delta", "round_plan", "sampling_probabilities", "schedule",
@@ -41,6 +51,35 @@ def _budgets(budgets, allow_zero=False) -> np.ndarray:
             raise ValueError("budgets (remaining) must be finite and >= 0")
         return arr
     return check_epsilons("budgets", arr)
+
+
+def _weights(w1, w2) -> tuple[float, float]:
+    """The "fixed" loss's weights, each a finite number ≥ 0 (not a bool or a string)."""
+    return check_nonnegative("w1", w1), check_nonnegative("w2", w2)
+
+
+def _threshold(threshold) -> float:
+    """τ, a finite number > 0 (True would read as τ = 1, "2" as 2)."""
+    return check_positive("threshold", threshold)
+
+
+def _sampled(sampled, rule, n: int):
+    """The records that pay under ``rule``: None (every record) or the checked (n,) bool mask.
+
+    ``sampled`` is checked whenever given, under rule "all" too (a caller that keeps its draw passes it
+    either way); only rule "sampled" uses it."""
+    check_choice("rule", rule, _RULES)
+    if sampled is None:
+        if rule == "sampled":
+            raise ValueError("rule='sampled' needs the sampled mask")
+        return None
+    raw = np.asarray(sampled)
+    if raw.dtype != bool:   # "False" cast to bool is True; 0.5 and 2 are not a draw
+        raise TypeError(f"sampled must be a bool array (one True/False per record), got dtype {raw.dtype}")
+    mask = raw.ravel()
+    if mask.shape != (n,):   # one value would broadcast to every record
+        raise ValueError(f"sampled must have one value per record ({n},), got shape {raw.shape}")
+    return mask if rule == "sampled" else None
 
 
 def _wastes(sorted_eps: np.ndarray, taus: np.ndarray):
@@ -77,18 +116,22 @@ def threshold_losses(budgets, taus, loss="fixed", w1=0.7, w2=0.3) -> np.ndarray:
 
     Args:
         budgets: (N,) ε_i > 0 (any shape; flattened).
-        taus: candidate thresholds τ > 0, an array of any shape.
+        taus: candidate thresholds τ > 0 (finite), an array of any shape.
         loss: "fixed", "adaptive" or "harmonic".
-        w1, w2: the weights of waste_u and waste_s ("fixed" only).
+        w1, w2: the weights of waste_u and waste_s, finite and ≥ 0 (used by "fixed" only).
     Returns:
         float64 losses with the shape of ``taus``.
     Raises:
-        ValueError for an unknown ``loss`` or a budget that is not finite and > 0.
+        TypeError for taus or weights that are not numbers; ValueError for an unknown ``loss``, a
+        budget that is not finite and > 0, a τ that is not finite and > 0, or a negative weight.
     """
     if loss not in _LOSSES:
         raise ValueError(f"loss must be one of {_LOSSES}, got {loss!r}")
+    w1, w2 = _weights(w1, w2)
     eps = np.sort(_budgets(budgets))
-    taus = np.asarray(taus, dtype=np.float64)
+    taus = as_float_array("taus", taus)
+    if not np.all(np.isfinite(taus) & (taus > 0)):   # τ = 0 gave NaN, τ < 0 garbage
+        raise ValueError(f"taus must be finite and > 0, got min {taus.min()}")
     wu, ws = _wastes(eps, taus)
     if loss == "fixed":
         return w1 * wu + w2 * ws
@@ -110,20 +153,20 @@ def select_threshold(budgets, loss="fixed", w1=0.7, w2=0.3, resolution=2048) -> 
         budgets: (N,) ε_i > 0 (any shape; flattened).
         loss: "fixed", "adaptive" or "harmonic" (see ``threshold_losses``).
         w1, w2: the weights of the "fixed" loss, finite and ≥ 0.
-        resolution: evenly spaced intervals between min ε and max ε (int).
+        resolution: evenly spaced intervals between min ε and max ε (an int ≥ 1).
     Returns:
         τ, a float (ε units).
     Raises:
-        ValueError for a bad budget, weight or ``loss``.
+        TypeError for a weight that is not a number; ValueError for a bad budget, weight,
+        ``resolution`` or ``loss``.
     """
     eps = _budgets(budgets)
-    for name, w in (("w1", w1), ("w2", w2)):
-        if not (np.isfinite(w) and w >= 0):
-            raise ValueError(f"{name} must be finite and >= 0, got {w!r}")
+    w1, w2 = _weights(w1, w2)
+    resolution = check_int("resolution", resolution, 1)   # 2.7 was read as 2, -5 failed inside numpy
     lo, hi = float(eps.min()), float(eps.max())
     taus = np.unique(eps)
     if loss != "adaptive":  # see threshold_losses: the adaptive balance is read at the budgets only
-        taus = np.unique(np.r_[taus, np.linspace(lo, hi, int(resolution) + 1)])
+        taus = np.unique(np.r_[taus, np.linspace(lo, hi, resolution + 1)])
     losses = threshold_losses(eps, taus, loss, w1, w2)
     return float(taus[int(np.argmin(losses))])
 
@@ -137,12 +180,11 @@ def sampling_probabilities(budgets, threshold) -> np.ndarray:
     Returns:
         (N,) float64 keep probabilities π_i in [0, 1].
     Raises:
-        ValueError if a budget is not finite and ≥ 0, or τ is not finite and > 0.
+        TypeError if τ is not a number (a bool or a string included); ValueError if a budget is not
+        finite and ≥ 0, or τ is not finite and > 0.
     """
     eps = _budgets(budgets, allow_zero=True)
-    tau = float(threshold)
-    if not (np.isfinite(tau) and tau > 0):
-        raise ValueError(f"threshold must be finite and > 0, got {threshold!r}")
+    tau = _threshold(threshold)
     return np.where(eps < tau, np.expm1(eps) / np.expm1(tau), 1.0)
 
 
@@ -186,17 +228,21 @@ def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2
     Returns:
         the :class:`RoundPlan`.
     Raises:
-        ValueError for a bad argument, when no record has budget left, or when τ_R cannot be met
-        (``get_noise_multiplier``).
+        TypeError for an argument that is not a number; ValueError for a bad argument (``loss``, w1
+        and w2 are checked with a ``threshold`` given too), when no record has budget left, or when
+        τ_R cannot be met (``get_noise_multiplier``).
     """
     rem = _budgets(remaining, allow_zero=True)
     delta = check_delta("delta", delta)
     steps = check_positive_integer("steps", steps)
     q = check_rate("sample_rate", sample_rate)
+    check_choice("loss", loss, _LOSSES)
+    w1, w2 = _weights(w1, w2)
+    tau = None if threshold is None else _threshold(threshold)
     alive = rem > 0
     if not alive.any():
         raise ValueError("remaining: no record has budget left")
-    tau = select_threshold(rem[alive], loss, w1, w2) if threshold is None else float(threshold)
+    tau = select_threshold(rem[alive], loss, w1, w2) if tau is None else tau
     pi = np.where(alive, sampling_probabilities(rem, tau), 0.0)
     sigma = float(get_noise_multiplier(tau, delta, q, steps, orders=orders))
     eps = np.where(alive, np.minimum(rem, tau), 0.0)
@@ -210,29 +256,24 @@ def charge(remaining, threshold, sampled=None, rule="all") -> np.ndarray:
     Args:
         remaining: (N,) remaining ε_i ≥ 0 before the round (any shape; flattened).
         threshold: τ > 0 (ε units).
-        sampled: (N,) bool, which records were sampled (rule "sampled" only).
+        sampled: (N,) bool, which records were sampled; needed by rule "sampled". Under rule "all" it
+            may be given (a caller keeps its draw either way) and is checked, but does not change the
+            charge: every record pays.
         rule: "all": every record pays min(ε_i, τ) (records below τ pay their remaining ε_i, the
             others τ); "sampled": only records with ``sampled`` True pay (the paper's rule).
     Returns:
         (N,) float64 remaining ε_i ≥ 0, a new array.
     Raises:
-        ValueError for a bad budget or τ, an unknown rule, or a missing or misshaped ``sampled``.
+        TypeError for a τ that is not a number or a ``sampled`` that is not bool; ValueError for a bad
+        budget or τ, an unknown rule, or a missing or misshaped ``sampled``.
     """
     rem = _budgets(remaining, allow_zero=True)
-    tau = float(threshold)
-    if not (np.isfinite(tau) and tau > 0):
-        raise ValueError(f"threshold must be finite and > 0, got {threshold!r}")
+    tau = _threshold(threshold)
+    mask = _sampled(sampled, rule, rem.shape[0])
     pay = np.minimum(rem, tau)
-    if rule == "all":
+    if mask is None:
         return np.maximum(rem - pay, 0.0)
-    if rule == "sampled":
-        if sampled is None:
-            raise ValueError("rule='sampled' needs the sampled mask")
-        mask = np.asarray(sampled, dtype=bool).ravel()
-        if mask.shape != rem.shape:
-            raise ValueError(f"sampled must have shape {rem.shape}, got {mask.shape}")
-        return np.maximum(rem - np.where(mask, pay, 0.0), 0.0)
-    raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
+    return np.maximum(rem - np.where(mask, pay, 0.0), 0.0)
 
 
 def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="all") -> np.ndarray:
@@ -242,29 +283,35 @@ def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="a
     rounds δ_i ≤ k·δ.
 
     Args:
-        spent_delta: δ_i spent so far, a scalar or (N,).
+        spent_delta: δ_i spent so far, finite and ≥ 0: a number or (N,).
         remaining: (N,) remaining ε_i ≥ 0 before the round (any shape; flattened).
         threshold: τ > 0 of the round (ε units).
         delta: δ in (0, 1) of the round.
-        sampled: (N,) bool, which records were sampled (rule "sampled" only).
+        sampled: (N,) bool, which records were sampled (as in ``charge``: needed by rule "sampled",
+            checked but not used under rule "all").
         rule: "all" or "sampled" (as in ``charge``).
     Returns:
         (N,) float64 δ_i spent after the round, a new array.
     Raises:
-        ValueError for a bad budget, τ or δ, an unknown rule, or a missing ``sampled``.
+        TypeError for a spent_delta or τ that is not numbers (a bool, a string) or a ``sampled`` that is
+        not bool; ValueError for a bad budget, τ or δ, a spent_delta that is negative, not finite or
+        of another length than the records, an unknown rule, or a missing or misshaped ``sampled``.
     """
     rem = _budgets(remaining, allow_zero=True)
-    spent = np.asarray(spent_delta, dtype=np.float64).ravel() * np.ones_like(rem)
+    given = as_float_array("spent_delta", spent_delta)
+    if given.ndim > 1 or (given.ndim == 1 and given.shape != rem.shape):   # (1,) is not "every record" either
+        raise ValueError(f"spent_delta must be a number or one δ_i per record ({rem.shape[0]},), got shape "
+                         f"{given.shape}")
+    if not np.all(np.isfinite(given) & (given >= 0)):   # NaN or −1 would make every δ_i meaningless
+        raise ValueError("spent_delta must be finite and >= 0")
     d = check_delta("delta", delta)
-    pi = sampling_probabilities(rem, threshold)
-    pay = np.where(rem > 0, np.where(rem < float(threshold), pi, 1.0) * d, 0.0)
-    if rule == "sampled":
-        if sampled is None:
-            raise ValueError("rule='sampled' needs the sampled mask")
-        pay = np.where(np.asarray(sampled, dtype=bool).ravel(), pay, 0.0)
-    elif rule != "all":
-        raise ValueError(f"rule must be one of {_RULES}, got {rule!r}")
-    return spent + pay
+    tau = _threshold(threshold)
+    mask = _sampled(sampled, rule, rem.shape[0])
+    pi = sampling_probabilities(rem, tau)
+    pay = np.where(rem > 0, np.where(rem < tau, pi, 1.0) * d, 0.0)
+    if mask is not None:
+        pay = np.where(mask, pay, 0.0)
+    return given + pay
 
 
 def schedule(budgets, rounds, *, delta, steps_per_round, sample_rate, loss="fixed", w1=0.7, w2=0.3,

@@ -16,16 +16,61 @@ import math
 
 import numpy as np
 
+from .._checks import (
+    as_float_array,
+    check_delta,
+    check_in_range,
+    check_int,
+    check_nonnegative,
+    check_number,
+    check_positive,
+    check_positive_integer,
+    check_rate,
+)
 from . import _grid
 from .roots import illinois
 from .sgm import DEFAULT_ORDERS, distinct_rows
 
-__all__ = ["MAX_PAIRS", "VALUE_DISCRETIZATION", "pld_epsilon", "pld_epsilon_composed", "epsilons",
-           "pld_noise_multiplier", "pld_noise_multiplier_from", "pld_sample_rate", "pld_sample_rate_from"]
+__all__ = ["MAX_PAIRS", "VALUE_DISCRETIZATION", "check_discretization", "pld_epsilon", "pld_epsilon_composed",
+           "epsilons", "pld_noise_multiplier", "pld_noise_multiplier_from", "pld_sample_rate", "pld_sample_rate_from"]
 
 MAX_PAIRS = 64                  # most distinct (q, z) pairs accounted (one PLD each)
 VALUE_DISCRETIZATION = 1e-3     # dp_accounting's default is 1e-4: ~8x slower, ε lower by ~1e-4
 _RTOL = 2e-4                    # root-finding stops once ε is within this of the target (safe side)
+
+
+def check_discretization(value) -> float:
+    """Check a PLD's value_discretization_interval.
+
+    Args:
+        value: the interval, a finite number > 0 (not a bool or a string).
+    Returns:
+        float(value).
+    Raises:
+        TypeError if not a number; ValueError if not finite and > 0.
+    """
+    return check_positive("value_discretization_interval", value)
+
+
+def _rate(name: str, value) -> float:
+    """A Poisson rate q in [0, 1] (0: nothing spent), not a bool or a string."""
+    return check_in_range(name, value, low=0.0, high=1.0, low_open=False)
+
+
+def _count(name: str, value) -> int:
+    """A step count ≥ 0 of a history entry: a whole number (2.5 would be truncated to 2)."""
+    v = check_number(name, value)
+    if not (math.isfinite(v) and v.is_integer() and v >= 0):
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return int(v)
+
+
+def _pld_epsilon_checked(q: float, z: float, steps: int, delta: float, vdi: float) -> float:
+    try:
+        return _pld_epsilon_cached(q, z, steps, delta, vdi)
+    except OverflowError:   # dp_accounting's discretization overflows for an interval ≳ 1e3
+        raise ValueError(f"value_discretization_interval={vdi:g} is too coarse for this PLD (overflow); use a "
+                         f"small interval such as {VALUE_DISCRETIZATION:g}") from None
 
 
 @functools.lru_cache(maxsize=8192)
@@ -49,14 +94,18 @@ def pld_epsilon(q: float, z: float, steps: int, delta: float, value_discretizati
 
     Args:
         q: Poisson rate in [0, 1] (0: ε = 0; 1: the Gaussian alone).
-        z: noise multiplier ≥ 0 (noise std in units of the clip norm; 0: ε = inf).
-        steps: T, a positive int.
+        z: noise multiplier, finite and ≥ 0 (noise std in units of the clip norm; 0: ε = inf).
+        steps: T, a positive integer (2.9 is refused, not truncated to 2).
         delta: δ in (0, 1).
-        value_discretization_interval: of the PLD (pessimistic, so ε is an upper bound).
+        value_discretization_interval: of the PLD, finite and > 0 (pessimistic, so ε is an upper bound).
     Returns:
         ε, a float.
+    Raises:
+        TypeError for an argument that is not a number (a bool or a string included); ValueError for
+        one out of range, or an interval too coarse for dp_accounting.
     """
-    return _pld_epsilon_cached(float(q), float(z), int(steps), float(delta), float(value_discretization_interval))
+    return _pld_epsilon_checked(_rate("q", q), check_nonnegative("z", z), check_positive_integer("steps", steps),
+                                check_delta("delta", delta), check_discretization(value_discretization_interval))
 
 
 def pld_epsilon_composed(history, delta: float, value_discretization_interval=VALUE_DISCRETIZATION) -> float:
@@ -64,28 +113,46 @@ def pld_epsilon_composed(history, delta: float, value_discretization_interval=VA
 
     Args:
         history: (noise_multiplier, sample_rate, steps) entries, composed in order (an Opacus
-            accountant's ``history``); entries with no steps or rate 0 add nothing.
+            accountant's ``history``): noise_multiplier finite and ≥ 0, sample_rate in [0, 1], steps a
+            whole number ≥ 0; entries with no steps or rate 0 add nothing.
         delta: δ in (0, 1).
-        value_discretization_interval: of the PLD (pessimistic, so ε is an upper bound).
+        value_discretization_interval: of the PLD, finite and > 0 (pessimistic, so ε is an upper bound).
     Returns:
         ε, a float (0.0 for an empty history; one entry is ``pld_epsilon`` of it, cached).
+    Raises:
+        TypeError for an entry that is not three numbers, or a δ / interval that is not a number;
+        ValueError for a value out of range (a negative or fractional step count included: −5 steps were
+        dropped, 2.5 truncated to 2).
     """
-    entries = [(float(z), float(q), int(n)) for z, q, n in history if n > 0 and q > 0.0]
+    delta = check_delta("delta", delta)
+    vdi = check_discretization(value_discretization_interval)
+    entries = []
+    for k, entry in enumerate(history):
+        if not isinstance(entry, (tuple, list, np.ndarray)) or len(entry) != 3:
+            raise TypeError(f"history[{k}] must be (noise_multiplier, sample_rate, steps), got {entry!r}")
+        z = check_nonnegative(f"history[{k}] noise_multiplier", entry[0])
+        q = _rate(f"history[{k}] sample_rate", entry[1])
+        n = _count(f"history[{k}] steps", entry[2])
+        if n > 0 and q > 0.0:
+            entries.append((z, q, n))
     if not entries:
         return 0.0
     if len(entries) == 1:
         z, q, n = entries[0]
-        return pld_epsilon(q, z, n, delta, value_discretization_interval)
+        return _pld_epsilon_checked(q, z, n, delta, vdi)
     if any(z == 0.0 for z, _, _ in entries):
         return math.inf
     import dp_accounting
     from dp_accounting.pld import PLDAccountant
 
-    accountant = PLDAccountant(value_discretization_interval=value_discretization_interval)
-    for z, q, n in entries:
-        gaussian = dp_accounting.GaussianDpEvent(z)
-        accountant.compose(gaussian if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian), n)
-    return float(accountant.get_epsilon(delta))
+    try:
+        accountant = PLDAccountant(value_discretization_interval=vdi)
+        for z, q, n in entries:
+            gaussian = dp_accounting.GaussianDpEvent(z)
+            accountant.compose(gaussian if q == 1.0 else dp_accounting.PoissonSampledDpEvent(q, gaussian), n)
+        return float(accountant.get_epsilon(delta))
+    except OverflowError:
+        raise ValueError(f"value_discretization_interval={vdi:g} is too coarse for this PLD (overflow)") from None
 
 
 def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS) -> np.ndarray:
@@ -93,23 +160,37 @@ def epsilons(sample_rates, noise_multipliers, steps, delta, max_pairs=MAX_PAIRS)
 
     Args:
         sample_rates: Poisson rates q_i in [0, 1], usually (N,) (any shape).
-        noise_multipliers: effective noise multipliers z_i ≥ 0, broadcast to ``sample_rates``.
+        noise_multipliers: effective noise multipliers z_i, finite and ≥ 0, broadcast to ``sample_rates``.
         steps: T, a positive int.
         delta: δ in (0, 1).
-        max_pairs: most distinct pairs accepted (each costs a PLD, ~0.1 s).
+        max_pairs: most distinct pairs accepted (each costs a PLD, ~0.1 s), an int ≥ 1.
     Returns:
         float64 ε with the shape of ``sample_rates``.
     Raises:
-        ValueError if there are more than ``max_pairs`` distinct pairs.
+        TypeError for values that are not numbers; ValueError for one out of range, noise multipliers
+        that do not broadcast to the rates, or more than ``max_pairs`` distinct pairs.
     """
-    q = np.asarray(sample_rates, dtype=np.float64)
-    z = np.broadcast_to(np.asarray(noise_multipliers, dtype=np.float64), q.shape)
+    q = as_float_array("sample_rates", sample_rates)
+    z = as_float_array("noise_multipliers", noise_multipliers)
+    steps = check_positive_integer("steps", steps)
+    delta = check_delta("delta", delta)
+    max_pairs = check_int("max_pairs", max_pairs, 1)
+    if not np.all(np.isfinite(q) & (q >= 0) & (q <= 1)):
+        raise ValueError("sample_rates must lie in [0, 1]")
+    if not np.all(np.isfinite(z) & (z >= 0)):
+        raise ValueError("noise_multipliers must be finite and >= 0")
+    try:
+        z = np.broadcast_to(z, q.shape)
+    except ValueError:
+        raise ValueError(f"noise_multipliers (shape {z.shape}) must broadcast to sample_rates (shape {q.shape})"
+                         ) from None
     qf, zf = q.ravel() + 0.0, z.ravel() + 0.0            # + 0.0: −0.0 and 0.0 are one value
     first, inverse = distinct_rows(qf, zf)
     if first.shape[0] > max_pairs:
         raise ValueError(f"PLD accounting supports at most {max_pairs} distinct (sample_rate, noise_multiplier) "
                          f"pairs, got {first.shape[0]}; use the RDP accountant")
-    eps = np.array([pld_epsilon(a, b, steps, delta) for a, b in zip(qf[first], zf[first])])
+    eps = np.array([_pld_epsilon_checked(float(a), float(b), steps, delta, VALUE_DISCRETIZATION)
+                    for a, b in zip(qf[first], zf[first])])
     return eps[inverse].reshape(q.shape)
 
 
@@ -148,8 +229,11 @@ def pld_noise_multiplier(target_epsilon, delta, sample_rate, steps):
     Returns:
         z (float, in units of the clip norm) with PLD ε(q, z, T) ≤ target_epsilon, within 0.02% of
         it in ε.
+    Raises:
+        TypeError for an argument that is not a number; ValueError for one out of range (ε = 0 and
+        δ = 0 included), or a budget no noise multiplier ≤ 1e6 meets.
     """
-    t = float(target_epsilon)
+    t, delta, sample_rate, steps = _problem(target_epsilon, delta, sample_rate, steps, "sample_rate", check_rate)
     z_rdp = float(_grid.solve_noise(sample_rate, steps, delta, np.array([t]), _grid_orders())[0][0])
     return pld_noise_multiplier_from(t, delta, sample_rate, steps, z_rdp)[0]
 
@@ -167,8 +251,13 @@ def pld_noise_multiplier_from(target_epsilon, delta, sample_rate, steps, start):
     Returns:
         (z, ε), floats: the smallest z found with PLD ε(q, z, T) ≤ target_epsilon·(1 − margin)
         (within 0.02% in ε) and that ε; always an evaluated point.
+    Raises:
+        TypeError for an argument that is not a number; ValueError for one out of range.
     """
-    f = lambda z: pld_epsilon(sample_rate, z, steps, delta)   # noqa: E731
+    target_epsilon, delta, sample_rate, steps = _problem(target_epsilon, delta, sample_rate, steps, "sample_rate",
+                                                         check_rate)
+    start = check_positive("start", start)
+    f = lambda z: _pld_epsilon_checked(sample_rate, float(z), steps, delta, VALUE_DISCRETIZATION)   # noqa: E731
     goal = target_epsilon * (1 - _grid.MARGIN)
     z_safe = start
     while f(z_safe) > goal:          # the RDP start is feasible unless rounding bites: step up
@@ -188,12 +277,16 @@ def pld_sample_rate(target_epsilon, delta, noise_multiplier, steps):
     Args:
         target_epsilon: the budget ε > 0 (float).
         delta: δ in (0, 1).
-        noise_multiplier: z > 0 (noise std in units of the clip norm).
+        noise_multiplier: z > 0, finite (noise std in units of the clip norm).
         steps: T, a positive int.
     Returns:
         q ≤ 1 (float) with PLD ε(q, z, T) ≤ target_epsilon, within 0.02% of it in ε.
+    Raises:
+        TypeError for an argument that is not a number; ValueError for one out of range, or a budget
+        that needs a rate below 1e-12.
     """
-    t = float(target_epsilon)
+    t, delta, noise_multiplier, steps = _problem(target_epsilon, delta, noise_multiplier, steps, "noise_multiplier",
+                                                 check_positive)
     q_rdp = float(_grid.solve_rate(noise_multiplier, steps, delta, np.array([t]), _grid_orders())[0][0])
     return pld_sample_rate_from(t, delta, noise_multiplier, steps, q_rdp)[0]
 
@@ -209,13 +302,21 @@ def pld_sample_rate_from(target_epsilon, delta, noise_multiplier, steps, start,
         noise_multiplier: z > 0.
         steps: T, a positive int.
         start: a rate in (0, 1] expected within a factor ``growth`` of the answer.
-        value_discretization_interval: of the PLDs composed (coarser: faster, looser).
+        value_discretization_interval: of the PLDs composed (coarser: faster, looser), finite and > 0.
         growth: factor > 1 by which the search moves the rate while bracketing.
     Returns:
         (q, ε), floats: the largest q ≤ 1 found with PLD ε(q, z, T) ≤ target_epsilon·(1 − margin)
         (within 0.02% in ε) and that ε; always an evaluated point.
+    Raises:
+        TypeError for an argument that is not a number; ValueError for one out of range.
     """
-    f = lambda q: pld_epsilon(q, noise_multiplier, steps, delta, value_discretization_interval)   # noqa: E731
+    target_epsilon, delta, noise_multiplier, steps = _problem(target_epsilon, delta, noise_multiplier, steps,
+                                                              "noise_multiplier", check_positive)
+    start = check_in_range("start", start, low=0.0, high=1.0)
+    value_discretization_interval = check_discretization(value_discretization_interval)
+    growth = check_in_range("growth", growth, low=1.0)
+    f = lambda q: _pld_epsilon_checked(float(q), noise_multiplier, steps, delta,   # noqa: E731
+                                       value_discretization_interval)
     goal = target_epsilon * (1 - _grid.MARGIN)
     q_safe = start
     while f(q_safe) > goal:
@@ -226,6 +327,13 @@ def pld_sample_rate_from(target_epsilon, delta, noise_multiplier, steps, start,
     while f(q_unsafe) <= goal:
         q_unsafe = min(1.0, q_unsafe * growth)
     return _root(f, q_safe, q_unsafe, target_epsilon)
+
+
+def _problem(target_epsilon, delta, param, steps, name, check):
+    """(ε, δ, the given parameter, T) of an inversion, each checked (``check(name, param)`` for the
+    parameter: the rate or the noise multiplier)."""
+    return (check_positive("target_epsilon", target_epsilon), check_delta("delta", delta), check(name, param),
+            check_positive_integer("steps", steps))
 
 
 def _grid_orders():

@@ -23,9 +23,18 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
-from .._checks import check_delta, check_epsilons, check_positive_integer
+from .._checks import (
+    as_float_array,
+    check_choice,
+    check_delta,
+    check_epsilons,
+    check_int,
+    check_positive,
+    check_positive_integer,
+    check_rate,
+)
 from . import _grid
-from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
+from .sgm import DEFAULT_ORDERS, as_orders, check_rdp, eps_from_rdp, rdp_one_step
 
 __all__ = ["SCFEstimator", "client_sampled_rdp", "epsilon", "fit_scf", "rdp_to_epsilon", "sample_rates"]
 
@@ -38,14 +47,23 @@ def client_sampled_rdp(rho_local: np.ndarray, orders: np.ndarray, client_rate: f
     ledger both call it). log1p(λ·expm1 x) is exact for small x = (α−1)ρ^τ, logaddexp for large.
 
     Args:
-        rho_local: (..., n) float64 local RDP ρ^τ(α) ≥ 0 (may be +inf).
+        rho_local: (..., n) float64 local RDP ρ^τ(α) ≥ 0 (may be +inf; not NaN).
         orders: (n,) float64 RDP orders α > 1.
         client_rate: λ in (0, 1], the Poisson rate at which the client is sampled.
     Returns:
         (..., n) float64 amplified RDP ρ^{τ,λ}(α).
+    Raises:
+        TypeError for values that are not numbers (a bool or a string λ included); ValueError for λ
+        outside (0, 1] (λ = 2 gave a wrong bound, NaN a NaN one), a negative or NaN local RDP, an order
+        ≤ 1, or rho_local whose last axis is not one value per order.
     """
+    lam = check_rate("client_rate", client_rate)
+    orders = as_orders(orders)[0]
+    rho_local = check_rdp("rho_local", rho_local, allow_nan=False)
+    if rho_local.ndim == 0 or rho_local.shape[-1] != orders.shape[0]:
+        raise ValueError(f"rho_local must have one value per order on its last axis ({orders.shape[0]}), got shape "
+                         f"{rho_local.shape}")
     x = (orders - 1.0) * rho_local
-    lam = float(client_rate)
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         small = np.log1p(lam * np.expm1(np.minimum(x, 30.0)))
         large = np.logaddexp(np.log1p(-lam) if lam < 1 else -np.inf, np.log(lam) + x)
@@ -60,12 +78,23 @@ def rdp_to_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, conversion
 
     Args:
         orders: (n,) float64 RDP orders α > 1.
-        rdp: (P, n) float64 RDP values (any leading shape (..., n)).
-        delta: δ in (0, 1) (not checked).
-        conversion: "improved", or "standard" (any other value converts as "standard").
+        rdp: (P, n) float64 RDP values ≥ 0, not NaN (any leading shape (..., n)).
+        delta: δ in (0, 1).
+        conversion: "standard" or "improved".
     Returns:
         (eps, idx): eps (P,) float64 ε (not clamped at 0); idx (P,) intp index of the optimal order.
+    Raises:
+        TypeError for values that are not numbers; ValueError for δ outside (0, 1) (δ = 2 gave ε < 0,
+        δ = 0 a ZeroDivisionError), a negative or NaN RDP value (it would lower ε, or make it NaN), an
+        order ≤ 1, rdp whose last axis is not one value per order, or an unknown conversion.
     """
+    delta = check_delta("delta", delta)
+    check_choice("conversion", conversion, _CONVERSIONS)
+    orders = as_orders(orders)[0]
+    rdp = check_rdp("rdp", rdp, allow_nan=False)
+    if rdp.ndim == 0 or rdp.shape[-1] != orders.shape[0]:
+        raise ValueError(f"rdp must have one value per order on its last axis ({orders.shape[0]}), got shape "
+                         f"{rdp.shape}")
     if conversion == "improved":
         return eps_from_rdp(orders, rdp, delta)
     eps = rdp + np.log(1.0 / delta) / (orders - 1.0)
@@ -89,12 +118,8 @@ class _Setting:
 
 
 def _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders) -> _Setting:
-    z = float(noise_multiplier)
-    if not (np.isfinite(z) and z > 0):
-        raise ValueError(f"noise_multiplier must be finite and > 0, got {noise_multiplier!r}")
-    lam = float(client_rate)
-    if not 0.0 < lam <= 1.0:
-        raise ValueError(f"client_rate must lie in (0, 1], got {client_rate!r}")
+    z = check_positive("noise_multiplier", noise_multiplier)   # not None, a bool or "1.0"
+    lam = check_rate("client_rate", client_rate)
     if threat not in _THREATS:
         raise ValueError(f"threat must be one of {_THREATS}, got {threat!r}")
     if conversion not in _CONVERSIONS:
@@ -120,7 +145,7 @@ def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, thr
     """ε of each record of an rPDP-FL run, vectorized over q.
 
     Args:
-        q: record sampling rate(s) in [0, 1] (scalar or array).
+        q: record sampling rate(s) in [0, 1] (scalar or array; an empty array gives an empty result).
         noise_multiplier: σ > 0 of local DP-SGD (noise std / clip norm).
         delta: δ in (0, 1).
         local_steps: τ, local DP-SGD steps per round (positive int).
@@ -132,12 +157,15 @@ def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, thr
     Returns:
         ε with the shape of q (float for a scalar).
     Raises:
+        TypeError for an argument that is not a number (None, a bool, a string such as "0.1");
         ValueError naming a bad argument (q outside [0, 1], σ, λ, threat, conversion, ...).
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
-    qa = np.asarray(q, dtype=np.float64)
+    qa = as_float_array("q", q)
     if np.any(~np.isfinite(qa)) or np.any((qa < 0) | (qa > 1)):
         raise ValueError("q must lie in [0, 1]")
+    if qa.size == 0:
+        return np.zeros(qa.shape)
     flat, inverse = np.unique(qa.ravel(), return_inverse=True)
     out = _eps(flat, s)[0][inverse].reshape(qa.shape)
     return float(out) if qa.ndim == 0 else out
@@ -170,8 +198,13 @@ class SCFEstimator:
             q: sample rate(s) in [0, 1], a scalar or an array.
         Returns:
             float64 ε with the shape of q (a numpy scalar for a scalar).
+        Raises:
+            TypeError for values that are not numbers; ValueError for a q outside [0, 1].
         """
-        return np.exp(self.a * np.asarray(q, dtype=np.float64) + self.b) + self.c
+        qa = as_float_array("q", q)
+        if not np.all(np.isfinite(qa) & (qa >= 0) & (qa <= 1)):
+            raise ValueError("q must lie in [0, 1]")
+        return np.exp(self.a * qa + self.b) + self.c
 
     def inverse(self, eps):
         """q = (ln(ε − c) − b)/a clipped to [0, 1] (may overshoot: see ``sample_rates``).
@@ -180,8 +213,12 @@ class SCFEstimator:
             eps: budget(s) ε, a scalar or an array.
         Returns:
             q with the shape of eps (a float for a scalar): 1 where ε ≥ ``eps_max``, 0 where ε ≤ c.
+        Raises:
+            TypeError for values that are not numbers; ValueError for a NaN budget.
         """
-        e = np.asarray(eps, dtype=np.float64)
+        e = as_float_array("eps", eps)
+        if np.isnan(e).any():
+            raise ValueError("eps must not be NaN")
         with np.errstate(invalid="ignore", divide="ignore"):
             q = (np.log(e - self.c) - self.b) / self.a
         q = np.where(e - self.c <= 0, 0.0, q)
@@ -197,14 +234,14 @@ def fit_scf(*, noise_multiplier, delta, local_steps, rounds, client_rate, threat
     Args:
         noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders: the
             setting, as in ``epsilon``.
-        grid_size: the number of grid points (int).
+        grid_size: the number of grid points, an int ≥ 3 (the fit has three coefficients).
     Returns:
         the :class:`SCFEstimator`; when the fit does not converge it warns and keeps the initial guess.
     Raises:
-        ValueError naming a bad argument of the setting.
+        ValueError naming a bad argument of the setting or ``grid_size``.
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
-    grid = np.linspace(0.01, 1.0, int(grid_size))
+    grid = np.linspace(0.01, 1.0, check_int("grid_size", grid_size, 3))
     eps = _eps(grid, s)[0]
     model = lambda q, a, b, c: np.exp(a * q + b) + c   # noqa: E731
     lo = float(eps[0])
@@ -238,9 +275,12 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
         float64 q_j in [0, 1] with the shape of ``budgets``: ε(q_j) ≤ ε_j exactly, and ≥ 0.99·ε_j
         unless q_j = 1.
     Raises:
-        ValueError naming a budget below ε(q → 0) (unreachable for this σ, τ, T, λ), or a bad argument.
+        TypeError for an ``estimator`` that is not an :class:`SCFEstimator`; ValueError naming a budget
+        below ε(q → 0) (unreachable for this σ, τ, T, λ), or a bad argument.
     """
     s = _setting(noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders)
+    if estimator is not None and not isinstance(estimator, SCFEstimator):
+        raise TypeError(f"estimator must be an SCFEstimator (fit_scf's result) or None, got {type(estimator).__name__}")
     arr = check_epsilons("budgets", budgets).ravel()
     values, inverse = np.unique(arr, return_inverse=True)
     est = estimator if estimator is not None else fit_scf(

@@ -22,7 +22,8 @@ import warnings
 import numpy as np
 from scipy import special
 
-__all__ = ["OPACUS_ORDERS", "DEFAULT_ORDERS", "QUAD_WIDTH", "ROWS_CHUNK", "as_orders", "is_integer_order",
+__all__ = ["OPACUS_ORDERS", "DEFAULT_ORDERS", "QUAD_WIDTH", "RDP_ROUNDOFF", "ROWS_CHUNK", "as_orders", "check_rdp",
+           "is_integer_order",
            "distinct_rows", "log_a_int", "log_a_frac", "log_a_quadrature", "log_a_at", "degenerate_rdp", "rdp_one_step",
            "rdp_one_step_series", "rdp_at", "eps_from_rdp"]
 
@@ -50,15 +51,51 @@ def as_orders(orders) -> tuple[np.ndarray, bool]:
         (arr, scalar): arr (n,) float64 orders (``orders`` itself when already such an array); scalar
         True when ``orders`` was a scalar.
     Raises:
-        ValueError if ``orders`` is empty or not 1-D, or an order is not > 1 (NaN included).
+        TypeError if ``orders`` is not numbers (None, strings numpy would read as numbers, bools);
+        ValueError if it is empty or not 1-D, or an order is not > 1 (NaN included).
     """
-    scalar = np.ndim(orders) == 0
-    arr = np.atleast_1d(np.asarray(orders, dtype=np.float64))
+    raw = orders if isinstance(orders, np.ndarray) else np.asarray(orders)
+    if raw.dtype.kind not in "iuf":   # "2" would read as 2.0, True as 1.0, None as NaN
+        raise TypeError(f"orders must be numbers (RDP orders α > 1), got {type(orders).__name__} of {raw.dtype}")
+    scalar = raw.ndim == 0
+    arr = np.atleast_1d(raw.astype(np.float64, copy=False))
     if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"orders must be a non-empty 1-D sequence, got shape {np.shape(orders)}")
-    if not np.all(arr > 1.0):
-        raise ValueError(f"orders must all be > 1 (finite or inf), got min {arr.min()}")
+        raise ValueError(f"orders must be a non-empty 1-D sequence, got shape {raw.shape}")
+    bad = ~(arr > 1.0)
+    if bad.any():
+        raise ValueError(f"orders must all be > 1 (finite or inf), got {arr[bad][0]}")
     return arr, scalar
+
+
+RDP_ROUNDOFF = 1e-9   # RDP values down to −RDP_ROUNDOFF are read as rounding of 0 (and clamped there)
+
+
+def check_rdp(name: str, rdp, *, allow_nan: bool) -> np.ndarray:
+    """RDP values given to a conversion, checked: ρ(α) ≥ 0 always, and a negative value would lower ε
+    (−5 at every order gives ε < 0, −inf gives ε = −inf).
+
+    Args:
+        name: the argument, as the message names it.
+        rdp: RDP values ρ(α) of any shape (+inf allowed).
+        allow_nan: whether NaN entries are accepted (a conversion that skips them).
+    Returns:
+        float64 array of them, values in [−``RDP_ROUNDOFF``, 0) (rounding: ``compute_rdp`` of other
+        libraries can give −1e-22) clamped to 0.
+    Raises:
+        TypeError for values that are not numbers (strings, bools); ValueError for a value below
+        −``RDP_ROUNDOFF`` (−inf included) or, unless ``allow_nan``, a NaN.
+    """
+    raw = rdp if isinstance(rdp, np.ndarray) else np.asarray(rdp)
+    if raw.dtype.kind not in "iuf":   # True would read as ρ = 1
+        raise TypeError(f"{name} must be numbers (RDP values ≥ 0), got {type(rdp).__name__} of {raw.dtype}")
+    arr = raw.astype(np.float64, copy=False)
+    low = arr < -RDP_ROUNDOFF
+    if low.any():
+        raise ValueError(f"{name} must be ≥ 0 (Rényi DP is never negative; a negative value would lower ε), "
+                         f"got {int(low.sum())} negative values (e.g. {arr[low][0]})")
+    if not allow_nan and np.isnan(arr).any():
+        raise ValueError(f"{name} must be ≥ 0 (inf allowed), got NaN")
+    return np.maximum(arr, 0.0) if (arr < 0).any() else arr
 
 
 
@@ -395,12 +432,13 @@ def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndar
         alpha = int(orders[col])
         zz = inv_2z2 if shared else inv_2z2[rows]
         sub[rows, col] = log_a_int(log_q[rows], log1m_q[rows], zz, alpha) / (alpha - 1)
-    frac = np.flatnonzero(~is_int & mg.any(axis=0))
+    # α = inf spends ρ = inf (as in compute_rdp): it stays inf in ``sub``, never reaches the quadrature
+    frac = np.flatnonzero(~is_int & np.isfinite(orders) & mg.any(axis=0))
     if frac.size:
         rows = np.flatnonzero(mg[:, frac].any(axis=1))
         la = log_a_quadrature(qg[rows], zg[rows], orders[frac], mg[np.ix_(rows, frac)])
         sub[np.ix_(rows, frac)] = la / (orders[frac] - 1.0)
-    out[general] = sub
+    out[general] = np.maximum(sub, 0.0)   # ρ ≥ 0: the quadrature's rounding can give −2e-15
     return np.where(mask, out, np.inf)
 
 
@@ -419,7 +457,7 @@ def rdp_one_step_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.
     with np.errstate(divide="ignore"):
         out, general = degenerate_rdp(q, z, orders[None, :])
     if general.any():
-        out[general] = _rdp_series(q[general], z[general], orders)
+        out[general] = np.maximum(_rdp_series(q[general], z[general], orders), 0.0)   # ρ ≥ 0 (rounding: −1e-22)
     return out
 
 
@@ -442,7 +480,7 @@ def rdp_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     out = out[:, 0]
     general = np.flatnonzero(general)
     if general.size:
-        out[general] = log_a_at(q[general], z[general], alpha[general]) / (alpha[general] - 1.0)
+        out[general] = np.maximum(log_a_at(q[general], z[general], alpha[general]) / (alpha[general] - 1.0), 0.0)
     return out
 
 

@@ -45,6 +45,15 @@ RECORD_DAMAGE = [
     ("group_of of two dims", lambda s: s.update(group_of=s["group_of"].reshape(3, 4)), "group_of must be 1-D"),
     ("negative steps", lambda s: s.update(steps_taken=np.int64(-2)), "steps_taken must be >= 0"),
     ("another format", lambda s: s.update(format_version=np.int64(99)), "unsupported ledger format_version"),
+    # a count cast to int dropped its fraction: 4.9 steps loaded as 4 (under-reported), group 1.5 as row 1
+    ("fractional steps", lambda s: s.update(steps_taken=np.float64(4.9)), "steps_taken must hold whole numbers"),
+    ("steps as text", lambda s: s.update(steps_taken=np.str_("4")), "steps_taken must hold whole numbers"),
+    ("steps as a bool", lambda s: s.update(steps_taken=np.bool_(True)), "steps_taken must hold whole numbers"),
+    ("a fractional group index", lambda s: s.update(group_of=s["group_of"] + 0.5), "group_of must hold whole numbers"),
+    ("has_budgets as text", lambda s: s.update(has_budgets=np.str_("no")), "has_budgets must be True or False"),
+    ("has_budgets as 0/1", lambda s: s.update(has_budgets=np.int64(1)), "has_budgets must be True or False"),
+    ("a format_version as text", lambda s: s.update(format_version=np.str_("1")),
+     "format_version must hold whole numbers"),
 ]
 
 
@@ -72,13 +81,60 @@ def test_a_damaged_rdp_history_is_refused_and_the_ledger_is_unchanged(what, dama
     _refused_and_unchanged(_ledger("rdp"), damage, message)
 
 
-@pytest.mark.parametrize("what,damage,message", [
+PLD_DAMAGE = [
     ("a negative horizon", lambda s: s.update(horizon=np.int64(-1)), "horizon must be >= 0"),
     ("a zero discretization", lambda s: s.update(value_discretization_interval=np.float64(0.0)),
      "value_discretization_interval must be finite and > 0"),
-], ids=["negative horizon", "zero discretization"])
+    ("a fractional horizon", lambda s: s.update(horizon=np.float64(2.5)), "horizon must hold whole numbers"),
+    ("an infinite noise multiplier", lambda s: s["group_noise"].__setitem__(0, np.inf),
+     "noise_multipliers must be finite for the PLD ledger"),
+]
+
+
+@pytest.mark.parametrize("what,damage,message", PLD_DAMAGE, ids=[d[0] for d in PLD_DAMAGE])
 def test_a_damaged_pld_setting_is_refused_and_the_ledger_is_unchanged(what, damage, message):
     _refused_and_unchanged(_ledger("pld"), damage, message)
+
+
+def test_whole_counts_stored_as_floats_still_load():
+    """A state that went through a float format (JSON) keeps whole counts: 5.0 steps are 5 steps."""
+    ledger = _ledger("pld")
+    state = ledger.state_dict() | {"steps_taken": np.float64(5.0), "horizon": np.float64(0.0)}
+    again = PLDIndividualAccountant.__new__(PLDIndividualAccountant)
+    again.load_state_dict(state)
+    assert again.steps_taken == 5 and again.horizon is None
+    np.testing.assert_array_equal(again.epsilons(DELTA), ledger.epsilons(DELTA))
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+def test_a_state_missing_entries_is_refused_naming_every_missing_key_not_a_key_error(kind):
+    ledger = _ledger(kind)
+    before = ledger.state_dict()
+    state = {k: v for k, v in ledger.state_dict().items() if k not in ("steps_taken", "group_of")}
+    with pytest.raises(ValueError, match=f"ledger state lacks group_of, steps_taken: not a state_dict.. of a "
+                                         f"{LEDGERS[kind].__name__}"):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+    own = "horizon" if kind == "pld" else "group_rdp"
+    with pytest.raises(ValueError, match=f"ledger state lacks {own}"):
+        ledger.load_state_dict({k: v for k, v in ledger.state_dict().items() if k != own})
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+@pytest.mark.parametrize("state", [None, [1, 2], "ledger.npz"], ids=["None", "list", "str"])
+def test_a_state_that_is_not_a_dict_is_a_type_error(kind, state):
+    ledger = _ledger(kind)
+    before = ledger.state_dict()
+    with pytest.raises(TypeError, match="ledger state must be a dict"):
+        ledger.load_state_dict(state)
+    assert _same_state(ledger.state_dict(), before)
+
+
+@pytest.mark.parametrize("kind", sorted(LEDGERS))
+def test_loading_an_empty_file_names_the_missing_entries(kind, tmp_path):
+    np.savez(tmp_path / "empty.npz")
+    with pytest.raises(ValueError, match="ledger state lacks format_version, group_of"):
+        LEDGERS[kind].load(tmp_path / "empty.npz")
 
 
 @pytest.mark.parametrize("kind", sorted(LEDGERS))
