@@ -37,18 +37,23 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """Check an int with a lower bound.
+def check_int(name: str, value, minimum: int, maximum: int = 2 ** 63 - 1) -> int:
+    """Check an int with a lower bound (and an upper one: by default the largest int64, so a seed,
+    a step or a count that torch or numpy would overflow on is refused here, by name).
 
     Args:
-        name; value: an int (a bool or a float, even 2.0, is refused); minimum: the least allowed.
+        name; value: an int (a bool or a float, even 2.0, is refused); minimum: the least allowed;
+            maximum: the largest allowed (default 2**63 - 1).
     Returns:
         int(value).
     Raises:
-        ValueError ("an int ≥ minimum").
+        ValueError ("an int ≥ minimum", or "an int in [minimum, maximum]" above the maximum).
     """
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int ≥ {minimum}, got {value!r}")
+    if value > maximum:
+        top = "2**63 - 1 (the largest int64)" if maximum == 2 ** 63 - 1 else str(maximum)
+        raise ValueError(f"{name} must be an int in [{minimum}, {top}], got {value!r}")
     return int(value)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
 from ._checks import as_per_record, check_int
@@ -61,6 +61,14 @@ def _take_zero_rows(batch):
     return batch
 
 
+def _map_style_length(dataset) -> int:
+    """N of a map-style dataset (``len`` and ``dataset[i]``): Poisson sampling draws records by index."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__: records are drawn "
+                        f"by index), got {type(dataset).__name__}")
+    return len(dataset)
+
+
 class _PhysicalBatches:
     """Batch sampler for the inner DataLoader; queues each batch's metadata in draw order."""
 
@@ -100,14 +108,21 @@ class DPDataLoader:
         **loader_kwargs: go to the inner ``DataLoader`` (not batch_size, shuffle, sampler, batch_sampler,
             drop_last).
     Raises:
-        ValueError for an empty dataset, all-zero rates, a bad rank / count, or a batching argument.
+        TypeError for a dataset that is not map-style (None, an ``IterableDataset``), a ``collate_fn`` that is
+        not callable or a ``generator`` that is not a ``torch.Generator``; ValueError for an empty dataset,
+        all-zero rates, a bad rank / count / seed (an int in [0, 2**63)), or a batching argument.
     """
 
     def __init__(self, dataset: Dataset, sample_rates, *, steps_per_epoch: int | None = None,
                  physical_batch_size: int | None = None, seed: int | None = None,
                  collate_fn: Callable | None = None, start_step: int = 0, rank: int = 0, world_size: int = 1,
                  **loader_kwargs):
-        n = len(dataset)
+        n = _map_style_length(dataset)
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn must be callable (a function of a list of samples) or None, got "
+                            f"{type(collate_fn).__name__}")
+        if loader_kwargs.get("generator") is not None and not isinstance(loader_kwargs["generator"], torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(loader_kwargs['generator']).__name__}")
         world_size, rank = check_int("world_size", world_size, 1), check_int("rank", rank, 0)
         if rank >= world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank!r}, world_size={world_size!r}")
@@ -150,7 +165,13 @@ class DPDataLoader:
             **kwargs: other constructor arguments (override the copied settings).
         Returns:
             a ``DPDataLoader``.
+        Raises:
+            TypeError when ``data_loader`` is not a torch DataLoader (a dataset goes to ``DPDataLoader(...)``
+            itself); otherwise as the constructor.
         """
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__} (for a "
+                            "dataset, call DPDataLoader(dataset, sample_rates, ...))")
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
                                                       "multiprocessing_context", "persistent_workers", "generator")}
         if keep["generator"] is None:

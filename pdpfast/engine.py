@@ -23,8 +23,8 @@ from ._checks import (
 )
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
-from .clipping import ClippingState, Phase, refuse_sequence_first
-from .data import DPDataLoader, PhysicalBatch
+from .clipping import CLIPPINGS, MODES, ClippingState, Phase, refuse_sequence_first
+from .data import DPDataLoader, PhysicalBatch, _map_style_length
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
@@ -252,13 +252,16 @@ class PrivacyEngine:
             noise_multiplier: σ (noise std in units of C).
             max_grad_norm: the reference bound C of the noise N(0, σ²C²) and every record's clip bound
                 unless ``clip_norms`` is given.
-            criterion: a torch loss module; needed for ghost mode.
+            criterion: a torch loss module, for ghost mode only, where its ``reduction`` must be
+                ``loss_reduction``; in mode "bk" your own loss is used as it is and a criterion given is not
+                read (a warning says so; accepted, as Opacus's hooks mode accepts it).
             loss_reduction: "mean" if the loss is the batch mean of per-sample losses (torch's default),
                 "sum" if it is their sum.
             poisson_sampling: True draws each batch by Poisson sampling at rate q = 1/len(data_loader);
                 False returns ``data_loader`` unchanged, and each forward of the model on a batch of your own
-                opens a private batch (every record must then have the same clip bound and sample rate; a
-                one-time warning says the accounting assumes Poisson sampling).
+                opens a private batch (every record must then have the same clip bound and sample rate, so
+                per-record ``clip_norms`` are refused; a one-time warning says the accounting assumes Poisson
+                sampling).
             clipping: "flat" or "per_layer".
             noise_generator: seeds the noise.
             grad_sample_mode: "hooks", "functorch", "ew" (all exact book-keeping here) or "ghost".
@@ -282,19 +285,23 @@ class PrivacyEngine:
             poisson_sampling=poisson_sampling, clipping=clipping, noise_generator=noise_generator,
             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, rand_on_empty=rand_on_empty,
             sample_rates=sample_rates, mode=mode, physical_batch_size=physical_batch_size,
-            steps_per_epoch=steps_per_epoch)
+            steps_per_epoch=steps_per_epoch, layer_shares=layer_shares, automatic_gamma=automatic_gamma)
         n = len(data_loader.dataset)
         if sample_rates is None:
             sample_rates = 1.0 / len(data_loader)
-        self.sample_rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0)
+        sample_rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0)
         clip_norms = max_grad_norm if clip_norms is None else clip_norms
-        self.clip_norms = as_per_record("clip_norms", clip_norms, n, low=0.0, low_inclusive=False)
-        self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
-        self.mode, self.loss_reduction = mode, loss_reduction
+        clip_norms = as_per_record("clip_norms", clip_norms, n, low=0.0, low_inclusive=False)
         # a uniform run (one q, one c for every record) is plain DP-SGD: any batch of distinct records
         # is clipped right without knowing which records they are, and one history accounts it
-        self.uniform = bool((self.sample_rates == self.sample_rates[0]).all()
-                            and (self.clip_norms == self.clip_norms[0]).all())
+        uniform = bool((sample_rates == sample_rates[0]).all() and (clip_norms == clip_norms[0]).all())
+        if not poisson_sampling and not uniform:
+            raise ValueError("clip_norms must be one bound for every record with poisson_sampling=False: your "
+                             "loader's batches do not say which records they hold, so each row is clipped to the "
+                             "common bound (per-record bounds need the Poisson loader, poisson_sampling=True)")
+        self.sample_rates, self.clip_norms, self.uniform = sample_rates, clip_norms, uniform
+        self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
+        self.mode, self.loss_reduction = mode, loss_reduction
         self.poisson_sampling = bool(poisson_sampling)
         inner, self.distributed = unwrap(module)  # a DDP-wrapped model: see pdpfast.distributed
         seed, shard = self.seed, {}
@@ -309,18 +316,34 @@ class PrivacyEngine:
         noise_seed = None if seed is None else seed + 1
         if noise_generator is not None:
             noise_seed = int(torch.randint(0, 2 ** 62, (1,), generator=noise_generator))
-        convert(inner)
-        self.state = ClippingState(inner, mode=mode, clipping=clipping, layer_shares=layer_shares,
-                                   automatic_gamma=automatic_gamma)
-        self.state.attach()
-        expected_batch_size = float(self.sample_rates.sum())
-        if poisson_sampling:
-            self.data_loader = DPDataLoader.from_data_loader(
-                data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=seed,
-                steps_per_epoch=steps_per_epoch, **shard)
+        # what ClippingState refuses only once it sees the converted layers (layer_shares that name no
+        # clipping group, or do not number one per group) must leave the model as it was: the swap
+        # changes classes only, so restoring them undoes it
+        classes = [(m, type(m)) for m in inner.modules()]
+        state = None
+        try:
+            convert(inner)
+            state = ClippingState(inner, mode=mode, clipping=clipping, layer_shares=layer_shares,
+                                  automatic_gamma=automatic_gamma)
+            state.attach()
+            expected_batch_size = float(self.sample_rates.sum())
+            dp_loader = None
+            if poisson_sampling:
+                dp_loader = DPDataLoader.from_data_loader(
+                    data_loader, self.sample_rates, physical_batch_size=physical_batch_size, seed=seed,
+                    steps_per_epoch=steps_per_epoch, **shard)
+            dp_optimizer = DPOptimizer(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                                       expected_batch_size=expected_batch_size, seed=noise_seed)
+        except BaseException:
+            if state is not None:
+                state.detach()
+            for m, cls in classes:
+                if type(m) is not cls:
+                    m.__class__ = cls
+            raise
+        self.state, self.data_loader, self.optimizer = state, dp_loader, dp_optimizer
+        if dp_loader is not None:
             self.data_loader.on_batch = self._on_batch
-        self.optimizer = DPOptimizer(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                                     expected_batch_size=expected_batch_size, seed=noise_seed)
         if self.distributed is not None:
             self.optimizer.reduce_grads = self.distributed.all_reduce_sum_
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)
@@ -347,7 +370,7 @@ class PrivacyEngine:
     def _check_make_private_args(self, *, module, optimizer, data_loader, noise_multiplier, max_grad_norm, criterion,
                                  batch_first, loss_reduction, poisson_sampling, clipping, noise_generator,
                                  grad_sample_mode, wrap_model, rand_on_empty, sample_rates, mode,
-                                 physical_batch_size, steps_per_epoch) -> str:
+                                 physical_batch_size, steps_per_epoch, layer_shares, automatic_gamma) -> str:
         """Every argument checked before anything changes; returns the clipping mode ("bk" | "ghost")."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -355,6 +378,11 @@ class PrivacyEngine:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        if _map_style_length(data_loader.dataset) == 0:
+            raise ValueError("data_loader's dataset is empty: there are no records to train on")
+        if sample_rates is None and len(data_loader) == 0:
+            raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
+                             "sample rate 1/len(data_loader) is undefined; give sample_rates= or another loader")
         if isinstance(max_grad_norm, (list, tuple)):
             raise TypeError("max_grad_norm must be one number; per-parameter bounds (Opacus's per_layer clipping) "
                             "are given here as clipping='per_layer' with layer_shares= (shares C_k, Σ C_k² = 1)")
@@ -380,9 +408,34 @@ class PrivacyEngine:
             mode = _GRAD_SAMPLE_MODES[grad_sample_mode]
         elif grad_sample_mode != "hooks" and _GRAD_SAMPLE_MODES[grad_sample_mode] != mode:
             raise ValueError(f"mode={mode!r} and grad_sample_mode={grad_sample_mode!r} disagree; give one of them")
+        # what ClippingState checks, checked here before convert() changes the model
+        check_choice("mode", mode, MODES)
+        check_choice("clipping", clipping, CLIPPINGS)
+        if clipping == "per_layer" and mode == "ghost":
+            raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
+                             "to it (use mode='bk', the default)")
+        if layer_shares is not None and clipping != "per_layer":
+            raise ValueError("layer_shares applies only to clipping='per_layer'")
+        if automatic_gamma is not None:
+            check_positive("automatic_gamma", automatic_gamma)
+        for name, value in (("physical_batch_size", physical_batch_size), ("steps_per_epoch", steps_per_epoch)):
+            if value is not None:
+                check_int(name, value, 1)
         if mode == "ghost" and criterion is None:
             raise ValueError("mode='ghost' needs criterion= (a torch loss module): its two backward passes "
                              "need per-sample losses")
+        if mode != "ghost" and criterion is not None:
+            # not refused: Opacus's hooks mode takes and ignores it too, and code written for it must run
+            warnings.warn(f"criterion is used in mode='ghost' only (its two backward passes wrap the loss); in mode "
+                          f"{mode!r} your own loss is used as it is and this criterion is not read", stacklevel=3)
+        if mode == "ghost":
+            if not hasattr(criterion, "reduction"):
+                raise TypeError("criterion must be a torch loss module with a `reduction` attribute "
+                                f"(e.g. nn.CrossEntropyLoss()), got {type(criterion).__name__}")
+            if criterion.reduction != loss_reduction:
+                raise ValueError(f"criterion's reduction={criterion.reduction!r} and loss_reduction="
+                                 f"{loss_reduction!r} disagree: ghost mode reduces the per-sample losses as "
+                                 "loss_reduction says; give a criterion with the same reduction")
         if not poisson_sampling:
             for name, value in (("sample_rates", sample_rates), ("physical_batch_size", physical_batch_size),
                                 ("steps_per_epoch", steps_per_epoch)):
@@ -704,7 +757,16 @@ class PrivacyEngine:
         if kwargs.get("poisson_sampling", True) is not True:
             raise ValueError("make_private_with_budgets needs poisson_sampling=True: each record's budget is spent "
                              "through its own sampling rate, which only the Poisson loader applies")
-        n = len(data_loader.dataset)
+        if not isinstance(data_loader, DataLoader):
+            raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
+        if self.state is not None:  # before the plan of the run already made private is replaced
+            raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model")
+        n = _map_style_length(data_loader.dataset)
+        if n == 0:
+            raise ValueError("data_loader's dataset is empty: there are no records to train on")
+        if sample_rate is None and len(data_loader) == 0:
+            raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
+                             "sample rate batch_size / N is undefined; give sample_rate=")
         budgets = as_budget_vector("budgets", budgets)
         if budgets.shape[0] != n:
             raise ValueError(f"budgets must have one ε per record of the dataset ({n}), got shape {budgets.shape}")
@@ -724,22 +786,26 @@ class PrivacyEngine:
                 raise ValueError("adaptive_clipping is not supported with DistributedDataParallel (the counts of "
                                  "unclipped records would need an all-reduce)")
         if noise_schedule is None:
-            self.plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
-                                  max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
+            plan = calibrate(budgets, delta=delta, steps=steps, sample_rate=sample_rate, method=method,
+                             max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight, accountant=accountant)
         else:
             from .accounting.schedules import calibrate_scheduled
 
             if accountant != "rdp":
                 raise ValueError(f"noise_schedule needs accountant='rdp' (the ledger composes each step's σ_t in RDP), "
                                  f"got accountant={accountant!r}")
-            self.plan = calibrate_scheduled(budgets, delta=delta, steps=steps, sample_rate=sample_rate,
-                                            noise_schedule=noise_schedule, method=method,
-                                            max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight)
-        self.delta, self.budgets = float(delta), budgets
-        out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                noise_multiplier=self.plan.noise_multiplier, max_grad_norm=self.plan.max_grad_norm,
-                                sample_rates=self.plan.sample_rates, clip_norms=self.plan.clip_norms,
-                                steps_per_epoch=min(steps_per_epoch, steps), **kwargs)
+            plan = calibrate_scheduled(budgets, delta=delta, steps=steps, sample_rate=sample_rate,
+                                       noise_schedule=noise_schedule, method=method,
+                                       max_grad_norm=max_grad_norm, hybrid_weight=hybrid_weight)
+        self.plan, self.delta, self.budgets = plan, float(delta), budgets
+        try:
+            out = self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                    noise_multiplier=plan.noise_multiplier, max_grad_norm=plan.max_grad_norm,
+                                    sample_rates=plan.sample_rates, clip_norms=plan.clip_norms,
+                                    steps_per_epoch=min(steps_per_epoch, steps), **kwargs)
+        except BaseException:
+            self.plan = None  # refused: the engine is as it was (make_private changed nothing)
+            raise
         # the ledger must use the accountant that certified the plan: an RDP ledger of a PLD plan
         # reports every record at 1.1-1.6x its budget although the PLD guarantee holds
         self.accountant = ledger_for_plan(self.plan, budgets)
@@ -750,7 +816,7 @@ class PrivacyEngine:
 
             self.adaptive = AdaptiveTraining(self, self.plan, clipping=adaptive_clipping,
                                              factors=getattr(self.plan, "noise_factors", None),
-                                             seed=None if self.seed is None else self.seed + 2).attach()
+                                             seed=None if self.seed is None else (self.seed + 2) % 2 ** 63).attach()
         return out
 
     def _refuse_overspending(self, optimizer: DPOptimizer) -> None:

@@ -32,7 +32,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ._checks import check_budgets, check_choice, check_delta, check_int, check_positive, check_rate
+from ._checks import (
+    as_float_array,
+    check_budgets,
+    check_choice,
+    check_delta,
+    check_flag,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_rate,
+)
 from ._io import atomic_write
 from .accounting import pdp
 from .loop import Task, pin_memory_for, private_steps
@@ -87,6 +97,48 @@ class PDPResult:
     rounds: list = field(default_factory=list)
 
 
+_STATE_KEYS = ("config", "budgets", "remaining", "spent_delta", "ledger_eps", "round", "current", "history",
+               "completed_steps", "finished", "optimizer")
+_CURRENT_KEYS = ("threshold", "probabilities", "sample_rate", "steps", "kept", "payers", "alive", "first_step",
+                 "engine")
+
+
+def _check_settings(model, dataset, optimizer, *, task, max_grad_norm, w1, w2, seed, mode, clipping,
+                    physical_batch_size, min_remaining) -> None:
+    """Everything the rounds' engines would refuse only after round 0 was charged, refused before."""
+    from .clipping import CLIPPINGS, MODES, refuse_sequence_first
+    from .nn.convert import convert, unsupported_modules
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (hasattr(dataset, "__getitem__")
+                                                                     and hasattr(dataset, "__len__")):
+        raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__), got "
+                        f"{type(dataset).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    params = {id(p) for p in model.parameters()}
+    if any(id(p) not in params for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("optimizer holds parameters that are not the model's: build it from model.parameters()")
+    if task is not None and not isinstance(task, Task):
+        raise TypeError(f"task must be a pdpfast.loop.Task or None, got {type(task).__name__}")
+    check_positive("max_grad_norm", max_grad_norm)
+    check_nonnegative("w1", w1)
+    check_nonnegative("w2", w2)
+    check_int("seed", seed, 0)
+    check_choice("mode", mode, MODES)
+    check_choice("clipping", clipping, CLIPPINGS)
+    if clipping == "per_layer" and mode == "ghost":
+        raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
+                         "to it (use mode='bk', the default)")
+    if physical_batch_size is not None:
+        check_int("physical_batch_size", physical_batch_size, 1)
+    check_nonnegative("min_remaining", min_remaining)
+    if unsupported_modules(model):
+        convert(model)  # raises the message that names every such module, and changes nothing
+    refuse_sequence_first(model)
+
+
 class PDPSGD:
     """The PDP-SGD driver, resumable round by round and step by step.
 
@@ -112,12 +164,15 @@ class PDPSGD:
             ``pdpfast.accounting.pdp.threshold_losses``) and its weights.
         rule: "all" (default: every record with budget left pays its round guarantee) or "sampled"
             (the paper's: only kept records pay).
-        seed: of the rounds' subset draws and of their engines.
+        seed: of the rounds' subset draws and of their engines, an int in [0, 2**63).
         mode, clipping, physical_batch_size: passed to each round's engine.
-        min_remaining: a remaining budget at or below this counts as exhausted.
+        min_remaining: a remaining budget at or below this counts as exhausted (finite, ≥ 0).
     Raises:
-        ValueError for a bad budget, δ, count, rate, rule or loss, or when not exactly one of each pair
-        above is given.
+        TypeError for a model, dataset, optimizer or task of the wrong kind, or budgets / settings that are
+        not numbers; ValueError for a bad budget, δ, count, rate, rule, loss, weight, seed, clip bound,
+        mode, clipping or min_remaining, an optimizer over other parameters than the model's, a model the
+        engine cannot make private, or when not exactly one of each pair above is given. Every setting is
+        checked here, before any round charges the budgets.
     """
 
     def __init__(self, model: nn.Module, dataset, budgets, *, optimizer: torch.optim.Optimizer, delta: float,
@@ -127,11 +182,20 @@ class PDPSGD:
                  task: Task | None = None, max_grad_norm: float = 1.0, loss: str = "fixed", w1: float = 0.7,
                  w2: float = 0.3, rule: str = "all", seed: int = 0, mode: str = "bk", clipping: str = "flat",
                  physical_batch_size: int | None = None, min_remaining: float = 1e-9):
+        _check_settings(model, dataset, optimizer, task=task, max_grad_norm=max_grad_norm, w1=w1, w2=w2, seed=seed,
+                        mode=mode, clipping=clipping, physical_batch_size=physical_batch_size,
+                        min_remaining=min_remaining)
         self.model, self.dataset, self.optimizer = model, dataset, optimizer
-        self.budgets = check_budgets(budgets, len(dataset), "budgets")
-        for name, value in (("rounds", rounds), ("steps_per_round", steps_per_round)):
-            if value is not None:
-                check_int(name, value, 1)
+        if isinstance(budgets, torch.Tensor):
+            budgets = budgets.detach().cpu().numpy()
+        # numbers only (not strings numpy would read, "1"); check_budgets names the first bad record
+        self.budgets = check_budgets(as_float_array("budgets", budgets), len(dataset), "budgets")
+        check_int("rounds", rounds, 1)
+        if steps_per_round is not None:
+            check_int("steps_per_round", steps_per_round, 1)
+        if float(min_remaining) >= self.budgets.max():
+            raise ValueError(f"min_remaining={min_remaining!r} is not below the largest budget "
+                             f"({self.budgets.max():g}): every record would count as exhausted and nothing train")
         if (steps_per_round is None) == (epochs_per_round is None):
             raise ValueError("give exactly one of steps_per_round and epochs_per_round")
         if epochs_per_round is not None:
@@ -150,9 +214,10 @@ class PDPSGD:
         self.epochs_per_round = None if epochs_per_round is None else float(epochs_per_round)
         self.sample_rate = None if sample_rate is None else float(sample_rate)
         self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
-        self.rule, self.loss, self.w1, self.w2 = rule, loss, w1, w2
+        self.rule, self.loss, self.w1, self.w2 = rule, loss, float(w1), float(w2)
         self.seed, self.mode, self.clipping = int(seed), mode, clipping
-        self.max_grad_norm, self.physical_batch_size = float(max_grad_norm), physical_batch_size
+        self.physical_batch_size = None if physical_batch_size is None else int(physical_batch_size)
+        self.max_grad_norm = float(max_grad_norm)
         self.min_remaining = float(min_remaining)
         self.task = task or Task()
         n = self.budgets.shape[0]
@@ -281,11 +346,17 @@ class PDPSGD:
         Args:
             on_step: ``on_step(global_step, loss)`` after every optimizer step (loss: the mean
                 per-record loss of the draw); returning True stops after that step, resumably.
-            max_steps: the most optimizer steps this call takes (None: to the end).
+            max_steps: the most optimizer steps this call takes, an int ≥ 0 (None: to the end).
         Returns:
             :class:`PDPResult` of the rounds so far: (N,) ε charged, δ_i, remaining ε, ledger ε.
+        Raises:
+            TypeError for an ``on_step`` that is not callable; ValueError for a ``max_steps`` that is not an
+            int ≥ 0. Both are checked before a round is charged.
         """
-        stop_at = None if max_steps is None else self.steps + int(max_steps)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be callable (on_step(global_step, loss)) or None, got "
+                            f"{type(on_step).__name__}")
+        stop_at = None if max_steps is None else self.steps + check_int("max_steps", max_steps, 0)
         stopped = False
         while self.round < self.rounds and not stopped:
             if self.current is None and not self._begin_round():
@@ -374,12 +445,21 @@ class PDPSGD:
         Returns:
             None; the driver's state and the optimizer's are replaced.
         Raises:
-            ValueError when the state is not a PDP-SGD state, was saved with other settings or budgets,
-            or holds spending that cannot be (a remaining budget outside [0, budget], negative or
-            non-finite spent δ or ledger ε, arrays not one per record); the driver is then unchanged.
+            TypeError when ``state`` is not a dict or its ``finished`` is not True or False; ValueError when
+            it is not a PDP-SGD state (a missing key is named), was saved with other settings or budgets, or
+            holds spending or progress that cannot be (a remaining budget outside [0, budget], negative or
+            non-finite spent δ or ledger ε, arrays not one per record, a round outside [0, rounds], negative
+            completed steps, a round in progress that is not one); the driver is then unchanged.
         """
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be the dict state_dict() returned, got {type(state).__name__}")
         if state.get("format_version") != 1:
             raise ValueError("not a PDP-SGD state (format_version)")
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"not a PDP-SGD state: missing {', '.join(missing)}")
+        if not isinstance(state["config"], dict):
+            raise ValueError("PDP-SGD state: config must be a dict of the settings")
         if state["config"] != self._config():
             diff = sorted(k for k in self._config() if state["config"].get(k) != self._config()[k])
             raise ValueError(f"the checkpoint's PDP-SGD settings differ from this run's ({', '.join(diff)}); resume "
@@ -399,11 +479,45 @@ class PDPSGD:
         if not (np.isfinite(spent_delta).all() and (spent_delta >= 0).all()
                 and np.isfinite(ledger_eps).all() and (ledger_eps >= 0).all()):
             raise ValueError("PDP-SGD state: spent_delta and ledger_eps must be finite and >= 0")
-        self.remaining, self.spent_delta, self.ledger_eps = remaining, spent_delta, ledger_eps
-        self.round, self.current = int(state["round"]), state["current"]
-        self.history = [RoundRecord(**r) for r in state["history"]]
-        self.completed_steps, self.finished = int(state["completed_steps"]), bool(state["finished"])
+        round_ = check_int("PDP-SGD state: round", state["round"], 0, self.rounds)
+        completed_steps = check_int("PDP-SGD state: completed_steps", state["completed_steps"], 0)
+        finished = check_flag("PDP-SGD state: finished", state["finished"])
+        current = state["current"]
+        if current is not None:
+            if round_ >= self.rounds:
+                raise ValueError("PDP-SGD state: a round in progress after the last round")
+            self._check_current(current)
+        try:
+            history = [RoundRecord(**r) for r in state["history"]]
+        except TypeError as e:
+            raise ValueError(f"PDP-SGD state: history must be a list of round records ({e})") from None
         self.optimizer.load_state_dict(state["optimizer"])
+        self.remaining, self.spent_delta, self.ledger_eps = remaining, spent_delta, ledger_eps
+        self.round, self.current, self.history = round_, current, history
+        self.completed_steps, self.finished = completed_steps, finished
+
+    def _check_current(self, current) -> None:
+        """Refuse a round in progress (``state["current"]``) that ``_begin_round`` could not have made."""
+        if not isinstance(current, dict):
+            raise ValueError(f"PDP-SGD state: current must be None or a dict, got {type(current).__name__}")
+        missing = [key for key in _CURRENT_KEYS if key not in current]
+        if missing:
+            raise ValueError(f"PDP-SGD state: the round in progress (current) lacks {', '.join(missing)}")
+        n = self.budgets.shape[0]
+        check_positive("PDP-SGD state: current['threshold']", current["threshold"])
+        check_rate("PDP-SGD state: current['sample_rate']", current["sample_rate"])
+        check_int("PDP-SGD state: current['steps']", current["steps"], 0)
+        check_int("PDP-SGD state: current['alive']", current["alive"], 0, n)
+        check_int("PDP-SGD state: current['first_step']", current["first_step"], 0)
+        probabilities = as_float_array("PDP-SGD state: current['probabilities']", current["probabilities"])
+        if probabilities.shape != (n,) or not ((probabilities >= 0) & (probabilities <= 1)).all():
+            raise ValueError(f"PDP-SGD state: current['probabilities'] must be {n} values in [0, 1]")
+        for key in ("kept", "payers"):
+            idx = np.asarray(current[key])
+            if idx.ndim != 1 or (idx.size and (idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= n)):
+                raise ValueError(f"PDP-SGD state: current[{key!r}] must be record indices in [0, {n})")
+        if current["engine"] is not None and not isinstance(current["engine"], dict):
+            raise ValueError("PDP-SGD state: current['engine'] must be None or the round engine's state dict")
 
     def save_checkpoint(self, path, **extra) -> None:
         """Atomically write model weights and the driver's state (``extra["pdp"]``) to ``path``, in
@@ -438,7 +552,7 @@ class PDPSGD:
 def train_pdp_sgd(model: nn.Module, dataset, budgets, *, delta: float, rounds: int, steps_per_round: int | None = None,
                   epochs_per_round: float | None = None,
                   sample_rate: float | None = None, expected_batch_size: float | None = None,
-                  optimizer: torch.optim.Optimizer | None = None, lr: float = 0.1,
+                  optimizer: torch.optim.Optimizer | None = None, lr: float | None = None,
                   on_step=None, **kwargs) -> PDPResult:
     """Train ``model`` in place with PDP-SGD.
 
@@ -447,13 +561,20 @@ def train_pdp_sgd(model: nn.Module, dataset, budgets, *, delta: float, rounds: i
         delta: δ in (0, 1) of each round. rounds: k ≥ 1. steps_per_round or epochs_per_round: the
             length of a round. sample_rate: q in (0, 1] in every round, or expected_batch_size: B
             records per step (q_R = B / Σ_i π_i). optimizer: default SGD(lr, momentum 0.9).
+        lr: the default optimizer's learning rate (None: 0.1); refused with ``optimizer`` (which has its own).
         on_step: ``on_step(global_step, loss)`` after every optimizer step; True stops.
         **kwargs: to :class:`PDPSGD` (task, loss, rule, seed, mode, clipping, ...).
     Returns:
         :class:`PDPResult`: per record (N,) ε spent and δ_i, remaining budgets, ledger ε.
+    Raises:
+        ValueError for ``lr`` given with ``optimizer``; as :class:`PDPSGD` and ``run`` otherwise.
     """
     if optimizer is None:
+        lr = 0.1 if lr is None else check_positive("lr", lr)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+    elif lr is not None:
+        raise ValueError("lr sets the default optimizer's learning rate; with optimizer= given, set the rate on "
+                         "that optimizer (lr would be ignored)")
     driver = PDPSGD(model, dataset, budgets, optimizer=optimizer, delta=delta, rounds=rounds,
                     steps_per_round=steps_per_round, epochs_per_round=epochs_per_round, sample_rate=sample_rate,
                     expected_batch_size=expected_batch_size, **kwargs)

@@ -195,11 +195,29 @@ def logical_shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
         shift: an int in [1, 63].
     Returns:
         a new int64 tensor of ``z``'s shape: the bits of z >> shift with zeros shifted in.
+    Raises:
+        TypeError when ``z`` is not an int64 tensor or ``shift`` not an int; ValueError for a shift
+        outside [1, 63].
     """
+    _check_int64_bits(z)
+    if isinstance(shift, bool) or not isinstance(shift, (int, np.integer)):
+        raise TypeError(f"shift must be an int in [1, 63], got {type(shift).__name__} {shift!r}")
+    if not 1 <= shift <= 63:
+        raise ValueError(f"shift must be an int in [1, 63], got {shift!r}")
+    return _shift_right(z, int(shift))
+
+
+def _shift_right(z: torch.Tensor, shift: int) -> torch.Tensor:
     # int64 >> is arithmetic; masking off the copies of the sign bit makes it the uint64 shift
     shifted = z >> shift
     shifted &= (1 << (64 - shift)) - 1
     return shifted
+
+
+def _check_int64_bits(z) -> None:
+    if not isinstance(z, torch.Tensor) or z.dtype is not torch.int64:
+        what = f"a {z.dtype} tensor" if isinstance(z, torch.Tensor) else type(z).__name__
+        raise TypeError(f"z must be an int64 tensor (uint64 bits; other widths would give other bits), got {what}")
 
 
 def mix64_(z: torch.Tensor) -> torch.Tensor:
@@ -209,12 +227,19 @@ def mix64_(z: torch.Tensor) -> torch.Tensor:
         z: an int64 tensor, any shape, read as uint64 bits; overwritten.
     Returns:
         ``z`` itself.
+    Raises:
+        TypeError when ``z`` is not an int64 tensor (int32 arithmetic would give other bits).
     """
-    z ^= logical_shift_right(z, 30)
+    _check_int64_bits(z)
+    return _mix64(z)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z ^= _shift_right(z, 30)
     z *= as_int64(_MIX_MULTIPLIERS[0])
-    z ^= logical_shift_right(z, 27)
+    z ^= _shift_right(z, 27)
     z *= as_int64(_MIX_MULTIPLIERS[1])
-    z ^= logical_shift_right(z, 31)
+    z ^= _shift_right(z, 31)
     return z
 
 
@@ -222,9 +247,9 @@ def _random_bits(start: int, stop: int, keys: tuple[int, int], device: torch.dev
     z = torch.arange(start, stop, dtype=torch.int64, device=device)
     z *= as_int64(GOLDEN_GAMMA)
     z += as_int64(keys[0])
-    mix64_(z)
+    _mix64(z)
     z ^= as_int64(keys[1])
-    return mix64_(z)
+    return _mix64(z)
 
 
 def random_bits_reference(count: int, seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -237,8 +262,13 @@ def random_bits_reference(count: int, seed: int, step: int, device: torch.device
     Returns:
         (count,) int64 tensor on ``device`` holding the uint64 bits.
     Raises:
-        TypeError when ``seed`` or ``step`` is not an int; ValueError when one is out of range.
+        TypeError when ``count``, ``seed`` or ``step`` is not an int (a bool, a float or a string is
+        refused); ValueError when one is out of range (``count`` < 0 or ≥ 2**63).
     """
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+        raise TypeError(f"count must be an int ≥ 0, got {type(count).__name__} {count!r}")
+    if not 0 <= count < 1 << 63:
+        raise ValueError(f"count must be an int ≥ 0 (and < 2**63), got {count!r}")
     keys = _stream_keys(_check_counter("seed", seed), _check_counter("step", step))
     return _random_bits(0, int(count), keys, torch.device(device))
 
@@ -266,7 +296,7 @@ def _poisson_sample_torch(sample_rates: torch.Tensor, seed: int, step: int) -> t
     pieces = []
     for start in range(0, num_records, _REFERENCE_CHUNK):
         stop = min(start + _REFERENCE_CHUNK, num_records)
-        top_bits = logical_shift_right(_random_bits(start, stop, keys, sample_rates.device), 11)
+        top_bits = _shift_right(_random_bits(start, stop, keys, sample_rates.device), 11)
         # u < q  <=>  (z >> 11) < q * 2^53, both sides exact in float64
         drawn = top_bits.to(torch.float64) < sample_rates[start:stop].to(torch.float64) * _TWO_POW_53
         pieces.append(drawn.nonzero().flatten() + start)

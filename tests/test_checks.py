@@ -181,7 +181,7 @@ def test_the_ledger_refuses_per_id_rates_that_are_not_numbers():
     np.testing.assert_array_equal(ledger.epsilons(1e-5), before)  # nothing was charged
 
 
-@pytest.mark.parametrize("seed", ["123", 1.7, True, -1])
+@pytest.mark.parametrize("seed", ["123", 1.7, True, -1, 2**63, 2**70])
 def test_a_seed_that_is_not_a_non_negative_int_is_refused_by_name(seed):
     """A seed fixes every Poisson draw and the noise: "123" failed deep inside, 1.7 ran as 1."""
     import pdpfast
@@ -295,3 +295,12 @@ def test_a_ledger_of_mismatched_rates_and_multipliers_names_both_shapes(rates, m
 
     with pytest.raises(ValueError, match=r"sample_rates and noise_multipliers must be .* got shapes"):
         IndividualAccountant(rates, multipliers)
+
+
+def test_check_int_refuses_values_past_int64_so_torch_never_overflows():
+    assert _checks.check_int("seed", 2**63 - 1, 0) == 2**63 - 1
+    for value in (2**63, 2**70, np.uint64(2**64 - 1)):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63 - 1"):
+            _checks.check_int("seed", value, 0)
+    with pytest.raises(ValueError, match=r"round must be an int in \[0, 3\]"):
+        _checks.check_int("round", 4, 0, 3)

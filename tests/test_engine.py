@@ -341,3 +341,108 @@ def test_epsilon_of_per_record_rates_is_the_worst_records_and_the_ledger_is_kept
         kept = engine._epsilon_ledger[3]
     engine.sample_rates = rates / 2                         # other rates: a new ledger, their ε
     assert engine.get_epsilon(1e-5) < fresh and engine._epsilon_ledger[3] is not kept
+
+
+def _fresh(n=60):
+    model = _mlp()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(_data(n), batch_size=8)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mode="foo"), ValueError, "mode"),
+    (dict(clipping="foo"), ValueError, "clipping"),
+    (dict(clipping="per_layer", mode="ghost", criterion=nn.CrossEntropyLoss()), ValueError, "per_layer"),
+    (dict(layer_shares=[0.6, 0.8]), ValueError, "layer_shares"),                   # without per_layer
+    (dict(clipping="per_layer", layer_shares=[5.0]), ValueError, "layer_shares"),  # needs the converted groups
+    (dict(clipping="per_layer", layer_shares={"9": 1.0}), ValueError, "layer_shares"),
+    (dict(clipping="per_layer", layer_shares=[0.6, 0.6]), ValueError, "layer_shares"),
+    (dict(automatic_gamma=-1.0), ValueError, "automatic_gamma"),
+    (dict(automatic_gamma="1"), TypeError, "automatic_gamma"),
+    (dict(steps_per_epoch=0), ValueError, "steps_per_epoch"),
+])
+def test_make_private_refuses_clipping_settings_before_converting_the_model(kwargs, error, match):
+    """Before: ClippingState refused these after convert() had swapped the layers in place."""
+    model, optimizer, loader = _fresh()
+    engine = pdpfast.PrivacyEngine(seed=0)
+    with pytest.raises(error, match=match):
+        engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+                            max_grad_norm=1.0, **kwargs)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]             # still torch's own classes
+    assert engine.state is None and engine.optimizer is None and not model._forward_pre_hooks
+    engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+                        max_grad_norm=1.0)                                          # the fixed call works
+
+
+def test_make_private_with_budgets_refused_by_make_private_leaves_no_plan_behind():
+    model, optimizer, loader = _fresh()
+    engine = pdpfast.PrivacyEngine(seed=0)
+    with pytest.raises(ValueError, match="mode"):
+        engine.make_private_with_budgets(module=model, optimizer=optimizer, data_loader=loader,
+                                         budgets=np.full(60, 2.0), delta=1e-5, epochs=1, mode="foo")
+    assert engine.plan is None and engine.state is None and type(model[0]) is nn.Linear
+
+
+def test_make_private_refuses_a_loader_over_an_empty_dataset_by_name():
+    model, optimizer, _ = _fresh()
+    empty = DataLoader(TensorDataset(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)), batch_size=8)
+    for make in ("make_private", "make_private_with_budgets"):
+        engine = pdpfast.PrivacyEngine(seed=0)
+        extra = dict(noise_multiplier=1.0, max_grad_norm=1.0) if make == "make_private" else dict(
+            budgets=np.ones(0), delta=1e-5, epochs=1)
+        with pytest.raises(ValueError, match="dataset is empty"):
+            getattr(engine, make)(module=model, optimizer=optimizer, data_loader=empty, **extra)
+    assert type(model[0]) is nn.Linear
+
+
+def test_make_private_refuses_per_record_bounds_without_poisson_sampling():
+    """Before: accepted, then the first forward failed with a message about the loader make_private returned."""
+    model, optimizer, loader = _fresh()
+    engine = pdpfast.PrivacyEngine(seed=0)
+    with pytest.raises(ValueError, match="clip_norms .*poisson_sampling=False"):
+        engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0,
+                            max_grad_norm=1.0, poisson_sampling=False, clip_norms=np.linspace(0.1, 1.0, 60))
+    assert type(model[0]) is nn.Linear and engine.state is None
+
+
+def test_make_private_warns_that_a_criterion_is_not_read_in_bk_mode_and_accepts_it_as_opacus_does():
+    model, optimizer, loader = _fresh()
+    with pytest.warns(UserWarning, match="criterion is used in mode='ghost' only.*not read"):
+        out = pdpfast.PrivacyEngine(seed=0).make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                         noise_multiplier=1.0, max_grad_norm=1.0,
+                                                         criterion=nn.CrossEntropyLoss())
+    assert len(out) == 3
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum")), ValueError,
+     "reduction='sum' and loss_reduction='mean'"),
+    (dict(mode="ghost", criterion=nn.CrossEntropyLoss(), loss_reduction="sum"), ValueError,
+     "reduction='mean' and loss_reduction='sum'"),
+    (dict(mode="ghost", criterion=lambda out, y: out.sum()), TypeError, "criterion"),
+])
+def test_make_private_refuses_a_ghost_criterion_whose_reduction_it_would_override(kwargs, error, match):
+    model, optimizer, loader = _fresh()
+    with pytest.raises(error, match=match):
+        pdpfast.PrivacyEngine(seed=0).make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                   noise_multiplier=1.0, max_grad_norm=1.0, **kwargs)
+    assert type(model[0]) is nn.Linear
+
+
+def test_make_private_ghost_mode_accepts_a_criterion_whose_reduction_matches():
+    model, optimizer, loader = _fresh()
+    out = pdpfast.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+        mode="ghost", criterion=nn.CrossEntropyLoss(reduction="sum"), loss_reduction="sum")
+    assert len(out) == 4
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, 2 ** 70])
+def test_seeds_too_large_for_torch_are_refused_by_name(seed):
+    """Before: torch's "Overflow when unpacking long long" at make_private or at the first draw."""
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        pdpfast.PrivacyEngine(seed=seed)
+    with pytest.raises(ValueError, match="seed must be an int in"):
+        DPDataLoader(_data(10), 0.5, seed=seed)
+    with pytest.raises(ValueError, match="start_step must be an int in"):
+        DPDataLoader(_data(10), 0.5, seed=1, start_step=seed)
+    assert DPDataLoader(_data(10), 0.5, seed=2 ** 63 - 1).seed == 2 ** 63 - 1

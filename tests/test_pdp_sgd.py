@@ -1,0 +1,151 @@
+"""PDP-SGD driver (pdpfast.pdp_sgd): every setting refused by name before any round charges the budgets."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pdpfast.pdp_sgd import PDPSGD, train_pdp_sgd
+
+DELTA = 1e-5
+N = 20
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+    budgets = np.r_[np.full(N // 2, 1.0), np.full(N // 2, 3.0)]
+    torch.manual_seed(0)
+    return nn.Linear(3, 2), dataset, budgets
+
+
+def _driver(**kwargs):
+    model, dataset, budgets = _problem()
+    args = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), delta=DELTA, rounds=2, steps_per_round=2,
+                sample_rate=0.3) | kwargs
+    return PDPSGD(model, args.pop("dataset", dataset), args.pop("budgets", budgets), **args)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm"),
+    (dict(max_grad_norm=math.nan), ValueError, "max_grad_norm"),
+    (dict(max_grad_norm=True), TypeError, "max_grad_norm"),
+    (dict(mode="foo"), ValueError, "mode"),
+    (dict(clipping="foo"), ValueError, "clipping"),
+    (dict(clipping="per_layer", mode="ghost"), ValueError, "per_layer"),
+    (dict(physical_batch_size=0), ValueError, "physical_batch_size"),
+    (dict(physical_batch_size=2.5), ValueError, "physical_batch_size"),
+    (dict(w1=-1.0), ValueError, "w1"),
+    (dict(w2=math.nan), ValueError, "w2"),
+    (dict(w1="0.5"), TypeError, "w1"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(seed=1.5), ValueError, "seed"),
+    (dict(seed=True), ValueError, "seed"),
+    (dict(seed="1"), ValueError, "seed"),
+    (dict(seed=2 ** 70), ValueError, "seed"),
+    (dict(task="foo"), TypeError, "task"),
+    (dict(optimizer="sgd"), TypeError, "optimizer"),
+    (dict(optimizer=torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1)), ValueError, "optimizer"),
+    (dict(min_remaining=math.nan), ValueError, "min_remaining"),
+    (dict(min_remaining=-1.0), ValueError, "min_remaining"),
+    (dict(min_remaining=3.0), ValueError, "min_remaining"),
+    (dict(budgets=["1"] * N), TypeError, "budgets"),
+    (dict(dataset=None), TypeError, "dataset"),
+    (dict(rounds=None), ValueError, "rounds"),
+])
+def test_pdp_sgd_refuses_bad_settings_before_charging_any_budget(kwargs, error, match):
+    """Before: these passed the constructor and failed inside run() after round 0 was charged (e.g.
+    max_grad_norm=-1 left every remaining budget at 0 with nothing trained)."""
+    model, dataset, budgets = _problem()
+    args = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), delta=DELTA, rounds=2, steps_per_round=2,
+                sample_rate=0.3) | kwargs
+    given = args.pop("budgets", budgets)
+    with pytest.raises(error, match=match):
+        PDPSGD(model, args.pop("dataset", dataset), given, **args)
+    assert type(model) is nn.Linear and not model._forward_pre_hooks    # no engine touched the model
+    np.testing.assert_array_equal(budgets, np.r_[np.full(N // 2, 1.0), np.full(N // 2, 3.0)])
+
+
+def test_pdp_sgd_refuses_a_model_the_engine_cannot_make_private_before_charging():
+    dataset = _problem()[1]
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="BatchNorm"):
+        PDPSGD(model, dataset, np.ones(N), optimizer=torch.optim.SGD(model.parameters(), lr=0.1), delta=DELTA,
+               rounds=1, steps_per_round=1, sample_rate=0.5)
+    assert type(model[0]) is nn.Linear                                # nothing was converted
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(max_steps=-1), ValueError, "max_steps"),
+    (dict(max_steps="x"), ValueError, "max_steps"),
+    (dict(max_steps=True), ValueError, "max_steps"),
+    (dict(on_step=5), TypeError, "on_step"),
+])
+def test_pdp_sgd_run_refuses_bad_arguments_before_charging_any_budget(kwargs, error, match):
+    driver = _driver()
+    with pytest.raises(error, match=match):
+        driver.run(**kwargs)
+    np.testing.assert_array_equal(driver.remaining, driver.budgets)     # round 0 was not charged
+    assert driver.round == 0 and driver.current is None and driver.steps == 0
+
+
+def test_pdp_sgd_run_max_steps_zero_is_a_valid_pause():
+    driver = _driver()
+    driver.run(max_steps=0)
+    assert driver.steps == 0 and not driver.finished
+
+
+def _damaged(damage):
+    driver = _driver()
+    driver.run(max_steps=1)                                           # a round in progress, budgets charged
+    state = driver.state_dict()
+    damage(state)
+    return driver, state
+
+
+@pytest.mark.parametrize("damage,error,match", [
+    (lambda s: s.pop("config"), ValueError, "missing config"),
+    (lambda s: s.pop("remaining"), ValueError, "missing remaining"),
+    (lambda s: s.update(round=-5), ValueError, "round"),
+    (lambda s: s.update(round=3), ValueError, "round"),
+    (lambda s: s.update(completed_steps=-3), ValueError, "completed_steps"),
+    (lambda s: s.update(finished="no"), TypeError, "finished"),
+    (lambda s: s.update(current={"x": 1}), ValueError, "current"),
+    (lambda s: s["current"].update(kept=np.array([N + 5])), ValueError, "kept"),
+    (lambda s: s["current"].update(probabilities=np.full(N, 2.0)), ValueError, "probabilities"),
+    (lambda s: s.update(history=[{"x": 1}]), ValueError, "history"),
+], ids=["no config", "no remaining", "negative round", "round past the last", "negative steps", "finished 'no'",
+        "current garbage", "kept out of range", "probabilities above 1", "history garbage"])
+def test_pdp_sgd_refuses_a_damaged_state_by_name_and_stays_unchanged(damage, error, match):
+    driver, state = _damaged(damage)
+    before = (driver.remaining.copy(), driver.round, driver.completed_steps, driver.steps, driver.finished)
+    with pytest.raises(error, match=match):
+        driver.load_state_dict(state)
+    assert (driver.remaining.tolist(), driver.round, driver.completed_steps, driver.steps, driver.finished) == (
+        before[0].tolist(), *before[1:])
+
+
+def test_pdp_sgd_refuses_a_state_that_is_not_a_dict():
+    with pytest.raises(TypeError, match="state"):
+        _driver().load_state_dict(None)
+
+
+def test_pdp_sgd_state_round_trips_after_the_checks():
+    driver, state = _damaged(lambda s: None)
+    other = _driver()
+    other.load_state_dict(state)
+    assert other.steps == driver.steps and other.round == driver.round
+    np.testing.assert_array_equal(other.remaining, driver.remaining)
+
+
+def test_train_pdp_sgd_refuses_lr_that_its_given_optimizer_would_ignore():
+    model, dataset, budgets = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="lr"):
+        train_pdp_sgd(model, dataset, budgets, delta=DELTA, rounds=1, steps_per_round=1, sample_rate=0.3,
+                      optimizer=optimizer, lr=999)
+    with pytest.raises(ValueError, match="lr"):
+        train_pdp_sgd(model, dataset, budgets, delta=DELTA, rounds=1, steps_per_round=1, sample_rate=0.3, lr=-1.0)
+    assert optimizer.param_groups[0]["lr"] == 0.1
