@@ -4,6 +4,13 @@ Each family's file declares the ops that can run a kernel next to their referenc
 (``dispatch.declare``); importing this package imports every family, so every op is declared before
 a Triton kernel registers under its name (``pdpfast.ops.dispatch``). Kernels run for CUDA
 tensors; everything else runs the reference.
+
+These are the engine's inner ops, called on every layer of every step: they check nothing (no
+shapes, no signs, no NaN), since a check there is host time each step and, on a GPU, often a
+synchronisation. Their callers check once: the DP layers check their modules when they are built
+and converted, the engine checks clip norms, masks, noise and options in ``make_private``. Calling
+them directly with a negative clip norm, a mask above 1 or a NaN std gives weights and gradients
+no privacy guarantee covers.
 """
 from .clip import clip_weights, clip_weights_reference, clip_weights_route
 from .conv import conv_weight_sq_norms, conv_weight_sq_norms_reference
