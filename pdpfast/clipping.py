@@ -201,6 +201,32 @@ class _Layer:
         self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
 
 
+def check_clipping_options(mode: str, clipping: str, layer_shares=None, automatic_gamma=None) -> None:
+    """The options ``ClippingState`` takes, checked alone: callers check them before they change a model
+    (``make_private`` before ``convert``, ``PDPSGD`` before round 0 is charged).
+
+    Args:
+        mode: "bk" or "ghost". clipping: "flat" or "per_layer".
+        layer_shares: per-layer shares (``clipping="per_layer"`` only; their values are checked against
+            the layers, by ``ClippingState``), or None.
+        automatic_gamma: γ > 0, or None.
+    Returns:
+        None.
+    Raises:
+        ValueError for an unknown mode or clipping, per-layer clipping in ghost mode, shares without
+        per-layer clipping, or γ not finite and > 0 (TypeError for γ not a number).
+    """
+    check_choice("mode", mode, MODES)
+    check_choice("clipping", clipping, CLIPPINGS)
+    if clipping == "per_layer" and mode == "ghost":
+        raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
+                         "to it (use mode='bk', the default)")
+    if layer_shares is not None and clipping != "per_layer":
+        raise ValueError("layer_shares applies only to clipping='per_layer'")
+    if automatic_gamma is not None:
+        check_positive("automatic_gamma", automatic_gamma)
+
+
 class ClippingState:
     """Per-model state of private backward passes. See the module docstring for the lifecycle.
 
@@ -224,15 +250,7 @@ class ClippingState:
                  automatic_gamma: float | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_choice("mode", mode, MODES)
-        check_choice("clipping", clipping, CLIPPINGS)
-        if clipping == "per_layer" and mode == "ghost":
-            raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
-                             "to it (use mode='bk', the default)")
-        if layer_shares is not None and clipping != "per_layer":
-            raise ValueError("layer_shares applies only to clipping='per_layer'")
-        if automatic_gamma is not None:
-            check_positive("automatic_gamma", automatic_gamma)
+        check_clipping_options(mode, clipping, layer_shares, automatic_gamma)
         self.model, self.mode, self.clipping, self.automatic_gamma = model, mode, clipping, automatic_gamma
         self._names = {m: name or "<model>" for name, m in model.named_modules()}
         refuse_sequence_first(model)

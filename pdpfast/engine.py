@@ -23,7 +23,7 @@ from ._checks import (
 )
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
-from .clipping import CLIPPINGS, MODES, ClippingState, Phase, refuse_sequence_first
+from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
 from .data import DPDataLoader, PhysicalBatch, _map_style_length
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
@@ -408,16 +408,7 @@ class PrivacyEngine:
             mode = _GRAD_SAMPLE_MODES[grad_sample_mode]
         elif grad_sample_mode != "hooks" and _GRAD_SAMPLE_MODES[grad_sample_mode] != mode:
             raise ValueError(f"mode={mode!r} and grad_sample_mode={grad_sample_mode!r} disagree; give one of them")
-        # what ClippingState checks, checked here before convert() changes the model
-        check_choice("mode", mode, MODES)
-        check_choice("clipping", clipping, CLIPPINGS)
-        if clipping == "per_layer" and mode == "ghost":
-            raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
-                             "to it (use mode='bk', the default)")
-        if layer_shares is not None and clipping != "per_layer":
-            raise ValueError("layer_shares applies only to clipping='per_layer'")
-        if automatic_gamma is not None:
-            check_positive("automatic_gamma", automatic_gamma)
+        check_clipping_options(mode, clipping, layer_shares, automatic_gamma)  # before convert() changes the model
         for name, value in (("physical_batch_size", physical_batch_size), ("steps_per_epoch", steps_per_epoch)):
             if value is not None:
                 check_int(name, value, 1)

@@ -106,7 +106,7 @@ _CURRENT_KEYS = ("threshold", "probabilities", "sample_rate", "steps", "kept", "
 def _check_settings(model, dataset, optimizer, *, task, max_grad_norm, w1, w2, seed, mode, clipping,
                     physical_batch_size, min_remaining) -> None:
     """Everything the rounds' engines would refuse only after round 0 was charged, refused before."""
-    from .clipping import CLIPPINGS, MODES, refuse_sequence_first
+    from .clipping import check_clipping_options, refuse_sequence_first
     from .nn.convert import convert, unsupported_modules
 
     if not isinstance(model, nn.Module):
@@ -126,11 +126,7 @@ def _check_settings(model, dataset, optimizer, *, task, max_grad_norm, w1, w2, s
     check_nonnegative("w1", w1)
     check_nonnegative("w2", w2)
     check_int("seed", seed, 0)
-    check_choice("mode", mode, MODES)
-    check_choice("clipping", clipping, CLIPPINGS)
-    if clipping == "per_layer" and mode == "ghost":
-        raise ValueError("clipping='per_layer' clips inside one backward; mode='ghost' does not apply "
-                         "to it (use mode='bk', the default)")
+    check_clipping_options(mode, clipping)
     if physical_batch_size is not None:
         check_int("physical_batch_size", physical_batch_size, 1)
     check_nonnegative("min_remaining", min_remaining)

@@ -62,7 +62,7 @@ class FLConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from ..clipping import CLIPPINGS, MODES  # the engine's own choices (imports torch: lazily)
+        from ..clipping import check_clipping_options  # the engine's own check (imports torch: lazily)
         from .methods import METHODS
 
         # numbers are kept as Python ints and floats: a numpy scalar would not survive to_dict's JSON
@@ -79,8 +79,7 @@ class FLConfig:
         check_choice("method", self.method, tuple(METHODS))
         check_choice("threat", self.threat, THREATS)
         check_choice("conversion", self.conversion, CONVERSIONS)
-        check_choice("mode", self.mode, MODES)
-        check_choice("clipping", self.clipping, CLIPPINGS)
+        check_clipping_options(self.mode, self.clipping)
 
     @property
     def private(self) -> bool:

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 
 from .._checks import as_budget_vector, check_choice, check_delta, check_nonnegative, check_positive
 from .._io import atomic_write
-from ..clipping import CLIPPINGS, MODES
+from ..clipping import check_clipping_options
 from ..engine import DPLoss, PrivacyEngine
 
 ENGINE_FILE = "pdpfast_engine.pt"
@@ -249,8 +249,7 @@ class DPTrainer(transformers.Trainer):
             check_choice("accountant", accountant, ACCOUNTANTS)
         delta = check_delta("delta", delta)
         max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
-        check_choice("mode", mode, MODES)
-        check_choice("clipping", clipping, CLIPPINGS)
+        check_clipping_options(mode, clipping)
         if per_sample_loss is not None and not callable(per_sample_loss):
             raise TypeError(f"per_sample_loss must be a function (outputs, labels) -> (B,) losses, got "
                             f"{type(per_sample_loss).__name__}")
