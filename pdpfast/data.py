@@ -61,8 +61,16 @@ def _take_zero_rows(batch):
     return batch
 
 
-def _map_style_length(dataset) -> int:
-    """N of a map-style dataset (``len`` and ``dataset[i]``): Poisson sampling draws records by index."""
+def map_style_length(dataset) -> int:
+    """N of a map-style dataset (``len`` and ``dataset[i]``): Poisson sampling draws records by index.
+
+    Args:
+        dataset: the dataset a Poisson loader (or ``make_private``, or ``PDPSGD``) would draw from.
+    Returns:
+        len(dataset), an int.
+    Raises:
+        TypeError for an iterable-style dataset, or one without ``__len__`` and ``__getitem__``.
+    """
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__: records are drawn "
                         f"by index), got {type(dataset).__name__}")
@@ -117,7 +125,7 @@ class DPDataLoader:
                  physical_batch_size: int | None = None, seed: int | None = None,
                  collate_fn: Callable | None = None, start_step: int = 0, rank: int = 0, world_size: int = 1,
                  **loader_kwargs):
-        n = _map_style_length(dataset)
+        n = map_style_length(dataset)
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable (a function of a list of samples) or None, got "
                             f"{type(collate_fn).__name__}")

@@ -24,7 +24,7 @@ from ._checks import (
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
-from .data import DPDataLoader, PhysicalBatch, _map_style_length
+from .data import DPDataLoader, PhysicalBatch, map_style_length
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
@@ -378,7 +378,7 @@ class PrivacyEngine:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
-        if _map_style_length(data_loader.dataset) == 0:
+        if map_style_length(data_loader.dataset) == 0:
             raise ValueError("data_loader's dataset is empty: there are no records to train on")
         if sample_rates is None and len(data_loader) == 0:
             raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
@@ -752,7 +752,7 @@ class PrivacyEngine:
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         if self.state is not None:  # before the plan of the run already made private is replaced
             raise RuntimeError("this PrivacyEngine already made a model private; use one engine per model")
-        n = _map_style_length(data_loader.dataset)
+        n = map_style_length(data_loader.dataset)
         if n == 0:
             raise ValueError("data_loader's dataset is empty: there are no records to train on")
         if sample_rate is None and len(data_loader) == 0:

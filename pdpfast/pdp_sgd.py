@@ -107,14 +107,12 @@ def _check_settings(model, dataset, optimizer, *, task, max_grad_norm, w1, w2, s
                     physical_batch_size, min_remaining) -> None:
     """Everything the rounds' engines would refuse only after round 0 was charged, refused before."""
     from .clipping import check_clipping_options, refuse_sequence_first
+    from .data import map_style_length
     from .nn.convert import convert, unsupported_modules
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not (hasattr(dataset, "__getitem__")
-                                                                     and hasattr(dataset, "__len__")):
-        raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__), got "
-                        f"{type(dataset).__name__}")
+    map_style_length(dataset)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = {id(p) for p in model.parameters()}

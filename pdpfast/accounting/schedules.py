@@ -471,7 +471,7 @@ def _sample(s: _Scheduled, values, counts, q, method="Sample"):
             raise ValueError(spread_message(
                 method, float(values[0]), values, q, sigma_f, f"below it this budget would need a sample rate "
                 f"below {_grid.Q_FLOOR:g}, and there the mean rate is already {mean_f:.4g}",
-                steps=s.counts.sum(), delta=s.delta) + " (noise_multiplier is the schedule's base)")
+                steps=int(s.counts.sum()), delta=s.delta) + " (noise_multiplier is the schedule's base)")
     a, b = np.log(sigma_lo), np.log(sigma_hi)
     fa, fb = mean_gap(a), mean_gap(b)
     if fa >= 0:
