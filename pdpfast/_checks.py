@@ -206,6 +206,22 @@ def _in_unit_interval(name: str, value, *, one_allowed: bool) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- arrays
+def holds_whole_numbers(values: np.ndarray) -> bool:
+    """Whether an array read back from a saved state holds whole numbers an int64 keeps exactly: an
+    int dtype, or finite floats without a fraction below 2⁶² (a state that went through JSON). A
+    count cast to int would drop its fraction, and 4.9 steps would load as 4.
+
+    Args:
+        values: an array of any dtype and shape.
+    Returns:
+        True or False (False for bools, strings and objects).
+    """
+    if values.dtype.kind in "iu":
+        return True
+    return values.dtype.kind == "f" and bool(np.all(np.isfinite(values) & (values == np.round(values))
+                                                    & (np.abs(values) < 2.0 ** 62)))
+
+
 def as_float_array(name: str, values) -> np.ndarray:
     """Numbers given as a scalar, a sequence or an array (a CPU tensor too), as float64.
 

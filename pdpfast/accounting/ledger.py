@@ -44,7 +44,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._checks import as_float_array, as_per_record, check_delta, check_int, check_positive_integer
+from .._checks import (
+    as_float_array,
+    as_per_record,
+    check_delta,
+    check_int,
+    check_positive_integer,
+    holds_whole_numbers,
+)
 from .._io import atomic_write
 from . import pld
 from .sgm import DEFAULT_ORDERS, as_orders, distinct_rows, eps_from_rdp, rdp_at, rdp_one_step
@@ -90,9 +97,7 @@ def _whole(name: str, value, ndim: int) -> np.ndarray:
     ``ndim`` dimensions, as int64. A count cast to int would drop its fraction (4.9 steps loading as 4
     under-reports; a group index 1.5 read as 1 moves the record to another row)."""
     v = np.asarray(value)
-    whole = v.dtype.kind in "iu" or (v.dtype.kind == "f" and bool(np.all(np.isfinite(v) & (v == np.round(v))
-                                                                        & (np.abs(v) < 2.0 ** 62))))
-    if not whole:
+    if not holds_whole_numbers(v):
         shown = repr(v.item()) if v.ndim == 0 else f"{v.dtype} values"
         raise ValueError(f"ledger state: {name} must hold whole numbers, got {shown}")
     if v.ndim != ndim:

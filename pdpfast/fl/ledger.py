@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import as_float_array, check_delta, check_in_range, check_int
+from .._checks import as_float_array, check_delta, check_in_range, check_int, holds_whole_numbers
 from .._io import atomic_write
 from ..accounting.rpdp import client_sampled_rdp, rdp_to_epsilon, remembered
 from ..accounting.sgm import DEFAULT_ORDERS, as_orders, distinct_rows, rdp_one_step
@@ -261,8 +261,7 @@ class FederatedLedger:
             raise ValueError(f"ledger state lacks {', '.join(missing)}: not a state_dict() of a FederatedLedger")
         counts = {k: np.asarray(state[k]) for k in ("rounds_charged", "participations", "rounds_seen")}
         for k, v in counts.items():  # a float count cast to int would drop its fraction and under-report
-            if not (np.issubdtype(v.dtype, np.integer) or (np.issubdtype(v.dtype, np.floating) and
-                                                          np.all(np.isfinite(v)) and np.all(v == np.round(v)))):
+            if not holds_whole_numbers(v):
                 raise ValueError(f"ledger state: {k} must hold whole counts, got {v.dtype} values")
         active = np.asarray(state["active"], dtype=bool).copy()
         charged = counts["rounds_charged"].astype(np.int64)
