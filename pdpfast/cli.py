@@ -149,9 +149,7 @@ def _audit(args) -> int:
 def _train(args) -> int:
     from .train import TrainConfig, run
 
-    if args.hybrid_weight is None:
-        args.hybrid_weight = TrainConfig.hybrid_weight
-    elif args.method != "hybrid":
+    if args.hybrid_weight is not None and args.method != "hybrid":
         raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {args.method})")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be ≥ 1, got {args.nproc}")
@@ -444,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clipping", default=d.clipping, choices=("flat", "per_layer"))
     g.add_argument("--mode", default=d.mode, choices=("bk", "ghost"))
     g.add_argument("--hybrid-weight", type=float,
-                   help=f"λ of --method hybrid (0 = Scale, 1 = Sample; default {d.hybrid_weight:g})")
+                   help="λ of --method hybrid (0 = Scale, 1 = Sample; default 0.5)")
     g.add_argument("--accountant", default=d.accountant, choices=("rdp", "pld"))
     g.add_argument("--rounds", type=int, default=d.rounds, help="PDP-SGD rounds (default 2)")
     g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive", "harmonic"),

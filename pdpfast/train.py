@@ -33,6 +33,7 @@ from ._checks import (
     check_positive_integer,
 )
 from ._malloc import retain_unless_configured
+from .accounting.calibration.problem import DEFAULT_HYBRID_WEIGHT
 from .distributed import inner_module, leave_process_group
 from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
@@ -152,7 +153,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     max_grad_norm: float = 1.0
     delta: float = 1e-5
-    hybrid_weight: float = 0.5
+    hybrid_weight: float | None = None
     accountant: str = "rdp"
     physical_batch_size: int | None = None
     cuda_graph: bool = False
@@ -234,6 +235,9 @@ def _check_config(cfg: TrainConfig) -> None:
         check_positive(_option(name), getattr(cfg, name))
     check_nonnegative("--momentum", cfg.momentum)
     check_delta("--delta", cfg.delta)
+    if cfg.hybrid_weight is not None and cfg.method != "hybrid":
+        raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {cfg.method}): "
+                         f"hybrid_weight={cfg.hybrid_weight!r} would be ignored")
     if cfg.epsilon is not None:  # ε = inf would promise no privacy at all
         check_positive("--epsilon", cfg.epsilon)
     check_in_range("--test-fraction", cfg.test_fraction, low=0.0, high=1.0, low_open=False, high_open=True)
@@ -423,11 +427,13 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     extra = checkpoint.get("extra", {}) if isinstance(checkpoint, dict) else {}
     if "train_args" not in extra:
         raise ValueError(f"{cfg.resume!r} is not a `pdpfast train` checkpoint")
-    saved = extra["train_args"]
+    saved = dict(extra["train_args"])
+    saved["hybrid_weight"] = _hybrid_weight(saved.get("method"), saved.get("hybrid_weight"))
     for key in _RESUME_SETTINGS:
-        if saved.get(key) != getattr(cfg, key):
+        now = _hybrid_weight(cfg.method, cfg.hybrid_weight) if key == "hybrid_weight" else getattr(cfg, key)
+        if saved.get(key) != now:
             raise ValueError(f"the checkpoint was made with --{key.replace('_', '-')} {saved.get(key)!r}, not "
-                             f"{getattr(cfg, key)!r}; resume with the same settings")
+                             f"{now!r}; resume with the same settings")
     data = extra.get("data") or {}
     if "features_sha256" not in data:
         raise ValueError(f"the checkpoint {cfg.resume!r} predates fingerprints of the features and labels, so it "
@@ -442,6 +448,14 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
                              "those records, so resume with the same data and budgets")
     if extra.get("model_config") != model_config:
         raise ValueError("the checkpoint's model configuration differs from this run's")
+
+
+def _hybrid_weight(method, hybrid_weight):
+    """λ as the run reads it: the default 0.5 for hybrid when not given, None for the other methods
+    (checkpoints before 2026-11-25 saved 0.5 for every method)."""
+    if method != "hybrid":
+        return None
+    return DEFAULT_HYBRID_WEIGHT if hybrid_weight is None else hybrid_weight
 
 
 def _restore(cfg: TrainConfig, load) -> None:
@@ -711,7 +725,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
         clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed,
-        hybrid_weight=cfg.hybrid_weight if cfg.method == "hybrid" else None,      # the others would refuse it
+        hybrid_weight=cfg.hybrid_weight,
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
 

@@ -260,3 +260,28 @@ def test_resuming_a_finished_run_says_so_instead_of_a_throughput(cli, data_dir, 
     assert "done: the run had finished (7 steps); nothing left to train" in out
     assert "records/s" not in out
     assert _steps(ck) == 7
+
+
+def test_checkpoints_that_saved_the_old_default_hybrid_weight_for_other_methods_still_resume(cli, data_dir, tmp_path):
+    """Until 2026-11-25 every checkpoint saved λ = 0.5, whatever the method; λ is now None unless
+    the method is hybrid, and a resume compares the λ each run reads."""
+    ck = tmp_path / "run.pt"
+    assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+    checkpoint = torch.load(ck, weights_only=False)
+    assert checkpoint["extra"]["train_args"]["hybrid_weight"] is None
+    checkpoint["extra"]["train_args"]["hybrid_weight"] = 0.5
+    torch.save(checkpoint, ck)
+    rc, _, err = cli("train", *_npy_args(data_dir), "--resume", ck, "--stop-after-steps", 1, *SMALL)
+    assert rc == 0, err
+    assert _steps(ck) == 3          # two steps, then one more
+
+
+def test_a_hybrid_run_resumes_only_with_the_hybrid_weight_it_was_made_with(cli, data_dir, tmp_path):
+    ck = tmp_path / "run.pt"
+    hybrid = ("--method", "hybrid")
+    assert cli("train", *_npy_args(data_dir), *hybrid, "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+    message = cli.fails("train", *_npy_args(data_dir), *hybrid, "--hybrid-weight", 0.3, "--resume", ck, *SMALL)
+    assert "--hybrid-weight 0.5" in message and "0.3" in message
+    rc, _, err = cli("train", *_npy_args(data_dir), *hybrid, "--hybrid-weight", 0.5, "--resume", ck,
+                     "--stop-after-steps", 3, *SMALL)
+    assert rc == 0, err

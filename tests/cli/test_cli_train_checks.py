@@ -112,6 +112,15 @@ def test_a_hybrid_weight_given_with_another_method_is_refused_not_ignored(cli, d
     assert rc == 0, err
 
 
+def test_the_python_train_config_refuses_a_hybrid_weight_with_another_method_as_the_cli_does(data_dir):
+    from pdpfast.train import TrainConfig, run
+
+    cfg = TrainConfig(data=str(data_dir / "x.npy"), labels=str(data_dir / "y.npy"),
+                      budgets=str(data_dir / "budgets.npy"), method="sample", hybrid_weight=0.3, quiet=True)
+    with pytest.raises(ValueError, match=r"--hybrid-weight is for --method hybrid \(this is --method sample\)"):
+        run(cfg)
+
+
 @pytest.mark.parametrize("shape", ["0", "-1,-2,4", "1,8", "1,8,8,1", "0,8,8"])
 def test_an_image_shape_that_is_not_three_positive_ints_is_refused_before_the_data_load(cli, data_dir, shape):
     message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--model", "cnn",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 __all__ = ["Problem", "Solution", "METHODS", "MEAN_SLACK", "register_method", "budget_error", "spread_message",
-           "hybrid_weight_of", "harmonic_sigma", "renormalize_capped"]
+           "hybrid_weight_of", "DEFAULT_HYBRID_WEIGHT", "harmonic_sigma", "renormalize_capped"]
 
 
 class Problem:
@@ -101,6 +101,9 @@ def budget_error(method: str, budget: float, why: str, **ctx) -> ValueError:
     return ValueError(f"budget epsilon={budget:.6g} cannot be met by IDP-{method} ({where}): {why}")
 
 
+DEFAULT_HYBRID_WEIGHT = 0.5      # λ of "hybrid" when none is given: halfway between Scale and Sample
+
+
 def hybrid_weight_of(method: str, hybrid_weight) -> object:
     """λ for ``method``: None means 0.5; a λ given with "sample" or "scale", which do not read it,
     is refused rather than ignored (a registered method may read ``Problem.hybrid_weight``).
@@ -114,7 +117,7 @@ def hybrid_weight_of(method: str, hybrid_weight) -> object:
         ValueError for a λ given with "sample" or "scale".
     """
     if hybrid_weight is None:
-        return 0.5
+        return DEFAULT_HYBRID_WEIGHT
     if method in ("sample", "scale"):
         raise ValueError(f"hybrid_weight is for method='hybrid' (0 = Scale, 1 = Sample); method={method!r} "
                          f"would ignore hybrid_weight={hybrid_weight!r}")
