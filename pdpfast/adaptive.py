@@ -156,12 +156,14 @@ class GeometricQuantileTracker:
         target_quantile: γ in (0, 1).
         learning_rate: η in (0, 1e3].
     Raises:
-        ValueError for bounds that are not finite and > 0, or γ / η out of range; TypeError for γ or η
-        that is not a number.
+        ValueError for bounds that are empty or not finite and > 0, or γ / η out of range; TypeError for
+        bounds, γ or η that are not numbers.
     """
 
     def __init__(self, bounds, target_quantile: float, learning_rate: float):
-        self.bounds = np.array(bounds, dtype=np.float64)
+        self.bounds = np.array(as_float_array("bounds", bounds))  # a copy; not strings numpy would read
+        if self.bounds.size == 0:
+            raise ValueError("bounds is empty: there is no clip bound to track")
         if np.any(~np.isfinite(self.bounds)) or np.any(self.bounds <= 0):
             raise ValueError("bounds must be finite and > 0")
         self.target_quantile = _number("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
@@ -192,8 +194,21 @@ class GeometricQuantileTracker:
             expected_count: E per bound, shape S.
         Returns:
             the new bounds, float64 of shape S (also stored in ``self.bounds``).
+        Raises:
+            ValueError for counts that do not broadcast to the bounds' shape, or a count that is NaN or infinite
+            (the bound would become NaN, 0 or ∞); the bounds are left as they were.
         """
         b = self.unclipped_fraction(noisy_centered_count, expected_count)
+        # a few numbers per step (groups × layers): checking them costs nothing next to the step
+        try:
+            fits = np.broadcast_shapes(b.shape, self.bounds.shape) == self.bounds.shape
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"noisy_centered_count must have the bounds' shape {self.bounds.shape} (one count per "
+                             f"bound), got {b.shape}")
+        if not np.isfinite(b).all():
+            raise ValueError(f"noisy_centered_count must be finite, got {noisy_centered_count!r}")
         self.bounds = self.bounds * np.exp(-self.learning_rate * (b - self.target_quantile))
         return self.bounds
 

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
-from torch.utils.data.dataloader import default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+from torch.utils.data.dataloader import default_collate, default_convert
 
 from ._checks import as_per_record, check_int
 from .sampling import poisson_sample
@@ -69,12 +77,62 @@ def map_style_length(dataset) -> int:
     Returns:
         len(dataset), an int.
     Raises:
-        TypeError for an iterable-style dataset, or one without ``__len__`` and ``__getitem__``.
+        TypeError for an iterable-style dataset, one without ``__len__`` and ``__getitem__``, or a mapping or
+        string (``len`` and ``[]`` of their own, but records 0..N-1 are not their items).
     """
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(f"dataset must be a map-style dataset (with __len__ and __getitem__: records are drawn "
                         f"by index), got {type(dataset).__name__}")
+    if isinstance(dataset, (Mapping, str, bytes)):  # d[0] would look up a key or give one character
+        raise TypeError(f"dataset must be indexed by record number 0..N-1 (records are drawn by index), got a "
+                        f"{type(dataset).__name__}; for a dict of records, pass list(d.values())")
     return len(dataset)
+
+
+def check_whole_dataset_sampler(data_loader: DataLoader, world_size: int = 1) -> None:
+    """Refuse a loader whose sampler picks records: Poisson sampling replaces the sampler and draws
+    from every record of ``data_loader.dataset``, so a sampler that selects a subset, repeats or
+    weights records would be silently ignored (and the held-out records trained on).
+
+    What passes: the samplers ``shuffle=False`` / ``shuffle=True`` make (a ``SequentialSampler``, or a
+    ``RandomSampler`` without replacement over the whole dataset once), batched by torch's own
+    ``BatchSampler`` (``batch_size=B``, or given as ``batch_sampler=``) or not batched; and, when
+    ``world_size > 1``, a ``DistributedSampler`` over the whole dataset with ``num_replicas ==
+    world_size`` (each rank takes its share of the global draw instead).
+
+    Args:
+        data_loader: the torch DataLoader given to ``make_private`` / ``DPDataLoader.from_data_loader``.
+        world_size: processes sharing each draw (1 without data parallelism).
+    Returns:
+        None.
+    Raises:
+        ValueError naming the sampler otherwise.
+    """
+    dataset, sampler, batch_sampler = data_loader.dataset, data_loader.sampler, data_loader.batch_sampler
+    fix = ("Poisson sampling replaces the sampler: every step draws each record of data_loader.dataset with "
+           "its own rate q_i, so the sampler would be ignored; to train on part of the data, pass "
+           "DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=...)")
+    # exact types: a subclass may pick records its own way
+    if batch_sampler is not None:
+        if type(batch_sampler) is not BatchSampler:
+            raise ValueError(f"data_loader has a custom batch_sampler ({type(batch_sampler).__name__}); {fix}")
+        sampler = batch_sampler.sampler  # batch_size=B's own, or one the user batched with BatchSampler
+    whole = (type(sampler) is SequentialSampler and sampler.data_source is dataset) or (
+        type(sampler) is RandomSampler and sampler.data_source is dataset and not sampler.replacement
+        and sampler.num_samples == len(dataset))
+    sharded = (world_size > 1 and type(sampler) is DistributedSampler and sampler.dataset is dataset
+               and sampler.num_replicas == world_size)
+    if not (whole or sharded):
+        raise ValueError(f"data_loader has a sampler other than the whole dataset once in order or shuffled "
+                         f"({_describe(sampler, world_size)}); {fix}")
+
+
+def _describe(sampler, world_size: int) -> str:
+    if type(sampler) is RandomSampler:
+        return f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler.num_samples})"
+    if type(sampler) is DistributedSampler:
+        return f"DistributedSampler(num_replicas={sampler.num_replicas}) with world_size={world_size}"
+    return type(sampler).__name__
 
 
 class _PhysicalBatches:
@@ -175,11 +233,17 @@ class DPDataLoader:
             a ``DPDataLoader``.
         Raises:
             TypeError when ``data_loader`` is not a torch DataLoader (a dataset goes to ``DPDataLoader(...)``
-            itself); otherwise as the constructor.
+            itself); ValueError for a loader with a sampler or batch sampler that picks records
+            (``check_whole_dataset_sampler``: Poisson sampling replaces it; use ``Subset`` for part of the
+            data); otherwise as the constructor.
         """
+        if isinstance(data_loader, DPDataLoader):
+            raise TypeError("data_loader is already a DPDataLoader; pass the torch DataLoader it was made from "
+                            "(or DPDataLoader(data_loader.dataset, sample_rates, ...))")
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__} (for a "
                             "dataset, call DPDataLoader(dataset, sample_rates, ...))")
+        check_whole_dataset_sampler(data_loader, check_int("world_size", kwargs.get("world_size", 1), 1))
         keep = {k: getattr(data_loader, k) for k in ("num_workers", "pin_memory", "timeout", "worker_init_fn",
                                                       "multiprocessing_context", "persistent_workers", "generator")}
         if keep["generator"] is None:
@@ -187,7 +251,10 @@ class DPDataLoader:
         if data_loader.num_workers > 0:
             keep["prefetch_factor"] = data_loader.prefetch_factor
         keep.update(kwargs)
-        return cls(data_loader.dataset, sample_rates, collate_fn=data_loader.collate_fn, **keep)
+        # batch_size=None turns batching off and torch's collate into default_convert (one sample at a
+        # time); Poisson batches need the batching collate
+        collate_fn = None if data_loader.collate_fn is default_convert else data_loader.collate_fn
+        return cls(data_loader.dataset, sample_rates, collate_fn=collate_fn, **keep)
 
     def split(self, drawn: torch.Tensor, step: int) -> list[PhysicalBatch]:
         """The physical batches of one draw: all of it, in chunks of the capacity if one is set.

@@ -24,7 +24,7 @@ from ._checks import (
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
-from .data import DPDataLoader, PhysicalBatch, map_style_length
+from .data import DPDataLoader, PhysicalBatch, check_whole_dataset_sampler, map_style_length
 from .distributed import inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
@@ -146,6 +146,15 @@ def _first_batch_dim(args, kwargs) -> int | None:
         elif isinstance(item, (list, tuple)):
             stack = [*item, *stack]
     return None
+
+
+def _world_size(module: nn.Module) -> int:
+    """Processes sharing each draw: the process group's size for a DDP-wrapped model, else 1."""
+    if inner_module(module) is module:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class PrivacyEngine:
@@ -380,6 +389,8 @@ class PrivacyEngine:
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         if map_style_length(data_loader.dataset) == 0:
             raise ValueError("data_loader's dataset is empty: there are no records to train on")
+        if poisson_sampling is True:    # before len(data_loader), which a custom sampler may not have
+            check_whole_dataset_sampler(data_loader, _world_size(module))
         if sample_rates is None and len(data_loader) == 0:
             raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
                              "sample rate 1/len(data_loader) is undefined; give sample_rates= or another loader")

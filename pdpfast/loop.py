@@ -12,8 +12,8 @@ the demos, the audit and the federated clients (:mod:`pdpfast.fl.client`) — so
 * :func:`private_steps` — the ordinary training loop, run until the engine has taken a given
   number of optimizer steps (so a resumed run takes exactly the steps that remain).
 
-It sits above the engine and below the drivers: it imports :mod:`pdpfast.engine` (lazily, through
-``pdpfast.PrivacyEngine``) and nothing of the drivers.
+It sits above the engine and below the drivers: it imports :mod:`pdpfast.data` and :mod:`pdpfast.engine`
+(lazily, through ``pdpfast.PrivacyEngine``) and nothing of the drivers.
 """
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+
+from ._checks import check_choice, check_int, check_positive_integer
+from .data import map_style_length
 
 __all__ = ["PrivateRun", "SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for", "private_engine",
            "private_steps", "to_device"]
@@ -109,12 +112,19 @@ class Task:
         kind: "classification" or "lm".
         family: "plain" (``model(x)``), "bert" (token ids with an attention mask hiding ``pad_id``)
             or "gpt2".
-        pad_id: the padding token id of "bert" inputs.
+        pad_id: the padding token id of "bert" inputs (an int ≥ 0).
+    Raises:
+        ValueError for another kind or family, or a pad_id that is not an int ≥ 0.
     """
 
     kind: str = "classification"
     family: str = "plain"
     pad_id: int = 0
+
+    def __post_init__(self):
+        check_choice("kind", self.kind, ("classification", "lm"))
+        check_choice("family", self.family, ("plain", "bert", "gpt2"))
+        check_int("pad_id", self.pad_id, 0)
 
     @classmethod
     def for_model(cls, name: str) -> Task:
@@ -185,7 +195,13 @@ class Task:
         Returns:
             {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the mean
                 per-record loss in nats. The model's train / eval mode is restored afterwards.
+        Raises:
+            TypeError for a dataset that is not map-style; ValueError for an empty one (no accuracy to
+            report) or a batch_size that is not an int ≥ 1.
         """
+        if map_style_length(dataset) == 0:
+            raise ValueError("dataset is empty: there is nothing to evaluate")
+        check_int("batch_size", batch_size, 1)
         was_training = model.training
         model.eval()
         total, correct, loss_sum = 0, 0, 0.0
@@ -203,21 +219,32 @@ class Task:
                 total += x.shape[0]
         finally:
             model.train(was_training)
-        mean = loss_sum / max(total, 1)
+        mean = loss_sum / total
         if self.kind == "lm":
             return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
-        return {"accuracy": correct / max(total, 1), "loss": mean}
+        return {"accuracy": correct / total, "loss": mean}
+
+
+def _task_or_default(task) -> Task:
+    if task is None:
+        return Task()
+    if not isinstance(task, Task):
+        raise TypeError(f"task must be a pdpfast.loop.Task (e.g. Task('lm', 'gpt2')) or None, got "
+                        f"{type(task).__name__} {task!r}")
+    return task
 
 
 def evaluate(model, dataset, task: Task | None = None) -> dict:
     """Evaluate ``model`` on ``dataset`` (see :meth:`Task.evaluate`).
 
     Args:
-        model: the model; dataset: map-style, yielding (x, y); task: default classification.
+        model: the model; dataset: map-style, yielding (x, y); task: a ``Task``, default classification.
     Returns:
         {"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm); loss in nats per record.
+    Raises:
+        TypeError for a task that is not a ``Task``; otherwise as :meth:`Task.evaluate`.
     """
-    return (task or Task()).evaluate(model, dataset)
+    return _task_or_default(task).evaluate(model, dataset)
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -247,7 +274,7 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
         dataset: map-style, N records yielding (x, y). budgets: (N,) ε_i > 0.
         delta: δ in (0, 1). steps: optimizer steps T of the plan. sample_rate: mean Poisson rate q in
             (0, 1]. batch_size: of the loader the engine replaces (sets nothing else).
-        task: how a batch becomes a loss (default classification). max_grad_norm: reference clip
+        task: a ``Task``, how a batch becomes a loss (default classification). max_grad_norm: reference clip
             bound C > 0. clipping, mode, hybrid_weight, accountant, physical_batch_size: as in
             ``PrivacyEngine.make_private_with_budgets``. seed: of the draws and the noise.
     Returns:
@@ -256,9 +283,9 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
     """
     if method not in ("sample", "scale", "hybrid", "dpsgd"):
         raise ValueError(f"method must be one of sample, scale, hybrid, dpsgd (pdp: pdpfast.pdp_sgd), got {method!r}")
+    task = _task_or_default(task)
     import pdpfast
 
-    task = task or Task()
     budgets = np.asarray(budgets, dtype=np.float64)
     plan_budgets = np.full_like(budgets, budgets.min()) if method == "dpsgd" else budgets
     criterion = task.criterion()
@@ -296,7 +323,32 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
             ``torch.autocast`` (``torch.bfloat16``); the weights, norms and clip weights stay fp32.
     Returns:
         None; the model and the engine's ledger have advanced.
+    Raises:
+        TypeError for a task without a ``loss`` method, an ``on_step`` that is not callable or an autocast
+        that is not a dtype; ValueError for an ``until`` that is not a positive integer or is past the
+        engine's plan, an autocast dtype other than bfloat16 / float16, or a loader that yields no batch
+        (it would loop for ever). When the engine refuses a step (``PrivacyBudgetExceeded``), the draw is
+        discarded (``zero_grad``) before the error propagates, so the next draw does not meet an open batch.
     """
+    from .engine import PrivacyBudgetExceeded  # loaded already: the engine made the loader
+
+    if not callable(getattr(task, "loss", None)):
+        raise TypeError(f"task must be a pdpfast.loop.Task (or have its loss(model, batch, criterion)), got "
+                        f"{type(task).__name__} {task!r}")
+    until = check_positive_integer("until", until)
+    plan = getattr(engine, "plan", None)
+    if plan is not None and until > plan.steps:
+        raise ValueError(f"until ({until}) is past the plan's {plan.steps} steps: a step beyond them would spend "
+                         "more than the records' budgets")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be callable (step, loss) or None, got {type(on_step).__name__}")
+    if autocast is not None:
+        if not isinstance(autocast, torch.dtype):
+            raise TypeError(f"autocast must be None or a torch dtype (torch.bfloat16), got {type(autocast).__name__} "
+                            f"{autocast!r}")
+        if autocast not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast must be torch.bfloat16 or torch.float16 (what torch.autocast runs in), got "
+                             f"{autocast}")
     model.train()
     device = model_device(model)
 
@@ -308,19 +360,27 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
 
     step = engine.make_step(lambda *batch: loss_of(batch), cuda_graph=True) if cuda_graph else None
     while engine.steps < until:
+        yielded = False
         for batch in loader:
-            before = engine.steps
-            if step is not None:  # copies the batch into the graph's inputs itself
-                loss = step(*batch)
-            else:
-                if device.type != "cpu":
-                    batch = to_device(batch, device)
-                loss = loss_of(batch)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            yielded, before = True, engine.steps
+            try:
+                if step is not None:  # copies the batch into the graph's inputs itself
+                    loss = step(*batch)
+                else:
+                    if device.type != "cpu":
+                        batch = to_device(batch, device)
+                    loss = loss_of(batch)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except PrivacyBudgetExceeded:
+                optimizer.zero_grad()  # the refused draw's clipped sums go, and its batch closes
+                raise
             if engine.steps != before:
                 rows = max(int(batch[0].shape[0]), 1)
                 stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False
                 if stop or engine.steps >= until:
                     return
+        if not yielded:
+            raise ValueError(f"loader yielded no batch at step {engine.steps} of {until}: pass the Poisson loader "
+                             "make_private returned")

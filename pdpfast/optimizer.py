@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
-from ._checks import check_nonnegative, check_positive
+from ._checks import check_int, check_nonnegative, check_positive
 from .ops.noise import add_noise_
 
 
@@ -29,10 +29,10 @@ class DPOptimizer(Optimizer):
         noise_multiplier: σ, a finite float ≥ 0 (noise std in units of the clip norm C).
         max_grad_norm: C, the clip norm, a finite float > 0.
         expected_batch_size: B_exp = Σ_i q_i, records per draw, a finite float > 0.
-        seed: the noise seed (int); None draws one from ``os.urandom``.
+        seed: the noise seed, an int in [0, 2**63) as ``DPDataLoader``'s; None draws one from ``os.urandom``.
     Raises:
         TypeError if ``optimizer`` is not a ``torch.optim.Optimizer`` or a number is not a number; ValueError
-            for an out-of-range number.
+            for an out-of-range number or a seed that is not such an int.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
@@ -43,7 +43,7 @@ class DPOptimizer(Optimizer):
         self.noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
         self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
         self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)
-        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
+        self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else check_int("seed", seed, 0)
         self.steps = 0
         self.at_step_boundary: Callable[[], bool] = lambda: True
         self.may_zero_grad: Callable[[], bool] = lambda: True

@@ -313,10 +313,28 @@ def test_demo_adaptive_command_writes_its_results(tmp_path):
     (lambda: pair_noise_multiplier(1.0, -1.0), "count_std"),
     (lambda: pair_noise_multiplier(1.0, 1.0, count_sensitivity=-0.5), "count_sensitivity"),
     (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update(np.zeros(2), 0.0), "expected_count"),
-    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update(np.zeros(2), np.inf), "expected_count")])
+    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update(np.zeros(2), np.inf), "expected_count"),
+    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update([np.nan, 0.0], 10.0), "noisy_centered_count"),
+    (lambda: GeometricQuantileTracker(np.ones(2), 0.5, 0.2).update([np.inf, 0.0], 10.0), "noisy_centered_count"),
+    (lambda: GeometricQuantileTracker([], 0.5, 0.2), "bounds is empty")])
 def test_noise_splits_and_bound_updates_refuse_what_would_release_a_count_unnoised_or_nan_bounds(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+@pytest.mark.parametrize("count", [np.zeros(3), np.zeros((2, 2))], ids=["too long", "would grow the bounds"])
+def test_bound_updates_refuse_counts_that_do_not_fit_the_bounds_and_keep_them(count):
+    """Before: (2, 2) counts silently turned the (2,) bounds into (2, 2); (3,) a numpy broadcast error."""
+    tracker = GeometricQuantileTracker(np.ones(2), 0.5, 0.2)
+    with pytest.raises(ValueError, match=r"noisy_centered_count must have the bounds' shape \(2,\)"):
+        tracker.update(count, 10.0)
+    np.testing.assert_array_equal(tracker.bounds, np.ones(2))
+    assert tracker.update(0.0, 10.0).shape == (2,)  # one count for every bound still broadcasts
+
+
+def test_bounds_given_as_strings_are_refused_by_name():
+    with pytest.raises(TypeError, match="bounds must be numbers"):
+        GeometricQuantileTracker(["1", "2"], 0.5, 0.2)
 
 
 @pytest.mark.parametrize("kwargs,name", [(dict(factors=[1.0, -1.0]), "factors"), (dict(factors=[]), "factors"),
@@ -330,3 +348,29 @@ def test_adaptive_training_refuses_bad_factors_and_seeds_at_once_not_at_a_later_
         AdaptiveTraining(engine, engine.plan, clipping=QuantileClipping(), **kwargs)
     with pytest.raises(ValueError, match="seed"):
         engine.adaptive.load_state_dict(engine.adaptive.state_dict() | {"seed": -5})
+
+
+def test_the_adaptive_plot_of_no_runs_is_refused_naming_runs(tmp_path):
+    """It used to fail with a ZeroDivisionError."""
+    from pdpfast.demo_adaptive import save_adaptive_plot
+
+    with pytest.raises(ValueError, match="runs is empty"):
+        save_adaptive_plot([], tmp_path / "a.png")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(methods=("pdp",)), "methods: unknown pdp"),
+                                         (dict(methods=()), "methods must not be empty"),
+                                         (dict(variants=()), "variants must not be empty"),
+                                         (dict(variants=("fixed", "fixed")), "variants must name each once"),
+                                         (dict(variants="fixed"), "variants must be a sequence"),
+                                         (dict(seeds=(1.5,)), r"seeds\[0\] must be an int")])
+def test_the_adaptive_demo_refuses_bad_choices_before_the_first_run(kwargs, name, monkeypatch):
+    import pdpfast.demo_adaptive as demo_adaptive
+
+    def trains(*args, **kw):
+        raise AssertionError("a training run started")
+
+    monkeypatch.setattr(demo_adaptive, "train_variant", trains)
+    with pytest.raises((TypeError, ValueError), match=name):
+        demo_adaptive.run_adaptive_demo(**(dict(epochs=1, seeds=(0,), progress=False) | kwargs))

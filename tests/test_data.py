@@ -1,9 +1,21 @@
 """DPDataLoader (pdpfast.data): what it cannot draw from is refused by name at construction."""
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch import nn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
-from pdpfast.data import DPDataLoader
+import pdpfast
+from pdpfast.data import DPDataLoader, map_style_length
 
 
 def _data(n=10):
@@ -42,3 +54,92 @@ def test_from_data_loader_refuses_a_dataset_given_for_the_loader():
         DPDataLoader.from_data_loader(_data(), 0.3)
     assert DPDataLoader.from_data_loader(DataLoader(_data(), batch_size=2), 0.3, seed=0).expected_batch_size == \
         pytest.approx(3.0)
+
+
+class _EveryOtherBatch(BatchSampler):
+    def __iter__(self):
+        return (batch for j, batch in enumerate(super().__iter__()) if j % 2 == 0)
+
+
+_PICKING_LOADERS = {
+    "SubsetRandomSampler": lambda ds: DataLoader(ds, batch_size=2, sampler=SubsetRandomSampler(range(5))),
+    "WeightedRandomSampler": lambda ds: DataLoader(ds, sampler=WeightedRandomSampler([1.0] * 10, 10)),
+    "a list of indices": lambda ds: DataLoader(ds, sampler=[0, 1, 2]),
+    "RandomSampler with replacement": lambda ds: DataLoader(ds, sampler=RandomSampler(ds, replacement=True)),
+    "RandomSampler of fewer records": lambda ds: DataLoader(ds, sampler=RandomSampler(ds, num_samples=5)),
+    "SequentialSampler of other data": lambda ds: DataLoader(ds, sampler=SequentialSampler(range(10))),
+    "batch_sampler of index lists": lambda ds: DataLoader(ds, batch_sampler=[[0, 1], [2]]),
+    "BatchSampler subclass": lambda ds: DataLoader(ds, batch_sampler=_EveryOtherBatch(SequentialSampler(ds), 2,
+                                                                                      False)),
+    "DistributedSampler in one process": lambda ds: DataLoader(ds, sampler=DistributedSampler(ds, 2, 0)),
+}
+
+
+@pytest.mark.parametrize("make", _PICKING_LOADERS.values(), ids=_PICKING_LOADERS.keys())
+def test_a_sampler_that_picks_records_is_refused_since_poisson_sampling_replaces_it(make):
+    """Before: ignored, and the Poisson draw ran over every record (held-out ones trained on)."""
+    with pytest.raises(ValueError, match=r"data_loader has a .*sampler.*Poisson sampling replaces the sampler.*"
+                                         r"torch\.utils\.data\.Subset"):
+        DPDataLoader.from_data_loader(make(_data()), 0.3, seed=0)
+
+
+def test_make_private_refuses_a_subset_sampler_and_leaves_the_model_unconverted():
+    model = nn.Sequential(nn.Linear(2, 3))
+    before = [type(m) for m in model.modules()]
+    loader = DataLoader(_data(), batch_size=2, sampler=SubsetRandomSampler(range(5)))
+    with pytest.raises(ValueError, match="Subset"):
+        pdpfast.PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+    assert [type(m) for m in model.modules()] == before
+
+
+class _Unsized:
+    """A sampler without __len__ (so a loader over it has none either)."""
+
+    def __iter__(self):
+        return iter(range(5))
+
+
+def test_make_private_names_a_sampler_without_a_length_rather_than_failing_on_len():
+    model = nn.Sequential(nn.Linear(2, 3))
+    loader = DataLoader(_data(), batch_size=2, sampler=_Unsized())
+    with pytest.raises(ValueError, match="data_loader has a sampler other than the whole dataset.*_Unsized"):
+        pdpfast.PrivacyEngine(seed=0).make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+
+
+_WHOLE_DATASET_LOADERS = {
+    "batch_size": lambda ds: DataLoader(ds, batch_size=2),
+    "shuffle": lambda ds: DataLoader(ds, batch_size=2, shuffle=True, drop_last=True),
+    "unbatched": lambda ds: DataLoader(ds, batch_size=None),
+    "RandomSampler over all": lambda ds: DataLoader(ds, sampler=RandomSampler(ds)),
+    "BatchSampler given": lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 2, False)),
+}
+
+
+@pytest.mark.parametrize("make", _WHOLE_DATASET_LOADERS.values(), ids=_WHOLE_DATASET_LOADERS.keys())
+def test_the_samplers_batch_size_and_shuffle_make_are_replaced_by_the_draw_over_every_record(make):
+    loader = DPDataLoader.from_data_loader(make(_data()), 1.0, seed=0, steps_per_epoch=1)
+    assert [sorted(y.tolist()) for _, y in loader] == [list(range(10))]
+
+
+def test_a_distributed_sampler_is_replaced_by_each_ranks_share_of_the_global_draw():
+    dataset = _data()
+    loaders = [DPDataLoader.from_data_loader(DataLoader(dataset, sampler=DistributedSampler(dataset, 2, r)), 1.0,
+                                             seed=0, steps_per_epoch=1, rank=r, world_size=2) for r in (0, 1)]
+    shares = [y.tolist() for loader in loaders for _, y in loader]
+    assert sorted(shares[0] + shares[1]) == list(range(10))
+
+
+def test_a_dp_data_loader_given_back_to_from_data_loader_is_refused_by_name():
+    with pytest.raises(TypeError, match="data_loader is already a DPDataLoader"):
+        DPDataLoader.from_data_loader(DPDataLoader(_data(), 0.3, seed=0), 0.3)
+
+
+@pytest.mark.parametrize("dataset", [{"a": 1, "b": 2}, {0: 1, 1: 2}, "abc", b"abc"],
+                         ids=["str keys", "int keys", "str", "bytes"])
+def test_a_mapping_or_a_string_is_refused_since_records_are_drawn_by_number(dataset):
+    """Before: accepted, then a KeyError 0 (or single characters) at the first draw."""
+    with pytest.raises(TypeError, match="dataset must be indexed by record number"):
+        map_style_length(dataset)
+    assert map_style_length([(1, 2), (3, 4)]) == 2

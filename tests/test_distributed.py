@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import numpy as np
 import pytest
@@ -227,3 +228,17 @@ def test_only_rank_0_of_a_multi_process_job_reports(monkeypatch, capsys, env, sp
     train._warn("a warning")
     out, err = capsys.readouterr()
     assert ("a report line" in out) == speaks and ("a warning" in err) == speaks
+
+
+def test_leaving_without_a_process_group_does_nothing_at_once():
+    """Before: slept, then torch's AssertionError "Default process group has not been initialized"."""
+    assert not dist.is_initialized()
+    start = time.perf_counter()
+    leave_process_group(settle_s=5.0)
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("settle_s,error", [(-1.0, ValueError), (float("nan"), ValueError), ("0.1", TypeError)])
+def test_a_settle_time_that_is_not_a_number_of_seconds_is_refused_by_name(settle_s, error):
+    with pytest.raises(error, match="settle_s must be"):
+        leave_process_group(settle_s)

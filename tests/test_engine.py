@@ -446,3 +446,13 @@ def test_seeds_too_large_for_torch_are_refused_by_name(seed):
     with pytest.raises(ValueError, match="start_step must be an int in"):
         DPDataLoader(_data(10), 0.5, seed=1, start_step=seed)
     assert DPDataLoader(_data(10), 0.5, seed=2 ** 63 - 1).seed == 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("seed", ["123", 1.7, True, -1, 2 ** 63])
+def test_dp_optimizer_refuses_the_seeds_dp_data_loader_refuses(seed):
+    """Before: int(seed), so 1.7 ran as 1 and -1 as a negative seed."""
+    sgd = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        DPOptimizer(sgd, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, seed=seed)
+    assert DPOptimizer(sgd, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0,
+                       seed=np.int64(5)).seed == 5
