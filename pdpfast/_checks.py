@@ -288,17 +288,36 @@ def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
     user fixing a file.
 
     Args:
-        values: (N,) or a column (N, 1) of ε_i. n: the number of records they must match (None:
-            any). what: how the messages name them ("budgets in 'b.txt'").
+        values: (N,) or a column (N, 1) of ε_i: an array, a list (None in it marks a missing value)
+            or a CPU tensor. n: the number of records they must match (None: any).
+            what: how the messages name them ("budgets in 'b.txt'").
     Returns:
         (N,) float64 ε_i, each finite and > 0.
+    Raises:
+        TypeError for None (budgets are required), strings (numpy would read "1" as 1.0), complex
+        numbers or other objects, or ``n`` not an int ≥ 0; ValueError for booleans (True would read as
+        ε = 1), another shape, no values, a missing, non-finite or ≤ 0 value (naming its record), or
+        another count than ``n``.
     """
-    if np.asarray(values).dtype.kind == "b":  # True would read as ε = 1
-        raise ValueError(f"{what} must be numbers, not booleans")
+    if values is None:
+        raise TypeError(f"{what} are required (one ε per record), got None")
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
     try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be numbers") from None
+        raw = np.asarray(values)
+    except ValueError:      # rows of different lengths
+        raise ValueError(f"{what} must be one ε per record (1-D), got rows of different lengths") from None
+    if raw.dtype.kind == "O":  # a list holding None (a missing value, e.g. from a Hugging Face column) or objects
+        if not all(v is None or _is_number(v) for v in raw.ravel()):
+            first = next(v for v in raw.ravel() if not (v is None or _is_number(v)))
+            raise TypeError(f"{what} must be numbers, got {type(first).__name__} {first!r}")
+        raw = np.array([math.nan if v is None else float(v) for v in raw.ravel()]).reshape(raw.shape)
+    if raw.dtype.kind == "b":  # True would read as ε = 1
+        raise ValueError(f"{what} must be numbers, not booleans")
+    if raw.dtype.kind not in "iuf":
+        kind = {"U": "strings", "S": "strings", "c": "complex numbers"}.get(raw.dtype.kind, f"dtype {raw.dtype}")
+        raise TypeError(f"{what} must be real numbers, got {kind}")
+    arr = raw.astype(np.float64, copy=False)
     if arr.ndim == 2 and 1 in arr.shape:
         arr = arr.ravel()
     if arr.ndim != 1:
@@ -313,7 +332,7 @@ def check_budgets(values, n: int | None, what: str = "budgets") -> np.ndarray:
     if bad.any():
         raise ValueError(f"{what} has a value ≤ 0 at record {int(np.flatnonzero(bad)[0])} ({float(arr[bad][0]):g}); "
                          "every budget ε must be > 0")
-    if n is not None and arr.shape[0] != n:
+    if n is not None and arr.shape[0] != check_int("n (the number of records)", n, 0):
         raise ValueError(f"{what} has {arr.shape[0]} values but the data have {n} records")
     return arr
 

@@ -17,6 +17,7 @@ import csv
 import math
 import os
 import re
+import zipfile
 import zlib
 from dataclasses import dataclass, field, replace
 
@@ -24,12 +25,13 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ._checks import check_budgets
+from ._checks import check_budgets, check_choice, check_flag, check_in_range, check_int
 
 __all__ = ["HashingTokenizer", "TrainData", "check_budgets", "load_csv", "load_data", "load_hf", "load_image_folder",
            "load_numpy", "read_budgets", "train_test_split"]
 
 PAD_ID = 0
+KINDS = ("features", "image", "tokens")
 
 
 @dataclass
@@ -45,8 +47,9 @@ class TrainData:
         vocab_size: 1 + the largest token id (tokens only).
         source: where the data came from.
     Raises:
-        ValueError when there are no records, features and labels differ in length, or the budgets
-        are not N finite values > 0.
+        TypeError when features or labels are not tensors, or the labels not integers; ValueError when
+        there are no records, features and labels differ in length, a label is negative, the kind is
+        not one of ``KINDS``, or the budgets are not N finite values > 0.
     """
 
     features: torch.Tensor
@@ -58,10 +61,25 @@ class TrainData:
     source: str = ""
 
     def __post_init__(self):
+        where = f"{self.source}: " if self.source else ""
+        for name in ("features", "labels"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (torch.as_tensor(...)), got {type(value).__name__}")
+        check_choice("kind", self.kind, KINDS)
+        if self.features.dim() < 2:
+            raise ValueError(f"{where}features must be (N, ...) with N records, got shape "
+                             f"{tuple(self.features.shape)}")
+        if self.labels.dim() != 1:
+            raise ValueError(f"{where}labels must be (N,) class indices, got shape {tuple(self.labels.shape)}")
+        if self.labels.is_floating_point() or self.labels.is_complex() or self.labels.dtype == torch.bool:
+            raise TypeError(f"{where}labels must be integer class indices, got {self.labels.dtype}")
         if self.features.shape[0] != self.labels.shape[0]:
             raise ValueError(f"{self.source}: {self.features.shape[0]} records but {self.labels.shape[0]} labels")
         if self.features.shape[0] == 0:
             raise ValueError(f"{self.source}: no records")
+        if int(self.labels.min()) < 0:
+            raise ValueError(f"{where}labels must be class indices ≥ 0, got {int(self.labels.min())}")
         if self.budgets is not None:
             self.budgets = check_budgets(self.budgets, len(self), "budgets")
 
@@ -86,17 +104,37 @@ class TrainData:
         """
         return TensorDataset(self.features, self.labels)
 
-    def subset(self, index: np.ndarray) -> TrainData:
+    def subset(self, index) -> TrainData:
         """Some of the records, with their labels and budgets.
 
         Args:
-            index: (M,) int indices of the records to keep (repeats allowed), in the order wanted.
+            index: (M,) int indices of the records to keep (repeats allowed), in the order wanted, each in
+                [0, N); or an (N,) bool mask of the records to keep.
         Returns:
             a new ``TrainData`` of M records; the other fields are shared.
+        Raises:
+            TypeError for indices that are not integers (floats would be truncated); ValueError for an index
+            outside [0, N) (-1 is not read as the last record) or a mask of another length than N.
         """
-        index = torch.as_tensor(np.asarray(index, dtype=np.int64))
-        return replace(self, features=self.features[index], labels=self.labels[index],
-                       budgets=None if self.budgets is None else self.budgets[index.numpy()])
+        n = len(self)
+        index = np.asarray(index.detach().cpu() if isinstance(index, torch.Tensor) else index)
+        if index.dtype.kind == "b":
+            if index.shape != (n,):
+                raise ValueError(f"a boolean mask must have one entry per record ({n}), got shape {index.shape}")
+            index = np.flatnonzero(index)
+        elif index.size == 0:
+            index = index.astype(np.int64)
+        elif index.dtype.kind not in "iu":
+            raise TypeError(f"index must be integer record indices or a boolean mask, got {index.dtype}")
+        if index.ndim != 1:
+            raise ValueError(f"index must be 1-D (M,) record indices, got shape {index.shape}")
+        outside = (index < 0) | (index >= n)
+        if outside.any():
+            raise ValueError(f"index {int(index[outside][0])} is outside the records [0, {n})")
+        index = index.astype(np.int64, copy=False)
+        rows = torch.as_tensor(index)
+        return replace(self, features=self.features[rows], labels=self.labels[rows],
+                       budgets=None if self.budgets is None else self.budgets[index])
 
     def as_images(self, shape) -> TrainData:
         """View flat features (N, C·H·W) as images (N, C, H, W).
@@ -106,14 +144,23 @@ class TrainData:
         Returns:
             a new ``TrainData`` of kind "image" (the features reshaped, no copy when they are contiguous).
         Raises:
-            ValueError for token records, a shape that is not 3 positive numbers, or a product that does not
-            match.
+            TypeError for a shape that is not a sequence of ints; ValueError for token records, a shape that
+            is not 3 positive numbers, or a product that does not match.
         """
+        if not _is_int_sequence(shape):
+            raise TypeError(f"shape must be three ints (C, H, W), got {shape!r}")
         shape = tuple(int(s) for s in shape)
         if (self.kind not in ("features", "image") or len(shape) != 3 or min(shape) < 1
                 or math.prod(shape) != math.prod(self.input_shape)):
             raise ValueError(f"cannot view records of shape {self.input_shape} as images of shape {shape} (C,H,W)")
         return replace(self, features=self.features.reshape(len(self), *shape), kind="image")
+
+
+def _is_int_sequence(values) -> bool:
+    """A list / tuple / 1-D array of ints (not a string, not bools or floats that int() would truncate)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return False
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values)
 
 
 # ---------------------------------------------------------------------------------------------- budgets
@@ -132,30 +179,44 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
     Args:
         path: .npy (1-D array), .npz (key ``budgets`` or its only array), .csv (``column``, or the
             only column; a header row is detected) or .txt (one number per line).
-        column: the CSV column (or .npz array). n: the number of records they must match (None: any).
+        column: the CSV column (or .npz array); only those two formats have columns. n: the number of
+            records they must match (None: any).
         column_option: the command-line option that names ``column``, for the messages (None: there
             is none, so a file must hold one column or array).
     Returns:
         (N,) float64 ε_i, each finite and > 0.
+    Raises:
+        FileNotFoundError for a missing path; ValueError for a file that cannot be read (not UTF-8 text,
+        damaged or pickled NumPy data), a ``column`` beside a .npy / .txt file, a blank line before the
+        last value (a missing budget: dropping it would shift every later record's budget), or budgets
+        ``check_budgets`` refuses.
     """
     path = os.fspath(path)
     _check_file("budgets file", path)
+    if n is not None:
+        check_int("n", n, 0)
     ext = os.path.splitext(path)[1].lower()
+    if column is not None and ext not in (".csv", ".npz"):
+        raise ValueError(f"budgets file {path!r}: {column_option or 'column'} {column!r} applies to a .csv or .npz "
+                         "file; this one holds a single list of budgets")
     try:
         if ext == ".npy":
-            values = np.load(path, allow_pickle=False)
+            values = _np_load(path, "budgets file")
         elif ext == ".npz":
-            with np.load(path, allow_pickle=False) as z:
+            with _np_load(path, "budgets file", archive=True) as z:
                 key = column or ("budgets" if "budgets" in z.files else (z.files[0] if len(z.files) == 1 else None))
                 if key not in z.files:
                     raise ValueError(f"budgets file {path!r} has arrays {z.files}; " + (
                         f"name one with {column_option}" if column_option else "give one named 'budgets'"))
-                values = z[key]
+                values = _np_array(z, key, path, "budgets file")
         elif ext == ".csv":
             values = _csv_column(path, column, column_option)
         elif ext in (".txt", ""):
             with open(path, encoding="utf-8") as f:
-                values = [_number(line.strip(), f"{path} line {i + 1}") for i, line in enumerate(f) if line.strip()]
+                lines = [line.strip() for line in f]
+            last = max((i for i, line in enumerate(lines) if line), default=-1)
+            _refuse_blank_line(path, lines[: last + 1], lambda i: i + 1)
+            values = [_number(line, f"{path} line {i + 1}") for i, line in enumerate(lines[: last + 1])]
         else:
             raise ValueError(f"budgets file {path!r}: unsupported extension {ext!r} (use .npy, .npz, .csv or .txt)")
     except (OSError, EOFError, UnicodeDecodeError) as exc:
@@ -167,8 +228,17 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
     return check_budgets(values, n, f"budgets in {path!r}")
 
 
+def _refuse_blank_line(path: str, lines, line_number) -> None:
+    """A blank line before a budgets file's last value is a missing budget, not nothing: skipping it
+    would give every later record its neighbour's ε."""
+    blank = next((i for i, line in enumerate(lines) if not any(c.strip() for c in line)), None)
+    if blank is not None:
+        raise ValueError(f"{path} line {line_number(blank)} is blank: every record needs a budget (is one "
+                         "missing?); only blank lines at the end are skipped")
+
+
 def _csv_column(path: str, column: str | None, column_option: str | None = None) -> list[float]:
-    header, rows = _read_csv(path)
+    header, rows = _read_csv(path, blank_is_missing=True)
     if header is None:          # no header: one number per row
         if column is not None:
             raise ValueError(f"{path}: no header row, so there is no column {column!r}")
@@ -207,10 +277,21 @@ def _check_file(kind: str, path: str) -> None:
                                 + (" (a directory)" if os.path.isdir(path) else ""))
 
 
-def _read_csv(path: str):
-    """(header or None, rows): the first row is a header unless all of its fields are numbers."""
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+def _read_csv(path: str, *, blank_is_missing: bool = False):
+    """(header or None, rows): the first row is a header unless all of its fields are numbers.
+    Blank lines are skipped (``blank_is_missing``: only at the end, where they mark no record).
+    ValueError for a file that is not UTF-8 text, or a header naming a column twice."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            lines = [(reader.line_num, r) for r in reader]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} cannot be read: it is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         "save it as UTF-8") from None
+    if blank_is_missing:
+        last = max((i for i, (_, r) in enumerate(lines) if any(c.strip() for c in r)), default=-1)
+        _refuse_blank_line(path, [r for _, r in lines[: last + 1]], lambda i: lines[i][0])
+    rows = [r for _, r in lines if r and any(c.strip() for c in r)]
     if not rows:
         raise ValueError(f"{path} is empty")
     width = len(rows[0])
@@ -227,7 +308,53 @@ def _read_csv(path: str):
 
     if all(numeric(c) for c in rows[0]):
         return None, rows
-    return [c.strip() for c in rows[0]], rows[1:]
+    header = [c.strip() for c in rows[0]]
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice:
+        # one name for two columns: the later one would silently shadow the earlier
+        raise ValueError(f"{path}: the header names column(s) {', '.join(map(repr, twice))} more than once; "
+                         "give each column its own name")
+    return header, rows[1:]
+
+
+def _numpy_error(exc: Exception, what: str, path: str) -> ValueError:
+    """numpy's error for a file it cannot load, as one naming the file. numpy's own advice for pickled
+    data (allow_pickle=True) is not passed on: unpickling a file runs code from it."""
+    text = str(exc)
+    if "Object arrays" in text:
+        why = "holds an array of Python objects (dtype=object), which is not loaded; save numbers or strings"
+    elif "pickled" in text:
+        why = "is not NumPy .npy/.npz data (a text file, a pickle or a damaged file?)"
+    else:
+        why = f"cannot be read as NumPy data ({type(exc).__name__}: {text})"
+    return ValueError(f"{what} {path!r} {why}")
+
+
+_NUMPY_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+def _np_load(path: str, what: str, *, archive: bool = False):
+    """``np.load(path)`` without unpickling: an array (a .npy), or with ``archive`` an open ``NpzFile``
+    (an .npz)."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except _NUMPY_ERRORS as exc:
+        raise _numpy_error(exc, what, path) from None
+    if isinstance(loaded, np.ndarray) == archive:
+        if archive:
+            raise ValueError(f"{what} {path!r} holds one .npy array, not an .npz archive; name it .npy")
+        loaded.close()
+        raise ValueError(f"{what} {path!r} is an .npz archive, not a .npy array" + (
+            "; name it .npz" if what == "data file" else ""))
+    return loaded
+
+
+def _np_array(npz, key: str, path: str, what: str) -> np.ndarray:
+    """One array of an open .npz (read, and so checked, only here)."""
+    try:
+        return npz[key]
+    except _NUMPY_ERRORS as exc:
+        raise _numpy_error(exc, what, path) from None
 
 
 # ---------------------------------------------------------------------------------------------- tokens
@@ -236,14 +363,29 @@ class HashingTokenizer:
 
     For models built from a config with random weights no pretrained vocabulary exists, so any fixed
     map from words to ids works; hashing needs no download and no fitting on the data (a vocabulary
-    fitted on the training set would be a function of the private data)."""
+    fitted on the training set would be a function of the private data).
+
+    Args:
+        vocab_size: V, an int ≥ 3 (ids 0 and 1 are reserved); max_length: T, an int ≥ 1, the tokens
+            kept per text (the start token included).
+    Raises:
+        ValueError for either outside its range, or not an int.
+    """
 
     def __init__(self, vocab_size: int, max_length: int = 64):
-        if vocab_size < 3:
-            raise ValueError("vocab_size must be ≥ 3")
-        self.vocab_size, self.max_length = int(vocab_size), int(max_length)
+        self.vocab_size = check_int("vocab_size", vocab_size, 3)
+        self.max_length = check_int("max_length", max_length, 1)
 
     def __call__(self, texts) -> torch.Tensor:
+        """Token ids of each text.
+
+        Args:
+            texts: a sequence of N strings (one string alone is refused: it is not N texts).
+        Returns:
+            (N, T) int64 ids, padded with ``PAD_ID``.
+        """
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be a sequence of texts, got a single string (wrap it in a list)")
         out = torch.full((len(texts), self.max_length), PAD_ID, dtype=torch.int64)
         for i, text in enumerate(texts):
             ids = [1] + [2 + zlib.crc32(w.encode()) % (self.vocab_size - 2)
@@ -254,10 +396,15 @@ class HashingTokenizer:
 
 
 def _tokenize(texts, tokenizer, max_length: int):
-    if tokenizer is None or isinstance(tokenizer, int):
-        return HashingTokenizer(tokenizer or 30522, max_length)(texts)
+    if tokenizer is None:
+        return HashingTokenizer(30522, max_length)(texts)
+    if isinstance(tokenizer, (int, np.integer)):       # bools are refused by check_int
+        return HashingTokenizer(check_int("tokenizer (a hashing vocabulary size)", tokenizer, 3), max_length)(texts)
     if callable(tokenizer) and not isinstance(tokenizer, str):
         return tokenizer(texts)
+    if not isinstance(tokenizer, str):
+        raise TypeError("tokenizer must be None, a vocabulary size (int), a callable or a Hugging Face tokenizer "
+                        f"name, got {type(tokenizer).__name__} {tokenizer!r}")
     from transformers import AutoTokenizer  # a named Hugging Face tokenizer (may download)
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -310,8 +457,13 @@ def load_csv(path, *, label_column: str | None, budget_column: str | None = None
     Returns:
         ``TrainData``: features (N, D) float32 from every other column (all numeric), or token
         ids (N, T) int64; labels (N,) int64; budgets (N,) float64 or None.
+    Raises:
+        FileNotFoundError for a missing file; ValueError for a file that is not UTF-8 text, a header
+        naming a column twice, a missing column, a value that is not a number, ``max_length`` < 1.
     """
     path = os.fspath(path)
+    check_int("max_length", max_length, 1)
+    check_flag("tokens", tokens)
     _check_file("data file", path)
     header, rows = _read_csv(path)
     if header is None:
@@ -366,39 +518,45 @@ def _from_matrix(matrix: np.ndarray, labels, names, budgets, tokens: bool, sourc
 
 
 def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
-    """Records from numpy files.
+    """Records from numpy files (read without unpickling: arrays of numbers, or strings for labels).
 
     Args:
-        path: .npy features (N, ...), or an .npz holding ``x`` (or ``features``), ``y`` (or
-            ``labels``) and optionally ``budgets``. labels: a .npy of (N,) labels for a .npy path.
+        path: .npy features (N, ...), or an .npz holding ``x`` (or ``features`` / ``X``), ``y`` (or
+            ``labels``) and optionally ``budgets``, and nothing else. labels: a .npy of (N,) labels
+            for a .npy path.
         tokens: read integer token ids (N, T).
     Returns:
         ``TrainData`` ((N, C, H, W) arrays are images).
+    Raises:
+        FileNotFoundError for a missing file; ValueError for a file numpy cannot read (damaged, not
+        NumPy data, arrays of Python objects), an .npz holding two names for one array (``x`` and
+        ``X``, ``y`` and ``labels``) or arrays that are not read, ``labels`` beside an .npz, features
+        that are not finite real numbers (complex ones too), or labels of another length.
     """
     path = os.fspath(path)
+    check_flag("tokens", tokens)
     _check_file("data file", path)
-    budgets = None
-    try:
-        if path.endswith(".npz"):
-            with np.load(path, allow_pickle=False) as z:
-                x_key = next((k for k in ("x", "features", "X") if k in z.files), None)
-                y_key = next((k for k in ("y", "labels") if k in z.files), None)
-                if x_key is None:
-                    raise ValueError(f"{path} must hold an array named 'x' (or 'features'); it has {z.files}")
-                x = z[x_key]
-                y = z[y_key] if y_key is not None else None
-                budgets = z["budgets"] if "budgets" in z.files else None
-        else:
-            x = np.load(path, allow_pickle=False)
-            y = None
+    budgets = y = None
+    if path.endswith(".npz"):
         if labels is not None:
-            _check_file("labels file", os.fspath(labels))
-            y = np.load(os.fspath(labels), allow_pickle=False)
-    except (OSError, EOFError) as exc:
-        raise ValueError(f"{path}: cannot read NumPy data ({exc})") from None
+            raise ValueError(f"labels applies to a .npy path; the .npz {path!r} holds its own labels (as 'y')")
+        with _np_load(path, "data file", archive=True) as z:
+            keys = _npz_keys(path, z.files)
+            x = _np_array(z, keys["x"], path, "data file")
+            if "y" in keys:
+                y = _np_array(z, keys["y"], path, "data file")
+            if "budgets" in keys:
+                budgets = _np_array(z, "budgets", path, "data file")
+    else:
+        x = _np_load(path, "data file")
+    if labels is not None:
+        _check_file("labels file", os.fspath(labels))
+        y = _np_load(os.fspath(labels), "labels file")
     if x.ndim < 2:
         raise ValueError(f"{path}: features must be (N, ...) with N records, got shape {x.shape}")
-    if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+    if x.dtype.kind not in "iuf":           # complex ones would lose their imaginary part
+        raise ValueError(f"{path}: features must be finite real numbers, got dtype {x.dtype}")
+    if not np.isfinite(x).all():
         raise ValueError(f"{path}: features must be finite numbers")
     if y is None:
         y_t, names = torch.zeros(x.shape[0], dtype=torch.int64), []
@@ -412,6 +570,29 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
     return _from_matrix(x.astype(np.float64) if tokens else x.astype(np.float32), y_t, names, budgets, tokens, path)
 
 
+_NPZ_NAMES = {"x": ("x", "features", "X"), "y": ("y", "labels"), "budgets": ("budgets",)}
+
+
+def _npz_keys(path: str, files) -> dict:
+    """Which array of an .npz holds each of x, y, budgets ({"x": "features", ...}); every array must be
+    one of them, each named once."""
+    keys = {}
+    for role, names in _NPZ_NAMES.items():
+        found = [k for k in names if k in files]
+        if len(found) > 1:
+            raise ValueError(f"{path} holds both {' and '.join(map(repr, found))}, two names for the same "
+                             f"{'features' if role == 'x' else role}; keep one")
+        if found:
+            keys[role] = found[0]
+    if "x" not in keys:
+        raise ValueError(f"{path} must hold an array named 'x' (or 'features'); it has {files}")
+    unread = [k for k in files if k not in keys.values()]
+    if unread:
+        read = ", ".join(repr(k) for names in _NPZ_NAMES.values() for k in names)
+        raise ValueError(f"{path} holds arrays {unread} that would not be read; an .npz is read for {read} only")
+    return keys
+
+
 def load_image_folder(path, *, image_size: int = 32) -> TrainData:
     """Images in torchvision's ImageFolder layout.
 
@@ -420,6 +601,7 @@ def load_image_folder(path, *, image_size: int = 32) -> TrainData:
     Returns:
         ``TrainData``: images (N, 3, S, S) float32 RGB in [0, 1], labels (N,) class indices.
     """
+    check_int("image_size", image_size, 1)
     try:
         from torchvision import datasets as tv_datasets
         from torchvision import transforms
@@ -448,6 +630,9 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
         ``TrainData``: text columns tokenized; an ``input_ids`` column used as is; otherwise every
         numeric column other than the label / budget columns a feature.
     """
+    check_int("max_length", max_length, 1)
+    if limit is not None:
+        check_int("limit", limit, 1)
     try:
         import datasets as hf_datasets
     except ImportError:
@@ -455,7 +640,7 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
                           "(pip install datasets)") from None
     ds = hf_datasets.load_dataset(name, config, split=split)
     if limit is not None:
-        ds = ds.select(range(min(int(limit), len(ds))))
+        ds = ds.select(range(min(limit, len(ds))))
     columns = list(ds.column_names)
     for what, col in (("label", label_column), ("budget", budget_column), ("text", text_column)):
         if col is not None and col not in columns:
@@ -524,6 +709,8 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
     for option, (value, where, read) in unread.items():
         if value is not None and not read:
             raise ValueError(f"{option} applies to {where}; it would be ignored here")
+    if budget_column is not None and data is not None and ext != ".csv":    # checked before an image folder loads
+        raise ValueError("--budget-column applies to CSV data; use --budgets FILE for other data")
     if hf_dataset is not None:
         out = load_hf(hf_dataset, split=hf_split or "train", config=hf_config, label_column=label_column or "label",
                       text_column=text_column, budget_column=budget_column, tokenizer=tokenizer, max_length=max_length)
@@ -540,8 +727,6 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
             raise FileNotFoundError(f"data {path!r} does not exist")
         else:
             raise ValueError(f"data {path!r}: unsupported format (use .csv, .npy, .npz or an image folder)")
-        if budget_column is not None and ext != ".csv":
-            raise ValueError("--budget-column applies to CSV data; use --budgets FILE for other data")
     if budgets is not None:
         if out.budgets is not None:
             raise ValueError("budgets given twice (a budget column or array in the data, and --budgets)")
@@ -556,9 +741,16 @@ def train_test_split(data: TrainData, test_fraction: float, seed: int = 0):
         data: N records; test_fraction: in [0, 1) (0: no test set); seed: of the split.
     Returns:
         (train, test or None), ``TrainData`` each, budgets split with their records.
+    Raises:
+        TypeError for ``data`` that is not a ``TrainData``; ValueError (naming --test-fraction, which sets
+        it) for a fraction outside [0, 1) or one that leaves no training record, or a seed that is not an
+        int ≥ 0.
     """
-    if not 0.0 <= test_fraction < 1.0:
-        raise ValueError(f"test fraction (--test-fraction) must lie in [0, 1), got {test_fraction!r}")
+    if not isinstance(data, TrainData):
+        raise TypeError(f"data must be a TrainData (from load_data), got {type(data).__name__}")
+    check_in_range("test fraction (--test-fraction)", test_fraction, low=0.0, high=1.0, low_open=False,
+                   high_open=True)
+    check_int("seed", seed, 0)
     n = len(data)
     n_test = int(round(test_fraction * n))
     if n_test == 0:

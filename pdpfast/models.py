@@ -7,12 +7,42 @@ Face models from configs with random initialization.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ._checks import check_choice, check_flag, check_int
+from .datasets import KINDS as INPUT_KINDS
+
+TASKS = ("classification", "lm")
+
+
+def _sizes(name: str, values, *, length: int | None = None, form: str = "") -> tuple[int, ...]:
+    """A sequence of ints ≥ 1 (layer widths, blocks per stage, a record's shape) as a tuple. A string
+    (whose characters would be read as digits), a bare number, a float (which int() would truncate),
+    0 or a negative entry is refused by name."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints{form}, got {type(values).__name__} {values!r}")
+    values = tuple(values)
+    if length is not None and len(values) != length:
+        raise ValueError(f"{name} must have {length} entr{'y' if length == 1 else 'ies'}{form}, got {values!r}")
+    return tuple(check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(values))
+
+
+def _config(config_class, **fields):
+    """A Hugging Face config, refusing a field it does not have: the config would keep a misspelled
+    name (``hiden_size``) as an attribute that nothing reads, and build the default model."""
+    defaults = config_class()
+    # a few init arguments are kept under a private name (attn_implementation as _attn_implementation)
+    unknown = sorted(k for k in fields if not (hasattr(defaults, k) or hasattr(defaults, f"_{k}")))
+    if unknown:
+        raise ValueError(f"{config_class.__name__} has no field {', '.join(map(repr, unknown))} (misspelled?); "
+                         "see its documentation for the fields")
+    return config_class(**fields)
 
 
 def _norm(channels: int, groups: int = 32) -> nn.GroupNorm:
@@ -60,15 +90,18 @@ class ResNetGN(nn.Module):
     """ResNet with GroupNorm in place of BatchNorm, torchvision's module names.
 
     Args:
-        layers: the number of ``BasicBlock``s in each of the four stages (64, 128, 256, 512 channels).
-        num_classes: K.
+        layers: the number of ``BasicBlock``s in each of the four stages (64, 128, 256, 512 channels),
+            four ints ≥ 1.
+        num_classes: K ≥ 1.
         cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs); else ImageNet's
             7×7 stride-2 convolution and max-pool.
     """
 
     def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 10, cifar_stem: bool = True):
         super().__init__()
-        if cifar_stem:
+        layers = _sizes("layers", layers, length=4, form=" (blocks in each of the four stages)")
+        num_classes = check_int("num_classes", num_classes, 1)
+        if check_flag("cifar_stem", cifar_stem):
             self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
             self.maxpool = nn.Identity()
         else:
@@ -114,9 +147,12 @@ def bert(size: str = "base", num_labels: int = 2, **overrides):
     """A Hugging Face BertForSequenceClassification, random init.
 
     Args:
-        size: "base" (12×768), "tiny" (2×128) or "micro"; num_labels: K; overrides: BertConfig fields.
+        size: "base" (12×768), "tiny" (2×128) or "micro"; num_labels: K ≥ 1 (1: regression, as
+            in Hugging Face); overrides: BertConfig fields.
     Returns:
         the model: input_ids (B, T) → logits (B, K).
+    Raises:
+        ValueError for an unknown size, num_labels < 1, or a field BertConfig does not have.
     """
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -126,7 +162,7 @@ def bert(size: str = "base", num_labels: int = 2, **overrides):
                            vocab_size=128, max_position_embeddings=64)}
     if size not in sizes:
         raise ValueError(f"size must be one of {sorted(sizes)}, got {size!r}")
-    config = BertConfig(num_labels=num_labels, **{**sizes[size], **overrides})
+    config = _config(BertConfig, num_labels=check_int("num_labels", num_labels, 1), **{**sizes[size], **overrides})
     config._attn_implementation = "eager"
     return BertForSequenceClassification(config)
 
@@ -138,6 +174,8 @@ def gpt2(size: str = "small", **overrides):
         size: "small" (12×768), "tiny" or "micro"; overrides: GPT2Config fields.
     Returns:
         the model: input_ids (B, T) → logits (B, T, V).
+    Raises:
+        ValueError for an unknown size or a field GPT2Config does not have.
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -145,7 +183,7 @@ def gpt2(size: str = "small", **overrides):
              "micro": dict(n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=64)}
     if size not in sizes:
         raise ValueError(f"size must be one of {sorted(sizes)}, got {size!r}")
-    config = GPT2Config(**{**sizes[size], **overrides})
+    config = _config(GPT2Config, **{**sizes[size], **overrides})
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
@@ -160,6 +198,9 @@ def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None,
             input; overrides: ViTConfig fields.
     Returns:
         the model: images (B, C, H, W) → logits (B, K).
+    Raises:
+        ValueError for an unknown size, an image size that is not a multiple of the patch size, a
+        count < 1, or a field ViTConfig does not have.
     """
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -172,10 +213,12 @@ def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None,
         raise ValueError(f"size must be one of {sorted(sizes)}, got {size!r}")
     options = {**sizes[size], **overrides}
     if image_size is not None:
+        check_int("image_size", image_size, 1)
         if image_size % options["patch_size"]:
             raise ValueError(f"image_size {image_size} is not a multiple of the patch size {options['patch_size']}")
         options["image_size"] = image_size
-    config = ViTConfig(num_labels=num_labels, num_channels=num_channels, **options)
+    config = _config(ViTConfig, num_labels=check_int("num_labels", num_labels, 1),
+                     num_channels=check_int("num_channels", num_channels, 1), **options)
     config._attn_implementation = "eager"
     return ViTForImageClassification(config)
 
@@ -187,18 +230,23 @@ def mlp(in_features: int, num_classes: int, hidden=(128,), activation: str = "ta
     """Flatten → [Linear → activation]* → Linear.
 
     Args:
-        in_features: D after flattening; num_classes: K; hidden: the hidden widths; activation:
-            "tanh" (DP-SGD's usual choice: bounded activations keep gradient norms small) or "relu".
+        in_features: D ≥ 1 after flattening; num_classes: K ≥ 1; hidden: the hidden widths, a sequence
+            of ints ≥ 1 (empty: a linear model); activation: "tanh" (DP-SGD's usual choice: bounded
+            activations keep gradient norms small) or "relu".
     Returns:
         the model: (B, ...) → logits (B, K).
+    Raises:
+        TypeError for ``hidden`` that is not a sequence (a string, a bare number); ValueError for a
+        size that is not an int ≥ 1, or another activation.
     """
     acts = {"tanh": nn.Tanh, "relu": nn.ReLU}
     if activation not in acts:
         raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
-    layers, width = [nn.Flatten()], int(in_features)
-    for h in hidden:
-        layers += [nn.Linear(width, int(h)), acts[activation]()]
-        width = int(h)
+    in_features, num_classes = check_int("in_features", in_features, 1), check_int("num_classes", num_classes, 1)
+    layers, width = [nn.Flatten()], in_features
+    for h in _sizes("hidden", hidden, form=" (the hidden widths, e.g. (128,))"):
+        layers += [nn.Linear(width, h), acts[activation]()]
+        width = h
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
 
@@ -208,11 +256,12 @@ def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Sequential:
     a third conv, global average pooling and a linear head.
 
     Args:
-        in_channels: C; num_classes: K; width: channels of the first block.
+        in_channels: C; num_classes: K; width: channels of the first block (each an int ≥ 1).
     Returns:
         the model: images (B, C, H, W) → logits (B, K).
     """
-    w = int(width)
+    in_channels, num_classes = check_int("in_channels", in_channels, 1), check_int("num_classes", num_classes, 1)
+    w = check_int("width", width, 1)
     return nn.Sequential(
         nn.Conv2d(in_channels, w, 3, padding=1), _norm(w, 8), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
         nn.Conv2d(w, 2 * w, 3, padding=1), _norm(2 * w, 8), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
@@ -250,13 +299,30 @@ def register_model(name: str, *, inputs, task: str = "classification", help: str
     """Decorator: register a model builder for ``pdpfast train --model``.
 
     Args:
-        name: the model's name; inputs: the input kinds it takes; task: "classification" or "lm";
-            help: one line for ``--help``; vocab_size: its own vocabulary, if it has one.
+        name: the model's name; inputs: the input kinds it takes, a tuple of ``INPUT_KINDS``; task:
+            "classification" or "lm"; help: one line for ``--help``; vocab_size: its own vocabulary,
+            if it has one.
     Returns:
         a decorator taking ``fn(input_shape, num_classes, vocab_size, **options) -> nn.Module``.
+    Raises:
+        TypeError for a name that is not a string, or ``inputs`` given as one string (its letters would
+        be read as kinds); ValueError for an unknown input kind or task, or a vocab_size < 1.
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if isinstance(inputs, str) or not hasattr(inputs, "__iter__"):
+        raise TypeError(f"inputs must be a tuple of input kinds, e.g. ('features',), got {inputs!r}")
+    inputs = tuple(inputs)
+    if not inputs:
+        raise ValueError("inputs must name at least one input kind")
+    for kind in inputs:
+        check_choice("inputs", kind, INPUT_KINDS)
+    check_choice("task", task, TASKS)
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, 1)
+
     def deco(fn):
-        _MODELS[name] = ModelSpec(name, fn, tuple(inputs), task, help, vocab_size)
+        _MODELS[name] = ModelSpec(name, fn, inputs, task, help, vocab_size)
         return fn
     return deco
 
@@ -278,11 +344,17 @@ def model_spec(name: str) -> ModelSpec:
     Returns:
         its ``ModelSpec`` (inputs, task, vocabulary).
     Raises:
-        ValueError naming the choices for an unknown name.
+        TypeError for a name that is not a string; ValueError naming the choices for an unknown name.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"model name must be a string, got {type(name).__name__} {name!r}")
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(model_names())}")
     return _MODELS[name]
+
+
+# one record's shape for each input kind that fixes its length ("features" may be (D,) or (D1, D2, ...))
+_SHAPES = {"image": (3, " (C, H, W) for image inputs"), "tokens": (1, " (T,), the sequence length, for token inputs")}
 
 
 def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int | None = None,
@@ -293,17 +365,42 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
     architecture, which is what a checkpoint stores (``model_config``).
 
     Args:
-        name: a registered model; input_shape: one record's shape; num_classes: K; vocab_size: of
-            token inputs; input_kind: "features", "image" or "tokens"; options: the builder's own.
+        name: a registered model; input_shape: one record's shape, ints ≥ 1 ((C, H, W) for images,
+            (T,) for tokens); num_classes: K, an int ≥ 2 for a classifier (a language model does not
+            read it; ≥ 1 there); vocab_size: 1 + the largest token id of token inputs, checked against
+            a token model's vocabulary (the other models do not read it, so a caller may pass the
+            data's value, or None, for any model); input_kind: one of ``INPUT_KINDS``; options: the
+            builder's own (``hidden`` / ``activation`` for mlp, ``width`` for cnn, ``layers`` for
+            resnet18-gn, config fields for the Hugging Face models).
     Returns:
         the model.
+    Raises:
+        TypeError for an input_shape that is not a sequence; ValueError for an unknown model, input
+        kind or option, inputs the model does not take, a shape of the wrong length or with an entry
+        < 1, num_classes or vocab_size out of range (every check before anything is built).
     """
     spec = model_spec(name)
+    check_choice("input_kind", input_kind, INPUT_KINDS)
+    shape = _sizes("input_shape", input_shape)
+    if not shape:
+        raise ValueError("input_shape is empty; give one record's shape, e.g. (D,) for D features")
     if input_kind not in spec.inputs:
         raise ValueError(f"model {name!r} takes {' or '.join(spec.inputs)} inputs, but the data are {input_kind} "
-                         f"of shape {tuple(input_shape)}" + (" (pass --image-shape C,H,W to view flat features as "
-                                                             "images)" if input_kind == "features" else ""))
-    return spec.build(tuple(int(s) for s in input_shape), int(num_classes), vocab_size, **options)
+                         f"of shape {shape}" + (" (pass --image-shape C,H,W to view flat features as "
+                                                "images)" if input_kind == "features" else ""))
+    if input_kind in _SHAPES:
+        shape = _sizes("input_shape", shape, length=_SHAPES[input_kind][0], form=_SHAPES[input_kind][1])
+    num_classes = check_int("num_classes", num_classes, 2 if spec.task == "classification" else 1)
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size, 1)
+    params = inspect.signature(spec.build).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):      # Hugging Face builders check their fields
+        own = [p for p in params if p not in ("input_shape", "num_classes", "vocab_size")]
+        unknown = sorted(set(options) - set(own))
+        if unknown:
+            raise ValueError(f"model {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                             f"{', '.join(own) or 'none'}")
+    return spec.build(shape, num_classes, vocab_size, **options)
 
 
 @register_model("mlp", inputs=("features", "image"), help="MLP on flat features (images are flattened)")
@@ -319,7 +416,7 @@ def _build_cnn(input_shape, num_classes, vocab_size, width=32):
 @register_model("resnet18-gn", inputs=("image",), help="ResNet-18 with GroupNorm (CIFAR stem below 64 px)")
 def _build_resnet(input_shape, num_classes, vocab_size, layers=(2, 2, 2, 2)):
     channels, height = input_shape[0], input_shape[1]
-    model = ResNetGN(tuple(layers), num_classes, cifar_stem=height < 64)
+    model = ResNetGN(layers, num_classes, cifar_stem=height < 64)
     if channels != 3:     # same stem, other input channels (e.g. grey-scale images)
         old = model.conv1
         model.conv1 = nn.Conv2d(channels, 64, old.kernel_size, old.stride, old.padding, bias=False)

@@ -304,3 +304,27 @@ def test_check_int_refuses_values_past_int64_so_torch_never_overflows():
             _checks.check_int("seed", value, 0)
     with pytest.raises(ValueError, match=r"round must be an int in \[0, 3\]"):
         _checks.check_int("round", 4, 0, 3)
+
+
+@pytest.mark.parametrize("values,kind", [(["1", "2"], "strings"), (np.array([1 + 1j, 2]), "complex numbers"),
+                                         ([1.0, "2"], "strings"), ([{"a": 1}, 1.0], "dict")])
+def test_budgets_that_are_strings_or_complex_are_refused_rather_than_converted(values, kind):
+    """numpy would read "1" as ε = 1 and drop an imaginary part with only a warning."""
+    with pytest.raises(TypeError, match=f"budgets .*{kind}"):
+        _checks.check_budgets(values, 2)
+
+
+def test_missing_budgets_say_they_are_required():
+    with pytest.raises(TypeError, match="budgets are required"):
+        _checks.check_budgets(None, 3)
+
+
+def test_a_none_among_budgets_is_reported_as_a_missing_value_at_its_record():
+    with pytest.raises(ValueError, match="missing or non-finite value at record 1"):
+        _checks.check_budgets([1.0, None, 2.0], 3)
+
+
+@pytest.mark.parametrize("n", [-1, "3", 3.0])
+def test_check_budgets_refuses_a_record_count_that_is_not_an_int(n):
+    with pytest.raises(ValueError, match="n \\(the number of records\\) must be an int ≥ 0"):
+        _checks.check_budgets([1.0, 2.0, 3.0], n)

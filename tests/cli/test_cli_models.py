@@ -111,3 +111,120 @@ def test_readme_bert_example_spends_within_budgets(tmp_path):
     assert engine.steps == engine.plan.steps and np.all(spent <= budgets) and np.all(spent >= 0.9 * budgets)
     engine.save_checkpoint(tmp_path / "bert.pt", model)
     assert (tmp_path / "bert.pt").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+_INPUTS = {"mlp": ((4,), "features"), "bert-micro": ((8,), "tokens"), "gpt2-micro": ((8,), "tokens")}
+
+
+def _build(name="mlp", **kwargs):
+    shape, kind = _INPUTS.get(name, ((3, 8, 8), "image"))
+    kwargs.setdefault("input_shape", shape)
+    kwargs.setdefault("input_kind", kind)
+    return models.build_model(name, **kwargs)
+
+
+@pytest.mark.parametrize("hidden,error,match", [("64", TypeError, "hidden must be a sequence of ints"),
+                                                (64, TypeError, "hidden must be a sequence of ints"),
+                                                ((2.7,), ValueError, r"hidden\[0\] must be an int ≥ 1, got 2.7"),
+                                                ((8, 0), ValueError, r"hidden\[1\] must be an int ≥ 1, got 0"),
+                                                ((-5,), ValueError, r"hidden\[0\] must be an int ≥ 1")])
+def test_mlp_widths_it_would_coerce_are_refused(hidden, error, match):
+    """'64' used to build widths (6, 4), 2.7 a width of 2."""
+    with pytest.raises(error, match=match):
+        _build(hidden=hidden)
+
+
+@pytest.mark.parametrize("num_classes", [2.7, "3", True, 0, 1, -3])
+def test_a_classifier_needs_an_int_number_of_classes_of_at_least_two(num_classes):
+    with pytest.raises(ValueError, match="num_classes must be an int ≥ 2"):
+        _build(num_classes=num_classes)
+
+
+def test_a_language_model_takes_one_class_since_it_reads_no_labels():
+    assert _build("gpt2-micro", num_classes=1, vocab_size=100).config.vocab_size == 128
+
+
+@pytest.mark.parametrize("builder,name", [(lambda: models.mlp(4, 0), "num_classes"),
+                                          (lambda: models.mlp(0, 2), "in_features"),
+                                          (lambda: models.cnn(3, 2, width=-1), "width"),
+                                          (lambda: models.resnet18_gn(-1), "num_classes"),
+                                          (lambda: models.bert("micro", num_labels=0), "num_labels"),
+                                          (lambda: models.vit("micro", image_size=0), "image_size")])
+def test_the_builders_refuse_sizes_below_one_by_name(builder, name):
+    with pytest.raises(ValueError, match=f"{name} must be an int ≥ 1"):
+        builder()
+
+
+@pytest.mark.parametrize("shape,error,match", [("4", TypeError, "input_shape must be a sequence of ints"),
+                                               (4, TypeError, "input_shape must be a sequence of ints"),
+                                               ((2.5,), ValueError, r"input_shape\[0\] must be an int ≥ 1"),
+                                               ((0,), ValueError, r"input_shape\[0\] must be an int ≥ 1"),
+                                               ((), ValueError, "input_shape is empty")])
+def test_an_input_shape_that_is_not_positive_ints_is_refused(shape, error, match):
+    with pytest.raises(error, match=match):
+        _build(input_shape=shape)
+
+
+@pytest.mark.parametrize("name,shape,match", [("resnet18-gn", (3,), r"3 entries \(C, H, W\)"),
+                                              ("vit-micro", (3, 8), r"3 entries \(C, H, W\)"),
+                                              ("cnn", (3, 8, 8, 2), r"3 entries \(C, H, W\)"),
+                                              ("cnn", (0, 8, 8), r"input_shape\[0\] must be an int ≥ 1"),
+                                              ("bert-micro", (4, 4), r"1 entry \(T,\)")])
+def test_an_input_shape_of_the_wrong_length_for_its_kind_is_refused(name, shape, match):
+    with pytest.raises(ValueError, match=match):
+        _build(name, input_shape=shape)
+
+
+@pytest.mark.parametrize("layers,error,match", [((0, 2, 2, 2), ValueError, r"layers\[0\] must be an int ≥ 1"),
+                                                ((2, 2), ValueError, "layers must have 4 entries"),
+                                                (2, TypeError, "layers must be a sequence of ints")])
+def test_resnet_layers_must_be_four_positive_block_counts(layers, error, match):
+    """(0, 2, 2, 2) used to build one block in the first stage."""
+    with pytest.raises(error, match=match):
+        _build("resnet18-gn", layers=layers)
+
+
+@pytest.mark.parametrize("name,options,match", [
+    ("mlp", dict(widht=3), "model 'mlp' has no option 'widht'"),
+    ("cnn", dict(hidden=(3,)), "model 'cnn' has no option 'hidden'"),
+    ("bert-micro", dict(hiden_size=8), "BertConfig has no field 'hiden_size'"),
+    ("gpt2-micro", dict(n_embdd=8), "GPT2Config has no field 'n_embdd'")])
+def test_an_option_the_model_does_not_read_is_refused_naming_it(name, options, match):
+    """A misspelled Hugging Face field was kept by the config and the default model built."""
+    with pytest.raises(ValueError, match=match):
+        _build(name, **options)
+
+
+@pytest.mark.parametrize("vocab_size", [0, -5, "200", 200.5])
+def test_a_vocabulary_size_that_is_not_a_positive_int_is_refused(vocab_size):
+    with pytest.raises(ValueError, match="vocab_size must be an int ≥ 1"):
+        _build("bert-micro", vocab_size=vocab_size)
+
+
+def test_a_vocabulary_size_is_accepted_by_models_that_do_not_read_it():
+    """`pdpfast train` passes the data's vocab_size for every model; only token models compare it."""
+    assert _build(vocab_size=10)(torch.randn(2, 4)).shape == (2, 2)
+
+
+@pytest.mark.parametrize("input_kind", ["bogus", None])
+def test_an_unknown_input_kind_names_the_argument_and_its_choices(input_kind):
+    with pytest.raises(ValueError, match="input_kind must be one of 'features', 'image', 'tokens'"):
+        _build(input_kind=input_kind)
+
+
+@pytest.mark.parametrize("name", [["mlp"], None])
+def test_a_model_name_that_is_not_a_string_is_refused(name):
+    with pytest.raises(TypeError, match="model name must be a string"):
+        models.model_spec(name)
+
+
+@pytest.mark.parametrize("options,error,match", [(dict(inputs="features"), TypeError, "inputs must be a tuple"),
+                                                 (dict(inputs=("text",)), ValueError, "inputs must be one of"),
+                                                 (dict(inputs=("features",), task="regress"), ValueError,
+                                                  "task must be one of 'classification', 'lm'")])
+def test_register_model_refuses_inputs_or_a_task_it_would_misread(options, error, match):
+    """inputs="features" used to register the kinds 'f', 'e', 'a', ..."""
+    with pytest.raises(error, match=match):
+        models.register_model("probe-model", **options)
+    assert "probe-model" not in models.model_names()
