@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ._checks import check_delta, check_in_range, check_int, check_positive
+from ._checks import as_float_array, check_choice, check_delta, check_in_range, check_int, check_positive
 
 AUDITED_METHODS = ("sample", "scale", "hybrid", "dpsgd", "non-private")
 BROKEN = (None, "no-clipping", "no-noise")
@@ -52,14 +52,18 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     most f(v) + 2mδ · max_{1≤i≤v} (f(v−i) − f(v)) / i.
 
     Args:
-        m: canaries; r: guesses; v: correct guesses; epsilon, delta: the (ε, δ) tested.
+        m: canaries; r: guesses; v: correct guesses (ints, 0 ≤ v ≤ r ≤ m); epsilon: the ε tested, finite
+            and ≥ 0; delta: the δ tested, in [0, 1) (0: pure ε-DP).
     Returns:
         that bound on the probability, in [0, 1].
+    Raises:
+        ValueError (TypeError for a value that is not a number) naming the argument that is out of range.
     """
     from scipy.stats import binom
 
-    if not 0 <= v <= r <= m:
-        raise ValueError(f"need 0 ≤ v ≤ r ≤ m, got m={m}, r={r}, v={v}")
+    _check_counts(m, r, v)
+    epsilon = check_in_range("epsilon", epsilon, low=0.0, low_open=False)
+    delta = _check_test_delta(delta)
     q = 1.0 / (1.0 + math.exp(-epsilon))
     tail = binom.sf(v - 1, r, q)  # f(v)
     worst = 0.0
@@ -69,14 +73,33 @@ def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     return float(min(1.0, tail + 2.0 * m * delta * worst))
 
 
+def _check_counts(m, r, v) -> None:
+    for name, value in (("m", m), ("r", r), ("v", v)):
+        check_int(name, value, 0)
+    if not v <= r <= m:
+        raise ValueError(f"need 0 ≤ v ≤ r ≤ m, got m={m}, r={r}, v={v}")
+
+
+def _check_test_delta(delta) -> float:
+    # δ = 0 is pure ε-DP, a valid hypothesis here (unlike a δ a mechanism is calibrated to); a
+    # negative δ would shrink Theorem 3's correction term and inflate the bound
+    return check_in_range("delta", delta, low=0.0, high=1.0, low_open=False, high_open=True)
+
+
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: float = 0.05) -> float:
     """The audit's lower bound.
 
     Args:
-        m: canaries; r: guesses; v: correct guesses; delta: δ; significance: of the test.
+        m: canaries; r: guesses; v: correct guesses (ints, 0 ≤ v ≤ r ≤ m); delta: δ in [0, 1);
+            significance: of the test, in (0, 1) (at 1 every ε would be "rejected").
     Returns:
         the largest ε that v correct out of r reject at ``significance`` (0 if none).
+    Raises:
+        ValueError (TypeError for a value that is not a number) naming the argument that is out of range.
     """
+    _check_counts(m, r, v)
+    _check_test_delta(delta)
+    significance = check_in_range("significance", significance, low=0.0, high=1.0, high_open=True)
     if r == 0 or p_value(m, r, v, 0.0, delta) > significance:
         return 0.0
     low, high = 0.0, 1.0
@@ -96,12 +119,32 @@ def guess_and_bound(scores: np.ndarray, included: np.ndarray, delta: float, conf
     """Guess which canaries were included and bound ε from the guesses.
 
     Args:
-        scores: (m,) one per canary (higher: more likely included); included: (m,) bool, the truth;
-            delta: δ; confidence: of the bound; fractions: the k/m tried (Bonferroni over them).
+        scores: (m,) numbers, one per canary (higher: more likely included), m ≥ 2; included: (m,)
+            bool, the truth; delta: δ in [0, 1); confidence: of the bound, in (0, 1); fractions: the
+            k/m tried (Bonferroni over them), a non-empty sequence of numbers in (0, 1].
     Returns:
         (ε lower bound, correct, guesses) of the best k: "in" for the top k/2 scores, "out" for the
         bottom k/2.
+    Raises:
+        ValueError (TypeError for values of the wrong kind) naming the argument: scores and included
+        of other shapes or lengths, fewer than 2 canaries (no guess either way), ``included`` not
+        booleans (0/1 would be read as indices), or a number out of range.
     """
+    scores = as_float_array("scores", scores)
+    included = np.asarray(included)
+    if included.dtype.kind != "b":
+        raise TypeError(f"included must be an array of booleans (True: the canary was included), "
+                        f"got dtype {included.dtype}")
+    if scores.ndim != 1 or included.shape != scores.shape:
+        raise ValueError(f"scores and included must be 1-D with one entry per canary, got shapes "
+                         f"{scores.shape} and {included.shape}")
+    if len(scores) < 2:
+        raise ValueError(f"scores must have at least 2 canaries (one guessed in, one out), got {len(scores)}")
+    _check_test_delta(delta)
+    confidence = check_in_range("confidence", confidence, low=0.0, high=1.0, high_open=True)
+    if isinstance(fractions, (str, bytes)) or not hasattr(fractions, "__len__") or len(fractions) == 0:
+        raise ValueError(f"fractions must be a non-empty sequence of numbers in (0, 1], got {fractions!r}")
+    fractions = [check_in_range(f"fractions[{i}]", f, low=0.0, high=1.0) for i, f in enumerate(fractions)]
     m = len(scores)
     order = np.argsort(-scores, kind="stable")
     significance = (1.0 - confidence) / len(fractions)
@@ -202,7 +245,14 @@ def canaries(m: int, features: int, classes: int, groups: int, scale: float, see
     Returns:
         (x (m, features + m) float32, y (m,) int64 tensor, group (m,) int numpy array,
         included (m,) bool numpy array).
+    Raises:
+        ValueError naming the argument: counts below 1 (features below 0), a scale not finite and
+        > 0 (a canary at 0 is no canary: the audit would "pass" on it), a negative seed.
     """
+    for name, value, least in (("m", m, 1), ("features", features, 0), ("classes", classes, 1),
+                               ("groups", groups, 1), ("seed", seed, 0)):
+        check_int(name, value, least)
+    scale = check_positive("scale", scale)
     rng = np.random.default_rng(seed)
     x = torch.zeros(m, features + m)
     x[torch.arange(m), features + torch.arange(m)] = scale
@@ -225,6 +275,16 @@ def audit_model(inputs: int, hidden: int = 128, classes: int = 10) -> nn.Sequent
     return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
 
 
+def _check_group_epsilons(values) -> tuple[float, ...]:
+    """ε per privacy group: a non-empty sequence of finite numbers > 0 (not a string, not booleans)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"group_epsilons must be a sequence of budgets ε, one per privacy group, got "
+                        f"{type(values).__name__} {values!r}")
+    if len(values) == 0:
+        raise ValueError("group_epsilons is empty; give one budget ε per privacy group")
+    return tuple(check_positive(f"group_epsilons[{i}]", v) for i, v in enumerate(values))
+
+
 def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_epsilons, delta: float, epochs: int,
                  batch_size: int, lr: float, seed: int, broken: str | None = None, progress=None,
                  confidence: float = 0.95) -> list[AuditRow]:
@@ -243,16 +303,18 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
     Returns:
         one :class:`AuditRow` per privacy group (a single row for all canaries when non-private).
     Raises:
-        ValueError for an unknown method or broken variant.
+        ValueError for an unknown method or broken variant, or group_epsilons that are not budgets. A batch
+        size above the records (data and canaries) is capped (q = 1) with a warning, as in ``pdpfast train``.
     """
     from .accounting import calibrate
+    from .demo import capped_batch_size
     from .engine import PrivacyEngine
     from .loop import Task, private_steps
 
     if method not in AUDITED_METHODS:
         raise ValueError(f"method must be one of {', '.join(AUDITED_METHODS)}, got {method!r}")
-    if broken not in BROKEN:
-        raise ValueError(f"broken must be one of {BROKEN}, got {broken!r}")
+    check_choice("broken", broken, BROKEN)
+    group_epsilons = _check_group_epsilons(group_epsilons)
     x_tr, y_tr = data
     cx, cy, cgroup, included = canary_set
     x_tr = nn.functional.pad(x_tr, (0, cx.shape[1] - x_tr.shape[1]))  # real records: 0 on canary inputs
@@ -261,6 +323,7 @@ def audit_method(method: str, data, budgets: np.ndarray, canary_set, *, group_ep
     canary_budgets = np.asarray(group_epsilons, dtype=np.float64)[cgroup]
     all_budgets = np.concatenate([budgets, canary_budgets])
     n = len(x)
+    batch_size = capped_batch_size(batch_size, n)
     sample_rate = batch_size / n
     steps = epochs * round(1 / sample_rate)
     private = method != "non-private"
@@ -311,12 +374,15 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     """The default audit: the demo's task (digits, groups at ε = 1/2/3, δ = 1e-5), every method.
 
     Args:
-        methods: which of ``AUDITED_METHODS`` to run, one training run each.
+        methods: which of ``AUDITED_METHODS`` to run, one training run each (a non-empty sequence, each
+            name once; all are checked before the first run).
         canaries_count: m, an int ≥ 2 per group.
-        group_epsilons: ε per group; the real records get budgets drawn uniformly from them.
+        group_epsilons: ε per group, a non-empty sequence of finite numbers > 0; the real records get
+            budgets drawn uniformly from them.
         delta: δ.
-        epochs, batch_size, lr, seed: of every run (batch_size: expected records per step).
-        canary_scale: a canary's value on its own input.
+        epochs, batch_size, lr, seed: of every run (batch_size: expected records per step, capped at the
+            records with a warning; seed: an int in [0, 2**32 − 1], as scikit-learn's split takes).
+        canary_scale: a canary's value on its own input, finite and > 0.
         broken: a deliberately broken variant ("no-noise", "no-clipping") or None.
         confidence: of the bounds, in (0, 1).
         quiet: no progress bars.
@@ -326,24 +392,31 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
     Returns:
         {"delta", "confidence", "broken", "seconds" (wall time of the runs), "rows": [AuditRow as dict, ...]}.
     Raises:
-        ValueError for too few canaries, a confidence outside (0, 1), a negative seed, epochs or batch_size
-        below 1, lr ≤ 0 or δ outside (0, 1), or as :func:`audit_method`.
+        ValueError (TypeError for a value of the wrong kind) before any training: an unknown, repeated or no
+        method, group_epsilons that are not budgets, too few canaries, a confidence outside (0, 1), a seed
+        outside [0, 2**32 − 1], epochs or batch_size below 1, lr or canary_scale not finite and > 0, δ
+        outside (0, 1), an unknown broken variant.
     """
     from tqdm.auto import tqdm
 
-    from .demo import load_digits_split, torch_threads
+    from .demo import capped_batch_size, check_method_names, load_digits_split, torch_threads
 
+    methods = check_method_names("methods", methods, AUDITED_METHODS)
+    group_epsilons = _check_group_epsilons(group_epsilons)
     if check_int("canaries_count", canaries_count, 0) < 2 * len(group_epsilons):
         raise ValueError(f"canaries_count must be an int ≥ 2 per group, got {canaries_count!r}")
     confidence = check_in_range("confidence", confidence, low=0.0, high=1.0, high_open=True)
-    check_int("seed", seed, 0)
+    check_int("seed", seed, 0, maximum=2 ** 32 - 1)    # scikit-learn's random_state takes no more
     check_int("epochs", epochs, 1)
     check_int("batch_size", batch_size, 1)
     check_positive("lr", lr)
+    check_positive("canary_scale", canary_scale)
     check_delta("delta", delta)
+    check_choice("broken", broken, BROKEN)
     if threads is not None:
         check_int("threads", threads, 0)
     x_tr, y_tr, _, _ = load_digits_split(seed)
+    batch_size = capped_batch_size(batch_size, len(x_tr) + canaries_count)
     rng = np.random.default_rng(seed)
     budgets = rng.choice(np.asarray(group_epsilons, dtype=np.float64), size=len(x_tr))
     canary_set = canaries(canaries_count, x_tr.shape[1], 10, len(group_epsilons), canary_scale, seed + 1)
@@ -359,6 +432,12 @@ def run_audit(*, methods=AUDITED_METHODS, canaries_count: int = 3000, group_epsi
             "rows": [asdict(r) for r in rows]}
 
 
+def _check_result(result, keys=("rows", "delta", "confidence")) -> None:
+    missing = [k for k in keys if not isinstance(result, dict) or k not in result]
+    if missing:
+        raise ValueError(f"result must be what run_audit returns; it has no {', '.join(map(repr, missing))}")
+
+
 def format_table(result: dict) -> str:
     """The audit as a table.
 
@@ -366,7 +445,10 @@ def format_table(result: dict) -> str:
         result: from :func:`run_audit`.
     Returns:
         a Markdown table, one row per method and group, with a line on δ and the confidence.
+    Raises:
+        ValueError naming ``result`` if it lacks the keys :func:`run_audit` returns.
     """
+    _check_result(result)
     lines = ["| method | group budget ε | certified ε | ε lower bound | correct / guesses | canaries |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
@@ -383,16 +465,23 @@ def plot(result: dict, path) -> None:
 
     Args:
         result: from :func:`run_audit`.
-        path: the image: lower bound against budget per group, one series per method, with the line
-            bound = budget.
+        path: the image (written atomically, in the format its suffix names): lower bound against budget
+            per group, one series per method, with the line bound = budget.
     Returns:
         None.
+    Raises:
+        ValueError naming ``result`` if it lacks the keys :func:`run_audit` returns, or naming ``path``
+        as :func:`pdpfast.plots.check_image_path` does.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .plots import atomic_path, check_image_path
+
+    _check_result(result, ("rows", "confidence"))
+    image_format = check_image_path(path)
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = result["rows"]
     budgets = sorted({r["group_budget"] for r in rows if r["group_budget"] is not None})
@@ -410,5 +499,6 @@ def plot(result: dict, path) -> None:
     ax.set_title("One-run privacy audit per privacy group")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=image_format, dpi=120)
     plt.close(fig)

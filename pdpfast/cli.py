@@ -37,6 +37,44 @@ def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | No
     return EXIT_ERROR
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(args):
+    """Warnings the API raises while the block runs, printed as they come, one line each
+    (``pdpfast <command>: warning: ...``, in the options' words) rather than as Python's file:line report."""
+    import warnings
+
+    from ._options import as_option_words
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = as_option_words(build_parser(), args, " ".join(str(message).split()))
+        print(f"pdpfast {args.command}: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():     # restores showwarning on leaving
+        warnings.showwarning = show
+        yield
+
+
+def _method_names(text: str | None, default, known) -> tuple:
+    """--methods as given (comma-separated; blanks between commas skipped), or ``default`` when not given."""
+    from .demo import check_method_names
+
+    if text is None:
+        return tuple(default)
+    return check_method_names("--methods", [m.strip() for m in text.split(",") if m.strip()], known)
+
+
+def _output_directory(out: str, names, what: str) -> Path:
+    """Check --out (a directory) and the files a command will write into it, before any work."""
+    from ._io import check_output_path
+
+    directory = Path(out)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--out {out!r} is a file; give a directory for {what}")
+    for name in names:
+        check_output_path(directory / name, "--out")
+    return directory
+
+
 # ---------------------------------------------------------------------------------------------- demo
 def _demo(args) -> int:
     from .demo import (
@@ -51,26 +89,26 @@ def _demo(args) -> int:
     )
     from .plots import Staging
 
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if args.adaptive:
-        return _demo_adaptive(args, methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    for name in ("epochs", "seeds", "rounds", "batch_size"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a file; give a directory for the plots and results.json")
+        return _demo_adaptive(args)
+    methods = _method_names(args.methods, METHODS, METHODS)
+    if args.rounds is not None and "pdp" not in methods:
+        raise ValueError("--rounds is for PDP-SGD (method pdp), which --methods does not include")
+    rounds, accountant = (2 if args.rounds is None else args.rounds), (args.accountant or "rdp")
+    for name, value in (("epochs", args.epochs), ("seeds", args.seeds), ("rounds", rounds),
+                        ("batch-size", args.batch_size)):
+        if value <= 0:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
+    out = _output_directory(args.out, ("accuracy.png", "epsilon.png", "results.json"), "the plots and results.json")
     print(f"pdpfast demo: digits, privacy groups "
           f"{', '.join(f'{f:.0%} at ε={e:g}' for f, e in zip(GROUP_FRACTIONS, GROUP_EPSILONS))}, δ={DELTA:g}; "
-          f"{args.epochs} epochs, {args.seeds} seed(s)" + (f", PDP-SGD in {args.rounds} rounds" if "pdp" in methods
+          f"{args.epochs} epochs, {args.seeds} seed(s)" + (f", PDP-SGD in {rounds} rounds" if "pdp" in methods
                                                             else ""), flush=True)
     start = time.perf_counter()
-    results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, progress=not args.quiet,
-                       rounds=args.rounds, threads=args.threads, lr=args.lr, batch_size=args.batch_size,
-                       accountant=args.accountant)
+    with _warnings_as_lines(args):
+        results = run_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods,
+                           progress=not args.quiet, rounds=rounds, threads=args.threads, lr=args.lr,
+                           batch_size=args.batch_size, accountant=accountant)
     print(format_results(results))
     with Staging() as staging:
         accuracy_png, epsilon_png, summary = (out / "accuracy.png", out / "epsilon.png", out / "results.json")
@@ -81,22 +119,31 @@ def _demo(args) -> int:
     return 0
 
 
-def _demo_adaptive(args, methods) -> int:
+def _demo_adaptive(args) -> int:
+    from .demo import METHODS as DEMO_METHODS
     from .demo_adaptive import METHODS, VARIANTS, adaptive_json, format_adaptive, run_adaptive_demo, save_adaptive_plot
     from .plots import Staging
 
-    methods = tuple(m for m in methods if m in METHODS) or METHODS   # dpsgd / pdp have no adaptive variant
-    for name in ("epochs", "seeds", "batch_size"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a file; give a directory for the plot and adaptive.json")
+    if args.methods is not None:
+        without = [m.strip() for m in args.methods.split(",") if m.strip() in DEMO_METHODS and m.strip() not in METHODS]
+        if without:
+            raise ValueError(f"--methods: {', '.join(without)} {'has' if len(without) == 1 else 'have'} no adaptive "
+                             f"variant; with --adaptive choose from {', '.join(METHODS)}")
+    methods = _method_names(args.methods, METHODS, METHODS)
+    if args.rounds is not None:
+        raise ValueError("--rounds is for PDP-SGD, which --adaptive does not run")
+    if args.accountant is not None:
+        raise ValueError("--accountant is not read by --adaptive, whose plans are calibrated with RDP")
+    for name, value in (("epochs", args.epochs), ("seeds", args.seeds), ("batch-size", args.batch_size)):
+        if value <= 0:
+            raise ValueError(f"--{name} must be a positive integer, got {value}")
+    out = _output_directory(args.out, ("adaptive.png", "adaptive.json"), "the plot and adaptive.json")
     print(f"pdpfast demo --adaptive: digits, ε = 1/2/3; {', '.join(methods)} × {', '.join(VARIANTS)}; "
           f"{args.epochs} epochs, {args.seeds} seed(s)", flush=True)
     start = time.perf_counter()
-    runs = run_adaptive_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, lr=args.lr,
-                             batch_size=args.batch_size, threads=args.threads, progress=not args.quiet)
+    with _warnings_as_lines(args):
+        runs = run_adaptive_demo(epochs=args.epochs, seeds=tuple(range(args.seeds)), methods=methods, lr=args.lr,
+                                 batch_size=args.batch_size, threads=args.threads, progress=not args.quiet)
     print(format_adaptive(runs))
     with Staging() as staging:
         png, summary = out / "adaptive.png", out / "adaptive.json"
@@ -104,6 +151,7 @@ def _demo_adaptive(args, methods) -> int:
         Path(staging.path(summary)).write_text(json.dumps(adaptive_json(runs), indent=1))
         staging.commit()
     print(f"plot: {png}; results: {summary}; total {time.perf_counter() - start:.0f}s")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- audit
@@ -112,18 +160,13 @@ def _audit(args) -> int:
     from .demo import GROUP_EPSILONS
     from .plots import Staging
 
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in AUDITED_METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(AUDITED_METHODS)}")
+    methods = _method_names(args.methods, AUDITED_METHODS, AUDITED_METHODS)
     if args.epochs <= 0:
         raise ValueError("--epochs must be a positive integer")
     if args.canaries < 2 * len(GROUP_EPSILONS):
         raise ValueError(f"--canaries must be at least {2 * len(GROUP_EPSILONS)} (2 per privacy group), "
                          f"got {args.canaries}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {args.out!r} is a file; give a directory for audit.json and audit.png")
+    out = _output_directory(args.out, ("audit.json", "audit.png"), "audit.json and audit.png")
     if not args.quiet:
         print(f"pdpfast audit: digits, groups at ε = 1/2/3, δ = 1e-5, {args.canaries} canaries, "
               f"methods {', '.join(methods)}", flush=True)
@@ -193,6 +236,7 @@ def _calibrate(args) -> int:
 
     plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
     outputs = {"--out": check_output_path(args.out, "--out"), "--plot": check_output_path(plot, "--plot")}
+    plots.check_image_path(plot, "--plot")      # the suffix picks the format: checked before calibrating
     if outputs["--out"] == outputs["--plot"]:
         raise ValueError("--out and --plot name the same file; give each its own path")
     if args.sample_rate is not None and args.batch_size is not None:
@@ -313,6 +357,7 @@ def _bench(args) -> int:
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if check_output_path(out, "--out") == check_output_path(plot, "--plot"):
         raise ValueError("--out and --plot name the same file; give each its own path")
+    plots.check_image_path(plot, "--plot")     # its suffix picks the format: refused now, not after the run
     with plots.Staging() as staging:
         tmp_json = staging.path(out)
         module = _import_bench("bench_cpu" if suite == "cpu" else "bench_e2e")
@@ -394,11 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "table and writes accuracy.png, epsilon.png and results.json into --out.")
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over (default 3)")
-    demo.add_argument("--methods", default=",".join(DEMO_METHODS),
-                      help=f"private methods, comma-separated (default {','.join(DEMO_METHODS)})")
-    demo.add_argument("--rounds", type=int, default=2, help="PDP-SGD rounds (default 2)")
-    demo.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
-                      help="accountant that calibrates the dpsgd/sample/scale/hybrid plans (default rdp)")
+    # --methods, --rounds and --accountant default to None so that --adaptive can tell them given
+    demo.add_argument("--methods",
+                      help=f"private methods, comma-separated, each once (default {','.join(DEMO_METHODS)}; "
+                           "with --adaptive: sample,scale,hybrid)")
+    demo.add_argument("--rounds", type=int, help="PDP-SGD rounds (default 2; needs pdp in --methods)")
+    demo.add_argument("--accountant", choices=("rdp", "pld"),
+                      help="accountant that calibrates the dpsgd/sample/scale/hybrid plans (default rdp; not "
+                           "with --adaptive)")
     demo.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
     demo.add_argument("--lr", type=float, default=0.2, help="private learning rate (non-private uses lr/5)")
     demo.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = torch's default)")
@@ -518,8 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Steinke, Nasr & Jagielski's one-run audit on the demo's task: canaries per "
                                        "privacy group, one training run per method, an empirical lower bound on ε "
                                        "per group (it must stay below the group's certified ε).")
-    audit.add_argument("--methods", default="sample,scale,hybrid,dpsgd,non-private",
-                       help="comma-separated, from sample, scale, hybrid, dpsgd, non-private")
+    audit.add_argument("--methods",
+                       help="comma-separated, each once, from sample, scale, hybrid, dpsgd, non-private (default: all)")
     audit.add_argument("--canaries", type=int, default=3000, help="number of canaries (default 3000)")
     audit.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     audit.add_argument("--confidence", type=float, default=0.95, help="of the lower bounds (default 0.95)")

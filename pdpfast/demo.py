@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,49 @@ DELTA = 1e-5
 METHODS = ("dpsgd", "sample", "scale", "hybrid", "pdp")
 NAMES = {"non-private": "non-private", "dpsgd": "DP-SGD (ε=1 for all)", "sample": "IDP Sample",
          "scale": "IDP Scale", "hybrid": "IDP hybrid", "pdp": "PDP-SGD"}
+
+
+def check_method_names(name: str, given, known, *, allow_empty: bool = False) -> tuple:
+    """Check a choice of methods (or variants) before any run starts.
+
+    Args:
+        name: the argument, as the message names it ("methods"); given: a sequence of names (not one
+            string, which would read as its characters); known: the allowed names; allow_empty: whether
+            no name at all is a valid choice.
+    Returns:
+        the names, as a tuple in the given order.
+    Raises:
+        TypeError for a string or a non-sequence; ValueError naming ``name`` for unknown names, a name
+        given twice (its runs would be mixed into one), or no name when ``allow_empty`` is false.
+    """
+    if isinstance(given, (str, bytes)) or not hasattr(given, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of names from {', '.join(known)}, got {given!r}")
+    names = tuple(given)
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise ValueError(f"{name}: unknown {', '.join(map(str, unknown))}; choose from {', '.join(known)}")
+    twice = [m for m in dict.fromkeys(names) if names.count(m) > 1]
+    if twice:
+        raise ValueError(f"{name} must name each once; repeated: {', '.join(twice)}")
+    if not names and not allow_empty:
+        raise ValueError(f"{name} must not be empty; choose from {', '.join(known)}")
+    return names
+
+
+def capped_batch_size(batch_size: int, n: int) -> int:
+    """The expected batch size, at most the number of records: like ``pdpfast train``, a batch size
+    above the data caps the sampling rate at q = 1 (every record in every step), with a warning.
+
+    Args:
+        batch_size: the expected batch size asked for (checked by the caller); n: the records.
+    Returns:
+        min(batch_size, n).
+    """
+    if batch_size > n:
+        warnings.warn(f"batch_size {batch_size} exceeds the {n} training records: the sampling rate is capped at "
+                      f"q = 1 (every record in every step, expected batch {n})", stacklevel=3)
+        return n
+    return batch_size
 
 
 def load_digits_split(seed: int = 0):
@@ -210,6 +254,7 @@ def train_private(data, budgets: np.ndarray, *, method: str, epochs: int, batch_
 
     x_tr, y_tr, x_te, y_te = data
     n = len(x_tr)
+    batch_size = capped_batch_size(batch_size, n)
     sample_rate = batch_size / n
     steps = epochs * round(1 / sample_rate)
     torch.manual_seed(seed)
@@ -271,7 +316,7 @@ def demo_task(epochs, seeds, *, batch_size=128, lr=0.2, threads=1):
 
     Args:
         epochs: a positive int.
-        seeds: a non-empty sequence.
+        seeds: a non-empty sequence of ints ≥ 0 (all checked here, before the first run).
         batch_size: a positive int; lr: a finite number > 0; threads: None or an int ≥ 0.
     Returns:
         (data from :func:`load_digits_split`, (N,) budgets from :func:`assign_budgets`).
@@ -283,8 +328,12 @@ def demo_task(epochs, seeds, *, batch_size=128, lr=0.2, threads=1):
     check_positive("lr", lr)
     if threads is not None:
         check_int("threads", threads, 0)
-    if not seeds:
+    if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
+        raise TypeError(f"seeds must be a sequence of ints ≥ 0 (one run per seed), got {seeds!r}")
+    if len(seeds) == 0:
         raise ValueError("seeds must not be empty")
+    for i, seed in enumerate(seeds):
+        check_int(f"seeds[{i}]", seed, 0)
     data = load_digits_split()
     return data, assign_budgets(len(data[0]))
 
@@ -301,20 +350,24 @@ def run_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.2, seeds=
         progress: bars.
         threads: torch threads for the run (1 by default: the model is tiny, and more threads only
             contend on a shared machine); None or 0 leaves torch's setting.
-        eval_every: steps between curve points (default: about 60 points per run).
+        eval_every: steps between curve points, an int ≥ 1 (None, the default: about 60 points per run).
         accountant: "rdp" or "pld" for the plans of DP-SGD and the IDP methods.
     Returns:
         {method: [RunResult per seed]}, "non-private" first.
     Raises:
-        ValueError for an unknown method or accountant, or as :func:`demo_task`.
+        ValueError for an unknown or repeated method (none: only the non-private runs), an unknown accountant,
+        rounds or eval_every below 1, or as :func:`demo_task`. A batch size above the training records is
+        capped (q = 1) with a warning, as in ``pdpfast train``.
     """
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    methods = check_method_names("methods", methods, METHODS, allow_empty=True)
     if accountant not in ("rdp", "pld"):
         raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
     check_flag("progress", progress)
+    check_int("rounds", rounds, 1)
+    if eval_every is not None:
+        check_int("eval_every", eval_every, 1)
     data, budgets = demo_task(epochs, seeds, batch_size=batch_size, lr=lr, threads=threads)
+    batch_size = capped_batch_size(batch_size, len(data[0]))
     steps = epochs * round(len(data[0]) / batch_size)
     every = eval_every or max(1, steps // 60)
     results: dict[str, list[RunResult]] = {"non-private": []}

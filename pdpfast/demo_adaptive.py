@@ -22,7 +22,16 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ._checks import check_flag
-from .demo import DELTA, GROUP_EPSILONS, accuracy, demo_task, make_model, torch_threads
+from .demo import (
+    DELTA,
+    GROUP_EPSILONS,
+    accuracy,
+    capped_batch_size,
+    check_method_names,
+    demo_task,
+    make_model,
+    torch_threads,
+)
 from .loop import Task, private_steps
 
 METHODS = ("sample", "scale", "hybrid")
@@ -82,6 +91,7 @@ def train_variant(data, budgets, *, method: str, variant: str, epochs: int, batc
     import pdpfast
 
     x_tr, y_tr, x_te, y_te = data
+    batch_size = capped_batch_size(batch_size, len(x_tr))
     sample_rate = batch_size / len(x_tr)
     steps = epochs * round(1 / sample_rate)
     clip, adaptive, schedule = _settings(variant, steps)
@@ -117,14 +127,14 @@ def run_adaptive_demo(*, epochs: int = 10, batch_size: int = 128, lr: float = 0.
     Returns:
         [AdaptiveRun] for every (method, variant, seed).
     Raises:
-        ValueError for an unknown method or variant, or as ``demo.demo_task``.
+        ValueError for an unknown or repeated method or variant, no method or variant, or as
+        ``demo.demo_task``. A batch size above the training records is capped (q = 1) with a warning.
     """
-    for name, given, known in (("method", methods, METHODS), ("variant", variants, VARIANTS)):
-        unknown = [m for m in given if m not in known]
-        if unknown:
-            raise ValueError(f"unknown {name}(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    methods = check_method_names("methods", methods, METHODS)
+    variants = check_method_names("variants", variants, VARIANTS)
     check_flag("progress", progress)
     data, budgets = demo_task(epochs, seeds, batch_size=batch_size, lr=lr, threads=threads)
+    batch_size = capped_batch_size(batch_size, len(data[0]))
     runs = []
     with torch_threads(threads):
         for method in methods:
@@ -177,19 +187,24 @@ def save_adaptive_plot(runs, path) -> None:
     """Plot the adaptive demo.
 
     Args:
-        runs: from :func:`run_adaptive_demo`.
-        path: the image (PNG, written atomically): grouped bars of test accuracy (mean ± std over
-            seeds) per method and variant.
+        runs: from :func:`run_adaptive_demo`, at least one.
+        path: the image (written atomically, in the format its suffix names): grouped bars of test
+            accuracy (mean ± std over seeds) per method and variant.
     Returns:
         None.
+    Raises:
+        ValueError for no runs, or naming ``path`` as :func:`pdpfast.plots.check_image_path` does.
     """
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from .plots import atomic_path
+    from .plots import atomic_path, check_image_path
 
+    if len(runs) == 0:
+        raise ValueError("runs is empty: there is nothing to plot")
+    image_format = check_image_path(path)
     methods = list(dict.fromkeys(r.method for r in runs))
     variants = list(dict.fromkeys(r.variant for r in runs))
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -208,6 +223,6 @@ def save_adaptive_plot(runs, path) -> None:
     ax.set_title("digits, ε = 1/2/3: fixed vs adaptive clipping, fixed vs decaying noise")
     ax.legend(fontsize=8, ncol=3, loc="lower center")
     fig.tight_layout()
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=image_format, dpi=120)
     plt.close(fig)

@@ -1,7 +1,9 @@
-"""PNG plots for the CLI (matplotlib, Agg backend) and atomic output files.
+"""Plots for the CLI (matplotlib, Agg backend) and atomic output files.
 
 Every writer goes through a temporary file in the destination's directory and ``os.replace``, so
-an output file is either absent or complete, never half-written.
+an output file is either absent or complete, never half-written. A plot is written in the format
+its path's suffix names (``.png``, ``.pdf``, ``.svg``, ...); a path without a suffix matplotlib
+writes is refused before anything is drawn.
 """
 from __future__ import annotations
 
@@ -12,8 +14,21 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["accuracy_curves", "atomic_path", "atomic_write_text", "bench_ratios", "epsilon_curves",
-           "plan_histograms", "Staging"]
+from ._io import check_output_path
+
+__all__ = ["accuracy_curves", "atomic_path", "atomic_write_text", "bench_ratios", "check_image_path",
+           "epsilon_curves", "plan_histograms", "Staging"]
+
+
+def _check_file_path(path, name: str) -> str:
+    """A path a file can be written to (not empty, not a directory, under a writable directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a file path (str or Path), got {type(path).__name__} {path!r}")
+    shown = os.fspath(path)
+    if not shown:
+        raise ValueError(f"{name} is empty; give a file path")
+    check_output_path(shown, name)
+    return shown
 
 
 def _temp_file(directory: Path, name: str, suffix: str) -> str:
@@ -37,8 +52,11 @@ def atomic_path(path, suffix: str = ""):
     Returns:
         a context manager yielding the temporary path (a str, an existing empty file); on leaving the
         block normally it is moved onto ``path`` (``os.replace``), on an error it is removed.
+    Raises:
+        ValueError naming ``path`` for an empty path, a directory, or a parent that is a file or not
+        writable (TypeError if it is not a path), before any file is created.
     """
-    path = Path(path)
+    path = Path(_check_file_path(path, "path"))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_file(path.parent, path.name, suffix or path.suffix)
     try:
@@ -140,11 +158,36 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path) -> None:
+def check_image_path(path, name: str = "path") -> str:
+    """Check where a plot goes, before it is drawn: a file path whose suffix names a format matplotlib
+    writes (the suffix decides the format, so ``x.pdf`` holds a PDF, never PNG bytes).
+
+    Args:
+        path: the image file (str or ``Path``); name: the argument or option, as the message names it.
+    Returns:
+        the format, the suffix in lower case without its dot ("png", "pdf", "svg", ...).
+    Raises:
+        TypeError if ``path`` is not a path; ValueError naming ``name`` for an empty path, a directory,
+        a parent that is a file or not writable (``pdpfast._io.check_output_path``), or a suffix that is
+        missing or names no format matplotlib writes.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    shown = _check_file_path(path, name)
+    suffix = Path(shown).suffix.lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix[1:] not in formats:
+        known = ", ".join(f".{f}" for f in sorted(formats))
+        said = f"suffix {suffix!r}" if suffix else "no suffix"
+        raise ValueError(f"{name} {shown!r} has {said}; the suffix picks the image format, one of {known}")
+    return suffix[1:]
+
+
+def _save(fig, path, image_format: str) -> None:
     plt = _pyplot()
     fig.tight_layout()
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=image_format, dpi=120)
     plt.close(fig)
 
 
@@ -153,13 +196,23 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
 
     Args:
         curves: {method name: [(steps (S,), accuracy (S,)), ...], one pair per seed} (sequences or
-            arrays). Each method's runs are cut to the shortest; empty runs and methods with none are
-            skipped.
-        path: the PNG file to write (atomically).
+            arrays). Each method's runs are cut to the shortest, and must have been evaluated at the
+            same steps up to there (a mean over seeds is taken step by step); empty runs and methods
+            with none are skipped.
+        path: the image file to write (atomically), in the format its suffix names.
         title: the plot's title.
     Returns:
         None.
+    Raises:
+        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`),
+        a run with as many steps as accuracies, or a method whose runs were taken at different steps.
     """
+    image_format = check_image_path(path)
+    for method, runs in curves.items():
+        for k, (steps, accuracies) in enumerate(runs):
+            if len(steps) != len(accuracies):
+                raise ValueError(f"curves[{method!r}], run {k}: {len(steps)} steps but {len(accuracies)} "
+                                 "accuracies; give one accuracy per step")
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, runs in curves.items():
@@ -168,6 +221,11 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
             continue
         length = min(len(r[0]) for r in runs)
         steps = np.asarray(runs[0][0][:length])
+        if any(not np.array_equal(np.asarray(r[0][:length]), steps) for r in runs[1:]):
+            plt.close(fig)
+            raise ValueError(f"curves[{method!r}]: the runs were evaluated at different steps; a mean over "
+                             "seeds needs the same steps in every run (evaluate at the same steps, or plot "
+                             "the runs as separate methods)")
         acc = np.stack([np.asarray(r[1][:length]) for r in runs])
         line, = ax.plot(steps, acc.mean(0), label=method)
         if acc.shape[0] > 1:
@@ -178,7 +236,7 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    _save(fig, path, image_format)
 
 
 def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy group") -> None:
@@ -188,13 +246,23 @@ def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy gro
     Args:
         curves: {method name: (steps (S,), {budget ε: (S,) ε spent, the max over the group's records})};
             methods whose entry is None or has no steps are skipped.
-        path: the PNG file to write (atomically).
+        path: the image file to write (atomically), in the format its suffix names.
         title: the figure's title.
     Returns:
         None.
+    Raises:
+        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`) or
+        a group with another number of values than steps.
     """
-    plt = _pyplot()
+    image_format = check_image_path(path)
     methods = [m for m, c in curves.items() if c is not None and len(c[0])]
+    for method in methods:
+        steps, per_group = curves[method]
+        for budget, spent in per_group.items():
+            if len(spent) != len(steps):
+                raise ValueError(f"curves[{method!r}], budget {budget!r}: {len(steps)} steps but {len(spent)} "
+                                 "values of ε spent; give one per step")
+    plt = _pyplot()
     cols = min(3, max(1, len(methods)))
     rows = max(1, -(-len(methods) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
@@ -214,7 +282,7 @@ def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy gro
     if methods:
         axes[0, 0].legend(fontsize=7)
     fig.suptitle(title)
-    _save(fig, path)
+    _save(fig, path, image_format)
 
 
 def plan_histograms(plan, path) -> None:
@@ -224,10 +292,20 @@ def plan_histograms(plan, path) -> None:
         plan: a ``PrivacyPlan``: its (G,) ``group_sample_rates`` and ``group_clip_norms`` are
             histogrammed with weights ``group_sizes`` (so the counts are records); ``method``,
             ``noise_multiplier``, ``steps`` and ``delta`` go into the title.
-        path: the PNG file to write (atomically).
+        path: the image file to write (atomically), in the format its suffix names.
     Returns:
         None.
+    Raises:
+        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`), a
+        plan without groups, or group arrays of different lengths.
     """
+    image_format = check_image_path(path)
+    sizes = [np.size(a) for a in (plan.group_sample_rates, plan.group_clip_norms, plan.group_sizes)]
+    if sizes[0] == 0:
+        raise ValueError("plan has no groups: there are no sample rates or clip norms to plot")
+    if len(set(sizes)) != 1:
+        raise ValueError(f"plan must have one sample rate, clip norm and size per group, got {sizes[0]}, "
+                         f"{sizes[1]} and {sizes[2]}")
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -244,7 +322,7 @@ def plan_histograms(plan, path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"PrivacyPlan({plan.method}): σ={plan.noise_multiplier:.4g}, {plan.steps} steps, "
                  f"δ={plan.delta:.2g}", fontsize=10)
-    _save(fig, path)
+    _save(fig, path, image_format)
 
 
 def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
@@ -253,14 +331,23 @@ def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
     Args:
         rows: benchmark result dicts with "model", "provider" and ``key``; rows without ``key`` are
             skipped, a missing (model, provider) pair is drawn as NaN (no bar).
-        path: the PNG file to write (atomically).
+        path: the image file to write (atomically), in the format its suffix names.
         key: the row field to plot, e.g. "throughput_ratio_vs_nonprivate".
         title: the plot's title.
     Returns:
         None.
+    Raises:
+        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`), or
+        a row with ``key`` but without "model" or "provider".
     """
-    plt = _pyplot()
+    image_format = check_image_path(path)
+    for i, row in enumerate(rows):
+        missing = [k for k in ("model", "provider") if k not in row]
+        if key in row and missing:
+            raise ValueError(f"rows[{i}] has {key!r} but no {' or '.join(map(repr, missing))}; every plotted row "
+                             "names its model and provider")
     rows = [r for r in rows if key in r]
+    plt = _pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(models) * max(1, len(providers)) / 2), 4))
@@ -275,4 +362,4 @@ def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
-    _save(fig, path)
+    _save(fig, path, image_format)

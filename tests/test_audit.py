@@ -114,3 +114,81 @@ def test_the_audit_table_does_not_depend_on_the_threads_and_the_setting_is_resto
             for t in (1, 2)]
     assert runs[0] == runs[1]
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(delta=-1.0), "delta"), (dict(delta=1.0), "delta"),
+                                         (dict(delta=float("nan")), "delta"), (dict(epsilon=float("nan")), "epsilon"),
+                                         (dict(epsilon=-1.0), "epsilon"), (dict(epsilon=float("inf")), "epsilon"),
+                                         (dict(m=10.5), "m")])
+def test_p_value_refuses_a_hypothesis_outside_what_theorem_3_covers(kwargs, name):
+    """δ = −1 used to be read as 0 (a bound inflated past what the test shows), ε = NaN gave p = 1."""
+    args = dict(m=10, r=4, v=3, epsilon=1.0, delta=1e-5) | kwargs
+    with pytest.raises(ValueError, match=f"^{name} must"):
+        audit.p_value(**args)
+
+
+@pytest.mark.parametrize("significance", [0.0, 1.0, -1.0, float("nan")])
+def test_the_lower_bound_refuses_a_significance_outside_0_1(significance):
+    """At significance 1 every ε is "rejected": the bound came out as 128 whatever the guesses."""
+    with pytest.raises(ValueError, match="significance must lie in"):
+        audit.epsilon_lower_bound(100, 100, 100, 1e-5, significance)
+
+
+@pytest.mark.parametrize("scores,included,kwargs,name", [
+    (np.zeros(10), np.zeros(8, bool), {}, "scores and included"),          # used to fail with an IndexError
+    (np.arange(10.0), np.array([1, 0] * 5), {}, "included"),                # 0/1 read as indices
+    (np.zeros(0), np.zeros(0, bool), {}, "scores"),
+    (np.zeros(1), np.zeros(1, bool), {}, "scores"),
+    (np.arange(10.0), np.array([True, False] * 5), dict(confidence=1.5), "confidence"),
+    (np.arange(10.0), np.array([True, False] * 5), dict(fractions=()), "fractions"),  # ZeroDivisionError
+    (np.arange(10.0), np.array([True, False] * 5), dict(fractions=(2.0,)), "fractions"),
+    (np.arange(10.0), np.array([True, False] * 5), dict(delta=-1e-5), "delta")])
+def test_guessing_refuses_inputs_that_would_give_no_bound_or_a_wrong_one(scores, included, kwargs, name):
+    with pytest.raises((TypeError, ValueError), match=name):
+        audit.guess_and_bound(scores, included, **({"delta": 1e-5} | kwargs))
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(canary_scale=0.0), "canary_scale"), (dict(canary_scale=-5.0), "canary_scale"),
+    (dict(canary_scale=float("nan")), "canary_scale"),                     # all three "passed" with bounds 0
+    (dict(methods=("sample", "bogus")), "methods"),                        # sample used to train first
+    (dict(methods=()), "methods"), (dict(methods=("sample", "sample")), "methods"), (dict(methods="sample"), "methods"),
+    (dict(group_epsilons=()), "group_epsilons"), (dict(group_epsilons=2.0), "group_epsilons"),
+    (dict(group_epsilons=(1.0, -1.0)), "group_epsilons"), (dict(group_epsilons=("1", "2")), "group_epsilons"),
+    (dict(group_epsilons=(1.0, True)), "group_epsilons"), (dict(group_epsilons=(1.0, float("nan"))), "group_epsilons"),
+    (dict(seed=2 ** 40), "seed"),                                          # scikit-learn's error, not naming seed
+    (dict(broken="nonoise"), "broken")])
+def test_an_audit_refuses_bad_settings_before_it_trains_anything(kwargs, name, monkeypatch):
+    def trains(*args, **kw):
+        raise AssertionError("a training run started")
+
+    monkeypatch.setattr(audit, "audit_method", trains)
+    with pytest.raises((TypeError, ValueError), match=name):
+        audit.run_audit(**(dict(canaries_count=30, quiet=True) | kwargs))
+
+
+def test_an_audit_batch_above_the_records_caps_q_at_1_with_a_warning_as_train_does():
+    """It used to fail after loading with "steps must be a positive integer, got 0"."""
+    with pytest.warns(UserWarning, match="batch_size 100000 exceeds the 1467 training records"):
+        result = audit.run_audit(methods=("sample",), canaries_count=30, epochs=1, batch_size=100000, quiet=True)
+    assert [r["group_budget"] for r in result["rows"]] == [1.0, 2.0, 3.0]
+
+
+def test_canaries_at_scale_zero_are_refused_since_they_are_no_canaries():
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        audit.canaries(4, 3, 2, 1, 0.0, seed=0)
+
+
+@pytest.mark.parametrize("call", [lambda: audit.format_table({}), lambda: audit.plot({}, "x.png")])
+def test_a_result_that_is_not_an_audit_is_refused_naming_result(call):
+    with pytest.raises(ValueError, match="result must be what run_audit returns"):
+        call()
+
+
+def test_the_audit_plot_is_written_in_the_format_its_suffix_names(tmp_path):
+    result = {"rows": [{"method": "sample", "group_budget": 1.0, "epsilon_lower_bound": 0.1}], "confidence": 0.95}
+    audit.plot(result, tmp_path / "a.pdf")
+    assert (tmp_path / "a.pdf").read_bytes()[:5] == b"%PDF-"
+    with pytest.raises(ValueError, match="path .* has suffix '.xyz'"):
+        audit.plot(result, tmp_path / "a.xyz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pdf"]

@@ -55,3 +55,12 @@ def test_bench_options_that_would_be_ignored_or_fail_deep_inside_are_refused_fir
     message = cli.fails("bench", *args, "--out", tmp_path / "x.json")
     assert expected in message, message
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("plot,expected", [("b.xyz", "--plot '{}' has suffix '.xyz'"),
+                                           ("b", "--plot '{}' has no suffix")])
+def test_bench_plot_whose_suffix_names_no_image_format_is_refused_before_the_run(cli, tmp_path, plot, expected):
+    """``--plot b3.pdf`` used to get PNG bytes; a suffix no format has is refused before the benchmark runs."""
+    message = cli.fails("bench", "--suite", "cpu", "--out", tmp_path / "x.json", "--plot", tmp_path / plot)
+    assert expected.format(tmp_path / plot) in message, message
+    assert not list(tmp_path.iterdir())

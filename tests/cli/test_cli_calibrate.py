@@ -82,3 +82,18 @@ def test_calibrate_bad_input_fails_in_one_line_and_writes_nothing(cli, tmp_path,
     message = cli.fails("calibrate", *args, "--out", work / "plan.json")
     assert names.get(case, "") in message
     assert outputs(work) == before
+
+
+@pytest.mark.parametrize("plot", ["hist.xyz", "hist"])
+def test_a_plot_path_whose_suffix_names_no_image_format_is_refused_before_calibrating(cli, data_dir, tmp_path,
+                                                                                        monkeypatch, plot):
+    import pdpfast
+
+    def too_late(*a, **k):
+        raise AssertionError("calibration started before --plot was checked")
+
+    monkeypatch.setattr(pdpfast, "calibrate", too_late)
+    message = cli.fails("calibrate", data_dir / "budgets.npy", "--steps", 5, "--sample-rate", 0.1, "--out",
+                        tmp_path / "p.json", "--plot", tmp_path / plot)
+    assert "--plot" in message and "suffix" in message
+    assert outputs(tmp_path) == []

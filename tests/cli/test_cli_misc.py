@@ -65,6 +65,9 @@ def test_an_audit_with_fewer_than_two_canaries_per_group_is_refused_before_it_st
                                          (("demo", "--threads", -1), "--threads"),
                                          (("audit", "--seed", -1), "--seed"),
                                          (("audit", "--threads", -1), "--threads"),
+                                         (("audit", "--seed", 2 ** 40), "--seed"),
+                                         (("audit", "--methods", ""), "--methods"),
+                                         (("audit", "--methods", "sample,sample"), "--methods"),
                                          (("fl", "simulate", "--dirichlet-alpha", 0), "--dirichlet-alpha"),
                                          (("fl", "simulate", "--dirichlet-alpha", "nan"), "--dirichlet-alpha")])
 def test_settings_that_used_to_train_or_fail_inside_a_library_are_refused_by_option(cli, args, option, tmp_path):
@@ -110,3 +113,12 @@ def test_a_split_that_leaves_a_client_empty_names_the_option_to_change(cli):
     pytest.importorskip("pdpfast.fl.cli")
     message = cli.fails("fl", "simulate", "--split", "dirichlet", "--dirichlet-alpha", 0.01, "--clients", 40)
     assert "a larger --dirichlet-alpha" in message, message
+
+
+def test_an_audit_out_under_a_file_is_refused_before_training(cli, tmp_path):
+    """It used to train, then fail with "[Errno 20] Not a directory", naming no option."""
+    (tmp_path / "ok.csv").write_text("x")
+    message = cli.fails("audit", "--methods", "sample", "--epochs", 1, "--canaries", 6, "--quiet",
+                        "--out", tmp_path / "ok.csv" / "sub")
+    assert "--out" in message and "is a file, not a directory" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.csv"]
