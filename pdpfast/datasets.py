@@ -600,8 +600,13 @@ def load_image_folder(path, *, image_size: int = 32) -> TrainData:
         path: ``path/<class>/<image>``; image_size: the side S they are resized to.
     Returns:
         ``TrainData``: images (N, 3, S, S) float32 RGB in [0, 1], labels (N,) class indices.
+    Raises:
+        FileNotFoundError for a path that is not a directory (checked before torchvision is needed);
+        ImportError without torchvision; ValueError for a folder not in that layout.
     """
     check_int("image_size", image_size, 1)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"image folder {os.fspath(path)!r} does not exist or is not a directory")
     try:
         from torchvision import datasets as tv_datasets
         from torchvision import transforms

@@ -76,6 +76,14 @@ def test_image_folder_without_torchvision_says_what_to_install(tmp_path, monkeyp
         datasets.load_data(tmp_path)
 
 
+def test_a_missing_image_folder_is_named_before_torchvision_is_needed(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    with pytest.raises(FileNotFoundError, match="image folder .*nowhere.* does not exist"):
+        datasets.load_image_folder(tmp_path / "nowhere")
+
+
 def test_hugging_face_without_datasets_says_what_to_install(monkeypatch):
     import sys
 
