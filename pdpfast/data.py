@@ -143,9 +143,12 @@ class _PhysicalBatches:
 
     def __iter__(self):
         loader = self.loader
-        first = loader.next_step
+        first, resume = loader.next_step, loader._resume
         for step in range(first, first + loader.steps_per_epoch):
-            for batch in loader.split(poisson_sample(loader.sample_rates_tensor, loader.seed, step), step):
+            batches = loader.split(poisson_sample(loader.sample_rates_tensor, loader.seed, step), step)
+            if resume is not None and resume[0] == step:  # the rest of a draw left part-way
+                batches = batches[resume[1]:]
+            for batch in batches:
                 loader._pending.append(batch)
                 yield batch.indices.tolist()
 
@@ -215,6 +218,8 @@ class DPDataLoader:
         self.next_step = check_int("start_step", start_step, 0)
         self.on_batch: Callable[[PhysicalBatch], None] | None = None
         self.current: PhysicalBatch | None = None
+        self._yielded_of_draw = 0      # physical batches of current's draw yielded so far
+        self._resume: tuple[int, int] | None = None
         self._pending: deque[PhysicalBatch] = deque()
         # the DataLoader draws its worker base seed from this generator, not from torch's global one
         loader_kwargs.setdefault("generator", torch.Generator().manual_seed(self.seed))
@@ -288,8 +293,14 @@ class DPDataLoader:
 
     def __iter__(self):
         self._pending.clear()
+        # a draw left part-way (a break, an exception) goes on where it stopped: its first physical batches are
+        # not yielded again (their rows would add to the pending sums twice) and the rest is not dropped
+        part_way = self.current is not None and not self.current.is_last
+        self._resume = (self.current.step, self._yielded_of_draw) if part_way else None
         for data in self._loader:
             batch = self._pending.popleft()
+            same_draw = self.current is not None and not self.current.is_last and self.current.step == batch.step
+            self._yielded_of_draw = self._yielded_of_draw + 1 if same_draw else 1
             self.current = batch
             if batch.is_last:
                 self.next_step = batch.step + 1

@@ -179,6 +179,33 @@ def test_zero_grad_between_physical_batches_keeps_the_draw():
         torch.testing.assert_close(split[n], p.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_a_draw_left_part_way_goes_on_where_it_stopped_and_no_batch_is_replayed(style):
+    """Before: a second pass began again at the first physical batch of the draw it left, whose rows
+    then added to the pending sums twice (a record at 2·c_i in one step)."""
+    kwargs = dict(n=6, sample_rates=1.0, seed=1, **style)
+    engine, model, opt, criterion, loader = _engine(physical_batch_size=2, **kwargs)
+    rows = []
+    for x, y in loader:                 # a break, an exception, a retry loop: the draw is left part-way
+        rows += loader.current.indices.tolist()
+        criterion(model(x), y).backward()
+        break
+    for x, y in loader:
+        rows += loader.current.indices.tolist()
+        criterion(model(x), y).backward()
+        if loader.current.is_last:
+            break
+    assert sorted(rows) == list(range(6))      # each record once: nothing replayed, nothing dropped
+    split = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    assert engine.steps == 1
+    _, whole_model, _, whole_criterion, whole_loader = _engine(**kwargs)
+    x, y = next(iter(whole_loader))
+    whole_criterion(whole_model(x), y).backward()
+    for n, p in whole_model.named_parameters():
+        torch.testing.assert_close(split[n], p.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_grad_after_backward_discards_the_draw_and_closes_the_batch():
     engine, model, opt, criterion, loader = _engine(n=4)
     x, y = next(iter(loader))
