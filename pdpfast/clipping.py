@@ -268,6 +268,8 @@ class ClippingState:
         self.shares = self._resolve_shares(layer_shares) if clipping == "per_layer" else None
         self._multi_call_groups = frozenset(k for k, calls in enumerate(self._group_calls) if calls > 1)
         self._guards: list = []
+        self._guarded: frozenset = frozenset()  # ids of the parameters trainable at attach(): each guarded
+        self._frozen: list = []                 # (name, parameter) frozen at attach()
         self._group_index: dict = {}  # (device, groups) → index of their rows in the per-layer bounds
         self._shares_by_device: dict = {}
         self.batch_size: int | None = None
@@ -393,8 +395,37 @@ class ClippingState:
         if not self._guards:
             # DP layers hand autograd detached parameters, so a trainable parameter receives an autograd
             # gradient only through a use outside its layer's private forward; that gradient is unclipped
+            named = list(self.model.named_parameters())
             self._guards = [p.register_hook(functools.partial(self._refuse_plain_grad, name))
-                            for name, p in self.model.named_parameters() if p.requires_grad]
+                            for name, p in named if p.requires_grad]
+            self._guarded = frozenset(id(p) for _, p in named if p.requires_grad)
+            self._frozen = [(name, p) for name, p in named if not p.requires_grad]
+
+    def check_trainable(self, params=None) -> None:
+        """Refuse a parameter whose gradient nothing clips: one frozen when the state was attached and
+        trainable now (it has no guard and no clipping group, so an unclipped gradient would reach the
+        step), or, among ``params`` (the optimizer's trainable ones), one that is not the model's (added
+        with ``add_param_group`` afterwards). A loop over the frozen parameters, and over ``params``.
+
+        Args:
+            params: the parameters a step will update, or None to check the model's only.
+        Returns:
+            None.
+        Raises:
+            RuntimeError naming the parameter.
+        """
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name} was frozen when the model was made private and is trainable now: its gradient "
+                    "would not be clipped. Choose which parameters train before make_private (or freeze it again)")
+        if params is not None:
+            for p in params:
+                if id(p) not in self._guarded:
+                    raise RuntimeError(
+                        f"the optimizer updates a parameter of shape {tuple(p.shape)} that the engine does not clip "
+                        "(added with add_param_group after make_private, or not the model's): its gradient would "
+                        "reach the step unclipped. Give the optimizer every parameter before make_private")
 
     def detach(self) -> None:
         """Undo ``attach()``: release the layers, remove the gradient guards, clear the workspace.
@@ -452,7 +483,8 @@ class ClippingState:
         Returns:
             None; the state enters phase ``OPEN``.
         Raises:
-            RuntimeError for a new draw while the previous one is pending; ValueError for bad clip norms
+            RuntimeError for a new draw while the previous one is pending, or a parameter frozen at ``attach()``
+            that is trainable now (``check_trainable``); ValueError for bad clip norms
             (wrong shape, K rows for per-layer), a mask that is not 0 / 1, or a loss scale < 0 or not
             finite; TypeError for a loss scale that is not a number.
         """
@@ -463,6 +495,7 @@ class ClippingState:
                 "twice its clip bound. Call optimizer.step() after every draw's backward; to bound memory for a "
                 "large logical batch, pass physical_batch_size= to make_private (it splits one draw into "
                 "physical batches that form one step)")
+        self.check_trainable()
         self.clip_norms = self._as_clip_norms(clip_norms)
         self.batch_size = int(self.clip_norms.shape[-1])
         self.mask = None if mask is None else as_per_sample("mask", mask, self.batch_size, positive=False)

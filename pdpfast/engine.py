@@ -359,6 +359,7 @@ class PrivacyEngine:
         self._at_boundary = True
         self.optimizer.at_step_boundary = lambda: self._at_boundary
         self.optimizer.may_zero_grad = self._may_zero_grad
+        self.optimizer.pre_step_hooks.append(lambda opt: self.state.check_trainable(opt.trainable_params()))
         self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
         self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)

@@ -206,6 +206,76 @@ def test_a_draw_left_part_way_goes_on_where_it_stopped_and_no_batch_is_replayed(
         torch.testing.assert_close(split[n], p.grad, rtol=1e-5, atol=1e-6)
 
 
+class _Scaled(nn.Module):
+    """A model with a parameter outside its DP layers, frozen when it is made private."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.temp = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    def forward(self, x):
+        return self.net(x) * self.temp
+
+
+def _scaled_engine(**style):
+    model = _Scaled()
+    kwargs = dict(criterion=nn.CrossEntropyLoss(reduction="sum")) if style.get("mode") == "ghost" else {}
+    out = pdpfast.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.randn(4, 4) * 10, torch.randint(0, 3, (4,))), batch_size=4),
+        noise_multiplier=0.0, max_grad_norm=1.0, sample_rates=1.0, loss_reduction="sum", **style, **kwargs)
+    return model, out
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_a_parameter_unfrozen_after_make_private_never_reaches_a_step_unclipped(style):
+    """Before: it had no guard (guards go on the parameters trainable at make_private) and its plain
+    autograd gradient was noised and stepped."""
+    model, out = _scaled_engine(**style)
+    model.temp.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="parameter temp was frozen when the model was made private"):
+        next(iter(out.data_loader))
+    model.temp.requires_grad_(False)    # frozen again: training goes on
+    x, y = next(iter(out.data_loader))
+    model.temp.requires_grad_(True)     # unfrozen inside the draw: refused at the step, before any update
+    criterion = out[2] if style["mode"] == "ghost" else nn.CrossEntropyLoss(reduction="sum")
+    criterion(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="parameter temp was frozen"):
+        out.optimizer.step()
+    assert out.optimizer.steps == 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_a_dp_layer_unfrozen_after_make_private_is_refused_by_name(style):
+    """Before: flat clipping let its weight, used through F.linear, step unclipped; per-layer clipping
+    failed in the backward with a TypeError (the layer has no clipping group)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    kwargs = dict(criterion=nn.CrossEntropyLoss(reduction="sum")) if style.get("mode") == "ghost" else {}
+    out = pdpfast.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(TensorDataset(torch.randn(4, 4), torch.randint(0, 3, (4,))), batch_size=4),
+        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum", **style, **kwargs)
+    model[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"parameter 0\.weight was frozen when the model was made private"):
+        next(iter(out.data_loader))
+
+
+def test_a_parameter_added_to_the_optimizer_after_make_private_is_refused_at_the_step():
+    engine, model, opt, criterion, loader = _engine(n=4)
+    bias = nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [bias]})
+    x, y = next(iter(loader))
+    criterion(model(x) + bias, y).backward()
+    with pytest.raises(RuntimeError, match="the optimizer updates a parameter of shape \\(3,\\) that the engine "
+                                           "does not clip"):
+        opt.step()
+    assert engine.steps == 0 and torch.equal(bias, torch.zeros(3))
+
+
 def test_zero_grad_after_backward_discards_the_draw_and_closes_the_batch():
     engine, model, opt, criterion, loader = _engine(n=4)
     x, y = next(iter(loader))
