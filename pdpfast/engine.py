@@ -1001,6 +1001,8 @@ class PrivacyEngine:
         """
         if self.state is not None:
             self.state.detach()
+        if self.optimizer is not None:
+            self.optimizer.detach()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

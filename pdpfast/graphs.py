@@ -297,7 +297,7 @@ class PrivateStep:
                 optimizer.add_noise_and_normalize(device_seed=step_seed_tensor(self._counter), keep=keep)
             else:
                 optimizer.add_noise_and_normalize()
-            optimizer.original_optimizer.step()
+            optimizer.step_wrapped()
             params = optimizer.trainable_params()
             if release:
                 for p in params:

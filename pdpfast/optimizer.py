@@ -11,6 +11,17 @@ from torch.optim import Optimizer
 from ._checks import check_int, check_nonnegative, check_positive
 from .ops.noise import add_noise_
 
+# ids of the wrapped optimizers a DPOptimizer is stepping now: their own step is refused otherwise
+_STEPPING: set[int] = set()
+
+
+def _refuse_direct_step(optimizer, args, kwargs) -> None:
+    if id(optimizer) not in _STEPPING:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() was called on the optimizer given to make_private: it would apply "
+            "the clipped sum with no noise and charge no privacy. Step the optimizer make_private returned (keep "
+            "that one in trainers and LR schedulers), or detach the engine (engine.detach()) to train without DP")
+
 
 class DPOptimizer(Optimizer):
     """Wraps ``optimizer``; ``step()`` performs ĝ = (Σ_i w_i g_i + N(0, σ²C²I)) / B_exp (DESIGN.md §1.4).
@@ -22,7 +33,9 @@ class DPOptimizer(Optimizer):
     them, so the clipped sums accumulate; ``zero_grad()`` acts only when ``may_zero_grad()`` says
     no draw's earlier batches would be lost (the engine sets both, and the hooks that close a draw).
 
-    param_groups and state are the wrapped optimizer's own (LR schedulers work unchanged).
+    param_groups and state are the wrapped optimizer's own (LR schedulers work unchanged). The wrapped
+    optimizer's own ``step()`` is refused while this one wraps it (``detach()`` allows it again): called
+    directly it would release the clipped sum without noise.
 
     Args:
         optimizer: the torch optimizer to wrap.
@@ -55,6 +68,29 @@ class DPOptimizer(Optimizer):
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
+        self._direct_step_guard = optimizer.register_step_pre_hook(_refuse_direct_step)
+
+    def detach(self) -> None:
+        """Let the wrapped optimizer step on its own again (after ``PrivacyEngine.detach``).
+
+        Returns:
+            None.
+        """
+        self._direct_step_guard.remove()
+
+    def step_wrapped(self) -> None:
+        """The wrapped optimizer's step, on the gradients as they are (noised and normalized by the
+        caller): ``step`` and a captured step (``pdpfast.graphs``) call it.
+
+        Returns:
+            None.
+        """
+        key = id(self.original_optimizer)
+        _STEPPING.add(key)
+        try:
+            self.original_optimizer.step()
+        finally:
+            _STEPPING.discard(key)
 
     @property
     def param_groups(self):
@@ -151,7 +187,7 @@ class DPOptimizer(Optimizer):
             return loss
         self.before_step()
         self.add_noise_and_normalize()
-        self.original_optimizer.step()
+        self.step_wrapped()
         self.after_step()
         return loss
 

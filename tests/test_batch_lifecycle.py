@@ -276,6 +276,30 @@ def test_a_parameter_added_to_the_optimizer_after_make_private_is_refused_at_the
     assert engine.steps == 0 and torch.equal(bias, torch.zeros(3))
 
 
+def test_the_optimizer_given_to_make_private_cannot_step_the_clipped_sum_without_noise():
+    """Before: a reference kept to the torch optimizer (a trainer, a scheduler) stepped the clipped
+    sum with no noise and no charge; only the next draw was refused."""
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = pdpfast.PrivacyEngine(seed=0)
+    _, opt, loader = engine.make_private(
+        module=model, optimizer=sgd, noise_multiplier=5.0, max_grad_norm=1.0,
+        data_loader=DataLoader(TensorDataset(torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)),
+                               batch_size=4))
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="SGD.step\\(\\) was called on the optimizer given to make_private"):
+        sgd.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())) and engine.steps == 0
+    opt.step()                                  # the private step goes through the same optimizer
+    assert engine.steps == 1 and not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    engine.detach()                             # without DP again: the optimizer is the user's
+    nn.functional.cross_entropy(model(x), y).backward()
+    sgd.step()
+
+
 def test_zero_grad_after_backward_discards_the_draw_and_closes_the_batch():
     engine, model, opt, criterion, loader = _engine(n=4)
     x, y = next(iter(loader))
