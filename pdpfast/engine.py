@@ -878,7 +878,7 @@ class PrivacyEngine:
             None.
         Raises:
             RuntimeError / ValueError when the checkpoint's plan, accountant or sampling do not match this
-            engine's.
+            engine's, or it holds fewer steps than this engine has taken (a roll-back).
         """
         # check everything privacy-related before changing anything: a refused checkpoint leaves
         # the engine as it was
@@ -930,6 +930,10 @@ class PrivacyEngine:
             history.load_state_dict(state["accountant"])
         accounted = ledger if ledger is not None else history
         taken = int(state["optimizer"]["steps"])
+        if taken < self.optimizer.steps:
+            raise ValueError(f"the checkpoint was written after {taken} steps, but this engine has taken "
+                             f"{self.optimizer.steps}: loading it would roll the privacy ledger back over steps "
+                             "already released and draw their noise again. Resume a run from its latest checkpoint")
         if accounted is not None and accounted.steps_taken != taken:
             # the noise of step t comes from (seed, t): a count behind the steps taken would draw the
             # same noise again; a count ahead of the accounting would leave steps unaccounted
@@ -976,11 +980,18 @@ class PrivacyEngine:
             path: the checkpoint file; module: the model to load the weights into.
         Returns:
             the dict of its ``extra`` fields.
+        Raises:
+            as ``load_state_dict``; a refused checkpoint leaves the model's weights as they were too.
         """
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         module = inner_module(module)
+        before = {k: v.detach().clone() for k, v in module.state_dict().items()}
         module.load_state_dict(checkpoint["model"])
-        self.load_state_dict(checkpoint["engine"])
+        try:
+            self.load_state_dict(checkpoint["engine"])
+        except BaseException:
+            module.load_state_dict(before)
+            raise
         return checkpoint["extra"]
 
     @property

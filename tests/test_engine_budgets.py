@@ -79,6 +79,22 @@ def test_checkpoint_then_resume_continues_the_ledger_and_training_exactly(tmp_pa
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_an_older_checkpoint_loaded_into_the_engine_that_went_past_it_is_refused_not_rolled_back(tmp_path):
+    """Before: the ledger fell back to the checkpoint's steps (ε 3.6 → 2.6 in the probe) and the steps
+    taken again drew the same noise as the released ones, which cancels it between the two."""
+    budgets = np.repeat([1.0, 3.0], 40)
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 4)
+    engine.save_checkpoint(tmp_path / "at4.pt", model)
+    _train(model, opt, loader, 4)
+    spent, weights = engine.epsilons(), [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="written after 4 steps, but this engine has taken 8: loading it would roll "
+                                         "the privacy ledger back"):
+        engine.load_checkpoint(tmp_path / "at4.pt", model)
+    assert engine.steps == 8 and np.array_equal(engine.epsilons(), spent)
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+
+
 def test_resume_with_a_different_plan_is_refused(tmp_path):
     engine, model, opt, loader = _setup(np.full(30, 1.0), steps=4)
     engine.save_checkpoint(tmp_path / "c.pt", model)
