@@ -360,6 +360,9 @@ class PrivacyEngine:
         self.optimizer.at_step_boundary = lambda: self._at_boundary
         self.optimizer.may_zero_grad = self._may_zero_grad
         self.optimizer.pre_step_hooks.append(lambda opt: self.state.check_trainable(opt.trainable_params()))
+        self._unstepped: int | None = None  # the draw the loader gave last, until a step releases it
+        self.optimizer.post_step_hooks.append(self._draw_stepped)
+        self.optimizer.refused_step_hooks.append(self._draw_stepped)
         self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
         self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
@@ -683,11 +686,24 @@ class PrivacyEngine:
 
     def _on_batch(self, batch: PhysicalBatch) -> None:
         # a draw opens its batches here; optimizer.step() (or zero_grad() discarding it) closes it
+        if self._unstepped is not None and batch.step != self._unstepped and not self.state.pending:
+            # (a draw whose clipped sums wait for the step is refused by begin_batch, in its own words)
+            raise RuntimeError(
+                f"Poisson draw {self._unstepped} was not stepped before draw {batch.step} began: every draw ends in "
+                "optimizer.step(), an empty one too (it adds noise only). Skipping a draw (`continue` on an empty "
+                "or unwanted batch) makes which steps are released depend on who was drawn, which no accountant "
+                "covers; to drop a draw's gradient, call optimizer.zero_grad() and then optimizer.step()")
         rows = batch.indices.numel()
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
         self.state.begin_batch(self.batch_clip_norms(batch.indices), batch.mask, loss_scale=scale, draw=batch.step)
+        self._unstepped = batch.step
         self._at_boundary = batch.is_last
         self._implicit_open = False
+
+    def _draw_stepped(self, _=None) -> None:
+        # the draw was released by a step, or the step refused by a pre-step hook (the ledger, a parameter
+        # nothing clips: decisions that read no record)
+        self._unstepped = None
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
         """The clip bounds of a physical batch's rows, (B,) (an extension point: adaptive clipping

@@ -62,6 +62,8 @@ class DPOptimizer(Optimizer):
         self.may_zero_grad: Callable[[], bool] = lambda: True
         self.pre_step_hooks: list[Callable[[DPOptimizer], None]] = []
         self.post_step_hooks: list[Callable[[DPOptimizer], None]] = []
+        # run when a pre-step hook refuses the step (the ledger, a parameter nothing clips), then it raises
+        self.refused_step_hooks: list[Callable[[DPOptimizer], None]] = []
         self.post_zero_grad_hooks: list[Callable[[DPOptimizer], None]] = []
         self.reduce_grads: Callable[[list, int], None] | None = None
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
@@ -200,8 +202,13 @@ class DPOptimizer(Optimizer):
         Raises:
             whatever a pre-step hook raises (e.g. ``PrivacyBudgetExceeded``).
         """
-        for hook in self.pre_step_hooks:
-            hook(self)
+        try:
+            for hook in self.pre_step_hooks:
+                hook(self)
+        except BaseException:
+            for hook in self.refused_step_hooks:
+                hook(self)
+            raise
 
     def after_step(self) -> None:
         """The host side of a step after its device work: count it, run the post-step hooks (close

@@ -93,14 +93,23 @@ def test_every_draw_is_charged_gradient_accumulation_over_draws_is_refused(style
     assert engine.steps == 0
 
 
-def test_draw_skipped_without_backward_is_not_a_step():
+def test_a_skipped_draw_is_refused_since_which_steps_are_released_would_depend_on_who_was_drawn():
+    """Before: a draw left unused (`continue` on an empty batch, a common Opacus-era idiom) was neither
+    stepped nor charged, so the released steps were those whose draws were not empty."""
     engine, model, opt, criterion, loader = _engine(n=6, sample_rates=0.5)
     it = iter(loader)
-    next(it)  # drawn, never used: nothing released, nothing to charge
-    x, y = next(it)
+    next(it)  # drawn, never used
+    with pytest.raises(RuntimeError, match="Poisson draw 0 was not stepped before draw 1 began: every draw ends in "
+                                           "optimizer.step\\(\\), an empty one too"):
+        next(it)
+    assert engine.steps == 0
+    opt.zero_grad()
+    opt.step()                  # the remedy the message names: a noise-only step, charged
+    assert engine.steps == 1
+    x, y = next(iter(loader))
     criterion(model(x), y).backward()
     opt.step()
-    assert engine.steps == 1
+    assert engine.steps == 2
 
 
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)

@@ -134,25 +134,33 @@ def test_private_step_refuses_a_step_past_the_budget():
     assert np.all(engine.epsilons() <= engine.budgets)
 
 
-def test_private_step_never_carries_a_discarded_draws_sums_into_the_next(tmp_path):
-    """A draw of several batches refused at its step (the budget) and discarded (zero_grad) leaves
-    its sums in the step's gradient buffers; the next such draw starts from zero all the same."""
-    a_engine, a_model, a_opt, a_loader = _engine(_mlp(), steps=3, physical_batch_size=2)
-    step = a_engine.make_step(_loss(a_model))
-    _stepped(step, a_opt, a_loader, 1)
-    a_engine.save_checkpoint(tmp_path / "ckpt.pt", a_model)
-    with pytest.raises(PrivacyBudgetExceeded):
-        _stepped(step, a_opt, a_loader, 4)
-    assert a_opt.steps == 3 and any(torch.count_nonzero(g) > 0 for g in step._grads)
-    a_opt.zero_grad()  # the refused draw is discarded
-    a_engine.load_checkpoint(tmp_path / "ckpt.pt", a_model)
-    _stepped(step, a_opt, a_loader, 3)
+def test_private_step_never_carries_a_discarded_draws_sums_into_the_next():
+    """A draw of several batches whose step is refused (a pre-step hook, as the ledger's) and then
+    discarded (zero_grad) leaves its sums in the step's gradient buffers; the next draw starts from
+    zero all the same: the private step ends where the ordinary loop does."""
+    models = []
+    for private_step in (True, False):
+        refused = []
 
-    b_engine, b_model, b_opt, b_loader = _engine(_mlp(), steps=3, physical_batch_size=2)
-    b_engine.load_checkpoint(tmp_path / "ckpt.pt", b_model)
-    _stepped(b_engine.make_step(_loss(b_model)), b_opt, b_loader, 3)
-    for p, q in zip(a_model.parameters(), b_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        def refuse_once(optimizer, refused=refused):
+            if optimizer.steps == 1 and not refused:
+                refused.append(True)
+                raise PrivacyBudgetExceeded("refused once")
+
+        engine, model, opt, loader = _engine(_mlp(), steps=3, physical_batch_size=2)
+        opt.pre_step_hooks.append(refuse_once)
+        step = engine.make_step(_loss(model)) if private_step else None
+        run = (lambda: _stepped(step, opt, loader, 3)) if private_step else (lambda: _ordinary(model, opt, loader, 3))
+        with pytest.raises(PrivacyBudgetExceeded, match="refused once"):
+            run()
+        if private_step:
+            assert any(torch.count_nonzero(g) > 0 for g in step._grads)
+        opt.zero_grad()  # the refused draw is discarded
+        run()
+        assert opt.steps == 3
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_private_step_is_made_between_draws():
