@@ -383,17 +383,29 @@ def test_the_readme_dptrainer_example_trains_resumes_and_keeps_every_record_with
     config = transformers.BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=16, num_labels=2)
     budgets = np.r_[np.full(n // 2, 2.0), np.full(n - n // 2, 8.0)]
-    # save and log within the 6 steps, and resume from the first checkpoint
+    # save and log within the 6 steps; the run "after an interruption" resumes from step 4
     code = substituted(block(DPTRAINER), {"logging_steps=10": "logging_steps=2", "save_steps=100": "save_steps=2",
-                                          "checkpoint-100": "checkpoint-2"})
-    namespace = run(code, dict(model=transformers.BertForSequenceClassification(config), train=train_records,
-                               budgets=budgets), source=block(DPTRAINER))
+                                          "checkpoint-100": "checkpoint-4"})
+    first, resumed = code.split("# after an interruption", 1)
+    context = dict(model=transformers.BertForSequenceClassification(config), train=train_records, budgets=budgets)
+    namespace = run(first, context, source=block(DPTRAINER))
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 6 and (tmp_path / "out" / "checkpoint-2").is_dir()
     spent = trainer.epsilons()
     assert np.all(spent <= budgets) and np.all(spent >= 0.99 * budgets)
     logged = set().union(*trainer.state.log_history)
     assert {"epsilon", "epsilon_budget_2", "epsilon_budget_8"} <= logged  # "logs epsilon, epsilon_budget_<ε>"
+    # "a checkpoint older than the steps a trainer has taken is refused: a roll-back"
+    with pytest.raises(ValueError, match="roll the privacy ledger back"):
+        trainer.train(resume_from_checkpoint="out/checkpoint-2")
+    # "in a new process: the same DPTrainer(...)": the block's construction, then its resume line
+    construction = first[first.index("args = TrainingArguments"):first.index("trainer.train()")]
+    again = run(construction + "# after an interruption" + resumed,
+                dict(context, model=transformers.BertForSequenceClassification(config),
+                     TrainingArguments=transformers.TrainingArguments, DPTrainer=namespace["DPTrainer"]),
+                source=block(DPTRAINER))
+    assert again["trainer"].state.global_step == 6
+    np.testing.assert_allclose(again["trainer"].epsilons(), spent, rtol=1e-9)
 
 
 def test_the_readme_accounting_example_runs_and_its_noise_multiplier_is_the_one_shown(tmp_path, monkeypatch,

@@ -473,14 +473,21 @@ class DPTrainer(transformers.Trainer):
         atomic_write(os.path.join(output_dir, ENGINE_FILE), lambda f: torch.save(state, f))
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
             return
         path = os.path.join(checkpoint, ENGINE_FILE)
         if not os.path.exists(path):
             raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
                                     "privacy ledger is unknown and training cannot resume from it")
         state = torch.load(path, map_location="cpu", weights_only=False)
+        # before the Trainer loads the optimizer's state (and with it the step count the engine checks)
+        if int(state["optimizer"]["steps"]) < self.privacy_engine.steps:
+            raise ValueError(f"{checkpoint} was written after {int(state['optimizer']['steps'])} steps, but this "
+                             f"trainer has taken {self.privacy_engine.steps}: resuming from it would roll the privacy "
+                             "ledger back over steps already released and draw their noise again. Resume a run "
+                             "from its latest checkpoint")
+        super()._load_optimizer_and_scheduler(checkpoint)
         uniform = None
         if "uniform_ledger" in state:  # checked before the engine changes: a refused checkpoint changes nothing
             from ..accounting.ledger import IndividualAccountant
