@@ -299,11 +299,13 @@ class DPDataLoader:
         self._resume = (self.current.step, self._yielded_of_draw) if part_way else None
         for data in self._loader:
             batch = self._pending.popleft()
+            if self.on_batch is not None:
+                # may refuse the batch (the engine: the previous draw is not stepped); then it is not given
+                # out, and the next pass offers it again
+                self.on_batch(batch)
             same_draw = self.current is not None and not self.current.is_last and self.current.step == batch.step
             self._yielded_of_draw = self._yielded_of_draw + 1 if same_draw else 1
             self.current = batch
             if batch.is_last:
                 self.next_step = batch.step + 1
-            if self.on_batch is not None:
-                self.on_batch(batch)
             yield data

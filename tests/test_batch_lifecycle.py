@@ -107,6 +107,7 @@ def test_a_skipped_draw_is_refused_since_which_steps_are_released_would_depend_o
     opt.step()                  # the remedy the message names: a noise-only step, charged
     assert engine.steps == 1
     x, y = next(iter(loader))
+    assert loader.current.step == 1     # the draw refused at its start was not given out: offered again
     criterion(model(x), y).backward()
     opt.step()
     assert engine.steps == 2
