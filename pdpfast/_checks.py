@@ -57,6 +57,26 @@ def check_int(name: str, value, minimum: int, maximum: int = 2 ** 63 - 1) -> int
     return int(value)
 
 
+def check_sizes(name: str, values, *, length: int | None = None, form: str = "") -> tuple[int, ...]:
+    """Check a sequence of ints ≥ 1 (layer widths, blocks per stage, a record's shape).
+
+    Args:
+        name; values: a list, tuple or 1-D array of ints (a string, whose characters would be read as
+            digits, a bare number, a float that int() would truncate, 0 or a negative entry is refused);
+        length: the number of entries required (None: any); form: what the entries mean, for messages.
+    Returns:
+        the entries as a tuple of ints.
+    Raises:
+        TypeError for a value that is not a sequence; ValueError for a wrong length or a bad entry.
+    """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints{form}, got {type(values).__name__} {values!r}")
+    values = tuple(values)
+    if length is not None and len(values) != length:
+        raise ValueError(f"{name} must have {length} entr{'y' if length == 1 else 'ies'}{form}, got {values!r}")
+    return tuple(check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(values))
+
+
 def check_positive_integer(name: str, value) -> int:
     """Check a positive integer (a count of steps, rounds).
 

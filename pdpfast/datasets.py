@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from ._checks import check_budgets, check_choice, check_flag, check_in_range, check_int
+from ._checks import check_budgets, check_choice, check_flag, check_in_range, check_int, check_sizes
 
 __all__ = ["HashingTokenizer", "TrainData", "check_budgets", "load_csv", "load_data", "load_hf", "load_image_folder",
            "load_numpy", "read_budgets", "train_test_split"]
@@ -144,23 +144,13 @@ class TrainData:
         Returns:
             a new ``TrainData`` of kind "image" (the features reshaped, no copy when they are contiguous).
         Raises:
-            TypeError for a shape that is not a sequence of ints; ValueError for token records, a shape that
-            is not 3 positive numbers, or a product that does not match.
+            TypeError for a shape that is not a sequence; ValueError for token records, a shape that is not
+            3 ints ≥ 1, or a product that does not match.
         """
-        if not _is_int_sequence(shape):
-            raise TypeError(f"shape must be three ints (C, H, W), got {shape!r}")
-        shape = tuple(int(s) for s in shape)
-        if (self.kind not in ("features", "image") or len(shape) != 3 or min(shape) < 1
-                or math.prod(shape) != math.prod(self.input_shape)):
+        shape = check_sizes("shape", shape, length=3, form=" (C, H, W)")
+        if self.kind not in ("features", "image") or math.prod(shape) != math.prod(self.input_shape):
             raise ValueError(f"cannot view records of shape {self.input_shape} as images of shape {shape} (C,H,W)")
         return replace(self, features=self.features.reshape(len(self), *shape), kind="image")
-
-
-def _is_int_sequence(values) -> bool:
-    """A list / tuple / 1-D array of ints (not a string, not bools or floats that int() would truncate)."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        return False
-    return all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in values)
 
 
 # ---------------------------------------------------------------------------------------------- budgets

@@ -15,22 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._checks import check_choice, check_flag, check_int
+from ._checks import check_choice, check_flag, check_int, check_sizes
 from .datasets import KINDS as INPUT_KINDS
 
 TASKS = ("classification", "lm")
-
-
-def _sizes(name: str, values, *, length: int | None = None, form: str = "") -> tuple[int, ...]:
-    """A sequence of ints ≥ 1 (layer widths, blocks per stage, a record's shape) as a tuple. A string
-    (whose characters would be read as digits), a bare number, a float (which int() would truncate),
-    0 or a negative entry is refused by name."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of ints{form}, got {type(values).__name__} {values!r}")
-    values = tuple(values)
-    if length is not None and len(values) != length:
-        raise ValueError(f"{name} must have {length} entr{'y' if length == 1 else 'ies'}{form}, got {values!r}")
-    return tuple(check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(values))
 
 
 def _config(config_class, **fields):
@@ -99,7 +87,7 @@ class ResNetGN(nn.Module):
 
     def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 10, cifar_stem: bool = True):
         super().__init__()
-        layers = _sizes("layers", layers, length=4, form=" (blocks in each of the four stages)")
+        layers = check_sizes("layers", layers, length=4, form=" (blocks in each of the four stages)")
         num_classes = check_int("num_classes", num_classes, 1)
         if check_flag("cifar_stem", cifar_stem):
             self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
@@ -244,7 +232,7 @@ def mlp(in_features: int, num_classes: int, hidden=(128,), activation: str = "ta
         raise ValueError(f"activation must be one of {sorted(acts)}, got {activation!r}")
     in_features, num_classes = check_int("in_features", in_features, 1), check_int("num_classes", num_classes, 1)
     layers, width = [nn.Flatten()], in_features
-    for h in _sizes("hidden", hidden, form=" (the hidden widths, e.g. (128,))"):
+    for h in check_sizes("hidden", hidden, form=" (the hidden widths, e.g. (128,))"):
         layers += [nn.Linear(width, h), acts[activation]()]
         width = h
     layers.append(nn.Linear(width, num_classes))
@@ -381,7 +369,7 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
     """
     spec = model_spec(name)
     check_choice("input_kind", input_kind, INPUT_KINDS)
-    shape = _sizes("input_shape", input_shape)
+    shape = check_sizes("input_shape", input_shape)
     if not shape:
         raise ValueError("input_shape is empty; give one record's shape, e.g. (D,) for D features")
     if input_kind not in spec.inputs:
@@ -389,7 +377,7 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
                          f"of shape {shape}" + (" (pass --image-shape C,H,W to view flat features as "
                                                 "images)" if input_kind == "features" else ""))
     if input_kind in _SHAPES:
-        shape = _sizes("input_shape", shape, length=_SHAPES[input_kind][0], form=_SHAPES[input_kind][1])
+        shape = check_sizes("input_shape", shape, length=_SHAPES[input_kind][0], form=_SHAPES[input_kind][1])
     num_classes = check_int("num_classes", num_classes, 2 if spec.task == "classification" else 1)
     if vocab_size is not None:
         vocab_size = check_int("vocab_size", vocab_size, 1)

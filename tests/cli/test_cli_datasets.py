@@ -256,8 +256,12 @@ def test_a_budget_column_beside_an_image_folder_is_refused_before_the_images_loa
         datasets.load_data(tmp_path, budget_column="eps")
 
 
-@pytest.mark.parametrize("shape", [(1.5, 1, 2), "abc"])
-def test_as_images_refuses_a_shape_that_is_not_ints(shape):
+@pytest.mark.parametrize("shape,error,match", [((1.5, 1, 2), ValueError, r"shape\[0\] must be an int ≥ 1"),
+                                               ((2, 0, 1), ValueError, r"shape\[1\] must be an int ≥ 1"),
+                                               ((1, 2), ValueError, r"shape must have 3 entries \(C, H, W\)"),
+                                               ("abc", TypeError, "shape must be a sequence of ints"),
+                                               (2, TypeError, "shape must be a sequence of ints")])
+def test_as_images_refuses_a_shape_that_is_not_three_positive_ints(shape, error, match):
     data = datasets.TrainData(torch.zeros(2, 2), torch.zeros(2, dtype=torch.long), "features")
-    with pytest.raises(TypeError, match="shape must be three ints"):
+    with pytest.raises(error, match=match):
         data.as_images(shape)
