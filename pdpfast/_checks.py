@@ -77,6 +77,28 @@ def check_sizes(name: str, values, *, length: int | None = None, form: str = "")
     return tuple(check_int(f"{name}[{i}]", v, 1) for i, v in enumerate(values))
 
 
+def as_device(name: str, value) -> torch.device:
+    """Check a device given as a ``torch.device`` or a string such as "cpu" or "cuda:0".
+
+    Args:
+        name; value: a ``torch.device`` or a device string.
+    Returns:
+        the ``torch.device``.
+    Raises:
+        TypeError for another type (an int, whose meaning torch ties to the current accelerator, is
+        refused); ValueError for a string torch does not read as a device.
+    """
+    if isinstance(value, torch.device):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a torch.device or a string such as 'cpu' or 'cuda:0', "
+                        f"got {type(value).__name__} {value!r}")
+    try:
+        return torch.device(value)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{name} must name a device such as 'cpu', 'cuda' or 'cuda:0', got {value!r}") from None
+
+
 def check_positive_integer(name: str, value) -> int:
     """Check a positive integer (a count of steps, rounds).
 

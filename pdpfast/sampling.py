@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from . import _ext
+from ._checks import as_device
 
 __all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason",
            "as_int64", "logical_shift_right", "mix64_", "mix64_int", "GOLDEN_GAMMA"]
@@ -72,10 +73,13 @@ def backend(device: torch.device | str | None = None) -> str:
             GPU is visible, else ``"cpp"``, else ``"torch"``).
     Returns:
         ``"cpp"``, ``"cuda"`` or ``"torch"`` (the plain-torch fallback, also for other device types).
+    Raises:
+        TypeError for a device that is neither a ``torch.device`` nor a string; ValueError for a string
+        that names no device.
     """
     if device is None:
         return "cuda" if _cuda_available() else ("cpp" if _cpp_available() else "torch")
-    device = torch.device(device)
+    device = as_device("device", device)
     if device.type == "cpu":
         return "cpp" if _cpp_available() else "torch"
     if device.type == "cuda":
@@ -94,7 +98,7 @@ def unavailable_reason(device: torch.device | str | None = "cpu") -> str | None:
     """
     if _IMPORT_ERROR is not None:
         return _IMPORT_ERROR
-    device_type = "cpu" if device is None else torch.device(device).type
+    device_type = "cpu" if device is None else as_device("device", device).type
     if device_type == "cpu":
         return None
     if device_type == "cuda":
@@ -270,7 +274,7 @@ def random_bits_reference(count: int, seed: int, step: int, device: torch.device
     if not 0 <= count < 1 << 63:
         raise ValueError(f"count must be an int ≥ 0 (and < 2**63), got {count!r}")
     keys = _stream_keys(_check_counter("seed", seed), _check_counter("step", step))
-    return _random_bits(0, int(count), keys, torch.device(device))
+    return _random_bits(0, int(count), keys, as_device("device", device))
 
 
 def poisson_sample_reference(sample_rates, seed: int, step: int) -> torch.Tensor:

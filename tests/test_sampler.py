@@ -282,3 +282,14 @@ def test_backend_names_the_path_that_runs():
         assert sampling.unavailable_reason("cpu") is None
     else:
         assert isinstance(sampling.unavailable_reason("cpu"), str)
+
+
+@pytest.mark.parametrize("device,error,match", [("gpu", ValueError, "device must name a device"),
+                                                ("cuda:x", ValueError, "device must name a device"),
+                                                (1, TypeError, "device must be a torch.device or a string"),
+                                                (3.5, TypeError, "device must be a torch.device or a string")])
+@pytest.mark.parametrize("function", [sampling.backend, sampling.unavailable_reason,
+                                      lambda device: sampling.random_bits_reference(2, 0, 0, device)])
+def test_a_device_that_is_not_a_device_name_is_refused_by_name(function, device, error, match):
+    with pytest.raises(error, match=match):
+        function(device)
