@@ -147,6 +147,10 @@ def pair_noise_multiplier(grad_noise_multiplier, count_std, count_sensitivity: f
     return 1.0 / np.sqrt(zg ** -2.0 + (count_sensitivity / sc) ** 2)
 
 
+# bounds a float32 gradient can be clipped to: its norms and squared norms neither under- nor overflow
+_BOUND_RANGE = (1e-30, 1e30)
+
+
 class GeometricQuantileTracker:
     """Clip bounds that follow a target quantile: C ← C·exp(−η(b̄ − γ)) (Andrew et al., Alg. 1).
 
@@ -195,8 +199,10 @@ class GeometricQuantileTracker:
         Returns:
             the new bounds, float64 of shape S (also stored in ``self.bounds``).
         Raises:
-            ValueError for counts that do not broadcast to the bounds' shape, or a count that is NaN or infinite
-            (the bound would become NaN, 0 or ∞); the bounds are left as they were.
+            ValueError for counts that do not broadcast to the bounds' shape, a count that is NaN or infinite
+            (the bound would become NaN, 0 or ∞), or a step that would take a bound outside [1e-30, 1e30]
+            (float32 norms and bounds under- or overflow there; a learning rate too large for the counts'
+            noise does it); the bounds are left as they were.
         """
         b = self.unclipped_fraction(noisy_centered_count, expected_count)
         # a few numbers per step (groups × layers): checking them costs nothing next to the step
@@ -209,7 +215,14 @@ class GeometricQuantileTracker:
                              f"bound), got {b.shape}")
         if not np.isfinite(b).all():
             raise ValueError(f"noisy_centered_count must be finite, got {noisy_centered_count!r}")
-        self.bounds = self.bounds * np.exp(-self.learning_rate * (b - self.target_quantile))
+        bounds = self.bounds * np.exp(-self.learning_rate * (b - self.target_quantile))
+        if not ((bounds >= _BOUND_RANGE[0]) & (bounds <= _BOUND_RANGE[1])).all():   # NaN fails too
+            raise ValueError(
+                f"the clip bounds would leave [{_BOUND_RANGE[0]:g}, {_BOUND_RANGE[1]:g}] (from {self.bounds.min():.3g}–"
+                f"{self.bounds.max():.3g} to {bounds.min():.3g}–{bounds.max():.3g}) at learning_rate "
+                f"{self.learning_rate:g}: the noised fraction of unclipped records was {b.min():.3g}–{b.max():.3g}; "
+                "use a smaller learning_rate (Andrew et al.'s is 0.2)")
+        self.bounds = bounds
         return self.bounds
 
 
@@ -273,15 +286,11 @@ class AdaptiveTraining:
         engine = self.engine
         if self.clipping is not None:
             engine.batch_clip_norms = self.batch_clip_norms
-            loader_hook = engine.data_loader.on_batch
-
-            def on_batch(batch):
-                self._rows = self._group_of_t[batch.indices]
-                loader_hook(batch)
-
-            engine.data_loader.on_batch = on_batch
             engine.state.keep_group_norms = self.per_layer
             engine.state.post_backward_hooks.append(self._count)
+            # a refused step closes its draw unreleased; its counts go with it (added to the next draw's, a
+            # record in both would count twice in one release)
+            engine.optimizer.refused_step_hooks.append(self._drop_counts)
         engine.optimizer.pre_step_hooks.append(self._set_step_noise)
         engine.optimizer.post_step_hooks.append(self._after_step)
         self._set_ledger(engine.optimizer.steps)
@@ -303,14 +312,17 @@ class AdaptiveTraining:
         return np.sqrt(np.sum(self.bounds ** 2, axis=1))
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
-        """The current clip bounds of a batch's records (set as the engine's ``batch_clip_norms``).
+        """The current clip bounds of a batch's records (set as the engine's ``batch_clip_norms``,
+        through which every batch opens: the loader's and those of ``records()``). The records' groups
+        are kept for the counts of the batch's backward.
 
         Args:
             indices: (B,) int64 dataset indices of the batch's records.
         Returns:
             float64 bounds: (B,) for flat clipping, (K, B) for per-layer clipping (row k clipping group k).
         """
-        rows = self._bounds_tensor[self._group_of_t[indices]]        # (B, K)
+        self._rows = self._group_of_t[indices]
+        rows = self._bounds_tensor[self._rows]                        # (B, K)
         return rows[:, 0].contiguous() if not self.per_layer else rows.t().contiguous()
 
     def _count(self, state) -> None:
@@ -325,6 +337,9 @@ class AdaptiveTraining:
         counts = torch.zeros(self.num_groups, self.num_layers, dtype=torch.float64)
         counts.index_add_(0, self._rows, bits.t())
         self._counts += counts.numpy()
+
+    def _drop_counts(self, optimizer=None) -> None:
+        self._counts[:] = 0.0
 
     # ------------------------------------------------------------------ steps
     def _factor(self, step: int) -> float:
@@ -344,9 +359,9 @@ class AdaptiveTraining:
         """Before the noise of step t: σ_t/√(1−f) and the reference bound at which every group's
         gradient multiplier is at least z_g·h(t)/√(1−f)."""
         t = optimizer.steps
-        optimizer.noise_multiplier = self.plan.noise_multiplier * self._factor(t) * self._grad_inflation()
         ratio = self.group_clip_norms / self.plan.group_clip_norms
-        optimizer.max_grad_norm = self.plan.max_grad_norm * float(ratio.max())
+        optimizer._set_step_noise(self.plan.noise_multiplier * self._factor(t) * self._grad_inflation(),
+                                  self.plan.max_grad_norm * float(ratio.max()))
 
     def _after_step(self, optimizer) -> None:
         t = optimizer.steps - 1                                   # the step just taken
@@ -369,7 +384,7 @@ class AdaptiveTraining:
             count_std = np.atleast_1d(count_std)
             noisy = self._counts.sum(0) + rng.normal(size=self.num_layers) * count_std
             self.tracker.update(noisy, np.full(self.num_layers, self.expected.sum()))
-        self._counts[:] = 0.0
+        self._drop_counts()
         self._bounds_tensor = torch.from_numpy(self.bounds.copy())
         return count_std
 

@@ -630,7 +630,7 @@ class PrivacyEngine:
             raise RuntimeError("the previous batch's clipped gradients wait for optimizer.step() (or zero_grad() "
                                "to discard them); call it before opening the next batch")
         self._warn_user_batch(stacklevel=4)
-        self._open(self._clip_norms_tensor[idx], implicit=False)
+        self._open(self.batch_clip_norms(idx), implicit=False)
         try:
             yield idx
         except BaseException:
@@ -639,7 +639,7 @@ class PrivacyEngine:
             raise
 
     def _open(self, clip_norms: torch.Tensor, *, implicit: bool) -> None:
-        rows = clip_norms.shape[0]
+        rows = clip_norms.shape[-1]                  # (B,), or (K, B) per layer under adaptive clipping
         self._user_batches += 1
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
         self.state.begin_batch(clip_norms, None, loss_scale=scale, draw=("user", self._user_batches))
@@ -669,7 +669,9 @@ class PrivacyEngine:
             raise RuntimeError("a private forward with no tensor argument: the batch size is unknown. Name the "
                                "batch's records with `with privacy_engine.records(indices): ...`")
         self._warn_user_batch(stacklevel=6)  # through torch's Module.__call__ to the user's forward call
-        self._open(self._clip_norms_tensor[:1].expand(rows), implicit=True)
+        # every record has one bound here (a uniform run), record 0's; through batch_clip_norms, which
+        # adaptive clipping replaces to move the bounds between steps
+        self._open(self.batch_clip_norms(torch.zeros(rows, dtype=torch.long)), implicit=True)
         self._forward_done = False
 
     def _forward_finished(self, module, args, kwargs, output) -> None:
@@ -706,8 +708,9 @@ class PrivacyEngine:
         self._unstepped = None
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
-        """The clip bounds of a physical batch's rows, (B,) (an extension point: adaptive clipping
-        replaces it on the instance to move the bounds between steps, (K, B) per layer).
+        """The clip bounds of a batch's rows, (B,): every batch opens through it (the loader's, one of
+        ``records()``, a uniform run's plain forward). An extension point: adaptive clipping replaces it
+        on the instance to move the bounds between steps ((K, B) per layer) and to learn the rows' groups.
 
         Args:
             indices: (B,) int64 record indices of the rows.

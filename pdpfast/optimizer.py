@@ -53,8 +53,7 @@ class DPOptimizer(Optimizer):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.original_optimizer = optimizer
-        self.noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
-        self.max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        self._set_step_noise(noise_multiplier, max_grad_norm)
         self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)
         self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else check_int("seed", seed, 0)
         self.steps = 0
@@ -122,9 +121,43 @@ class DPOptimizer(Optimizer):
         self.original_optimizer.defaults = value
 
     @property
+    def noise_multiplier(self) -> float:
+        """σ, the noise std in units of ``max_grad_norm``. Read-only: the engine's accountant charges each
+        step at the σ it planned, so a σ set by hand would go unaccounted."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value):
+        raise AttributeError(
+            "optimizer.noise_multiplier cannot be set: the privacy engine charges every step at the noise it "
+            "planned, so a new value would go unaccounted (a smaller one spends more ε than reported). For noise "
+            "that changes over the steps, pass noise_schedule= to make_private_with_budgets, which accounts it; "
+            "Opacus's noise schedulers do not apply here")
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C, the reference clip norm the noise std is σ·C of. Read-only: the records' clip bounds are the
+        engine's (per record), so a C set by hand would change the noise and not the clipping."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value):
+        raise AttributeError(
+            "optimizer.max_grad_norm cannot be set: the records' clip bounds are the privacy engine's (fixed by "
+            "make_private's max_grad_norm or by the plan), and here it would only scale the noise, unaccounted. "
+            "To clip to other bounds, call make_private again with them; for bounds that follow the gradients, "
+            "pass adaptive_clipping=QuantileClipping(...) to make_private_with_budgets")
+
+    def _set_step_noise(self, noise_multiplier: float, max_grad_norm: float) -> None:
+        # the one way to change σ and C: at construction, and the engine's own hooks (a noise schedule,
+        # adaptive clipping), which set the ledger's multipliers to match
+        self._noise_multiplier = check_nonnegative("noise_multiplier", noise_multiplier)
+        self._max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+
+    @property
     def noise_std(self) -> float:
         """Standard deviation of the noise added to the clipped sum: σ·C."""
-        return self.noise_multiplier * self.max_grad_norm
+        return self._noise_multiplier * self._max_grad_norm
 
     def trainable_params(self) -> list[torch.Tensor]:
         """The parameters the optimizer updates that require a gradient.

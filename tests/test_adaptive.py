@@ -332,6 +332,55 @@ def test_bound_updates_refuse_counts_that_do_not_fit_the_bounds_and_keep_them(co
     assert tracker.update(0.0, 10.0).shape == (2,)  # one count for every bound still broadcasts
 
 
+@pytest.mark.parametrize("rate,count", [(1e3, 0.0), (50.0, -40.0)], ids=["overflow", "underflow"])
+def test_a_bound_update_that_would_leave_the_float32_range_is_refused_and_the_bounds_kept(rate, count):
+    """Before: lr 1e3 took a bound to 9e72 and then 0 (an opaque error from the clipping kernels), lr 50 to
+    1e-150 (no error, training stalled)."""
+    tracker = GeometricQuantileTracker(np.ones(2), 0.999 if count == 0.0 else 0.5, rate)
+    for _ in range(6):
+        try:
+            tracker.update(count, 10.0)
+        except ValueError as error:
+            assert "use a smaller learning_rate" in str(error)
+            assert ((tracker.bounds >= 1e-30) & (tracker.bounds <= 1e30)).all()
+            return
+    pytest.fail(f"bounds reached {tracker.bounds} without an error")
+
+
+def test_a_named_batch_is_clipped_to_the_adaptive_bounds_the_noise_follows():
+    """records() opened its batch at the plan's first bounds while the noise followed the adaptive ones:
+    with the bounds shrunk 10⁴-fold, a named record's noise multiplier fell 10⁴-fold below its plan's."""
+    engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5, learning_rate=1.0), steps=12)
+    _train(engine, model, opt, loader, criterion, steps=6)          # the bounds move
+    data = _data()
+    idx = torch.arange(0, N, 7)
+    with pytest.warns(UserWarning, match="did not draw"), engine.records(idx):
+        criterion(model(data.tensors[0][idx]), data.tensors[1][idx]).backward()
+    np.testing.assert_allclose(engine.state.clip_norms.numpy(), engine.adaptive.batch_clip_norms(idx).numpy())
+    assert not np.allclose(engine.state.clip_norms.numpy(), engine.clip_norms[idx.numpy()])
+    rows = engine.adaptive._rows.numpy()
+    np.testing.assert_array_equal(rows, engine.adaptive.group_of[idx.numpy()])   # counted in the records' groups
+    assert engine.adaptive._counts.sum() != 0.0
+    used = engine.state.clip_norms.numpy().copy()
+    opt.step()
+    effective = opt.noise_std / used          # the step's noise std over each row's bound
+    assert np.all(effective >= engine.plan.noise_multipliers[idx.numpy()] * (1 - 1e-9))
+
+
+def test_a_refused_step_drops_its_draws_counts_so_no_release_holds_two_draws():
+    """A step a pre-step hook refuses closes its draw unreleased; its unclipped-record counts used to
+    stay and be released with the next draw's (a record in both counted twice)."""
+    engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5), steps=4)
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    assert np.abs(engine.adaptive._counts).sum() > 0
+    opt.pre_step_hooks.insert(0, lambda optimizer: (_ for _ in ()).throw(RuntimeError("refused")))
+    with pytest.raises(RuntimeError, match="refused"):
+        opt.step()
+    np.testing.assert_array_equal(engine.adaptive._counts, 0.0)
+    assert engine.steps == 0
+
+
 def test_bounds_given_as_strings_are_refused_by_name():
     with pytest.raises(TypeError, match="bounds must be numbers"):
         GeometricQuantileTracker(["1", "2"], 0.5, 0.2)

@@ -310,6 +310,18 @@ def test_the_optimizer_given_to_make_private_cannot_step_the_clipped_sum_without
     sgd.step()
 
 
+@pytest.mark.parametrize("name", ["noise_multiplier", "max_grad_norm"])
+def test_the_noise_of_a_private_optimizer_cannot_be_changed_by_hand_since_no_accountant_would_see_it(name):
+    """Before: optimizer.noise_multiplier ×0.01 (as Opacus's noise schedulers do) cut the noise 100-fold
+    with the reported ε unchanged; max_grad_norm changed the noise and not the clip bounds."""
+    engine, model, opt, criterion, loader = _engine(n=4)
+    noise_std = opt.noise_std
+    with pytest.raises(AttributeError, match=f"optimizer.{name} cannot be set") as error:
+        setattr(opt, name, 0.01)
+    assert "make_private_with_budgets" in str(error.value)
+    assert opt.noise_std == noise_std
+
+
 def test_zero_grad_after_backward_discards_the_draw_and_closes_the_batch():
     engine, model, opt, criterion, loader = _engine(n=4)
     x, y = next(iter(loader))
