@@ -6,7 +6,8 @@ Heo, Seo, Whang. Each round R = 1..k:
    w1·waste_u + w2·waste_s, or the adaptive one);
 2. the round's subset: record i kept with probability π_i = (e^{ε_i} − 1)/(e^{τ_R} − 1) if its
    remaining ε_i < τ_R, else 1 (records with nothing left: 0), drawn with randomness seeded by
-   (seed, R) only — never by the data;
+   (seed, R) only — never by the data. The seed is secret (drawn from ``os.urandom`` unless given):
+   whoever knows it can recompute every round's subset, Poisson draws and noise;
 3. DP-SGD on the subset through a fresh :class:`~pdpfast.PrivacyEngine`: Poisson rate q inside the
    subset (fixed, or B / Σ_i π_i for a constant expected batch B), σ_R calibrated so the round's
    steps are (τ_R, δ)-DP (the engine's plan and RDP ledger refuse any step beyond that);
@@ -25,6 +26,8 @@ With rounds = 1 this is the "DP-SGD + Sampling" baseline.
 """
 from __future__ import annotations
 
+import copy
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,7 +126,8 @@ def _check_settings(model, dataset, optimizer, *, task, max_grad_norm, w1, w2, s
     check_positive("max_grad_norm", max_grad_norm)
     check_nonnegative("w1", w1)
     check_nonnegative("w2", w2)
-    check_int("seed", seed, 0)
+    if seed is not None:
+        check_int("seed", seed, 0)
     check_clipping_options(mode, clipping)
     if physical_batch_size is not None:
         check_int("physical_batch_size", physical_batch_size, 1)
@@ -158,7 +162,10 @@ class PDPSGD:
             ``pdpfast.accounting.pdp.threshold_losses``) and its weights.
         rule: "all" (default: every record with budget left pays its round guarantee) or "sampled"
             (the paper's: only kept records pay).
-        seed: of the rounds' subset draws and of their engines, an int in [0, 2**63).
+        seed: of the rounds' subset draws and of their engines (their Poisson draws and noise), an int in
+            [0, 2**63), or None (default): a secret one from ``os.urandom``, kept in ``state_dict()`` so a
+            resumed run goes on with it. Give one only to reproduce an experiment: whoever knows it can
+            recompute the draws and the noise, and so remove it.
         mode, clipping, physical_batch_size: passed to each round's engine.
         min_remaining: a remaining budget at or below this counts as exhausted (finite, ≥ 0).
     Raises:
@@ -174,7 +181,7 @@ class PDPSGD:
                  sample_rate: float | None = None,
                  expected_batch_size: float | None = None,
                  task: Task | None = None, max_grad_norm: float = 1.0, loss: str = "fixed", w1: float = 0.7,
-                 w2: float = 0.3, rule: str = "all", seed: int = 0, mode: str = "bk", clipping: str = "flat",
+                 w2: float = 0.3, rule: str = "all", seed: int | None = None, mode: str = "bk", clipping: str = "flat",
                  physical_batch_size: int | None = None, min_remaining: float = 1e-9):
         _check_settings(model, dataset, optimizer, task=task, max_grad_norm=max_grad_norm, w1=w1, w2=w2, seed=seed,
                         mode=mode, clipping=clipping, physical_batch_size=physical_batch_size,
@@ -209,7 +216,9 @@ class PDPSGD:
         self.sample_rate = None if sample_rate is None else float(sample_rate)
         self.expected_batch_size = None if expected_batch_size is None else float(expected_batch_size)
         self.rule, self.loss, self.w1, self.w2 = rule, loss, float(w1), float(w2)
-        self.seed, self.mode, self.clipping = int(seed), mode, clipping
+        self._seed_given = seed is not None
+        self.seed = int(seed) if self._seed_given else int.from_bytes(os.urandom(7), "little")
+        self.mode, self.clipping = mode, clipping
         self.physical_batch_size = None if physical_batch_size is None else int(physical_batch_size)
         self.max_grad_norm = float(max_grad_norm)
         self.min_remaining = float(min_remaining)
@@ -421,10 +430,10 @@ class PDPSGD:
             "completed_steps", "finished" and "optimizer" (its ``state_dict``).
         """
         current = None
-        if self.current is not None:
-            current = dict(self.current)
-            if self._engine is not None:
-                current["engine"] = self._engine.state_dict()
+        if self.current is not None:       # a snapshot: later steps must not change what was returned
+            current = copy.deepcopy({**self.current, "engine": None})
+            engine = self._engine.state_dict() if self._engine is not None else self.current["engine"]
+            current["engine"] = copy.deepcopy(engine)
         return {"format_version": 1, "config": self._config(), "budgets": self.budgets.copy(),
                 "remaining": self.remaining.copy(), "spent_delta": self.spent_delta.copy(),
                 "ledger_eps": self.ledger_eps.copy(), "round": self.round, "current": current,
@@ -443,7 +452,8 @@ class PDPSGD:
             it is not a PDP-SGD state (a missing key is named), was saved with other settings or budgets, or
             holds spending or progress that cannot be (a remaining budget outside [0, budget], negative or
             non-finite spent δ or ledger ε, arrays not one per record, a round outside [0, rounds], negative
-            completed steps, a round in progress that is not one); the driver is then unchanged.
+            completed steps, a round in progress that is not one), or was saved before the steps this driver
+            has taken (their noise would be released twice); the driver is then unchanged.
         """
         if not isinstance(state, dict):
             raise TypeError(f"state must be the dict state_dict() returned, got {type(state).__name__}")
@@ -454,8 +464,11 @@ class PDPSGD:
             raise ValueError(f"not a PDP-SGD state: missing {', '.join(missing)}")
         if not isinstance(state["config"], dict):
             raise ValueError("PDP-SGD state: config must be a dict of the settings")
-        if state["config"] != self._config():
-            diff = sorted(k for k in self._config() if state["config"].get(k) != self._config()[k])
+        config = self._config()
+        if not self._seed_given and "seed" in state["config"]:   # a drawn seed: the run's own is restored
+            config["seed"] = check_int("PDP-SGD state: config['seed']", state["config"]["seed"], 0)
+        if state["config"] != config:
+            diff = sorted(k for k in config if state["config"].get(k) != config[k])
             raise ValueError(f"the checkpoint's PDP-SGD settings differ from this run's ({', '.join(diff)}); resume "
                              "with the same ones")
         if not np.array_equal(np.asarray(state["budgets"]), self.budgets):
@@ -485,10 +498,20 @@ class PDPSGD:
             history = [RoundRecord(**r) for r in state["history"]]
         except TypeError as e:
             raise ValueError(f"PDP-SGD state: history must be a list of round records ({e})") from None
+        steps = completed_steps + (0 if current is None or current["engine"] is None
+                                   else int(current["engine"]["optimizer"]["steps"]))
+        if steps < self.steps:
+            # the re-run steps would draw the same records and noise as the released ones (the same seed
+            # and step), on other weights: their difference cancels the noise
+            raise ValueError(f"PDP-SGD state: it was saved after {steps} steps and this run has taken {self.steps}; "
+                             "loading it would release those steps again with the same noise. Resume a new run "
+                             "from its latest checkpoint")
+        current = copy.deepcopy(current)
         self.optimizer.load_state_dict(state["optimizer"])
         self.remaining, self.spent_delta, self.ledger_eps = remaining, spent_delta, ledger_eps
         self.round, self.current, self.history = round_, current, history
         self.completed_steps, self.finished = completed_steps, finished
+        self.seed = int(state["config"]["seed"])
 
     def _check_current(self, current) -> None:
         """Refuse a round in progress (``state["current"]``) that ``_begin_round`` could not have made."""

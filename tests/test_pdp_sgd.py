@@ -140,6 +140,53 @@ def test_pdp_sgd_state_round_trips_after_the_checks():
     np.testing.assert_array_equal(other.remaining, driver.remaining)
 
 
+def test_pdp_sgd_seed_is_secret_by_default_and_a_resumed_run_goes_on_with_its_own():
+    """Before: seed 0 by default, so anyone could recompute every round's subset, draws and noise (a re-run
+    on both neighbouring datasets matched the released model bit for bit)."""
+    first, second = _driver(), _driver()
+    assert first.seed != second.seed
+    first.run(max_steps=1)
+    second.load_state_dict(first.state_dict())
+    assert second.seed == first.seed
+    given = _driver(seed=5)
+    with pytest.raises(ValueError, match="settings differ .*seed"):
+        given.load_state_dict(first.state_dict())
+
+
+def test_pdp_sgd_refuses_an_older_state_so_no_step_is_released_twice_with_the_same_noise():
+    """Before: run 6 steps, load the step-3 state, run on: steps 3-5 were released again with the same
+    draws and noise on other weights, and the ledger counted 10 steps for 13 released."""
+    driver = _driver(rounds=3, steps_per_round=3, seed=1)
+    driver.run(max_steps=2)
+    older = driver.state_dict()
+    driver.run(max_steps=3)
+    assert driver.steps == 5
+    with pytest.raises(ValueError, match="saved after 2 steps and this run has taken 5"):
+        driver.load_state_dict(older)
+    assert driver.steps == 5
+    fresh = _driver(rounds=3, steps_per_round=3, seed=1)
+    fresh.load_state_dict(older)                          # a new run resumes from it
+    assert fresh.steps == 2
+
+
+def test_pdp_sgd_state_dict_is_a_snapshot_that_later_steps_leave_alone():
+    """Before: the round in progress was shared, and the ledger adopted the loaded arrays, so later steps
+    added into a state kept in memory (its RDP grew, its step count did not)."""
+    driver = _driver(rounds=2, steps_per_round=4, seed=2)
+    driver.run(max_steps=1)
+    driver.run(max_steps=1)             # the round engine is rebuilt from the saved round state
+    state = driver.state_dict()
+    kept = {k: np.array(v, copy=True) for k, v in state["current"]["engine"]["ledger"].items()
+            if isinstance(v, np.ndarray)}
+    driver.run(max_steps=1)
+    for key, value in kept.items():
+        np.testing.assert_array_equal(state["current"]["engine"]["ledger"][key], value, err_msg=key)
+    resumed = _driver(rounds=2, steps_per_round=4, seed=2)
+    resumed.load_state_dict(state)
+    resumed.run(max_steps=1)            # the kept state still resumes (it used to exceed the budget at once)
+    assert resumed.steps == 3
+
+
 def test_train_pdp_sgd_refuses_lr_that_its_given_optimizer_would_ignore():
     model, dataset, budgets = _problem()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

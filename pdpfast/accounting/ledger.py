@@ -311,8 +311,9 @@ class _RecordLedger:
             if np.shape(state["budgets"]) != group_of.shape:
                 raise ValueError("ledger state: budgets do not match group_of")
             budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0, low_inclusive=False)
-        return {"group_of": group_of, "group_rates": group_rates, "group_noise": group_noise,
-                "steps_taken": steps_taken, "budgets": budgets}
+        # copies: the ledger adds into its arrays in place, and must not write into the caller's state
+        return {"group_of": group_of.copy(), "group_rates": group_rates.copy(), "group_noise": group_noise.copy(),
+                "steps_taken": steps_taken, "budgets": None if budgets is None else budgets.copy()}
 
 
 @register_ledger("rdp")
@@ -679,8 +680,8 @@ class IndividualAccountant(_RecordLedger):
         self.__dict__.pop("_pair_cache", None)
         self.__dict__.pop("_step_rdp", None)
         self.__dict__.update(records)
-        self.orders, self.group_rdp = orders, group_rdp
-        self.group_own_order, self.group_own_rdp = own_order, own_rdp
+        self.orders, self.group_rdp = orders.copy(), group_rdp.copy()
+        self.group_own_order, self.group_own_rdp = own_order.copy(), own_rdp.copy()
 
 
 
