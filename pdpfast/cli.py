@@ -511,12 +511,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=d.momentum)
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
     g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="reference clip norm C")
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the train/test split and the model's initialization (default 0)")
+    g.add_argument("--noise-seed", type=int,
+                   help="seed of the Poisson draws and the noise (default: a secret one from os.urandom, kept in the "
+                        "checkpoint). Give one only to reproduce a run: whoever knows it can recompute the draws and "
+                        "the noise, and so remove it")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     g.add_argument("--threads", type=int, help="torch threads")
     g.add_argument("--nproc", type=int, default=1,
                    help="data-parallel processes on this machine (torchrun; gloo on CPU, NCCL on GPUs); the "
-                        "trained model and the ledger equal a one-process run with the same --seed")
+                        "trained model and the ledger equal a one-process run with the same --seed and --noise-seed")
     g = train.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger); an existing one is "
                                         "refused unless --resume or --overwrite")

@@ -260,8 +260,8 @@ class PrivateRun(NamedTuple):
 
 def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *, delta: float, steps: int,
                    sample_rate: float, batch_size: int, task: Task | None = None, max_grad_norm: float = 1.0,
-                   clipping: str = "flat", mode: str = "bk", seed: int = 0, hybrid_weight: float | None = None,
-                   accountant: str = "rdp", physical_batch_size: int | None = None):
+                   clipping: str = "flat", mode: str = "bk", seed: int | None = None,
+                   hybrid_weight: float | None = None, accountant: str = "rdp", physical_batch_size: int | None = None):
     """Make ``model`` private for a method: IDP with the records' own budgets ("sample", "scale",
     "hybrid") or "dpsgd" (every record at min ε_i, the uniform plan of DP-SGD).
 
@@ -276,7 +276,8 @@ def private_engine(method: str, model: nn.Module, optimizer, dataset, budgets, *
             (0, 1]. batch_size: of the loader the engine replaces (sets nothing else).
         task: a ``Task``, how a batch becomes a loss (default classification). max_grad_norm: reference clip
             bound C > 0. clipping, mode, hybrid_weight, accountant, physical_batch_size: as in
-            ``PrivacyEngine.make_private_with_budgets``. seed: of the draws and the noise.
+            ``PrivacyEngine.make_private_with_budgets``. seed: of the draws and the noise (None: a secret
+            one from ``os.urandom``; a given one lets anyone who knows it recompute them).
     Returns:
         :class:`PrivateRun` (engine, model, optimizer, loader, criterion): criterion is the task's
         summed loss, wrapped for its two backward passes in ghost mode.

@@ -162,6 +162,7 @@ class TrainConfig:
     pdp_loss: str = "fixed"
     pdp_charge: str = "all"
     seed: int = 0
+    noise_seed: int | None = None
     device: str | None = None
     checkpoint: str | None = None
     checkpoint_every: int = 0
@@ -242,6 +243,8 @@ def _check_config(cfg: TrainConfig) -> None:
         check_positive("--epsilon", cfg.epsilon)
     check_in_range("--test-fraction", cfg.test_fraction, low=0.0, high=1.0, low_open=False, high_open=True)
     check_int("--seed", cfg.seed, 0)
+    if cfg.noise_seed is not None:
+        check_int("--noise-seed", cfg.noise_seed, 0)
     if cfg.model == "mlp":
         _hidden_widths(cfg)
     if cfg.image_shape:
@@ -420,7 +423,8 @@ def _load_checkpoint_file(path):
 
 # the settings a resumed run must share with its checkpoint (the plan, the schedule, the optimizer state)
 _RESUME_SETTINGS = ("method", "model", "delta", "epochs", "batch_size", "max_grad_norm", "clipping", "mode", "seed",
-                    "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction", "optimizer")
+                    "noise_seed", "hybrid_weight", "accountant", "rounds", "pdp_loss", "pdp_charge", "test_fraction",
+                    "optimizer")
 
 
 def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
@@ -724,7 +728,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     engine, model, optimizer, loader, criterion = private_engine(
         cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
         sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
-        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.seed,
+        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.noise_seed,
         hybrid_weight=cfg.hybrid_weight,
         accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
@@ -759,7 +763,7 @@ def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     expected_batch_size = sample_rate * len(train)
     driver = PDPSGD(model, train.dataset(), budgets, optimizer=optimizer, delta=cfg.delta, rounds=cfg.rounds,
                     epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=expected_batch_size, task=task,
-                    max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.seed,
+                    max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.noise_seed,
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
     job.resume(lambda: driver.load_checkpoint_state(job.resume_state), model,
                lambda: (driver.steps, driver.total_steps))

@@ -199,7 +199,7 @@ def test_cli_nproc_2_trains_the_one_process_model(tmp_path):
         out = tmp_path / f"n{nproc}"
         cmd = [sys.executable, "-m", "pdpfast", "train", "--data", str(tmp_path / "d.npz"), "--epochs", "1",
                "--batch-size", "12", "--physical-batch-size", "4", "--hidden", "8", "--test-fraction", "0",
-               "--method", "hybrid", "--seed", "3", "--quiet", "--checkpoint", str(out) + ".pt",
+               "--method", "hybrid", "--seed", "3", "--noise-seed", "3", "--quiet", "--checkpoint", str(out) + ".pt",
                "--out-json", str(out) + ".json", "--nproc", str(nproc)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})

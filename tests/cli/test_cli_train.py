@@ -10,7 +10,7 @@ from conftest import outputs, run_module
 
 from pdpfast.accounting import IndividualAccountant
 
-SMALL = ("--epochs", 1, "--batch-size", 40, "--quiet")
+SMALL = ("--epochs", 1, "--batch-size", 40, "--quiet", "--noise-seed", 0)   # a fixed noise seed: reproducible
 
 
 def _summary(path):
@@ -131,7 +131,8 @@ def _ledger_epsilons(checkpoint_path, delta=1e-5):
 @pytest.mark.parametrize("method,stop", [("hybrid", 7), ("pdp", 5), ("pdp", 12)])   # pdp: 11 + 3 steps in 2 rounds
 def test_checkpoint_then_resume_continues_the_ledger_exactly(cli, data_dir, tmp_path, method, stop):
     common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
-              data_dir / "budgets.npy", "--method", method, "--epochs", 4, "--batch-size", 40, "--quiet")
+              data_dir / "budgets.npy", "--method", method, "--epochs", 4, "--batch-size", 40, "--quiet",
+              "--noise-seed", 1)
     assert cli(*common, "--checkpoint", tmp_path / "whole.pt")[0] == 0
     rc, out, _ = cli(*common, "--checkpoint", tmp_path / "part.pt", "--stop-after-steps", stop, "--checkpoint-every", 3)
     assert rc == 0 and f"stopped after step {stop} of" in out
@@ -145,6 +146,30 @@ def test_checkpoint_then_resume_continues_the_ledger_exactly(cli, data_dir, tmp_
     np.testing.assert_allclose(resumed, whole, rtol=1e-12, atol=0)
     for name, value in whole_ckpt["model"].items():
         torch.testing.assert_close(resumed_ckpt["model"][name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("method", ["scale", "pdp"])
+def test_the_noise_seed_is_secret_unless_given_and_a_resume_keeps_the_runs_own(cli, data_dir, tmp_path, method):
+    """Before: --seed (default 0) also seeded the Poisson draws and the noise, so anyone could recompute
+    and remove the noise of a released model. Now two runs with the same --seed differ; a resume goes on
+    with the checkpoint's own noise seed; a given --noise-seed reproduces a run."""
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+              data_dir / "budgets.npy", "--method", method, "--epochs", 1, "--batch-size", 40, "--quiet")
+
+    def weights(path):
+        return torch.cat([v.flatten().double() for v in torch.load(path, weights_only=False)["model"].values()])
+
+    for name in ("a", "b"):
+        assert cli(*common, "--checkpoint", tmp_path / f"{name}.pt")[0] == 0
+    assert not torch.equal(weights(tmp_path / "a.pt"), weights(tmp_path / "b.pt"))
+    for name in ("c", "d"):
+        assert cli(*common, "--noise-seed", 4, "--checkpoint", tmp_path / f"{name}.pt")[0] == 0
+    assert torch.equal(weights(tmp_path / "c.pt"), weights(tmp_path / "d.pt"))
+    assert cli(*common, "--checkpoint", tmp_path / "part.pt", "--stop-after-steps", 2)[0] == 0
+    rc, out, err = cli(*common, "--resume", tmp_path / "part.pt")
+    assert rc == 0 and "resumed from" in out, err
+    message = cli.fails(*common, "--noise-seed", 4, "--resume", tmp_path / "part.pt")
+    assert "--noise-seed None" in message
 
 
 def test_resume_with_other_budgets_is_refused(cli, data_dir, tmp_path):
