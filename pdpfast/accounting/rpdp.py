@@ -264,13 +264,14 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
                  conversion="standard", orders=None, estimator: SCFEstimator | None = None):
     """Per-record sampling rates for budgets ε_j: SCF inverse, then exact re-accounting.
 
-    Distinct budgets are refined to the exact root (≤ 4096 of them) or read off an exact grid.
+    Up to 4096 distinct budgets are refined to the exact root from the SCF inverse; more are read off
+    an exact grid whose consecutive ε differ by ≤ 0.1% (split where ε rises steeply), with no fit.
 
     Args:
         budgets: (N,) ε_j > 0 (any shape).
         noise_multiplier, delta, local_steps, rounds, client_rate, threat, conversion, orders: the
             setting, as in ``epsilon``.
-        estimator: an :class:`SCFEstimator` of this setting to start from (None: fit one).
+        estimator: an :class:`SCFEstimator` of this setting to start from (None: fit one when it is used).
     Returns:
         float64 q_j in [0, 1] with the shape of ``budgets``: ε(q_j) ≤ ε_j exactly, and ≥ 0.99·ε_j
         unless q_j = 1.
@@ -283,9 +284,6 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
         raise TypeError(f"estimator must be an SCFEstimator (fit_scf's result) or None, got {type(estimator).__name__}")
     arr = check_epsilons("budgets", budgets).ravel()
     values, inverse = np.unique(arr, return_inverse=True)
-    est = estimator if estimator is not None else fit_scf(
-        noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,
-        client_rate=s.client_rate, threat=s.threat, conversion=s.conversion, orders=s.orders)
     floor_eps = float(_eps(np.array([_grid.Q_FLOOR]), s)[0][0])
     if values[0] * (1 - _grid.MARGIN) < floor_eps:
         raise ValueError(f"budget epsilon={values[0]:.6g} is below the smallest reachable epsilon "
@@ -295,7 +293,12 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     full = goal >= eps1
     q = np.ones(values.shape[0])
     part = np.flatnonzero(~full)
-    if part.size:
+    if part.size > _grid.REFINE_MAX:      # many budgets: read off an exact grid (no fit needed)
+        q[part] = _grid_rates(values[part], s)
+    elif part.size:
+        est = estimator if estimator is not None else fit_scf(
+            noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,
+            client_rate=s.client_rate, threat=s.threat, conversion=s.conversion, orders=s.orders)
         q[part] = _exact_rates(values[part], est.inverse(values[part]), s)
     return q[inverse].reshape(np.shape(budgets))
 
@@ -334,6 +337,45 @@ def _grid_eps(qs: np.ndarray, s: _Setting) -> np.ndarray:
     return np.array(remembered(_GRID_MEMO, key, qs, lambda m: _eps(m, s)[0].tolist(), 1 << 17))
 
 
+_GRID_RATIO = 1.001   # consecutive ε of the exact grid differ by at most this factor
+
+
+def _grid_rates(targets, s: _Setting):
+    """Largest grid q with ε(q) ≤ target·(1 − MARGIN), for many targets: an exact grid whose
+    consecutive ε differ by ≤ ``_GRID_RATIO`` (each record gets ≥ 99.9% of its budget), read off
+    downwards.
+
+    Near the floor ε(q) is a staircase: a plateau log(1/δ)/(α − 1) per large order α, then a steep
+    rise where that order's RDP takes off (a 0.1% step in q can raise ε by 3%). The coarse
+    elasticity of ``fine_points`` misses such rises, so cells wider than the ratio are split until
+    they meet it (``_close_gaps``); a record whose cell still does not is refined to the exact root
+    from that cell's bracket.
+    """
+    goal = targets * (1 - _grid.MARGIN)
+    grid = np.geomspace(_grid.Q_FLOOR, 1.0, 64)
+    e = np.maximum.accumulate(_grid_eps(grid, s))
+    a = max(0, int(np.searchsorted(e, goal.min(), side="right")) - 1)
+    b = min(63, int(np.searchsorted(e, goal.max(), side="left")))
+    floor = 0.5 * goal.min()
+
+    def on_grid(qs, lo, hi):   # the remembered exact ε; order windows are not used here
+        return _grid_eps(qs, s), np.zeros(qs.shape[0], dtype=np.intp)
+
+    fine = _grid.fine_points(grid, e, a, b, _GRID_RATIO, floor)
+    fine, fe, _ = _grid._close_gaps(fine, *on_grid(fine, None, None), on_grid, _GRID_RATIO, floor)
+    fe = np.maximum.accumulate(fe)
+    j = np.maximum(np.searchsorted(fe, goal, side="right") - 1, 0)
+    q = fine[j]
+    nxt = np.minimum(j + 1, fine.shape[0] - 1)
+    todo = np.flatnonzero((j < fine.shape[0] - 1) & (fe[nxt] > fe[j] * _GRID_RATIO))
+    if todo.size:
+        k, k1 = j[todo], nxt[todo]
+        idx = np.zeros(todo.size, dtype=np.intp)
+        q[todo] = _grid.refine(lambda qs, lo, hi, which: _eps(qs, s), fine[k], fine[k1], fe[k], idx, idx, fe[k1],
+                               targets[todo], rtol=1e-6)[0]
+    return q
+
+
 def _exact_rates(targets, guess, s: _Setting):
     """Largest q with ε(q) ≤ target·(1 − MARGIN), from SCF guesses: bracket, then refine."""
     goal = targets * (1 - _grid.MARGIN)
@@ -341,16 +383,6 @@ def _exact_rates(targets, guess, s: _Setting):
     def evaluate(qs, lo=None, hi=None, which=None):
         return _eps(qs, s)
 
-    if targets.shape[0] > _grid.REFINE_MAX:
-        # many budgets: an exact grid (consecutive ε within 0.1%), read off downwards
-        grid = np.geomspace(_grid.Q_FLOOR, 1.0, 64)
-        e = np.maximum.accumulate(_grid_eps(grid, s))
-        a = max(0, int(np.searchsorted(e, goal.min(), side="right")) - 1)
-        b = min(63, int(np.searchsorted(e, goal.max(), side="left")))
-        fine = _grid.fine_points(grid, e, a, b, 1.001, 0.5 * goal.min())
-        fe = np.maximum.accumulate(_grid_eps(fine, s))
-        j = np.searchsorted(fe, goal, side="right") - 1
-        return fine[np.maximum(j, 0)]
     q0 = np.clip(guess, _grid.Q_FLOOR, 1.0)
     e0, i0 = evaluate(q0)
     safe = np.where(e0 <= goal, q0, np.nan)

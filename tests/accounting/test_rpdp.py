@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from pdpfast.accounting import DEFAULT_ORDERS, compute_rdp, get_privacy_spent, rpdp
+from pdpfast.accounting import DEFAULT_ORDERS, _grid, compute_rdp, get_privacy_spent, rpdp
 
 SETTING = dict(noise_multiplier=1.2, delta=1e-5, local_steps=20, rounds=50, client_rate=0.5)
 
@@ -78,6 +78,32 @@ def test_many_budgets_use_the_exact_grid():
     q = rpdp.sample_rates(budgets, **SETTING)
     eps = rpdp.epsilon(q, **SETTING)
     assert np.all(eps <= budgets) and np.all((eps >= 0.99 * budgets) | (q == 1.0))
+
+
+# σ = 3 over few steps: near its floor ε(q) is a staircase (a plateau log(1/δ)/(α − 1) per large order,
+# then a rise where a 0.1% step in q raises ε by 3%) that a grid spaced by the coarse slope steps over
+STAIRCASE = dict(noise_multiplier=3.0, delta=1e-4, local_steps=1, rounds=3, client_rate=1.0)
+
+
+def _staircase_budgets_and_their_rates():
+    floor = rpdp.epsilon(_grid.Q_FLOOR, **STAIRCASE)
+    budgets = np.geomspace(floor * 1.001, rpdp.epsilon(1.0, **STAIRCASE) * 1.2, 6000)
+    assert np.unique(budgets).size > _grid.REFINE_MAX          # the grid path, not the per-budget root
+    q = rpdp.sample_rates(budgets, **STAIRCASE)
+    return budgets, q, rpdp.epsilon(q, **STAIRCASE)
+
+
+def test_every_record_gets_99_to_100_percent_of_its_budget_on_the_grid_path_even_near_the_floor():
+    budgets, q, eps = _staircase_budgets_and_their_rates()
+    assert np.all(eps <= budgets)
+    assert np.all((eps >= 0.99 * budgets) | (q == 1.0))
+
+
+def test_a_record_in_a_grid_cell_left_wider_than_the_ratio_is_refined_to_its_exact_root(monkeypatch):
+    monkeypatch.setattr(_grid, "_close_gaps", lambda points, eps, idx, *rest: (points, eps, idx))
+    budgets, q, eps = _staircase_budgets_and_their_rates()
+    assert np.all(eps <= budgets)
+    assert np.all((eps >= 0.99 * budgets) | (q == 1.0))
 
 
 def test_unreachable_budget_is_refused():
