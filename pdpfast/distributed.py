@@ -63,13 +63,15 @@ class DistributedContext:
         self.check_same("seed", int(seed))
         return int(seed)
 
-    def check_same(self, what: str, value) -> None:
+    def check_same(self, what: str, value,
+                   why: str = "the draws, clip bounds and noise must agree across ranks") -> None:
         """Refuse to go on unless every rank holds the same ``value`` (a collective: every rank calls it).
 
         Args:
             what: what the value is, for the message (e.g. "seed").
             value: a picklable value, gathered from every rank and compared with ``==`` (for large
                 values pass a digest, e.g. ``plan_fingerprint``).
+            why: the reason they must agree, for the message.
         Returns:
             None.
         Raises:
@@ -78,8 +80,7 @@ class DistributedContext:
         values = [None] * self.world_size
         self.dist.all_gather_object(values, value)
         if any(v != values[0] for v in values):
-            raise ValueError(f"{what} differs between ranks; every rank must be given the same {what} "
-                             "(the draws, clip bounds and noise must agree across ranks)")
+            raise ValueError(f"{what} differs between ranks; every rank must be given the same {what} ({why})")
 
     def all_reduce_sum_(self, grads: list[torch.Tensor], step: int) -> None:
         """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket.
@@ -183,6 +184,49 @@ def unwrap(module: nn.Module) -> tuple[nn.Module, DistributedContext | None]:
                            "initialized; call torch.distributed.init_process_group first")
     module.require_backward_grad_sync = False  # the optimizer sums the clipped gradients itself
     return module.module, DistributedContext()
+
+
+def _item_digest(h, item) -> bool:
+    """Feed one dataset item into ``h``; False when part of it has no comparable bytes."""
+    if isinstance(item, torch.Tensor):
+        item = item.detach().cpu().numpy() if item.dtype != torch.bfloat16 else item.detach().float().cpu().numpy()
+    if isinstance(item, np.ndarray):
+        h.update(f"{item.dtype}{item.shape}".encode())
+        h.update(np.ascontiguousarray(item).tobytes())
+        return True
+    if isinstance(item, (str, bytes, int, float, complex, bool, np.generic)) or item is None:
+        h.update(repr(item).encode())
+        return True
+    if isinstance(item, dict):
+        return all(_item_digest(h, key) and _item_digest(h, item[key]) for key in sorted(item, key=repr))
+    if isinstance(item, (tuple, list)):
+        h.update(f"{type(item).__name__}{len(item)}".encode())
+        return all(_item_digest(h, part) for part in item)
+    return False   # an image object, a custom record: no bytes to compare
+
+
+def data_fingerprint(dataset, samples: int = 16) -> str:
+    """A digest of a map-style dataset's size and of a few records spread over it, for checking that
+    every rank was given the same data (the ranks share one Poisson draw over the whole dataset, so a
+    rank given its own shard would train on other records than those drawn and charged).
+
+    Args:
+        dataset: a map-style dataset (``len`` and ``dataset[i]``).
+        samples: how many records to read, evenly spaced from the first to the last.
+    Returns:
+        a 64-character hex digest; or "unverifiable" plus the size when the records cannot be compared:
+        a record with no comparable bytes (e.g. a PIL image), or one that reads differently twice
+        (random augmentation).
+    """
+    n = len(dataset)
+    h = hashlib.sha256(str(n).encode())
+    for i in np.unique(np.linspace(0, n - 1, min(samples, n)).round().astype(np.int64)) if n else ():
+        first, again = hashlib.sha256(), hashlib.sha256()
+        if not (_item_digest(first, dataset[int(i)]) and _item_digest(again, dataset[int(i)])) \
+                or first.digest() != again.digest():
+            return f"unverifiable ({n} records)"
+        h.update(first.digest())
+    return h.hexdigest()
 
 
 def plan_fingerprint(sample_rates: np.ndarray, clip_norms: np.ndarray, noise_multiplier: float,

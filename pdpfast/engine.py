@@ -25,7 +25,7 @@ from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
 from .data import DPDataLoader, PhysicalBatch, check_whole_dataset_sampler, map_style_length
-from .distributed import inner_module, plan_fingerprint, unwrap
+from .distributed import data_fingerprint, inner_module, plan_fingerprint, unwrap
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
 
@@ -321,6 +321,11 @@ class PrivacyEngine:
             seed = self.seed = self.distributed.agree_seed(self.seed)
             self.distributed.check_same("privacy plan (sample rates, clip bounds, noise)", plan_fingerprint(
                 self.sample_rates, self.clip_norms, self.noise_multiplier, self.max_grad_norm))
+            # one draw over the whole dataset: a rank given its own shard would train other records than drawn
+            self.distributed.check_same(
+                "dataset", data_fingerprint(data_loader.dataset),
+                "compared by its size and a few of its records: the ranks share one Poisson draw over the whole "
+                "dataset and each takes its share of it, so give every rank all of the data, not a shard")
             shard = dict(rank=self.distributed.rank, world_size=self.distributed.world_size)
         noise_seed = None if seed is None else seed + 1
         if noise_generator is not None:

@@ -165,17 +165,27 @@ def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
 
 
 def test_mismatched_seeds_are_refused(tmp_path):
-    mp.spawn(_mismatch_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_mismatch_worker, args=(str(tmp_path / "init"), str(tmp_path), "seed"), nprocs=2, join=True)
     assert "seed differs between ranks" in (tmp_path / "rank0.txt").read_text()
 
 
-def _mismatch_worker(rank, init_file, out_dir):
+def test_ranks_given_their_own_shard_of_the_data_are_refused(tmp_path):
+    """Before: ranks with different data of one size (each its own shard) passed the plan check; a record was
+    then trained only when drawn *and* at its rank's place in the draw (about q/2), while the ledger charged q."""
+    mp.spawn(_mismatch_worker, args=(str(tmp_path / "init"), str(tmp_path), "shard"), nprocs=2, join=True)
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "dataset differs between ranks" in message and "not a shard" in message
+
+
+def _mismatch_worker(rank, init_file, out_dir, what):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=20))
     dataset, budgets = data()
+    if what == "shard":
+        dataset = TensorDataset(dataset.tensors[0] + rank, dataset.tensors[1])
     try:
         net = nn.parallel.DistributedDataParallel(model())
-        pdpfast.PrivacyEngine(seed=rank).make_private_with_budgets(
+        pdpfast.PrivacyEngine(seed=rank if what == "seed" else 0).make_private_with_budgets(
             module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), data_loader=DataLoader(dataset),
             budgets=budgets, delta=1e-5, steps=STEPS)
         message = "no error"
@@ -228,6 +238,27 @@ def test_only_rank_0_of_a_multi_process_job_reports(monkeypatch, capsys, env, sp
     train._warn("a warning")
     out, err = capsys.readouterr()
     assert ("a report line" in out) == speaks and ("a warning" in err) == speaks
+
+
+def test_the_data_fingerprint_sees_other_records_and_cannot_compare_random_ones():
+    from pdpfast.distributed import data_fingerprint
+
+    dataset, _ = data()
+    same = TensorDataset(dataset.tensors[0].clone(), dataset.tensors[1].clone())
+    assert data_fingerprint(dataset) == data_fingerprint(same)
+    other = TensorDataset(dataset.tensors[0].clone(), dataset.tensors[1].clone())
+    other.tensors[0][N - 1, 0] += 1.0                     # the last record is always read
+    assert data_fingerprint(other) != data_fingerprint(dataset)
+
+    class Augmented(torch.utils.data.Dataset):            # a random transform reads differently each time
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            return torch.randn(3), 0
+
+    assert data_fingerprint(Augmented()) == f"unverifiable ({N} records)"
+    assert data_fingerprint([]) == data_fingerprint(TensorDataset(torch.zeros(0, 2)))
 
 
 def test_leaving_without_a_process_group_does_nothing_at_once():
