@@ -119,6 +119,20 @@ def test_resume_from_a_checkpoint_continues_the_ledger_exactly(tmp_path):
     assert epochs(resumed) == epochs(whole) and epochs(whole)[4] > epochs(whole)[2] > 0
 
 
+def test_the_noise_seed_is_secret_not_the_public_args_seed_unless_given(tmp_path):
+    """Before: the engine took args.seed (42 by default, and in every shared training script), so anyone
+    could recompute the draws and the noise of a released model."""
+    def engine_seeds(**extra):
+        trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=1), train_dataset=Records(),
+                            budgets=BUDGETS, delta=1e-5, **extra)
+        trainer.train()
+        engine = trainer.privacy_engine
+        return engine.data_loader.seed, engine.optimizer.seed
+
+    assert engine_seeds() != engine_seeds()                 # the same args.seed
+    assert engine_seeds(seed=7) == engine_seeds(seed=7)
+
+
 def test_a_uniform_checkpoint_whose_record_ledger_is_not_its_runs_is_refused(tmp_path):
     from pdpfast.integrations.transformers import ENGINE_FILE
 

@@ -217,7 +217,9 @@ class DPTrainer(transformers.Trainer):
         clipping: "flat" | "per_layer".
         per_sample_loss: ``fn(outputs, labels)`` → (B,) per-record losses; default
             ``default_per_sample_loss(model)``.
-        seed: of the draws and the noise, an int ≥ 0 (default ``args.seed``).
+        seed: of the draws and the noise, an int ≥ 0; None (default): a secret one from ``os.urandom``,
+            kept in the checkpoints. Not ``args.seed`` (42 by default, and public): whoever knows the
+            seed can recompute the draws and the noise, and so remove it.
     Raises:
         ValueError naming the argument for: both or neither of ``budgets`` and ``noise_multiplier``;
         ``method`` or ``accountant`` given with ``noise_multiplier`` (they apply to budgets only); a budget
@@ -266,7 +268,7 @@ class DPTrainer(transformers.Trainer):
         dataset = bound.arguments.get("train_dataset")
         budget_vector = _check_train_data(dataset, budgets,
                                           int(training_args.per_device_train_batch_size) * accumulation_steps)
-        engine = PrivacyEngine(seed=training_args.seed if seed is None else seed)
+        engine = PrivacyEngine(seed=seed)
         # one Trainer micro-step per update: the draw's physical batches run inside training_step
         bound.arguments["args"] = dataclasses.replace(training_args, gradient_accumulation_steps=1,
                                                       max_grad_norm=0.0, ignore_data_skip=True)
