@@ -27,15 +27,20 @@ _HELP = {
     "client_rate": "λ ∈ (0, 1], probability that a round samples a client", "noise_multiplier": "σ",
     "max_grad_norm": "C, clip bound", "delta": "δ of every record", "lr": "local SGD learning rate",
     "threat": "threat model the sampling rates are calibrated for", "conversion": "RDP → (ε, δ) conversion",
-    "mode": "engine clipping schedule (bk, ghost)", "clipping": "flat or per_layer", "seed": "seed of everything",
+    "mode": "engine clipping schedule (bk, ghost)", "clipping": "flat or per_layer",
+    "seed": "public seed: model initialization, client sampling, split and budget draws (not the clients' noise)",
     "method": "rPDP-FL or a baseline",
 }
+_NOISE_SEED_HELP = ("the clients' secret seed of their noise and record draws (default: each client draws its own "
+                    "from os.urandom). Given, the run is reproducible bit for bit, but whoever knows it can "
+                    "recompute the noise and remove it from the updates: only for experiments")
 _CHOICES = {"method": tuple(METHODS), "threat": THREATS, "conversion": CONVERSIONS, "mode": ("bk", "ghost"),
             "clipping": ("flat", "per_layer")}   # the engine's (FLConfig checks against it)
 # settings only the private methods read: the nonprivate baseline trains without budgets, clipping,
-# noise or a ledger. ``fl simulate`` parses them with no default, to tell one the user gave from none.
-_PRIVATE_ONLY = ("budgets", "noise_multiplier", "max_grad_norm", "delta", "threat", "conversion", "mode", "clipping")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FLConfig)} | {"budgets": "ThreeLevels"}
+# noise or a ledger. Every command parses them with no default, to tell one the user gave from none.
+_PRIVATE_ONLY = ("budgets", "noise_multiplier", "max_grad_norm", "delta", "threat", "conversion", "mode", "clipping",
+                 "noise_seed")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FLConfig)} | {"budgets": "ThreeLevels", "noise_seed": None}
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -113,13 +118,15 @@ def plot_accuracy(results: dict, path, title: str) -> None:
 
 def _private_only_given(args) -> None:
     """Refuse a privacy setting given to a run of the non-private baseline alone (it would be
-    ignored); fill the settings not given with their defaults."""
-    given = [name for name in _PRIVATE_ONLY if getattr(args, name) is not None]
-    if given and not any(METHODS[m].private for m in args.methods):
+    ignored; every command alike); fill the settings not given with their defaults."""
+    names = [name for name in _PRIVATE_ONLY if hasattr(args, name)]
+    given = [name for name in names if getattr(args, name) is not None]
+    methods, flag = (args.methods, "--methods") if hasattr(args, "methods") else ([args.method], "--method")
+    if given and not any(METHODS[m].private for m in methods):
         option, private = "--" + given[0].replace("_", "-"), ", ".join(m for m in METHODS if METHODS[m].private)
         raise ValueError(f"{option} is for the private methods ({private}); "
-                         f"--methods {' '.join(args.methods)} trains without budgets, clipping or noise")
-    for name in _PRIVATE_ONLY:
+                         f"{flag} {' '.join(methods)} trains without budgets, clipping or noise")
+    for name in names:
         if getattr(args, name) is None:
             setattr(args, name, _DEFAULTS[name])
 
@@ -127,13 +134,18 @@ def _private_only_given(args) -> None:
 def _simulate(args) -> int:
     from .simulation import _json_float, simulate
 
+    twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
+    if twice:
+        raise ValueError(f"--methods lists {', '.join(twice)} more than once; each method runs once (one row, one "
+                         "entry of the JSON)")
     _private_only_given(args)
     results, rows = {}, []
     for method in args.methods:
         config = _config(args, method=method)
         start = time.perf_counter()
-        res = simulate(budgets=args.budgets, progress=not args.quiet, threads=args.threads, **_data_kwargs(args),
-                       **{k: v for k, v in config.to_dict().items()})
+        # without --noise-seed, every client of every method's run draws its own secret noise seed
+        res = simulate(budgets=args.budgets, progress=not args.quiet, threads=args.threads, noise_seed=args.noise_seed,
+                       **_data_kwargs(args), **{k: v for k, v in config.to_dict().items()})
         results[method] = res
         rows.append(res.summary() | {"seconds": time.perf_counter() - start})
     title = (f"{args.dataset}, {args.clients} clients ({args.split}), {args.budgets}; T={args.rounds}, "
@@ -158,9 +170,10 @@ def _simulate(args) -> int:
 def _flower(args) -> int:
     from .flower import run_inprocess, run_ray_simulation
 
+    _private_only_given(args)
     runner = run_ray_simulation if args.engine == "ray" else run_inprocess
     start = time.perf_counter()
-    res = runner(budgets=args.budgets, config=_config(args), **_data_kwargs(args))
+    res = runner(budgets=args.budgets, config=_config(args), noise_seed=args.noise_seed, **_data_kwargs(args))
     print(format_table([res.summary() | {"seconds": time.perf_counter() - start}]))
     return 0
 
@@ -168,6 +181,7 @@ def _flower(args) -> int:
 def _server(args) -> int:
     from .flower import serve
 
+    _private_only_given(args)
     report = serve(args.address, config=_config(args), out=args.out, wait_timeout=args.wait_timeout,
                    **{k: v for k, v in _data_kwargs(args).items()})
     print(f"final accuracy {report['accuracy'][-1]:.4f}" if report["accuracy"] else "no evaluation")
@@ -177,8 +191,10 @@ def _server(args) -> int:
 def _client(args) -> int:
     from .flower import run_client
 
+    _private_only_given(args)
     report = run_client(args.address, args.client_id, budgets=args.budgets, config=_config(args), out=args.out,
-                        max_wait_time=args.max_wait_time, ledger_path=args.ledger, **_data_kwargs(args))
+                        max_wait_time=args.max_wait_time, ledger_path=args.ledger, noise_seed=args.noise_seed,
+                        **_data_kwargs(args))
     print(json.dumps(report["stats"]))
     return 0
 
@@ -186,7 +202,9 @@ def _client(args) -> int:
 def _launch(args) -> int:
     from .flower import launch_local
 
-    out = launch_local(budgets=args.budgets, config=_config(args), timeout=args.timeout, **_data_kwargs(args))
+    _private_only_given(args)
+    out = launch_local(budgets=args.budgets, config=_config(args), timeout=args.timeout, noise_seed=args.noise_seed,
+                       **_data_kwargs(args))
     server = out["server"]
     print(f"Flower on {out['address']}: {args.clients} client processes, {args.rounds} rounds; "
           f"accuracy per round {[round(a, 4) for a in server['accuracy']]}")
@@ -215,7 +233,10 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     sim = sub.add_parser("simulate", help="in-process simulation of rPDP-FL and the baselines")
     _add_data_args(sim)
     _add_config_args(sim, skip=("method",))
-    sim.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHODS))
+    sim.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHODS),
+                     help="the runs, each method once (default all)")
+    sim.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; the runs of several --methods then "
+                                                                       "share it")
     sim.add_argument("--out", help="write <out>.json and <out>.png (accuracy per round)")
     sim.add_argument("--no-plot", action="store_true")
     sim.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -231,7 +252,8 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     _add_config_args(flw)
     flw.add_argument("--engine", default="inprocess", choices=("inprocess", "ray"),
                      help="inprocess: Flower's Server, clients called directly; ray: flwr.simulation (needs Ray)")
-    flw.set_defaults(run=_flower)
+    flw.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP)
+    flw.set_defaults(run=_flower, **dict.fromkeys(_PRIVATE_ONLY))
 
     srv = sub.add_parser("server", help="a Flower server process")
     _add_data_args(srv)
@@ -239,7 +261,8 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--address", default="127.0.0.1:8080")
     srv.add_argument("--out", help="JSON report (and the final weights next to it as .npz)")
     srv.add_argument("--wait-timeout", type=float, default=120.0, help="seconds to wait for all clients")
-    srv.set_defaults(run=_server)
+    # the server has no noise seed: it is the clients' secret
+    srv.set_defaults(run=_server, **dict.fromkeys(n for n in _PRIVATE_ONLY if n != "noise_seed"))
 
     cli = sub.add_parser("client", help="a Flower client process (one silo)")
     _add_data_args(cli)
@@ -249,13 +272,15 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     cli.add_argument("--out", help="JSON report: per-record budgets and ε (kept on the client's side)")
     cli.add_argument("--max-wait-time", type=float, default=120.0, help="seconds to keep trying to connect")
     cli.add_argument("--ledger", help="the silo's ledger file (.npz): resumed if present, saved every round")
-    cli.set_defaults(run=_client)
+    cli.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP.replace("each client draws its own", "drawn"))
+    cli.set_defaults(run=_client, **dict.fromkeys(_PRIVATE_ONLY))
 
     lau = sub.add_parser("launch", help="a server and M client processes on 127.0.0.1")
     _add_data_args(lau)
     _add_config_args(lau)
     lau.add_argument("--timeout", type=float, default=300.0, help="kill everything after this many seconds")
-    lau.set_defaults(run=_launch)
+    lau.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; passed to the client processes only")
+    lau.set_defaults(run=_launch, **dict.fromkeys(_PRIVATE_ONLY))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ paths train, account and drop records identically.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from .._checks import check_positive_per_record
 from ..accounting import rpdp
-from .config import FLConfig, local_seed
+from .config import FLConfig, draw_noise_seed, local_seed
 from .ledger import FederatedLedger
 from .methods import target_budgets
 
@@ -104,7 +105,12 @@ def calibrate_rates(targets: np.ndarray, config: FLConfig) -> np.ndarray:
 def _scf_estimator(key: tuple) -> rpdp.SCFEstimator:
     """The SCF fit of one setting, shared by every client of a federation (it depends only on the
     public (σ, δ, τ, T, λ, threat, conversion), not on any client's budgets)."""
-    return rpdp.fit_scf(**dict(key))
+    # The fit only gives sample_rates its starting points: every rate is then re-accounted exactly,
+    # so a fit that did not converge changes no rate, and its warning (in about half of the plausible
+    # settings) tells the user nothing to act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="SCF fit did not converge")
+        return rpdp.fit_scf(**dict(key))
 
 
 def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: torch.Tensor, labels: torch.Tensor,
@@ -123,7 +129,7 @@ def local_train(model_fn: Callable[[], nn.Module], weights: Weights, features: t
         labels: (n,) int64 class indices.
         sample_rates: (n,) float64 q_j in [0, 1] (0: the record is never drawn).
         config: the run's settings (τ, σ, C, lr, mode, clipping, method).
-        seed: of this round's draws and noise (int ≥ 0).
+        seed: of this round's draws and noise (int ≥ 0): ``local_seed`` of the client's secret noise seed.
     Returns:
         (new weights: numpy arrays in ``state_dict`` order, (n,) int64 times each record was drawn).
     """
@@ -180,6 +186,11 @@ class Silo:
         model_fn: builds the (untrained) model.
         federation_budgets: (N,) the budgets of all records of all clients, for the baselines that need
             a federation-wide minimum or mean (default: ``budgets``).
+        noise_seed: the client's secret seed of its local DP-SGD (record draws and noise; with the round
+            and the client id, ``local_seed``). None (the default): a fresh secret from ``os.urandom``.
+            An int makes the run reproducible, but whoever knows it can recompute the noise and the
+            draws and remove them from the client's updates: keep it secret, or use it only for
+            experiments. It is never sent to the server.
     Attributes:
         sample_rates: (n,) float64 q_j in [0, 1].
         targets: (n,) float64 the ε each record is trained for (NaN: left out; ∞: no privacy).
@@ -188,18 +199,19 @@ class Silo:
             never sent to the server).
         rounds_sampled, rounds_contributed: rounds the server sampled this client in / it sent an update in.
     Raises:
-        ValueError when the client has no record, when labels and features differ in length, or when
-        budgets are not n finite values > 0.
+        ValueError when the client has no record, when labels and features differ in length, when
+        budgets are not n finite values > 0, or for a noise_seed that is not None nor an int ≥ 0.
     """
 
     def __init__(self, client_id: int, features: torch.Tensor, labels: torch.Tensor, budgets, *, config: FLConfig,
-                 model_fn: Callable[[], nn.Module], federation_budgets=None):
+                 model_fn: Callable[[], nn.Module], federation_budgets=None, noise_seed: int | None = None):
         n = int(features.shape[0])
         if n == 0:
             raise ValueError(f"client {client_id} has no data (0 records): every client needs at least one record")
         if labels.shape[0] != n:
             raise ValueError(f"labels of client {client_id} has {labels.shape[0]} values but features has {n} rows")
         self.client_id, self.config, self.model_fn = int(client_id), config, model_fn
+        self._noise_seed = draw_noise_seed(noise_seed)   # secret: never in stats(), never sent
         self.features, self.labels = features, labels
         self.budgets = check_positive_per_record(f"budgets of client {client_id}", budgets, n)
         federation = self.budgets if federation_budgets is None else np.asarray(federation_budgets, dtype=np.float64)
@@ -233,15 +245,15 @@ class Silo:
             client stops contributing; the round is still recorded in the ledger). Updates
             ``draw_counts``, ``rounds_sampled``, ``rounds_contributed`` and the ledger in place.
         Raises:
-            ValueError when ``server_round`` was already seen by the ledger.
+            ValueError when ``server_round`` was already seen by the ledger (nothing is counted then).
         """
-        self.rounds_sampled += 1
         rates = self.sample_rates if self.ledger is None else self.ledger.begin_round(server_round, sampled=True)
+        self.rounds_sampled += 1
         if not rates.any():
             self.ledger.end_round(sampled=True)
             return None
         new, draws = local_train(self.model_fn, weights, self.features, self.labels, rates, self.config,
-                                 local_seed(self.config.seed, server_round, self.client_id))
+                                 local_seed(self._noise_seed, server_round, self.client_id))
         if self.ledger is not None:   # charge before the update leaves the client
             self.ledger.end_round(sampled=True)
         self.draw_counts += draws

@@ -1,14 +1,23 @@
-"""The public settings of an rPDP-FL run and the seeded draws every party can recompute.
+"""The public settings of an rPDP-FL run, the server's public draw and a client's secret one.
 
 Server and clients must agree on these numbers (they are part of the privacy analysis), so they
-live in one frozen dataclass that both sides build from the same arguments. The two random draws
-of the protocol that are not the engine's own — which clients a round samples, and the seed of a
-client's local DP-SGD in a round — are pure functions of (seed, round, client), so an in-process
-simulation and a Flower deployment make exactly the same draws.
+live in one frozen dataclass that both sides build from the same arguments; the server sends them
+with every fit (``settings_differences`` names what a client's own differ in). Two random draws
+of the protocol are not the engine's own:
+
+* which clients a round samples: public, a pure function of (seed, round), so an in-process
+  simulation and a Flower server sample the same clients;
+* the seed of a client's local DP-SGD in a round (its record draws and its noise): a function of
+  a **secret** noise seed that only the client knows, the round and the client id. Whoever knows
+  the noise seed can recompute that noise and subtract it from the client's update, so it is
+  never part of ``FLConfig`` nor sent by the server: a client draws it from ``os.urandom`` unless
+  one is given, which only experiments should do (it makes runs reproducible bit for bit).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import secrets
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
@@ -41,7 +50,9 @@ class FLConfig:
             accounted and reported either way.
         conversion: RDP → (ε, δ): "standard" (the paper's) or "improved" (Balle et al. 2020).
         mode, clipping: passed to the engine (``pdpfast.clipping.MODES`` / ``CLIPPINGS``).
-        seed: of the model initialization, the client sampling and every local training (int ≥ 0).
+        seed: public (the server needs it): of the model initialization, the client sampling, the
+            split and the budget draws of the built-in data sets (int ≥ 0). It does not seed the local
+            training: a client's noise comes from its own secret noise seed (``noise_seed``).
     Raises:
         ValueError (from the checks in ``__post_init__``) for a setting out of range or not one of
         the choices.
@@ -131,20 +142,59 @@ def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate:
     return rng.random(int(num_clients)) < client_rate
 
 
-def local_seed(seed: int, server_round: int, client_id: int) -> int:
+def settings_differences(config: FLConfig, settings: Mapping) -> list[str]:
+    """The public settings in which another party's differ from ``config`` (what a client checks the
+    server's fit config against, and the server a client's properties).
+
+    Args:
+        config: this party's settings.
+        settings: the other party's, {field name: value} (e.g. ``FLConfig.to_dict()`` sent over Flower);
+            other keys are ignored.
+    Returns:
+        one "name: value (theirs) vs value (ours)" per field that differs or is missing ("missing" as
+        their value), in declaration order; [] when they agree.
+    """
+    out = []
+    for f in fields(FLConfig):
+        ours = getattr(config, f.name)
+        if f.name not in settings:
+            out.append(f"{f.name}: missing vs {ours!r}")
+        elif settings[f.name] != ours:
+            out.append(f"{f.name}: {settings[f.name]!r} vs {ours!r}")
+    return out
+
+
+def draw_noise_seed(noise_seed: int | None = None) -> int:
+    """A client's noise seed: the one given, checked, or a fresh secret one.
+
+    Args:
+        noise_seed: None (a fresh secret from ``os.urandom``) or an int in [0, 2**63 − 1] (only for
+            experiments: whoever knows it can recompute the client's noise and record draws).
+    Returns:
+        the noise seed, an int ≥ 0.
+    Raises:
+        ValueError for a value that is not None nor an int in [0, 2**63 − 1].
+    """
+    if noise_seed is None:
+        return secrets.randbits(63)   # secrets reads os.urandom
+    return check_int("noise_seed", noise_seed, 0)
+
+
+def local_seed(noise_seed: int, server_round: int, client_id: int) -> int:
     """The seed of one client's local DP-SGD in one round (its record draws and noise).
 
     Args:
-        seed: the run's seed.
+        noise_seed: the client's secret noise seed (``draw_noise_seed``), never the run's public seed:
+            anyone who can compute this seed can remove the client's noise from its update.
         server_round: t, 1-based.
         client_id: 0..M−1.
     Returns:
         a seed ≥ 0, a pure function of the three.
     Raises:
-        ValueError (TypeError for a non-int) for a seed or client_id < 0, or a round < 1.
+        ValueError (TypeError for a non-int) for a noise_seed or client_id < 0, or a round < 1.
     """
-    check_int("seed", seed, 0)
+    check_int("noise_seed", noise_seed, 0)
     check_int("server_round", server_round, 1)
     check_int("client_id", client_id, 0)
-    state = np.random.SeedSequence([_LOCAL_TRAINING_SALT, int(seed), int(server_round), int(client_id)])
+    state = np.random.SeedSequence([_LOCAL_TRAINING_SALT, int(noise_seed), int(server_round), int(client_id)])
     return int(state.generate_state(1, np.uint64)[0] >> np.uint64(2))

@@ -2,15 +2,17 @@
 Poisson sampling and FedAvg (DESIGN.md §3.3).
 
 * ``PDPClient``: a Flower ``NumPyClient`` around a ``Silo`` (its records, budgets, sampling rates,
-  ledger and the pdpfast engine). ``fit`` runs the silo's round: ledger pre-check, τ local DP-SGD
-  steps, ledger charge, and returns the model *delta*; a client with no budget left returns no
-  update (``num_examples = 0``, ``contributed = 0``).
+  ledger, secret noise seed and the pdpfast engine). ``fit`` first checks the server's public
+  settings (sent with every fit) against its own and refuses a fit when they differ, then runs the
+  silo's round: ledger pre-check, τ local DP-SGD steps, ledger charge, and returns the model
+  *delta*; a client with no budget left returns no update (``num_examples = 0``, ``contributed = 0``).
 * ``PoissonFedAvg``: a Flower ``Strategy``. Each round it samples every client independently with
   probability λ (``sampled_clients``: not Flower's fixed-fraction sampling; a round may sample
   none, and the global model then stays as it is) and averages the deltas weighted by client size
   (``aggregate``: the same function, in the same client-id order, as the simulation). Clients are
   identified by the ``client_id`` they report through ``get_properties``, not by Flower's
-  connection ids, so the draws do not depend on the order in which clients connect.
+  connection ids, so the draws do not depend on the order in which clients connect; a client that
+  reports other settings than the server's is refused there.
 * ``run_inprocess``: Flower's own ``Server`` loop with the clients called directly in this
   process (no network, no Ray); ``serve`` / ``run_client``: separate server and client processes
   over gRPC (Flower's deprecated-but-shipped ``start_server`` / ``start_client``);
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -48,13 +51,13 @@ try:  # graceful absence: the rest of pdpfast.fl works without flwr
     from flwr.server.strategy import Strategy
 except ImportError as exc:   # pragma: no cover - exercised only without flwr
     FLWR_IMPORT_ERROR: str | None = (f"Flower is not installed ({exc}); install it with `pip install flwr`")
-    NumPyClient = Strategy = ClientProxy = object
+    NumPyClient = Strategy = ClientProxy = Server = object
 else:
     FLWR_IMPORT_ERROR = None
 
 from .._checks import check_int, check_positive  # noqa: E402
 from .client import LocalUpdate, Silo, Weights  # noqa: E402
-from .config import FLConfig, sampled_clients  # noqa: E402
+from .config import FLConfig, sampled_clients, settings_differences  # noqa: E402
 from .simulation import aggregate, build_silo, collect_result, evaluate, initial_weights, resolve_budgets  # noqa: E402
 
 
@@ -66,14 +69,24 @@ def _require_flwr() -> None:
 # ----------------------------------------------------------------------------------------------
 # Client
 # ----------------------------------------------------------------------------------------------
+def _config_int(config: Mapping, key: str, minimum: int, meaning: str) -> int:
+    if key not in config:
+        raise ValueError(f"config lacks {key!r} ({meaning}, which PoissonFedAvg.configure_fit sends); its keys are "
+                         f"{sorted(map(str, config))}")
+    return check_int(f"config[{key!r}]", config[key], minimum)
+
+
 class PDPClient(NumPyClient):
-    """Flower client of one silo. ``fit`` expects ``config["server_round"]`` (1-based).
+    """Flower client of one silo. ``fit`` expects the config ``PoissonFedAvg.configure_fit`` sends:
+    "server_round" (1-based), "last_update_round" and the run's public settings (``FLConfig``'s fields).
 
     Args:
-        silo: the client's ``Silo`` (records, budgets, sampling rates, ledger).
+        silo: the client's ``Silo`` (records, budgets, sampling rates, ledger, secret noise seed).
         ledger_path: optional .npz file of the silo's ledger: loaded at start if it exists, and
             written after every round before the update is returned (charge before release), so a
-            client that restarts never forgets what its records spent.
+            client that restarts never forgets what its records spent. Without one, a restarted
+            client's fresh ledger has forgotten the rounds it took part in: ``fit`` then refuses under
+            threat "server" and warns under "clients" (see ``fit``).
     Raises:
         ImportError when Flower is not installed.
     """
@@ -92,9 +105,10 @@ class PDPClient(NumPyClient):
         Args:
             config: the server's request (unused).
         Returns:
-            {"client_id": the silo's id 0..M−1, "num_examples": its number of records n}.
+            {"client_id": the silo's id 0..M−1, "num_examples": its number of records n} and its public
+            settings (``FLConfig.to_dict()``), which the strategy checks against its own.
         """
-        return {"client_id": self.silo.client_id, "num_examples": self.silo.num_records}
+        return {"client_id": self.silo.client_id, "num_examples": self.silo.num_records} | self.silo.config.to_dict()
 
     def get_parameters(self, config):
         """Flower's ``NumPyClient.get_parameters``: refused, the strategy holds the initial model.
@@ -114,21 +128,36 @@ class PDPClient(NumPyClient):
 
         Args:
             parameters: the global model's arrays, in ``state_dict`` order.
-            config: the server's fit config, with "server_round" (1-based).
+            config: the server's fit config: "server_round" (1-based), "last_update_round" (the last round
+                the server received an update from this client, 0 for none) and every ``FLConfig`` field.
         Returns:
             (delta arrays (float32, local − global), num_examples n, {"client_id": k, "contributed": 1}),
             or ([], 0, {"client_id": k, "contributed": 0}) when no record has budget left.
         Raises:
-            TypeError when ``config`` is not a dict; ValueError when it lacks "server_round" or that is
-            not an int ≥ 1 (before the silo or its ledger changes).
+            Before the silo or its ledger changes: TypeError when ``config`` is not a dict; ValueError
+            when it lacks "server_round" or that is not an int ≥ 1, when the server's settings differ
+            from the silo's (naming each: its ledger would account another protocol than the one run),
+            or, under threat "server", when the server received an update from this client in a round
+            its ledger has not seen (the ledger was lost, e.g. a restart without ``ledger_path``: the
+            records' participations are forgotten). Under threat "clients" the latter only warns
+            (RuntimeWarning): that bound charges every round whether sampled or not, so it still
+            holds; only the reported "server" ε under-counts.
         """
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict (Flower's fit config) with 'server_round', "
                             f"got {type(config).__name__}")
-        if "server_round" not in config:
-            raise ValueError(f"config lacks 'server_round' (the 1-based round, which PoissonFedAvg.configure_fit "
-                             f"sends); its keys are {sorted(map(str, config))}")
-        server_round = check_int("config['server_round']", config["server_round"], 1)
+        server_round = _config_int(config, "server_round", 1, "the 1-based round")
+        if not any(name in config for name in self.silo.config.to_dict()):
+            raise ValueError(f"config carries none of the run's settings (FLConfig's fields, which "
+                             f"PoissonFedAvg.configure_fit sends); its keys are {sorted(map(str, config))}")
+        differences = settings_differences(self.silo.config, config)
+        if differences:
+            raise ValueError(f"client {self.silo.client_id} refuses round {server_round}: the server's settings "
+                             f"differ from this client's ({'; '.join(differences)}; server's vs client's): its "
+                             "ledger would account another protocol than the one run; start both with the same "
+                             "settings")
+        self._check_ledger_history(_config_int(config, "last_update_round", 0,
+                                               "the last round the server received this client's update in"))
         self.last_round = server_round
         update = self.silo.fit([np.asarray(array) for array in parameters], server_round)
         if self.ledger_path is not None and self.silo.ledger is not None:
@@ -136,6 +165,20 @@ class PDPClient(NumPyClient):
         if update is None:
             return [], 0, {"client_id": self.silo.client_id, "contributed": 0}
         return update.delta, update.num_examples, {"client_id": self.silo.client_id, "contributed": 1}
+
+    def _check_ledger_history(self, last_update_round: int) -> None:
+        ledger = self.silo.ledger
+        if ledger is None or last_update_round <= ledger.rounds_seen:
+            return
+        message = (f"client {self.silo.client_id}: the server received this client's update in round "
+                   f"{last_update_round}, but its ledger has seen rounds only up to {ledger.rounds_seen}: the "
+                   "ledger of the earlier rounds was lost (a restart without --ledger / ledger_path?), and "
+                   "the rounds its records took part in are forgotten")
+        if self.silo.config.threat == "server":
+            raise ValueError(message + "; under threat 'server' its records could overspend their budgets: "
+                             "resume the client with its ledger file")
+        warnings.warn(message + "; the 'clients' bound still holds (every round is charged), the reported "
+                      "'server' ε under-counts", RuntimeWarning, stacklevel=3)
 
     def evaluate(self, parameters, config):
         """Flower's ``NumPyClient.evaluate``: no client-side evaluation (the server evaluates centrally).
@@ -167,6 +210,8 @@ class PoissonFedAvg(Strategy):
             an update.
         accuracy, loss: lists of floats, index 0 the initial model (filled only with ``evaluate_fn``).
         failures: number of failed client calls per round.
+        last_update_round: (M,) list of int, the last round each client's update was received in (0: none);
+            sent to it with every fit, so a client whose ledger forgot that round notices.
         weights: the latest global model's arrays.
     Raises:
         ImportError when Flower is not installed; ValueError when ``num_clients`` < 1 or ``wait_timeout``
@@ -185,6 +230,8 @@ class PoissonFedAvg(Strategy):
         self.accuracy: list[float] = []
         self.loss: list[float] = []
         self.failures: list[int] = []
+        self.last_update_round: list[int] = [0] * self.num_clients
+        self._round = 0
         self.weights: Weights = initial
 
     def __repr__(self) -> str:
@@ -213,6 +260,11 @@ class PoissonFedAvg(Strategy):
             client_id = int(res.properties["client_id"])
             if not 0 <= client_id < self.num_clients:
                 raise ValueError(f"a client reported client_id={client_id}, outside [0, {self.num_clients})")
+            differences = settings_differences(self.config, res.properties)
+            if differences:
+                raise ValueError(f"client {client_id} runs with other settings than the server "
+                                 f"({'; '.join(differences)}; client's vs server's): its ledger would account "
+                                 "another protocol than the one run; start both with the same settings")
             self._proxies[client_id] = proxy
         missing = sorted(set(range(self.num_clients)) - set(self._proxies))
         if missing:
@@ -232,18 +284,23 @@ class PoissonFedAvg(Strategy):
             client_manager: Flower's client manager, asked for the connected proxies.
         Returns:
             a list of (ClientProxy, FitIns) for the sampled clients, in client-id order (possibly
-            empty); the FitIns config holds "server_round" and "num_rounds".
+            empty); the FitIns config holds "server_round", "last_update_round" (the client's, from
+            ``last_update_round``) and the run's public settings (``FLConfig.to_dict()``: a client
+            refuses a fit under other settings than its own).
         Raises:
             TimeoutError when fewer than M clients connect within ``wait_timeout``; ValueError when a
-            client reports an id outside [0, M); RuntimeError when some id is not reported by any.
+            client reports an id outside [0, M) or other settings than ``config``; RuntimeError when
+            some id is not reported by any.
         """
         proxies = self._clients(client_manager)
         self._current = parameters_to_ndarrays(parameters)
+        self._round = int(server_round)
         chosen = sampled_clients(self.config.seed, server_round, self.num_clients, self.config.client_rate)
         self.sampled.append(chosen.tolist())
         self.contributed.append([False] * self.num_clients)
-        ins = FitIns(parameters, {"server_round": int(server_round), "num_rounds": int(self.config.rounds)})
-        return [(proxies[k], ins) for k in np.flatnonzero(chosen)]
+        settings = {"server_round": int(server_round)} | self.config.to_dict()
+        return [(proxies[k], FitIns(parameters, settings | {"last_update_round": self.last_update_round[k]}))
+                for k in np.flatnonzero(chosen)]
 
     def aggregate_fit(self, server_round, results, failures):
         """Flower's ``Strategy.aggregate_fit``: FedAvg of the deltas of the clients that contributed.
@@ -254,7 +311,7 @@ class PoissonFedAvg(Strategy):
             failures: the failed client calls (counted in ``failures``).
         Returns:
             (the new global model as Flower ``Parameters``, {"clients_contributed": number of updates});
-            ``contributed`` and ``failures`` are updated in place.
+            ``contributed``, ``last_update_round`` and ``failures`` are updated in place.
         """
         # A failed client contributes nothing this round (its ledger already charged it, if it ran).
         self.failures.append(len(failures))
@@ -264,6 +321,7 @@ class PoissonFedAvg(Strategy):
                 k = int(res.metrics["client_id"])
                 updates.append(LocalUpdate(k, parameters_to_ndarrays(res.parameters), int(res.num_examples)))
                 self.contributed[-1][k] = True
+                self.last_update_round[k] = self._round
         new = aggregate(self._current, updates)
         return ndarrays_to_parameters(new), {"clients_contributed": len(updates)}
 
@@ -341,7 +399,7 @@ def _federation(dataset, clients, split, budgets, config: FLConfig, dirichlet_al
 
 
 def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets="ThreeLevels", *,
-                  config: FLConfig, dirichlet_alpha: float = 0.5):
+                  config: FLConfig, dirichlet_alpha: float = 0.5, noise_seed: int | None = None):
     """rPDP-FL through Flower's ``Server`` with ``PoissonFedAvg`` and ``PDPClient``s called in this
     process, one at a time (``max_workers = 1``).
 
@@ -353,8 +411,10 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
             arrays (as ``resolve_budgets``).
         config: the run's settings.
         dirichlet_alpha: α of the "dirichlet" split.
+        noise_seed: the clients' secret seed of their noise and record draws (as ``simulate``'s: None,
+            the default, draws one per client from ``os.urandom``; an int only for experiments).
     Returns:
-        a ``FederatedResult`` like ``simulate``.
+        a ``FederatedResult`` like ``simulate`` (with the same ``noise_seed``, the same bits).
     Raises:
         ImportError when Flower is not installed.
     """
@@ -363,7 +423,7 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
 
     data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     model_fn = model_factory(dataset)
-    silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
+    silos = [build_silo(data, per_record, config, k, noise_seed) for k in range(data.num_clients)]
     manager = SimpleClientManager()
     # register in reverse order under opaque ids: the strategy must rely on get_properties only
     for silo in reversed(silos):
@@ -387,7 +447,7 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
 # ----------------------------------------------------------------------------------------------
 def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets: str = "ThreeLevels", *,
                        config: FLConfig, dirichlet_alpha: float = 0.5, ledger_dir: str | os.PathLike | None = None,
-                       ray_init_args: dict | None = None):
+                       ray_init_args: dict | None = None, noise_seed: int | None = None):
     """rPDP-FL on Flower's Ray simulation engine: M virtual SuperNodes, one ClientApp each (its
     ``partition-id`` is the client id), the ``PoissonFedAvg`` strategy in a ServerApp.
 
@@ -400,6 +460,8 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
         dirichlet_alpha: α of the "dirichlet" split.
         ledger_dir: the folder of the silos' ledger files ``client<k>.npz`` (default: a new temporary one).
         ray_init_args: passed to ``ray.init``, over the default of 2 CPUs and no dashboard.
+        noise_seed: the clients' secret seed of their noise and record draws (as ``simulate``'s: None,
+            the default, draws one per client and message from ``os.urandom``; an int only for experiments).
     Returns:
         a ``FederatedResult`` like ``simulate`` (per-record ε read back from the silos' ledger files).
     Raises:
@@ -426,7 +488,7 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
     strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
                              evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=300)
     client_app = ClientApp(client_fn=_RayClientFn(dataset, clients, split, budgets, config, dirichlet_alpha,
-                                                  str(ledger_dir)))
+                                                  str(ledger_dir), noise_seed))
     server_app = ServerApp(server_fn=lambda context: ServerAppComponents(
         strategy=strategy, config=ServerConfig(num_rounds=config.rounds)))
     init_args = {"num_cpus": 2, "include_dashboard": False} | (ray_init_args or {})
@@ -450,16 +512,17 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
 
 class _RayClientFn:
     """client_fn of the ClientApp (picklable for Ray): the silo of ``partition-id``, its ledger
-    resumed from and saved to ``<ledger_dir>/client<k>.npz``."""
+    resumed from and saved to ``<ledger_dir>/client<k>.npz``. ClientApps are rebuilt for every
+    message, so without a noise seed every round's silo draws a fresh secret one."""
 
-    def __init__(self, dataset, clients, split, budgets, config, dirichlet_alpha, ledger_dir):
+    def __init__(self, dataset, clients, split, budgets, config, dirichlet_alpha, ledger_dir, noise_seed):
         self.args = (dataset, clients, split, budgets, config, dirichlet_alpha)
-        self.ledger_dir = ledger_dir
+        self.ledger_dir, self.noise_seed = ledger_dir, noise_seed
 
     def __call__(self, context):
         k = int(context.node_config["partition-id"])
         data, per_record = _federation(*self.args)
-        silo = build_silo(data, per_record, self.args[4], k)
+        silo = build_silo(data, per_record, self.args[4], k, self.noise_seed)
         return PDPClient(silo, Path(self.ledger_dir) / f"client{k}.npz").to_client()
 
 
@@ -501,7 +564,7 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
     strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
                              evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test),
                              wait_timeout=wait_timeout)
-    server = Server(client_manager=SimpleClientManager(), strategy=strategy)
+    server = _ClosingServer(client_manager=SimpleClientManager(), strategy=strategy)
     server.max_workers = clients
     start_server(server_address=address, server=server,
                  config=ServerConfig(num_rounds=config.rounds, round_timeout=round_timeout))
@@ -515,10 +578,23 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
     return report
 
 
+class _ClosingServer(Server):
+    """Flower's ``Server`` that, when a round fails (a client with other settings, a timeout), first
+    tells the connected clients to disconnect: ``start_server`` stops its gRPC server only after a
+    run that ends well, and the clients' open streams would keep the process from ever exiting."""
+
+    def fit(self, num_rounds, timeout):
+        try:
+            return super().fit(num_rounds, timeout)
+        except BaseException:
+            self.disconnect_all_clients(timeout=10)
+            raise
+
+
 def run_client(address: str, client_id: int, *, dataset: str = "digits", clients: int = 5, split: str = "iid",
                budgets="ThreeLevels", config: FLConfig, dirichlet_alpha: float = 0.5,
                out: str | os.PathLike | None = None, max_wait_time: float = 120.0,
-               ledger_path: str | os.PathLike | None = None) -> dict:
+               ledger_path: str | os.PathLike | None = None, noise_seed: int | None = None) -> dict:
     """Run client ``client_id`` of the federation against the Flower server at ``address``.
 
     The client builds its own silo from the shared, seeded split (a stand-in for a silo's own
@@ -533,6 +609,8 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
             these stay on the client's side); None writes nothing.
         max_wait_time: seconds to keep trying to reach the server.
         ledger_path: see ``PDPClient``.
+        noise_seed: this client's secret seed of its noise and record draws (``Silo``'s; None, the
+            default: a fresh secret from ``os.urandom``; an int only for experiments). Never sent.
     Returns:
         that dict: "client_id", "budgets", "sample_rates", "epsilon_clients", "epsilon_server" (lists
         of n floats) and "stats" (``Silo.stats``).
@@ -546,7 +624,7 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
     check_positive("max_wait_time", max_wait_time)
 
     data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
-    silo = build_silo(data, per_record, config, client_id)
+    silo = build_silo(data, per_record, config, client_id, noise_seed)
     start_client(server_address=address, client=PDPClient(silo, ledger_path).to_client(), insecure=True,
                  max_wait_time=max_wait_time)
     silo.finish(config.rounds)
@@ -573,7 +651,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid", budgets: str = "ThreeLevels",
                  config: FLConfig, dirichlet_alpha: float = 0.5, timeout: float = 300.0,
-                 workdir: str | os.PathLike | None = None, python: str | None = None) -> dict:
+                 workdir: str | os.PathLike | None = None, python: str | None = None,
+                 noise_seed: int | None = None) -> dict:
     """Start one server and ``clients`` client processes on 127.0.0.1 (a free port) and wait for
     them (at most ``timeout`` seconds, then kill them all).
 
@@ -583,6 +662,8 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         timeout: seconds for the whole run.
         workdir: for logs and outputs (a temporary one by default).
         python: the interpreter of the processes (default this one).
+        noise_seed: passed to the client processes only (``--noise-seed``; they are the clients),
+            never to the server; None (the default): each client process draws its own secret one.
     Returns:
         {"server": ..., "clients": [...], "address": ..., "workdir": ...}, the first two read from the
         processes' JSON outputs (the server's with its final "weights").
@@ -595,6 +676,7 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     if not isinstance(budgets, str):
         raise ValueError("budgets must be a distribution name for launch_local (processes rebuild them)")
     check_positive("timeout", timeout)
+    client_argv = [] if noise_seed is None else ["--noise-seed", str(check_int("noise_seed", noise_seed, 0))]
     # the federation is checked here, where its errors name the argument, not in a process's log
     _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
@@ -618,7 +700,8 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
                      "--wait-timeout", wait, *common])
     for k in range(clients):
         start(f"client{k}", ["client", "--address", address, "--client-id", str(k),
-                             "--out", str(workdir / f"client{k}.json"), "--max-wait-time", wait, *common])
+                             "--out", str(workdir / f"client{k}.json"), "--max-wait-time", wait, *common,
+                             *client_argv])
     deadline = time.monotonic() + timeout
     try:
         for _name, process in procs:

@@ -93,6 +93,13 @@ def _remembered_round_rdp(rates: np.ndarray, *, noise_multiplier, local_steps, c
             "server": np.array([s for _, s in found]).reshape(shape)}
 
 
+def _same_setting(saved, ours) -> bool:
+    saved, ours = np.asarray(saved), np.asarray(ours)
+    if ours.dtype.kind == "U":
+        return saved.dtype.kind == "U" and saved.shape == ours.shape and bool(np.all(saved == ours))
+    return saved.dtype.kind in "iuf" and np.array_equal(saved, ours)
+
+
 class FederatedLedger:
     """Per-record rPDP-FL ledger of one client.
 
@@ -126,6 +133,7 @@ class FederatedLedger:
         if conversion not in CONVERSIONS:
             raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
         self.sample_rates, self.budgets = q, b
+        self.noise_multiplier, self.local_steps, self.client_rate = noise_multiplier, local_steps, client_rate
         self.delta, self.conversion = float(delta), conversion
         self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         # one round's RDP per distinct rate, computed once (the costly part of accounting)
@@ -229,16 +237,26 @@ class FederatedLedger:
         over = self.active & (self._epsilon_at(threat, np.where(self.active, counts, 0)) > self.budgets)
         self.active &= ~over
 
+    def _settings(self) -> dict:
+        """What the counts mean: a count of rounds is worth ε only under the σ, τ, λ, δ, conversion
+        and orders it was charged at (and for these rates and budgets)."""
+        return {"sample_rates": self.sample_rates, "budgets": self.budgets,
+                "noise_multiplier": np.float64(self.noise_multiplier), "local_steps": np.int64(self.local_steps),
+                "client_rate": np.float64(self.client_rate), "delta": np.float64(self.delta),
+                "conversion": np.str_(self.conversion), "orders": self.orders}
+
     def state_dict(self) -> dict:
-        """The mutable state (the per-round RDP is rebuilt from the config).
+        """The mutable state and the settings it was charged under (the per-round RDP is rebuilt
+        from them).
 
         Returns:
             a dict of numpy values (copies): "active", "rounds_charged", "participations",
-            "rounds_seen", and "sample_rates" and "budgets", which ``load_state_dict`` checks.
+            "rounds_seen", and the settings ``load_state_dict`` checks: "sample_rates", "budgets",
+            "noise_multiplier", "local_steps", "client_rate", "delta", "conversion", "orders".
         """
         return {"active": self.active.copy(), "rounds_charged": self.rounds_charged.copy(),
-                "participations": self.participations.copy(), "rounds_seen": np.int64(self.rounds_seen),
-                "sample_rates": self.sample_rates.copy(), "budgets": self.budgets.copy()}
+                "participations": self.participations.copy(), "rounds_seen": np.int64(self.rounds_seen)} | {
+                    k: np.copy(v) for k, v in self._settings().items()}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from what ``state_dict()`` returned.
@@ -248,17 +266,23 @@ class FederatedLedger:
         Returns:
             None; the ledger's state is replaced by copies of the saved one.
         Raises:
-            ValueError when the state was saved for other sample rates or budgets, or its counts cannot
-            be a history (not one per record, negative, more participations than rounds charged or
-            more rounds charged than seen): such a state would under-report spending. The ledger is
-            then unchanged.
+            ValueError when the state lacks a key, was saved under other settings (naming them: other
+            sample rates or budgets, σ, τ, λ, δ, conversion or orders, under which its counts are worth
+            another ε), or its counts cannot be a history (not one per record, negative, more
+            participations than rounds charged or more rounds charged than seen): such a state would
+            misreport spending. The ledger is then unchanged.
         """
-        if not (np.array_equal(state["sample_rates"], self.sample_rates) and
-                np.array_equal(state["budgets"], self.budgets)):
-            raise ValueError("ledger state was saved for other sample_rates or budgets")
-        missing = [k for k in ("active", "rounds_charged", "participations", "rounds_seen") if k not in state]
+        settings = self._settings()
+        missing = [k for k in ("active", "rounds_charged", "participations", "rounds_seen", *settings)
+                   if k not in state]
         if missing:
-            raise ValueError(f"ledger state lacks {', '.join(missing)}: not a state_dict() of a FederatedLedger")
+            raise ValueError(f"ledger state lacks {', '.join(missing)}: not a state_dict() of a FederatedLedger "
+                             "(of this version, which records the settings its counts were charged under)")
+        other = [k if np.ndim(v) else f"{k} ({np.asarray(state[k]).tolist()!r} saved, {v.tolist()!r} here)"
+                 for k, v in settings.items() if not _same_setting(state[k], v)]
+        if other:
+            raise ValueError(f"ledger state was saved for other {', '.join(other)}: its counts are worth another ε "
+                             "under this ledger's settings; resume it with the settings it was saved with")
         counts = {k: np.asarray(state[k]) for k in ("rounds_charged", "participations", "rounds_seen")}
         for k, v in counts.items():  # a float count cast to int would drop its fraction and under-report
             if not holds_whole_numbers(v):
@@ -294,7 +318,8 @@ class FederatedLedger:
         Returns:
             None; as :meth:`load_state_dict`.
         Raises:
-            ValueError when the state was saved for other sample rates or budgets.
+            ValueError as :meth:`load_state_dict` (a state saved under other settings, or that cannot be
+            a history).
         """
         with np.load(path) as data:
             self.load_state_dict({k: data[k] for k in data.files})

@@ -239,7 +239,8 @@ def resolve_budgets(budgets, data: FederatedData, seed: int = 0) -> np.ndarray:
     return check_positive_per_record("budgets", budgets, n, records="training record")
 
 
-def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, client_id: int) -> Silo:
+def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, client_id: int,
+               noise_seed: int | None = None) -> Silo:
     """One client of the federation (what a Flower client process builds for itself).
 
     Args:
@@ -248,11 +249,13 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
             :func:`resolve_budgets` gives them; the silo takes its own by ``data.records_of``).
         config: the run's settings.
         client_id: 0..M−1.
+        noise_seed: the client's secret seed of its noise and record draws (``Silo``'s; None: a fresh
+            secret from ``os.urandom``).
     Returns:
         its :class:`Silo` (records, budgets, sampling rates, ledger).
     Raises:
-        ValueError for a ``client_id`` outside [0, M), or ``budgets`` that are not N finite values > 0
-        (TypeError for values that are not numbers).
+        ValueError for a ``client_id`` outside [0, M), ``budgets`` that are not N finite values > 0
+        (TypeError for values that are not numbers), or a ``noise_seed`` that is not None nor an int ≥ 0.
     """
     check_int("client_id", client_id, 0)
     if client_id >= data.num_clients:
@@ -261,7 +264,7 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
     budgets = check_positive_per_record("budgets", budgets, n, records="training record of the federation")
     x, y = data.client_data(client_id)
     return Silo(client_id, x, y, budgets[data.records_of(client_id)], config=config,
-                model_fn=model_factory(data.name), federation_budgets=budgets)
+                model_fn=model_factory(data.name), federation_budgets=budgets, noise_seed=noise_seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +360,7 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
              method: str = "rpdp", *, rounds: int = 40, local_steps: int = 10, client_rate: float = 0.5,
              noise_multiplier: float = 4.0, max_grad_norm: float = 1.0, delta: float = 1e-4, lr: float = 0.05,
              threat: str = "clients", conversion: str = "standard", mode: str = "bk", clipping: str = "flat",
-             dirichlet_alpha: float = 0.5, seed: int = 0, progress: bool = False,
+             dirichlet_alpha: float = 0.5, seed: int = 0, noise_seed: int | None = None, progress: bool = False,
              threads: int | None = None) -> FederatedResult:
     """Simulate rPDP-FL (or a baseline) in process and return a ``FederatedResult``.
 
@@ -368,7 +371,13 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
         method: "rpdp", "minimum", "dropout" or "nonprivate". rounds: T; local_steps: τ;
             client_rate: λ ∈ (0, 1]; noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
             With method "nonprivate" the privacy settings (σ, C, δ, threat, conversion, mode,
-            clipping, budgets) are checked but not used.
+            clipping, budgets, noise_seed) are checked but not used.
+        seed: the public seed (model initialization, client sampling, split, budget draws).
+        noise_seed: the clients' secret seed of their noise and record draws. None (the default):
+            every client draws its own from ``os.urandom`` for this run, so two runs differ even with
+            the same ``seed``. An int makes the run reproducible bit for bit (and equal to the Flower
+            paths given the same one), but whoever knows it can recompute every client's noise and
+            remove it from their updates: only for experiments.
         threads: torch threads for the run (``torch.set_num_threads``, restored afterwards); None or 0
             (the default) leaves torch's setting. The result does not depend on it beyond float rounding.
     Returns:
@@ -381,14 +390,17 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
 
     if threads is not None:
         check_int("threads", threads, 0)
+    if noise_seed is not None:
+        check_int("noise_seed", noise_seed, 0)
     config = FLConfig(rounds=rounds, local_steps=local_steps, client_rate=client_rate,
                       noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=delta, lr=lr,
                       method=method, threat=threat, conversion=conversion, mode=mode, clipping=clipping, seed=seed)
     data = load_federated(dataset, clients, split, seed=seed, dirichlet_alpha=dirichlet_alpha)
     per_record = resolve_budgets(budgets, data, seed)
     with torch_threads(threads):
-        silos = [build_silo(data, per_record, config, k) for k in range(data.num_clients)]
+        silos = [build_silo(data, per_record, config, k, noise_seed) for k in range(data.num_clients)]
         run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)
     info = {"split": split, "budgets": budgets if isinstance(budgets, str) else "custom",
-            "aggregation": "FedAvg of model deltas weighted by client size n_k, over the clients that sent one"}
+            "aggregation": "FedAvg of model deltas weighted by client size n_k, over the clients that sent one",
+            "noise_seed": "secret (os.urandom, per client)" if noise_seed is None else noise_seed}
     return collect_result(silos, data, per_record, config, run, info)

@@ -2,12 +2,14 @@
 
 Flower's scheduling does not get in the way of bit-equality: clients are identified by the
 ``client_id`` they report, client sampling is a pure function of (seed, round), local training is
-seeded per (seed, round, client), and the strategy aggregates in client-id order whatever the
-order the results arrive in. So the tests compare final weights bit for bit.
+seeded per (noise seed, round, client), and the strategy aggregates in client-id order whatever the
+order the results arrive in. So with a noise seed given (the clients' secret, fixed here for the
+test) the tests compare final weights bit for bit.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pdpfast.fl as fl  # noqa: E402
 from pdpfast.fl.flower import PoissonFedAvg, launch_local, run_inprocess  # noqa: E402
 
 FEDERATION = dict(dataset="breast_cancer", clients=4, split="label", budgets="BoundedMixGauss")
+NOISE_SEED = 17   # the clients' secret, fixed so that two paths can be compared bit for bit
 
 
 def _same(a, b):
@@ -26,8 +29,8 @@ def _same(a, b):
 
 def test_flower_inprocess_equals_simulation_bitwise():
     config = fl.FLConfig(rounds=5, local_steps=3, client_rate=0.5, seed=4)
-    flower = run_inprocess(config=config, **FEDERATION)
-    sim = fl.simulate(**FEDERATION, **{k: v for k, v in config.to_dict().items()})
+    flower = run_inprocess(config=config, noise_seed=NOISE_SEED, **FEDERATION)
+    sim = fl.simulate(**FEDERATION, **config.to_dict(), noise_seed=NOISE_SEED)
     assert _same(flower.weights, sim.weights)
     np.testing.assert_array_equal(flower.accuracy, sim.accuracy)
     np.testing.assert_array_equal(flower.sampled, sim.sampled)
@@ -78,8 +81,8 @@ def test_flower_server_and_client_processes_on_loopback_match_simulation(tmp_pat
     ε (reported by the client processes) equal the in-process simulation's."""
     config = fl.FLConfig(rounds=3, local_steps=3, client_rate=0.7, seed=1)
     federation = FEDERATION | {"clients": 3}
-    out = launch_local(config=config, timeout=240, workdir=tmp_path, **federation)
-    sim = fl.simulate(**federation, **{k: v for k, v in config.to_dict().items()})
+    out = launch_local(config=config, timeout=240, workdir=tmp_path, noise_seed=NOISE_SEED, **federation)
+    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED)
     server = out["server"]
     assert _same(server["weights"], sim.weights)
     np.testing.assert_array_equal(np.array(server["sampled"]), sim.sampled)
@@ -91,6 +94,7 @@ def test_flower_server_and_client_processes_on_loopback_match_simulation(tmp_pat
         assert np.all(np.array(report["epsilon_server"]) <= np.array(report["budgets"]))
         assert np.all(np.array(report["epsilon_clients"]) <= np.array(report["budgets"]))
     assert os.path.exists(tmp_path / "server.log")
+    assert "noise_seed" not in server["config"]
 
 
 def test_flower_ray_simulation_engine_equals_simulation_bitwise(tmp_path):
@@ -101,9 +105,144 @@ def test_flower_ray_simulation_engine_equals_simulation_bitwise(tmp_path):
 
     config = fl.FLConfig(rounds=3, local_steps=3, client_rate=0.7, seed=1)
     federation = FEDERATION | {"clients": 3}
-    ray_res = run_ray_simulation(config=config, ledger_dir=tmp_path, **federation)
-    sim = fl.simulate(**federation, **{k: v for k, v in config.to_dict().items()})
+    ray_res = run_ray_simulation(config=config, ledger_dir=tmp_path, noise_seed=NOISE_SEED, **federation)
+    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED)
     assert _same(ray_res.weights, sim.weights)
     np.testing.assert_array_equal(ray_res.sampled, sim.sampled)
     np.testing.assert_array_equal(ray_res.epsilon_clients, sim.epsilon_clients)
     np.testing.assert_array_equal(ray_res.epsilon_server, sim.epsilon_server)
+
+
+def test_launch_local_gives_the_noise_seed_to_the_client_processes_only(tmp_path, monkeypatch):
+    """The noise seed is the clients' secret: the server process must not be started with it."""
+    import subprocess
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(argv, **kwargs):
+        started.append(argv)
+        if len(started) == 3:    # the server and two clients: enough to see every kind of process
+            raise Stop
+        return None              # never waited for: the third start stops the launch
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), noise_seed=5, workdir=tmp_path,
+                     **(FEDERATION | {"clients": 2}))
+    server, *clients = started
+    assert server[3] == "server" and "--noise-seed" not in server
+    for argv in clients:
+        assert argv[3] == "client" and argv[argv.index("--noise-seed") + 1] == "5"
+
+
+SMALL = fl.FLConfig(rounds=4, local_steps=2, client_rate=0.5, noise_multiplier=1.5, seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_federation():
+    data = fl.load_federated("breast_cancer", 2, "iid", seed=0)
+    return data, np.full(data.y_train.shape[0], 3.0)
+
+
+def _fit_config(config, server_round, last_update_round=0):
+    return {"server_round": server_round, "last_update_round": last_update_round} | config.to_dict()
+
+
+def test_the_fit_config_carries_the_public_settings_and_no_noise_seed():
+    """What a client checks its own settings against; the noise seed is the clients' secret."""
+    config = replace(SMALL, client_rate=1.0)
+
+    class Proxy:
+        cid = "x"
+
+        def get_properties(self, ins, timeout, group_id):
+            return type("R", (), {"properties": {"client_id": 0, "num_examples": 1} | config.to_dict()})()
+
+    class Manager:
+        def wait_for(self, n, timeout):
+            return True
+
+        def all(self):
+            return {"x": Proxy()}
+
+    strategy = PoissonFedAvg(num_clients=1, config=config, initial=[np.zeros(1, np.float32)])
+    parameters = flwr.common.ndarrays_to_parameters([np.zeros(1, np.float32)])
+    [(_, ins)] = strategy.configure_fit(1, parameters, Manager())
+    assert ins.config == _fit_config(config, 1) and not any("noise_seed" in k for k in ins.config)
+
+
+@pytest.mark.parametrize("name, value", [("client_rate", 0.9), ("rounds", 6), ("noise_multiplier", 2.0),
+                                         ("threat", "server"), ("delta", 1e-5), ("method", "minimum")])
+def test_a_client_refuses_a_fit_under_other_settings_than_its_own(small_federation, name, value):
+    """A server at λ = 0.9 ran to the end with clients built for λ = 0.2: their ledgers amplified by 0.2."""
+    from pdpfast.fl.flower import PDPClient
+
+    data, budgets = small_federation
+    silo = fl.build_silo(data, budgets, SMALL, 0)
+    client = PDPClient(silo)
+    server = replace(SMALL, **{name: value})
+    weights = fl.get_weights(fl.model_factory("breast_cancer")())
+    with pytest.raises(ValueError, match=rf"server's settings differ from this client's \({name}: {value!r} vs"):
+        client.fit(weights, _fit_config(server, 1))
+    assert silo.rounds_sampled == 0 and silo.ledger.rounds_seen == 0
+
+
+def test_the_strategy_refuses_a_client_that_reports_other_settings(small_federation):
+    """Over gRPC the mismatch stops the server at the first round, before any client trains."""
+    from flwr.server import Server, SimpleClientManager
+
+    from pdpfast.fl.flower import PDPClient, _DirectProxy
+
+    data, budgets = small_federation
+    manager = SimpleClientManager()
+    for k in range(2):
+        client_config = replace(SMALL, client_rate=0.2)
+        manager.register(_DirectProxy(f"n{k}", PDPClient(fl.build_silo(data, budgets, client_config, k)).to_client()))
+    strategy = PoissonFedAvg(num_clients=2, config=SMALL, initial=[np.zeros(1, np.float32)], wait_timeout=5)
+    server = Server(client_manager=manager, strategy=strategy)
+    with pytest.raises(ValueError, match=r"client 0 runs with other settings than the server \(client_rate: 0.2 vs"):
+        server.fit(num_rounds=SMALL.rounds, timeout=None)
+    assert strategy.sampled == []
+
+
+@pytest.mark.parametrize("threat", ["server", "clients"])
+def test_a_client_restarted_without_its_ledger_is_refused_under_threat_server_and_warned_under_clients(
+        small_federation, threat, tmp_path):
+    """A client restarted without --ledger started a fresh ledger: its earlier participations were
+    forgotten and the "server" ε reported too low. The server says in which round it last received the
+    client's update; a ledger that has not seen that round was lost. Under "clients" every round is
+    charged whether sampled or not, so that bound still holds: a warning only."""
+    from pdpfast.fl.flower import PDPClient
+
+    data, budgets = small_federation
+    config = replace(SMALL, threat=threat)
+    weights = fl.get_weights(fl.model_factory("breast_cancer")())
+    first = PDPClient(fl.build_silo(data, budgets, config, 0), tmp_path / "silo0.npz")
+    first.fit(weights, _fit_config(config, 1))
+    restarted = PDPClient(fl.build_silo(data, budgets, config, 0))
+    if threat == "server":
+        with pytest.raises(ValueError, match="server received this client's update in round 1, but its ledger has "
+                                             "seen rounds only up to 0"):
+            restarted.fit(weights, _fit_config(config, 3, last_update_round=1))
+        assert restarted.silo.ledger.rounds_seen == 0
+    else:
+        with pytest.warns(RuntimeWarning, match="the 'clients' bound still holds"):
+            restarted.fit(weights, _fit_config(config, 3, last_update_round=1))
+    resumed = PDPClient(fl.build_silo(data, budgets, config, 0), tmp_path / "silo0.npz")
+    resumed.fit(weights, _fit_config(config, 3, last_update_round=1))    # with its ledger: no complaint
+    fresh = PDPClient(fl.build_silo(data, budgets, config, 1))            # never sampled before: none either
+    fresh.fit(weights, _fit_config(config, 3))
+    assert resumed.silo.ledger.rounds_seen == fresh.silo.ledger.rounds_seen == 3
+
+
+@pytest.mark.parametrize("command", [["flower"], ["server"], ["client", "--client-id", "0"], ["launch"]])
+def test_every_command_refuses_a_privacy_option_the_nonprivate_method_would_ignore(command, capsys):
+    """``fl flower --method nonprivate --noise-multiplier 0.01`` ran, where ``fl simulate`` refused it."""
+    from pdpfast.fl.cli import main
+
+    assert main([*command, "--method", "nonprivate", "--noise-multiplier", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --noise-multiplier is for the private methods (rpdp, minimum, dropout); --method nonprivate" in err

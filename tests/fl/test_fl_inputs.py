@@ -143,6 +143,49 @@ def test_a_refused_round_leaves_the_ledger_as_it_was_and_an_endless_advance_is_r
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
+def test_a_refused_replayed_round_is_not_counted_as_a_round_the_client_was_sampled_in(federation):
+    """``Silo.fit`` counted the round in ``rounds_sampled`` before its ledger refused it as already seen."""
+    data, budgets = federation
+    silo = fl.build_silo(data, budgets, fl.FLConfig(rounds=4, local_steps=1, noise_multiplier=2.0), 0)
+    weights = fl.get_weights(fl.model_factory("breast_cancer")())
+    silo.fit(weights, 2)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="server_round 2 was already seen"):
+            silo.fit(weights, 2)
+    assert silo.rounds_sampled == silo.rounds_contributed == silo.stats()["rounds_sampled"] == 1
+
+
+def test_cli_simulate_passes_the_noise_seed_given_and_none_without(monkeypatch):
+    assert _first_simulate_call(monkeypatch, ["--methods", "rpdp", "--noise-seed", "3"])["noise_seed"] == 3
+    assert _first_simulate_call(monkeypatch, ["--methods", "rpdp"])["noise_seed"] is None
+
+
+@pytest.mark.parametrize("noise_seed, error", [(-1, ValueError), (1.5, ValueError), ("3", ValueError),
+                                               (2 ** 63, ValueError)])
+def test_a_noise_seed_that_is_not_an_int_of_at_least_zero_is_refused(noise_seed, error):
+    with pytest.raises(error, match="noise_seed must be an int"):
+        fl.simulate(noise_seed=noise_seed, **SMALL)
+
+
+def test_a_scf_fit_that_does_not_converge_does_not_warn_since_every_rate_is_reaccounted_exactly():
+    """The fit only seeds the exact search of each rate; its warning fired in 124 of 270 plausible settings."""
+    import warnings
+
+    from pdpfast.accounting import rpdp
+    from pdpfast.fl.client import calibrate_rates
+
+    setting = dict(noise_multiplier=1.0, delta=1.234e-4, local_steps=3, rounds=5, client_rate=0.5)
+    with pytest.warns(UserWarning, match="SCF fit did not converge"):
+        rpdp.fit_scf(**setting)
+    config = fl.FLConfig(**setting)
+    budgets = np.array([2.0, 5.0, 20.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rates = calibrate_rates(budgets, config)
+    eps = rpdp.epsilon(rates, threat=config.threat, **config.accounting_kwargs())
+    assert np.all(eps <= budgets) and np.all((eps >= 0.99 * budgets) | (rates == 1))
+
+
 @pytest.mark.parametrize("key,value", [("rounds_charged", np.array([0.9])), ("rounds_seen", np.float64(2.5)),
                                        ("participations", np.array([np.nan]))])
 def test_a_ledger_state_with_fractional_counts_is_refused_not_truncated(key, value):
@@ -263,12 +306,21 @@ def test_build_silo_refuses_a_client_id_that_is_not_a_client(federation, client_
         fl.build_silo(data, budgets, fl.FLConfig(rounds=1, local_steps=1, method="nonprivate"), client_id)
 
 
+FIT_SETTINGS = fl.FLConfig(rounds=2, local_steps=1, noise_multiplier=1.0)
+
+
 @pytest.mark.parametrize("config, error, message", [
     ({}, ValueError, r"config lacks 'server_round' .*its keys are \[\]"),
     ({"num_rounds": 3}, ValueError, r"config lacks 'server_round' .*its keys are \['num_rounds'\]"),
     (None, TypeError, "config must be a dict"),
     ({"server_round": 0}, ValueError, r"config\['server_round'\] must be an int ≥ 1, got 0"),
     ({"server_round": "1"}, ValueError, r"config\['server_round'\] must be an int ≥ 1, got '1'"),
+    ({"server_round": 1}, ValueError, r"config carries none of the run's settings .*its keys are \['server_round'\]"),
+    ({"server_round": 1, "rounds": 2}, ValueError,
+     r"the server's settings differ from this client's \(local_steps: missing vs 1;"),
+    ({"server_round": 1} | FIT_SETTINGS.to_dict(), ValueError, "config lacks 'last_update_round'"),
+    ({"server_round": 1, "last_update_round": -1} | FIT_SETTINGS.to_dict(), ValueError,
+     r"config\['last_update_round'\] must be an int ≥ 0, got -1"),
 ])
 def test_flower_client_fit_names_a_missing_or_bad_server_round(federation, config, error, message):
     """``PDPClient.fit`` without "server_round" failed with a bare KeyError; the refusal comes before the
@@ -277,7 +329,7 @@ def test_flower_client_fit_names_a_missing_or_bad_server_round(federation, confi
     from pdpfast.fl.flower import PDPClient
 
     data, budgets = federation
-    silo = fl.build_silo(data, budgets, fl.FLConfig(rounds=2, local_steps=1, noise_multiplier=1.0), 0)
+    silo = fl.build_silo(data, budgets, FIT_SETTINGS, 0)
     client = PDPClient(silo)
     before = {k: np.copy(v) for k, v in silo.ledger.state_dict().items()}
     weights = fl.get_weights(fl.model_factory("breast_cancer")())
@@ -285,11 +337,11 @@ def test_flower_client_fit_names_a_missing_or_bad_server_round(federation, confi
         client.fit(weights, config)
     assert client.last_round == 0 and silo.rounds_sampled == 0
     assert all(np.array_equal(before[k], v) for k, v in silo.ledger.state_dict().items())
-    delta, n, metrics = client.fit(weights, {"server_round": 1, "num_rounds": 2})
+    delta, n, metrics = client.fit(weights, {"server_round": 1, "last_update_round": 0} | FIT_SETTINGS.to_dict())
     assert n == silo.num_records and metrics == {"client_id": 0, "contributed": 1}
 
 
-THREADS_RUN = dict(dataset="breast_cancer", clients=2, rounds=2, local_steps=2, client_rate=1.0, seed=1)
+THREADS_RUN = dict(dataset="breast_cancer", clients=2, rounds=2, local_steps=2, client_rate=1.0, seed=1, noise_seed=1)
 
 
 @pytest.mark.parametrize("method", ["rpdp", "nonprivate"])
@@ -356,7 +408,7 @@ class _Stop(Exception):
 @pytest.mark.parametrize("option, value", [("--budgets", "BoundedPareto"), ("--noise-multiplier", "2"),
                                            ("--max-grad-norm", "0.5"), ("--delta", "1e-5"), ("--threat", "server"),
                                            ("--conversion", "improved"), ("--mode", "ghost"),
-                                           ("--clipping", "per_layer")])
+                                           ("--clipping", "per_layer"), ("--noise-seed", "3")])
 def test_cli_nonprivate_alone_refuses_a_privacy_option_it_would_ignore(option, value, monkeypatch, capsys):
     """``fl simulate --methods nonprivate --noise-multiplier 2`` ran the baseline with σ unread; with a private
     method beside it the option is that method's, and passed on."""

@@ -131,8 +131,50 @@ def test_ledger_state_survives_a_restart(tmp_path):
     assert again.rounds_seen == 3
     with pytest.raises(ValueError, match="server_round"):
         again.begin_round(3, True)
-    with pytest.raises(ValueError, match="other sample_rates or budgets"):
+    with pytest.raises(ValueError, match="saved for other budgets"):
         _ledger(q, b * 2).load(tmp_path / "ledger.npz")
+
+
+@pytest.mark.parametrize("name, value", [("noise_multiplier", 3.0), ("local_steps", 2), ("client_rate", 0.4),
+                                         ("delta", 1e-4), ("conversion", "improved")])
+def test_a_ledger_state_saved_under_other_settings_is_refused_by_name(tmp_path, name, value):
+    """A client's ledger file loaded under another σ (rates q = 1 alike) re-valued 4 rounds at σ = 0.7 as
+    rounds at σ = 3: ε_server reported 11.27 where 49.74 was spent."""
+    q, b = np.array([1.0, 1.0]), np.array([300.0, 300.0])
+    kw = dict(noise_multiplier=2.0, local_steps=5, client_rate=0.5, delta=1e-5, conversion="standard")
+    _ledger_after_three_rounds(q, b).save(tmp_path / "ledger.npz")
+    other = fl.FederatedLedger(q, b, **(kw | {name: value}))
+    before = other.state_dict()
+    with pytest.raises(ValueError, match=rf"ledger state was saved for other {name} \("):
+        other.load(tmp_path / "ledger.npz")
+    assert other.rounds_seen == 0 and all(np.array_equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_a_ledger_state_without_its_settings_is_refused():
+    """A state that does not say what its counts were charged under cannot be checked against this ledger."""
+    q, b = np.array([0.3]), np.array([5.0])
+    state = _ledger_after_three_rounds(q, b).state_dict()
+    del state["noise_multiplier"]
+    with pytest.raises(ValueError, match="ledger state lacks noise_multiplier"):
+        _ledger(q, b).load_state_dict(state)
+
+
+def _weights_after(noise_seed):
+    res = fl.simulate(method="rpdp", seed=2, noise_seed=noise_seed, **(FAST | {"rounds": 2, "client_rate": 1.0}))
+    return res.weights
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_servers_public_information_does_not_determine_a_clients_noise():
+    """The local DP-SGD seed was a function of the public (seed, round, client): a server re-ran a client's
+    training on a zero-gradient model and subtracted its noise exactly. Without a noise seed every client
+    draws a secret one, so the same public settings train other models; a given noise seed reproduces."""
+    assert not _same(_weights_after(None), _weights_after(None))
+    assert _same(_weights_after(5), _weights_after(5))
+    assert not _same(_weights_after(5), _weights_after(6))
 
 
 @pytest.mark.parametrize("damage", [
