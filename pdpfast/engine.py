@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from contextlib import contextmanager
 
@@ -878,10 +879,11 @@ class PrivacyEngine:
         next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``.
 
         Returns:
-            a dict: "optimizer", and where they apply "loader", "plan" / "ledger" / "delta", "accountant",
-            "adaptive".
+            a dict: "optimizer", "settings" (clipping mode and style, adaptive clipping's settings, and
+            a digest of the per-record rates, bounds and noise), and where they apply "loader", "plan" /
+            "ledger" / "delta", "accountant", "adaptive".
         """
-        state = {"optimizer": self.optimizer.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "settings": self._settings()}
         if self.data_loader is not None:
             state["loader"] = {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}
         if self.plan is not None:
@@ -892,26 +894,77 @@ class PrivacyEngine:
             state["adaptive"] = self.adaptive.state_dict()
         return state
 
+    def _settings(self) -> dict:
+        adaptive = getattr(self, "adaptive", None)
+        clipping = None if adaptive is None or adaptive.clipping is None else dataclasses.asdict(adaptive.clipping)
+        return {"mode": self.mode, "clipping": self.state.clipping, "automatic_gamma": self.state.automatic_gamma,
+                "adaptive_clipping": clipping,
+                "rates": plan_fingerprint(self.sample_rates, self.clip_norms, self.noise_multiplier,
+                                          self.max_grad_norm)}
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict()`` returned; everything privacy-related is checked first, so a
-        refused checkpoint leaves the engine as it was.
+        """Restore what ``state_dict()`` returned; everything privacy-related is checked first
+        (``check_state``), so a refused checkpoint leaves the engine as it was. A draw left part-way
+        is dropped: the loader goes on at the checkpoint's next draw.
 
         Args:
             state: a dict from ``state_dict()``.
         Returns:
             None.
         Raises:
-            RuntimeError / ValueError when the checkpoint's plan, accountant or sampling do not match this
-            engine's, or it holds fewer steps than this engine has taken (a roll-back).
+            RuntimeError / ValueError as ``check_state``.
         """
-        # check everything privacy-related before changing anything: a refused checkpoint leaves
-        # the engine as it was
+        self._restore(state, *self.check_state(state))
+
+    def _restore(self, state: dict, ledger, history) -> None:
+        """Restore a state ``check_state`` accepted (ledger, history: what it returned)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.data_loader is not None:
+            self.data_loader.seed = int(state["loader"]["seed"])
+            self.data_loader.next_step = int(state["loader"]["next_step"])
+            self.data_loader.current = None           # no draw of the old stream goes on under the new one
+        if ledger is not None:
+            self.accountant = ledger
+        if history is not None:
+            self.accountant = history
+        if getattr(self, "adaptive", None) is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
+
+    def check_state(self, state: dict) -> tuple:
+        """Check a ``state_dict()`` against this engine, changing nothing (``load_state_dict`` and
+        DPTrainer check a whole checkpoint before anything of it is restored).
+
+        Args:
+            state: a dict from ``state_dict()``.
+        Returns:
+            (ledger, history): the plan's ledger and a uniform run's accountant history to restore (each
+            None where it does not apply).
+        Raises:
+            RuntimeError inside a draw (a physical batch or backward waits for its step); ValueError
+            when the checkpoint's plan, accountant, sampling, per-record rates, bounds or noise, clipping
+            mode or style, adaptive clipping or optimizer kind differ from this engine's (each named),
+            when it holds fewer steps than this engine has taken (a roll-back), or when this engine has
+            taken steps of another run (another seed: its released steps would drop out of the ledger).
+        """
+        if self.state is not None and (self.state.phase is not Phase.IDLE or self.state.pending) or (
+                self.data_loader is not None and self.data_loader.current is not None
+                and not self.data_loader.current.is_last):
+            raise RuntimeError("a checkpoint cannot be loaded inside a draw (its physical batches or backward wait "
+                               "for optimizer.step()): the draw's rows would be joined to another draw's. Load it "
+                               "before training, or after optimizer.step()")
+        self._check_settings(state.get("settings"))
         ledger = None
         if "ledger" in state:
             if self.plan is None:
                 raise RuntimeError("the checkpoint holds a privacy ledger: resume with make_private_with_budgets")
             from .accounting import ledger_for_plan
 
+            scheduled = (state["plan"].get("noise_factors") is not None, getattr(self.plan, "noise_factors", None)
+                         is not None)
+            if scheduled[0] != scheduled[1]:
+                with_ = {True: "with a noise schedule", False: "without a noise schedule"}
+                raise ValueError(f"the checkpoint's run was made {with_[scheduled[0]]}, this engine "
+                                 f"{with_[scheduled[1]]} (noise_schedule=); resume with the same one")
             saved = type(self.plan).from_dict(state["plan"])
             if saved.accountant != self.plan.accountant:
                 raise ValueError(f"the checkpoint's privacy plan was certified with accountant='{saved.accountant}', "
@@ -945,6 +998,7 @@ class PrivacyEngine:
             raise ValueError("the checkpoint and this engine disagree on poisson_sampling")
         if getattr(self, "adaptive", None) is not None and "adaptive" in state:
             self.adaptive.check_state(state["adaptive"])
+        self._check_optimizer_kind(state["optimizer"])
         history = None
         if self.plan is None and self.accountant is not None:
             if "accountant" not in state:
@@ -968,16 +1022,42 @@ class PrivacyEngine:
             # batches again, and a record drawn twice by one draw is not what the accounting assumed
             raise ValueError(f"the checkpoint's loader would draw from step {int(state['loader']['next_step'])} "
                              f"but {taken} steps were taken; resume from a checkpoint this run wrote")
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.data_loader is not None:
-            self.data_loader.seed = int(state["loader"]["seed"])
-            self.data_loader.next_step = int(state["loader"]["next_step"])
-        if ledger is not None:
-            self.accountant = ledger
-        if history is not None:
-            self.accountant = history
-        if getattr(self, "adaptive", None) is not None and "adaptive" in state:
-            self.adaptive.load_state_dict(state["adaptive"])
+        if self.optimizer.steps and (int(state["optimizer"]["seed"]) != self.optimizer.seed or (
+                self.data_loader is not None and int(state["loader"]["seed"]) != self.data_loader.seed)):
+            raise ValueError(f"this engine has taken {self.optimizer.steps} steps of its own run, and the checkpoint "
+                             "is another run's (other seeds): loading it would drop the released steps from the "
+                             "ledger. Load a checkpoint into a fresh engine")
+        return ledger, history
+
+    def _check_settings(self, saved) -> None:
+        """The clipping and the per-record rates, bounds and noise of the checkpoint's run against this one's
+        (a checkpoint written before they were saved has none to check)."""
+        if saved is None:
+            return
+        ours = self._settings()
+        if self.plan is None and not self.uniform and saved.get("rates") != ours["rates"]:
+            # no ledger to restore: ε is recomputed from this engine's (q_i, c_i, σ) and the steps taken
+            raise ValueError("the checkpoint's run had other per-record sample rates, clip bounds or noise than this "
+                             "engine's; its steps would be accounted at these. Resume with the same ones")
+        names = {"mode": "mode", "clipping": "clipping", "automatic_gamma": "automatic_gamma",
+                 "adaptive_clipping": "adaptive_clipping (QuantileClipping settings)"}
+        differ = [f"{names[k]} {saved.get(k)!r} (checkpoint) vs {ours[k]!r} (this engine)" for k in names
+                  if saved.get(k) != ours[k]]
+        if differ:
+            raise ValueError(f"the checkpoint was made with other clipping settings: {'; '.join(differ)}; resume "
+                             "with the same ones")
+
+    def _check_optimizer_kind(self, saved) -> None:
+        groups = saved.get("optimizer", {}).get("param_groups") if isinstance(saved, dict) else None
+        ours = self.optimizer.original_optimizer.param_groups
+        if not groups or len(groups) != len(ours):
+            return   # torch's own load_state_dict names a different number of groups
+        theirs, mine = set(groups[0]) - {"params"}, set(ours[0]) - {"params"}
+        if theirs != mine:
+            kind = type(self.optimizer.original_optimizer).__name__
+            raise ValueError(f"the checkpoint's optimizer is another kind than {kind} (its settings "
+                             f"{sorted(theirs - mine)} are not this one's, {sorted(mine - theirs)} missing); resume "
+                             "with the same optimizer")
 
     def save_checkpoint(self, path, module: nn.Module, **extra) -> None:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a

@@ -688,12 +688,17 @@ class _Job:
     resume_state: dict | None
     stop: _StopOnSignal
 
-    def resume(self, load, model: nn.Module, where) -> None:
+    def resume(self, load, model: nn.Module, optimizer, where) -> None:
         """Restore the checkpoint, if any: ``load()`` puts the state into the run's objects, then
-        torch's random states; ``where()`` → (step, total steps) for the message."""
+        torch's random states; ``where()`` → (step, total steps) for the message. The optimizer keeps
+        its state (momentum buffers, Adam's moments) and takes this run's --lr and --momentum."""
         if self.resume_state is None:
             return
         _restore(self.cfg, load)
+        for group in optimizer.param_groups:          # the checkpoint's were loaded with its state
+            group["lr"] = self.cfg.lr
+            if "momentum" in group:
+                group["momentum"] = self.cfg.momentum
         _set_rng_states(self.resume_state["extra"], model_device(model))
         step, total = where()
         _say(self.cfg, f"resumed from {self.cfg.resume} at step {step} of {total}")
@@ -737,7 +742,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
         inner_module(model).load_state_dict(job.resume_state["model"])
         engine.load_state_dict(job.resume_state["engine"])
 
-    job.resume(load, model, lambda: (engine.steps, plan.steps))
+    job.resume(load, model, optimizer, lambda: (engine.steps, plan.steps))
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
               f"expected batch {plan.expected_batch_size:.1f}{note}")
@@ -765,7 +770,7 @@ def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
                     epochs_per_round=cfg.epochs / cfg.rounds, expected_batch_size=expected_batch_size, task=task,
                     max_grad_norm=cfg.max_grad_norm, loss=cfg.pdp_loss, rule=cfg.pdp_charge, seed=cfg.noise_seed,
                     mode=cfg.mode, clipping=cfg.clipping, physical_batch_size=cfg.physical_batch_size)
-    job.resume(lambda: driver.load_checkpoint_state(job.resume_state), model,
+    job.resume(lambda: driver.load_checkpoint_state(job.resume_state), model, optimizer,
                lambda: (driver.steps, driver.total_steps))
     progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
     result = job.train(lambda on_step: driver.run(on_step=on_step, max_steps=cfg.stop_after_steps),

@@ -94,7 +94,7 @@ def test_the_loss_falls(tmp_path):
     budgets = np.full(N, 50.0)
     data = Records(n=N)
     trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=30, learning_rate=2e-2, logging_steps=10),
-                        train_dataset=data, budgets=budgets, delta=1e-5, method="dpsgd")
+                        train_dataset=data, budgets=budgets, delta=1e-5, method="dpsgd", seed=3)   # reproducible
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]
@@ -147,6 +147,32 @@ def test_a_uniform_checkpoint_whose_record_ledger_is_not_its_runs_is_refused(tmp
                         noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)
     with pytest.raises(ValueError, match="per-record ledger holds 1 steps .* the optimizer took 2 steps"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_a_uniform_resume_under_another_noise_multiplier_is_refused(tmp_path):
+    """Before: a σ = 1 checkpoint resumed at σ = 0.3 was accepted and its ledger went on charging σ = 1."""
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), noise_multiplier=1.0, max_grad_norm=0.5,
+              delta=1e-5).train()
+    resumed = DPTrainer(model=bert(), args=arguments(tmp_path / "again", max_steps=4), train_dataset=Records(),
+                        noise_multiplier=0.3, max_grad_norm=0.5, delta=1e-5)
+    with pytest.raises(ValueError, match="another sample rate or noise_multiplier"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+
+
+def test_a_refused_resume_leaves_the_noise_seed_and_step_so_training_on_draws_no_released_noise(tmp_path):
+    """Before: a resume refused for another method had already loaded the checkpoint's step count and secret
+    seed into the optimizer: training again released steps 2 and 3 with the original run's noise."""
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5,
+              method="sample").train()
+    saved = torch.load(tmp_path / "run" / "checkpoint-2" / "optimizer.pt", weights_only=False)
+    other = DPTrainer(model=bert(), args=arguments(tmp_path / "again", max_steps=4), train_dataset=Records(),
+                      budgets=BUDGETS, delta=1e-5, method="scale")
+    with pytest.raises(ValueError, match="plan"):
+        other.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    optimizer = other.privacy_engine.optimizer
+    assert optimizer.steps == 0 and optimizer.seed != saved["seed"]
 
 
 def test_uniform_dp_with_a_noise_multiplier(tmp_path):

@@ -95,6 +95,94 @@ def test_an_older_checkpoint_loaded_into_the_engine_that_went_past_it_is_refused
     assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
 
 
+def test_a_checkpoint_loaded_inside_a_draw_is_refused_so_no_step_joins_two_draws(tmp_path):
+    """Before: with one physical batch of a draw pending, a checkpoint of another seed was accepted and the
+    step joined this draw's first row to the rest of the checkpoint's draw (a record clipped twice)."""
+    budgets = np.repeat([1.0, 3.0], 20)
+    other, model, *_ = _setup(budgets, steps=6, seed=1, physical_batch_size=1)
+    other.save_checkpoint(tmp_path / "other.pt", model)
+    engine, model, opt, loader = _setup(budgets, steps=6, seed=0, physical_batch_size=1)
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()                                          # the draw has more batches: no step yet
+        if engine.steps == 0 and not engine.data_loader.current.is_last:
+            break
+    with pytest.raises(RuntimeError, match="cannot be loaded inside a draw"):
+        engine.load_checkpoint(tmp_path / "other.pt", model)
+
+
+def test_an_engine_that_took_steps_refuses_another_runs_checkpoint_that_would_drop_them(tmp_path):
+    budgets = np.repeat([1.0, 3.0], 20)
+    other, model, opt, loader = _setup(budgets, steps=6, seed=1)
+    _train(model, opt, loader, 3)
+    other.save_checkpoint(tmp_path / "other.pt", model)
+    engine, model, opt, loader = _setup(budgets, steps=6, seed=0)
+    _train(model, opt, loader, 1)
+    with pytest.raises(ValueError, match="taken 1 steps of its own run, and the checkpoint is another run's"):
+        engine.load_checkpoint(tmp_path / "other.pt", model)
+    assert engine.steps == 1
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(clipping="per_layer"), "clipping 'flat' \\(checkpoint\\) vs 'per_layer'"),
+    (dict(automatic_gamma=0.01), "automatic_gamma None \\(checkpoint\\) vs 0.01"),
+    (dict(adaptive_clipping="quantile"), "adaptive_clipping"),
+    (dict(noise_schedule="exponential:0.01"), "without a noise schedule, this engine with a noise schedule"),
+], ids=["clipping", "automatic", "adaptive", "schedule"])
+def test_a_checkpoint_of_other_clipping_settings_is_refused_by_name(tmp_path, change, match):
+    """Before: a flat checkpoint loaded into per-layer, automatic or adaptive engines without a word (an
+    adaptive one started again from its first bounds); a schedule mismatch named an internal dict."""
+    from pdpfast.adaptive import QuantileClipping
+
+    if change.get("adaptive_clipping") == "quantile":
+        change = dict(adaptive_clipping=QuantileClipping())
+    budgets = np.repeat([1.0, 3.0], 20)
+    engine, model, *_ = _setup(budgets, steps=6)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    other, model2, *_ = _setup(budgets, steps=6, **change)
+    with pytest.raises(ValueError, match=match):
+        other.load_checkpoint(tmp_path / "c.pt", model2)
+
+
+def test_a_checkpoint_of_another_optimizer_kind_is_refused_by_name(tmp_path):
+    """Before: an SGD checkpoint loaded into an Adam run, whose next step failed with KeyError 'betas'."""
+    budgets = np.repeat([1.0, 3.0], 20)
+    engine, model, *_ = _setup(budgets, steps=6)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    g = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g))
+    model2 = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    other = pdpfast.PrivacyEngine(seed=0)
+    model2, *_ = other.make_private_with_budgets(
+        module=model2, optimizer=torch.optim.Adam(model2.parameters()), data_loader=DataLoader(ds, batch_size=10),
+        budgets=budgets, delta=1e-5, steps=6)
+    with pytest.raises(ValueError, match="another kind than Adam"):
+        other.load_checkpoint(tmp_path / "c.pt", model2)
+
+
+def test_a_per_record_checkpoint_is_refused_by_an_engine_of_other_rates_bounds_or_noise(tmp_path):
+    """Without a plan the ε of per-record runs is recomputed from the engine's (q_i, c_i, σ): a σ = 0.5
+    checkpoint loaded into a σ = 3 engine reported ε 3.1 for 48.5 spent."""
+    g = torch.Generator().manual_seed(1)
+    ds = TensorDataset(torch.randn(20, 6, generator=g), torch.randint(0, 3, (20,), generator=g))
+
+    def engine_with(sigma):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 3))
+        engine = pdpfast.PrivacyEngine(seed=0)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(ds),
+            noise_multiplier=sigma, max_grad_norm=1.0, sample_rates=np.linspace(0.1, 0.5, 20))
+        return engine, model, opt, loader
+
+    engine, model, opt, loader = engine_with(0.5)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    other, model2, *_ = engine_with(3.0)
+    with pytest.raises(ValueError, match="other per-record sample rates, clip bounds or noise"):
+        other.load_checkpoint(tmp_path / "c.pt", model2)
+
+
 def test_resume_with_a_different_plan_is_refused(tmp_path):
     engine, model, opt, loader = _setup(np.full(30, 1.0), steps=4)
     engine.save_checkpoint(tmp_path / "c.pt", model)

@@ -483,15 +483,16 @@ class DPTrainer(transformers.Trainer):
             raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
                                     "privacy ledger is unknown and training cannot resume from it")
         state = torch.load(path, map_location="cpu", weights_only=False)
-        # before the Trainer loads the optimizer's state (and with it the step count the engine checks)
+        # everything is checked before the Trainer loads the optimizer's state: it holds the step count and the
+        # noise seed, and a refused resume must leave them as they were (training on would draw released noise)
         if int(state["optimizer"]["steps"]) < self.privacy_engine.steps:
             raise ValueError(f"{checkpoint} was written after {int(state['optimizer']['steps'])} steps, but this "
                              f"trainer has taken {self.privacy_engine.steps}: resuming from it would roll the privacy "
                              "ledger back over steps already released and draw their noise again. Resume a run "
                              "from its latest checkpoint")
-        super()._load_optimizer_and_scheduler(checkpoint)
+        checked = self.privacy_engine.check_state(state)
         uniform = None
-        if "uniform_ledger" in state:  # checked before the engine changes: a refused checkpoint changes nothing
+        if "uniform_ledger" in state:
             from ..accounting.ledger import IndividualAccountant
 
             uniform = IndividualAccountant.__new__(IndividualAccountant)
@@ -501,6 +502,11 @@ class DPTrainer(transformers.Trainer):
                 raise ValueError(f"{path}: its per-record ledger holds {uniform.steps_taken} steps of "
                                  f"{uniform.num_records} records, the optimizer took {taken} steps of "
                                  f"{self.uniform_ledger.num_records}; resume from a checkpoint this run wrote")
-        self.privacy_engine.load_state_dict(state)
+            if not (np.array_equal(uniform.sample_rates, self.uniform_ledger.sample_rates)
+                    and np.array_equal(uniform.noise_multipliers, self.uniform_ledger.noise_multipliers)):
+                raise ValueError(f"{path}: its run had another sample rate or noise_multiplier than this one; its "
+                                 "ledger would go on charging those. Resume with the same settings")
+        super()._load_optimizer_and_scheduler(checkpoint)
+        self.privacy_engine._restore(state, *checked)
         if uniform is not None:
             self.uniform_ledger = uniform

@@ -1,5 +1,6 @@
 """`pdpfast train` end to end: data formats, methods, checkpoint/resume of the ledger, bad inputs."""
 import json
+import shutil
 import sys
 import types
 
@@ -170,6 +171,23 @@ def test_the_noise_seed_is_secret_unless_given_and_a_resume_keeps_the_runs_own(c
     assert rc == 0 and "resumed from" in out, err
     message = cli.fails(*common, "--noise-seed", 4, "--resume", tmp_path / "part.pt")
     assert "--noise-seed None" in message
+
+
+def test_a_resume_takes_the_new_lr_and_momentum_and_keeps_the_optimizer_state(cli, data_dir, tmp_path):
+    """Before: --lr and --momentum were accepted on --resume and ignored (the checkpoint's were loaded)."""
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+              data_dir / "budgets.npy", "--epochs", 2, "--batch-size", 40, "--quiet", "--noise-seed", 2)
+    assert cli(*common, "--checkpoint", tmp_path / "c.pt", "--stop-after-steps", 2)[0] == 0
+    for name, extra in (("same", ()), ("slow", ("--lr", 0.001, "--momentum", 0.0))):
+        shutil.copy(tmp_path / "c.pt", tmp_path / f"{name}.pt")
+        path = tmp_path / f"{name}.pt"
+        rc, out, err = cli(*common, *extra, "--resume", path, "--checkpoint", path)
+        assert rc == 0, err
+    saved = torch.load(tmp_path / "slow.pt", weights_only=False)
+    group = saved["engine"]["optimizer"]["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.001 and group["momentum"] == 0.0
+    same = torch.load(tmp_path / "same.pt", weights_only=False)["model"]
+    assert any(not torch.equal(same[k], v) for k, v in saved["model"].items())
 
 
 def test_resume_with_other_budgets_is_refused(cli, data_dir, tmp_path):
