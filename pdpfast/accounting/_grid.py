@@ -377,6 +377,30 @@ class BudgetError(ValueError):
         self.budget = budget
 
 
+def noise_limit_message(budget, delta, orders) -> str:
+    """Why no noise multiplier ≤ ``Z_MAX`` meets ``budget``, naming the orders when they are the limit.
+
+    As z → ∞ the RDP vanishes and ε tends to the conversion term alone, min_α (−log δ − log α)/(α − 1)
+    + log((α − 1)/α) (Balle et al. 2020), which only larger orders lower: a budget at or below it
+    cannot be met by any noise with these orders, however large.
+
+    Args:
+        budget: the budget ε > 0 that was not met.
+        delta: δ in (0, 1).
+        orders: (n,) float64 RDP orders α > 1, ascending.
+    Returns:
+        the reason, as a sentence fragment.
+    """
+    a = np.asarray(orders, dtype=np.float64)
+    floor = float(np.min((-np.log(delta) - np.log(a)) / (a - 1.0) + np.log((a - 1.0) / a)))
+    text = f"it would need a noise multiplier above {Z_MAX:g}"
+    if budget * (1.0 - MARGIN) <= floor * (1.0 + 1e-3):
+        text += (f"; the largest RDP order, {a[-1]:g}, is what limits it: with these orders ε cannot go below "
+                 f"{floor:.4g} at delta={delta:g} whatever the noise, so pass orders= with larger orders "
+                 f"(e.g. up to {a[-1] * 8:g})")
+    return text
+
+
 def solve_rate(z, steps, delta, targets, orders, ratio=0.0005):
     """Largest q ≤ 1 with ε(q; z) ≤ target·(1 − MARGIN) for sorted distinct ``targets``.
 
@@ -436,7 +460,8 @@ def solve_noise(q, steps, delta, targets, orders, ratio=0.0005):
     curve = z_curve(q, steps, delta, targets[0], targets[-1], orders, ratio=None if few else 1.0 + ratio)
     j = curve.safe_index(targets)
     if np.any(j < 0):
-        raise BudgetError(f"it would need a noise multiplier above {Z_MAX:g}", float(targets[j < 0][0]))
+        budget = float(targets[j < 0][0])
+        raise BudgetError(noise_limit_message(budget, delta, orders), budget)
     z, eps, idx = curve.param[j].copy(), curve.eps[j].copy(), curve.order_idx[j].copy()
     need = j > 0
     if few and need.any():
@@ -534,7 +559,7 @@ def solve_noise_pairs(sample_rates, targets, steps, delta, orders, guess, guess_
         zt = np.r_[unsafe[up] * factor, safe[down] / factor]
         if np.any(zt[:up.size] > Z_MAX):
             bad = up[zt[:up.size] > Z_MAX][0]
-            raise BudgetError(f"it would need a noise multiplier above {Z_MAX:g}", float(targets[bad]))
+            raise BudgetError(noise_limit_message(float(targets[bad]), delta, orders), float(targets[bad]))
         ii = np.r_[i_u[up], i_s[down]]
         e2, i2 = eps_windowed(sample_rates[sel], zt, steps, delta, orders, ii - 2, ii + 2)
         ok = e2 <= goal[sel]

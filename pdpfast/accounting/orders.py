@@ -16,7 +16,11 @@ So calibration certifies each distinct (q, z) at its own order:
 * ``polish``: alternate (a) the best order at the current parameter and (b) the largest rate /
   smallest noise multiplier whose ε *at that fixed order* meets the budget (a monotone 1-D root),
   until the parameter stops moving. (b) keeps every iterate certified: at the fixed order the
-  budget holds by construction, and (a) can only lower ε further.
+  budget holds by construction, and (a) can only lower ε further. Where that stalls short of the
+  budget — at a fixed order ε jumps at the cliff, so (b) stops there, and at that parameter the
+  cliff's order is already the best one, so (a) cannot move either — a root of the order-minimized
+  ε(x) = min_α ε(x, α) (monotone and continuous in x) finishes the job: the optimum then lies at a
+  lower order with a larger rate / smaller multiplier, where the cliff meets the budget.
 
 ``rdp_at`` is the one-step RDP at one order per point; the plan's ε and the ledger's (which
 composes the same per-step values) both come from it, so they agree.
@@ -26,12 +30,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import _grid
+from .roots import illinois
 from .sgm import log_a_at, rdp_at
 
 __all__ = ["log_a_at", "rdp_at", "eps_at", "optimal_orders", "polish"]
 
 _ORDER_RTOL = 1e-7       # Newton stops once α moves by less than this (relative)
 _PARAM_RTOL = 1e-6       # polish stops once the parameter moves by less than this (relative)
+_STALL_RTOL = 1e-4       # ε this far below the budget after the alternation: it stalled at a cliff
 
 
 def _conversion(alpha: np.ndarray, log_delta: float):
@@ -166,6 +172,58 @@ def _fixed_order_root(free, q, z, steps, delta, alpha, goal, ceiling, eps_start=
     return to_param(safe), e_safe
 
 
+def _order_minimized_root(free, q, z, steps, delta, alpha, eps, goal, ceiling, alpha_min, alpha_max, rtol=1e-5):
+    """The largest rate / smallest noise multiplier x whose ε minimized over orders in
+    [max(α_p/2, alpha_min), min(1.1·α_p, alpha_max)] meets goal, from a point (q, z) at order α with
+    ε ≤ goal. Returns (q, z, ε, α), new (P,) arrays; every point returned was evaluated at its α."""
+    q, z, alpha, eps = q.copy(), z.copy(), alpha.copy(), eps.copy()
+    lo_a, hi_a = np.maximum(alpha / 2.0, alpha_min), np.minimum(alpha * 1.1, alpha_max)
+    x = q.copy() if free == "rate" else 1.0 / z
+
+    def evaluate(xs, which):
+        qq, zz = (xs, z[which]) if free == "rate" else (q[which], 1.0 / xs)
+        return optimal_orders(qq, zz, steps, delta, alpha[which], lo_a[which], hi_a[which])
+
+    def record(xs, which, e, a):
+        ok = e <= goal[which]
+        w = which[ok]
+        x[w], eps[w], alpha[w] = xs[ok], e[ok], a[ok]
+        return ok
+
+    # bracket: grow x until the order-minimized ε breaks the goal (or x reaches the ceiling)
+    unsafe, e_unsafe = np.full(x.shape[0], np.nan), np.full(x.shape[0], np.nan)
+    factor = 1.0 + np.clip(2.0 * (goal / np.maximum(eps, 1e-300) - 1.0), 1e-5, 1.0)
+    todo = np.flatnonzero(x < ceiling)
+    for _ in range(64):
+        if todo.size == 0:
+            break
+        trial = np.minimum(x[todo] * factor[todo], ceiling)
+        e, a = evaluate(trial, todo)
+        ok = record(trial, todo, e, a)
+        unsafe[todo[~ok]], e_unsafe[todo[~ok]] = trial[~ok], e[~ok]
+        factor[todo] = factor[todo] ** 2
+        todo = todo[ok & (trial < ceiling)]
+    bracketed = np.flatnonzero(~np.isnan(unsafe))
+    if bracketed.size:
+        def step(lx, which, _):
+            xs = np.exp(lx)
+            e, a = evaluate(xs, bracketed[which])
+            return np.log(np.maximum(e, 1e-300)) - np.log(goal[bracketed[which]]), record(xs, bracketed[which], e, a)
+
+        def active(which, b):
+            k = bracketed[which]
+            return (eps[k] < goal[k] * (1 - rtol)) & (np.abs(b.other[which] - b.kept[which]) > 1e-12)
+
+        b = bracketed
+        illinois(step, np.log(x[b]), np.log(unsafe[b]), np.log(np.maximum(eps[b], 1e-300)) - np.log(goal[b]),
+                 np.log(e_unsafe[b]) - np.log(goal[b]), active, 60)
+    if free == "rate":
+        q = x
+    else:
+        z = 1.0 / x
+    return q, z, eps, alpha
+
+
 def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
     """Push each point's free parameter to its budget at the point's own optimal order.
 
@@ -216,7 +274,7 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
                 q[todo] = new
             else:
                 z[todo] = new
-        return q, z, eps, alpha
+        return _unstall(free, q, z, steps, delta, orders, eps, alpha, goal)
     n = orders.shape[0]
     lo, hi = orders[np.maximum(idx - 1, 0)], orders[np.minimum(idx + 1, n - 1)]
     eps, alpha = optimal_orders(q, z, steps, delta, orders[idx], lo, hi)
@@ -241,4 +299,17 @@ def polish(free, q, z, steps, delta, orders, idx, targets, rounds=6, pilots=64):
         better = e2 < eps[a]
         eps[a[better]], alpha[a[better]] = e2[better], a2[better]
         active = a[(np.abs(new / old - 1.0) > _PARAM_RTOL) & better & (eps[a] < goal[a] * (1 - 1e-6))]
+    return _unstall(free, q, z, steps, delta, orders, eps, alpha, goal)
+
+
+def _unstall(free, q, z, steps, delta, orders, eps, alpha, goal):
+    """Points still short of their goal after a fixed-order root (stalled at a cliff): finish them
+    with the order-minimized root. Updates and returns (q, z, eps, alpha)."""
+    stalled = np.flatnonzero((eps < goal * (1 - _STALL_RTOL)) & (q > 0.0)
+                             & ((q < 1.0) if free == "rate" else (z > _grid.Z_FLOOR)))
+    if stalled.size:
+        s = stalled
+        ceiling = 1.0 if free == "rate" else 1.0 / _grid.Z_FLOOR
+        q[s], z[s], eps[s], alpha[s] = _order_minimized_root(free, q[s], z[s], steps, delta, alpha[s], eps[s], goal[s],
+                                                             ceiling, orders[0], orders[-1])
     return q, z, eps, alpha

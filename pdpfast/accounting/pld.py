@@ -250,7 +250,8 @@ def pld_noise_multiplier_from(target_epsilon, delta, sample_rate, steps, start):
         start: z > 0 expected to meet the budget (raised by 5% steps until it does).
     Returns:
         (z, ε), floats: the smallest z found with PLD ε(q, z, T) ≤ target_epsilon·(1 − margin)
-        (within 0.02% in ε) and that ε; always an evaluated point.
+        (within 0.02% in ε) and that ε; always an evaluated point. The search stops at z = 0.05
+        (``_grid.Z_FLOOR``, RDP calibration's floor too) unless ``start`` is already below it.
     Raises:
         TypeError for an argument that is not a number; ValueError for one out of range.
     """
@@ -259,14 +260,21 @@ def pld_noise_multiplier_from(target_epsilon, delta, sample_rate, steps, start):
     start = check_positive("start", start)
     f = lambda z: _pld_epsilon_checked(sample_rate, float(z), steps, delta, VALUE_DISCRETIZATION)   # noqa: E731
     goal = target_epsilon * (1 - _grid.MARGIN)
+    floor = _grid.Z_FLOOR            # as RDP calibration: below it a PLD is costly (14 s at z = 0.015)
+    if delta >= -math.expm1(steps * math.log1p(-sample_rate)) and start > floor and f(floor) <= goal:
+        # 1 − (1 − q)^T ≤ δ bounds the total variation distance of T subsampled steps, whatever z:
+        # ε is 0 for every noise multiplier, so the search would only walk down to the floor
+        return floor, f(floor)
     z_safe = start
     while f(z_safe) > goal:          # the RDP start is feasible unless rounding bites: step up
         z_safe *= 1.05
+    if z_safe <= floor:
+        return z_safe, f(z_safe)
     z_unsafe = z_safe
     while f(z_unsafe) <= goal:
-        z_unsafe *= 0.7
-        if z_unsafe < 1e-2:
-            return z_safe, f(z_safe)
+        if z_unsafe <= floor:        # even the floor meets the budget: stop there
+            return z_unsafe, f(z_unsafe)
+        z_unsafe = max(z_unsafe * 0.7, floor)
     w, e = _root(lambda w: f(1.0 / w), 1.0 / z_safe, 1.0 / z_unsafe, target_epsilon)
     return 1.0 / w, e
 

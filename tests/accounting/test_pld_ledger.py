@@ -2,7 +2,14 @@
 import numpy as np
 import pytest
 
-from pdpfast.accounting import IndividualAccountant, PLDIndividualAccountant, calibrate, ledger_for_plan, pld
+from pdpfast.accounting import (
+    IndividualAccountant,
+    PLDIndividualAccountant,
+    PrivacyPlan,
+    calibrate,
+    ledger_for_plan,
+    pld,
+)
 
 DELTA = 1e-5
 
@@ -129,3 +136,16 @@ def test_what_the_pld_ledger_cannot_do_is_refused_clearly():
         PLDIndividualAccountant([1.5], 1.0)
     with pytest.raises(ValueError, match="n must"):
         ledger.step(0)
+
+
+def test_pld_noise_search_stops_at_the_floor_when_delta_covers_every_noise_multiplier():
+    # δ = 2e-4 ≥ 1 − (1 − q)^T = 1.22e-4: ε is 0 whatever z, and the search used to walk down to
+    # z = 0.01 (78 s of PLDs); it now stops at the calibration floor z = 0.05
+    z, eps = pld.pld_noise_multiplier_from(0.1286, 2e-4, 1.22e-4, 1, start=3.0)
+    assert (z, eps) == (0.05, 0.0)
+    plan = calibrate(np.array([0.1286] * 22 + [3.713] * 4), delta=2e-4, steps=1, sample_rate=1.22e-4,
+                     method="scale", accountant="pld")
+    np.testing.assert_array_equal(plan.group_noise_multipliers, [0.05, 0.05])
+    assert np.all(plan.epsilons() <= plan.budgets)
+    again = PrivacyPlan.from_json(plan.to_json())          # accounted again from σ, q, c, steps
+    np.testing.assert_array_equal(again.epsilons(), plan.epsilons())

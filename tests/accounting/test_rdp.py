@@ -8,7 +8,7 @@ from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDp
 from dp_accounting.rdp import RdpAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 
-from pdpfast.accounting import DEFAULT_ORDERS, _grid, compute_rdp, get_privacy_spent
+from pdpfast.accounting import DEFAULT_ORDERS, _grid, compute_rdp, get_noise_multiplier, get_privacy_spent
 from pdpfast.accounting.rdp import OPACUS_ORDERS
 
 # Opacus evaluates log Σ_k terms directly, so its own rounding error is ~1e-16 absolute per step in
@@ -188,3 +188,11 @@ def test_windowed_orders_find_the_all_orders_optimum():
         eps_full, idx_full = _grid.eps_masked(q, np.array([z]), steps, 1e-5, orders)
         np.testing.assert_array_equal(eps_curve, eps_full)
         np.testing.assert_array_equal(idx_curve, idx_full)
+
+
+@pytest.mark.parametrize("budget, delta", [(0.005, 1e-5), (1.0, 1e-300)])
+def test_a_budget_only_larger_orders_can_meet_is_refused_with_a_suggestion_to_pass_them(budget, delta):
+    with pytest.raises(ValueError, match=r"largest RDP order, 512, is what limits it.*pass orders= with larger orders"):
+        get_noise_multiplier(budget, delta, sample_rate=0.01, steps=1000)
+    wide = list(DEFAULT_ORDERS) + [1024, 2048, 4096]
+    assert get_noise_multiplier(budget, delta, sample_rate=0.01, steps=1000, orders=wide) < 1e6

@@ -35,6 +35,7 @@ from .problem import (
 __all__ = ["sample", "scale", "hybrid"]
 
 _WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
+_FALLBACK_SPENT = 0.998  # a σ whose mean rate the search could not close in on, if every budget spends this
 _GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
 
 
@@ -209,7 +210,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
     sigma = solve(correction, aim, upper)
-    spread_error = None
+    spread_error, fallback = None, None
     for _ in range(120):
         try:
             rates, eps, idx, alpha = _rates_at(problem, sigma, own_orders)
@@ -223,6 +224,15 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             continue
         mean = problem.mean(rates)
         capped = rates >= 1.0
+        if own_orders and q <= mean <= q * (1.0 + MEAN_SLACK) and not np.all(capped):
+            # a fallback should the search not close in: where ε(q) is nearly flat (small q and ε, at
+            # the order cliff) the rates jump with σ by more than the slack left, so no σ may give a
+            # mean within it; the cut of the least wasteful such σ still certifies every budget
+            trial = renormalize_capped(rates, problem.counts, q)
+            eps_t = _certify_rates(problem, sigma, trial, alpha)
+            spent = float(np.min((eps_t / problem.values)[~capped]))
+            if fallback is None or spent > fallback[0]:
+                fallback = (spent, (sigma, trial, eps_t, idx, alpha))
         if float(problem.counts[capped].sum()) >= problem.n * q * (1 - 1e-9):
             # Records at rate 1 alone fill the mean: the root lies below the σ at which the
             # smallest of their budgets stops fitting at q = 1 (there its rate leaves 1).
@@ -254,6 +264,8 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
                 sigma = float(np.sqrt(below * above))
             else:
                 sigma = below * 1.01 if mean < q else above / 1.01
+    if fallback is not None and fallback[0] >= _FALLBACK_SPENT:
+        return fallback[1]
     if spread_error is not None:
         raise spread_error
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
