@@ -904,8 +904,8 @@ class PrivacyEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict()`` returned; everything privacy-related is checked first
-        (``check_state``), so a refused checkpoint leaves the engine as it was. A draw left part-way
-        is dropped: the loader goes on at the checkpoint's next draw.
+        (``check_state``), so a refused checkpoint leaves the engine as it was. The loader then draws
+        next at the checkpoint's next draw, from its seed.
 
         Args:
             state: a dict from ``state_dict()``.
