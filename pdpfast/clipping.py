@@ -504,6 +504,7 @@ class ClippingState:
         # s < 0 would flip every weight's sign and lift its clip: min(s, c/‖g‖) is then s, unbounded
         self.loss_scale = check_nonnegative("loss_scale", loss_scale)
         self._uses: dict[int, int] = {}  # id(parameter) → calls in this batch's forward
+        self._partial_calls: dict[int, int] = {}  # clipping group → its partial_forward calls in this forward
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
             self.pending = False
@@ -586,6 +587,10 @@ class ClippingState:
         trainable = [params[n] for n in used]
         for p in trainable:
             self._uses[id(p)] = self._uses.get(id(p), 0) + 1
+        # calls on different parameters of one group (a recurrent layer's projections) use none of them
+        # twice, yet per-layer clipping must clip the group's sum over the calls, not each call alone
+        group = self._layer[module].group
+        self._partial_calls[group] = self._partial_calls.get(group, 0) + 1
         out = compute(x, {n: (params[n].detach() if params.get(n) is not None else None) for n in names})
         return record_call(out, x, (self._layer[module], used), trainable)
 
@@ -859,13 +864,15 @@ class ClippingState:
 
     def _reused_groups(self) -> frozenset:
         """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
-        layers or calls, or one broadcast host's parameters in separate calls): found once per
-        backward, when the forward's use counts are complete."""
+        layers or calls, one broadcast host's parameters in separate calls, or several partial calls
+        of one layer, as a recurrent layer's): found once per backward, when the forward's use counts
+        are complete."""
         reused = self._reused
         if reused is None:
             group = self._param_group
+            partial = (k for k, calls in self._partial_calls.items() if calls > 1)
             reused = self._reused = self._multi_call_groups.union(
-                group[pid] for pid, count in self._uses.items() if count > 1 and pid in group)
+                partial, (group[pid] for pid, count in self._uses.items() if count > 1 and pid in group))
         return reused
 
     def _ghost_norms_backward(self, layer: _Layer, names: tuple, x, o) -> None:

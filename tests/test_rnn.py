@@ -74,6 +74,23 @@ def test_recurrent_layer_matches_oracle(kind, layers, bidirectional, bias, with_
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("steps,frozen", [(1, False), (3, True)], ids=["T1", "recurrent-frozen"])
+def test_calls_of_one_recurrent_layer_are_clipped_together_when_none_repeats(kind, steps, frozen, style, oracle):
+    """A recurrent layer is one clipping group whose projections are separate calls. With one time
+    step, or frozen recurrent weights, no parameter is used twice, yet per-layer clipping must clip
+    the group's sum over the calls (clipped one by one, a record contributed up to √calls · c_i)."""
+    reference, model, inputs = case(kind, 2, True, True, True)
+    inputs = (inputs[0][:, :steps].contiguous(), inputs[1])
+    for net in (reference, model):
+        for name, p in net.rnn.named_parameters():
+            p.requires_grad_(not (frozen and "_hh_" in name))
+    reference, model = StateFirst(reference), StateFirst(model)
+    result, _ = oracle.check(model, ce_loss, inputs, (torch.randint(0, 3, (B,)),), reference=reference,
+                             method="loop", **style)
+    assert ("inner.rnn.weight_hh_l0" in result.grads) is not frozen
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_one_sample_and_no_sample(kind, style, oracle):
     """B = 1 against the oracle (two bidirectional layers from an initial state), and B = 0."""
     reference, model, inputs = case(kind, 2, True, True, True)
