@@ -35,6 +35,7 @@ host synchronisation, and clip bounds move to the device once per batch.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
@@ -190,6 +191,22 @@ def _shares_memory(t: torch.Tensor, x, o) -> bool:
 
 def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def _without_autocast(finish) -> None:
+    """Run an end-of-backward callback with autocast off (a backward may run inside autocast): the
+    norms, clip weights and clipped sums it computes keep the dtypes the rules chose."""
+    on = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+    if not on:
+        finish()
+        return
+    with contextlib.ExitStack() as stack:
+        for device in on:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        finish()
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 class _Layer:
@@ -718,6 +735,13 @@ class ClippingState:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != o.dtype:
             # autocast ran the layer in o's dtype on a cast of x: per-sample math sees what it saw
             x = x.to(o.dtype)
+        device = o.device.type
+        if torch.is_autocast_enabled(device):
+            # a backward run inside autocast would run the norms' products in its low dtype: the
+            # rules choose their own (fp32 accumulation), and the rounding bounds assume them
+            with torch.autocast(device, enabled=False):
+                self._layer_backward(layer, names, x, o)
+            return
         self._layer_backward(layer, names, x, o)
 
     def _refuse_without_batch(self, layer, names, x, o) -> None:
@@ -913,7 +937,7 @@ class ClippingState:
     def _queue_finish(self, finish) -> None:
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(finish)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_without_autocast, finish))
 
     # ------------------------------------------------------------------ weights
 

@@ -273,3 +273,29 @@ def test_layers_rounding_bounds_combine_in_quadrature_after_summing_each_layers_
     # one layer: its own ρ (its partial sums summed; a single column is a view)
     torch.testing.assert_close(clipping._in_quadrature(parts[:1]), parts[0].sum(1))
     assert clipping._in_quadrature(parts[2:3])._base is parts[2]
+
+
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+def test_backward_inside_autocast_keeps_a_cancelling_record_within_bound(style, monkeypatch):
+    """``loss.backward()`` inside ``torch.autocast``: the norms' products must not run in bf16. A
+    record reading one input at two positions with output gradients o and -(1 - 2⁻⁵)·o has a small
+    true norm; rounded to bf16, its Gram entries cancel to 0 and the record kept 4× its bound."""
+    import pdpfast.ops.linear
+
+    monkeypatch.setattr(pdpfast.ops.linear, "MATERIALIZE_MIN_ELEMENTS", 0)   # Gram norms at this size
+    d, p = 16, 16
+    model = pdpfast.nn.convert(nn.Linear(d, p, bias=False))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        a = torch.randn(1, 1, d, generator=g).to(torch.bfloat16).float()
+        o = torch.randn(1, 1, p, generator=g).to(torch.bfloat16).float()
+        coef = torch.cat([o, -(1 - 2.0 ** -5) * o], 1).to(torch.bfloat16).float()
+        x = torch.cat([a, a], 1)
+        true = float((coef[0].double().T @ x[0].to(torch.bfloat16).double()).norm())
+        c = 0.1 * true
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result = clipped_gradients(model, lambda out: (out.float() * coef).sum((1, 2)), x,
+                                       clip_norms=torch.tensor([c]), **style)
+        contribution = torch.sqrt(sum(grad.double().pow(2).sum() for grad in result.grads.values()))
+        assert float(contribution) <= c * (1 + 1e-6)
+        assert result.norms.dtype == torch.float32
