@@ -158,3 +158,27 @@ def test_a_dp_attention_built_directly_needs_convert_for_its_out_proj_and_then_e
     assert isinstance(model.attn.out_proj, pdpfast.nn.DPLinear)
     inputs, targets = (torch.randn(B, T, E, dtype=torch.float64),), (torch.randint(0, 3, (B,)),)
     oracle.check(model, ce_loss, inputs, targets, reference=reference, method="loop")
+
+
+def test_is_causal_without_attn_mask_is_refused_so_training_and_evaluation_compute_one_function():
+    """torch reads ``is_causal`` only as a hint about ``attn_mask``: it refuses the hint alone in training,
+    and its forward in eval / under no_grad ignores it and attends everywhere. A private forward that
+    made its own causal mask would train another function than the one evaluated; it refuses instead,
+    and with the causal mask passed it computes what the evaluated model computes."""
+    torch.manual_seed(3)
+    mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
+    refused = pdpfast.nn.convert(SelfAttention(masks=dict(is_causal=True, need_weights=False)).double())
+    masked = pdpfast.nn.convert(SelfAttention(masks=dict(is_causal=True, attn_mask=mask, need_weights=False)).double())
+    masked.load_state_dict(refused.state_dict())
+    x, labels = torch.randn(B, T, E, dtype=torch.float64), torch.randint(0, 3, (B,))
+    with pytest.raises(ValueError, match=r"is_causal=True needs attn_mask .*generate_square_subsequent_mask"):
+        pdpfast.functional.clipped_gradients(refused, lambda out: ce_loss(out, labels), x, clip_norms=torch.ones(B))
+    seen = []
+
+    def capture(out):
+        seen.append(out.detach())
+        return ce_loss(out, labels)
+
+    pdpfast.functional.clipped_gradients(masked, capture, x, clip_norms=torch.ones(B))
+    with torch.no_grad():
+        torch.testing.assert_close(seen[0], masked.eval()(x), rtol=1e-12, atol=1e-12)

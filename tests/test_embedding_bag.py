@@ -135,3 +135,51 @@ def test_two_dimensional_bags_clip_without_a_host_synchronisation():
         ce_loss(model(ids), labels).mean().backward()
     assert model.bag.weight.grad is not None and torch.isfinite(model.bag.weight.grad).all()
     state.detach()
+
+
+def private_forward(model, ids, offsets, batch):
+    """``model.bag(ids, offsets)`` in a private batch of ``batch`` samples (the 1-D form, driven by hand)."""
+    state = pdpfast.clipping.ClippingState(model)
+    with state.attached():
+        state.begin_batch(torch.ones(batch, dtype=model.bag.weight.dtype))
+        return model.bag(ids, offsets)
+
+
+@pytest.mark.parametrize("include_last_offset,offsets,message", [
+    (False, torch.tensor([2, 4]), r"offsets must start at 0 .*got offsets\[0\] = 2"),
+    (True, torch.tensor([2, 4, 6]), r"offsets must start at 0 .*got offsets\[0\] = 2"),
+    (False, torch.tensor([0, 4, 2]), r"offsets must be non-decreasing .*got a step of -2"),
+    (True, torch.tensor([0, 4, 2, 6]), r"offsets must be non-decreasing .*got a step of -2"),
+    (False, torch.tensor([0, 2, 9]), r"offsets must be at most len\(input\) = 6, got offsets\[-1\] = 9"),
+    (True, torch.tensor([0, 2, 7]), r"offsets must be at most len\(input\) = 6, got offsets\[-1\] = 7"),
+    (True, torch.tensor([0, 2, 4]), r"offsets must end with len\(input\) = 6 with include_last_offset=True"),
+    (True, torch.tensor([], dtype=torch.long), r"offsets must hold at least one value with include_last_offset"),
+    (False, torch.tensor([[0, 2]]), r"offsets must be a 1-D int64 or int32 tensor .*got a 2-D torch.int64"),
+    (False, torch.tensor([0.0, 2.0]), r"offsets must be a 1-D int64 or int32 tensor .*got a 1-D torch.float32"),
+    (False, [0, 2], r"offsets must be a 1-D int64 or int32 tensor .*got list"),
+])
+def test_offsets_that_do_not_name_bags_of_the_input_are_refused_by_name(include_last_offset, offsets, message):
+    """Offsets not starting at 0 used to give other bags than they name, silently; decreasing ones an
+    unclear error from inside the layout. torch refuses the first (and reads a smaller last offset with
+    include_last_offset differently in float32 and float64): the private forward refuses all of them."""
+    model = pdpfast.nn.convert(Bags(mode="sum", include_last_offset=include_last_offset).double())
+    batch = len(offsets) - int(include_last_offset)
+    with pytest.raises(ValueError, match=message):
+        private_forward(model, torch.arange(1, 7), offsets, max(batch, 0))
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True])
+@pytest.mark.parametrize("lengths", [[0, 3, 0], [0, 0]], ids=["empty-first-and-last", "all-empty"])
+def test_private_forward_equals_torch_for_offsets_with_empty_bags(lengths, include_last_offset):
+    """Empty bags anywhere, every bag empty (a (B, 1) layout of weight 0) and int32 offsets: the
+    private forward gives the bags torch's own forward gives."""
+    torch.manual_seed(4)
+    model = pdpfast.nn.convert(Bags(mode="mean", include_last_offset=include_last_offset).double())
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    ids = torch.randint(0, V, (int(lengths.sum()),))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0, dtype=torch.int32)])
+    offsets = offsets if include_last_offset else offsets[:-1]
+    private = private_forward(model, ids, offsets, len(lengths)).detach()
+    with torch.no_grad():
+        expected = model.eval().bag(ids, offsets)
+    torch.testing.assert_close(private, expected, rtol=1e-12, atol=1e-12)

@@ -215,7 +215,10 @@ CASES: dict[type | str, dict[str, tuple[Callable[[], nn.Module], Callable[[], tu
             probe(self_attention, layer=attention(bias=False)),
             lambda: (torch.randn(B, 5, 8), None, torch.randn(B * 2, 5, 5))),
         "self-is-causal-no-weights": (
-            probe(lambda m, x: self_attention(m, x, is_causal=True, need_weights=False), layer=attention()),
+            probe(lambda m, x: self_attention(m, x, is_causal=True, need_weights=False,
+                                              attn_mask=nn.Transformer.generate_square_subsequent_mask(
+                                                  x.shape[1], device=x.device)),
+                  layer=attention()),
             randn(B, 5, 8)),
         "self-per-head-weights": (
             probe(lambda m, x: self_attention(m, x, average_attn_weights=False), layer=attention()),

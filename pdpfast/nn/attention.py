@@ -13,7 +13,8 @@ names, and computes the same function in the open during a private forward:
 * attention itself (masks, dropout, head averaging of the returned weights) has no parameters.
 
 Supported: ``key_padding_mask`` and ``attn_mask`` (bool or float),
-``is_causal``, ``need_weights`` / ``average_attn_weights``, dropout. Refused by ``convert`` (with the
+``is_causal`` as torch's hint that ``attn_mask`` is causal (so with an ``attn_mask``, as torch
+requires), ``need_weights`` / ``average_attn_weights``, dropout. Refused by ``convert`` (with the
 reason): ``add_bias_kv``, ``add_zero_attn`` and key/value dims other than ``embed_dim``; and, like
 every module laid out (T, B, ...), ``batch_first=False`` is refused by the engine (a model that
 passes (T, B, E) tensors between its layers would make every DP layer clip per position).
@@ -90,14 +91,17 @@ class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
             need_weights: whether to return the attention weights.
             attn_mask: None, or (T, S) or (B·H, T, S): bool (True = not allowed) or float (added).
             average_attn_weights: average the returned weights over the heads.
-            is_causal: in a private batch without ``attn_mask``, mask key position j > t for query t
-                (torch's own forward takes it as a hint that ``attn_mask`` is causal and needs the mask).
+            is_causal: a hint that ``attn_mask`` is causal, as in torch: it needs ``attn_mask``, which
+                alone decides the masking.
         Returns:
             (output (B, T, E), weights): weights (B, T, S) averaged over heads, (B, H, T, S) with
             ``average_attn_weights=False``, or None without ``need_weights``; after dropout, as torch
             returns them.
         Raises:
-            ValueError in a private batch for inputs that are not batched (3-D).
+            ValueError in a private batch for inputs that are not batched (3-D), or for ``is_causal=True``
+            without ``attn_mask`` (torch refuses it in training, and its forward outside a private batch,
+            in eval or under no_grad, ignores the hint and attends to every position: a mask made here
+            would train another function than the one evaluated).
         """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
@@ -106,6 +110,10 @@ class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
                                                  average_attn_weights=average_attn_weights, is_causal=is_causal)
         if query.dim() != 3:
             raise ValueError("DPMultiheadAttention needs batched (3-D) inputs in a private batch")
+        if is_causal and attn_mask is None:
+            raise ValueError("is_causal=True needs attn_mask (torch reads is_causal only as a hint that attn_mask "
+                             "is causal); pass a causal attn_mask, e.g. "
+                             "torch.nn.Transformer.generate_square_subsequent_mask(T), is_causal=True staying its hint")
         E = self.embed_dim
         project = lambda x: state.forward(self, x)  # noqa: E731
         if query is key and key is value:
@@ -115,19 +123,17 @@ class DPMultiheadAttention(DPModule, nn.MultiheadAttention):
             k, v = project(key)[..., E:].split(E, dim=-1)
         else:
             q, k, v = project(query)[..., :E], project(key)[..., E:2 * E], project(value)[..., 2 * E:]
-        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, is_causal, need_weights)
+        out, weights = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights)
         out = self.out_proj(out)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         return out, weights
 
-    def _attend(self, q, k, v, key_padding_mask, attn_mask, is_causal, need_weights):
+    def _attend(self, q, k, v, key_padding_mask, attn_mask, need_weights):
         B, T, E = q.shape
         S, H = k.shape[1], self.num_heads
         d = E // H
         q, k, v = (t.reshape(B, t.shape[1], H, d).transpose(1, 2) for t in (q, k, v))  # (B, H, ·, d)
-        if attn_mask is None and is_causal:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1)
         bias = _additive(attn_mask, q.dtype)
         if bias is not None and bias.dim() == 3:  # (B·H, T, S)
             bias = bias.view(B, H, T, S)

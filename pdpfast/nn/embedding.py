@@ -109,8 +109,9 @@ class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
             (B, d) in the weight's dtype.
         Raises:
             ValueError in a private batch: ``per_sample_weights`` with mode "mean", ``offsets`` with 2-D
-            input, 1-D input without ``offsets``, or input of another rank (outside one, ``nn.EmbeddingBag``
-            checks its own arguments).
+            input, 1-D input without ``offsets``, ``offsets`` that are not a 1-D integer tensor starting at
+            0, non-decreasing and at most len(input) (with ``include_last_offset``, at least one value), or
+            input of another rank (outside one, ``nn.EmbeddingBag`` checks its own arguments).
         """
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
@@ -119,7 +120,7 @@ class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
 
     def _bags(self, ids, offsets, per_sample_weights):
         """(ids (B, L), weights (B, L)) for any input form (1-D input costs one host sync: the
-        longest bag)."""
+        longest bag, read with the checks of ``offsets``)."""
         if per_sample_weights is not None and self.mode != "sum":
             raise ValueError(f"per_sample_weights are only supported for mode='sum', not mode={self.mode!r}")
         if ids.dim() == 2:
@@ -130,10 +131,8 @@ class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
         elif ids.dim() == 1:
             if offsets is None:
                 raise ValueError("1-D input needs offsets (one bag per sample)")
-            starts = offsets[:-1] if self.include_last_offset else offsets
-            end = offsets[-1:] if self.include_last_offset else offsets.new_tensor([ids.numel()])
-            lengths = torch.cat([starts[1:], end]) - starts
-            B, L = starts.numel(), int(lengths.max()) if starts.numel() else 0
+            starts, lengths, L = self._checked_bag_lengths(ids, offsets)
+            B = starts.numel()
             row = torch.repeat_interleave(torch.arange(B, device=ids.device), lengths)
             col = torch.arange(row.numel(), device=ids.device) - starts[row]
             padded = ids.new_zeros(B, L)
@@ -155,6 +154,57 @@ class DPEmbeddingBag(DPModule, nn.EmbeddingBag):
         if self.mode == "mean":
             w = w / valid.sum(1, keepdim=True).clamp_min(1).to(dtype)
         return ids, w
+
+    def _checked_bag_lengths(self, ids, offsets):
+        """Each bag's start and length from 1-D ``offsets``, checked against ``nn.EmbeddingBag``'s layout.
+
+        Unchecked, offsets not starting at 0 would silently give other bags than they name (the layout
+        below reads bag i as ids[starts[i]:starts[i + 1]] and the first bag from ids[0]), and decreasing
+        ones would fail inside ``repeat_interleave``. The values checked are read in the same host read
+        as the longest bag, which the (B, L) layout needs anyway: the checks add no synchronisation.
+
+        Args:
+            ids: (N,) the ids of all bags concatenated.
+            offsets: (B,) start of each bag in ``ids``, or (B + 1,) with ``include_last_offset``, the
+                last value being len(ids) (torch's CSR layout; torch's own kernels disagree on ids past
+                a smaller last value, float32 dropping them and float64 adding them to the last bag, so
+                no reading of them would match torch's forward outside a private batch).
+        Returns:
+            (starts (B,), lengths (B,), L): L the longest bag's length, at least 1 so that bags that
+            are all empty still get a (B, 1) layout (weight 0) that ``F.embedding_bag`` accepts.
+        Raises:
+            ValueError: ``offsets`` not a 1-D int64/int32 tensor, empty with ``include_last_offset``,
+                not starting at 0, with a value past len(input), decreasing, or with
+                ``include_last_offset`` a last value other than len(input).
+        """
+        is_tensor = isinstance(offsets, torch.Tensor)
+        if not is_tensor or offsets.dim() != 1 or offsets.dtype not in (torch.int64, torch.int32):
+            got = f"a {offsets.dim()}-D {offsets.dtype} tensor" if is_tensor else type(offsets).__name__
+            raise ValueError(f"offsets must be a 1-D int64 or int32 tensor (the start of each bag in input), got {got}")
+        if self.include_last_offset and offsets.numel() == 0:
+            raise ValueError("offsets must hold at least one value with include_last_offset=True "
+                             "(its last value ends the last bag), got an empty tensor")
+        starts = offsets[:-1] if self.include_last_offset else offsets
+        if offsets.numel() == 0:
+            return starts, starts, 1
+        end = offsets[-1:] if self.include_last_offset else offsets.new_tensor([ids.numel()])
+        lengths = torch.cat([starts[1:], end]) - starts
+        steps = offsets[1:] - offsets[:-1]
+        zero = offsets.new_zeros(())
+        first, last, smallest_step, longest = torch.stack([
+            offsets[0], offsets[-1], steps.min() if steps.numel() else zero,
+            lengths.max() if lengths.numel() else zero]).tolist()  # the one host read
+        if first != 0:
+            raise ValueError(f"offsets must start at 0 (the first bag starts at input[0]), got offsets[0] = {first}")
+        if last > ids.numel():
+            raise ValueError(f"offsets must be at most len(input) = {ids.numel()}, got offsets[-1] = {last}")
+        if smallest_step < 0:
+            raise ValueError("offsets must be non-decreasing (bag i is input[offsets[i]:offsets[i + 1]]), "
+                             f"got a step of {smallest_step}")
+        if self.include_last_offset and last != ids.numel():
+            raise ValueError(f"offsets must end with len(input) = {ids.numel()} with include_last_offset=True "
+                             f"(the end of the last bag), got offsets[-1] = {last}")
+        return starts, lengths, max(longest, 1)
 
     def _compute(self, x, p):
         ids, w = x
