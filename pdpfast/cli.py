@@ -201,7 +201,8 @@ def _train(args) -> int:
 
     fields = TrainConfig.__dataclass_fields__
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and k != "log"})
-    run(cfg)        # checks every output path before it loads the data
+    with _warnings_as_lines(args):
+        run(cfg)    # checks every output path before it loads the data
     return 0
 
 
@@ -477,8 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out fraction for evaluation (default 0.2; 0 = none)")
     g = train.add_argument_group("budgets")
     g.add_argument("--budget-column", help="CSV / HF column with each record's ε")
-    g.add_argument("--budgets", help="budgets file: .npy, .npz (key budgets or its only array), .csv (one column), "
-                                     ".txt (one per line)")
+    g.add_argument("--budgets", help="budgets file: .npy, .npz (one array), .csv (one column), .txt (one per line); "
+                                     "one per record in order: the data's rows, an --hf-dataset split's row order, "
+                                     "an image folder's classes sorted by name, then its images sorted by path")
     g.add_argument("--epsilon", type=float, help="the same ε for every record")
     g.add_argument("--delta", type=float, default=d.delta)
     g = train.add_argument_group("model and method")

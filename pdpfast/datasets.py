@@ -17,6 +17,7 @@ import csv
 import math
 import os
 import re
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass, field, replace
@@ -155,11 +156,33 @@ class TrainData:
 
 # ---------------------------------------------------------------------------------------------- budgets
 # check_budgets (re-exported here, where users import it from) lives in pdpfast._checks
-def _number(text: str, what: str) -> float:
+# a plain decimal number as people write one: Python's float() also reads '1_0' as 10 and other
+# scripts' digits ('١'), which in data are typos rather than numbers (re.ASCII: \d is 0-9 only)
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|nan|inf|infinity)", re.ASCII | re.IGNORECASE)
+
+
+def _plain_float(text: str) -> float | None:
+    """The number ``text`` writes in plain decimal (surrounding blanks allowed), or None."""
+    text = text.strip()
+    return float(text) if _PLAIN_NUMBER.fullmatch(text) else None
+
+
+def _python_reads_as_number(text: str) -> bool:
     try:
-        return float(text)
+        float(text)
+        return True
     except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a number") from None
+        return False
+
+
+def _number(text: str, what: str) -> float:
+    value = _plain_float(text)
+    if value is None:
+        if _python_reads_as_number(text):
+            raise ValueError(f"{what}: {text!r} is not a plain decimal number (digits 0-9, '.', an exponent; "
+                             "no '_' separators): write it as one")
+        raise ValueError(f"{what}: {text!r} is not a number")
+    return value
 
 
 def read_budgets(path, *, column: str | None = None, n: int | None = None,
@@ -167,7 +190,7 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
     """Per-record budgets from a file.
 
     Args:
-        path: .npy (1-D array), .npz (key ``budgets`` or its only array), .csv (``column``, or the
+        path: .npy (1-D array), .npz (its only array, or ``column``), .csv (``column``, or the
             only column; a header row is detected) or .txt (one number per line).
         column: the CSV column (or .npz array); only those two formats have columns. n: the number of
             records they must match (None: any).
@@ -177,7 +200,8 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
         (N,) float64 ε_i, each finite and > 0.
     Raises:
         FileNotFoundError for a missing path; ValueError for a file that cannot be read (not UTF-8 text,
-        damaged or pickled NumPy data), a ``column`` beside a .npy / .txt file, a blank line before the
+        damaged or pickled NumPy data), a ``column`` beside a .npy / .txt file, an .npz of several arrays
+        without a ``column`` naming one, a number not in plain decimal ('1_0'), a blank line before the
         last value (a missing budget: dropping it would shift every later record's budget), or budgets
         ``check_budgets`` refuses.
     """
@@ -194,10 +218,13 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
             values = _np_load(path, "budgets file")
         elif ext == ".npz":
             with _np_load(path, "budgets file", archive=True) as z:
-                key = column or ("budgets" if "budgets" in z.files else (z.files[0] if len(z.files) == 1 else None))
+                # without a named column the .npz must hold one array: beside 'budgets', another one
+                # (say 'budgets_v2') could be the real budgets, so it is refused rather than skipped
+                key = column or (z.files[0] if len(z.files) == 1 else None)
                 if key not in z.files:
                     raise ValueError(f"budgets file {path!r} has arrays {z.files}; " + (
-                        f"name one with {column_option}" if column_option else "give one named 'budgets'"))
+                        f"name one with {column_option}" if column_option else
+                        "a budgets .npz must hold one array (the budgets), nothing else"))
                 values = _np_array(z, key, path, "budgets file")
         elif ext == ".csv":
             values = _csv_column(path, column, column_option)
@@ -289,16 +316,17 @@ def _read_csv(path: str, *, blank_is_missing: bool = False):
         if len(r) != width:
             raise ValueError(f"{path} row {i + 1} has {len(r)} fields, the first row has {width}")
 
-    def numeric(s):
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if all(numeric(c) for c in rows[0]):
+    # lenient on purpose: a first row '1_0' is data (then refused as not plain), not a header
+    if all(_python_reads_as_number(c) for c in rows[0]):
         return None, rows
     header = [c.strip() for c in rows[0]]
+    unnamed = next((j for j, h in enumerate(header) if not h), None)
+    if unnamed is not None:
+        # pandas' DataFrame.to_csv writes the row index as a first column with no name: read as a
+        # feature, the model would train on the row number
+        raise ValueError(f"{path}: column {unnamed + 1} of the header has no name" + (
+            "; it looks like a pandas index column (DataFrame.to_csv writes one unless index=False): write the "
+            "file with index=False, or drop that column" if unnamed == 0 else "; give every column a name"))
     twice = sorted({h for h in header if header.count(h) > 1})
     if twice:
         # one name for two columns: the later one would silently shadow the earlier
@@ -403,37 +431,87 @@ def _tokenize(texts, tokenizer, max_length: int):
 
 
 def _labels(values, what: str):
-    """(labels (N,) int64, class names): integers keep their value when they are 0..K-1; other
-    integers and names are mapped to the index of their sorted distinct value. Numbers that are
-    not whole (a regression target) are refused."""
+    """(labels (N,) int64, class names) from N labels as read (numbers or names).
+
+    Integer labels are class indices as they are when they are ≥ 0 and the largest, M, is below twice
+    the number K of distinct labels (so at most half of the M + 1 classes have no record: 1-based
+    labels, a class absent from the data). Other integers (a negative one, or M ≥ 2K: say a stray
+    9999 among 0 and 1) are mapped to their rank among the sorted distinct values, with a warning
+    naming them, as names always are; ``class names`` holds each index's original label. Numbers that
+    are not whole (a regression target) are refused, as is a number Python reads but that is not
+    written in plain decimal ('1_0').
+    """
     values = [str(v).strip() for v in values]
+    if not values:
+        return torch.zeros(0, dtype=torch.int64), []     # TrainData then says "no records"
     if any(v == "" for v in values):
         raise ValueError(f"{what} has an empty label at record {values.index('')}")
-    try:
-        numbers = [float(v) for v in values]
-    except ValueError:
-        numbers = None
-    if numbers is not None:
-        fractional = next((v for v, x in zip(values, numbers) if not (math.isfinite(x) and x == round(x))), None)
-        if fractional is not None:
-            # numbers that are not whole are a regression target, not class names: as classes, N
-            # records would silently become up to N classes of one record each
-            raise ValueError(f"{what} are not class labels: {fractional!r} is not an integer "
-                             f"({len(set(numbers))} distinct values); pdpfast train classifies, it does not do "
-                             "regression: give integer or named classes (e.g. bin the target)")
-        ints = [int(x) for x in numbers]
-        if min(ints) >= 0 and max(ints) < 10_000:
-            k = max(ints) + 1
-            return torch.tensor(ints, dtype=torch.int64), [str(i) for i in range(k)]
-        names = sorted(set(ints))
+    numbers = [_plain_float(v) for v in values]
+    if None in numbers:
+        if all(_python_reads_as_number(v) for v in values):
+            odd = values[numbers.index(None)]
+            raise ValueError(f"{what}: {odd!r} is not a plain decimal number (digits 0-9, '.', an exponent; no '_' "
+                             "separators): write it as one")
+        names = sorted(set(values))
         index = {v: j for j, v in enumerate(names)}
-        return torch.tensor([index[i] for i in ints], dtype=torch.int64), [str(n) for n in names]
-    names = sorted(set(values))
-    index = {v: j for j, v in enumerate(names)}
-    return torch.tensor([index[v] for v in values], dtype=torch.int64), names
+        return torch.tensor([index[v] for v in values], dtype=torch.int64), names
+    fractional = next((v for v, x in zip(values, numbers) if not (math.isfinite(x) and x == round(x))), None)
+    if fractional is not None:
+        # numbers that are not whole are a regression target, not class names: as classes, N
+        # records would silently become up to N classes of one record each
+        raise ValueError(f"{what} are not class labels: {fractional!r} is not an integer "
+                         f"({len(set(numbers))} distinct values); pdpfast train classifies, it does not do "
+                         "regression: give integer or named classes (e.g. bin the target)")
+    ints = [int(x) for x in numbers]
+    distinct = sorted(set(ints))
+    if distinct[0] >= 0 and distinct[-1] < 2 * len(distinct):
+        return torch.tensor(ints, dtype=torch.int64), [str(i) for i in range(distinct[-1] + 1)]
+    # one rule for every size (no cliff at some largest label): a label far above the others would
+    # otherwise make as many outputs as its value, most of them classes without a record
+    largest = distinct[-1]
+    why = (f"negative labels are not class indices (the smallest is {distinct[0]})" if distinct[0] < 0 else
+           f"the largest, {largest}, would make {largest + 1} classes for {len(distinct)} distinct labels")
+    warnings.warn(f"{what}: integer labels {_columns(map(str, distinct))} are not class indices 0..K-1 ({why}); "
+                  f"they are mapped in sorted order to class indices 0..{len(distinct) - 1}. The largest label "
+                  f"{largest} is held by {ints.count(largest)} of {len(ints)} records: if a label is a typo, fix "
+                  "the data", stacklevel=3)
+    index = {v: j for j, v in enumerate(distinct)}
+    return torch.tensor([index[i] for i in ints], dtype=torch.int64), [str(v) for v in distinct]
 
 
 # ---------------------------------------------------------------------------------------------- loaders
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_features(matrix: np.ndarray, place, *, tokens: bool = False) -> None:
+    """ValueError naming the first feature that is NaN or ±inf, or (unless ``tokens``) beyond float32's
+    range: features are stored as float32, so 1e39 would silently become inf after the check.
+
+    Args:
+        matrix: (N, ...) numbers as read; place: index tuple → where that value is, for the message.
+    """
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad = ~np.isfinite(matrix)
+        if not tokens and matrix.dtype.kind == "f":
+            bad |= np.abs(matrix) > _FLOAT32_MAX
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = float(matrix[index])
+        why = ("features must be finite numbers" if not math.isfinite(value) or tokens else
+               f"features must be finite numbers within float32's range (|x| ≤ {_FLOAT32_MAX:.4g}): they are "
+               "stored as float32, where this would become inf")
+        raise ValueError(f"{place(index)}: {value:g} is not allowed; {why}")
+
+
+def _check_distinct_columns(source: str, **columns) -> None:
+    """ValueError when one column is named for two roles (label and budget: each record's class would
+    also be its ε)."""
+    named = [(role, col) for role, col in columns.items() if col is not None]
+    for a, (role_a, col_a) in enumerate(named):
+        for role_b, col_b in named[a + 1:]:
+            if col_a == col_b:
+                raise ValueError(f"{source}: the {role_a.replace('_', ' ')} and the {role_b.replace('_', ' ')} are "
+                                 f"the same column {col_a!r}; each role needs its own column")
 def load_csv(path, *, label_column: str | None, budget_column: str | None = None, text_column: str | None = None,
              tokens: bool = False, tokenizer=None, max_length: int = 64) -> TrainData:
     """A CSV file with a header row.
@@ -449,12 +527,15 @@ def load_csv(path, *, label_column: str | None, budget_column: str | None = None
         ids (N, T) int64; labels (N,) int64; budgets (N,) float64 or None.
     Raises:
         FileNotFoundError for a missing file; ValueError for a file that is not UTF-8 text, a header
-        naming a column twice, a missing column, a value that is not a number, ``max_length`` < 1.
+        naming a column twice or leaving one unnamed (pandas' index column), one column named for two
+        roles, a missing column, a value that is not a plain decimal number, a feature that is not finite
+        within float32's range, ``max_length`` < 1.
     """
     path = os.fspath(path)
     check_int("max_length", max_length, 1)
     check_flag("tokens", tokens)
     _check_file("data file", path)
+    _check_distinct_columns(path, label_column=label_column, budget_column=budget_column, text_column=text_column)
     header, rows = _read_csv(path)
     if header is None:
         raise ValueError(f"{path} needs a header row naming its columns")
@@ -491,8 +572,7 @@ def load_csv(path, *, label_column: str | None, budget_column: str | None = None
             if not v.strip():
                 raise ValueError(f"{path} row {i + 2}, column {h!r}: missing value")
             matrix[i, j] = _number(v, f"{path} row {i + 2}, column {h!r}")
-    if not np.isfinite(matrix).all():
-        raise ValueError(f"{path}: features must be finite (found NaN or inf)")
+    _check_features(matrix, lambda at: f"{path} row {at[0] + 2}, column {feature_names[at[1]]!r}", tokens=tokens)
     return _from_matrix(matrix, labels, names, budgets, tokens, path)
 
 
@@ -513,15 +593,17 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
     Args:
         path: .npy features (N, ...), or an .npz holding ``x`` (or ``features`` / ``X``), ``y`` (or
             ``labels``) and optionally ``budgets``, and nothing else. labels: a .npy of (N,) labels
-            for a .npy path.
+            (1-D: integers, whole reals or strings) for a .npy path.
         tokens: read integer token ids (N, T).
     Returns:
         ``TrainData`` ((N, C, H, W) arrays are images).
     Raises:
         FileNotFoundError for a missing file; ValueError for a file numpy cannot read (damaged, not
         NumPy data, arrays of Python objects), an .npz holding two names for one array (``x`` and
-        ``X``, ``y`` and ``labels``) or arrays that are not read, ``labels`` beside an .npz, features
-        that are not finite real numbers (complex ones too), or labels of another length.
+        ``X``, ``y`` and ``labels``) or arrays that are not read, ``labels`` beside an .npz, no records,
+        features that are not finite real numbers within float32's range (complex ones too), or labels
+        that are not 1-D (N,) (an (N, 1) column too); TypeError for labels of dtype bool, complex or
+        other than integers, reals and strings.
     """
     path = os.fspath(path)
     check_flag("tokens", tokens)
@@ -544,20 +626,35 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
         y = _np_load(os.fspath(labels), "labels file")
     if x.ndim < 2:
         raise ValueError(f"{path}: features must be (N, ...) with N records, got shape {x.shape}")
+    if x.shape[0] == 0:
+        raise ValueError(f"{path}: no records")
     if x.dtype.kind not in "iuf":           # complex ones would lose their imaginary part
         raise ValueError(f"{path}: features must be finite real numbers, got dtype {x.dtype}")
-    if not np.isfinite(x).all():
-        raise ValueError(f"{path}: features must be finite numbers")
+    _check_features(x, lambda at: f"{path} record {at[0]}, " + (
+        f"column {at[1]}" if len(at) == 2 else f"index {at}"), tokens=tokens)
     if y is None:
         y_t, names = torch.zeros(x.shape[0], dtype=torch.int64), []
     else:
-        y = np.asarray(y).ravel()
+        where = f"labels of {path}" if labels is None else f"labels file {os.fspath(labels)!r}"
+        _check_label_array(y, where)
         if y.shape[0] != x.shape[0]:
             raise ValueError(f"{path}: {x.shape[0]} records but {y.shape[0]} labels")
-        y_t, names = _labels(y.tolist(), f"labels of {path}")
+        y_t, names = _labels(y.tolist(), where)
     if budgets is not None:
         budgets = check_budgets(budgets, x.shape[0], f"budgets in {path}")
     return _from_matrix(x.astype(np.float64) if tokens else x.astype(np.float32), y_t, names, budgets, tokens, path)
+
+
+def _check_label_array(y: np.ndarray, where: str) -> None:
+    """Labels as NumPy stores them: a 1-D (N,) array of integers, whole reals or names (strings). An
+    (N, 1) column or an (N/2, 2) table is refused rather than flattened (flattening a table pairs
+    records with other records' labels); booleans and complex numbers are not class labels."""
+    if y.ndim != 1:
+        raise ValueError(f"{where} must be a 1-D array (N,) of labels, one per record, got shape {y.shape}"
+                         + (" (use y.ravel() for an (N, 1) column)" if y.ndim == 2 and y.shape[1] == 1 else ""))
+    if y.dtype.kind not in "iufUS":
+        raise TypeError(f"{where} must be integer class labels (or whole reals, or names as strings), got dtype "
+                        f"{y.dtype}")
 
 
 _NPZ_NAMES = {"x": ("x", "features", "X"), "y": ("y", "labels"), "budgets": ("budgets",)}
@@ -616,14 +713,22 @@ def load_image_folder(path, *, image_size: int = 32) -> TrainData:
 def load_hf(name: str, *, split: str = "train", config: str | None = None, label_column: str | None = "label",
             text_column: str | None = None, budget_column: str | None = None, tokenizer=None,
             max_length: int = 64, limit: int | None = None) -> TrainData:
-    """A Hugging Face dataset (``datasets.load_dataset(name, config, split=split)``).
+    """A Hugging Face dataset (``datasets.load_dataset(name, config, split=split)``), its records in the
+    split's row order (the order a ``--budgets`` file follows).
 
     Args:
-        name, split, config: of ``load_dataset``. label_column, text_column, budget_column,
-            tokenizer, max_length: as in :func:`load_csv`. limit: the first ``limit`` records only.
+        name, split, config: of ``load_dataset``. label_column: the labels (None: none). The default,
+            "label", is read when the dataset has it; without it the records have no labels (a text-only
+            dataset, for a language model). A ``ClassLabel`` column keeps its class indices and names.
+            text_column, budget_column, tokenizer, max_length: as in :func:`load_csv`. limit: the first
+            ``limit`` records only.
     Returns:
         ``TrainData``: text columns tokenized; an ``input_ids`` column used as is; otherwise every
         numeric column other than the label / budget columns a feature.
+    Raises:
+        ImportError without ``datasets``; ValueError for a missing column, one column named for two
+        roles, a ``ClassLabel`` label outside its classes (-1, Hugging Face's "no label" in test splits,
+        included), or features that are not finite numbers within float32's range.
     """
     check_int("max_length", max_length, 1)
     if limit is not None:
@@ -633,10 +738,14 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
     except ImportError:
         raise ImportError("--hf-dataset needs the Hugging Face `datasets` package, which is not installed "
                           "(pip install datasets)") from None
+    _check_distinct_columns(f"dataset {name!r}", label_column=label_column, budget_column=budget_column,
+                            text_column=text_column)
     ds = hf_datasets.load_dataset(name, config, split=split)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     columns = list(ds.column_names)
+    if label_column == "label" and "label" not in columns:
+        label_column = None         # the default: a dataset without labels (language modelling)
     for what, col in (("label", label_column), ("budget", budget_column), ("text", text_column)):
         if col is not None and col not in columns:
             raise ValueError(f"dataset {name!r} has no {what} column {col!r} (columns: {_columns(columns)})")
@@ -647,10 +756,13 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
     budgets = None if budget_column is None else check_budgets(ds[budget_column], n,
                                                                f"budget column {budget_column!r} of {source}")
     if label_column is not None:
-        labels, names = _labels(ds[label_column], f"label column {label_column!r} of {source}")
-        feature = getattr(ds, "features", {}).get(label_column) if hasattr(ds, "features") else None
+        what = f"label column {label_column!r} of {source}"
+        schema = getattr(ds, "features", None) or {}
+        feature = schema.get(label_column)
         if feature is not None and hasattr(feature, "names"):
-            names = list(feature.names)
+            labels, names = _class_label(ds[label_column], list(feature.names), what)
+        else:
+            labels, names = _labels(ds[label_column], what)
     else:
         labels, names = torch.zeros(n, dtype=torch.int64), []
     if "input_ids" in columns and text_column is None:
@@ -659,18 +771,38 @@ def load_hf(name: str, *, split: str = "train", config: str | None = None, label
         for i, r in enumerate(rows):
             r = list(r)[:max_length]
             ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-        return TrainData(ids, labels, "tokens", budgets, names, int(ids.max()) + 1, source)
+        return TrainData(ids, labels, "tokens", budgets, names, int(ids.max()) + 1 if n else None, source)
     if text_column is not None:
         features = _tokenize(ds[text_column], tokenizer, max_length)
-        return TrainData(features, labels, "tokens", budgets, names, int(features.max()) + 1, source)
+        return TrainData(features, labels, "tokens", budgets, names, int(features.max()) + 1 if n else None, source)
     feats = [c for c in columns if c not in (label_column, budget_column)]
     if not feats:
         raise ValueError(f"{source}: no feature columns")
     try:
-        matrix = np.stack([np.asarray(ds[c], dtype=np.float64).reshape(n, -1) for c in feats], axis=1).reshape(n, -1)
+        blocks = [np.asarray(ds[c], dtype=np.float64).reshape(n, -1) for c in feats]
     except (TypeError, ValueError):
         raise ValueError(f"{source}: columns {feats} are not all numeric; name a text column (--text-column)") from None
+    owner = [c for c, block in zip(feats, blocks) for _ in range(block.shape[1])]     # flat position → column
+    matrix = np.concatenate(blocks, axis=1)
+    _check_features(matrix, lambda at: f"{source} record {at[0]}, column {owner[at[1]]!r}")
     return _from_matrix(matrix, labels, names, budgets, False, source)
+
+
+def _class_label(values, names: list, what: str):
+    """A Hugging Face ``ClassLabel`` column: its integers already are class indices into ``names`` (no
+    remapping, which would shift the names off their classes); one outside [0, K) is refused."""
+    labels = np.asarray(values)
+    if labels.size and labels.dtype.kind not in "iu":
+        raise ValueError(f"{what}: a ClassLabel column must hold integer class indices, got {labels.dtype}")
+    labels = labels.astype(np.int64).reshape(-1)
+    outside = (labels < 0) | (labels >= len(names))
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise ValueError(f"{what} holds {int(labels[i])} at record {i} ({int(outside.sum())} records in all), outside "
+                         f"its ClassLabel classes 0..{len(names) - 1} ({_columns(names)}); -1 means unlabelled in "
+                         "Hugging Face datasets (e.g. a GLUE test split): use a labelled split (--hf-split) or drop "
+                         "the unlabelled rows")
+    return torch.as_tensor(labels), names
 
 
 def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
