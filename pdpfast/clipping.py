@@ -292,6 +292,7 @@ class ClippingState:
         self.batch_size: int | None = None
         self.draw = None
         self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
+        self._nonfinite: str | None = None  # why the draw's clipped sums are not finite (a step is refused)
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
@@ -525,6 +526,7 @@ class ClippingState:
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
             self.pending = False
+            self._nonfinite = None
         self.draw = draw
         self._reset_backward()
         self._enter(Phase.OPEN)
@@ -548,6 +550,7 @@ class ClippingState:
             None; the state enters phase ``IDLE``.
         """
         self.pending = False
+        self._nonfinite = None
         self._reset_backward()
         self._enter(Phase.IDLE)
 
@@ -1230,6 +1233,39 @@ class ClippingState:
             group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
                                     for k in range(len(self.group_names))])
         self._clipped(total_sq, None if weights is None else weights / self.loss_scale, group_sq)
+        if total_sq.device.type == "cpu":   # (on a GPU the check would stop the host: NaN reaches .grad)
+            self._refuse_nonfinite(total_sq)
+
+    def _refuse_nonfinite(self, total_sq: torch.Tensor) -> None:
+        """Refuse a batch in which a record's per-sample gradient norm is NaN or inf: its clip weight
+        is then NaN (or its terms are), and the clipped sum, the update and the model with it, turn
+        NaN, a change one record makes that no noise hides. The batch stays CLIPPED, so that
+        ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``)."""
+        bad = ~torch.isfinite(total_sq)
+        if self.mask is not None:
+            bad &= self.mask.to(bad.device) != 0
+        if not bool(bad.any()):
+            return
+        rows = bad.nonzero().flatten().tolist()
+        self._nonfinite = (f"{len(rows)} record(s) of the batch (rows {rows[:8]}{' ...' if len(rows) > 8 else ''}) "
+                           "have a per-sample gradient norm that is NaN or inf: their data or loss is not finite (a NaN "
+                           "or inf input, a log of 0), or the gradient overflowed its dtype. Their clipped sum would "
+                           "turn the model NaN")
+        raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
+                                 "data (pdpfast train refuses non-finite features) and the loss")
+
+    def check_finite(self) -> None:
+        """Refuse a step on a draw whose clipped sums are not finite (``_refuse_nonfinite`` raised in
+        its backward; the check runs where the norms are on the CPU).
+
+        Returns:
+            None.
+        Raises:
+            FloatingPointError saying which records.
+        """
+        if self._nonfinite is not None:
+            raise FloatingPointError(f"the step is refused: {self._nonfinite}. Call optimizer.zero_grad() to discard "
+                                     "the draw")
 
     def _clipped(self, total_sq, last_weights, group_sq) -> None:
         """The batch's clipped sums are in ``param.grad``: keep what the backward leaves besides them
