@@ -1248,9 +1248,9 @@ class ClippingState:
             return
         rows = bad.nonzero().flatten().tolist()
         self._nonfinite = (f"{len(rows)} record(s) of the batch (rows {rows[:8]}{' ...' if len(rows) > 8 else ''}) "
-                           "have a per-sample gradient norm that is NaN or inf: their data or loss is not finite (a NaN "
-                           "or inf input, a log of 0), or the gradient overflowed its dtype. Their clipped sum would "
-                           "turn the model NaN")
+                           "have a per-sample gradient norm that is NaN or inf: their data or loss is not finite "
+                           "(a NaN or inf input, a log of 0), or the gradient overflowed its dtype. Their clipped sum "
+                           "would turn the model NaN")
         raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
                                  "data (pdpfast train refuses non-finite features) and the loss")
 
