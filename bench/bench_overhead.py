@@ -176,7 +176,8 @@ def stub_kernel_launches() -> None:
     """Select the Triton kernels as on a GPU and make every launch a no-op (``--kernels stub``), and
     take no batch in cache-sized chunks as the CPU route does (``pdpfast.ops.norm``,
     ``pdpfast.ops.conv``: a GPU takes the whole batch at once, so the count of launches is the
-    GPU's whatever the CPU's cache or thread count).
+    GPU's whatever the CPU's cache or thread count), and skip the check of non-finite norms, which a
+    GPU does not make.
 
     Must run before ``pdpfast.kernels`` is imported: Triton reads ``TRITON_INTERPRET`` when it
     defines a kernel. Not undone (the process is a benchmark).
@@ -194,6 +195,11 @@ def stub_kernel_launches() -> None:
     import pdpfast.ops.norm as norm_ops
 
     conv_ops._CPU_CHUNK_ELEMENTS = norm_ops._CPU_CHUNK_ELEMENTS = sys.maxsize
+    # a stubbed kernel leaves its output unset, so the norms are whatever memory held: the CPU's
+    # refusal of non-finite norms would fire on them, and a GPU does not make that check anyway
+    from pdpfast.clipping import ClippingState
+
+    ClippingState._refuse_nonfinite = lambda self, total_sq: None
 
 
 @contextlib.contextmanager
