@@ -397,7 +397,7 @@ def noise_limit_message(budget, delta, orders) -> str:
     if budget * (1.0 - MARGIN) <= floor * (1.0 + 1e-3):
         text += (f"; the largest RDP order, {a[-1]:g}, is what limits it: with these orders ε cannot go below "
                  f"{floor:.4g} at delta={delta:g} whatever the noise, so pass orders= with larger orders "
-                 f"(e.g. up to {a[-1] * 8:g})")
+                 f"(e.g. up to {a[-1] * 8:g}; pdpfast.calibrate takes them)")
     return text
 
 

@@ -228,6 +228,23 @@ def test_sample_refuses_budgets_too_far_apart_naming_the_spread_not_a_solver_err
     assert (plan.epsilons() <= [1e6, 1.0]).all()
 
 
+def test_sample_refuses_at_once_when_the_records_at_rate_one_fill_the_mean_and_a_larger_rate_works():
+    # half the records (ε = 1000) sit at rate 1 down to a σ where ε = 1 needs a rate below the floor,
+    # so their rate alone fills q = 0.5: no plan exists (the search used to probe for minutes)
+    budgets = np.array([1000.0, 1.0] * 5)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"budget epsilon=1 cannot be met by IDP-Sample: the budgets are spread too "
+                                         r"far.*budgets ≥ 1000 sit at rate 1.*alone fill the mean rate.*use method "
+                                         r"'scale'.*or a larger sample rate"):
+        calibrate(budgets, delta=DELTA, steps=5, sample_rate=0.5, method="sample")
+    assert time.perf_counter() - start < 30
+    budgets = np.array([100.0, 1.0] * 5)
+    with pytest.raises(ValueError, match=r"spread too far.*or a larger sample rate"):
+        calibrate(budgets, delta=DELTA, steps=5, sample_rate=0.5, method="sample")
+    plan = calibrate(budgets, delta=DELTA, steps=5, sample_rate=0.55, method="sample")  # the advice works
+    assert plan.sample_rates.mean() == pytest.approx(0.55, rel=1e-9) and np.all(plan.epsilons() <= budgets)
+
+
 @pytest.mark.parametrize("method", ["sample", "scale"])
 def test_a_hybrid_weight_given_with_sample_or_scale_is_refused_not_ignored(method):
     with pytest.raises(ValueError, match=f"hybrid_weight is for method='hybrid'.*method='{method}'"):

@@ -147,8 +147,8 @@ def spread_message(method: str, budget: float, values: np.ndarray, sample_rate: 
     return (f"budget epsilon={budget:.6g} cannot be met by IDP-{method}: the budgets are spread too far "
             f"({values[0]:.4g} to {values[-1]:.4g}) for one shared noise multiplier. Its search for the one that "
             f"gives a mean sample rate of {sample_rate:.6g} stopped at noise_multiplier={noise_multiplier:.6g}: {why} "
-            f"({where}); use method 'scale' (per-record clip norms, any spread), "
-            "or a smaller sample rate")
+            f"({where}); use method 'scale' (per-record clip norms, any spread), or a larger sample rate (the "
+            "large budgets' records, at rate 1 or near it, then fill less of the mean)")
 
 
 def harmonic_sigma(problem: Problem, noise_multipliers: np.ndarray) -> float:

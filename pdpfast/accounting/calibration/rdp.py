@@ -37,6 +37,7 @@ __all__ = ["sample", "scale", "hybrid"]
 _WASTE = 1e-3           # ... unless that cut leaves a record more than 0.1% under its budget
 _FALLBACK_SPENT = 0.998  # a σ whose mean rate the search could not close in on, if every budget spends this
 _GRID_RATIO = 1e-3      # many budgets: consecutive ε of the grid they are read off differ by ≤ 0.1%
+_STEEP = 1.5            # Sample's cut to mean q spares rates whose ε is steeper in q than q^1.5 (when it can)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +137,19 @@ def _refuse_spread(problem: Problem, sigma_lo: float) -> None:
             "Sample", problem.values[0], problem.values, problem.sample_rate, sigma_f,
             f"below it this budget would need a sample rate below {_grid.Q_FLOOR:g}, and there the mean rate is "
             f"already {problem.mean(rates):.4g}", steps=problem.steps, delta=problem.delta))
+    capped = rates >= 1.0
+    if np.any(capped) and float(problem.counts[capped].sum()) >= problem.n * problem.sample_rate * (1 - 1e-9):
+        # the records at rate 1 there fill the mean alone: the mean reaches q only once they leave
+        # rate 1, below σ_1; if that is below σ_f too, the smallest budget fails there (the search,
+        # probing ever smaller σ, took minutes to find that out)
+        big = float(problem.values[capped].min())
+        sigma_1 = _one(problem, "Sample", big, sample_rate=1.0)[0]
+        if sigma_1 <= sigma_f:
+            raise _SpreadError(spread_message(
+                "Sample", problem.values[0], problem.values, problem.sample_rate, sigma_f,
+                f"below it this budget would need a sample rate below {_grid.Q_FLOOR:g}, while the records with "
+                f"budgets ≥ {big:g} sit at rate 1 down to noise multiplier {sigma_1:.4g} and alone fill the mean rate",
+                steps=problem.steps, delta=problem.delta))
 
 
 def _solve_sample(problem: Problem, own_orders: bool = True):
@@ -210,7 +224,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
     sigma = solve(correction, aim, upper)
-    spread_error, fallback = None, None
+    spread_error, fallback, filled = None, None, None
     for _ in range(120):
         try:
             rates, eps, idx, alpha = _rates_at(problem, sigma, own_orders)
@@ -228,7 +242,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             # a fallback should the search not close in: where ε(q) is nearly flat (small q and ε, at
             # the order cliff) the rates jump with σ by more than the slack left, so no σ may give a
             # mean within it; the cut of the least wasteful such σ still certifies every budget
-            trial = renormalize_capped(rates, problem.counts, q)
+            trial = _cut_to_mean(problem, sigma, rates, alpha)
             eps_t = _certify_rates(problem, sigma, trial, alpha)
             spent = float(np.min((eps_t / problem.values)[~capped]))
             if fallback is None or spent > fallback[0]:
@@ -238,12 +252,13 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             # smallest of their budgets stops fitting at q = 1 (there its rate leaves 1).
             b = float(problem.values[capped].min())
             upper = min(upper, _one(problem, "Sample", b, sample_rate=1.0)[0] * (1 - 1e-9))
+            filled = (b, sigma)
             above = min(above, sigma)
             sigma = solve(correction, aim, upper)
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
-            trial = renormalize_capped(rates, problem.counts, q)
+            trial = _cut_to_mean(problem, sigma, rates, alpha)
             eps_t = _certify_rates(problem, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
@@ -268,7 +283,37 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
         return fallback[1]
     if spread_error is not None:
         raise spread_error
+    if filled is not None:
+        raise _SpreadError(spread_message(
+            "Sample", problem.values[0], problem.values, q, filled[1],
+            f"the records with budgets ≥ {filled[0]:g} sit at rate 1 there and alone fill the mean rate, and no noise "
+            "multiplier below it, where they leave rate 1, was found to give this budget's records the rest",
+            steps=problem.steps, delta=problem.delta))
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
+
+
+def _cut_to_mean(problem: Problem, sigma: float, rates: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """Rates lowered to mean exactly q (every ε only falls), cutting only where ε is not steep in q.
+    A small budget's rate can sit where ε, at its order, grows like q^α (the order cliff): there the
+    mean's 0.1% cut would waste several % of the budget, while its rate barely moves the mean. Such
+    rates (elasticity d log ε / d log q above ``_STEEP``) keep their value when the others can absorb
+    the cut; otherwise every rate is cut alike."""
+    q = problem.sample_rate
+    first, run = _runs(rates)
+    lower = rates[first] * (1 - 1e-3)
+    e0 = eps_at(rates[first], np.array([sigma]), problem.steps, problem.delta, alpha[first])
+    e1 = eps_at(lower, np.array([sigma]), problem.steps, problem.delta, alpha[first])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steep = (np.log(e0) - np.log(e1)) / -np.log1p(-1e-3) > _STEEP
+    keep = steep[run] & (rates < 1.0)
+    cut = ~keep
+    rest_mass = float(np.dot(problem.counts[cut], rates[cut]))
+    want = problem.n * q - float(np.dot(problem.counts[keep], rates[keep]))
+    if not np.any(keep) or rest_mass <= 0 or want <= 0 or want < 0.9 * rest_mass:
+        return renormalize_capped(rates, problem.counts, q)
+    out = rates.astype(np.float64).copy()
+    out[cut] = renormalize_capped(rates[cut], problem.counts[cut], want / float(problem.counts[cut].sum()))
+    return out
 
 
 def _certify_rates(problem: Problem, sigma, rates, alpha):
