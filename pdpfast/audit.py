@@ -128,9 +128,11 @@ def guess_and_bound(scores: np.ndarray, included: np.ndarray, delta: float, conf
     Raises:
         ValueError (TypeError for values of the wrong kind) naming the argument: scores and included
         of other shapes or lengths, fewer than 2 canaries (no guess either way), ``included`` not
-        booleans (0/1 would be read as indices), or a number out of range.
+        booleans (0/1 would be read as indices), a score that is NaN or infinite, or a number out of range.
     """
     scores = as_float_array("scores", scores)
+    if not np.all(np.isfinite(scores)):   # a NaN ranks anywhere: the guesses, and the bound, would mean nothing
+        raise ValueError(f"scores must be finite, got {int(np.sum(~np.isfinite(scores)))} NaN or infinite value(s)")
     included = np.asarray(included)
     if included.dtype.kind != "b":
         raise TypeError(f"included must be an array of booleans (True: the canary was included), "

@@ -560,7 +560,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "checkout; writes their JSON and a bar plot of the ratios to non-private.")
     bench.add_argument("--suite", default="auto", choices=("auto", "cpu", "e2e"),
                        help="auto: e2e when CUDA is present, else cpu")
-    bench.add_argument("--models", help="cpu: transformer,cnn; e2e: bert,resnet18,gpt2")
+    bench.add_argument("--models", help="cpu: transformer,cnn,resnet18 (default transformer,cnn); "
+                                        "e2e: bert,resnet18,gpt2,gpt2-lora,vit (default all)")
     bench.add_argument("--repeats", type=int)
     bench.add_argument("--device", help="e2e only: cuda (default), cuda:N, or cpu for a smoke test")
     bench.add_argument("--size", choices=("full", "tiny", "micro"), help="e2e only (default full)")

@@ -229,7 +229,7 @@ def read_budgets(path, *, column: str | None = None, n: int | None = None,
         elif ext == ".csv":
             values = _csv_column(path, column, column_option)
         elif ext in (".txt", ""):
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:     # a BOM is read as the CSV reader reads it
                 lines = [line.strip() for line in f]
             last = max((i for i, line in enumerate(lines) if line), default=-1)
             _refuse_blank_line(path, lines[: last + 1], lambda i: i + 1)

@@ -142,7 +142,9 @@ def test_the_lower_bound_refuses_a_significance_outside_0_1(significance):
     (np.arange(10.0), np.array([True, False] * 5), dict(confidence=1.5), "confidence"),
     (np.arange(10.0), np.array([True, False] * 5), dict(fractions=()), "fractions"),  # ZeroDivisionError
     (np.arange(10.0), np.array([True, False] * 5), dict(fractions=(2.0,)), "fractions"),
-    (np.arange(10.0), np.array([True, False] * 5), dict(delta=-1e-5), "delta")])
+    (np.arange(10.0), np.array([True, False] * 5), dict(delta=-1e-5), "delta"),
+    (np.r_[np.arange(8.0), np.nan, np.nan], np.array([True, False] * 5), {}, "scores must be finite"),  # NaN: any rank
+    (np.full(10, np.inf), np.array([True, False] * 5), {}, "scores must be finite")])
 def test_guessing_refuses_inputs_that_would_give_no_bound_or_a_wrong_one(scores, included, kwargs, name):
     with pytest.raises((TypeError, ValueError), match=name):
         audit.guess_and_bound(scores, included, **({"delta": 1e-5} | kwargs))

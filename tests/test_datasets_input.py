@@ -232,3 +232,10 @@ def test_image_folder_records_follow_sorted_classes_then_sorted_paths(tmp_path):
     data = datasets.load_image_folder(tmp_path, image_size=2)
     assert data.class_names == ["a", "b"] and data.labels.tolist() == [0, 0, 1]
     assert (data.features[:, 0, 0, 0] * 255).round().tolist() == [100.0, 200.0, 50.0]
+
+
+def test_a_budgets_text_file_with_a_byte_order_mark_is_read_as_a_csv_is(tmp_path):
+    (tmp_path / "b.txt").write_text("1\n2.5\n", encoding="utf-8-sig")
+    (tmp_path / "b.csv").write_text("1\n2.5\n", encoding="utf-8-sig")
+    assert datasets.read_budgets(tmp_path / "b.txt").tolist() == datasets.read_budgets(tmp_path / "b.csv").tolist()
+    assert datasets.read_budgets(tmp_path / "b.txt").tolist() == [1.0, 2.5]
