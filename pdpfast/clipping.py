@@ -63,6 +63,11 @@ CLIPPINGS = ("flat", "per_layer")
 # rounded contribution can exceed w_i‖g_i‖ by about 2u; 4u keeps it ≤ c_i. The rounding of the
 # scaled terms w_i·o_t, relative to each term and not to their (possibly cancelling) sum, is
 # bounded per record by the layer rules (``LayerRule.rounding``: ρ_i, and w_i clips ‖g_i‖ + ρ_i).
+# The refusal of non-finite norms (``ClippingState._refuse_nonfinite``) reads them on the host: free
+# where they are on the CPU, a stall on a GPU, which skips it. A block standing in for a GPU's step on
+# the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead --kernels stub``) turns it off likewise.
+CHECK_FINITE_ON_CPU = True
+
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
 # fp32 on a GPU with TF32 allowed (cuDNN allows it by default for convolutions): operands are
 # rounded to 10-bit mantissas inside the products, in the clipped sum (cuDNN) and in the per-sample
@@ -1233,7 +1238,7 @@ class ClippingState:
             group_sq = torch.stack([self._group_sq.get(k, zeros).to(total_sq.dtype)
                                     for k in range(len(self.group_names))])
         self._clipped(total_sq, None if weights is None else weights / self.loss_scale, group_sq)
-        if total_sq.device.type == "cpu":   # (on a GPU the check would stop the host: NaN reaches .grad)
+        if total_sq.device.type == "cpu" and CHECK_FINITE_ON_CPU:   # (on a GPU it would stop the host)
             self._refuse_nonfinite(total_sq)
 
     def _refuse_nonfinite(self, total_sq: torch.Tensor) -> None:

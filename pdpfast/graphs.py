@@ -66,6 +66,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import clipping
 from ._checks import check_int
 from .clipping import ClippingState
 from .ops.dispatch import use_triton
@@ -485,8 +486,8 @@ def no_host_sync():
     (``x[mask]``, ``x[mask] = v``), ``masked_select``, ``repeat_interleave`` without ``output_size``,
     ``bincount`` (seen at the dispatcher, so also where torch's own code calls them) and
     ``.tolist()``, ``.cpu()``, ``.numpy()``: what a CUDA graph capture forbids and what stalls the host
-    behind the GPU, made visible on the CPU (tests wrap a step's body in it). Everything is restored on
-    exit.
+    behind the GPU, made visible on the CPU (tests wrap a step's body in it). The CPU's refusal of
+    non-finite norms, a read a GPU's step skips, is off inside. Everything is restored on exit.
 
     Returns:
         a context manager (yields None).
@@ -497,6 +498,7 @@ def no_host_sync():
     names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
              "unique", "equal")
     saved = {n: getattr(torch.Tensor, n) for n in names}
+    checked, clipping.CHECK_FINITE_ON_CPU = clipping.CHECK_FINITE_ON_CPU, False   # a GPU's step skips it
 
     def refuse(name):
         def method(self, *args, **kwargs):
@@ -511,3 +513,4 @@ def no_host_sync():
     finally:
         for n, method in saved.items():
             setattr(torch.Tensor, n, method)
+        clipping.CHECK_FINITE_ON_CPU = checked
