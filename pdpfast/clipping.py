@@ -1246,6 +1246,8 @@ class ClippingState:
         is then NaN (or its terms are), and the clipped sum, the update and the model with it, turn
         NaN, a change one record makes that no noise hides. The batch stays CLIPPED, so that
         ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``)."""
+        if math.isfinite(float(total_sq.sum())):  # the usual case, in one op (a NaN or inf row makes the sum so)
+            return
         bad = ~torch.isfinite(total_sq)
         if self.mask is not None:
             bad &= self.mask.to(bad.device) != 0
