@@ -242,7 +242,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             # a fallback should the search not close in: where ε(q) is nearly flat (small q and ε, at
             # the order cliff) the rates jump with σ by more than the slack left, so no σ may give a
             # mean within it; the cut of the least wasteful such σ still certifies every budget
-            trial = _cut_to_mean(problem, sigma, rates, alpha)
+            trial = _cut_to_mean(problem, sigma, rates, eps, alpha)
             eps_t = _certify_rates(problem, sigma, trial, alpha)
             spent = float(np.min((eps_t / problem.values)[~capped]))
             if fallback is None or spent > fallback[0]:
@@ -258,7 +258,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             continue
         if q <= mean <= q * (1.0 + slack):
             # Lower the uncapped rates so the mean is exactly q (ε only decreases: monotone in q).
-            trial = _cut_to_mean(problem, sigma, rates, alpha)
+            trial = _cut_to_mean(problem, sigma, rates, eps, alpha)
             eps_t = _certify_rates(problem, sigma, trial, alpha)
             # Where ε is very elastic in q (small σ, many steps) even a 0.1% cut wastes budget:
             # then demand a closer mean before cutting.
@@ -292,19 +292,18 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     raise RuntimeError(f"IDP-Sample: could not match mean sample rate {q} (last mean {mean})")
 
 
-def _cut_to_mean(problem: Problem, sigma: float, rates: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+def _cut_to_mean(problem: Problem, sigma: float, rates: np.ndarray, eps: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     """Rates lowered to mean exactly q (every ε only falls), cutting only where ε is not steep in q.
     A small budget's rate can sit where ε, at its order, grows like q^α (the order cliff): there the
     mean's 0.1% cut would waste several % of the budget, while its rate barely moves the mean. Such
     rates (elasticity d log ε / d log q above ``_STEEP``) keep their value when the others can absorb
-    the cut; otherwise every rate is cut alike."""
+    the cut; otherwise every rate is cut alike. ``eps``: the certified ε of ``rates`` at ``alpha``."""
     q = problem.sample_rate
     first, run = _runs(rates)
-    lower = rates[first] * (1 - 1e-3)
-    e0 = eps_at(rates[first], np.array([sigma]), problem.steps, problem.delta, alpha[first])
-    e1 = eps_at(lower, np.array([sigma]), problem.steps, problem.delta, alpha[first])
+    # ε at 0.1% less, beside each rate's certified ε (``eps``, at the same σ and order)
+    lower = eps_at(rates[first] * (1 - 1e-3), np.array([sigma]), problem.steps, problem.delta, alpha[first])
     with np.errstate(divide="ignore", invalid="ignore"):
-        steep = (np.log(e0) - np.log(e1)) / -np.log1p(-1e-3) > _STEEP
+        steep = (np.log(eps[first]) - np.log(lower)) / -np.log1p(-1e-3) > _STEEP
     keep = steep[run] & (rates < 1.0)
     cut = ~keep
     rest_mass = float(np.dot(problem.counts[cut], rates[cut]))
