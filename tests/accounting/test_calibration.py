@@ -245,6 +245,17 @@ def test_sample_refuses_at_once_when_the_records_at_rate_one_fill_the_mean_and_a
     assert plan.sample_rates.mean() == pytest.approx(0.55, rel=1e-9) and np.all(plan.epsilons() <= budgets)
 
 
+@pytest.mark.parametrize("budgets,sample_rate,steps", [([1000.0, 1.0], 0.6, 100), ([30.0, 1.0], 0.5, 1000)])
+def test_sample_finds_the_plan_of_budgets_far_apart_where_one_exists(budgets, sample_rate, steps):
+    # the ε = 1000 records sit at rate 1 and fill 0.5 of the mean; ε = 1 gets the rest (0.2) at
+    # σ ≈ 8, far above where the search starts: its fallback stepped σ by 1% from below and ran
+    # out of probes after minutes, refusing a plan that exists
+    budgets = np.array(budgets * 5)
+    plan = calibrate(budgets, delta=DELTA, steps=steps, sample_rate=sample_rate, method="sample")
+    assert plan.sample_rates.mean() == pytest.approx(sample_rate, rel=1e-9)
+    assert np.all(plan.epsilons() <= budgets) and plan.group_epsilons[0] >= 0.998
+
+
 @pytest.mark.parametrize("method", ["sample", "scale"])
 def test_a_hybrid_weight_given_with_sample_or_scale_is_refused_not_ignored(method):
     with pytest.raises(ValueError, match=f"hybrid_weight is for method='hybrid'.*method='{method}'"):
@@ -368,3 +379,21 @@ def test_scale_sampling_does_not_reveal_budgets(accountant):
     assert len(np.unique(scale.clip_norms)) == 4
     sample = calibrate(budgets, delta=1e-5, steps=200, sample_rate=0.05, method="sample", accountant=accountant)
     assert len(np.unique(sample.sample_rates)) == 4
+
+
+def test_a_plan_whose_records_would_almost_surely_never_be_drawn_warns_naming_them():
+    # IDP-Sample meets ε = 0.3 beside ε = 3 by a rate near 1e-4: private, but over 100 steps those
+    # records are drawn at all in under 1% of trainings, which a user should be told
+    budgets = np.r_[np.full(10, 0.3), np.full(990, 3.0)]
+    with pytest.warns(UserWarning, match=r"10 record\(s\) in 1 budget group\(s\) are drawn at all with probability "
+                                         r"below 1% in 100 steps \(epsilon=0\.3: sample rate .*almost surely not "
+                                         r"train the model"):
+        plan = calibrate(budgets, delta=DELTA, steps=100, sample_rate=0.05, method="sample")
+    q = plan.group_sample_rates
+    assert 1 - (1 - q[0]) ** 100 < 0.01 <= 1 - (1 - q[1]) ** 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # a short run (each record drawn about once) or ε = 0.5 beside ε = 3 (drawn with probability ~0.2): no warning
+        calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.05, method="scale")
+        calibrate(np.r_[np.full(10, 0.5), np.full(990, 3.0)], delta=DELTA, steps=100, sample_rate=0.05,
+                  method="sample")

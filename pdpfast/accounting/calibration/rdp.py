@@ -224,7 +224,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
     sigma = solve(correction, aim, upper)
-    spread_error, fallback, filled = None, None, None
+    spread_error, fallback, filled, misses = None, None, None, 0
     for _ in range(120):
         try:
             rates, eps, idx, alpha = _rates_at(problem, sigma, own_orders)
@@ -272,13 +272,20 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             below = max(below, sigma)
         else:
             above = min(above, sigma)
-        correction = mean / surrogate(sigma)
-        sigma = solve(correction, aim, upper)
-        if not below < sigma < above:
-            if below > 0 and np.isfinite(above):
-                sigma = float(np.sqrt(below * above))
-            else:
-                sigma = below * 1.01 if mean < q else above / 1.01
+        if misses < 2:
+            correction = mean / surrogate(sigma)
+            sigma = solve(correction, aim, upper)
+        if misses >= 2 or not below < sigma < above:
+            # bisect (in log σ) the exact bracket, closed by the search's own ends where no probe has
+            # yet: every rate is ≥ q at σ_hi and ≤ q at σ_lo (a step of 1% from one side took
+            # hundreds of probes when the budgets are far apart). After two misses the surrogate,
+            # whose every proposal costs more than an exact probe, is not asked again.
+            misses += 1
+            lo_end = below if below > 0 else sigma_lo
+            hi_end = above if np.isfinite(above) else sigma_hi
+            sigma = float(np.sqrt(lo_end * hi_end))
+        else:
+            misses = 0
     if fallback is not None and fallback[0] >= _FALLBACK_SPENT:
         return fallback[1]
     if spread_error is not None:
