@@ -807,13 +807,14 @@ def _class_label(values, names: list, what: str):
 
 def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
               text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split=None,
-              hf_config=None) -> TrainData:
+              hf_config=None, lm=False) -> TrainData:
     """Load records by what ``data`` is (a directory → image folder, .csv, .npy/.npz) or from
     ``hf_dataset``, then attach budgets from ``budgets`` (a file) when given.
 
     Args:
         data / hf_dataset: where the records are; the other arguments as in the loaders above
-            (``hf_split`` None: "train").
+            (``hf_split`` None: "train"). lm: the records feed a language model, which reads no
+            labels: a Hugging Face dataset's "label" column is not read (nor its -1 "no label" refused).
     Returns:
         ``TrainData`` (budgets None when none were given).
     Raises:
@@ -839,7 +840,8 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
     if budget_column is not None and data is not None and ext != ".csv":    # checked before an image folder loads
         raise ValueError("--budget-column applies to CSV data; use --budgets FILE for other data")
     if hf_dataset is not None:
-        out = load_hf(hf_dataset, split=hf_split or "train", config=hf_config, label_column=label_column or "label",
+        default = None if lm else "label"
+        out = load_hf(hf_dataset, split=hf_split or "train", config=hf_config, label_column=label_column or default,
                       text_column=text_column, budget_column=budget_column, tokenizer=tokenizer, max_length=max_length)
     else:
         path = os.fspath(data)

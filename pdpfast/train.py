@@ -373,7 +373,7 @@ def load_training_data(cfg: TrainConfig):
                      budget_column=cfg.budget_column, budgets=cfg.budgets, text_column=cfg.text_column,
                      tokens=cfg.tokens or "tokens" in spec.inputs, tokenizer=tokenizer,
                      max_length=cfg.max_length, image_size=cfg.image_size, hf_split=cfg.hf_split,
-                     hf_config=cfg.hf_config)
+                     hf_config=cfg.hf_config, lm=spec.task == "lm")
     if cfg.image_shape:
         data = data.as_images(_image_shape(cfg))
     if data.budgets is None:

@@ -116,6 +116,24 @@ def test_a_text_only_hugging_face_dataset_trains_a_language_model(hub, capsys, t
     assert (tmp_path / "s.json").exists()
 
 
+def test_a_language_model_reads_no_labels_so_an_unlabelled_split_trains_it(hub, capsys, tmp_path):
+    from pdpfast.cli import main
+
+    hf = pytest.importorskip("datasets")
+    text = ["the cat sat on the mat", "a dog ran", "hello world again"] * 4
+    features = hf.Features({"text": hf.Value("string"), "label": hf.ClassLabel(names=["neg", "pos"]),
+                            "eps": hf.Value("float64")})
+    hub({"text": text, "label": [-1] * 12, "eps": [1.0] * 12}, features)     # an unsupervised split: all -1
+    data = datasets.load_data(hf_dataset="d", budget_column="eps", max_length=4, lm=True)
+    assert data.kind == "tokens" and data.class_names == [] and data.labels.tolist() == [0] * 12
+    with pytest.raises(ValueError, match="-1 means unlabelled"):      # a classifier still refuses them
+        datasets.load_data(hf_dataset="d", budget_column="eps", max_length=4)
+    rc = main(["train", "--hf-dataset", "d", "--budget-column", "eps", "--model", "gpt2-micro", "--max-length", "8",
+               "--epochs", "1", "--batch-size", "4", "--quiet", "--device", "cpu", "--test-fraction", "0",
+               "--stop-after-steps", "1", "--out-json", str(tmp_path / "s.json")])
+    assert rc == 0, capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- features
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_hugging_face_features_that_are_not_finite_are_refused(hub, bad):
