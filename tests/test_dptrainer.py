@@ -339,3 +339,106 @@ def test_per_sample_loss_of_a_causal_lm_ignores_padding_and_is_per_record():
     for i in range(3):
         alone = default_per_sample_loss(model)(model(input_ids=ids[i:i + 1]), labels[i:i + 1])
         torch.testing.assert_close(losses[i:i + 1], alone, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ per-record losses against the model's own
+
+
+def test_per_record_loss_of_a_peft_causal_lm_without_task_type_is_shifted_as_the_models_own():
+    """Before: get_peft_model(gpt2, LoraConfig(...)) without task_type is a plain PeftModel, which the class-name
+    check took for token classification: each position was trained to predict its own token."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(gpt2(), config)
+    assert type(model).__name__ == "PeftModel"
+    ids = torch.randint(3, VOCAB, (3, T), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+        per_record = default_per_sample_loss(model)(out, ids)
+    assert per_record.shape == (3,)
+    torch.testing.assert_close(per_record.mean(), out.loss, rtol=1e-5, atol=1e-6)
+
+
+def bert_with(num_labels, problem_type):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=num_labels,
+                                     problem_type=problem_type, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
+@pytest.mark.parametrize("num_labels,problem_type", [(3, "multi_label_classification"), (3, None),
+                                                     (3, "regression"), (1, "regression")],
+                         ids=["multi-label", "multi-label-inferred", "regression-3", "regression-1"])
+def test_per_record_loss_of_float_label_heads_averages_to_the_models_own(num_labels, problem_type):
+    """Before: float labels (B, C) (multi-label classification) failed with a raw RuntimeError."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (4, T), generator=g)
+    if problem_type == "regression":
+        labels = torch.randn(4, num_labels, generator=g).squeeze(-1)
+    else:
+        labels = torch.randint(0, 2, (4, num_labels), generator=g).float()
+    model = bert_with(num_labels, problem_type)
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss
+        model.config.problem_type = problem_type  # as DPTrainer finds it: its forwards carry no labels
+        per_record = default_per_sample_loss(model)(model(input_ids=ids), labels)
+    assert per_record.shape == (4,)
+    torch.testing.assert_close(per_record.mean(), own, rtol=1e-5, atol=1e-6)
+
+
+def test_a_multi_label_model_trains_within_its_budgets(tmp_path):
+    class MultiLabel(Records):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            item["labels"] = torch.stack([self.ids[i, 0] % 2, self.ids[i, 1] % 2]).float()
+            return item
+
+    trainer = DPTrainer(model=bert_with(2, "multi_label_classification"), args=arguments(tmp_path, max_steps=2),
+                        train_dataset=MultiLabel(), budgets=BUDGETS, delta=1e-5)
+    trainer.train()
+    assert trainer.privacy_engine.steps == 2 and np.all(trainer.epsilons() <= BUDGETS)
+
+
+# ------------------------------------------------------------------ Trainer settings DP would silently ignore
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(max_grad_norm=0.01), r"TrainingArguments.max_grad_norm=0.01 .*DPTrainer\(max_grad_norm=0.01\)"),
+    (dict(label_smoothing_factor=0.1), r"label_smoothing_factor=0.1 .*per_sample_loss="),
+    (dict(fp16=True), r"fp16=True .*use bf16=True"),
+    (dict(save_only_model=True), r"save_only_model=True .*pdpfast_engine.pt"),
+    (dict(dataloader_drop_last=True), r"dataloader_drop_last=True .*never dropped"),
+    (dict(train_sampling_strategy="group_by_length"), r"train_sampling_strategy='group_by_length'"),
+    (dict(train_sampling_strategy="sequential"), r"train_sampling_strategy='sequential'"),
+    (dict(dataloader_persistent_workers=True), r"dataloader_persistent_workers=True needs dataloader_num_workers"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else None)
+def test_training_arguments_dp_would_ignore_are_refused_naming_them(tmp_path, overrides, match):
+    refused_when_built(tmp_path, ValueError, match, budgets=BUDGETS, args=arguments(tmp_path, **overrides))
+
+
+def test_training_arguments_max_grad_norm_is_accepted_at_its_default_off_or_equal_to_the_dp_clip_norm(tmp_path):
+    for clip, dp_clip in ((1.0, 0.5), (0.0, 0.5), (0.5, 0.5)):
+        trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_grad_norm=clip), train_dataset=Records(),
+                            budgets=BUDGETS, max_grad_norm=dp_clip)
+        assert trainer.dp_max_grad_norm == dp_clip and trainer.args.max_grad_norm == 0.0
+
+
+def test_compute_loss_func_is_refused_pointing_to_per_sample_loss(tmp_path):
+    """Before: it was accepted and never called."""
+    def loss(outputs, labels, num_items_in_batch=None):
+        return 1000.0 * torch.nn.functional.cross_entropy(outputs.logits, labels)
+
+    refused_when_built(tmp_path, ValueError, r"compute_loss_func= .*per_sample_loss=", budgets=BUDGETS,
+                       compute_loss_func=loss)
+
+
+def test_dataloader_worker_settings_reach_the_poisson_loader(tmp_path):
+    """Before: dataloader_prefetch_factor and dataloader_persistent_workers were dropped from the loader."""
+    args = arguments(tmp_path, dataloader_num_workers=1, dataloader_prefetch_factor=3,
+                     dataloader_persistent_workers=True, dataloader_pin_memory=False)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS)
+    trainer.get_train_dataloader()  # makes the run private; no worker is started before iterating
+    inner = trainer.privacy_engine.data_loader._loader
+    assert (inner.num_workers, inner.prefetch_factor, inner.persistent_workers) == (1, 3, True)

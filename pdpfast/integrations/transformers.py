@@ -16,10 +16,16 @@ What changes against the plain Trainer, and why:
 * **Per-sample losses.** The model's own loss is a mean over the batch's tokens, which makes one
   record's loss depend on the others' lengths. ``compute_loss`` forms one loss per record (mean
   over its own tokens) from the logits: classification and regression for labels of shape (B,),
-  causal language modelling (shifted) for ``*ForCausalLM``/``*LMHeadModel`` models, token
-  classification otherwise. Pass ``per_sample_loss=fn(outputs, labels) -> (B,)`` for anything else.
+  multi-label classification (or regression, by ``config.problem_type``) for float labels (B, C),
+  causal language modelling (shifted) for ``*ForCausalLM``/``*LMHeadModel`` models (peft-wrapped
+  too), token classification otherwise. Pass ``per_sample_loss=fn(outputs, labels) -> (B,)`` for
+  anything else (``compute_loss_func=`` and ``label_smoothing_factor`` are refused: never applied).
 * **What is not applied or not logged.** ``TrainingArguments.max_grad_norm`` (the Trainer's global
-  clipping) is replaced by per-sample clipping; the pre-noise gradient norm is never logged (it is
+  clipping) is replaced by per-sample clipping at ``DPTrainer(max_grad_norm=)`` (another value in the
+  TrainingArguments is refused). ``fp16`` (its loss scaler would scale per-sample gradients before
+  clipping: use ``bf16``), ``save_only_model`` (a checkpoint without the ledger cannot be resumed),
+  ``dataloader_drop_last`` and a ``train_sampling_strategy`` other than "random" (Poisson draws replace
+  the sampler) are refused. The pre-noise gradient norm is never logged (it is
   a function of the private data that no noise protects). The logged training loss is, as in
   Opacus' examples, not privatized. ``ignore_data_skip`` is forced on: a resumed run continues the
   Poisson draws from the checkpointed step instead of replaying and discarding them.
@@ -158,30 +164,89 @@ def _check_plan_length(training_args) -> None:
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
+    # a peft wrapper built without task_type is a plain PeftModel: judge the model it wraps
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        model = get_base_model()
     return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _check_training_arguments(training_args, max_grad_norm: float) -> None:
+    """Refuse the TrainingArguments that DP training would otherwise silently ignore or break.
+
+    Args:
+        training_args: the ``TrainingArguments``.
+        max_grad_norm: DPTrainer's per-sample clip norm C.
+    Returns:
+        None.
+    Raises:
+        ValueError naming the argument for: ``max_grad_norm`` other than its default 1.0, 0 (off) or C;
+        ``label_smoothing_factor`` > 0; ``fp16``; ``save_only_model``; ``dataloader_drop_last``; a
+        ``train_sampling_strategy`` other than "random"; ``dataloader_persistent_workers`` without workers.
+    """
+    clip = training_args.max_grad_norm
+    if clip not in (None, 0, 1.0, max_grad_norm):
+        raise ValueError(f"TrainingArguments.max_grad_norm={clip} is the Trainer's global clipping, which DP-SGD "
+                         f"replaces by per-sample clipping at DPTrainer(max_grad_norm=...) (now {max_grad_norm}): "
+                         f"pass DPTrainer(max_grad_norm={clip}) and leave TrainingArguments.max_grad_norm at its "
+                         "default")
+    if training_args.label_smoothing_factor:
+        raise ValueError(f"TrainingArguments.label_smoothing_factor={training_args.label_smoothing_factor} is not "
+                         "applied by DPTrainer, which forms one loss per record itself: leave it 0 and pass "
+                         "DPTrainer(per_sample_loss=fn(outputs, labels) -> (B,) losses) with the smoothing you want")
+    if training_args.fp16:
+        raise ValueError("TrainingArguments.fp16=True is not supported: its loss scaler would scale the per-sample "
+                         "gradients before they are clipped (and on CUDA its step fails); use bf16=True instead")
+    if training_args.save_only_model:
+        raise ValueError(f"TrainingArguments.save_only_model=True writes checkpoints without the optimizer and "
+                         f"{ENGINE_FILE} (the privacy ledger, the draws and the noise seed), so no run could resume "
+                         "from them; leave it False (trainer.save_model() saves the model alone)")
+    if training_args.dataloader_drop_last:
+        raise ValueError("TrainingArguments.dataloader_drop_last=True cannot apply: a Poisson draw is never dropped "
+                         "or truncated (its privacy cost is charged whatever its size); leave it False")
+    if training_args.train_sampling_strategy != "random":
+        raise ValueError(f"TrainingArguments.train_sampling_strategy={training_args.train_sampling_strategy!r} cannot "
+                         "apply: each step draws every record independently (Poisson sampling), which is what the "
+                         "privacy ledger accounts for; leave it 'random'")
+    if training_args.dataloader_persistent_workers and training_args.dataloader_num_workers == 0:
+        raise ValueError("TrainingArguments.dataloader_persistent_workers=True needs dataloader_num_workers > 0")
 
 
 def default_per_sample_loss(model: nn.Module):
     """The per-record loss ``DPTrainer`` uses unless given ``per_sample_loss`` (see the module docstring).
 
     Args:
-        model: a Hugging Face model; a ``*ForCausalLM`` / ``*LMHeadModel`` class name selects shifted
-            (next-token) labels.
+        model: a Hugging Face model; a ``*ForCausalLM`` / ``*LMHeadModel`` class name (its own, or that of
+            the model a peft wrapper holds) selects shifted (next-token) labels; ``model.config.problem_type``
+            is read at each call (the model sets it in a forward with labels).
     Returns:
-        ``loss(outputs, labels)`` → (B,) fp32 per-record losses (cross-entropies in nats).
+        ``loss(outputs, labels)`` → (B,) fp32 per-record losses (cross-entropies in nats), whose mean is the
+        model's own loss when every record has as many labelled tokens.
         ``outputs``: the model's output (its ``logits``) or the logits themselves. Labels (B,): float
-        labels with logits (B, 1) give the squared error (regression), otherwise class ids give the
-        cross-entropy of logits (B, C). Labels (B, T) int token ids (-100 ignored) with logits (B, T, V)
-        give each record's mean cross-entropy over its own tokens (0 for a record with none).
+        labels with logits (B, 1) (or problem_type "regression") give the squared error, otherwise class
+        ids give the cross-entropy of logits (B, C). Float labels (B, C) with logits (B, C): the mean over
+        the C labels of the binary cross-entropy with logits (multi-label classification, as the model's
+        ``BCEWithLogitsLoss``), or of the squared error with problem_type "regression". Labels (B, T) int
+        token ids (-100 ignored) with logits (B, T, V) give each record's mean cross-entropy over its own
+        tokens (0 for a record with none).
     """
     causal = _is_causal_lm(model)
 
     def loss(outputs, labels):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        regression = getattr(getattr(model, "config", None), "problem_type", None) == "regression"
         if labels.dim() == 1:
-            if logits.shape[-1] == 1 and labels.is_floating_point():  # regression (num_labels = 1)
+            if regression or (logits.shape[-1] == 1 and labels.is_floating_point()):  # num_labels = 1
                 return (logits.squeeze(-1).float() - labels.float()).pow(2)
             return nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        if labels.is_floating_point() and logits.dim() == 2:  # (B, C) targets: multi-label or regression
+            if logits.shape != labels.shape:
+                raise ValueError(f"float labels of shape {tuple(labels.shape)} need logits of the same shape, got "
+                                 f"{tuple(logits.shape)}; pass DPTrainer(per_sample_loss=fn(outputs, labels) -> (B,))")
+            if regression:
+                return (logits.float() - labels.float()).pow(2).mean(1)
+            return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels.float(),
+                                                                  reduction="none").mean(1)
         if causal:  # token t predicts token t + 1
             logits, labels = logits[:, :-1], labels[:, 1:]
         tokens = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none",
@@ -227,9 +292,13 @@ class DPTrainer(transformers.Trainer):
         outside (0, 1); σ < 0 or not finite; C ≤ 0 or not finite; an unknown method, accountant, mode or
         clipping; no ``args`` or no ``train_dataset``, an empty one, or an expected batch
         (per_device_train_batch_size × gradient_accumulation_steps) larger than it; with budgets, epochs
-        that are not a whole number (and no ``max_steps``); a seed < 0. TypeError for a value that is not
-        a number where one is expected (``delta="1e-5"``), ``args`` that is not a TrainingArguments, a
-        ``train_dataset`` without a length, or a ``per_sample_loss`` that is not callable.
+        that are not a whole number (and no ``max_steps``); a seed < 0; ``compute_loss_func`` (use
+        ``per_sample_loss``); TrainingArguments DP cannot honour (``max_grad_norm`` other than 1.0, 0 or
+        this C, ``label_smoothing_factor``, ``fp16``, ``save_only_model``, ``dataloader_drop_last``,
+        ``train_sampling_strategy`` other than "random", ``dataloader_persistent_workers`` without workers).
+        TypeError for a value that is not a number where one is expected (``delta="1e-5"``), ``args`` that is
+        not a TrainingArguments, a ``train_dataset`` without a length, or a ``per_sample_loss`` that is not
+        callable.
     """
 
     def __init__(self, *args, budgets=None, delta: float = 1e-5, method: str | None = None,
@@ -262,6 +331,10 @@ class DPTrainer(transformers.Trainer):
                              "or epochs set the privacy plan")
         if not isinstance(training_args, transformers.TrainingArguments):
             raise TypeError(f"args must be a transformers.TrainingArguments, got {type(training_args).__name__}")
+        _check_training_arguments(training_args, max_grad_norm)
+        if bound.arguments.get("compute_loss_func") is not None:
+            raise ValueError("compute_loss_func= is not used by DPTrainer, which needs one loss per record: pass "
+                             "per_sample_loss=fn(outputs, labels) -> (B,) losses instead")
         accumulation_steps = int(training_args.gradient_accumulation_steps)
         if budgets is not None:
             _check_plan_length(training_args)
@@ -318,8 +391,12 @@ class DPTrainer(transformers.Trainer):
             dataset = dataset.remove_columns(self.budgets_spec)
         sample_rate = expected / n
         collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        base = DataLoader(dataset, batch_size=physical, collate_fn=collate,
-                          num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        workers = dict(num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+                       persistent_workers=self.args.dataloader_persistent_workers,
+                       multiprocessing_context=self.args.dataloader_multiprocessing_context)
+        if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is not None:
+            workers["prefetch_factor"] = self.args.dataloader_prefetch_factor
+        base = DataLoader(dataset, batch_size=physical, collate_fn=collate, **workers)
         optimizer = self.create_optimizer()
         steps_per_epoch = self._steps_per_epoch = max(1, round(1.0 / sample_rate))
         common = dict(module=self.model, optimizer=optimizer, data_loader=base, mode=self.dp_mode,
