@@ -475,32 +475,24 @@ def plot(result: dict, path) -> None:
         ValueError naming ``result`` if it lacks the keys :func:`run_audit` returns, or naming ``path``
         as :func:`pdpfast.plots.check_image_path` does.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .plots import atomic_path, check_image_path
+    from .plots import check_image_path, figure, save_figure
 
     _check_result(result, ("rows", "confidence"))
     image_format = check_image_path(path)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = result["rows"]
-    budgets = sorted({r["group_budget"] for r in rows if r["group_budget"] is not None})
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method and r["group_budget"] is not None]
-        if mine:
-            ax.plot([r["group_budget"] for r in mine], [r["epsilon_lower_bound"] for r in mine], "o-", label=method)
-        else:
-            bound = [r["epsilon_lower_bound"] for r in rows if r["method"] == method][0]
-            ax.axhline(bound, ls=":", color="grey", label=f"{method} ({bound:.2f})")
-    if budgets:
-        ax.plot(budgets, budgets, "k--", lw=1, label="lower bound = budget")
-    ax.set_xlabel("group budget ε")
-    ax.set_ylabel(f"empirical ε lower bound ({result['confidence']:.0%})")
-    ax.set_title("One-run privacy audit per privacy group")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=image_format, dpi=120)
-    plt.close(fig)
+    with figure(figsize=(6, 4)) as (fig, ax):
+        rows = result["rows"]
+        budgets = sorted({r["group_budget"] for r in rows if r["group_budget"] is not None})
+        for method in dict.fromkeys(r["method"] for r in rows):
+            mine = [r for r in rows if r["method"] == method and r["group_budget"] is not None]
+            if mine:
+                ax.plot([r["group_budget"] for r in mine], [r["epsilon_lower_bound"] for r in mine], "o-", label=method)
+            else:
+                bound = [r["epsilon_lower_bound"] for r in rows if r["method"] == method][0]
+                ax.axhline(bound, ls=":", color="grey", label=f"{method} ({bound:.2f})")
+        if budgets:
+            ax.plot(budgets, budgets, "k--", lw=1, label="lower bound = budget")
+        ax.set_xlabel("group budget ε")
+        ax.set_ylabel(f"empirical ε lower bound ({result['confidence']:.0%})")
+        ax.set_title("One-run privacy audit per privacy group")
+        ax.legend(fontsize=8)
+        save_figure(fig, path, image_format)

@@ -195,34 +195,26 @@ def save_adaptive_plot(runs, path) -> None:
     Raises:
         ValueError for no runs, or naming ``path`` as :func:`pdpfast.plots.check_image_path` does.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from .plots import atomic_path, check_image_path
+    from .plots import check_image_path, figure, save_figure
 
     if len(runs) == 0:
         raise ValueError("runs is empty: there is nothing to plot")
     image_format = check_image_path(path)
     methods = list(dict.fromkeys(r.method for r in runs))
     variants = list(dict.fromkeys(r.variant for r in runs))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(variants)
-    for j, variant in enumerate(variants):
-        means, stds = [], []
-        for method in methods:
-            acc = [r.accuracy for r in runs if r.method == method and r.variant == variant]
-            means.append(np.mean(acc))
-            stds.append(np.std(acc))
-        ax.bar(np.arange(len(methods)) + (j - (len(variants) - 1) / 2) * width, means, width, yerr=stds,
-               label=variant, capsize=2)
-    ax.set_xticks(np.arange(len(methods)), [f"IDP {m.capitalize()}" for m in methods])
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0, 1)
-    ax.set_title("digits, ε = 1/2/3: fixed vs adaptive clipping, fixed vs decaying noise")
-    ax.legend(fontsize=8, ncol=3, loc="lower center")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format=image_format, dpi=120)
-    plt.close(fig)
+    with figure(figsize=(9, 4.5)) as (fig, ax):
+        width = 0.8 / len(variants)
+        for j, variant in enumerate(variants):
+            means, stds = [], []
+            for method in methods:
+                acc = [r.accuracy for r in runs if r.method == method and r.variant == variant]
+                means.append(np.mean(acc))
+                stds.append(np.std(acc))
+            ax.bar(np.arange(len(methods)) + (j - (len(variants) - 1) / 2) * width, means, width, yerr=stds,
+                   label=variant, capsize=2)
+        ax.set_xticks(np.arange(len(methods)), [f"IDP {m.capitalize()}" for m in methods])
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.set_title("digits, ε = 1/2/3: fixed vs adaptive clipping, fixed vs decaying noise")
+        ax.legend(fontsize=8, ncol=3, loc="lower center")
+        save_figure(fig, path, image_format)

@@ -3,13 +3,19 @@
 Every writer goes through a temporary file in the destination's directory and ``os.replace``, so
 an output file is either absent or complete, never half-written. A plot is written in the format
 its path's suffix names (``.png``, ``.pdf``, ``.svg``, ...); a path without a suffix matplotlib
-writes is refused before anything is drawn.
+writes, or whose format needs a program or Pillow codec this machine lacks (a TeX system for ``.pgf``,
+``latex`` when ``rcParams["text.usetex"]`` is set, Pillow's WebP/AVIF/JPEG support), is refused before
+anything is drawn. A plot that is refused or fails closes its figure: none is left open in pyplot.
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +23,7 @@ import numpy as np
 from ._io import check_output_path
 
 __all__ = ["accuracy_curves", "atomic_path", "atomic_write_text", "bench_ratios", "check_image_path",
-           "epsilon_curves", "plan_histograms", "Staging"]
+           "epsilon_curves", "figure", "plan_histograms", "save_figure", "Staging"]
 
 
 def _check_file_path(path, name: str) -> str:
@@ -158,9 +164,56 @@ def _pyplot():
     return plt
 
 
+# Formats matplotlib draws with Agg (pixels): with usetex, their text goes through dvipng.
+_RASTER_FORMATS = frozenset({"png", "raw", "rgba", "gif", "jpg", "jpeg", "tif", "tiff", "webp", "avif"})
+# Formats Pillow encodes with an optional library (a Pillow built without it cannot write them).
+_PILLOW_FEATURES = {"jpg": "jpg", "jpeg": "jpg", "webp": "webp", "avif": "avif"}
+
+
+def _why_unwritable(image_format: str) -> str | None:
+    """Why this machine cannot write ``image_format`` with the current rcParams (a program missing from
+    PATH, or Pillow without the codec), or None when it can. Checked up front: matplotlib finds out only
+    in ``savefig``, after the work the plot shows (a calibration, a benchmark) is done."""
+    import matplotlib
+
+    rc = matplotlib.rcParams
+    if image_format == "pgf":
+        programs, setting = [rc["pgf.texsystem"]], "rcParams['pgf.texsystem']"
+        instead = "set rcParams['pgf.texsystem'] to an installed one (xelatex, lualatex or pdflatex)"
+    elif rc["text.usetex"]:
+        # usetex renders text with latex, then dvipng for pixels or dvips for PostScript; pdf and svg
+        # read the dvi file themselves.
+        programs = ["latex"]
+        if image_format in _RASTER_FORMATS:
+            programs.append("dvipng")
+        elif image_format in ("ps", "eps"):
+            programs.append("dvips")
+        setting, instead = "rcParams['text.usetex'] = True", "set rcParams['text.usetex'] = False"
+    else:
+        programs = []
+    missing = [program for program in programs if shutil.which(program) is None]
+    if missing:
+        return (f"writing .{image_format} needs {' and '.join(map(repr, missing))} ({setting}), not found on "
+                f"PATH; install {'it' if len(missing) == 1 else 'them'}, {instead}, or pick another suffix such as "
+                ".pdf or .svg")
+    feature = _PILLOW_FEATURES.get(image_format)
+    if feature is not None:
+        from PIL import __version__ as pillow_version
+        from PIL import features
+
+        with warnings.catch_warnings():         # an older Pillow warns "Unknown feature 'avif'"
+            warnings.simplefilter("ignore")
+            supported = features.check(feature)
+        if not supported:
+            return (f"the installed Pillow {pillow_version} cannot write {feature.upper()} (built without "
+                    "it); install a Pillow that supports it, or pick another suffix such as .png or .pdf")
+    return None
+
+
 def check_image_path(path, name: str = "path") -> str:
     """Check where a plot goes, before it is drawn: a file path whose suffix names a format matplotlib
-    writes (the suffix decides the format, so ``x.pdf`` holds a PDF, never PNG bytes).
+    writes (the suffix decides the format, so ``x.pdf`` holds a PDF, never PNG bytes) and this machine
+    can write with the current rcParams.
 
     Args:
         path: the image file (str or ``Path``); name: the argument or option, as the message names it.
@@ -168,8 +221,12 @@ def check_image_path(path, name: str = "path") -> str:
         the format, the suffix in lower case without its dot ("png", "pdf", "svg", ...).
     Raises:
         TypeError if ``path`` is not a path; ValueError naming ``name`` for an empty path, a directory,
-        a parent that is a file or not writable (``pdpfast._io.check_output_path``), or a suffix that is
-        missing or names no format matplotlib writes.
+        a parent that is a file or not writable (``pdpfast._io.check_output_path``), a suffix that is
+        missing or names no format matplotlib writes, or a format that needs what this machine lacks:
+        ``.pgf`` without the TeX program ``rcParams["pgf.texsystem"]`` names on PATH; with
+        ``rcParams["text.usetex"]``, any format without ``latex`` (and ``dvipng`` for pixel formats,
+        ``dvips`` for ``.ps``/``.eps``); ``.jpg``/``.jpeg``/``.webp``/``.avif`` with a Pillow built
+        without that codec.
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -180,15 +237,42 @@ def check_image_path(path, name: str = "path") -> str:
         known = ", ".join(f".{f}" for f in sorted(formats))
         said = f"suffix {suffix!r}" if suffix else "no suffix"
         raise ValueError(f"{name} {shown!r} has {said}; the suffix picks the image format, one of {known}")
+    why = _why_unwritable(suffix[1:])
+    if why is not None:
+        raise ValueError(f"{name} {shown!r}: {why}")
     return suffix[1:]
 
 
-def _save(fig, path, image_format: str) -> None:
+@contextlib.contextmanager
+def figure(*args, **kwargs):
+    """``plt.subplots(*args, **kwargs)`` as ``(fig, axes)``, closed on leaving the block however it is left:
+    pyplot keeps every figure until it is closed, so one left by a failed plot is memory a long-lived
+    process never gets back (and matplotlib warns after 20).
+
+    Args:
+        args, kwargs: those of ``plt.subplots``.
+    Returns:
+        a context manager yielding ``(fig, axes)``.
+    """
     plt = _pyplot()
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+    finally:
+        plt.close(fig)
+
+
+def save_figure(fig, path, image_format: str) -> None:
+    """Lay ``fig`` out and write it to ``path`` atomically.
+
+    Args:
+        fig: the figure. path: the file. image_format: its format (what :func:`check_image_path` returned).
+    Returns:
+        None.
+    """
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format=image_format, dpi=120)
-    plt.close(fig)
 
 
 def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during training") -> None:
@@ -205,7 +289,8 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
         None.
     Raises:
         ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`),
-        a run with as many steps as accuracies, or a method whose runs were taken at different steps.
+        a run without as many steps as accuracies, or a method whose runs were taken at different steps;
+        all before anything is drawn.
     """
     image_format = check_image_path(path)
     for method, runs in curves.items():
@@ -213,8 +298,7 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
             if len(steps) != len(accuracies):
                 raise ValueError(f"curves[{method!r}], run {k}: {len(steps)} steps but {len(accuracies)} "
                                  "accuracies; give one accuracy per step")
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines = []                                  # (method, steps (S,), accuracy (runs, S))
     for method, runs in curves.items():
         runs = [r for r in runs if len(r[0])]
         if not runs:
@@ -222,21 +306,34 @@ def accuracy_curves(curves: dict, path, *, title: str = "test accuracy during tr
         length = min(len(r[0]) for r in runs)
         steps = np.asarray(runs[0][0][:length])
         if any(not np.array_equal(np.asarray(r[0][:length]), steps) for r in runs[1:]):
-            plt.close(fig)
             raise ValueError(f"curves[{method!r}]: the runs were evaluated at different steps; a mean over "
                              "seeds needs the same steps in every run (evaluate at the same steps, or plot "
                              "the runs as separate methods)")
-        acc = np.stack([np.asarray(r[1][:length]) for r in runs])
-        line, = ax.plot(steps, acc.mean(0), label=method)
-        if acc.shape[0] > 1:
-            ax.fill_between(steps, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), alpha=0.2,
-                            color=line.get_color())
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(fig, path, image_format)
+        lines.append((method, steps, np.stack([np.asarray(r[1][:length]) for r in runs])))
+    with figure(figsize=(7, 4.5)) as (fig, ax):
+        for method, steps, acc in lines:
+            line, = ax.plot(steps, acc.mean(0), label=method)
+            if acc.shape[0] > 1:
+                ax.fill_between(steps, acc.mean(0) - acc.std(0), acc.mean(0) + acc.std(0), alpha=0.2,
+                                color=line.get_color())
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save_figure(fig, path, image_format)
+
+
+def _budget(method, key) -> float:
+    """A group's budget key as a number: results.json writes them as strings ("1.0")."""
+    try:
+        budget = float(key)
+    except (TypeError, ValueError):
+        budget = math.nan
+    if math.isnan(budget):
+        raise ValueError(f"curves[{method!r}]: budget key {key!r} is not a number; key each group by its "
+                         "budget ε, a number or a numeric string such as '1.0'")
+    return budget
 
 
 def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy group") -> None:
@@ -245,51 +342,58 @@ def epsilon_curves(curves: dict, path, *, title: str = "ε spent per privacy gro
 
     Args:
         curves: {method name: (steps (S,), {budget ε: (S,) ε spent, the max over the group's records})};
-            methods whose entry is None or has no steps are skipped.
+            a budget is a number or a numeric string (results.json's keys, e.g. "1.0"); methods whose
+            entry is None or has no steps are skipped.
         path: the image file to write (atomically), in the format its suffix names.
         title: the figure's title.
     Returns:
         None.
     Raises:
-        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`) or
-        a group with another number of values than steps.
+        ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`),
+        a budget key that is not a number, or a group with another number of values than steps; all
+        before anything is drawn.
     """
     image_format = check_image_path(path)
-    methods = [m for m, c in curves.items() if c is not None and len(c[0])]
-    for method in methods:
-        steps, per_group = curves[method]
-        for budget, spent in per_group.items():
+    panels = []                                 # (method, steps (S,), [(budget ε, (S,) ε spent)] by budget)
+    for method, curve in curves.items():
+        if curve is None or not len(curve[0]):
+            continue
+        steps, per_group = curve
+        groups = []
+        for key, spent in per_group.items():
+            budget = _budget(method, key)
             if len(spent) != len(steps):
-                raise ValueError(f"curves[{method!r}], budget {budget!r}: {len(steps)} steps but {len(spent)} "
+                raise ValueError(f"curves[{method!r}], budget {key!r}: {len(steps)} steps but {len(spent)} "
                                  "values of ε spent; give one per step")
+            groups.append((budget, spent))
+        panels.append((method, steps, sorted(groups, key=lambda group: group[0])))
     plt = _pyplot()
-    cols = min(3, max(1, len(methods)))
-    rows = max(1, -(-len(methods) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, method in zip(axes.ravel(), methods):
-        steps, per_group = curves[method]
-        for k, b in enumerate(sorted(per_group)):
-            color = colors[k % len(colors)]
-            ax.plot(steps, per_group[b], color=color, label=f"budget ε={b:g}")
-            ax.axhline(b, color=color, ls="--", lw=0.8)
-        ax.set_title(method, fontsize=10)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-    for ax in axes.ravel()[len(methods):]:
-        ax.axis("off")
-    axes[0, 0].set_ylabel("ε spent (ledger)")
-    if methods:
-        axes[0, 0].legend(fontsize=7)
-    fig.suptitle(title)
-    _save(fig, path, image_format)
+    cols = min(3, max(1, len(panels)))
+    rows = max(1, -(-len(panels) // cols))
+    with figure(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True) as (fig, axes):
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for ax, (method, steps, groups) in zip(axes.ravel(), panels):
+            for k, (budget, spent) in enumerate(groups):
+                color = colors[k % len(colors)]
+                ax.plot(steps, spent, color=color, label=f"budget ε={budget:g}")
+                ax.axhline(budget, color=color, ls="--", lw=0.8)
+            ax.set_title(method, fontsize=10)
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+        for ax in axes.ravel()[len(panels):]:
+            ax.axis("off")
+        axes[0, 0].set_ylabel("ε spent (ledger)")
+        if panels:
+            axes[0, 0].legend(fontsize=7)
+        fig.suptitle(title)
+        save_figure(fig, path, image_format)
 
 
 def plan_histograms(plan, path) -> None:
     """Histograms of the plan's per-record sampling rates q_i and clip norms c_i.
 
     Args:
-        plan: a ``PrivacyPlan``: its (G,) ``group_sample_rates`` and ``group_clip_norms`` are
+        plan: a ``PrivacyPlan``: its (G,) ``group_sample_rates`` and ``group_clip_norms`` (finite) are
             histogrammed with weights ``group_sizes`` (so the counts are records); ``method``,
             ``noise_multiplier``, ``steps`` and ``delta`` go into the title.
         path: the image file to write (atomically), in the format its suffix names.
@@ -297,7 +401,8 @@ def plan_histograms(plan, path) -> None:
         None.
     Raises:
         ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`), a
-        plan without groups, or group arrays of different lengths.
+        plan without groups, group arrays of different lengths, or a sample rate or clip norm that is
+        NaN or infinite; all before anything is drawn.
     """
     image_format = check_image_path(path)
     sizes = [np.size(a) for a in (plan.group_sample_rates, plan.group_clip_norms, plan.group_sizes)]
@@ -306,31 +411,39 @@ def plan_histograms(plan, path) -> None:
     if len(set(sizes)) != 1:
         raise ValueError(f"plan must have one sample rate, clip norm and size per group, got {sizes[0]}, "
                          f"{sizes[1]} and {sizes[2]}")
-    plt = _pyplot()
+    panels = []
+    for attribute, label in (("group_sample_rates", "sample rate q_i"), ("group_clip_norms", "clip norm c_i")):
+        values = np.asarray(getattr(plan, attribute), dtype=np.float64)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise ValueError(f"plan.{attribute} has {int(bad.sum())} value(s) that are NaN or infinite (group "
+                             f"{int(np.flatnonzero(bad)[0])}: {values[bad][0]}); a plan to plot has finite "
+                             "ones: check how it was built or loaded")
+        panels.append((values, label))
     from matplotlib.ticker import MaxNLocator
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for ax, values, label in ((a, plan.group_sample_rates, "sample rate q_i"),
-                              (b, plan.group_clip_norms, "clip norm c_i")):
-        lo, hi = float(values.min()), float(values.max())
-        if hi - lo <= 1e-12 * max(1.0, abs(hi)):
-            lo, hi = lo - 0.5 * max(abs(lo), 1e-3) * 0.1, hi + 0.5 * max(abs(hi), 1e-3) * 0.1
-        ax.hist(values, bins=40, range=(lo, hi), weights=plan.group_sizes)
-        ax.xaxis.set_major_locator(MaxNLocator(5))
-        ax.set_xlabel(label)
-        ax.set_ylabel("records")
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"PrivacyPlan({plan.method}): σ={plan.noise_multiplier:.4g}, {plan.steps} steps, "
-                 f"δ={plan.delta:.2g}", fontsize=10)
-    _save(fig, path, image_format)
+    with figure(1, 2, figsize=(9, 3.6)) as (fig, axes):
+        for ax, (values, label) in zip(axes, panels):
+            lo, hi = float(values.min()), float(values.max())
+            if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+                lo, hi = lo - 0.5 * max(abs(lo), 1e-3) * 0.1, hi + 0.5 * max(abs(hi), 1e-3) * 0.1
+            ax.hist(values, bins=40, range=(lo, hi), weights=plan.group_sizes)
+            ax.xaxis.set_major_locator(MaxNLocator(5))
+            ax.set_xlabel(label)
+            ax.set_ylabel("records")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"PrivacyPlan({plan.method}): σ={plan.noise_multiplier:.4g}, {plan.steps} steps, "
+                     f"δ={plan.delta:.2g}", fontsize=10)
+        save_figure(fig, path, image_format)
 
 
 def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
     """Grouped bars: for each model, each provider's ``key`` (a ratio to non-private), a line at 1.
 
     Args:
-        rows: benchmark result dicts with "model", "provider" and ``key``; rows without ``key`` are
-            skipped, a missing (model, provider) pair is drawn as NaN (no bar).
+        rows: benchmark result dicts with "model", "provider" and ``key``; rows without ``key``, or
+            whose ``key`` is None (JSON null: not measured), are skipped; a missing (model, provider)
+            pair is drawn as NaN (no bar).
         path: the image file to write (atomically), in the format its suffix names.
         key: the row field to plot, e.g. "throughput_ratio_vs_nonprivate".
         title: the plot's title.
@@ -338,28 +451,31 @@ def bench_ratios(rows: list, path, *, key: str, title: str) -> None:
         None.
     Raises:
         ValueError (TypeError for a path that is not one) for a bad path (:func:`check_image_path`), or
-        a row with ``key`` but without "model" or "provider".
+        a row with ``key`` but without "model" or "provider", or whose ``key`` is not a number; all
+        before anything is drawn.
     """
     image_format = check_image_path(path)
     for i, row in enumerate(rows):
         missing = [k for k in ("model", "provider") if k not in row]
-        if key in row and missing:
+        if row.get(key) is not None and missing:
             raise ValueError(f"rows[{i}] has {key!r} but no {' or '.join(map(repr, missing))}; every plotted row "
                              "names its model and provider")
-    rows = [r for r in rows if key in r]
-    plt = _pyplot()
+        if row.get(key) is not None and not isinstance(row[key], numbers.Real):
+            raise ValueError(f"rows[{i}][{key!r}] is {row[key]!r}, not a number; give a number, or None for "
+                             "one not measured (drawn as no bar)")
+    rows = [r for r in rows if r.get(key) is not None]
     models = list(dict.fromkeys(r["model"] for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(models) * max(1, len(providers)) / 2), 4))
-    width = 0.8 / max(1, len(providers))
-    for j, provider in enumerate(providers):
-        values = [next((r[key] for r in rows if r["model"] == m and r["provider"] == provider), np.nan)
-                  for m in models]
-        ax.bar(np.arange(len(models)) + j * width, values, width, label=provider)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(np.arange(len(models)) + width * (len(providers) - 1) / 2, models)
-    ax.set_ylabel(key.replace("_", " "))
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
-    _save(fig, path, image_format)
+    with figure(figsize=(max(6, 1.3 * len(models) * max(1, len(providers)) / 2), 4)) as (fig, ax):
+        width = 0.8 / max(1, len(providers))
+        for j, provider in enumerate(providers):
+            values = [next((r[key] for r in rows if r["model"] == m and r["provider"] == provider), np.nan)
+                      for m in models]
+            ax.bar(np.arange(len(models)) + j * width, values, width, label=provider)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(models)) + width * (len(providers) - 1) / 2, models)
+        ax.set_ylabel(key.replace("_", " "))
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        save_figure(fig, path, image_format)

@@ -87,3 +87,125 @@ def test_bench_rows_without_the_plotted_key_are_skipped_whatever_else_they_lack(
     plots.bench_ratios([{"note": "no model"}, {"k": 1.2, "model": "cnn", "provider": "x"}], tmp_path / "b.png",
                        key="k", title="t")
     assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def _open_figures() -> list[int]:
+    import matplotlib.pyplot as plt
+
+    return plt.get_fignums()
+
+
+@pytest.mark.parametrize("texsystem", ["xelatex", "lualatex"])
+def test_pgf_without_its_tex_program_is_refused_naming_the_option_and_the_program(tmp_path, monkeypatch,
+                                                                                  texsystem):
+    """``pdpfast calibrate --plot plan.pgf`` used to calibrate, then fail in savefig (no TeX)."""
+    import matplotlib
+
+    monkeypatch.setattr(plots.shutil, "which", lambda program: None)
+    with matplotlib.rc_context({"pgf.texsystem": texsystem}):
+        with pytest.raises(ValueError, match=rf"^--plot .*plan\.pgf.*'{texsystem}'.*pgf\.texsystem"):
+            plots.check_image_path(tmp_path / "plan.pgf", "--plot")
+        with pytest.raises(ValueError, match=rf"^path .*'{texsystem}'"):
+            plots.plan_histograms(_plan(), tmp_path / "plan.pgf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_pgf_is_accepted_when_its_tex_program_is_on_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots.shutil, "which", lambda program: f"/usr/bin/{program}")
+    assert plots.check_image_path(tmp_path / "plan.pgf", "--plot") == "pgf"
+
+
+@pytest.mark.parametrize("suffix,needed", [(".png", "'latex' and 'dvipng'"), (".eps", "'latex' and 'dvips'"),
+                                           (".pdf", "'latex' \\(")])
+def test_usetex_without_latex_is_refused_naming_the_programs_it_needs(tmp_path, monkeypatch, suffix, needed):
+    import matplotlib
+
+    monkeypatch.setattr(plots.shutil, "which", lambda program: None)
+    with matplotlib.rc_context({"text.usetex": True}), pytest.raises(ValueError, match=rf"^--plot .*{needed}.*usetex"):
+        plots.check_image_path(tmp_path / f"p{suffix}", "--plot")
+
+
+@pytest.mark.parametrize("suffix", [".webp", ".avif", ".jpg"])
+def test_a_format_pillow_was_built_without_is_refused_naming_pillow(tmp_path, monkeypatch, suffix):
+    from PIL import features
+
+    monkeypatch.setattr(features, "check", lambda feature: False)
+    with pytest.raises(ValueError, match=r"^--plot .*Pillow .* cannot write"):
+        plots.check_image_path(tmp_path / f"p{suffix}", "--plot")
+
+
+def test_png_needs_no_external_program(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots.shutil, "which", lambda program: None)
+    assert plots.check_image_path(tmp_path / "p.png") == "png"
+
+
+def _plan_with(**attributes):
+    plan = _plan()
+    for name, value in attributes.items():
+        setattr(plan, name, value)
+    return plan
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: plots.accuracy_curves(CURVES, p.with_suffix(".xyz")),
+    lambda p: plots.accuracy_curves({"m": [([0, 1], [0.1, 0.2]), ([0, 2], [0.1, 0.2])]}, p),
+    lambda p: plots.epsilon_curves({"m": ([0, 1], {"one": [0.0, 0.1]})}, p),
+    lambda p: plots.plan_histograms(_plan((0.1, np.nan)), p),
+    lambda p: plots.plan_histograms(_plan_with(noise_multiplier=None), p),     # fails while drawing the title
+    lambda p: plots.bench_ratios([{"k": "fast", "model": "m", "provider": "x"}], p, key="k", title="t")])
+def test_a_refused_or_failed_plot_leaves_no_figure_open(tmp_path, call):
+    """A failed plot used to leave its figure in pyplot (75 open after 75 failures in a loop)."""
+    before = _open_figures()
+    with pytest.raises((ValueError, TypeError)):
+        call(tmp_path / "p.png")
+    assert _open_figures() == before
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_written_plot_leaves_no_figure_open(tmp_path):
+    before = _open_figures()
+    plots.plan_histograms(_plan(), tmp_path / "p.png")
+    assert _open_figures() == before
+
+
+@pytest.mark.parametrize("attribute,values", [("group_sample_rates", (0.1, np.nan)),
+                                              ("group_clip_norms", (1.0, np.inf))])
+def test_a_plan_with_nan_or_inf_rates_or_clip_norms_is_refused_naming_the_array(tmp_path, attribute, values):
+    """numpy's "supplied range of [nan, nan] is not finite" used to come out of ax.hist."""
+    with pytest.raises(ValueError, match=rf"^plan\.{attribute} has 1 value\(s\) that are NaN or infinite \(group 1"):
+        plots.plan_histograms(_plan_with(**{attribute: np.array(values)}), tmp_path / "p.png")
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_rows_whose_value_is_none_are_skipped_as_not_measured(tmp_path):
+    """A JSON null used to fail inside ax.bar (int + NoneType)."""
+    rows = [{"k": None, "model": "cnn", "provider": "x"}, {"k": None}, {"k": 1.2, "model": "cnn", "provider": "y"}]
+    plots.bench_ratios(rows, tmp_path / "b.png", key="k", title="t")
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_a_bench_value_that_is_not_a_number_is_refused_naming_the_row_and_key(tmp_path):
+    with pytest.raises(ValueError, match=r"^rows\[1\]\['k'\] is 'fast', not a number"):
+        plots.bench_ratios([{"k": 1.0, "model": "m", "provider": "x"}, {"k": "fast", "model": "m", "provider": "y"}],
+                           tmp_path / "b.png", key="k", title="t")
+    assert not list(tmp_path.iterdir())
+
+
+def test_epsilon_curves_plot_the_string_budget_keys_results_json_writes(tmp_path):
+    """results.json keys budgets as strings ("1.0"); plotting them used to fail with "Unknown format code 'g'"."""
+    import json
+
+    from pdpfast.demo import RunResult, results_json
+
+    run = RunResult(method="sample", accuracy=0.5, seconds=1.0, epsilons={1.0: 0.9, 3.0: 2.5}, steps=[0, 10],
+                    accuracies=[0.1, 0.5], epsilon_curve={3.0: [0.0, 2.5], 1.0: [0.0, 0.9]})
+    stored = json.loads(json.dumps(results_json({"sample": [run]})))["runs"]["sample"][0]
+    assert set(stored["epsilon_curve"]) == {"1.0", "3.0"}
+    plots.epsilon_curves({"sample": (stored["steps"], stored["epsilon_curve"])}, tmp_path / "e.png")
+    assert (tmp_path / "e.png").read_bytes().startswith(MAGIC[".png"])
+
+
+def test_a_budget_key_that_is_not_a_number_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"^curves\['m'\]: budget key 'one' is not a number"):
+        plots.epsilon_curves({"m": ([0, 1], {"one": [0.0, 0.1]})}, tmp_path / "e.png")
+    assert not list(tmp_path.iterdir())
