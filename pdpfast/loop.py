@@ -5,8 +5,8 @@ Used by every driver — ``pdpfast train`` (:mod:`pdpfast.train`), PDP-SGD (:mod
 the demos, the audit and the federated clients (:mod:`pdpfast.fl.client`) — so they train alike:
 
 * :class:`Task` — how a batch becomes a loss and how a model is evaluated (classification with
-  logits (B, K), or next-token language modelling for GPT-2); losses are sums of per-record losses
-  (``loss_reduction="sum"``), which keeps empty Poisson draws well defined.
+  logits (B, K), or next-token language modelling for GPT-2, padding no target); losses are sums of
+  per-record losses (``loss_reduction="sum"``), which keeps empty Poisson draws well defined.
 * :func:`private_engine` — ``PrivacyEngine.make_private_with_budgets`` for "sample" / "scale" /
   "hybrid", and for "dpsgd" (every record at the smallest budget: what standard DP-SGD must use).
 * :func:`private_steps` — the ordinary training loop, run until the engine has taken a given
@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader
 from ._checks import check_choice, check_int, check_positive_integer
 from .data import map_style_length
 
-__all__ = ["PrivateRun", "SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for", "private_engine",
-           "private_steps", "to_device"]
+__all__ = ["IGNORE_INDEX", "PrivateRun", "SequenceCrossEntropy", "Task", "evaluate", "model_device", "pin_memory_for",
+           "private_engine", "private_steps", "to_device"]
 
 
 # ---------------------------------------------------------------------------------------------- devices
@@ -77,10 +77,15 @@ def pin_memory_for(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- tasks
+IGNORE_INDEX = -100   # a target that is not one (padding), as in torch's cross_entropy and Hugging Face
+
+
 class SequenceCrossEntropy(nn.Module):
-    """Next-token cross-entropy; a record's loss is the mean over its positions.
+    """Next-token cross-entropy; a record's loss is the mean over its real targets (those not
+    ``IGNORE_INDEX``: :meth:`Task.next_token_targets` marks padding so), 0 for a record with none.
 
     forward(logits (B, T, V), targets (B, T)) → (B,) with reduction "none", else their sum / mean.
+    Each record's loss reads only that record's row, so a summed loss is a sum of per-record losses.
     (A torch loss module with a ``reduction`` attribute, so ghost mode can wrap it.)"""
 
     def __init__(self, reduction: str = "sum"):
@@ -91,14 +96,15 @@ class SequenceCrossEntropy(nn.Module):
         """Per-record next-token losses.
 
         Args:
-            logits (B, T, V) float; targets (B, T) int64 token ids.
+            logits (B, T, V) float; targets (B, T) int64 token ids, ``IGNORE_INDEX`` where there is no target.
         Returns:
-            (B,) per-record mean losses in nats for reduction "none", else their sum or mean (a scalar).
+            (B,) per-record losses in nats (the mean over the record's real targets; 0, with a zero gradient,
+            for a record without one) for reduction "none", else their sum or mean (a scalar).
         """
-        b = targets.shape[0]
         per_token = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                                                reduction="none")
-        per_record = per_token.reshape(b, -1).mean(1) if per_token.numel() else per_token.reshape(b)
+                                                reduction="none", ignore_index=IGNORE_INDEX).reshape(targets.shape)
+        real = (targets != IGNORE_INDEX).sum(1).clamp_min(1)
+        per_record = per_token.sum(1) / real
         if self.reduction == "none":
             return per_record
         return per_record.sum() if self.reduction == "sum" else per_record.mean()
@@ -112,7 +118,10 @@ class Task:
         kind: "classification" or "lm".
         family: "plain" (``model(x)``), "bert" (token ids with an attention mask hiding ``pad_id``)
             or "gpt2".
-        pad_id: the padding token id of "bert" inputs (an int ≥ 0).
+        pad_id: the padding token id of token inputs (an int ≥ 0; pdpfast's data pad with 0 on the
+            right): "bert" hides it with the attention mask; "lm" takes no target in a record's trailing
+            run of it (a ``pad_id`` inside the sequence stays a target — id 0 is a real token, "!", for
+            GPT-2's tokenizer — but one that ends a record cannot be told from its padding, and is none).
     Raises:
         ValueError for another kind or family, or a pad_id that is not an int ≥ 0.
     """
@@ -178,13 +187,27 @@ class Task:
                 wrapper).
         Returns:
             the scalar sum of the batch's per-record losses (a ``DPLoss`` in ghost mode); for "lm" the
-                targets are x shifted by one token.
+                targets are x shifted by one token (:meth:`next_token_targets`: padding is no target), a
+                record's loss the mean over its real targets.
         """
         x, y = batch[0], batch[1]
         logits = self.logits(model, x)
         if self.kind == "lm":
-            return criterion(logits[:, :-1], x[:, 1:])
+            return criterion(logits[:, :-1], self.next_token_targets(x))
         return criterion(logits, y)
+
+    def next_token_targets(self, x: torch.Tensor) -> torch.Tensor:
+        """The next-token targets of a batch of token ids, padding excluded.
+
+        Args:
+            x (B, T) int64 token ids, each record padded on the right with ``pad_id``.
+        Returns:
+            (B, T - 1) int64: ``x[:, 1:]``, with ``IGNORE_INDEX`` where the target lies in the record's
+            trailing run of ``pad_id`` (row by row: a record's targets depend on that record only).
+        """
+        # position t is real iff the record has a token other than pad_id at t or after it
+        real = (x != self.pad_id).flip(1).cumsum(1).flip(1) > 0
+        return x[:, 1:].masked_fill(~real[:, 1:], IGNORE_INDEX)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataset, batch_size: int = 512) -> dict:
@@ -193,18 +216,22 @@ class Task:
         Args:
             dataset: map-style, yielding (x, y); batch_size: rows per forward.
         Returns:
-            {"accuracy" in [0, 1], "loss"} (classification) or {"loss", "perplexity"} (lm), loss the mean
-                per-record loss in nats. The model's train / eval mode is restored afterwards.
+            {"accuracy" in [0, 1], "loss"} (classification), loss the mean per-record loss in nats; or
+                {"loss", "perplexity"} (lm), loss the mean next-token loss in nats over all the real
+                (non-padding) targets of the dataset — token-weighted: total loss / number of real targets,
+                so a long record counts more than a short one — and perplexity = exp(loss). The model's
+                train / eval mode is restored afterwards.
         Raises:
             TypeError for a dataset that is not map-style; ValueError for an empty one (no accuracy to
-            report) or a batch_size that is not an int ≥ 1.
+            report), for "lm" one without a real target (every record at most one token before its
+            padding: no perplexity to report), or a batch_size that is not an int ≥ 1.
         """
         if map_style_length(dataset) == 0:
             raise ValueError("dataset is empty: there is nothing to evaluate")
         check_int("batch_size", batch_size, 1)
         was_training = model.training
         model.eval()
-        total, correct, loss_sum = 0, 0, 0.0
+        total, correct, loss_sum = 0, 0, 0.0     # total: records, or real next-token targets for "lm"
         criterion = self.criterion()
         device = model_device(model)
         try:
@@ -212,13 +239,20 @@ class Task:
                 x, y = to_device(x, device), to_device(y, device)
                 logits = self.logits(model, x)
                 if self.kind == "lm":
-                    loss_sum += float(criterion(logits[:, :-1], x[:, 1:]))
+                    targets = self.next_token_targets(x)
+                    loss_sum += float(nn.functional.cross_entropy(
+                        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum",
+                        ignore_index=IGNORE_INDEX))
+                    total += int((targets != IGNORE_INDEX).sum())
                 else:
                     loss_sum += float(criterion(logits, y))
                     correct += int((logits.argmax(-1) == y).sum())
-                total += x.shape[0]
+                    total += x.shape[0]
         finally:
             model.train(was_training)
+        if total == 0:   # only "lm": records there are
+            raise ValueError(f"no record of the dataset has a next-token target: each is at most one token before "
+                             f"its padding (pad_id {self.pad_id}), so there is no perplexity to report")
         mean = loss_sum / total
         if self.kind == "lm":
             return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
@@ -240,7 +274,8 @@ def evaluate(model, dataset, task: Task | None = None) -> dict:
     Args:
         model: the model; dataset: map-style, yielding (x, y); task: a ``Task``, default classification.
     Returns:
-        {"accuracy", "loss"} (classification) or {"loss", "perplexity"} (lm); loss in nats per record.
+        {"accuracy", "loss"} (classification), loss in nats per record, or {"loss", "perplexity"} (lm), loss
+        in nats per real (non-padding) next-token target.
     Raises:
         TypeError for a task that is not a ``Task``; otherwise as :meth:`Task.evaluate`.
     """

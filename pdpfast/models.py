@@ -263,7 +263,9 @@ class ModelSpec:
 
     Attributes:
         name: the model's name (``--model``).
-        build: ``build(input_shape, num_classes, vocab_size, **options) -> nn.Module``.
+        build: ``build(input_shape, num_classes, vocab_size, **options) -> nn.Module``; its optional
+            ``set_by_arguments`` attribute names the options that ``build_model``'s own arguments set
+            (refused as options).
         inputs: the input kinds it accepts ("features" (N, d) float, "image" (N, C, H, W) float,
             "tokens" (N, T) int64 ids).
         task: "classification" (logits (B, classes)) or "lm" (next-token logits (B, T, vocab), labels
@@ -354,18 +356,23 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
 
     Args:
         name: a registered model; input_shape: one record's shape, ints ≥ 1 ((C, H, W) for images,
-            (T,) for tokens); num_classes: K, an int ≥ 2 for a classifier (a language model does not
-            read it; ≥ 1 there); vocab_size: 1 + the largest token id of token inputs, checked against
-            a token model's vocabulary (the other models do not read it, so a caller may pass the
-            data's value, or None, for any model); input_kind: one of ``INPUT_KINDS``; options: the
-            builder's own (``hidden`` / ``activation`` for mlp, ``width`` for cnn, ``layers`` for
-            resnet18-gn, config fields for the Hugging Face models).
+            (T,) for tokens, T ≥ 2 for a language model); num_classes: K, an int ≥ 2 for a classifier (a
+            language model does not read it; ≥ 1 there); vocab_size: the data's vocabulary, 1 + the
+            largest token id of token inputs. It does not size the model: a token model's vocabulary
+            is fixed by its name (``model_spec(name).vocab_size``), and vocab_size is only checked
+            against it (a larger one is refused); the other models do not read it, so a caller may
+            pass the data's value, or None, for any model. input_kind: one of ``INPUT_KINDS``;
+            options: the builder's own (``hidden`` / ``activation`` for mlp, ``width`` for cnn,
+            ``layers`` for resnet18-gn, config fields for the Hugging Face models, except those set
+            by the arguments above: ``num_labels`` (num_classes), ``num_channels`` / ``image_size``
+            (input_shape) and ``size`` (the model name)).
     Returns:
         the model.
     Raises:
         TypeError for an input_shape that is not a sequence; ValueError for an unknown model, input
-        kind or option, inputs the model does not take, a shape of the wrong length or with an entry
-        < 1, num_classes or vocab_size out of range (every check before anything is built).
+        kind or option, an option the arguments above set, inputs the model does not take, a shape
+        of the wrong length or with an entry < 1, a language model's sequences of one token,
+        num_classes or vocab_size out of range (every check before anything is built).
     """
     spec = model_spec(name)
     check_choice("input_kind", input_kind, INPUT_KINDS)
@@ -378,10 +385,17 @@ def build_model(name: str, *, input_shape, num_classes: int = 2, vocab_size: int
                                                 "images)" if input_kind == "features" else ""))
     if input_kind in _SHAPES:
         shape = check_sizes("input_shape", shape, length=_SHAPES[input_kind][0], form=_SHAPES[input_kind][1])
+    if spec.task == "lm" and shape[0] < 2:
+        raise ValueError(f"input_shape {shape}: model {name!r} is a language model, trained to predict each token "
+                         "from the ones before it, so it needs sequences of at least 2 tokens (--max-length ≥ 2 for "
+                         "text; token arrays of at least 2 columns)")
     num_classes = check_int("num_classes", num_classes, 2 if spec.task == "classification" else 1)
     if vocab_size is not None:
         vocab_size = check_int("vocab_size", vocab_size, 1)
     params = inspect.signature(spec.build).parameters
+    set_here = sorted(set(options) & set(getattr(spec.build, "set_by_arguments", ())))
+    if set_here:
+        raise ValueError(f"model {name!r} takes no option {set_here[0]!r}: {_SET_BY_ARGUMENTS[set_here[0]]}")
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):      # Hugging Face builders check their fields
         own = [p for p in params if p not in ("input_shape", "num_classes", "vocab_size")]
         unknown = sorted(set(options) - set(own))
@@ -411,6 +425,15 @@ def _build_resnet(input_shape, num_classes, vocab_size, layers=(2, 2, 2, 2)):
     return model
 
 
+# config fields of the Hugging Face builders that build_model's own arguments set (an option would be passed twice)
+_SET_BY_ARGUMENTS = {
+    "num_labels": "the number of labels is num_classes; pass num_classes instead",
+    "num_channels": "the image channels are C of input_shape (C, H, W); pass input_shape instead",
+    "image_size": "the image size is H = W of input_shape (C, H, W); pass input_shape instead",
+    "size": "the size is part of the model's name; build the model of that size by name instead (e.g. 'gpt2-tiny', "
+            "'bert-micro', 'vit-base')"}
+
+
 def _token_model(builder, size):
     def build(input_shape, num_classes, vocab_size, **overrides):
         length = input_shape[0]
@@ -426,6 +449,7 @@ def _token_model(builder, size):
         if length > positions:
             raise ValueError(f"sequences of {length} tokens are longer than the model's {positions} positions")
         return model
+    build.set_by_arguments = ("size", "num_labels") if builder is bert else ("size",)
     return build
 
 
@@ -444,6 +468,7 @@ def _vit_model(size):
         if height != width:
             raise ValueError(f"ViT takes square images; got {height}×{width}")
         return vit(size, num_labels=num_classes, image_size=height, num_channels=channels, **overrides)
+    build.set_by_arguments = ("size", "num_labels", "num_channels", "image_size")
     return build
 
 

@@ -6,7 +6,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pdpfast.engine import PrivacyBudgetExceeded
-from pdpfast.loop import Task, evaluate, private_engine, private_steps
+from pdpfast.loop import SequenceCrossEntropy, Task, evaluate, private_engine, private_steps
 
 N = 32
 
@@ -114,3 +114,112 @@ def test_on_step_must_be_callable():
     with pytest.raises(TypeError, match="on_step must be callable"):
         _steps(run, until=1, on_step=5)
     assert run.engine.steps == 0
+
+
+# ---------------------------------------------------------------------------------------------- language modelling
+V, T = 128, 9
+
+
+def _lm():
+    from pdpfast.models import gpt2
+
+    torch.manual_seed(0)
+    return gpt2("micro", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).eval()
+
+
+def _padded_tokens():
+    """Ragged records padded on the right with 0; record 1 has a real 0 inside, record 3 is its
+    first token and padding only, record 4 has no padding."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [4, 6, 2, 1, T, 7]
+    x = torch.zeros(len(lengths), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        x[i, :n] = torch.randint(1, V, (n,), generator=g)
+    x[1, 2] = 0
+    return x, lengths
+
+
+@torch.no_grad()
+def _oracle_record_losses(model, x, lengths):
+    """Record by record: the mean over t < n - 1 of -log p(x[t + 1] | x[:t + 1]); 0 for n ≤ 1."""
+    out = []
+    for row, n in zip(x, lengths):
+        logp = torch.log_softmax(model(input_ids=row[None, :n]).logits[0].double(), -1)
+        terms = [-logp[t, row[t + 1]] for t in range(n - 1)]
+        out.append(torch.stack(terms).mean() if terms else torch.zeros((), dtype=torch.float64))
+    return torch.stack(out)
+
+
+def test_lm_loss_is_the_mean_over_each_records_real_targets_with_padding_excluded():
+    """Before: each record's loss was the mean over all T - 1 targets, pad → pad predictions included."""
+    model, (x, lengths), task = _lm(), _padded_tokens(), Task("lm", "gpt2")
+    expected = _oracle_record_losses(model, x, lengths)
+    per_record = task.loss(model, (x, None), SequenceCrossEntropy("none"))
+    torch.testing.assert_close(per_record.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(task.loss(model, (x, None), task.criterion()).double(), expected.sum(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_an_lm_record_of_padding_after_its_first_token_has_zero_loss_and_zero_gradient():
+    model, (x, _), task = _lm(), _padded_tokens(), Task("lm", "gpt2")
+    per_record = task.loss(model, (x, None), SequenceCrossEntropy("none"))
+    assert float(per_record[3].detach()) == 0.0
+    per_record[3].backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_an_lm_records_loss_depends_only_on_that_record():
+    """The privacy property: each record's loss (so its clipped gradient) reads its own row only, even
+    with records of other lengths and other padding in the batch."""
+    model, (x, _), task = _lm(), _padded_tokens(), Task("lm", "gpt2")
+    criterion = SequenceCrossEntropy("none")
+    batch = task.loss(model, (x, None), criterion)
+    alone = torch.cat([task.loss(model, (row[None], None), criterion) for row in x])
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-6)
+    other = x.clone()
+    other[0] = torch.randint(1, V, (T,), generator=torch.Generator().manual_seed(2))   # record 0: no padding now
+    torch.testing.assert_close(task.loss(model, (other, None), criterion)[1:], batch[1:], rtol=1e-5, atol=1e-6)
+
+
+def test_lm_padding_is_the_tasks_pad_id():
+    model, (x, lengths), task = _lm(), _padded_tokens(), Task("lm", "gpt2", pad_id=5)
+    x = x.masked_fill(x == 5, 6)
+    for i, n in enumerate(lengths):
+        x[i, n:] = 5
+    torch.testing.assert_close(task.loss(model, (x, None), SequenceCrossEntropy("none")).double(),
+                               _oracle_record_losses(model, x, lengths), rtol=1e-5, atol=1e-6)
+
+
+def test_lm_evaluation_is_the_token_weighted_loss_over_real_targets():
+    """Before: perplexity 1.4 on records of 2 real next tokens and 29 pads, against 121 on the real ones.
+    loss = total loss over the real targets / their number, perplexity its exp."""
+    model, (x, lengths), task = _lm(), _padded_tokens(), Task("lm", "gpt2")
+    expected = float((_oracle_record_losses(model, x, lengths) * torch.tensor([max(n - 1, 0) for n in lengths]))
+                     .sum()) / sum(max(n - 1, 0) for n in lengths)
+    result = evaluate(model, TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), task)
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(np.exp(expected), rel=1e-5)
+    assert Task("lm", "gpt2").evaluate(model, TensorDataset(x, torch.zeros(len(x))), batch_size=2)["loss"] == \
+        pytest.approx(expected, rel=1e-5)
+
+
+def test_lm_evaluation_without_any_real_target_is_refused():
+    x = torch.zeros(3, T, dtype=torch.long)
+    x[:, 0] = torch.tensor([4, 9, 17])
+    with pytest.raises(ValueError, match="no record of the dataset has a next-token target"):
+        evaluate(_lm(), TensorDataset(x, torch.zeros(3, dtype=torch.long)), Task("lm", "gpt2"))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_private_lm_steps_on_padded_records_run_in_both_modes(mode):
+    """The summed loss in both modes (ghost wraps the criterion) on ragged padded records."""
+    model, (x, _), task = _lm(), _padded_tokens(), Task("lm", "gpt2")
+    data = TensorDataset(x.repeat(4, 1), torch.zeros(4 * len(x), dtype=torch.long))
+    before = [p.detach().clone() for p in model.parameters()]
+    run = private_engine("sample", model, torch.optim.SGD(model.parameters(), lr=0.1), data, np.full(len(data), 8.0),
+                         delta=1e-5, steps=2, sample_rate=0.5, batch_size=8, task=task, mode=mode, seed=0)
+    losses = []
+    private_steps(run.engine, run.model, run.optimizer, run.loader, task, run.criterion, until=2,
+                  on_step=lambda step, loss: losses.append(loss))
+    assert run.engine.steps == 2 and all(np.isfinite(losses)) and all(0 < v < 2 * np.log(V) for v in losses)
+    assert any(not torch.equal(a, p) for a, p in zip(before, run.model.parameters()))

@@ -435,3 +435,29 @@ def test_hf_batch_of_one(hf_case, clipped, style, oracle):
     expected = oracle.expected(c["reference"], per_sample, bounds, **options)
     result = oracle.run(c["model"], c["loss"], *one, clip_norms=bounds, **style)
     oracle.assert_matches(result, expected)
+
+
+# ------------------------------------------------------------------------------------------ build_model's refusals
+
+
+def test_a_language_model_of_one_token_sequences_is_refused_naming_input_shape_and_max_length():
+    """Before: built, then the first step died in the loss ("shape '[2]' is invalid for input of size 0")."""
+    from pdpfast.models import build_model
+
+    with pytest.raises(ValueError, match=r"input_shape \(1,\).*at least 2 tokens \(--max-length ≥ 2"):
+        build_model("gpt2-micro", input_shape=(1,), num_classes=1, input_kind="tokens")
+    assert build_model("gpt2-micro", input_shape=(2,), num_classes=1, input_kind="tokens").config.n_positions == 64
+
+
+@pytest.mark.parametrize("name,option,sets_it", [
+    ("bert-micro", dict(num_labels=5), "num_classes"), ("vit-micro", dict(num_labels=5), "num_classes"),
+    ("vit-micro", dict(num_channels=1), "input_shape"), ("vit-micro", dict(image_size=8), "input_shape"),
+    ("gpt2-micro", dict(size="tiny"), "name"), ("bert-micro", dict(size="tiny"), "name"),
+    ("vit-micro", dict(size="tiny"), "name")])
+def test_an_option_build_model_sets_itself_is_refused_naming_what_sets_it(name, option, sets_it):
+    """Before: TypeError "got multiple values for keyword argument"."""
+    from pdpfast.models import build_model
+
+    shape, kind = ((3, 8, 8), "image") if name.startswith("vit") else ((8,), "tokens")
+    with pytest.raises(ValueError, match=f"takes no option '{next(iter(option))}': .*{sets_it}"):
+        build_model(name, input_shape=shape, num_classes=3, input_kind=kind, **option)
