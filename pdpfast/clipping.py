@@ -39,7 +39,7 @@ import contextlib
 import enum
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -66,6 +66,7 @@ CLIPPINGS = ("flat", "per_layer")
 # The refusal of non-finite norms (``ClippingState._refuse_nonfinite``) reads them on the host: free
 # where they are on the CPU, a stall on a GPU, which skips it. A block standing in for a GPU's step on
 # the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead --kernels stub``) turns it off likewise.
+# Under torch.distributed its verdict is all-reduced, so that every rank refuses the same batches.
 CHECK_FINITE_ON_CPU = True
 
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
@@ -307,6 +308,9 @@ class ClippingState:
         # reads last_norms / last_group_norms there: a draw's physical batches each report)
         self.post_backward_hooks: list = []
         self.keep_group_norms = False  # per-layer clipping: keep each group's norms (last_group_norms)
+        # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
+        # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
+        self.nonfinite_anywhere: Callable[[bool], bool] | None = None
         self._reset_backward()
         self._enter(Phase.IDLE)
 
@@ -1245,15 +1249,27 @@ class ClippingState:
         """Refuse a batch in which a record's per-sample gradient norm is NaN or inf: its clip weight
         is then NaN (or its terms are), and the clipped sum, the update and the model with it, turn
         NaN, a change one record makes that no noise hides. The batch stays CLIPPED, so that
-        ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``)."""
-        if math.isfinite(float(total_sq.sum())):  # the usual case, in one op (a NaN or inf row makes the sum so)
+        ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``).
+
+        Under ``torch.distributed`` (``nonfinite_anywhere`` set) every rank refuses the batch when any
+        rank's share holds such a record: a rank that discarded the draw while another released its share
+        would leave the summed step with part of the draw (and the run unlike the single-process one)."""
+        rows = []
+        if not math.isfinite(float(total_sq.sum())):  # the usual case, in one op (a NaN or inf row makes the sum so)
+            bad = ~torch.isfinite(total_sq)
+            if self.mask is not None:
+                bad &= self.mask.to(bad.device) != 0
+            rows = bad.nonzero().flatten().tolist()
+        # every rank takes the collective, whether its own share holds such a record or not
+        anywhere = bool(rows) if self.nonfinite_anywhere is None else self.nonfinite_anywhere(bool(rows))
+        if anywhere and not rows:
+            self._nonfinite = ("another rank's share of the draw holds a record whose per-sample gradient norm is NaN "
+                               "or inf (that rank's error names the rows); every rank refuses the batch, so that all "
+                               "discard the same draw")
+            raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, as every "
+                                     "rank does")
+        if not rows:
             return
-        bad = ~torch.isfinite(total_sq)
-        if self.mask is not None:
-            bad &= self.mask.to(bad.device) != 0
-        if not bool(bad.any()):
-            return
-        rows = bad.nonzero().flatten().tolist()
         self._nonfinite = (f"{len(rows)} record(s) of the batch (rows {rows[:8]}{' ...' if len(rows) > 8 else ''}) "
                            "have a per-sample gradient norm that is NaN or inf: their data or loss is not finite "
                            "(a NaN or inf input, a log of 0), or the gradient overflowed its dtype. Their clipped sum "

@@ -12,6 +12,12 @@ closes the three traps of a careless port:
    the ranks hold identical parameters and the run equals the single-process run with that seed.
 3. **Global normalization.** The sum is divided by Σ_i q_i over the whole dataset.
 
+What the ranks must share is checked, and a mismatch refused on every rank: the seed (an int, or None on
+every rank), the ``noise_generator``'s state, the plan, the data, and on resuming the checkpoint's point
+(steps, seeds, next draw). Where the norms are on the CPU, a non-finite record in one rank's share makes
+every rank's backward raise ``FloatingPointError`` (one all-reduced flag per physical batch), so that all
+ranks discard the same draw.
+
 DDP's own gradient synchronization is switched off for the wrapped model
 (``require_backward_grad_sync = False``): DP layers write clipped sums into ``.grad`` themselves,
 which DDP's reducer never sees, and averaging (DDP divides by the world size) is not what DP needs.
@@ -48,20 +54,41 @@ class DistributedContext:
     def agree_seed(self, seed: int | None) -> int:
         """The same seed on every rank (a collective: every rank must call it).
 
+        Every rank first gathers what every rank was given (an int or None), so that ranks given
+        None and ranks given an int take the same collectives and the mismatch is refused, not a
+        hang until the process group's timeout.
+
         Args:
             seed: this rank's seed (an int), or None on every rank for a random one drawn by rank 0.
         Returns:
             the agreed seed, an int (< 2^56 when drawn).
         Raises:
-            ValueError when the ranks were given different seeds (their draws would differ).
+            ValueError when the ranks were given different seeds, or None on some ranks and an int on
+            others (their draws would differ).
         """
-        if seed is None:
-            seed = int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0
-            box = [seed]
-            self.dist.broadcast_object_list(box, src=0)
-            return int(box[0])
-        self.check_same("seed", int(seed))
-        return int(seed)
+        given = self.gather(None if seed is None else int(seed))
+        if any(v != given[0] for v in given):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(given[:8])) + (" ..." if len(given) > 8 else "")
+            raise ValueError(f"seed differs between ranks ({shown}); every rank must be given the same seed (the "
+                             "ranks share one Poisson draw and add the same noise): give every rank the same int, "
+                             "or None on every rank (rank 0 then draws one for all)")
+        if seed is not None:
+            return int(seed)
+        box = [int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0]
+        self.dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+
+    def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order (a collective: every rank must call it).
+
+        Args:
+            value: a picklable value.
+        Returns:
+            a list of ``world_size`` values, rank 0's first.
+        """
+        values = [None] * self.world_size
+        self.dist.all_gather_object(values, value)
+        return values
 
     def check_same(self, what: str, value,
                    why: str = "the draws, clip bounds and noise must agree across ranks") -> None:
@@ -77,10 +104,33 @@ class DistributedContext:
         Raises:
             ValueError on every rank when any rank's value differs from rank 0's.
         """
-        values = [None] * self.world_size
-        self.dist.all_gather_object(values, value)
+        values = self.gather(value)
         if any(v != values[0] for v in values):
             raise ValueError(f"{what} differs between ranks; every rank must be given the same {what} ({why})")
+
+    def any_rank(self, flag: bool, what: str = "agreeing on a flag", device: torch.device | str = "cpu") -> bool:
+        """Whether ``flag`` is true on any rank (a collective: every rank must call it): an
+        all-reduce (MAX) of one number.
+
+        Args:
+            flag: this rank's flag.
+            what: what the flag decides, for the error message (e.g. "checking step 3's records for
+                non-finite gradients").
+            device: where the number is reduced (a device the process group's backend reduces on).
+        Returns:
+            True on every rank when any rank's flag is true.
+        Raises:
+            RuntimeError (naming the rank and ``what``) when the all-reduce fails, e.g. another rank stopped.
+        """
+        box = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        try:
+            self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX)
+        except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
+            raise RuntimeError(
+                f"rank {self.rank}: {what} across {self.world_size} ranks failed; another rank stopped (crashed, "
+                "killed or out of memory) or did not reach this point within the process group's timeout "
+                f"({type(exc).__name__}: {exc})") from exc
+        return bool(box.item())
 
     def all_reduce_sum_(self, grads: list[torch.Tensor], step: int) -> None:
         """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket.
@@ -245,3 +295,42 @@ def plan_fingerprint(sample_rates: np.ndarray, clip_norms: np.ndarray, noise_mul
     for arr in (sample_rates, clip_norms, np.array([noise_multiplier, max_grad_norm])):
         h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
     return h.hexdigest()
+
+
+def generator_fingerprint(generator: torch.Generator | None) -> str | None:
+    """A digest of a random generator's state, for checking that every rank was given the same one.
+
+    Args:
+        generator: a ``torch.Generator`` (any device), or None.
+    Returns:
+        the SHA-256 of its device type and ``get_state()`` bytes, a 64-character hex string; None for None.
+    """
+    if generator is None:
+        return None
+    h = hashlib.sha256(generator.device.type.encode())
+    h.update(generator.get_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+def process_group_size() -> int:
+    """The size of the default process group: 1 when ``torch.distributed`` is unavailable or not initialized.
+
+    Returns:
+        the world size, an int ≥ 1.
+    """
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def active_ddp_wrapper() -> nn.Module | None:
+    """The ``DistributedDataParallel`` whose forward is running now, if torch says (it records it for
+    TorchDynamo in ``DistributedDataParallel._get_active_ddp_module``; None where this torch does not).
+
+    Returns:
+        the DDP wrapper running its forward, or None.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_get_active_ddp_module", None)
+    return active() if callable(active) else None

@@ -26,7 +26,15 @@ from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
 from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
 from .data import DPDataLoader, PhysicalBatch, check_whole_dataset_sampler, map_style_length
-from .distributed import data_fingerprint, inner_module, plan_fingerprint, unwrap
+from .distributed import (
+    active_ddp_wrapper,
+    data_fingerprint,
+    generator_fingerprint,
+    inner_module,
+    plan_fingerprint,
+    process_group_size,
+    unwrap,
+)
 from .nn.convert import convert, unsupported_modules
 from .optimizer import DPOptimizer
 
@@ -117,6 +125,11 @@ class DPCriterion:
 _ACCOUNTANTS = {"rdp": "rdp", "pld": "pld", "prv": "pld"}
 # Opacus's grad_sample_mode → pdpfast's mode: every per-sample method gives the same clipped sum.
 _GRAD_SAMPLE_MODES = {"hooks": "bk", "functorch": "bk", "ew": "bk", "ghost": "ghost"}
+# Opacus's adaptive clipping (clipping="adaptive") and the arguments that configure it there
+_ADAPTIVE_REFUSAL = ("clipping='adaptive' is not offered: adaptive clipping spends privacy on a quantile estimate "
+                     "that this engine does not account; use 'flat' or 'per_layer'")
+_OPACUS_ADAPTIVE_ARGS = ("target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound", "min_clipbound",
+                         "unclipped_num_std")
 _USER_BATCH_WARNING = (
     "a private forward on a batch that the Poisson loader did not draw (your own loop, or "
     "poisson_sampling=False): its gradients are clipped exactly, but the privacy accounting assumes "
@@ -147,6 +160,32 @@ def _first_batch_dim(args, kwargs) -> int | None:
         elif isinstance(item, (list, tuple)):
             stack = [*item, *stack]
     return None
+
+
+def _refuse_unknown_arguments(function: str, unknown: dict) -> None:
+    """Opacus's adaptive-clipping arguments refused as clipping="adaptive" is; any other unknown name
+    as Python refuses it."""
+    if not unknown:
+        return
+    adaptive = [name for name in _OPACUS_ADAPTIVE_ARGS if name in unknown]
+    if adaptive:
+        raise ValueError(f"{_ADAPTIVE_REFUSAL}, without Opacus's adaptive-clipping arguments ({', '.join(adaptive)})")
+    names = ", ".join(repr(name) for name in unknown)
+    raise TypeError(f"{function}() got unexpected keyword argument(s) {names}")
+
+
+def _refuse_ddp_wrapped_after(model: nn.Module):
+    """A forward pre-hook for a model made private unwrapped while a process group of several ranks is
+    initialized: raises when the forward runs inside a DistributedDataParallel wrapper made afterwards."""
+    def hook(module, args) -> None:
+        wrapper = active_ddp_wrapper()
+        if wrapper is not None and getattr(wrapper, "module", None) is model:
+            raise RuntimeError(
+                "the model was wrapped in DistributedDataParallel after make_private: the engine made it private "
+                "as a single-process model, so each rank draws its own batches and adds its own noise, and DDP "
+                "never sees the clipped gradients. Wrap the model in DistributedDataParallel first and pass the "
+                "wrapper to make_private")
+    return hook
 
 
 def _world_size(module: nn.Module) -> int:
@@ -251,7 +290,7 @@ class PrivacyEngine:
                      grad_sample_mode: str = "hooks", wrap_model: bool = True, rand_on_empty: bool = False,
                      sample_rates=None, clip_norms=None, mode: str | None = None, layer_shares=None,
                      automatic_gamma: float | None = None, physical_batch_size: int | None = None,
-                     steps_per_epoch: int | None = None):
+                     steps_per_epoch: int | None = None, **unknown):
         """Make (module, optimizer, data_loader) private, with Opacus 1.6's arguments and pdpfast's.
 
         The module is converted in place. With per-record bounds or rates, a batch you build yourself
@@ -284,11 +323,21 @@ class PrivacyEngine:
             layer_shares, automatic_gamma: see ``ClippingState``.
             physical_batch_size: split large draws into batches of this many rows (padded, masked).
             steps_per_epoch: draws per pass over the loader.
+            **unknown: refused: Opacus's adaptive-clipping arguments (target_unclipped_quantile,
+                clipbound_learning_rate, max_clipbound, min_clipbound, unclipped_num_std) with a ValueError, as
+                clipping="adaptive"; any other name with a TypeError naming it.
         Returns:
             ``MadePrivate(module, optimizer, data_loader)``, or ``MadePrivateGhost(module, optimizer,
             criterion, data_loader)`` for ``mode="ghost"`` / ``grad_sample_mode="ghost"``: tuples that
             unpack as Opacus's, with the parts also named.
+        Raises:
+            ValueError under ``torch.distributed`` (a DDP-wrapped model) when the ranks were given
+            different seeds, noise generators (``noise_generator`` states), plans or data. A model not
+            wrapped in DDP while a process group of several ranks is initialized trains one independent
+            run per rank: a warning says so, and a forward through a DDP wrapper made after
+            ``make_private`` raises RuntimeError.
         """
+        _refuse_unknown_arguments("make_private", unknown)
         mode = self._check_make_private_args(
             module=module, optimizer=optimizer, data_loader=data_loader, noise_multiplier=noise_multiplier,
             max_grad_norm=max_grad_norm, criterion=criterion, batch_first=batch_first, loss_reduction=loss_reduction,
@@ -315,6 +364,14 @@ class PrivacyEngine:
         self.poisson_sampling = bool(poisson_sampling)
         inner, self.distributed = unwrap(module)  # a DDP-wrapped model: see pdpfast.distributed
         seed, shard = self.seed, {}
+        alone_in_group = self.distributed is None and process_group_size() > 1
+        if alone_in_group:
+            warnings.warn(
+                f"torch.distributed is initialized with {process_group_size()} ranks, but the model is not wrapped "
+                "in DistributedDataParallel: each rank trains it on its own, as an independent single-process run "
+                "(nothing is shared out or summed across the ranks; each rank's ε is that of its own run). To train "
+                "one model across the ranks, wrap it in DistributedDataParallel before make_private, not after",
+                stacklevel=2)
         if self.distributed is not None:
             if not poisson_sampling:
                 raise ValueError("poisson_sampling=False is not supported with DistributedDataParallel: the ranks "
@@ -327,6 +384,13 @@ class PrivacyEngine:
                 "dataset", data_fingerprint(data_loader.dataset),
                 "compared by its size and a few of its records: the ranks share one Poisson draw over the whole "
                 "dataset and each takes its share of it, so give every rank all of the data, not a shard")
+            # every rank adds the same noise to the same summed gradients: a generator seeded per rank
+            # (seed + rank, or unseeded) would add different noise on each, and the models drift apart
+            self.distributed.check_same(
+                "noise_generator", generator_fingerprint(noise_generator),
+                "compared by its state: every rank adds the same noise to the summed clipped gradients. Seed it "
+                "with the same seed on every rank (not seed + rank), or leave it None so that the engine's seed, "
+                "agreed between the ranks, seeds the noise")
             shard = dict(rank=self.distributed.rank, world_size=self.distributed.world_size)
         noise_seed = None if seed is None else seed + 1
         if noise_generator is not None:
@@ -361,6 +425,11 @@ class PrivacyEngine:
             self.data_loader.on_batch = self._on_batch
         if self.distributed is not None:
             self.optimizer.reduce_grads = self.distributed.all_reduce_sum_
+            # a non-finite record in one rank's share refuses the draw on every rank (one flag, all-reduced)
+            self.state.nonfinite_anywhere = lambda flag: self.distributed.any_rank(
+                flag, f"checking the records of step {self.state.draw} for non-finite gradients")
+        if alone_in_group:
+            self._hooks.append(inner.register_forward_pre_hook(_refuse_ddp_wrapped_after(inner)))
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)
         self._at_boundary = True
         self.optimizer.at_step_boundary = lambda: self._at_boundary
@@ -376,8 +445,8 @@ class PrivacyEngine:
         if self.uniform and self.plan is None:
             # a budgets run spends each record's budget through its sampling rate: its batches come
             # from the Poisson loader (or name their records)
-            self._hooks = [module.register_forward_pre_hook(self._open_user_batch, with_kwargs=True),
-                           module.register_forward_hook(self._forward_finished, with_kwargs=True)]
+            self._hooks += [module.register_forward_pre_hook(self._open_user_batch, with_kwargs=True),
+                            module.register_forward_hook(self._forward_finished, with_kwargs=True)]
         if not self.uniform:
             self.accountant = None  # per-record ε: get_epsilon() takes the largest (see there)
         loader = self.data_loader if poisson_sampling else data_loader
@@ -413,8 +482,7 @@ class PrivacyEngine:
         check_choice("loss_reduction", loss_reduction, ("mean", "sum"))
         check_choice("grad_sample_mode", grad_sample_mode, tuple(_GRAD_SAMPLE_MODES))
         if clipping == "adaptive":
-            raise ValueError("clipping='adaptive' is not offered: adaptive clipping spends privacy on a quantile "
-                             "estimate that this engine does not account; use 'flat' or 'per_layer'")
+            raise ValueError(_ADAPTIVE_REFUSAL)
         for name, value in (("batch_first", batch_first), ("poisson_sampling", poisson_sampling),
                             ("wrap_model", wrap_model), ("rand_on_empty", rand_on_empty)):
             check_flag(name, value)
@@ -491,6 +559,9 @@ class PrivacyEngine:
         from ._checks import check_epsilons
         from .accounting.rdp import get_noise_multiplier
 
+        # before σ is calibrated: Opacus's adaptive-clipping arguments are refused as make_private refuses them
+        _refuse_unknown_arguments("make_private_with_epsilon", {k: v for k, v in kwargs.items()
+                                                                if k in _OPACUS_ADAPTIVE_ARGS})
         for key in ("noise_multiplier", "sample_rates", "clip_norms", "steps_per_epoch"):
             if key in kwargs:
                 raise TypeError(f"make_private_with_epsilon sets {key} itself; do not pass it "
@@ -913,9 +984,43 @@ class PrivacyEngine:
         Returns:
             None.
         Raises:
-            RuntimeError / ValueError as ``check_state``.
+            RuntimeError / ValueError as ``check_state``. Under ``torch.distributed`` (a collective: every
+            rank must call it), ValueError on every rank when another rank refused its checkpoint, or when
+            the ranks' checkpoints differ in steps taken, seeds or the loader's next draw.
         """
-        self._restore(state, *self.check_state(state))
+        try:
+            checked = self.check_state(state)
+        except Exception as exc:
+            self._tell_ranks_refused(exc)
+            raise
+        if self.distributed is not None:
+            self._agree_on_checkpoint(state)
+        self._restore(state, *checked)
+
+    def _tell_ranks_refused(self, exc: BaseException) -> None:
+        # under torch.distributed the other ranks wait in _agree_on_checkpoint's gather: answer it, so that
+        # they raise too instead of waiting for the process group's timeout
+        if self.distributed is not None:
+            self.distributed.gather(("refused", f"{type(exc).__name__}: {str(exc)[:300]}"))
+
+    def _agree_on_checkpoint(self, state: dict) -> None:
+        """Refuse, on every rank, to resume unless every rank loads a checkpoint of the same point of the
+        same run: the ranks share each draw and add the same noise from (seed, step)."""
+        loader = state.get("loader") or {}
+        point = ("resumes", int(state["optimizer"]["steps"]), int(state["optimizer"]["seed"]),
+                 loader.get("seed"), loader.get("next_step"))
+        points = self.distributed.gather(point)
+        refused = [(rank, p[1]) for rank, p in enumerate(points) if p[0] == "refused"]
+        if refused:
+            rank, why = refused[0]
+            raise ValueError(f"rank {rank} refused its checkpoint ({why}); every rank must load the same checkpoint, "
+                             "so this rank does not resume either")
+        if any(p != points[0] for p in points):
+            shown = "; ".join(f"rank {rank}: {p[1]} steps, noise seed {p[2]}, draw seed {p[3]}, next draw {p[4]}"
+                              for rank, p in enumerate(points[:8]))
+            raise ValueError(f"the checkpoint differs between ranks ({shown}): the ranks share each Poisson draw and "
+                             "add the same noise from (seed, step), so every rank must resume from the same "
+                             "checkpoint (the one save_checkpoint wrote once, from rank 0)")
 
     def _restore(self, state: dict, ledger, history) -> None:
         """Restore a state ``check_state`` accepted (ledger, history: what it returned)."""
@@ -1086,12 +1191,19 @@ class PrivacyEngine:
         Returns:
             the dict of its ``extra`` fields.
         Raises:
-            as ``load_state_dict``; a refused checkpoint leaves the model's weights as they were too.
+            as ``load_state_dict``; a refused checkpoint leaves the model's weights as they were too. Under
+            ``torch.distributed`` a rank that cannot read its checkpoint, or whose weights do not fit the
+            model, makes every rank refuse (every rank must call it).
         """
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
         module = inner_module(module)
         before = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        module.load_state_dict(checkpoint["model"])
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            module.load_state_dict(checkpoint["model"])
+        except Exception as exc:
+            module.load_state_dict(before)
+            self._tell_ranks_refused(exc)
+            raise
         try:
             self.load_state_dict(checkpoint["engine"])
         except BaseException:

@@ -452,10 +452,20 @@ class _Signature:
         return self._run(body, eager)
 
 
-# aten ops whose output size or value a CUDA device must report to the host before it returns
+# aten ops whose output size or value a CUDA device must report to the host before it returns. equal and
+# allclose return a Python bool: they run as one op at the dispatcher (their inner reads are not seen there)
 _SYNCING_OPS = frozenset({"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive",
                           "unique_dim_consecutive", "masked_select", "repeat_interleave", "bincount", "equal",
-                          "is_nonzero"})
+                          "allclose", "is_nonzero", "histc"})
+
+
+def _histc_reads_its_range(args, kwargs) -> bool:
+    """histc with min == max (its default 0, 0) on a non-empty tensor reads the tensor's min and max on the
+    host to find its range (CUDA's ``_histc_cuda_template``); with a range given it does not."""
+    named = ("self", "bins", "min", "max")
+    values = dict(zip(named, args)) | kwargs
+    low, high = values.get("min", 0), values.get("max", 0)
+    return low == high and values["self"].numel() > 0
 
 
 class _RefuseSyncs(TorchDispatchMode):
@@ -467,8 +477,14 @@ class _RefuseSyncs(TorchDispatchMode):
         if name in _SYNCING_OPS:
             # repeat_interleave syncs for tensor repeats (overloads Tensor, self_Tensor) without
             # output_size, not for int repeats
-            if name != "repeat_interleave" or (func._overloadname in ("Tensor", "self_Tensor")
-                                               and (kwargs or {}).get("output_size") is None):
+            if name == "repeat_interleave":
+                syncs = (func._overloadname in ("Tensor", "self_Tensor")
+                         and (kwargs or {}).get("output_size") is None)
+            elif name == "histc":
+                syncs = _histc_reads_its_range(args, kwargs or {})
+            else:
+                syncs = True
+            if syncs:
                 raise RuntimeError(f"aten::{name} synchronises with the host inside a step body")
         if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
             indices = args[1] if len(args) > 1 else (kwargs or {}).get("indices", ())
@@ -484,10 +500,12 @@ def no_host_sync():
 
     Covers ``.item()``, ``bool(t)``, ``int(t)``, ``nonzero``, ``torch.unique``, boolean-mask indexing
     (``x[mask]``, ``x[mask] = v``), ``masked_select``, ``repeat_interleave`` without ``output_size``,
-    ``bincount`` (seen at the dispatcher, so also where torch's own code calls them) and
-    ``.tolist()``, ``.cpu()``, ``.numpy()``: what a CUDA graph capture forbids and what stalls the host
-    behind the GPU, made visible on the CPU (tests wrap a step's body in it). The CPU's refusal of
-    non-finite norms, a read a GPU's step skips, is off inside. Everything is restored on exit.
+    ``bincount``, ``torch.equal``, ``torch.allclose`` (a Python bool), ``torch.histc`` without a range
+    (min == max: it reads the input's min and max) (seen at the dispatcher, so also where torch's own
+    code calls them) and ``.tolist()``, ``.cpu()``, ``.numpy()``: what a CUDA graph capture forbids and
+    what stalls the host behind the GPU, made visible on the CPU (tests wrap a step's body in it). The
+    CPU's refusal of non-finite norms, a read a GPU's step skips, is off inside. Everything is restored
+    on exit.
 
     Returns:
         a context manager (yields None).
