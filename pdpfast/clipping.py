@@ -39,6 +39,7 @@ import contextlib
 import enum
 import functools
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -68,6 +69,36 @@ CLIPPINGS = ("flat", "per_layer")
 # the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead --kernels stub``) turns it off likewise.
 # Under torch.distributed its verdict is all-reduced, so that every rank refuses the same batches.
 CHECK_FINITE_ON_CPU = True
+
+# The states attached now (``attach`` adds, ``detach`` removes) and a count of those changes: a
+# ``DPOptimizer`` releases only gradients that one of them clipped (``unguarded``).
+_ATTACHED: weakref.WeakSet = weakref.WeakSet()
+_ATTACH_CHANGES = [0]
+
+
+def attach_changes() -> int:
+    """How many times a state was attached or detached so far.
+
+    Returns:
+        an int; a verdict of :func:`unguarded` holds until it changes.
+    """
+    return _ATTACH_CHANGES[0]
+
+
+def unguarded(params) -> torch.Tensor | None:
+    """The first of ``params`` that no attached ``ClippingState`` guards: its gradient would not be
+    clipped (a state writes the clipped sums of the parameters it guards).
+
+    Args:
+        params: an iterable of parameters.
+    Returns:
+        that parameter, or None when every one is guarded.
+    """
+    guarded = [state._guarded for state in _ATTACHED]
+    for p in params:
+        if not any(id(p) in ids for ids in guarded):
+            return p
+    return None
 
 _ROUNDING_MARGIN = {torch.bfloat16: 4 * 2.0 ** -8, torch.float16: 4 * 2.0 ** -11}
 # fp32 on a GPU with TF32 allowed (cuDNN allows it by default for convolutions): operands are
@@ -364,13 +395,21 @@ class ClippingState:
         if layer_shares is None:
             return torch.full((K,), 1.0 / math.sqrt(K), dtype=torch.float64)
         if isinstance(layer_shares, Mapping):
-            by_name = {}
+            by_name, named_by = {}, {}
+            modules = dict(self.model.named_modules())
             for name, share in layer_shares.items():
-                module = dict(self.model.named_modules()).get(name)
+                module = modules.get(name)
                 if module is None or module not in self._group_of:
                     raise ValueError(f"layer_shares names {name!r}, which is not a DP layer with trainable parameters; "
                                      f"clipping groups: {self.group_names}")
-                by_name[self._group_of[module]] = check_number(f"layer_shares[{name!r}]", share)
+                k = self._group_of[module]
+                share = check_number(f"layer_shares[{name!r}]", share)
+                if k in by_name and share != by_name[k]:
+                    # tied layers are one clipping group with one share: keeping either value would ignore the other
+                    raise ValueError(f"layer_shares gives {named_by[k]!r} {by_name[k]:g} and {name!r} {share:g}, but "
+                                     f"they share a parameter and are clipped as one group ({self.group_names[k]!r}): "
+                                     "give that group one share")
+                by_name[k], named_by[k] = share, name
             missing = [self.group_names[k] for k in range(K) if k not in by_name]
             if missing:
                 raise ValueError(f"layer_shares gives no share for the clipping groups {missing}")
@@ -427,6 +466,8 @@ class ClippingState:
                             for name, p in named if p.requires_grad]
             self._guarded = frozenset(id(p) for _, p in named if p.requires_grad)
             self._frozen = [(name, p) for name, p in named if not p.requires_grad]
+        _ATTACHED.add(self)
+        _ATTACH_CHANGES[0] += 1
 
     def check_trainable(self, params=None) -> None:
         """Refuse a parameter whose gradient nothing clips: one frozen when the state was attached and
@@ -466,6 +507,8 @@ class ClippingState:
         for handle in self._guards:
             handle.remove()
         self._guards = []
+        _ATTACHED.discard(self)
+        _ATTACH_CHANGES[0] += 1
         workspace.clear()
 
     @staticmethod

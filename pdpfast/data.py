@@ -291,6 +291,16 @@ class DPDataLoader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    @property
+    def batch_sampler(self):
+        """Absent: the loader draws its own Poisson batches. Reading it raises an ``AttributeError`` that
+        says so, for code written for Opacus (its ``BatchMemoryManager`` reads it to split batches)."""
+        raise AttributeError(
+            "DPDataLoader has no batch_sampler: it draws its own Poisson batches, and a sampler that re-split "
+            "them would change what one step is. Opacus's BatchMemoryManager is not needed here: pass "
+            "physical_batch_size= (to make_private or DPDataLoader) to split each draw into batches of that many "
+            "rows, one optimizer.step() per draw")
+
     def __iter__(self):
         self._pending.clear()
         # a draw left part-way (a break, an exception) goes on where it stopped: its first physical batches are

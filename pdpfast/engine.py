@@ -305,7 +305,8 @@ class PrivacyEngine:
                 ``loss_reduction``; in mode "bk" your own loss is used as it is and a criterion given is not
                 read (a warning says so; accepted, as Opacus's hooks mode accepts it).
             loss_reduction: "mean" if the loss is the batch mean of per-sample losses (torch's default),
-                "sum" if it is their sum.
+                "sum" if it is their sum. It only says how to read the loss: the noisy clipped sum is divided
+                by the expected batch size under either (Opacus divides only under "mean").
             poisson_sampling: True draws each batch by Poisson sampling at rate q = 1/len(data_loader);
                 False returns ``data_loader`` unchanged, and each forward of the model on a batch of your own
                 opens a private batch (every record must then have the same clip bound and sample rate, so

@@ -9,6 +9,7 @@ import torch
 from torch.optim import Optimizer
 
 from ._checks import check_int, check_nonnegative, check_positive
+from .clipping import attach_changes, unguarded
 from .ops.noise import add_noise_
 
 # ids of the wrapped optimizers a DPOptimizer is stepping now: their own step is refused otherwise
@@ -65,6 +66,7 @@ class DPOptimizer(Optimizer):
         self.refused_step_hooks: list[Callable[[DPOptimizer], None]] = []
         self.post_zero_grad_hooks: list[Callable[[DPOptimizer], None]] = []
         self.reduce_grads: Callable[[list, int], None] | None = None
+        self._all_clipped: tuple | None = None  # (attach_changes(), params): every trainable one guarded then
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
@@ -238,10 +240,31 @@ class DPOptimizer(Optimizer):
         try:
             for hook in self.pre_step_hooks:
                 hook(self)
+            self._refuse_unclipped()      # after the engine's own checks, which name the parameter
         except BaseException:
             for hook in self.refused_step_hooks:
                 hook(self)
             raise
+
+    def _refuse_unclipped(self) -> None:
+        """Refuse a gradient that no attached ``ClippingState`` clipped: this optimizer only noises and
+        divides what is in ``param.grad``, so an ordinary gradient there would be released unclipped
+        (Opacus's DPOptimizer, used on its own, refuses as it finds no per-sample gradients). A
+        parameter without a gradient is noised from zero, which releases nothing. The verdict that every
+        trainable parameter is guarded is kept until a state is attached or detached."""
+        params = self.trainable_params()
+        key = (attach_changes(), len(params))
+        if key == self._all_clipped:
+            return
+        stray = unguarded(p for p in params if p.grad is not None)
+        if stray is not None:
+            raise RuntimeError(
+                f"DPOptimizer.step(): the gradient of a parameter of shape {tuple(stray.shape)} was not written by a "
+                "pdpfast clipping state (none is attached to its model), so it would be released unclipped. Make the "
+                "model private with PrivacyEngine.make_private, which clips each record's gradient before this "
+                "optimizer adds noise (or attach a pdpfast.clipping.ClippingState to the converted model)")
+        if unguarded(params) is None:
+            self._all_clipped = key
 
     def after_step(self) -> None:
         """The host side of a step after its device work: count it, run the post-step hooks (close

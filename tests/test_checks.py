@@ -289,6 +289,28 @@ def test_layer_shares_that_are_not_numbers_are_refused_by_name(shares, message):
         assert shares.tolist() == pytest.approx([half, half])
 
 
+def test_conflicting_shares_for_tied_layers_are_refused_naming_both_not_one_kept():
+    from pdpfast.clipping import ClippingState
+    from pdpfast.nn import convert
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid = torch.nn.Embedding(11, 6), torch.nn.Linear(6, 6)
+            self.head = torch.nn.Linear(6, 11, bias=False)
+            self.head.weight = self.emb.weight      # emb and head are one clipping group
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+    model = convert(Tied())
+    with pytest.raises(ValueError, match=r"layer_shares gives 'emb' 0\.1 and 'head' 0\.6, but they share a parameter "
+                                         r"and are clipped as one group"):
+        ClippingState(model, clipping="per_layer", layer_shares={"emb": 0.1, "head": 0.6, "mid": 0.8})
+    shares = ClippingState(model, clipping="per_layer", layer_shares={"emb": 0.6, "head": 0.6, "mid": 0.8}).shares
+    assert sorted(shares.tolist()) == pytest.approx([0.6, 0.8])      # the same share twice is one share
+
+
 @pytest.mark.parametrize("rates,multipliers", [(np.full(3, 0.1), np.ones(5)), (np.full((3, 2), 0.1), 1.0)])
 def test_a_ledger_of_mismatched_rates_and_multipliers_names_both_shapes(rates, multipliers):
     from pdpfast.accounting import IndividualAccountant

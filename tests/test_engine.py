@@ -156,10 +156,38 @@ def test_noise_std_equals_sigma_C_over_expected_batch_size():
     p = nn.Parameter(torch.zeros(200_000))
     opt = DPOptimizer(torch.optim.SGD([p], lr=0.0), noise_multiplier=1.7, max_grad_norm=0.6,
                       expected_batch_size=12.5, seed=0)
-    p.grad = torch.zeros_like(p)
-    opt.step()
+    opt.step()      # no gradient: noise alone (a gradient no clipping state wrote would be refused)
     assert p.grad.std().item() == pytest.approx(1.7 * 0.6 / 12.5, rel=0.01)
     assert abs(p.grad.mean().item()) < 5 * 1.7 * 0.6 / 12.5 / np.sqrt(p.numel())
+
+
+def test_a_dp_optimizer_on_its_own_refuses_gradients_no_clipping_state_wrote():
+    # Opacus's low-level API wraps an optimizer in DPOptimizer directly; here nothing would have clipped
+    # the gradient, so noising it would release an unclipped update (norm ~100 against a bound of 1)
+    model = nn.Linear(6, 3)
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=0.0, max_grad_norm=1.0,
+                      expected_batch_size=8.0, seed=0)
+    before = model.weight.detach().clone()
+    nn.functional.cross_entropy(model(torch.randn(8, 6) * 100), torch.randint(0, 3, (8,)), reduction="sum").backward()
+    with pytest.raises(RuntimeError, match=r"gradient of a parameter of shape \(3, 6\) was not written by a pdpfast "
+                                           r"clipping state .*released unclipped.*make_private"):
+        opt.step()
+    assert torch.equal(model.weight, before) and opt.steps == 0
+    state = pdpfast.clipping.ClippingState(pdpfast.nn.convert(model))       # the same optimizer, clipped: it steps
+    state.attach()
+    try:
+        opt.zero_grad()
+        state.begin_batch(torch.ones(8, dtype=torch.float64))
+        loss = nn.functional.cross_entropy(model(torch.randn(8, 6) * 100), torch.randint(0, 3, (8,)), reduction="sum")
+        loss.backward()
+        opt.step()
+        assert opt.steps == 1 and (model.weight - before).norm() <= 1.0 + 1e-6      # Σ of 8 clipped / 8
+    finally:
+        state.detach()
+    with pytest.raises(RuntimeError, match="released unclipped"):       # detached: refused again
+        opt.zero_grad()
+        model.weight.grad = torch.ones_like(model.weight)
+        opt.step()
 
 
 def test_noise_is_reproducible_from_seed_and_step():

@@ -557,3 +557,17 @@ def test_make_private_with_epsilon_under_pld_ends_at_the_target_by_pld():
     assert 3.0 * (1 - 1e-3) < eps <= 3.0
     rdp = _opacus_rdp_epsilon(optimizer.noise_multiplier, 1 / 8, 16, 1e-5)
     assert rdp > eps   # the same σ costs more under RDP: PLD let the engine add less noise
+
+
+def test_opacus_batch_memory_manager_is_refused_pointing_to_physical_batch_size():
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    model = _model()
+    _, optimizer, loader = pdpfast.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_dataset(), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0)
+    assert not hasattr(loader, "batch_sampler")     # a sampler's absence still reads as absence
+    with pytest.raises(AttributeError, match=r"draws its own Poisson batches.*BatchMemoryManager is not needed.*"
+                                             r"physical_batch_size="):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=optimizer):
+            pass
