@@ -123,14 +123,18 @@ class DistributedContext:
             RuntimeError (naming the rank and ``what``) when the all-reduce fails, e.g. another rank stopped.
         """
         box = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        self._all_reduce(box, self.dist.ReduceOp.MAX, what)
+        return bool(box.item())
+
+    def _all_reduce(self, tensor: torch.Tensor, op, what: str) -> None:
+        """``all_reduce(tensor, op)`` in place; a failure (another rank stopped) raised naming ``what``."""
         try:
-            self.dist.all_reduce(box, op=self.dist.ReduceOp.MAX)
+            self.dist.all_reduce(tensor, op=op)
         except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
             raise RuntimeError(
                 f"rank {self.rank}: {what} across {self.world_size} ranks failed; another rank stopped (crashed, "
                 "killed or out of memory) or did not reach this point within the process group's timeout "
                 f"({type(exc).__name__}: {exc})") from exc
-        return bool(box.item())
 
     def all_reduce_sum_(self, grads: list[torch.Tensor], step: int) -> None:
         """Σ over ranks of each tensor, in place: one collective per (device, dtype) bucket.
@@ -150,13 +154,7 @@ class DistributedContext:
             buckets.setdefault((g.device, g.dtype), []).append(g)
         for group in buckets.values():
             flat = torch.cat([g.reshape(-1) for g in group])
-            try:
-                self.dist.all_reduce(flat, op=self.dist.ReduceOp.SUM)
-            except Exception as exc:  # gloo raises RuntimeError, NCCL DistBackendError
-                raise RuntimeError(
-                    f"rank {self.rank}: summing the clipped gradients of step {step} across {self.world_size} "
-                    "ranks failed; another rank stopped (crashed, killed or out of memory) or did not reach this "
-                    f"step within the process group's timeout ({type(exc).__name__}: {exc})") from exc
+            self._all_reduce(flat, self.dist.ReduceOp.SUM, f"summing the clipped gradients of step {step}")
             torch._foreach_copy_(group, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in group]), group)])
 
     def barrier(self) -> None:
