@@ -487,6 +487,38 @@ def test_reference_noise_drawn_on_threads_equals_noise_drawn_in_turn(monkeypatch
     assert all(not torch.equal(g, torch.full_like(g, 2.0)) for g in noisy[0])
 
 
+@pytest.mark.parametrize("layout_known", [True, False])
+def test_cpu_noise_of_steps_whose_seeds_share_their_low_32_bits_is_not_the_same_noise(monkeypatch, layout_known):
+    """torch's CPU generator keeps 32 bits of a seed: with seed 0, one tensor's (step, index) seeds of steps
+    18539 and 147295 agree there, and their noise was bit for bit the same, so the difference of the
+    two released updates carried none. The whole generator state now follows all 63 bits (numpy's
+    PCG64 draws where torch's state layout is not the one known)."""
+    from pdpfast.ops import noise
+
+    monkeypatch.setattr(noise, "_mt_state_layout_known", lambda: layout_known)
+    a, b = noise.step_seed(0, 18539, 0), noise.step_seed(0, 147295, 0)
+    assert a != b and a & 0xFFFFFFFF == b & 0xFFFFFFFF      # the collision manual_seed alone would see
+    first, second = torch.zeros(1 << 16), torch.zeros(1 << 16)
+    noise.add_noise_reference_([first], 1.0, seed=0, step=18539)
+    noise.add_noise_reference_([second], 1.0, seed=0, step=147295)
+    assert abs(float(torch.corrcoef(torch.stack([first, second]))[0, 1])) < 0.02     # independent draws
+    again = torch.zeros(1 << 16)
+    noise.add_noise_reference_([again], 1.0, seed=0, step=18539)
+    assert torch.equal(first, again)                                                   # still reproducible
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        z = noise._cpu_normal((1 << 18,), dtype, 2**62 + 5).double()
+        assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    assert not torch.equal(noise._cpu_normal((64,), torch.float32, 12345),
+                           noise._cpu_normal((64,), torch.float32, 12345 + (7 << 32)))
+
+
+def test_the_cpu_generator_state_layout_is_the_one_the_noise_writes():
+    # on this torch the fast route (torch's mt19937, its state written whole) is the one taken
+    from pdpfast.ops import noise
+
+    assert noise._mt_state_layout_known()
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_reference_noise_threads_never_start_openmp_teams():
     """Threads that ran a parallel torch op own an OpenMP team; libgomp then sees more threads than

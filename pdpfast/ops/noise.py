@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..sampling import GOLDEN_GAMMA, as_int64, logical_shift_right, mix64_, mix64_int
@@ -80,6 +82,72 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="pdpfast-noise")
 
 
+# torch's CPU generator is an mt19937 whose ``manual_seed`` keeps only the low 32 bits of a seed: two
+# (step, tensor) seeds that agree there would draw the same noise (with seed 0, steps 18539 and 147295
+# of one tensor did), and the difference of those two releases would carry no noise at all. A CPU
+# generator is therefore given its whole state (624 words) from all 63 bits of the seed.
+_MT_WORDS = 624
+_MT_STATE_OFFSET = 24      # bytes before the words in ``get_state()``: initial seed, left, seeded, next
+
+
+_SPLITMIX = tuple(np.uint64(v) for v in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31, 32, 0xFFFFFFFF))
+_GAMMAS = np.arange(1, _MT_WORDS // 2 + 1, dtype=np.uint64) * np.uint64(GOLDEN_GAMMA)     # k·γ mod 2^64
+
+
+def _mt19937_words(seed: int) -> np.ndarray:
+    """(624,) uint64 words in [0, 2^32): the halves of SplitMix64 outputs mix64(seed + k·γ), k = 1..312
+    (numpy's uint64 arithmetic wraps). The first two are the halves of a bijection of the seed, so
+    distinct seeds give distinct states; every word depends on all of the seed's bits."""
+    m0, m1, s30, s27, s31, s32, low = _SPLITMIX
+    z = _GAMMAS + np.uint64(seed)
+    z ^= z >> s30
+    z *= m0
+    z ^= z >> s27
+    z *= m1
+    z ^= z >> s31
+    words = np.empty(_MT_WORDS, dtype=np.uint64)
+    words[0::2], words[1::2] = z & low, z >> s32
+    return words
+
+
+@functools.lru_cache(maxsize=1)
+def _mt_state_layout_known() -> bool:
+    """Whether ``torch.Generator().get_state()`` is laid out as this module writes it: the words that
+    ``manual_seed(s)`` sets (mt19937's initialization from s) at ``_MT_STATE_OFFSET``, after left = 1 and
+    seeded = 1. Checked once: another torch could lay it out otherwise (then numpy draws the noise)."""
+    seed = 12345
+    words = [seed]
+    for i in range(1, _MT_WORDS):
+        words.append((1812433253 * (words[-1] ^ (words[-1] >> 30)) + i) & 0xFFFFFFFF)
+    state = torch.Generator().manual_seed(seed).get_state()
+    if state.dtype != torch.uint8 or state.numel() < _MT_STATE_OFFSET + 8 * _MT_WORDS:
+        return False
+    head = state[8:16].view(torch.int32).tolist()
+    seeded = state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_WORDS].view(torch.int64).tolist()
+    return head == [1, 1] and seeded == words
+
+
+@functools.lru_cache(maxsize=1)
+def _seeded_state() -> torch.Tensor:
+    return torch.Generator().manual_seed(0).get_state()
+
+
+def _cpu_normal(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """N(0, 1) of ``shape`` and ``dtype`` on the CPU from a generator that follows all 63 bits of ``seed``:
+    torch's mt19937 with its whole state written from the seed, or, where its state's layout is not the
+    one known here, numpy's PCG64 (full 128-bit seeding, slower)."""
+    if _mt_state_layout_known():
+        state = _seeded_state().clone()       # a freshly seeded state: no cached normals, left = 1
+        state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_WORDS].view(torch.int64).copy_(
+            torch.from_numpy(_mt19937_words(seed).view(np.int64)))
+        generator = torch.Generator()
+        generator.set_state(state)
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    draw = np.random.Generator(np.random.PCG64(seed)).standard_normal(
+        math.prod(shape), dtype=np.float64 if dtype == torch.float64 else np.float32)
+    return torch.from_numpy(draw).reshape(shape).to(dtype)
+
+
 # Tensors with at least this many elements draw from their own generator (and may be filled on
 # several threads); smaller ones share one draw per (device, dtype), so a model with hundreds of
 # small tensors costs a few generator set-ups per step, not hundreds.
@@ -88,7 +156,9 @@ _OWN_GENERATOR_MIN_ELEMENTS = 1 << 16
 
 def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
                          device_seed: torch.Tensor | None = None, keep: list | None = None) -> None:
-    """g += N(0, std²) elementwise, in place, for every tensor in ``grads``, with torch's generators.
+    """g += N(0, std²) elementwise, in place, for every tensor in ``grads``, with torch's generators
+    (on the CPU an mt19937 whose whole state follows the 63-bit seed, ``_cpu_normal``: ``manual_seed``
+    alone would keep 32 bits of it, and two steps could draw the same noise).
 
     Tensor k of ≥ 2^16 elements draws from a generator seeded by (seed, step, k); the smaller ones
     draw, in list order, from one generator per (device, dtype) group j seeded by
@@ -115,12 +185,16 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
         return
     n = len(grads)
 
-    def generator(device, index: int) -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(step_seed(seed, step, index))
+    def normal(shape, device, dtype, index: int) -> torch.Tensor:
+        seed_k = step_seed(seed, step, index)
+        if device.type == "cpu":
+            return _cpu_normal(shape, dtype, seed_k)
+        generator = torch.Generator(device=device).manual_seed(seed_k)     # CUDA's Philox keeps all 64 bits
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
     def draw(k: int) -> torch.Tensor:
         g = grads[k]
-        return torch.randn(g.shape, generator=generator(g.device, k), device=g.device, dtype=g.dtype)
+        return normal(g.shape, g.device, g.dtype, k)
 
     large = [k for k in range(n) if grads[k].numel() >= _OWN_GENERATOR_MIN_ELEMENTS]
     small: dict[tuple, list[torch.Tensor]] = {}
@@ -128,8 +202,7 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
         if grads[k].numel() < _OWN_GENERATOR_MIN_ELEMENTS:
             small.setdefault((grads[k].device, grads[k].dtype), []).append(grads[k])
     for j, ((device, dtype), group) in enumerate(small.items()):
-        shared = torch.randn(sum(g.numel() for g in group), generator=generator(device, n + j), device=device,
-                             dtype=dtype)
+        shared = normal((sum(g.numel() for g in group),), device, dtype, n + j)
         torch._foreach_add_(group, [c.view(g.shape) for c, g in zip(shared.split([g.numel() for g in group]), group)],
                             alpha=std)
     on_cpu = all(grads[k].device.type == "cpu" for k in large)
