@@ -43,6 +43,8 @@ def report() -> str:
     for device in ["cpu"] + (["cuda"] if cuda else []):
         w = torch.zeros(1, device=device)
         lines.append(f"  {f'clip_weights ({device.upper()})':<28} {clip.clip_weights_route(w, w)}")
+        x = torch.zeros(1, 1, device=device)
+        lines.append(f"  {f'clip_scale ({device.upper()})':<28} {clip.clip_scale_route(x, clip.PendingWeights(w, w))}")
     return "\n".join(lines)
 
 

@@ -469,6 +469,57 @@ def test_clip_weights_dtypes():
     assert clip_weights(torch.zeros(0), torch.ones(0)).shape == (0,)
 
 
+@pytest.mark.parametrize("automatic_gamma", [None, 0.3])
+def test_clip_weights_of_norms_that_require_grad_follow_the_formula_and_backpropagate(automatic_gamma):
+    # inputs that require grad take the torch route because the C++ op has no backward; that route
+    # used out= and in-place ops autograd refuses
+    sq = torch.tensor([0.25, 4.0, 0.0, 9.0], dtype=torch.float64, requires_grad=True)
+    bounds = torch.tensor([1.0, 1.0, 0.5, 0.0], dtype=torch.float64)
+    rounding = torch.full((4,), 0.01, dtype=torch.float64)
+    w = clip_weights(sq, bounds, automatic_gamma=automatic_gamma, loss_scale=2.0, rounding=rounding)
+    root = sq.detach().sqrt() + 0.01
+    expected = (bounds / (root + CLIP_EPS / 2)).clamp(max=2.0) if automatic_gamma is None else \
+        bounds / (root + automatic_gamma / 2)
+    torch.testing.assert_close(w.detach(), expected)
+    w.sum().backward()
+    assert sq.grad is not None and torch.isfinite(sq.grad[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("loss_scale", [1.0, 34.0, 256.0, 4096.0])
+def test_fp16_norms_of_masked_rows_weigh_zero_at_every_loss_scale(loss_scale):
+    # ε/s underflowed in fp16 for s ≳ 34, and a masked row's 0 / 0 made its weight NaN
+    w = clip_weights(torch.tensor([0.0, 4.0], dtype=torch.float16), torch.tensor([0.0, 1.0], dtype=torch.float16),
+                     loss_scale=loss_scale)
+    assert w.dtype == torch.float16 and w[0].item() == 0.0
+    assert w[1].item() == pytest.approx(min(loss_scale, 0.5), rel=1e-3)
+
+
+def test_partial_sums_without_their_trailing_dim_are_refused_not_summed_over_the_records():
+    sq, bounds = torch.tensor([0.01, 0.01, 100.0]), torch.ones(3)
+    with pytest.raises(ValueError, match=r"parts=True: sq_norms must have clip_norms' dims and a trailing dim of "
+                                         r"partial sums, got sq_norms of shape \(3,\)"):
+        clip_weights(sq, bounds, parts=True)
+    torch.testing.assert_close(clip_weights(sq[:, None], bounds, parts=True), clip_weights(sq, bounds))
+
+
+def test_clip_scale_of_an_empty_mean_loss_batch_reports_its_route_and_is_contiguous():
+    from pdpfast.ops.clip import PendingWeights, clip_scale, clip_scale_route
+
+    x = torch.randn(6, 4).t()                          # (4, 6), not contiguous
+    weights = PendingWeights(torch.ones(4), torch.ones(4), None, 0.0, None, False)
+    assert clip_scale_route(x, weights).startswith("torch (loss scale 0")
+    scaled, w = clip_scale(x, weights)
+    assert scaled.is_contiguous() and not scaled.any() and not w.any()
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 0), (2, 4, 3, 0)])
+def test_group_norm_of_inputs_without_positions_has_zero_gradients_on_every_route(shape):
+    x, o = torch.randn(shape), torch.randn(shape)
+    assert norm_ops.group_norm_kernel(x, o).startswith("torch (no positions")
+    grads = norm_ops.group_norm_affine_grads(x, o, 2, 1e-5, True)
+    assert all(torch.equal(g, torch.zeros(2, 4)) for g in grads.values())
+
+
 # ------------------------------------------------------------------------------------------ noise (CPU)
 def test_reference_noise_drawn_on_threads_equals_noise_drawn_in_turn(monkeypatch):
     """The pool only draws ahead: each tensor's noise comes from its own (seed, step, index)
@@ -510,6 +561,14 @@ def test_cpu_noise_of_steps_whose_seeds_share_their_low_32_bits_is_not_the_same_
         assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
     assert not torch.equal(noise._cpu_normal((64,), torch.float32, 12345),
                            noise._cpu_normal((64,), torch.float32, 12345 + (7 << 32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_cpu_noise_refuses_a_tensor_that_is_not_floating_point(dtype):
+    from pdpfast.ops import noise
+
+    with pytest.raises(TypeError, match=f"floating-point gradients, got a {dtype} tensor"):
+        noise.add_noise_reference_([torch.zeros(4, dtype=dtype)], 1.0, seed=0, step=0)
 
 
 def test_the_cpu_generator_state_layout_is_the_one_the_noise_writes():

@@ -33,6 +33,11 @@ _SCALE_MISSING = _ext.missing("clip_scale", "clip.cpp")
 _REBUILD = "rebuild with `pip install --no-build-isolation -e .`"
 
 
+def _requires_grad(*tensors) -> bool:
+    """Whether grad mode is on and one of ``tensors`` (None counts as not) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
                        rounding: torch.Tensor | None = None, parts: bool = False) -> str:
     """Which route ``clip_weights`` takes for these tensors.
@@ -64,7 +69,7 @@ def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: t
             return "torch (a rounding bound of another shape or dtype)"
     if sq_norms.dtype not in _FUSED_DTYPES:
         return f"torch (dtype {sq_norms.dtype})"
-    if (sq_norms.requires_grad or clip_norms.requires_grad) and torch.is_grad_enabled():
+    if _requires_grad(sq_norms, clip_norms, rounding):
         return "torch (inputs that require grad: the C++ op has no backward)"
     if sq_norms.device.type == "cuda" and not _C.clip_with_cuda:
         return "torch (pdpfast._C was built without CUDA)"
@@ -103,6 +108,9 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         the weights s·w_i, shaped like ``sq_norms`` (the summed norms, with ``parts``) and
         ``clip_norms`` broadcast together (like those norms when s = 0), in ``sq_norms``' dtype.
     """
+    if parts and sq_norms.dim() < clip_norms.dim() + 1:
+        raise ValueError(f"parts=True: sq_norms must have clip_norms' dims and a trailing dim of partial sums, got "
+                         f"sq_norms of shape {tuple(sq_norms.shape)} and clip_norms of shape {tuple(clip_norms.shape)}")
     if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding, parts) == _FUSED:
         if automatic_gamma is None:
             return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
@@ -152,6 +160,8 @@ def clip_scale_route(x: torch.Tensor, weights: PendingWeights) -> str:
     """
     if _SCALE_MISSING is not None:
         return f"torch ({_SCALE_MISSING})"
+    if weights.loss_scale == 0:
+        return "torch (loss scale 0: an empty batch under a mean loss, all-zero weights)"
     route = clip_weights_route(weights.sq_norms, weights.clip_norms, None, weights.rounding, weights.parts)
     if route != _FUSED:
         return route
@@ -181,14 +191,14 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
         product x·w rounded once: what ``x * weights.tensor().to(x.dtype)`` gives, bit for bit, where
         the weights are computed alike (``clip_weights_route``).
     """
-    if weights.loss_scale != 0 and clip_scale_route(x, weights) == _FUSED:
+    if clip_scale_route(x, weights) == _FUSED:
         sq, bounds, gamma, s, rounding, parts = weights
         if gamma is None:
             return _C.clip_scale(x, sq, bounds, CLIP_EPS / s, s, rounding, parts)
         return _C.clip_scale(x, sq, bounds, gamma / s, math.inf, rounding, parts)
     w = weights.tensor()
     w = w if w.dtype == x.dtype else w.to(x.dtype)
-    return x * w.view(-1, *([1] * (x.dim() - 1))), w
+    return (x * w.view(-1, *([1] * (x.dim() - 1)))).contiguous(), w
 
 
 def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
@@ -204,7 +214,21 @@ def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mas
     """
     if loss_scale == 0:  # an empty batch under a mean loss: nothing to weigh
         return torch.zeros_like(sq_norms)
+    if sq_norms.dtype == torch.float16:
+        # ε/s underflows in fp16 for s ≳ 34: a masked row's 0 / 0 would be NaN (fp32 inside, fp16 out)
+        return clip_weights_reference(sq_norms.float(), clip_norms, mask, automatic_gamma, loss_scale,
+                                      rounding).to(torch.float16)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
+    if _requires_grad(sq_norms, clip_norms, rounding):
+        # out of place, for autograd (the in-place ops below serve the no-grad route)
+        root = sq_norms.clamp_min(0).sqrt()
+        if rounding is not None:
+            root = root + rounding.to(root.dtype)
+        if automatic_gamma is None:
+            weights = (clip_norms / (root + CLIP_EPS / loss_scale)).clamp(max=loss_scale)
+        else:
+            weights = clip_norms / (root + automatic_gamma / loss_scale)
+        return weights if mask is None else weights * mask.to(weights.dtype)
     root = sq_norms.clamp_min(0).sqrt_()
     if rounding is not None:
         root = root.add_(rounding.to(root.dtype))

@@ -175,7 +175,7 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
     Returns:
         None.
     Raises:
-        RuntimeError if ``device_seed`` is given.
+        RuntimeError if ``device_seed`` is given; TypeError for a tensor that is not floating-point.
     """
     if device_seed is not None:
         raise RuntimeError("noise from a device-side step counter (a captured CUDA graph) needs the Triton noise "
@@ -186,6 +186,8 @@ def add_noise_reference_(grads: list[torch.Tensor], std: float, seed: int, step:
     n = len(grads)
 
     def normal(shape, device, dtype, index: int) -> torch.Tensor:
+        if not dtype.is_floating_point:
+            raise TypeError(f"noise is added to floating-point gradients, got a {dtype} tensor")
         seed_k = step_seed(seed, step, index)
         if device.type == "cpu":
             return _cpu_normal(shape, dtype, seed_k)

@@ -147,6 +147,8 @@ def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:
         return "torch (not CPU tensors)"
     if x.dtype not in (torch.float32, torch.float64) or o.dtype != x.dtype:
         return f"torch (dtypes {x.dtype} and {o.dtype}: the kernel takes fp32 or fp64, both alike)"
+    if 0 in x.shape[2:]:
+        return "torch (no positions: the kernel's means would be 0 / 0)"
     return "C++ kernel"
 
 
