@@ -39,6 +39,7 @@ import contextlib
 import enum
 import functools
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
@@ -83,6 +84,22 @@ def attach_changes() -> int:
         an int; a verdict of :func:`unguarded` holds until it changes.
     """
     return _ATTACH_CHANGES[0]
+
+
+def _discard_earlier_grads(named) -> None:
+    """Set to None the gradients that trainable parameters hold from before a state guards them (a
+    non-private backward, e.g. a warm-up loop ended without ``zero_grad``): a state adds its clipped sums
+    into ``.grad``, so the first private step would release them, unclipped. A warning names them
+    when any was not all zero (read once, when the state is attached)."""
+    held = [(name, p) for name, p in named if p.requires_grad and p.grad is not None]
+    nonzero = [name for name, p in held if bool(p.grad.any())]
+    for _, p in held:
+        p.grad = None
+    if nonzero:
+        warnings.warn(f"{len(nonzero)} trainable parameter(s) (e.g. {nonzero[0]!r}) held a nonzero gradient from "
+                      "before they were made private (a non-private backward): it was discarded, since a private step "
+                      "releases only the clipped sums of its own draw. Call optimizer.zero_grad() before "
+                      "make_private to leave none", stacklevel=4)
 
 
 def unguarded(params) -> torch.Tensor | None:
@@ -462,6 +479,7 @@ class ClippingState:
             # DP layers hand autograd detached parameters, so a trainable parameter receives an autograd
             # gradient only through a use outside its layer's private forward; that gradient is unclipped
             named = list(self.model.named_parameters())
+            _discard_earlier_grads(named)
             self._guards = [p.register_hook(functools.partial(self._refuse_plain_grad, name))
                             for name, p in named if p.requires_grad]
             self._guarded = frozenset(id(p) for _, p in named if p.requires_grad)

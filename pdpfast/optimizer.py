@@ -66,7 +66,7 @@ class DPOptimizer(Optimizer):
         self.refused_step_hooks: list[Callable[[DPOptimizer], None]] = []
         self.post_zero_grad_hooks: list[Callable[[DPOptimizer], None]] = []
         self.reduce_grads: Callable[[list, int], None] | None = None
-        self._all_clipped: tuple | None = None  # (attach_changes(), params): every trainable one guarded then
+        self._all_clipped: tuple | None = None  # (attach_changes(), ids of the trainable params): all guarded then
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
@@ -253,7 +253,7 @@ class DPOptimizer(Optimizer):
         parameter without a gradient is noised from zero, which releases nothing. The verdict that every
         trainable parameter is guarded is kept until a state is attached or detached."""
         params = self.trainable_params()
-        key = (attach_changes(), len(params))
+        key = (attach_changes(), tuple(map(id, params)))     # which parameters train may change between steps
         if key == self._all_clipped:
             return
         stray = unguarded(p for p in params if p.grad is not None)

@@ -1,4 +1,7 @@
 """PrivacyEngine, DPDataLoader and DPOptimizer: the DP-SGD step of DESIGN.md §1."""
+import re
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -161,6 +164,35 @@ def test_noise_std_equals_sigma_C_over_expected_batch_size():
     assert abs(p.grad.mean().item()) < 5 * 1.7 * 0.6 / 12.5 / np.sqrt(p.numel())
 
 
+def test_a_gradient_from_a_non_private_backward_before_make_private_is_discarded_not_released():
+    # a warm-up loop that zeroes at the top of each iteration leaves its last gradient in .grad; the
+    # clipping state adds into .grad, so the first private step released it unclipped (5086 ≫ C)
+    def released(warm_up: bool):
+        model, ds = _mlp(), _data(60)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        if warm_up:
+            x, y = ds.tensors
+            nn.functional.cross_entropy(model(x * 100), y, reduction="sum").backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt, loader = pdpfast.PrivacyEngine(seed=3).make_private(
+                module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=8), noise_multiplier=0.0,
+                max_grad_norm=1.0)
+        x, y = next(iter(loader))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        messages = [str(w.message) for w in caught if "made private" in str(w.message)]
+        return [b - p.detach() for p, b in zip(model.parameters(), before)], messages
+
+    clean, quiet = released(False)
+    stale, told = released(True)
+    for a, b in zip(clean, stale):
+        torch.testing.assert_close(a, b)         # the same update: the warm-up gradient is not in it
+    assert not quiet and len(told) == 1 and re.search(r"4 trainable parameter\(s\) \(e\.g\. '0\.weight'\) held a "
+                                                      r"nonzero gradient .*discarded", told[0])
+
+
 def test_a_dp_optimizer_on_its_own_refuses_gradients_no_clipping_state_wrote():
     # Opacus's low-level API wraps an optimizer in DPOptimizer directly; here nothing would have clipped
     # the gradient, so noising it would release an unclipped update (norm ~100 against a bound of 1)
@@ -174,9 +206,9 @@ def test_a_dp_optimizer_on_its_own_refuses_gradients_no_clipping_state_wrote():
         opt.step()
     assert torch.equal(model.weight, before) and opt.steps == 0
     state = pdpfast.clipping.ClippingState(pdpfast.nn.convert(model))       # the same optimizer, clipped: it steps
-    state.attach()
+    with pytest.warns(UserWarning, match="held a nonzero gradient from before"):
+        state.attach()      # the refused gradient is still in .grad: attaching discards it, so it is never released
     try:
-        opt.zero_grad()
         state.begin_batch(torch.ones(8, dtype=torch.float64))
         loss = nn.functional.cross_entropy(model(torch.randn(8, 6) * 100), torch.randint(0, 3, (8,)), reduction="sum")
         loss.backward()
