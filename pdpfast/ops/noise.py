@@ -128,8 +128,10 @@ def _mt_state_layout_known() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _seeded_state() -> torch.Tensor:
-    return torch.Generator().manual_seed(0).get_state()
+def _seeded_state() -> np.ndarray:
+    # a freshly seeded generator's state bytes (no cached normals, left = 1), filled in with numpy:
+    # no torch op per generator (they would count as launches of the step)
+    return torch.Generator().manual_seed(0).get_state().numpy().copy()
 
 
 def _cpu_normal(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -137,11 +139,10 @@ def _cpu_normal(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     torch's mt19937 with its whole state written from the seed, or, where its state's layout is not the
     one known here, numpy's PCG64 (full 128-bit seeding, slower)."""
     if _mt_state_layout_known():
-        state = _seeded_state().clone()       # a freshly seeded state: no cached normals, left = 1
-        state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_WORDS].view(torch.int64).copy_(
-            torch.from_numpy(_mt19937_words(seed).view(np.int64)))
+        state = _seeded_state().copy()
+        state[_MT_STATE_OFFSET:_MT_STATE_OFFSET + 8 * _MT_WORDS].view(np.uint64)[:] = _mt19937_words(seed)
         generator = torch.Generator()
-        generator.set_state(state)
+        generator.set_state(torch.from_numpy(state))
         return torch.randn(shape, generator=generator, dtype=dtype)
     draw = np.random.Generator(np.random.PCG64(seed)).standard_normal(
         math.prod(shape), dtype=np.float64 if dtype == torch.float64 else np.float32)
