@@ -123,8 +123,8 @@ def rms_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[
     Args:
         x: (B, ..., *normalized_shape) the layer's input, fp32/fp16/bf16, any strides.
         o: like ``x``, the gradient w.r.t. the layer's output, of ``x``'s dtype.
-        module: supplies ``normalized_shape`` and ``eps`` (None: ``torch.finfo(x.dtype).eps``, as
-            ``torch.nn.functional.rms_norm``).
+        module: supplies ``normalized_shape`` and ``eps`` (None: fp32's ``torch.finfo`` eps for fp32,
+            fp16 and bf16 alike, as ``torch.nn.functional.rms_norm``, which computes them in fp32).
     Returns:
         {"weight": (B, *normalized_shape)} in ``x``'s dtype, summed in fp32. Other dtypes, mixed
         dtypes and rows longer than ``MAX_N`` run ``pdpfast.ops.norm.rms_norm_per_sample_grads_reference``.
@@ -132,7 +132,9 @@ def rms_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[
     shape = tuple(module.normalized_shape)
     if not _runs_here(x, o, shape):
         return rms_norm_per_sample_grads_reference(x, o, module)
-    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    # torch's default eps is its compute type's: fp32 for half inputs too (fp16's, 1e-3, would shrink
+    # the normalized rows of small RMS and every gradient with them)
+    eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
     return _launch(x, o, shape, eps, False, False)
 
 

@@ -39,7 +39,8 @@ def _atol(x, o, shape, dtype):
 
 def _check(tools, x, o, module, center, what):
     shape = tuple(module.normalized_shape)
-    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    # torch's default RMSNorm eps is its compute type's: fp32's for fp16 and bf16 inputs too
+    eps = module.eps if module.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
     launcher = norm_grads.layer_norm_per_sample_grads if center else norm_grads.rms_norm_per_sample_grads
     reference = (norm_ops.layer_norm_per_sample_grads_reference if center
                  else norm_ops.rms_norm_per_sample_grads_reference)
@@ -73,6 +74,15 @@ def test_rms_norm_per_sample_grads(tools, gen, shapes, eps, dtype):
     x = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 1
     o = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)
     _check(tools, x, o, nn.RMSNorm(shape, eps=eps), False, f"rms norm {x_shape} {dtype} eps={eps}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_default_eps_is_torchs_for_rows_of_small_rms(tools, gen, dtype):
+    # RMS ~ 1e-2: mean(x²) ~ 1e-4, where fp16's eps (1e-3) in place of torch's fp32 one shrank the
+    # normalized rows, and every weight gradient, about threefold
+    x = tools.randn(gen, 3, 4, 16, dtype=dtype, device=tools.device) * 1e-2
+    o = tools.randn(gen, 3, 4, 16, dtype=dtype, device=tools.device)
+    _check(tools, x, o, nn.RMSNorm(16), False, f"rms norm of small rows {dtype}")
 
 
 def test_rows_far_from_zero_are_centred_before_squaring(tools, gen):
