@@ -34,7 +34,7 @@ from . import _ext
 from ._checks import as_device
 
 __all__ = ["poisson_sample", "poisson_sample_reference", "random_bits_reference", "backend", "unavailable_reason",
-           "as_int64", "logical_shift_right", "mix64_", "mix64_int", "GOLDEN_GAMMA"]
+           "as_int64", "logical_shift_right", "mix64_", "mix64_int", "mix64_np_", "GOLDEN_GAMMA"]
 
 # the compiled extension is optional: the package works without it
 _C = _ext._C
@@ -184,6 +184,22 @@ def mix64_int(z: int) -> int:
     z = ((z ^ (z >> 30)) * _MIX_MULTIPLIERS[0]) & _MASK64
     z = ((z ^ (z >> 27)) * _MIX_MULTIPLIERS[1]) & _MASK64
     return z ^ (z >> 31)
+
+
+def mix64_np_(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer in place on a numpy uint64 array (its arithmetic wraps like uint64).
+
+    Args:
+        z: a uint64 array, any shape; overwritten.
+    Returns:
+        ``z`` itself.
+    """
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_MIX_MULTIPLIERS[0])
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MIX_MULTIPLIERS[1])
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def _stream_keys(seed: int, step: int) -> tuple[int, int]:

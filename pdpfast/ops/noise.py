@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ..sampling import GOLDEN_GAMMA, as_int64, logical_shift_right, mix64_, mix64_int
+from ..sampling import GOLDEN_GAMMA, as_int64, logical_shift_right, mix64_, mix64_int, mix64_np_
 from .dispatch import declare
 
 # CPU noise for this many elements or more is drawn on several threads (torch releases the GIL).
@@ -88,25 +88,16 @@ def _pool() -> ThreadPoolExecutor:
 # generator is therefore given its whole state (624 words) from all 63 bits of the seed.
 _MT_WORDS = 624
 _MT_STATE_OFFSET = 24      # bytes before the words in ``get_state()``: initial seed, left, seeded, next
-
-
-_SPLITMIX = tuple(np.uint64(v) for v in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31, 32, 0xFFFFFFFF))
 _GAMMAS = np.arange(1, _MT_WORDS // 2 + 1, dtype=np.uint64) * np.uint64(GOLDEN_GAMMA)     # k·γ mod 2^64
 
 
 def _mt19937_words(seed: int) -> np.ndarray:
-    """(624,) uint64 words in [0, 2^32): the halves of SplitMix64 outputs mix64(seed + k·γ), k = 1..312
-    (numpy's uint64 arithmetic wraps). The first two are the halves of a bijection of the seed, so
-    distinct seeds give distinct states; every word depends on all of the seed's bits."""
-    m0, m1, s30, s27, s31, s32, low = _SPLITMIX
-    z = _GAMMAS + np.uint64(seed)
-    z ^= z >> s30
-    z *= m0
-    z ^= z >> s27
-    z *= m1
-    z ^= z >> s31
+    """(624,) uint64 words in [0, 2^32): the halves of SplitMix64 outputs mix64(seed + k·γ), k = 1..312.
+    The first two are the halves of a bijection of the seed, so distinct seeds give distinct states;
+    every word depends on all of the seed's bits."""
+    z = mix64_np_(_GAMMAS + np.uint64(seed))
     words = np.empty(_MT_WORDS, dtype=np.uint64)
-    words[0::2], words[1::2] = z & low, z >> s32
+    words[0::2], words[1::2] = z & np.uint64(0xFFFFFFFF), z >> np.uint64(32)
     return words
 
 
