@@ -33,19 +33,32 @@ def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | No
         from ._options import as_option_words
 
         text = as_option_words(parser, args, text)
-    print(f"pdpfast {command}: error: {text}", file=sys.stderr)
+    _report(f"pdpfast {command}: error: {text}")
     return EXIT_ERROR
 
 
+def _report(line: str) -> None:
+    """Print the line that ends the command (an error, an interruption) on stderr; in a rank of
+    ``train --nproc``, hand it to the launcher, which prints rank 0's and those of other ranks that
+    differ from it (every rank reads the same inputs, so most errors are the same on all)."""
+    from . import launch
+
+    if not launch.report_ending(line):
+        print(line, file=sys.stderr)
+
+
 @contextlib.contextmanager
-def _warnings_as_lines(args):
+def _warnings_as_lines(args, shown: bool = True):
     """Warnings the API raises while the block runs, printed as they come, one line each
-    (``pdpfast <command>: warning: ...``, in the options' words) rather than as Python's file:line report."""
+    (``pdpfast <command>: warning: ...``, in the options' words) rather than as Python's file:line report;
+    ``shown=False`` (ranks other than 0 of ``train --nproc``, whose rank 0 warns the same) drops them."""
     import warnings
 
     from ._options import as_option_words
 
     def show(message, category, filename, lineno, file=None, line=None):
+        if not shown:
+            return
         text = as_option_words(build_parser(), args, " ".join(str(message).split()))
         print(f"pdpfast {args.command}: warning: {text}", file=sys.stderr, flush=True)
 
@@ -190,36 +203,36 @@ def _audit(args) -> int:
 
 # ---------------------------------------------------------------------------------------------- train
 def _train(args) -> int:
-    from .train import TrainConfig, run
+    from . import launch
+    from .train import TrainConfig, check_data_parallel, run
 
     if args.hybrid_weight is not None and args.method != "hybrid":
         raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {args.method})")
+    pdp_only = {"--rounds": args.rounds, "--pdp-loss": args.pdp_loss, "--pdp-charge": args.pdp_charge}
+    given = [name for name, value in pdp_only.items() if value is not None]
+    if given and args.method != "pdp":
+        raise ValueError(f"{', '.join(given)}: for --method pdp (PDP-SGD's rounds) only; this is "
+                         f"--method {args.method}")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be ≥ 1, got {args.nproc}")
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch_processes(args.nproc)
-
     fields = TrainConfig.__dataclass_fields__
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields and k != "log"})
-    with _warnings_as_lines(args):
+    settings = {k: v for k, v in vars(args).items() if k in fields and k != "log"}
+    cfg = TrainConfig(**{k: v for k, v in settings.items() if v is not None or k not in ("rounds", "pdp_loss",
+                                                                                           "pdp_charge")})
+    rank = launch.launched_rank()
+    if rank is not None:
+        launch.follow_launcher()
+    elif args.nproc > 1:
+        outer = launch.outer_launcher()
+        if outer is not None:
+            raise ValueError(f"--nproc {args.nproc} inside a job of several processes ({outer} in the environment, "
+                             "e.g. under torchrun): give the number of processes to that launcher and drop --nproc, "
+                             "or unset WORLD_SIZE, RANK and LOCAL_RANK")
+        check_data_parallel(cfg)    # once, here, before any process starts
+        return launch.run_ranks(_ARGV, args.nproc, args.threads)
+    with _warnings_as_lines(args, shown=not rank):
         run(cfg)    # checks every output path before it loads the data
     return 0
-
-
-def _launch_processes(nproc: int) -> int:
-    """Run this same command in ``nproc`` processes under torchrun (one machine): each rank takes its
-    share of every Poisson draw; see pdpfast.distributed."""
-    import subprocess
-
-    argv = _ARGV[:]
-    i = argv.index("--nproc") if "--nproc" in argv else None
-    if i is not None:
-        del argv[i:i + 2]
-    else:
-        argv = [a for a in argv if not a.startswith("--nproc=")]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "pdpfast", *argv]
-    return subprocess.call(command)
 
 
 # ---------------------------------------------------------------------------------------------- calibrate
@@ -494,12 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid-weight", type=float,
                    help="λ of --method hybrid (0 = Scale, 1 = Sample; default 0.5)")
     g.add_argument("--accountant", default=d.accountant, choices=("rdp", "pld"))
-    g.add_argument("--rounds", type=int, default=d.rounds, help="PDP-SGD rounds (default 2)")
-    g.add_argument("--pdp-loss", default=d.pdp_loss, choices=("fixed", "adaptive", "harmonic"),
-                   help="PDP-SGD threshold loss: fixed weights, adaptive (balanced normalized wastes) or the "
-                        "paper's harmonic form (degenerate: always the smallest budget)")
-    g.add_argument("--pdp-charge", default=d.pdp_charge, choices=("all", "sampled"),
-                   help="PDP-SGD charging rule: all (default) or sampled (the paper's)")
+    g.add_argument("--rounds", type=int, help=f"PDP-SGD rounds (default {d.rounds}; --method pdp only)")
+    g.add_argument("--pdp-loss", choices=("fixed", "adaptive", "harmonic"),
+                   help=f"PDP-SGD threshold loss: fixed weights (default: {d.pdp_loss}), adaptive (balanced normalized "
+                        "wastes) or the paper's harmonic form (degenerate: always the smallest budget)")
+    g.add_argument("--pdp-charge", choices=("all", "sampled"),
+                   help=f"PDP-SGD charging rule: all (default: {d.pdp_charge}) or sampled (the paper's)")
     g = train.add_argument_group("optimization")
     g.add_argument("--epochs", type=int, default=d.epochs)
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="expected batch size (Poisson)")
@@ -522,8 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
     g.add_argument("--threads", type=int, help="torch threads")
     g.add_argument("--nproc", type=int, default=1,
-                   help="data-parallel processes on this machine (torchrun; gloo on CPU, NCCL on GPUs); the "
-                        "trained model and the ledger equal a one-process run with the same --seed and --noise-seed")
+                   help="data-parallel processes on this machine, one per rank (gloo on CPU, NCCL on GPUs: one GPU "
+                        "each); the draws, noise and ledger equal a one-process run's with the same --seed and "
+                        "--noise-seed, and the model too, to float rounding, when it has no dropout")
     g = train.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint", help="checkpoint path (model, optimizer, privacy ledger); an existing one is "
                                         "refused unless --resume or --overwrite")
@@ -592,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_ARGV: list[str] = []  # the command line main() parsed (--nproc re-runs it under torchrun)
+_ARGV: list[str] = []  # the command line main() parsed (--nproc runs it again in each rank: pdpfast.launch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -617,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = run(args)
         return 0 if rc is None else int(rc)
     except TrainingInterrupted as exc:      # stopped after a whole step, final checkpoint written
-        print(f"pdpfast {args.command}: {exc}", file=sys.stderr)
+        _report(f"pdpfast {args.command}: {exc}")
         return 128 + exc.signum
     except KeyboardInterrupt:
         return _fail(args.command, RuntimeError("interrupted"))

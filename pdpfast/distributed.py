@@ -122,9 +122,24 @@ class DistributedContext:
         Raises:
             RuntimeError (naming the rank and ``what``) when the all-reduce fails, e.g. another rank stopped.
         """
-        box = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        return bool(self.max_over_ranks(1 if flag else 0, what, device))
+
+    def max_over_ranks(self, value: int, what: str = "agreeing on a number", device: torch.device | str = "cpu") -> int:
+        """The largest of every rank's ``value`` (a collective: every rank must call it): an all-reduce
+        (MAX) of one number.
+
+        Args:
+            value: this rank's int, in int32's range.
+            what: what the number decides, for the error message.
+            device: where the number is reduced (a device the process group's backend reduces on).
+        Returns:
+            the maximum over the ranks, the same int on every rank.
+        Raises:
+            RuntimeError (naming the rank and ``what``) when the all-reduce fails, e.g. another rank stopped.
+        """
+        box = torch.tensor([int(value)], dtype=torch.int32, device=device)
         self._all_reduce(box, self.dist.ReduceOp.MAX, what)
-        return bool(box.item())
+        return int(box.item())
 
     def _all_reduce(self, tensor: torch.Tensor, op, what: str) -> None:
         """``all_reduce(tensor, op)`` in place; a failure (another rank stopped) raised naming ``what``."""

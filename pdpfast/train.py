@@ -34,7 +34,8 @@ from ._checks import (
 )
 from ._malloc import retain_unless_configured
 from .accounting.calibration.problem import DEFAULT_HYBRID_WEIGHT
-from .distributed import inner_module, leave_process_group
+from .distributed import DistributedContext, inner_module, leave_process_group
+from .launch import launched_rank
 from .loop import SequenceCrossEntropy, Task, evaluate, model_device, private_engine, private_steps, to_device
 
 __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingInterrupted", "evaluate", "group_report",
@@ -261,17 +262,51 @@ def _check_config(cfg: TrainConfig) -> None:
     if cfg.precision != "fp32" and cfg.method == "pdp":
         raise ValueError("--precision bf16 is offered for --method sample/scale/hybrid/dpsgd (PDP-SGD's rounds train "
                          "in fp32)")
+    if cfg.method == "pdp" and _processes(cfg) > 1:
+        raise ValueError("--method pdp does not run data parallel (its rounds retrain on subsets); use one process "
+                         "(--nproc 1)")
     if cfg.cuda_graph:
         if cfg.physical_batch_size is None:
             raise ValueError("--cuda-graph needs --physical-batch-size K: a captured step replays fixed shapes, and "
                              "Poisson draws are padded to physical batches of K rows")
         if cfg.mode == "ghost":
             raise ValueError("--cuda-graph captures one backward; --mode ghost needs two (use bk, the default)")
-        if cfg.method == "pdp" or cfg.nproc > 1:
+        if cfg.method == "pdp" or _processes(cfg) > 1:
             raise ValueError("--cuda-graph is offered for --method sample/scale/hybrid/dpsgd in one process")
         device = resolve_device(cfg.device)
         if device.type != "cuda":
             raise ValueError(f"--cuda-graph needs a CUDA device (--device cuda); this run is on {device.type}")
+
+
+def _processes(cfg: TrainConfig) -> int:
+    """The run's number of processes: ``--nproc``, or WORLD_SIZE under a launcher of the user's own."""
+    return max(cfg.nproc, int(os.environ.get("WORLD_SIZE", "1") or 1))
+
+
+def check_data_parallel(cfg: TrainConfig) -> None:
+    """The settings of a ``--nproc`` run, checked once by the command before it starts the ranks
+    (``pdpfast.launch``): what every rank would refuse alike, refused in one line and no process.
+
+    Args:
+        cfg: the command's settings, with ``nproc`` > 1.
+    Returns:
+        None.
+    Raises:
+        ValueError as ``run`` would (settings, output paths, the data), and for a method or device the
+        ranks cannot share: ``--method pdp``; ``--device cuda:N`` (each rank takes the GPU of its rank);
+        fewer GPUs than processes.
+    """
+    _check_config(cfg)
+    _check_outputs(cfg)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"--device {cfg.device}: with --nproc each process takes the GPU of its rank (cuda:0 "
+                             f"to cuda:{cfg.nproc - 1}); give --device cuda")
+        if torch.cuda.device_count() < cfg.nproc:
+            raise ValueError(f"--nproc {cfg.nproc} on --device cuda takes one GPU per process; "
+                             f"{torch.cuda.device_count()} are visible")
+    load_training_data(cfg)     # an error in the data once, not once per rank
 
 
 def _hidden_widths(cfg: TrainConfig) -> list[int]:
@@ -545,9 +580,13 @@ def _start_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int
         return 0, 1
     import torch.distributed as dist
 
-    if cfg.method == "pdp":
-        raise ValueError("--method pdp does not run data parallel (its rounds retrain on subsets); use one process")
     if not dist.is_initialized():
+        if launched_rank() is None and os.environ.get("RANK", "0") == "0":
+            # a job of the user's own (torchrun), or WORLD_SIZE left over from one: say why nothing happens
+            print(f"pdpfast train: WORLD_SIZE={world_size} in the environment: this process is rank 0 and waits up "
+                  f"to {DISTRIBUTED_TIMEOUT_S // 60} minutes for the other ranks at {os.environ.get('MASTER_ADDR')}:"
+                  f"{os.environ.get('MASTER_PORT')} (to train in one process, unset WORLD_SIZE and RANK)",
+                  file=sys.stderr, flush=True)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
     return dist.get_rank(), dist.get_world_size()
@@ -600,7 +639,8 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
               + (f", allocator: {allocator}" if allocator else ""))
     run_method = _run_pdp if cfg.method == "pdp" else _run_idp
     with _StopOnSignal() as stop:
-        job = _Job(cfg, checkpoint_path, extra, resume_state, stop)
+        job = _Job(cfg, checkpoint_path, extra, resume_state, stop,
+                   DistributedContext() if world_size > 1 else None, device)
         summary = run_method(job, model, optimizer, train, task, budgets, sample_rate, total_steps)
     if stop.received is not None:
         raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
@@ -687,6 +727,8 @@ class _Job:
     extra: dict                  # written into every checkpoint (model config, settings, data fingerprint)
     resume_state: dict | None
     stop: _StopOnSignal
+    ranks: DistributedContext | None = None     # several processes: they agree on the step to stop after
+    device: torch.device | None = None          # where their agreement is reduced (NCCL: the rank's GPU)
 
     def resume(self, load, model: nn.Module, optimizer, where) -> None:
         """Restore the checkpoint, if any: ``load()`` puts the state into the run's objects, then
@@ -716,6 +758,13 @@ class _Job:
 
         def on_step(step, loss):
             progress.step(loss, **postfix())
+            if self.ranks is not None:
+                # a signal reaches the ranks at different moments: stopping after the step any rank was
+                # asked to, all of them, keeps them in the same collectives (and rank 0's checkpoint whole)
+                signum = self.ranks.max_over_ranks(stop.received or 0, f"agreeing whether to stop after step {step}",
+                                                   self.device)
+                if signum and stop.received is None:
+                    stop.received = signum
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
                 save()
             return stop.received is not None

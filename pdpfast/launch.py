@@ -1,0 +1,223 @@
+"""``pdpfast train --nproc N``: the same command in N processes on this machine, one per rank.
+
+The command starts its ranks itself (torchrun is not in between), so that a data-parallel run
+behaves as one process does:
+
+* **Stopping.** The ranks run in process groups of their own, so a Ctrl-C at the terminal reaches
+  the command alone, and it hands each signal (SIGINT, SIGTERM) to every rank once. The ranks then
+  agree on the step to stop after (``pdpfast.train``), rank 0 writes the final checkpoint, and the
+  command exits with 128 + the signal's number. A second signal stops them at once, as it does one
+  process. Were the command itself killed, its ranks get SIGTERM (Linux: ``follow_launcher``).
+* **Failing.** When a rank fails, the others get a few seconds to fail alike (bad data stops every
+  rank), then SIGTERM, then SIGKILL; the command exits with the failed rank's status.
+* **One voice.** Rank 0 alone prints the run's report and warnings. The line that ends a rank (an
+  error, an interruption) goes to the command (``report_ending``), which prints rank 0's and any
+  other rank's that differs from it: every rank reads the same inputs, so an error in them is one
+  line, not one per rank.
+
+The ranks meet at ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, with ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` set as torchrun sets them. Without
+``OMP_NUM_THREADS`` or ``--threads``, each takes an equal share of the machine's cores.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+# set in the environment of the processes ``run_ranks`` starts: the command then runs as that rank,
+# started by the process LAUNCHER, and leaves the line that ends it in the folder ENDINGS
+LAUNCHED, LAUNCHER, ENDINGS = "PDPFAST_LAUNCHED_RANK", "PDPFAST_LAUNCHER_PID", "PDPFAST_RANK_ENDINGS"
+# after one rank fails, how long the others may take to end on their own before SIGTERM (and as long
+# again before SIGKILL)
+GRACE_S = 5.0
+
+
+def launched_rank() -> int | None:
+    """This process's rank when ``run_ranks`` started it, else None.
+
+    Returns:
+        an int ≥ 0, or None.
+    """
+    value = os.environ.get(LAUNCHED)
+    return None if value is None else int(value)
+
+
+def outer_launcher() -> str | None:
+    """What in the environment says this process is already one rank of a job of several (a
+    torchrun job, or a leftover of one), or None.
+
+    Returns:
+        e.g. "WORLD_SIZE=2", or None when neither WORLD_SIZE > 1 nor LOCAL_RANK is set.
+    """
+    if launched_rank() is not None:
+        return None
+    for name in ("WORLD_SIZE", "LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value is not None and (name != "WORLD_SIZE" or value.strip() not in ("", "0", "1")):
+            return f"{name}={value}"
+    return None
+
+
+def report_ending(line: str) -> bool:
+    """In a rank ``run_ranks`` started: leave ``line`` (the error or interruption that ends the rank)
+    for the command to print. Elsewhere nothing.
+
+    Args:
+        line: the whole line, e.g. "pdpfast train: error: ...".
+    Returns:
+        True when the line was left for the command (the caller prints nothing), else False.
+    """
+    rank, folder = launched_rank(), os.environ.get(ENDINGS)
+    if rank is None or folder is None or str(os.getppid()) != os.environ.get(LAUNCHER):
+        return False            # (a command killed before its ranks ended prints nothing more: they do)
+    try:
+        with open(os.path.join(folder, f"rank-{rank}"), "w", encoding="utf-8") as f:
+            f.write(line)
+    except OSError:
+        return False
+    return True
+
+
+def _print_endings(folder: str, nproc: int) -> None:
+    """Rank 0's ending line, then every other rank's that differs from it (prefixed with its rank)."""
+    lines = {}
+    for rank in range(nproc):
+        try:
+            with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
+                lines[rank] = f.read()
+        except OSError:
+            continue
+    if 0 in lines:
+        print(lines[0], file=sys.stderr)
+    for rank, line in lines.items():
+        if rank and line != lines.get(0):
+            command, _, rest = line.partition(": ")
+            print(f"{command} (rank {rank}): {rest}", file=sys.stderr)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def follow_launcher() -> None:
+    """In a rank ``run_ranks`` started: ask for SIGTERM when the command that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing), so a killed command leaves no rank training on its own.
+
+    Returns:
+        None.
+    Raises:
+        RuntimeError when that command has already ended.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    launcher = os.environ.get(LAUNCHER)
+    if launcher is not None and os.getppid() != int(launcher):
+        raise RuntimeError("the `pdpfast train --nproc` command that started this rank has ended")
+
+
+def _status(code: int) -> int:
+    """A child's exit status as a shell reports it: 128 + n for a child killed by signal n."""
+    return 128 - code if code < 0 else code
+
+
+def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
+    """Run ``python -m pdpfast <argv>`` as ranks 0..nproc-1 of one data-parallel job and wait for them.
+
+    Args:
+        argv: the command's arguments (``--nproc`` included: each rank checks its settings with it).
+        nproc: the number of processes, ≥ 2.
+        threads: the command's ``--threads``, or None (then each rank gets ``OMP_NUM_THREADS`` = its
+            share of the cores, unless the environment sets it).
+    Returns:
+        the exit status: 0 when every rank succeeded; after the command received signal n, rank 0's
+        (128 + n, every rank having stopped after the same step) or 128 + n; else the status of the
+        rank that failed first (128 + n for one killed by signal n, with a line that says so).
+    """
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER: str(os.getpid())})
+    if threads is None and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    ranks: list[subprocess.Popen] = []
+    received: list[int] = []
+    endings = tempfile.TemporaryDirectory(prefix="pdpfast-ranks-")
+    env[ENDINGS] = endings.name
+
+    sent: list[int] = []                      # how many of the received signals each rank was sent
+
+    def deliver():
+        # each rank gets every signal once, whether it came before the rank started or after
+        for rank, process in enumerate(ranks):
+            while sent[rank] < len(received):
+                signum = received[sent[rank]]
+                sent[rank] += 1
+                if process.poll() is None:
+                    process.send_signal(signum)
+
+    def hand_on(signum, frame):
+        received.append(signum)
+        deliver()
+
+    previous = {s: signal.signal(s, hand_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank in range(nproc):
+            process = subprocess.Popen([sys.executable, "-m", "pdpfast", *argv], start_new_session=True,
+                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), LAUNCHED: str(rank)})
+            sent.append(0)              # (before the rank joins the list the handler walks)
+            ranks.append(process)
+            deliver()
+        status = _wait(ranks, received)
+        _print_endings(endings.name, nproc)
+        return status
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for process in ranks:                 # only after an exception of this process's own
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        endings.cleanup()
+
+
+def _wait(ranks: list[subprocess.Popen], received: list[int]) -> int:
+    """Wait for every rank; end the others when one fails (``GRACE_S``). Returns the status (``run_ranks``)."""
+    failed: list[int] = []                    # ranks in the order they failed
+    failed_at, ended = None, set()            # (signals sent to end the others: SIGTERM once, then SIGKILL)
+    while True:
+        codes = [process.poll() for process in ranks]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0) and rank not in failed:
+                failed.append(rank)
+        if all(code is not None for code in codes):
+            break
+        if failed and not received:
+            failed_at = failed_at or time.monotonic()
+            waited = time.monotonic() - failed_at
+            for rank, process in enumerate(ranks):
+                if process.poll() is None and waited > GRACE_S:
+                    how = signal.SIGKILL if waited > 2 * GRACE_S else signal.SIGTERM
+                    if (rank, how) not in ended:
+                        process.send_signal(how)
+                        ended.add((rank, how))
+        time.sleep(0.05)
+    if not failed:
+        return 0
+    if received and 0 not in failed:
+        return 128 + received[0]
+    first = failed[0]           # the cause; the others failed after it (a collective with it broke)
+    code = ranks[first].returncode
+    if code < 0:                # a signal nothing here sent: no line of its own says why it ended
+        print(f"pdpfast train: rank {first} was killed by {signal.Signals(-code).name} (out of memory, or a kill from "
+              "outside); the others stopped with it", file=sys.stderr)
+    return _status(code)

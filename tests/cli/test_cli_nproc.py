@@ -1,0 +1,151 @@
+"""`pdpfast train --nproc N` (``pdpfast.launch``): a data-parallel run stops, fails and reports as one
+process does. Before, torchrun stood between the command and its ranks: a stop request reached the
+ranks at different steps and hung them for the process group's 10 minutes, a Ctrl-C left them running
+with no parent, an input error came once per rank with torchrun's 25-line report, and the ranks never
+saw --nproc (the one-process guard of --cuda-graph did not fire)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks")
+
+
+def _args(data_dir, checkpoint, *extra, budgets=None):
+    return ["train", "--data", str(data_dir / "x.npy"), "--labels", str(data_dir / "y.npy"), "--budgets",
+            str(budgets or data_dir / "budgets.npy"), "--hidden", "8", "--batch-size", "16", "--noise-seed", "1",
+            "--quiet", "--checkpoint", str(checkpoint), *map(str, extra)]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The live processes whose command line holds ``text`` (a path unique to one test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                state = (entry / "stat").read_text().split(") ")[-1][:1]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def _ranks_of(launcher: subprocess.Popen) -> list[int]:
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    return sorted(int(pid) for pid in children)
+
+
+def _start_training(data_dir, tmp_path, *extra):
+    """A long 2-process run, once both ranks are past their first step (its first periodic checkpoint)."""
+    checkpoint = tmp_path / "run.pt"
+    launcher = subprocess.Popen([sys.executable, "-m", "pdpfast", *_args(data_dir, checkpoint, "--epochs", 500,
+                                                                         "--checkpoint-every", 1, "--nproc", 2,
+                                                                         *extra)],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not checkpoint.exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.05)
+    return launcher, checkpoint
+
+
+def _finish(launcher: subprocess.Popen, checkpoint: Path, timeout: float = 90):
+    try:
+        out, err = launcher.communicate(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    time.sleep(0.5)
+    assert _processes_naming(str(checkpoint)) == [], "a rank outlived the command"
+    return launcher.returncode, out, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_nproc_command_stops_every_rank_after_one_step_with_a_final_checkpoint(data_dir, tmp_path,
+                                                                                               signum):
+    launcher, checkpoint = _start_training(data_dir, tmp_path)
+    launcher.send_signal(signum)         # what a scheduler does (SIGTERM), or a Ctrl-C that reaches it alone
+    rc, out, err = _finish(launcher, checkpoint)
+    assert rc == 128 + signum, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdpfast train: interrupted"), err   # once, not once per rank
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["extra"]["interrupted"] is True and saved["extra"]["train_args"]["nproc"] == 2
+
+
+def test_a_signal_to_one_rank_stops_both_after_the_same_step_instead_of_hanging(data_dir, tmp_path):
+    """Before: the ranks stopped after different steps, waited in different collectives, and the job hung
+    until the process group's 10-minute timeout, saving nothing (3 runs in 6 on 2 cores)."""
+    launcher, checkpoint = _start_training(data_dir, tmp_path)
+    os.kill(_ranks_of(launcher)[1], signal.SIGTERM)
+    rc, out, err = _finish(launcher, checkpoint, timeout=60)
+    assert rc == 128 + signal.SIGTERM, err
+    assert "interrupted (SIGTERM)" in err
+    assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
+
+
+def test_a_rank_killed_from_outside_ends_the_job_with_its_status_and_a_line_naming_it(data_dir, tmp_path):
+    launcher, checkpoint = _start_training(data_dir, tmp_path)
+    os.kill(_ranks_of(launcher)[1], signal.SIGKILL)
+    rc, out, err = _finish(launcher, checkpoint, timeout=60)
+    assert rc == 128 + signal.SIGKILL, err
+    assert "rank 1 was killed by SIGKILL" in err
+
+
+def test_the_ranks_of_a_killed_command_stop_after_their_step_and_save(data_dir, tmp_path):
+    launcher, checkpoint = _start_training(data_dir, tmp_path)
+    ranks = _ranks_of(launcher)
+    launcher.kill()                      # no handler runs: the ranks learn of it from the kernel (SIGTERM)
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while _processes_naming(str(checkpoint)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(checkpoint)) == [], f"ranks {ranks} kept training with no command"
+    assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
+
+
+@pytest.mark.parametrize("extra,budgets,message", [
+    (("--epochs", 0), None, "--epochs must be a positive integer"),
+    (("--method", "pdp"), None, "--method pdp does not run data parallel"),
+    (("--cuda-graph", "--physical-batch-size", 4), None, "--cuda-graph is offered for"),
+    pytest.param(("--device", "cuda"), None, "--device cuda", marks=pytest.mark.skipif(
+        torch.cuda.device_count() >= 2, reason="two GPUs: the run is possible")),
+    ((), "/nonexistent/budgets.npy", "/nonexistent/budgets.npy"),     # found when the data is read
+])
+def test_a_bad_setting_of_an_nproc_run_is_one_line_before_any_rank_starts(data_dir, tmp_path, extra, budgets,
+                                                                          message):
+    checkpoint = tmp_path / "run.pt"
+    args = _args(data_dir, checkpoint, "--epochs", 1, "--nproc", 2, *extra, budgets=budgets)
+    done = subprocess.run([sys.executable, "-m", "pdpfast", *args], env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdpfast train: error: ") and message in lines[0], done.stderr
+    assert "ChildFailedError" not in done.stderr and not checkpoint.exists()
+
+
+@pytest.mark.parametrize("variable", ["WORLD_SIZE", "LOCAL_RANK"])
+def test_nproc_inside_a_job_of_several_processes_is_refused_not_run_as_one(cli, data_dir, tmp_path, monkeypatch,
+                                                                           variable):
+    """Before: with LOCAL_RANK set (under torchrun), --nproc 2 trained one process and said nothing."""
+    monkeypatch.setenv(variable, "2" if variable == "WORLD_SIZE" else "0")
+    message = cli.fails(*_args(data_dir, tmp_path / "run.pt", "--epochs", 1, "--nproc", 2))
+    assert f"{variable}=" in message and "drop --nproc" in message
+
+
+@pytest.mark.parametrize("option", [("--rounds", 3), ("--pdp-loss", "adaptive"), ("--pdp-charge", "sampled")])
+def test_pdp_sgd_options_without_method_pdp_are_refused_not_ignored(cli, data_dir, tmp_path, option):
+    message = cli.fails(*_args(data_dir, tmp_path / "run.pt", "--epochs", 1, *option))
+    assert option[0] in message and "--method pdp" in message
