@@ -642,8 +642,8 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         job = _Job(cfg, checkpoint_path, extra, resume_state, stop,
                    DistributedContext() if world_size > 1 else None, device)
         summary = run_method(job, model, optimizer, train, task, budgets, sample_rate, total_steps)
-    if stop.received is not None:
-        raise TrainingInterrupted(stop.received, summary["steps"], summary["total_steps"], checkpoint_path)
+    if job.stopped() is not None:
+        raise TrainingInterrupted(job.stopped(), summary["steps"], summary["total_steps"], checkpoint_path)
     summary["seconds"] = time.perf_counter() - start
     summary["device"] = str(device)
     summary["precision"] = cfg.precision
@@ -729,6 +729,13 @@ class _Job:
     stop: _StopOnSignal
     ranks: DistributedContext | None = None     # several processes: they agree on the step to stop after
     device: torch.device | None = None          # where their agreement is reduced (NCCL: the rank's GPU)
+    agreed: int | None = None                   # the signal the ranks agreed to stop on, at their last step
+
+    def stopped(self) -> int | None:
+        """The signal training stops on, or None: this process's; with several ranks the one they
+        agreed on at their last step (a signal that came after it changes nothing: every rank
+        ended its training the same way)."""
+        return self.stop.received if self.ranks is None else self.agreed
 
     def resume(self, load, model: nn.Module, optimizer, where) -> None:
         """Restore the checkpoint, if any: ``load()`` puts the state into the run's objects, then
@@ -754,20 +761,19 @@ class _Job:
         def save():
             if self.checkpoint_path:
                 save_state(self.checkpoint_path, **_rng_states(model_device(model)),
-                           interrupted=stop.received is not None, **self.extra)
+                           interrupted=self.stopped() is not None, **self.extra)
 
         def on_step(step, loss):
             progress.step(loss, **postfix())
             if self.ranks is not None:
-                # a signal reaches the ranks at different moments: stopping after the step any rank was
-                # asked to, all of them, keeps them in the same collectives (and rank 0's checkpoint whole)
-                signum = self.ranks.max_over_ranks(stop.received or 0, f"agreeing whether to stop after step {step}",
-                                                   self.device)
-                if signum and stop.received is None:
-                    stop.received = signum
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and stop.received is None:
+                # a signal reaches the ranks at different moments (even during this all-reduce): every rank
+                # acts on the agreed value alone, so all stop after the same step, in the same collectives
+                # (a periodic checkpoint's barrier included), and rank 0's checkpoint holds every step taken
+                self.agreed = self.ranks.max_over_ranks(stop.received or 0, f"agreeing whether to stop after step "
+                                                        f"{step}", self.device) or None
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and self.stopped() is None:
                 save()
-            return stop.received is not None
+            return self.stopped() is not None
 
         try:
             result = train(on_step)
@@ -824,7 +830,7 @@ def _run_pdp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
     progress = _Progress(cfg, driver.total_steps, driver.steps, "pdp", expected_batch_size)
     result = job.train(lambda on_step: driver.run(on_step=on_step, max_steps=cfg.stop_after_steps),
                        driver.save_checkpoint, model, progress, postfix=lambda: {"round": driver.round + 1})
-    if job.stop.received is None:
+    if job.stopped() is None:
         for r in result.rounds:
             _say(cfg, f"round {r.round + 1}: threshold τ={r.threshold:.4g}, {r.subset_size} records kept, σ="
                       f"{r.noise_multiplier:.4g}, {r.steps} steps, engine ε {r.engine_epsilon:.4g}")
