@@ -62,8 +62,12 @@ def test_gpu_lease_runs_the_build_then_the_issues_targets_then_the_tests_and_ret
     assert [s.split()[1] if s.startswith("-m") else s.split()[0] for s in steps] == [
         "setup.py", "bench.bench_e2e", "bench.bench_e2e", "pytest", "pytest", "bench.bench_kernels"]
     assert "--dtype fp32 --models bert,gpt2" in steps[1] and "--dtype bf16" in steps[2]
+    from bench.harness import PROVIDERS
+
+    providers = steps[1].split("--providers ", 1)[1].split(",")
+    assert set(providers) <= set(PROVIDERS)          # a misspelt provider would cost a lent GPU's run
     for provider in ("non-private graph", "pdpfast bk graph", "pdpfast per-layer graph", "opacus hooks"):
-        assert provider in steps[1]
+        assert provider in providers
     assert steps[3].endswith("tests/test_cuda.py") and steps[4].endswith("tests/kernels")
     out = Path(env["OUT"])
     # at most three files come back: the archive and the extension
