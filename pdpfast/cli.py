@@ -203,6 +203,8 @@ def _audit(args) -> int:
 
 # ---------------------------------------------------------------------------------------------- train
 def _train(args) -> int:
+    import warnings
+
     from . import launch
     from .train import TrainConfig, check_data_parallel, run
 
@@ -228,7 +230,9 @@ def _train(args) -> int:
             raise ValueError(f"--nproc {args.nproc} inside a job of several processes ({outer} in the environment, "
                              "e.g. under torchrun): give the number of processes to that launcher and drop --nproc, "
                              "or unset WORLD_SIZE, RANK and LOCAL_RANK")
-        check_data_parallel(cfg)    # once, here, before any process starts
+        with warnings.catch_warnings():     # rank 0 gives each warning in its own words
+            warnings.simplefilter("ignore")
+            check_data_parallel(cfg)        # once, here, before any process starts
         return launch.run_ranks(_ARGV, args.nproc, args.threads)
     with _warnings_as_lines(args, shown=not rank):
         run(cfg)    # checks every output path before it loads the data

@@ -22,11 +22,13 @@ The ranks meet at ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, with ``R
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # set in the environment of the processes ``run_ranks`` starts: the command then runs as that rank,
@@ -70,11 +72,17 @@ def report_ending(line: str) -> bool:
     Args:
         line: the whole line, e.g. "pdpfast train: error: ...".
     Returns:
-        True when the line was left for the command (the caller prints nothing), else False.
+        True when the line was left for the command, or is rank 0's to print (the caller prints
+        nothing), else False.
     """
     rank, folder = launched_rank(), os.environ.get(ENDINGS)
-    if rank is None or folder is None or str(os.getppid()) != os.environ.get(LAUNCHER):
-        return False            # (a command killed before its ranks ended prints nothing more: they do)
+    if rank is None or folder is None:
+        return False
+    if str(os.getppid()) != os.environ.get(LAUNCHER):
+        # the command was killed before its ranks ended: rank 0 prints its line, and clears the folder
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        return rank != 0
     try:
         with open(os.path.join(folder, f"rank-{rank}"), "w", encoding="utf-8") as f:
             f.write(line)
@@ -139,16 +147,17 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
         argv: the command's arguments (``--nproc`` included: each rank checks its settings with it).
         nproc: the number of processes, ≥ 2.
         threads: the command's ``--threads``, or None (then each rank gets ``OMP_NUM_THREADS`` = its
-            share of the cores, unless the environment sets it).
+            share of the CPUs this process may run on, unless the environment sets it).
     Returns:
-        the exit status: 0 when every rank succeeded; after the command received signal n, rank 0's
-        (128 + n, every rank having stopped after the same step) or 128 + n; else the status of the
-        rank that failed first (128 + n for one killed by signal n, with a line that says so).
+        the exit status: 0 when every rank succeeded; 128 + n when the command was sent signal n and
+        the ranks stopped on it (after the same step, or outside the training steps); else the status
+        of the rank that failed first (128 + n for one killed by signal n, with a line that says so).
     """
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER: str(os.getpid())})
     if threads is None and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
     ranks: list[subprocess.Popen] = []
     received: list[int] = []
     endings = tempfile.TemporaryDirectory(prefix="pdpfast-ranks-")
@@ -169,14 +178,24 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
         received.append(signum)
         deliver()
 
-    previous = {s: signal.signal(s, hand_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = (signal.SIGINT, signal.SIGTERM)
+    # handlers can be set from the main thread only; elsewhere (an API caller's thread) the ranks hear
+    # of a stop only from a signal of their own
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, hand_on) for s in stops} if main else {}
     try:
         for rank in range(nproc):
             process = subprocess.Popen([sys.executable, "-m", "pdpfast", *argv], start_new_session=True,
                                        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), LAUNCHED: str(rank)})
             sent.append(0)              # (before the rank joins the list the handler walks)
             ranks.append(process)
-            deliver()
+            if main:                    # a signal now would run hand_on inside deliver(): held until it returns
+                signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            try:
+                deliver()
+            finally:
+                if main:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         status = _wait(ranks, received)
         _print_endings(endings.name, nproc)
         return status
@@ -191,17 +210,21 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
 
 
 def _wait(ranks: list[subprocess.Popen], received: list[int]) -> int:
-    """Wait for every rank; end the others when one fails (``GRACE_S``). Returns the status (``run_ranks``)."""
+    """Wait for every rank. Once one has failed (ended other than with success or the status of a stop
+    the command asked for: 128 + n), the others get ``GRACE_S`` to end on their own, then SIGTERM,
+    then SIGKILL: one stuck where a signal cannot reach it (waiting for a dead rank in the process
+    group's rendezvous) would otherwise wait out its timeout. Returns the status (``run_ranks``)."""
+    asked = {128 + signum for signum in received}
     failed: list[int] = []                    # ranks in the order they failed
     failed_at, ended = None, set()            # (signals sent to end the others: SIGTERM once, then SIGKILL)
     while True:
         codes = [process.poll() for process in ranks]
         for rank, code in enumerate(codes):
-            if code not in (None, 0) and rank not in failed:
+            if code not in (None, 0) and code not in asked and rank not in failed:
                 failed.append(rank)
         if all(code is not None for code in codes):
             break
-        if failed and not received:
+        if failed:
             failed_at = failed_at or time.monotonic()
             waited = time.monotonic() - failed_at
             for rank, process in enumerate(ranks):
@@ -212,11 +235,13 @@ def _wait(ranks: list[subprocess.Popen], received: list[int]) -> int:
                         ended.add((rank, how))
         time.sleep(0.05)
     if not failed:
-        return 0
-    if received and 0 not in failed:
-        return 128 + received[0]
+        return 128 + received[0] if any(process.returncode for process in ranks) else 0
     first = failed[0]           # the cause; the others failed after it (a collective with it broke)
     code = ranks[first].returncode
+    if code < 0 and -code in received:      # the signal the command handed on, outside the training steps
+        print(f"pdpfast train: stopped by {signal.Signals(-code).name} outside the training steps (starting, or "
+              "ending); the last checkpoint, if any, stands", file=sys.stderr)
+        return 128 + received[0]
     if code < 0:                # a signal nothing here sent: no line of its own says why it ended
         print(f"pdpfast train: rank {first} was killed by {signal.Signals(-code).name} (out of memory, or a kill from "
               "outside); the others stopped with it", file=sys.stderr)

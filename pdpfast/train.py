@@ -8,6 +8,7 @@ importable from here, where they used to live.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -193,10 +194,18 @@ class _StopOnSignal:
     checkpoint is consistent: model, optimizer, ledger and the loader's next draw all after the
     same step (a step cut in the middle has advanced the loader but not the ledger). A second
     signal stops at once (KeyboardInterrupt) and saves nothing more: the last checkpoint stays.
+    A second one within ``SAME_STOP_S`` of the first is the same request (a scheduler that signals
+    every process of a job reaches each rank of ``--nproc`` directly and again through the
+    command), and one that comes while a checkpoint is written (``saving``) waits for the write.
     Handlers can only be set from the main thread; elsewhere the signals keep their handlers."""
+
+    SAME_STOP_S = 1.0
 
     def __init__(self):
         self.received: int | None = None
+        self._at = 0.0
+        self._saving = False
+        self._interrupt_after_save = False
         self._previous: dict = {}
 
     def __enter__(self) -> _StopOnSignal:
@@ -206,9 +215,23 @@ class _StopOnSignal:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
+        if self.received is None:
+            self.received, self._at = signum, time.monotonic()
+        elif time.monotonic() - self._at > self.SAME_STOP_S:
+            if not self._saving:
+                raise KeyboardInterrupt
+            self._interrupt_after_save = True
+
+    @contextlib.contextmanager
+    def saving(self):
+        """A block (a checkpoint's write) that a second signal does not cut: it stops right after."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+            if self._interrupt_after_save:
+                raise KeyboardInterrupt
 
     def __exit__(self, *exc) -> bool:
         for signum, handler in self._previous.items():
@@ -292,8 +315,9 @@ def check_data_parallel(cfg: TrainConfig) -> None:
     Returns:
         None.
     Raises:
-        ValueError as ``run`` would (settings, output paths, the data), and for a method or device the
-        ranks cannot share: ``--method pdp``; ``--device cuda:N`` (each rank takes the GPU of its rank);
+        ValueError as ``run`` would (settings, output paths; the data is each rank's to read, and an
+        error in it one line all the same: ``pdpfast.launch``), and for a method or device the ranks
+        cannot share: ``--method pdp``; ``--device cuda:N`` (each rank takes the GPU of its rank);
         fewer GPUs than processes.
     """
     _check_config(cfg)
@@ -306,7 +330,6 @@ def check_data_parallel(cfg: TrainConfig) -> None:
         if torch.cuda.device_count() < cfg.nproc:
             raise ValueError(f"--nproc {cfg.nproc} on --device cuda takes one GPU per process; "
                              f"{torch.cuda.device_count()} are visible")
-    load_training_data(cfg)     # an error in the data once, not once per rank
 
 
 def _hidden_widths(cfg: TrainConfig) -> list[int]:
@@ -557,6 +580,10 @@ def run(cfg: TrainConfig) -> dict:
         after SIGINT / SIGTERM (the final checkpoint saved).
     """
     _check_config(cfg)
+    if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) != cfg.nproc:
+        raise ValueError(f"nproc={cfg.nproc}: run() trains in this process; start the processes with the command "
+                         f"(`pdpfast train ... --nproc {cfg.nproc}`) or a launcher of your own (torchrun, with "
+                         "nproc=1)")
     _check_outputs(cfg)
     device = resolve_device(cfg.device)
     rank, world_size = _start_distributed(cfg, device)
@@ -582,11 +609,10 @@ def _start_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int
 
     if not dist.is_initialized():
         if launched_rank() is None and os.environ.get("RANK", "0") == "0":
-            # a job of the user's own (torchrun), or WORLD_SIZE left over from one: say why nothing happens
-            print(f"pdpfast train: WORLD_SIZE={world_size} in the environment: this process is rank 0 and waits up "
-                  f"to {DISTRIBUTED_TIMEOUT_S // 60} minutes for the other ranks at {os.environ.get('MASTER_ADDR')}:"
-                  f"{os.environ.get('MASTER_PORT')} (to train in one process, unset WORLD_SIZE and RANK)",
-                  file=sys.stderr, flush=True)
+            # a job of the user's own (torchrun), or WORLD_SIZE left over from one: say what it waits for
+            print(f"pdpfast train: rank 0 of {world_size} (WORLD_SIZE in the environment): waiting up to "
+                  f"{DISTRIBUTED_TIMEOUT_S // 60} minutes for the other ranks at {os.environ.get('MASTER_ADDR')}:"
+                  f"{os.environ.get('MASTER_PORT')}", file=sys.stderr, flush=True)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=DISTRIBUTED_TIMEOUT_S))
     return dist.get_rank(), dist.get_world_size()
@@ -760,8 +786,9 @@ class _Job:
 
         def save():
             if self.checkpoint_path:
-                save_state(self.checkpoint_path, **_rng_states(model_device(model)),
-                           interrupted=self.stopped() is not None, **self.extra)
+                with stop.saving():
+                    save_state(self.checkpoint_path, **_rng_states(model_device(model)),
+                               interrupted=self.stopped() is not None, **self.extra)
 
         def on_step(step, loss):
             progress.step(loss, **postfix())

@@ -247,6 +247,7 @@ def test_a_second_signal_stops_at_once_and_handlers_are_restored():
         with _StopOnSignal() as stop:
             signal.raise_signal(signal.SIGTERM)      # the first: finish the step, then stop
             assert stop.received == signal.SIGTERM
+            stop._at -= 2 * stop.SAME_STOP_S         # a second later (sooner, it is the same request)
             signal.raise_signal(signal.SIGINT)       # the second: now
             pytest.fail("the second signal did not interrupt")
     assert {s: signal.getsignal(s) for s in before} == before
@@ -286,3 +287,28 @@ def test_a_hybrid_run_resumes_only_with_the_hybrid_weight_it_was_made_with(cli, 
     rc, _, err = cli("train", *_npy_args(data_dir), *hybrid, "--hybrid-weight", 0.5, "--resume", ck,
                      "--stop-after-steps", 3, *SMALL)
     assert rc == 0, err
+
+
+def test_a_second_signal_within_a_second_is_the_same_stop_and_one_during_a_checkpoint_write_waits_for_it():
+    """A scheduler signals every process of a job, so a rank of --nproc hears one stop twice at once;
+    and a stop at once cut through torch.save (an abort, "write to closed file", seen once)."""
+    from pdpfast.train import _StopOnSignal
+
+    with _StopOnSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)      # the same request, again: no KeyboardInterrupt
+        time.sleep(0.01)
+        stop._at -= 2 * stop.SAME_STOP_S         # as if a second had passed
+        written = False
+        with pytest.raises(KeyboardInterrupt):
+            with stop.saving():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)
+                written = True                    # the write went on to its end
+        assert written
+        with pytest.raises(KeyboardInterrupt):    # outside a write: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

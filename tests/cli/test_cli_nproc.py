@@ -122,10 +122,10 @@ def test_the_ranks_of_a_killed_command_stop_after_their_step_and_save(data_dir, 
     (("--cuda-graph", "--physical-batch-size", 4), None, "--cuda-graph is offered for"),
     pytest.param(("--device", "cuda"), None, "--device cuda", marks=pytest.mark.skipif(
         torch.cuda.device_count() >= 2, reason="two GPUs: the run is possible")),
-    ((), "/nonexistent/budgets.npy", "/nonexistent/budgets.npy"),     # found when the data is read
+    ((), "/nonexistent/budgets.npy", "/nonexistent/budgets.npy"),     # found by every rank when it reads the data
 ])
-def test_a_bad_setting_of_an_nproc_run_is_one_line_before_any_rank_starts(data_dir, tmp_path, extra, budgets,
-                                                                          message):
+def test_a_bad_setting_or_input_of_an_nproc_run_is_one_line_not_one_per_rank(data_dir, tmp_path, extra, budgets,
+                                                                              message):
     checkpoint = tmp_path / "run.pt"
     args = _args(data_dir, checkpoint, "--epochs", 1, "--nproc", 2, *extra, budgets=budgets)
     done = subprocess.run([sys.executable, "-m", "pdpfast", *args], env=_env(), capture_output=True, text=True,
@@ -149,3 +149,59 @@ def test_nproc_inside_a_job_of_several_processes_is_refused_not_run_as_one(cli, 
 def test_pdp_sgd_options_without_method_pdp_are_refused_not_ignored(cli, data_dir, tmp_path, option):
     message = cli.fails(*_args(data_dir, tmp_path / "run.pt", "--epochs", 1, *option))
     assert option[0] in message and "--method pdp" in message
+
+
+def test_a_signal_to_every_process_of_the_job_at_once_is_one_stop_with_a_final_checkpoint(data_dir, tmp_path):
+    """A scheduler (Slurm's time limit, pkill) signals every process: each rank heard it directly and
+    again through the command, took the second as "stop at once", and the final checkpoint was lost
+    (3 runs in 4)."""
+    launcher, checkpoint = _start_training(data_dir, tmp_path)
+    for pid in (launcher.pid, *_ranks_of(launcher)):
+        os.kill(pid, signal.SIGTERM)
+    rc, out, err = _finish(launcher, checkpoint)
+    assert rc == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("pdpfast train: interrupted (SIGTERM)"), err
+    assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
+
+
+def test_a_rank_that_dies_while_the_command_stops_does_not_leave_the_other_waiting(data_dir, tmp_path):
+    """Before: the others were ended only when no signal had come, so a Ctrl-C after a rank died left
+    the survivor in the rendezvous, which no SIGINT interrupts, for 10 minutes."""
+    checkpoint = tmp_path / "run.pt"
+    launcher = subprocess.Popen([sys.executable, "-m", "pdpfast", *_args(data_dir, checkpoint, "--epochs", 500,
+                                                                         "--nproc", 2)],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_ranks_of(launcher)) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.02)
+    os.kill(_ranks_of(launcher)[1], signal.SIGKILL)
+    time.sleep(1.0)
+    launcher.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    rc, out, err = _finish(launcher, checkpoint, timeout=60)
+    assert time.monotonic() - start < 30 and rc != 0, err
+
+
+def test_the_command_runs_its_ranks_from_a_thread_of_a_python_caller(data_dir, tmp_path, capsys):
+    """Before: "signal only works in main thread" (the command set its handlers from any thread)."""
+    import threading
+
+    from pdpfast.cli import main
+
+    result = []
+    worker = threading.Thread(target=lambda: result.append(main(_args(data_dir, tmp_path / "run.pt", "--epochs", 1,
+                                                                          "--nproc", 2))))
+    worker.start()
+    worker.join(timeout=240)
+    assert result == [0], capsys.readouterr().err
+
+
+def test_run_from_python_with_nproc_above_1_is_refused_not_trained_in_one_process(data_dir, tmp_path, monkeypatch):
+    from pdpfast.train import TrainConfig, run
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = TrainConfig(data=str(data_dir / "x.npy"), labels=str(data_dir / "y.npy"),
+                      budgets=str(data_dir / "budgets.npy"), epochs=1, nproc=2, quiet=True)
+    with pytest.raises(ValueError, match=r"nproc=2: run\(\) trains in this process"):
+        run(cfg)
