@@ -219,6 +219,35 @@ def test_clip_weights_with_a_mask_or_broadcast_bounds_equal_the_formula():
     assert torch.equal(clip_weights(sq, bounds, loss_scale=0.0), torch.zeros_like(sq))
 
 
+def test_clip_weights_refuse_bounds_or_rounding_that_would_enlarge_the_weights():
+    """Bounds of shape (B, 1) against (B,) norms used to give a (B, B) matrix of weights: one record's
+    weight per pair of records, which no caller means. Now a ValueError, as for a rounding bound that
+    does not fit the norms; bounds and rounding that broadcast to the norms' shape still work."""
+    sq = torch.tensor([4.0, 1.0, 9.0])
+    with pytest.raises(ValueError, match=r"clip_norms of shape \(3, 1\) broadcast the weights to \(3, 3\)"):
+        clip_weights(sq, torch.ones(3, 1))
+    with pytest.raises(ValueError, match=r"rounding must be shaped like sq_norms .*\(3, 1\)"):
+        clip_weights(sq, torch.ones(3), rounding=torch.zeros(3, 1))
+    with pytest.raises(ValueError, match="rounding must be shaped like sq_norms"):
+        clip_weights(torch.rand(2, 3, 4), torch.ones(2, 3), rounding=torch.zeros(3, 2), parts=True)
+    grouped = torch.tensor([[4.0, 1.0, 9.0], [1.0, 0.25, 4.0]])
+    torch.testing.assert_close(clip_weights(grouped, torch.ones(3), rounding=torch.zeros(3)),
+                               clip_weights(grouped, torch.ones(2, 3), rounding=torch.zeros(2, 3)))
+    torch.testing.assert_close(clip_weights(sq, torch.tensor(2.0)), clip_weights(sq, torch.full((3,), 2.0)))
+
+
+def test_clip_scale_refuses_bounds_that_are_not_one_per_row():
+    """(K, B) bounds give (K, B) weights: no one weight per row of x to scale it by. This used to reach
+    torch's own shape error from the product."""
+    g = torch.Generator().manual_seed(7)
+    weights = _pending(5, 3, torch.float32, g, None, None, 1.0)
+    grouped = weights._replace(clip_norms=weights.clip_norms.expand(2, 5), sq_norms=weights.sq_norms.expand(2, 5, 3))
+    with pytest.raises(ValueError, match=r"one weight per row, \(B,\) = \(5,\), got weights of shape \(2, 5\)"):
+        clip_scale(torch.randn(5, 4), grouped)
+    with pytest.raises(ValueError, match="one weight per row"):
+        clip_scale(torch.randn(4, 4), weights)
+
+
 @needs_op
 def test_cpp_clip_weights_refuse_mismatched_inputs_clearly():
     from pdpfast import _C

@@ -38,6 +38,11 @@ def _requires_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``target`` without enlarging it."""
+    return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
 def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
                        rounding: torch.Tensor | None = None, parts: bool = False) -> str:
     """Which route ``clip_weights`` takes for these tensors.
@@ -95,22 +100,26 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         sq_norms: (B,) or (K, B) float per-sample squared norms ‖g_i‖² (K clipping groups); negative
             rounding errors count as 0.
         clip_norms: the bounds c_i ≥ 0 in the units of ‖g_i‖, (B,) or (K, B): any shape that broadcasts
-            against ``sq_norms``; cast to its dtype. Masked rows may carry bound 0 instead of a mask.
+            to ``sq_norms``' shape (not to a larger one: a ValueError); cast to its dtype. Masked rows may carry bound 0 instead of a mask.
         mask: None, or (B,) 0/1 (any dtype) that zeroes the weights of padded rows.
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
         loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
             under a mean loss) gives all-zero weights.
         rounding: None, or ρ_i ≥ 0 in the units of ‖g_i‖, shaped like ``sq_norms`` (with ``parts``,
-            like it or like it less its last dim: partial sums or not).
+            like it or like it less its last dim: partial sums or not), or broadcasting to that shape.
         parts: ``sq_norms`` has one more trailing dim than the norms, (..., K): partial sums (a norm
             kernel's per-program sums), added up here, in the same call on the C++ route.
     Returns:
-        the weights s·w_i, shaped like ``sq_norms`` (the summed norms, with ``parts``) and
-        ``clip_norms`` broadcast together (like those norms when s = 0), in ``sq_norms``' dtype.
+        the weights s·w_i, shaped like ``sq_norms`` (the summed norms, with ``parts``), in its dtype.
     """
     if parts and sq_norms.dim() < clip_norms.dim() + 1:
         raise ValueError(f"parts=True: sq_norms must have clip_norms' dims and a trailing dim of partial sums, got "
                          f"sq_norms of shape {tuple(sq_norms.shape)} and clip_norms of shape {tuple(clip_norms.shape)}")
+    if rounding is not None and rounding.shape != sq_norms.shape and \
+            not _broadcasts_to(rounding.shape, sq_norms.shape[:-1] if parts else sq_norms.shape):
+        raise ValueError(f"rounding must be shaped like sq_norms{' (or like it less its last dim)' if parts else ''} "
+                         f"or broadcast to that shape, got rounding of shape {tuple(rounding.shape)} and sq_norms of "
+                         f"shape {tuple(sq_norms.shape)}")
     if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding, parts) == _FUSED:
         if automatic_gamma is None:
             return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
@@ -197,6 +206,10 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
             return _C.clip_scale(x, sq, bounds, CLIP_EPS / s, s, rounding, parts)
         return _C.clip_scale(x, sq, bounds, gamma / s, math.inf, rounding, parts)
     w = weights.tensor()
+    if w.dim() != 1 or x.dim() == 0 or w.shape[0] != x.shape[0]:
+        raise ValueError(f"clip_scale weighs the rows of x: it needs one weight per row, (B,) = ({x.shape[0] if x.dim() else '?'},), "
+                         f"got weights of shape {tuple(w.shape)} (from clip_norms of shape "
+                         f"{tuple(weights.clip_norms.shape)}) for x of shape {tuple(x.shape)}")
     w = w if w.dtype == x.dtype else w.to(x.dtype)
     return (x * w.view(-1, *([1] * (x.dim() - 1)))).contiguous(), w
 
@@ -239,6 +252,10 @@ def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mas
         weights = torch.div(clip_norms, root.add_(CLIP_EPS / loss_scale), out=out).clamp_(max=loss_scale)
     else:
         weights = torch.div(clip_norms, root.add_(automatic_gamma / loss_scale), out=out)
+    if out is None and weights.shape != root.shape:
+        raise ValueError(f"clip_norms of shape {tuple(clip_norms.shape)} broadcast the weights to "
+                         f"{tuple(weights.shape)}, larger than sq_norms' {tuple(root.shape)}: give one bound per "
+                         f"norm, or bounds that broadcast to the norms' shape")
     if mask is not None:
         weights = weights * mask.to(weights.dtype)
     return weights
