@@ -37,6 +37,51 @@ def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | No
     return EXIT_ERROR
 
 
+class _Interrupted(KeyboardInterrupt):
+    """A Ctrl-C outside the training steps (they handle their own: ``pdpfast.train``), raised by
+    ``_CtrlC`` instead of a plain KeyboardInterrupt. CPython ends a process by SIGINT at exit, whatever
+    status it was given, once a plain one has passed through code run by ``PyRun_String``, as in
+    some extension's import, even where it was then caught: a rank of ``--nproc`` seemed killed."""
+
+
+class _CtrlC:
+    """While the command runs (its main thread; the training steps set handlers of their own): a
+    Ctrl-C raises ``_Interrupted`` and is remembered, so that an import it broke into (numpy's turns
+    it into an ImportError) ends the command as an interruption too, in one line."""
+
+    def __init__(self):
+        self.came = False
+        self._previous = None
+
+    def _on_ctrl_c(self, signum, frame):
+        self.came = True
+        raise _Interrupted
+
+    def __enter__(self) -> _CtrlC:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+def _interrupted(command: str | None) -> int:
+    """One line for a Ctrl-C outside the training steps (no traceback), and the status a shell expects."""
+    import signal
+
+    _report(f"pdpfast{' ' + command if command else ''}: interrupted")
+    return 128 + signal.SIGINT
+
+
 def _report(line: str) -> None:
     """Print the line that ends the command (an error, an interruption) on stderr; in a rank of
     ``train --nproc``, hand it to the launcher, which prints rank 0's and those of other ranks that
@@ -623,13 +668,27 @@ def main(argv: list[str] | None = None) -> int:
     """
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    with _CtrlC() as ctrl_c:
+        return _main(argv, ctrl_c)
+
+
+def _main(argv: list[str] | None, ctrl_c: _CtrlC) -> int:
+    from . import launch
+
+    command = _ARGV[0] if _ARGV and not _ARGV[0].startswith("-") else None
     try:
+        launch.accept_stops()      # a rank of --nproc: a Ctrl-C handed on while it started arrives here
+        parser = build_parser()    # imports torch: a Ctrl-C often lands here
         args = parser.parse_args(argv)
+        from .train import TrainingInterrupted
     except SystemExit as exc:      # --help, or a usage error already printed as one line
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR
-    from .train import TrainingInterrupted
-
+    except KeyboardInterrupt:
+        return _interrupted(command)
+    except Exception:
+        if ctrl_c.came:            # an import the Ctrl-C broke into
+            return _interrupted(command)
+        raise
     run = getattr(args, "run", None) or getattr(args, "func", None)
     try:
         rc = run(args)
@@ -637,9 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:      # stopped after a whole step, final checkpoint written
         _report(f"pdpfast {args.command}: {exc}")
         return 128 + exc.signum
-    except KeyboardInterrupt:
-        return _fail(args.command, RuntimeError("interrupted"))
+    except KeyboardInterrupt:      # before training started, or a second Ctrl-C (the last checkpoint stands)
+        return _interrupted(args.command)
     except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
+        if ctrl_c.came:
+            return _interrupted(args.command)
         if os.environ.get("PDPFAST_DEBUG"):
             raise
         return _fail(args.command, exc, parser, args)

@@ -17,7 +17,8 @@ behaves as one process does:
 
 The ranks meet at ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, with ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` set as torchrun sets them. Without
-``OMP_NUM_THREADS`` or ``--threads``, each takes an equal share of the machine's cores.
+``OMP_NUM_THREADS`` or ``--threads``, each takes an equal share of the machine's cores. Without
+``TORCH_CPP_LOG_LEVEL``, torch's C++ logs below errors are not shown.
 """
 from __future__ import annotations
 
@@ -114,6 +115,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def accept_stops() -> None:
+    """In a rank ``run_ranks`` started (from its main thread): unblock SIGINT and SIGTERM, which it
+    started with blocked. One the command handed on meanwhile arrives now: a KeyboardInterrupt for
+    SIGINT, which the command's caller turns into one line; SIGTERM ends the rank. Elsewhere nothing.
+
+    Returns:
+        None.
+    """
+    if launched_rank() is not None and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
 def follow_launcher() -> None:
     """In a rank ``run_ranks`` started: ask for SIGTERM when the command that started it dies (Linux's
     ``PR_SET_PDEATHSIG``; elsewhere nothing), so a killed command leaves no rank training on its own.
@@ -155,6 +168,9 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
     """
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER: str(os.getpid())})
+    # c10d logs, e.g., a rendezvous that a Ctrl-C interrupted as a warning with a 40-frame C++ stack;
+    # its errors still come as Python exceptions
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if threads is None and "OMP_NUM_THREADS" not in env:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
@@ -185,17 +201,20 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
     previous = {s: signal.signal(s, hand_on) for s in stops} if main else {}
     try:
         for rank in range(nproc):
-            process = subprocess.Popen([sys.executable, "-m", "pdpfast", *argv], start_new_session=True,
-                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), LAUNCHED: str(rank)})
-            sent.append(0)              # (before the rank joins the list the handler walks)
-            ranks.append(process)
-            if main:                    # a signal now would run hand_on inside deliver(): held until it returns
-                signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            # Blocked while the rank starts, in this thread (so that a signal now waits for deliver() to
+            # return rather than run hand_on inside it) and so in the rank, whose signal mask is this
+            # thread's: the rank unblocks them once Python turns them into a clean stop (accept_stops).
+            # One landing in its interpreter's startup was a fatal error with a traceback.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
             try:
+                process = subprocess.Popen([sys.executable, "-m", "pdpfast", *argv], start_new_session=True,
+                                           env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                LAUNCHED: str(rank)})
+                sent.append(0)          # (before the rank joins the list the handler walks)
+                ranks.append(process)
                 deliver()
             finally:
-                if main:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         status = _wait(ranks, received)
         _print_endings(endings.name, nproc)
         return status

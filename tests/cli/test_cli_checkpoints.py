@@ -312,3 +312,21 @@ def test_a_second_signal_within_a_second_is_the_same_stop_and_one_during_a_check
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_that_an_import_turns_into_another_error_is_still_an_interruption(cli, monkeypatch):
+    """numpy's import turns a KeyboardInterrupt that lands in it into an ImportError: the command
+    remembers the Ctrl-C and ends as interrupted (one line, status 130), not with that error's
+    traceback, and gives SIGINT its handler back."""
+    import pdpfast.cli
+
+    def parser_whose_import_is_interrupted():
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt as exc:
+            raise ImportError("PyCapsule_Import could not import module \"datetime\"") from exc
+
+    monkeypatch.setattr(pdpfast.cli, "build_parser", parser_whose_import_is_interrupted)
+    rc, out, err = cli("train", "--epochs", 1)
+    assert rc == 128 + signal.SIGINT and err.strip() == "pdpfast train: interrupted", err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -205,3 +205,25 @@ def test_run_from_python_with_nproc_above_1_is_refused_not_trained_in_one_proces
                       budgets=str(data_dir / "budgets.npy"), epochs=1, nproc=2, quiet=True)
     with pytest.raises(ValueError, match=r"nproc=2: run\(\) trains in this process"):
         run(cfg)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.4, 1.2])
+def test_a_ctrl_c_while_the_ranks_start_is_one_line_and_status_130_not_tracebacks(data_dir, tmp_path, delay):
+    """Before: a SIGINT landing in a rank's interpreter startup was a fatal error, one in its imports a
+    KeyboardInterrupt traceback per rank (or numpy's ImportError, which it becomes), and a rank that had
+    caught it could still end by SIGINT ("stopped outside the training steps"). The ranks now start
+    with the stop signals blocked and take them once Python can."""
+    checkpoint = tmp_path / "run.pt"
+    launcher = subprocess.Popen([sys.executable, "-m", "pdpfast", *_args(data_dir, checkpoint, "--epochs", 500,
+                                                                         "--nproc", 2)],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_processes_naming(str(checkpoint))) < 3:       # the command and its two ranks
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.005)
+    time.sleep(delay)
+    launcher.send_signal(signal.SIGINT)
+    rc, out, err = _finish(launcher, checkpoint, timeout=60)
+    assert rc == 128 + signal.SIGINT, err
+    assert err.strip().splitlines()[0].startswith("pdpfast train: interrupted"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
