@@ -100,7 +100,8 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
         sq_norms: (B,) or (K, B) float per-sample squared norms ‖g_i‖² (K clipping groups); negative
             rounding errors count as 0.
         clip_norms: the bounds c_i ≥ 0 in the units of ‖g_i‖, (B,) or (K, B): any shape that broadcasts
-            to ``sq_norms``' shape (not to a larger one: a ValueError); cast to its dtype. Masked rows may carry bound 0 instead of a mask.
+            to ``sq_norms``' shape (not to a larger one: a ValueError); cast to its dtype. Masked rows may
+            carry bound 0 instead of a mask.
         mask: None, or (B,) 0/1 (any dtype) that zeroes the weights of padded rows.
         automatic_gamma: None for standard clipping, γ > 0 for automatic clipping c_i / (‖g_i‖ + γ).
         loss_scale: s ≥ 0, the rows a mean loss divides by (1.0 for a summed loss); 0 (an empty batch
@@ -207,7 +208,8 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
         return _C.clip_scale(x, sq, bounds, gamma / s, math.inf, rounding, parts)
     w = weights.tensor()
     if w.dim() != 1 or x.dim() == 0 or w.shape[0] != x.shape[0]:
-        raise ValueError(f"clip_scale weighs the rows of x: it needs one weight per row, (B,) = ({x.shape[0] if x.dim() else '?'},), "
+        rows = x.shape[0] if x.dim() else "?"
+        raise ValueError(f"clip_scale weighs the rows of x: it needs one weight per row, (B,) = ({rows},), "
                          f"got weights of shape {tuple(w.shape)} (from clip_norms of shape "
                          f"{tuple(weights.clip_norms.shape)}) for x of shape {tuple(x.shape)}")
     w = w if w.dtype == x.dtype else w.to(x.dtype)
