@@ -7,7 +7,7 @@ behaves as one process does:
   the command alone, and it hands each signal (SIGINT, SIGTERM) to every rank once. The ranks then
   agree on the step to stop after (``pdpfast.train``), rank 0 writes the final checkpoint, and the
   command exits with 128 + the signal's number. A second signal stops them at once, as it does one
-  process. Were the command itself killed, its ranks get SIGTERM (Linux: ``follow_launcher``).
+  process. Were the command itself killed, its ranks get SIGTERM (``follow_launcher``).
 * **Failing.** When a rank fails, the others get a few seconds to fail alike (bad data stops every
   rank), then SIGTERM, then SIGKILL; the command exits with the failed rank's status.
 * **One voice.** Rank 0 alone prints the run's report and warnings. The line that ends a rank (an
@@ -128,24 +128,41 @@ def accept_stops() -> None:
 
 
 def follow_launcher() -> None:
-    """In a rank ``run_ranks`` started: ask for SIGTERM when the command that started it dies (Linux's
-    ``PR_SET_PDEATHSIG``; elsewhere nothing), so a killed command leaves no rank training on its own.
+    """In a rank ``run_ranks`` started: have SIGTERM sent to it when the command that started it dies,
+    so a killed command leaves no rank training on its own. On Linux the kernel sends it
+    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread looks for a new parent every ``WATCH_S`` seconds
+    and sends it.
 
     Returns:
         None.
     Raises:
         RuntimeError when that command has already ended.
     """
+    by_kernel = False
     if sys.platform.startswith("linux"):
         try:
             import ctypes
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
+            by_kernel = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) == 0   # 1: PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
     launcher = os.environ.get(LAUNCHER)
-    if launcher is not None and os.getppid() != int(launcher):
+    if launcher is None:
+        return
+    if os.getppid() != int(launcher):     # (after the request: a command that dies later is seen)
         raise RuntimeError("the `pdpfast train --nproc` command that started this rank has ended")
+    if not by_kernel:
+        threading.Thread(target=_watch_parent, args=(int(launcher),), name="pdpfast-follow-launcher",
+                         daemon=True).start()
+
+
+WATCH_S = 0.5   # how often a rank without PR_SET_PDEATHSIG looks for its command
+
+
+def _watch_parent(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(WATCH_S)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _status(code: int) -> int:

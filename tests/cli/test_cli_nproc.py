@@ -227,3 +227,33 @@ def test_a_ctrl_c_while_the_ranks_start_is_one_line_and_status_130_not_traceback
     assert rc == 128 + signal.SIGINT, err
     assert err.strip().splitlines()[0].startswith("pdpfast train: interrupted"), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_rank_without_the_kernels_parent_death_signal_still_stops_when_its_command_dies(tmp_path):
+    """Linux's PR_SET_PDEATHSIG is what tells a rank that a killed command has gone; elsewhere (macOS)
+    nothing did, and the ranks of a command killed outright trained on. A thread now watches for a
+    new parent there; here sys.platform is set so that the rank takes that path."""
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
+    rank = (f"import os, signal, sys, time\nsys.platform = 'darwin'\nfrom pdpfast import launch\n"
+            f"launch.WATCH_S = 0.05\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (open({str(stopped)!r}, 'w').close(), os._exit(0)))\n"
+            f"launch.follow_launcher()\nopen({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+    command = (f"import os, subprocess, sys, time\n"
+               f"env = dict(os.environ, PDPFAST_LAUNCHER_PID=str(os.getpid()), PDPFAST_LAUNCHED_RANK='0')\n"
+               f"subprocess.Popen([sys.executable, '-c', {rank!r}], env=env)\ntime.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", command], env=_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        launcher.kill()
+        deadline = time.monotonic() + 10
+        while not stopped.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert stopped.exists(), "the rank did not get SIGTERM after its command died"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in _processes_naming(str(ready)):
+            os.kill(pid, signal.SIGKILL)
