@@ -38,48 +38,72 @@ def _fail(command: str, exc: BaseException, parser: argparse.ArgumentParser | No
 
 
 class _Interrupted(KeyboardInterrupt):
-    """A Ctrl-C outside the training steps (they handle their own: ``pdpfast.train``), raised by
-    ``_CtrlC`` instead of a plain KeyboardInterrupt. CPython ends a process by SIGINT at exit, whatever
-    status it was given, once a plain one has passed through code run by ``PyRun_String``, as in
-    some extension's import, even where it was then caught: a rank of ``--nproc`` seemed killed."""
+    """A stop signal outside the training steps (they handle their own: ``pdpfast.train``), raised
+    by ``_CtrlC`` instead of a plain KeyboardInterrupt. CPython ends a process by SIGINT at exit,
+    whatever status it was given, once a plain one has passed through code run by ``PyRun_String``,
+    as in some extension's import, even where it was then caught: a rank of ``--nproc`` seemed killed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class _CtrlC:
-    """While the command runs (its main thread; the training steps set handlers of their own): a
-    Ctrl-C raises ``_Interrupted`` and is remembered, so that an import it broke into (numpy's turns
-    it into an ImportError) ends the command as an interruption too, in one line."""
+    """While the command runs (its main thread; the training steps set handlers of their own), SIGINT
+    and SIGTERM raise ``_Interrupted``, and the signal is remembered, so that an import it broke into
+    (numpy's turns it into an ImportError) ends the command as an interruption too, in one line. A
+    signal within ``launch.SAME_STOP_S`` of the last stop request (the copy a launcher hands on, a
+    second one sent to every process) is that request again, and does nothing. When the command is
+    the process's own (``process``) and ends on a signal, the signals are then ignored, so that
+    nothing cuts the interpreter's exit (torch's atexit hooks printed a KeyboardInterrupt); otherwise
+    their handlers are given back."""
 
-    def __init__(self):
-        self.came = False
-        self._previous = None
+    def __init__(self, process: bool):
+        self.process = process
+        self.signum: int | None = None
+        self.status: int | None = None
+        self._previous: dict = {}
 
-    def _on_ctrl_c(self, signum, frame):
-        self.came = True
-        raise _Interrupted
+    def _on_signal(self, signum, frame):
+        from . import launch
+
+        if launch.same_stop():
+            return
+        launch.note_stop()
+        self.signum = signum
+        raise _Interrupted(signum)
 
     def __enter__(self) -> _CtrlC:
         import signal
         import threading
 
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        from . import launch
+
+        launch.forget_stops()       # (an in-process caller's earlier command may have stopped on one)
+        if threading.current_thread() is threading.main_thread():
+            for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+                if signal.getsignal(signum) is default:
+                    self._previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> bool:
         import signal
 
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        ending = self.process and self.status is not None and self.status > 128
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_IGN if ending else handler)
         return False
 
 
-def _interrupted(command: str | None) -> int:
-    """One line for a Ctrl-C outside the training steps (no traceback), and the status a shell expects."""
+def _interrupted(command: str | None, signum: int | None) -> int:
+    """One line for a stop signal outside the training steps (no traceback), and the status a shell
+    expects (128 + the signal's number)."""
     import signal
 
-    _report(f"pdpfast{' ' + command if command else ''}: interrupted")
-    return 128 + signal.SIGINT
+    signum = signal.SIGINT if signum is None else signum
+    how = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+    _report(f"pdpfast{' ' + command if command else ''}: interrupted{how}")
+    return 128 + signum
 
 
 def _report(line: str) -> None:
@@ -668,8 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     global _ARGV
     _ARGV = list(sys.argv[1:] if argv is None else argv)
-    with _CtrlC() as ctrl_c:
-        return _main(argv, ctrl_c)
+    with _CtrlC(process=argv is None) as ctrl_c:
+        ctrl_c.status = _main(argv, ctrl_c)
+    return ctrl_c.status
 
 
 def _main(argv: list[str] | None, ctrl_c: _CtrlC) -> int:
@@ -683,11 +708,11 @@ def _main(argv: list[str] | None, ctrl_c: _CtrlC) -> int:
         from .train import TrainingInterrupted
     except SystemExit as exc:      # --help, or a usage error already printed as one line
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_ERROR
-    except KeyboardInterrupt:
-        return _interrupted(command)
+    except KeyboardInterrupt as exc:
+        return _interrupted(command, getattr(exc, "signum", None))
     except Exception:
-        if ctrl_c.came:            # an import the Ctrl-C broke into
-            return _interrupted(command)
+        if ctrl_c.signum is not None:   # an import the signal broke into
+            return _interrupted(command, ctrl_c.signum)
         raise
     run = getattr(args, "run", None) or getattr(args, "func", None)
     try:
@@ -696,11 +721,11 @@ def _main(argv: list[str] | None, ctrl_c: _CtrlC) -> int:
     except TrainingInterrupted as exc:      # stopped after a whole step, final checkpoint written
         _report(f"pdpfast {args.command}: {exc}")
         return 128 + exc.signum
-    except KeyboardInterrupt:      # before training started, or a second Ctrl-C (the last checkpoint stands)
-        return _interrupted(args.command)
+    except KeyboardInterrupt as exc:   # before training started, or a second Ctrl-C (the last checkpoint stands)
+        return _interrupted(args.command, getattr(exc, "signum", None))
     except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
-        if ctrl_c.came:
-            return _interrupted(args.command)
+        if ctrl_c.signum is not None:
+            return _interrupted(args.command, ctrl_c.signum)
         if os.environ.get("PDPFAST_DEBUG"):
             raise
         return _fail(args.command, exc, parser, args)

@@ -7,7 +7,8 @@ behaves as one process does:
   the command alone, and it hands each signal (SIGINT, SIGTERM) to every rank once. The ranks then
   agree on the step to stop after (``pdpfast.train``), rank 0 writes the final checkpoint, and the
   command exits with 128 + the signal's number. A second signal stops them at once, as it does one
-  process. Were the command itself killed, its ranks get SIGTERM (``follow_launcher``).
+  process; one within ``SAME_STOP_S`` of the first is the same request (``note_stop``). Were the
+  command itself killed, its ranks get SIGTERM (``follow_launcher``).
 * **Failing.** When a rank fails, the others get a few seconds to fail alike (bad data stops every
   rank), then SIGTERM, then SIGKILL; the command exits with the failed rank's status.
 * **One voice.** Rank 0 alone prints the run's report and warnings. The line that ends a rank (an
@@ -22,6 +23,7 @@ The ranks meet at ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT``, with ``R
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -38,6 +40,40 @@ LAUNCHED, LAUNCHER, ENDINGS = "PDPFAST_LAUNCHED_RANK", "PDPFAST_LAUNCHER_PID", "
 # after one rank fails, how long the others may take to end on their own before SIGTERM (and as long
 # again before SIGKILL)
 GRACE_S = 5.0
+
+
+# A stop signal (SIGINT, SIGTERM) within SAME_STOP_S of the last one this process took as a stop
+# request is that request again: the copy the command hands on to a rank that a scheduler also
+# signalled, a second Ctrl-C while the first is being handled (``note_stop``, ``same_stop``).
+SAME_STOP_S = 1.0
+_LAST_STOP = [-math.inf]
+
+
+def note_stop() -> None:
+    """Record that this process took a signal as a request to stop, now.
+
+    Returns:
+        None.
+    """
+    _LAST_STOP[0] = time.monotonic()
+
+
+def forget_stops() -> None:
+    """Forget the last stop request (a new command starts in this process).
+
+    Returns:
+        None.
+    """
+    _LAST_STOP[0] = -math.inf
+
+
+def same_stop() -> bool:
+    """Whether a stop signal now is the last stop request again.
+
+    Returns:
+        True within ``SAME_STOP_S`` of the last ``note_stop``.
+    """
+    return time.monotonic() - _LAST_STOP[0] <= SAME_STOP_S
 
 
 def launched_rank() -> int | None:
@@ -93,14 +129,20 @@ def report_ending(line: str) -> bool:
 
 
 def _print_endings(folder: str, nproc: int) -> None:
-    """Rank 0's ending line, then every other rank's that differs from it (prefixed with its rank)."""
+    """Rank 0's ending line, then every other rank's that differs from it (prefixed with its rank).
+    Where a rank was interrupted, the others' errors are left out: they come of its leaving (a
+    collective whose peer closed the connection), and the interruption is the news."""
     lines = {}
     for rank in range(nproc):
         try:
             with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
-                lines[rank] = f.read()
+                line = f.read()
         except OSError:
             continue
+        if line.strip():            # (a rank killed while it wrote leaves the file empty)
+            lines[rank] = line
+    interrupted = {rank: line for rank, line in lines.items() if line.partition(": ")[2].startswith("interrupted")}
+    lines = interrupted or lines
     if 0 in lines:
         print(lines[0], file=sys.stderr)
     for rank, line in lines.items():
@@ -250,10 +292,10 @@ def _wait(ranks: list[subprocess.Popen], received: list[int]) -> int:
     the command asked for: 128 + n), the others get ``GRACE_S`` to end on their own, then SIGTERM,
     then SIGKILL: one stuck where a signal cannot reach it (waiting for a dead rank in the process
     group's rendezvous) would otherwise wait out its timeout. Returns the status (``run_ranks``)."""
-    asked = {128 + signum for signum in received}
     failed: list[int] = []                    # ranks in the order they failed
     failed_at, ended = None, set()            # (signals sent to end the others: SIGTERM once, then SIGKILL)
     while True:
+        asked = {128 + signum for signum in received}   # (a signal may come while the ranks run)
         codes = [process.poll() for process in ranks]
         for rank, code in enumerate(codes):
             if code not in (None, 0) and code not in asked and rank not in failed:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import launch
 from ._checks import (
     check_choice,
     check_delta,
@@ -199,7 +200,7 @@ class _StopOnSignal:
     command), and one that comes while a checkpoint is written (``saving``) waits for the write.
     Handlers can only be set from the main thread; elsewhere the signals keep their handlers."""
 
-    SAME_STOP_S = 1.0
+    SAME_STOP_S = launch.SAME_STOP_S
 
     def __init__(self):
         self.received: int | None = None
@@ -217,6 +218,7 @@ class _StopOnSignal:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received, self._at = signum, time.monotonic()
+            launch.note_stop()      # (a copy of it after the steps end is this request too: ``cli._CtrlC``)
         elif time.monotonic() - self._at > self.SAME_STOP_S:
             if not self._saving:
                 raise KeyboardInterrupt

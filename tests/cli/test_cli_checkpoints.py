@@ -330,3 +330,21 @@ def test_a_ctrl_c_that_an_import_turns_into_another_error_is_still_an_interrupti
     rc, out, err = cli("train", "--epochs", 1)
     assert rc == 128 + signal.SIGINT and err.strip() == "pdpfast train: interrupted", err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_second_ctrl_c_while_the_first_is_handled_is_the_same_interruption(cli, monkeypatch):
+    """A second SIGINT within a second of the first (a double press, or the copy a launcher hands on)
+    used to raise inside the handling of the first (while its line was written), with a traceback."""
+    import pdpfast.cli
+    from pdpfast import launch
+
+    def second_press_while_reporting(line):
+        signal.raise_signal(signal.SIGINT)
+        return False
+
+    monkeypatch.setattr(pdpfast.cli, "build_parser", lambda: signal.raise_signal(signal.SIGINT))
+    monkeypatch.setattr(launch, "report_ending", second_press_while_reporting)
+    rc, out, err = cli("train", "--epochs", 1)
+    assert rc == 128 + signal.SIGINT and err.strip() == "pdpfast train: interrupted", err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler        # in-process: given back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

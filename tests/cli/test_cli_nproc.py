@@ -257,3 +257,56 @@ def test_a_rank_without_the_kernels_parent_death_signal_still_stops_when_its_com
         launcher.wait()
         for pid in _processes_naming(str(ready)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failures(monkeypatch):
+    """The statuses the command asked for (128 + a signal it handed on) were read once, before any
+    signal came: ranks that stopped on it counted as failed, and the others, rank 0 writing its final
+    checkpoint say, got SIGTERM after GRACE_S, then SIGKILL."""
+    from pdpfast import launch
+
+    monkeypatch.setattr(launch, "GRACE_S", 0.2)
+    quick = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(130)"])
+    saving = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(99))\ntime.sleep(1.5)\n"
+                               "sys.exit(130)"])
+    received: list[int] = []
+    import threading
+
+    threading.Timer(0.1, lambda: received.append(signal.SIGINT)).start()     # as hand_on does
+    assert launch._wait([quick, saving], received) == 130
+    assert saving.returncode == 130, "the rank still saving was ended as if another had failed"
+
+
+def test_a_ranks_interruption_is_the_line_not_the_error_it_caused_in_another(tmp_path, capsys):
+    from pdpfast import launch
+
+    (tmp_path / "rank-0").write_text("pdpfast train: error: [gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    (tmp_path / "rank-1").write_text("pdpfast train: interrupted")
+    (tmp_path / "rank-2").write_text("")                                  # killed while it wrote
+    launch._print_endings(str(tmp_path), 3)
+    assert capsys.readouterr().err.splitlines() == ["pdpfast train (rank 1): interrupted"]
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT)])
+def test_a_second_signal_just_after_the_first_is_the_same_stop_even_once_the_steps_have_ended(data_dir, tmp_path,
+                                                                                             first, second):
+    """A scheduler's SIGTERM and a Ctrl-C 50 ms later (or two Ctrl-Cs, or the copy the command hands a rank
+    that was signalled too): the steps end on the first within a few ms, and the second used to land
+    outside them: the line became "interrupted" with no resume hint (status 130 for a SIGTERM), or the
+    interpreter's exit printed a KeyboardInterrupt, or it died of SIGINT."""
+    checkpoint = tmp_path / "run.pt"
+    process = subprocess.Popen([sys.executable, "-m", "pdpfast", *_args(data_dir, checkpoint, "--epochs", 500,
+                                                                        "--checkpoint-every", 1)],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(first)
+    time.sleep(0.05)
+    process.send_signal(second)
+    rc, out, err = _finish(process, checkpoint, timeout=60)
+    assert rc == 128 + first, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "after step" in lines[0] and "--resume" in lines[0], err
