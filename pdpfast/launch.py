@@ -274,7 +274,7 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
                 deliver()
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        status = _wait(ranks, received)
+        status = _wait(ranks, received, endings.name)
         _print_endings(endings.name, nproc)
         return status
     finally:
@@ -287,18 +287,33 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
         endings.cleanup()
 
 
-def _wait(ranks: list[subprocess.Popen], received: list[int]) -> int:
-    """Wait for every rank. Once one has failed (ended other than with success or the status of a stop
-    the command asked for: 128 + n), the others get ``GRACE_S`` to end on their own, then SIGTERM,
-    then SIGKILL: one stuck where a signal cannot reach it (waiting for a dead rank in the process
-    group's rendezvous) would otherwise wait out its timeout. Returns the status (``run_ranks``)."""
+def _stopped_after_a_step(folder: str | None, rank: int) -> bool:
+    """Whether the rank's ending line says it stopped after a training step (``TrainingInterrupted``):
+    then every rank agreed on that step, and the others are ending it too (rank 0 writing the final
+    checkpoint, which may take a while)."""
+    try:
+        with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
+            return " after step " in f.read()
+    except (OSError, TypeError):
+        return False
+
+
+def _wait(ranks: list[subprocess.Popen], received: list[int], folder: str | None = None) -> int:
+    """Wait for every rank. Once one has failed (ended other than with success or after a training
+    step on a stop the command asked for: 128 + n), the others get ``GRACE_S`` to end on their own,
+    then SIGTERM, then SIGKILL: one stuck where a signal cannot reach it (waiting in the process
+    group's rendezvous for a rank that stopped before it) would otherwise wait out its timeout. A
+    rank that stopped on the asked signal outside the training steps counts as failed for this,
+    though its status is the asked one. ``folder``: the ranks' ending lines (``report_ending``).
+    Returns the status (``run_ranks``)."""
     failed: list[int] = []                    # ranks in the order they failed
     failed_at, ended = None, set()            # (signals sent to end the others: SIGTERM once, then SIGKILL)
     while True:
         asked = {128 + signum for signum in received}   # (a signal may come while the ranks run)
         codes = [process.poll() for process in ranks]
         for rank, code in enumerate(codes):
-            if code not in (None, 0) and code not in asked and rank not in failed:
+            if code not in (None, 0) and rank not in failed and \
+                    (code not in asked or not _stopped_after_a_step(folder, rank)):
                 failed.append(rank)
         if all(code is not None for code in codes):
             break

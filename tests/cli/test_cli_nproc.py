@@ -259,13 +259,15 @@ def test_a_rank_without_the_kernels_parent_death_signal_still_stops_when_its_com
             os.kill(pid, signal.SIGKILL)
 
 
-def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failures(monkeypatch):
+def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failures(monkeypatch, tmp_path):
     """The statuses the command asked for (128 + a signal it handed on) were read once, before any
-    signal came: ranks that stopped on it counted as failed, and the others, rank 0 writing its final
-    checkpoint say, got SIGTERM after GRACE_S, then SIGKILL."""
+    signal came: ranks that stopped on it after a step counted as failed, and the others, rank 0
+    writing its final checkpoint say, got SIGTERM after GRACE_S, then SIGKILL."""
     from pdpfast import launch
 
     monkeypatch.setattr(launch, "GRACE_S", 0.2)
+    (tmp_path / "rank-1").write_text("pdpfast train: interrupted (SIGINT) after step 3 of 90; checkpoint 'c.pt' "
+                                     "holds every step taken: continue with --resume c.pt")
     quick = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(130)"])
     saving = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
                                "signal.signal(signal.SIGTERM, lambda *a: sys.exit(99))\ntime.sleep(1.5)\n"
@@ -274,8 +276,25 @@ def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failu
     import threading
 
     threading.Timer(0.1, lambda: received.append(signal.SIGINT)).start()     # as hand_on does
-    assert launch._wait([quick, saving], received) == 130
+    assert launch._wait([saving, quick], received, str(tmp_path)) == 130
     assert saving.returncode == 130, "the rank still saving was ended as if another had failed"
+
+
+def test_a_rank_left_waiting_by_one_that_stopped_before_the_steps_is_ended(monkeypatch, tmp_path):
+    """A Ctrl-C that stops one rank before the training steps (its imports) can leave another in the
+    rendezvous, where no signal reaches it: the command ends it (SIGTERM, then SIGKILL) instead of
+    waiting out the process group's 10 minutes."""
+    from pdpfast import launch
+
+    monkeypatch.setattr(launch, "GRACE_S", 0.2)
+    (tmp_path / "rank-1").write_text("pdpfast train: interrupted")
+    stopped = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(130)"])
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                              "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"])
+    start = time.monotonic()
+    assert launch._wait([stuck, stopped], [signal.SIGINT], str(tmp_path)) == 130
+    assert stuck.returncode == -signal.SIGKILL and time.monotonic() - start < 10
 
 
 def test_a_ranks_interruption_is_the_line_not_the_error_it_caused_in_another(tmp_path, capsys):
