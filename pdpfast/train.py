@@ -195,21 +195,19 @@ class _StopOnSignal:
     checkpoint is consistent: model, optimizer, ledger and the loader's next draw all after the
     same step (a step cut in the middle has advanced the loader but not the ledger). A second
     signal stops at once (KeyboardInterrupt) and saves nothing more: the last checkpoint stays.
-    A second one within ``SAME_STOP_S`` of the first is the same request (a scheduler that signals
+    A second one within ``launch.SAME_STOP_S`` of the first is the same request (a scheduler that signals
     every process of a job reaches each rank of ``--nproc`` directly and again through the
     command), and one that comes while a checkpoint is written (``saving``) waits for the write.
     Handlers can only be set from the main thread; elsewhere the signals keep their handlers."""
 
-    SAME_STOP_S = launch.SAME_STOP_S
-
     def __init__(self):
         self.received: int | None = None
-        self._at = 0.0
         self._saving = False
         self._interrupt_after_save = False
         self._previous: dict = {}
 
     def __enter__(self) -> _StopOnSignal:
+        launch.forget_stops()
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -217,9 +215,9 @@ class _StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
-            self.received, self._at = signum, time.monotonic()
+            self.received = signum
             launch.note_stop()      # (a copy of it after the steps end is this request too: ``cli._CtrlC``)
-        elif time.monotonic() - self._at > self.SAME_STOP_S:
+        elif not launch.same_stop():
             if not self._saving:
                 raise KeyboardInterrupt
             self._interrupt_after_save = True
@@ -303,9 +301,14 @@ def _check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--cuda-graph needs a CUDA device (--device cuda); this run is on {device.type}")
 
 
+def _env_world_size() -> int:
+    """WORLD_SIZE in the environment (set by a launcher: ``pdpfast.launch``, torchrun), 1 when unset or empty."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def _processes(cfg: TrainConfig) -> int:
     """The run's number of processes: ``--nproc``, or WORLD_SIZE under a launcher of the user's own."""
-    return max(cfg.nproc, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    return max(cfg.nproc, _env_world_size())
 
 
 def check_data_parallel(cfg: TrainConfig) -> None:
@@ -406,7 +409,7 @@ def _fingerprint(budgets: np.ndarray, data) -> dict:
 def _speaks() -> bool:
     """Whether this process reports: in a torchrun job of several processes (``--nproc``; the same
     test of WORLD_SIZE as ``_start_distributed``) only rank 0 does."""
-    return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("RANK", "0") == "0"
+    return _env_world_size() <= 1 or os.environ.get("RANK", "0") == "0"
 
 
 def _say(cfg: TrainConfig, text: str) -> None:
@@ -582,7 +585,7 @@ def run(cfg: TrainConfig) -> dict:
         after SIGINT / SIGTERM (the final checkpoint saved).
     """
     _check_config(cfg)
-    if cfg.nproc > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) != cfg.nproc:
+    if cfg.nproc > 1 and _env_world_size() != cfg.nproc:
         raise ValueError(f"nproc={cfg.nproc}: run() trains in this process; start the processes with the command "
                          f"(`pdpfast train ... --nproc {cfg.nproc}`) or a launcher of your own (torchrun, with "
                          "nproc=1)")
@@ -604,7 +607,7 @@ def run(cfg: TrainConfig) -> dict:
 def _start_distributed(cfg: TrainConfig, device: torch.device) -> tuple[int, int]:
     """(rank, world size): under torchrun (WORLD_SIZE > 1) the process group is initialized here,
     NCCL on CUDA and gloo on the CPU, with a timeout so that a dead rank stops the others."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = _env_world_size()
     if world_size == 1:
         return 0, 1
     import torch.distributed as dist

@@ -240,6 +240,7 @@ def test_resume_refuses_a_checkpoint_without_a_data_fingerprint(cli, data_dir, t
 
 
 def test_a_second_signal_stops_at_once_and_handlers_are_restored():
+    from pdpfast import launch
     from pdpfast.train import _StopOnSignal
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -247,7 +248,7 @@ def test_a_second_signal_stops_at_once_and_handlers_are_restored():
         with _StopOnSignal() as stop:
             signal.raise_signal(signal.SIGTERM)      # the first: finish the step, then stop
             assert stop.received == signal.SIGTERM
-            stop._at -= 2 * stop.SAME_STOP_S         # a second later (sooner, it is the same request)
+            launch._LAST_STOP[0] -= 2 * launch.SAME_STOP_S   # a second later (sooner, it is the same request)
             signal.raise_signal(signal.SIGINT)       # the second: now
             pytest.fail("the second signal did not interrupt")
     assert {s: signal.getsignal(s) for s in before} == before
@@ -292,6 +293,7 @@ def test_a_hybrid_run_resumes_only_with_the_hybrid_weight_it_was_made_with(cli, 
 def test_a_second_signal_within_a_second_is_the_same_stop_and_one_during_a_checkpoint_write_waits_for_it():
     """A scheduler signals every process of a job, so a rank of --nproc hears one stop twice at once;
     and a stop at once cut through torch.save (an abort, "write to closed file", seen once)."""
+    from pdpfast import launch
     from pdpfast.train import _StopOnSignal
 
     with _StopOnSignal() as stop:
@@ -300,7 +302,7 @@ def test_a_second_signal_within_a_second_is_the_same_stop_and_one_during_a_check
         assert stop.received == signal.SIGTERM
         os.kill(os.getpid(), signal.SIGTERM)      # the same request, again: no KeyboardInterrupt
         time.sleep(0.01)
-        stop._at -= 2 * stop.SAME_STOP_S         # as if a second had passed
+        launch._LAST_STOP[0] -= 2 * launch.SAME_STOP_S   # as if a second had passed
         written = False
         with pytest.raises(KeyboardInterrupt):
             with stop.saving():
