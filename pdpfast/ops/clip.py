@@ -116,15 +116,16 @@ def clip_weights(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.T
     if parts and sq_norms.dim() < clip_norms.dim() + 1:
         raise ValueError(f"parts=True: sq_norms must have clip_norms' dims and a trailing dim of partial sums, got "
                          f"sq_norms of shape {tuple(sq_norms.shape)} and clip_norms of shape {tuple(clip_norms.shape)}")
+    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding, parts) == _FUSED:
+        if automatic_gamma is None:
+            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
+        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding, parts)
+    # (the C++ route takes equal shapes alone: ``clip_weights_route``)
     if rounding is not None and rounding.shape != sq_norms.shape and \
             not _broadcasts_to(rounding.shape, sq_norms.shape[:-1] if parts else sq_norms.shape):
         raise ValueError(f"rounding must be shaped like sq_norms{' (or like it less its last dim)' if parts else ''} "
                          f"or broadcast to that shape, got rounding of shape {tuple(rounding.shape)} and sq_norms of "
                          f"shape {tuple(sq_norms.shape)}")
-    if loss_scale != 0 and clip_weights_route(sq_norms, clip_norms, mask, rounding, parts) == _FUSED:
-        if automatic_gamma is None:
-            return _C.clip_weights(sq_norms, clip_norms, CLIP_EPS / loss_scale, loss_scale, rounding, parts)
-        return _C.clip_weights(sq_norms, clip_norms, automatic_gamma / loss_scale, math.inf, rounding, parts)
     if parts:
         if rounding is not None and rounding.dim() == sq_norms.dim():
             rounding = rounding.sum(-1)
