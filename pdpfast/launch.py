@@ -7,8 +7,8 @@ behaves as one process does:
   the command alone, and it hands each signal (SIGINT, SIGTERM) to every rank once. The ranks then
   agree on the step to stop after (``pdpfast.train``), rank 0 writes the final checkpoint, and the
   command exits with 128 + the signal's number. A second signal stops them at once, as it does one
-  process; one within ``SAME_STOP_S`` of the first is the same request (``note_stop``). Were the
-  command itself killed, its ranks get SIGTERM (``follow_launcher``).
+  process; one that arrives within ``SAME_STOP_S`` of the first is the same request (``note_stop``,
+  ``accept_stops``). Were the command itself killed, its ranks get SIGTERM (``follow_launcher``).
 * **Failing.** When a rank fails, the others get a few seconds to fail alike (bad data stops every
   rank), then SIGTERM, then SIGKILL; the command exits with the failed rank's status.
 * **One voice.** Rank 0 alone prints the run's report and warnings. The line that ends a rank (an
@@ -47,15 +47,24 @@ GRACE_S = 5.0
 # signalled, a second Ctrl-C while the first is being handled (``note_stop``, ``same_stop``).
 SAME_STOP_S = 1.0
 _LAST_STOP = [-math.inf]
+# In a rank (``accept_stops``): when the last signal arrived. Python runs a handler only when the main
+# thread next runs Python code; a rank waiting in a collective (the final checkpoint's barrier while
+# rank 0 writes it) ran the command's copy of a signal seconds after it arrived, and took it for a
+# second request (CI, stop 50). There a signal is timed by its arrival; elsewhere by its handler.
+_ARRIVED: list[float | None] = [None]
+
+
+def _signal_time() -> float:
+    return time.monotonic() if _ARRIVED[0] is None else _ARRIVED[0]
 
 
 def note_stop() -> None:
-    """Record that this process took a signal as a request to stop, now.
+    """Record that this process took the signal being handled as a request to stop.
 
     Returns:
         None.
     """
-    _LAST_STOP[0] = time.monotonic()
+    _LAST_STOP[0] = _signal_time()
 
 
 def forget_stops() -> None:
@@ -71,9 +80,9 @@ def same_stop() -> bool:
     """Whether a stop signal now is the last stop request again.
 
     Returns:
-        True within ``SAME_STOP_S`` of the last ``note_stop``.
+        True when the signal being handled came within ``SAME_STOP_S`` of the last ``note_stop``'s.
     """
-    return time.monotonic() - _LAST_STOP[0] <= SAME_STOP_S
+    return _signal_time() - _LAST_STOP[0] <= SAME_STOP_S
 
 
 def launched_rank() -> int | None:
@@ -158,15 +167,37 @@ def _free_port() -> int:
 
 
 def accept_stops() -> None:
-    """In a rank ``run_ranks`` started (from its main thread): unblock SIGINT and SIGTERM, which it
-    started with blocked. One the command handed on meanwhile arrives now: a KeyboardInterrupt for
-    SIGINT, which the command's caller turns into one line; SIGTERM ends the rank. Elsewhere nothing.
+    """In a rank ``run_ranks`` started (from its main thread, once the command's handlers are set):
+    take SIGINT and SIGTERM, which it started with blocked. They stay blocked in every thread; a
+    daemon thread waits for them (``sigwaitinfo``), notes when each arrived, and has the main thread
+    handle it (``_thread.interrupt_main``), so that ``same_stop`` compares arrivals. One the command
+    handed on meanwhile arrives now: ``_Interrupted`` from the command's handler, which its caller turns
+    into one line. Without ``sigwaitinfo`` (macOS) they are unblocked instead, and timed by their
+    handlers. Elsewhere nothing.
 
     Returns:
         None.
     """
-    if launched_rank() is not None and threading.current_thread() is threading.main_thread():
+    if launched_rank() is None or threading.current_thread() is not threading.main_thread():
+        return
+    if not hasattr(signal, "sigwaitinfo"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+        return
+    threading.Thread(target=_take_signals, name="pdpfast-signals", daemon=True).start()
+
+
+def _take_signals() -> None:
+    import _thread
+
+    while True:
+        signum = signal.sigwaitinfo((signal.SIGINT, signal.SIGTERM)).si_signo
+        _ARRIVED[0] = time.monotonic()
+        handler = signal.getsignal(signum)
+        if handler is signal.SIG_DFL:       # no handler (the command has returned): what the signal does
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (signum,))
+            signal.raise_signal(signum)
+        elif handler is not signal.SIG_IGN:
+            _thread.interrupt_main(signum)
 
 
 def follow_launcher() -> None:
@@ -262,7 +293,7 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
         for rank in range(nproc):
             # Blocked while the rank starts, in this thread (so that a signal now waits for deliver() to
             # return rather than run hand_on inside it) and so in the rank, whose signal mask is this
-            # thread's: the rank unblocks them once Python turns them into a clean stop (accept_stops).
+            # thread's: the rank takes them once Python turns them into a clean stop (accept_stops).
             # One landing in its interpreter's startup was a fatal error with a traceback.
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
             try:

@@ -47,13 +47,13 @@ def _ranks_of(launcher: subprocess.Popen) -> list[int]:
     return sorted(int(pid) for pid in children)
 
 
-def _start_training(data_dir, tmp_path, *extra):
+def _start_training(data_dir, tmp_path, *extra, env=None):
     """A long 2-process run, once both ranks are past their first step (its first periodic checkpoint)."""
     checkpoint = tmp_path / "run.pt"
     launcher = subprocess.Popen([sys.executable, "-m", "pdpfast", *_args(data_dir, checkpoint, "--epochs", 500,
                                                                          "--checkpoint-every", 1, "--nproc", 2,
                                                                          *extra)],
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not checkpoint.exists():
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
@@ -329,3 +329,55 @@ def test_a_second_signal_just_after_the_first_is_the_same_stop_even_once_the_ste
     assert rc == 128 + first, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "after step" in lines[0] and "--resume" in lines[0], err
+
+
+
+def _slow_final_checkpoint(tmp_path, seconds: float) -> dict:
+    """An environment in which rank 0 takes ``seconds`` more over the final checkpoint (a
+    ``sitecustomize`` the ranks import), while rank 1 waits in its barrier, out of Python's reach."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('PDPFAST_LAUNCHED_RANK') == '0':\n"
+        "    import time\n"
+        "    from pdpfast import engine\n"
+        "    save = engine.PrivacyEngine.save_checkpoint\n"
+        "    def slow(self, path, module, **extra):\n"
+        "        if extra.get('interrupted'):\n"
+        f"            time.sleep({seconds})\n"
+        "        return save(self, path, module, **extra)\n"
+        "    engine.PrivacyEngine.save_checkpoint = slow\n")
+    env = _env()
+    return dict(env, PYTHONPATH=str(hook) + os.pathsep + env["PYTHONPATH"])
+
+
+def test_the_commands_copy_of_a_signal_that_a_rank_handles_late_is_still_the_same_stop(data_dir, tmp_path):
+    """CI (stop 50), a scheduler signalling every process: rank 1 took its own signal, then waited in the
+    final checkpoint's barrier while rank 0 wrote it (slowly, on a loaded machine). The command's copy
+    arrived during that wait, but Python ran its handler only after the barrier, more than a second
+    after the first: a second request, so "interrupted", status 130. The copy is judged by when it
+    arrived."""
+    launcher, checkpoint = _start_training(data_dir, tmp_path, env=_slow_final_checkpoint(tmp_path, 2.0))
+    os.kill(_ranks_of(launcher)[1], signal.SIGTERM)     # rank 1's own: the ranks stop after the next step
+    time.sleep(0.5)                                     # rank 1 now waits for rank 0's final checkpoint
+    launcher.send_signal(signal.SIGTERM)                # the command's copy reaches it within the wait
+    rc, out, err = _finish(launcher, checkpoint)
+    assert rc == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("pdpfast train: interrupted (SIGTERM) after step"), err
+    assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
+
+
+def test_a_second_ctrl_c_that_a_rank_handles_late_still_stops_it_at_once_after_the_write(data_dir, tmp_path):
+    """The other side of the rule above: a second Ctrl-C that arrives more than a second after the
+    first is a second request in every rank, though rank 1 runs its handler late; rank 0 finishes the
+    checkpoint it is writing first."""
+    launcher, checkpoint = _start_training(data_dir, tmp_path, env=_slow_final_checkpoint(tmp_path, 3.0))
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(1.5)
+    launcher.send_signal(signal.SIGINT)
+    rc, out, err = _finish(launcher, checkpoint)
+    assert rc == 128 + signal.SIGINT, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == "pdpfast train: interrupted", err        # at once: no "after step"
+    assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
