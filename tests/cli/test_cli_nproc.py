@@ -381,3 +381,39 @@ def test_a_second_ctrl_c_that_a_rank_handles_late_still_stops_it_at_once_after_t
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0] == "pdpfast train: interrupted", err        # at once: no "after step"
     assert torch.load(checkpoint, weights_only=False)["extra"]["interrupted"] is True
+
+
+def test_a_ranks_signals_are_timed_on_arrival_and_handled_as_their_disposition_says():
+    """``launch.accept_stops`` in a rank: a signal that the main thread can only handle later (here it
+    sleeps; in a rank it waits in a collective) keeps the time it arrived; one set to SIG_IGN is
+    dropped; one with no handler left does what it does by default (ends the process)."""
+    script = (
+        "import os, signal, sys, time\n"
+        "os.environ['PDPFAST_LAUNCHED_RANK'] = '0'\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))   # as run_ranks starts one\n"
+        "from pdpfast import launch\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: got.append((time.monotonic(), launch._ARRIVED[0])))\n"
+        "launch.accept_stops()\n"
+        "sent = time.monotonic()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(1.5)                      # no signal cuts it: they are blocked here\n"
+        "deadline = time.monotonic() + 10\n"
+        "while not got and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "handled, arrived = got[0]\n"
+        "print(round(arrived - sent, 3), round(handled - sent, 3), flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.3)\n"
+        "print('ignored', flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(10)\n"
+        "print('still alive', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    timing, ignored = done.stdout.splitlines()
+    arrived, handled = map(float, timing.split())
+    assert arrived < 0.5 and handled >= 1.5, done.stdout
+    assert ignored == "ignored"
