@@ -173,7 +173,11 @@ def opacus_provider(grad_sample_mode: str):
         criterion = out[2] if grad_sample_mode == "ghost" else criterion
 
         def step():
-            criterion(call(model, inputs), y).backward()
+            with warnings.catch_warnings():
+                # torch's note, each step, that Opacus's full backward hooks fire on the first layer, whose
+                # inputs need no gradient: expected there, and it buried the benchmark's table
+                warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+                criterion(call(model, inputs), y).backward()
             opt.step()
             opt.zero_grad()
         return step
@@ -197,6 +201,36 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
 
 
+# what torch's profiler writes to the process's stderr from C++ at every start and stop (kineto's
+# "USDT:" markers, which no log level turns off) and about memory allocated before it started
+_PROFILER_LINES = ("USDT:", "STAGE:")
+_PROFILER_WARNING = "allocated before the profiling started"
+
+
+@contextlib.contextmanager
+def _without_profiler_lines():
+    """Run the block with file descriptor 2 sent to a temporary file, then write what it received back
+    to stderr, less the profiler's own lines: a `pdpfast bench` printed 24 of them around its table."""
+    import os
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(_PROFILER_LINES) and _PROFILER_WARNING not in line]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def own_peak_memory(device: torch.device):
     """Yields a dict whose "bytes" is set on exit to the peak of what the block allocated and had not
@@ -218,7 +252,7 @@ def own_peak_memory(device: torch.device):
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield out
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

@@ -287,3 +287,23 @@ def test_calibration_benchmark_times_the_plan_load_and_the_ledger_step_with_each
         assert all(r["seconds"] > 0 and r["N"] == 200 and r["device"] == "cpu" for r in timed.values())
         assert len(timed["ledger_step"]["all_seconds"]) == bench_calibration.LEDGER_STEPS
     assert (tmp_path / "calibration.png").stat().st_size > 0
+
+
+def test_a_cpu_memory_measurement_keeps_stderr_but_not_the_profilers_own_lines(capfd):
+    """torch's profiler, which measures a provider's CPU memory, writes kineto's "USDT:" markers to the
+    process's stderr from C++ at every start and stop (24 lines around `pdpfast bench`'s table); the
+    block's own output to stderr still comes through, in order."""
+    import sys
+
+    import torch
+
+    from bench.harness import own_peak_memory
+
+    with own_peak_memory(torch.device("cpu")) as peak:
+        print("the block's own line", file=sys.stderr)
+        x = torch.ones(256, 256)
+        del x
+    assert peak["bytes"] >= 256 * 256 * 4
+    err = capfd.readouterr().err
+    assert "the block's own line" in err
+    assert not [line for line in err.splitlines() if line.startswith(("USDT:", "STAGE:"))], err
