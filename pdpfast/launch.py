@@ -143,11 +143,7 @@ def _print_endings(folder: str, nproc: int) -> None:
     collective whose peer closed the connection), and the interruption is the news."""
     lines = {}
     for rank in range(nproc):
-        try:
-            with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
-                line = f.read()
-        except OSError:
-            continue
+        line = _ending(folder, rank)
         if line.strip():            # (a rank killed while it wrote leaves the file empty)
             lines[rank] = line
     interrupted = {rank: line for rank, line in lines.items() if line.partition(": ")[2].startswith("interrupted")}
@@ -318,15 +314,22 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
         endings.cleanup()
 
 
+def _ending(folder: str | None, rank: int) -> str:
+    """The line the rank left in ``folder`` (``report_ending``), or "" where it left none."""
+    if folder is None:
+        return ""
+    try:
+        with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _stopped_after_a_step(folder: str | None, rank: int) -> bool:
     """Whether the rank's ending line says it stopped after a training step (``TrainingInterrupted``):
     then every rank agreed on that step, and the others are ending it too (rank 0 writing the final
     checkpoint, which may take a while)."""
-    try:
-        with open(os.path.join(folder, f"rank-{rank}"), encoding="utf-8") as f:
-            return " after step " in f.read()
-    except (OSError, TypeError):
-        return False
+    return " after step " in _ending(folder, rank)
 
 
 def _wait(ranks: list[subprocess.Popen], received: list[int], folder: str | None = None) -> int:
