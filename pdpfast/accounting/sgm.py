@@ -303,8 +303,9 @@ def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
 def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """log A_α by the trapezoidal rule on A_α = E_{u~N(0,1)}[(1 − q + q·e^{u/z − 1/(2z²)})^α].
 
-    Nodes u = −13 + m·h on [−13, α_max/z + 13] with h = min(0.5, 0.4·z): the integrand is two
-    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz.
+    Nodes u = −13 + m·h on [−13, α/z + 13] with h = min(0.5, 0.4·z): the integrand is two
+    Gaussian bumps (at 0 and α/z) joined smoothly, analytic in a strip of half-width πz. The orders
+    share one set of nodes per point, up to α_max's; each order sums the prefix it needs.
 
     Args:
         q: (P,) float64 Poisson sample rates in (0, 1).
@@ -321,8 +322,17 @@ def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.
         for f in range(alphas.shape[0]):
             rows = np.flatnonzero(mask[e, f])
             if rows.size:
-                out[e[rows], f] = _logsumexp_rows(gauss[rows] + alphas[f] * base[rows]) + log_w[rows]
+                # order α_f needs the nodes up to α_f/z + QUAD_WIDTH only (its bump's far tail), as α_max
+                # needs those up to α_max/z + QUAD_WIDTH: a low order sums a prefix of the chunk's nodes
+                n = min(u.shape[1], _node_count(z[e[rows]], alphas[f]).max())
+                out[e[rows], f] = _logsumexp_rows(gauss[rows, :n] + alphas[f] * base[rows, :n]) + log_w[rows]
     return out
+
+
+def _node_count(z, alpha):
+    """The trapezoidal rule's node count for order ``alpha`` at noise multipliers ``z`` (nodes −QUAD_WIDTH
+    + m·h, h = min(0.5, 0.4·z), up to α/z + QUAD_WIDTH)."""
+    return np.ceil((alpha / z + 2 * QUAD_WIDTH) / np.minimum(0.5, 0.4 * z)).astype(np.int64) + 1
 
 
 def _quadrature_chunks(q, z, alpha, buckets_per_octave):
@@ -330,7 +340,7 @@ def _quadrature_chunks(q, z, alpha, buckets_per_octave):
     of ``buckets_per_octave`` buckets per doubling are processed together. Yields (point indices e,
     nodes u (E, m), log(1 − q + q·e^{u/z − 1/(2z²)}) (E, m), log weight (E,))."""
     h = np.minimum(0.5, 0.4 * z)
-    n_nodes = np.ceil((alpha / z + 2 * QUAD_WIDTH) / h).astype(np.int64) + 1
+    n_nodes = _node_count(z, alpha)
     bucket = np.ceil(np.log2(n_nodes) * buckets_per_octave).astype(np.int64)
     logit = np.log(q) - np.log1p(-q)
     for b in np.unique(bucket):
