@@ -107,6 +107,8 @@ LAYERS = {
                                         floats(2, 10)),
     "conv1d-circular-groups-nobias": lambda: (nn.Conv1d(4, 4, 3, padding=1, groups=2, bias=False,
                                                         padding_mode="circular"), floats(4, 7)),
+    # a grouped 1×1 convolution's im2col is a view of a non-contiguous input, not a copy
+    "conv1d-1x1-groups-transposed-input": lambda: (nn.Conv1d(4, 6, 1, groups=2), floats(7, 4).transpose(1, 2)),
     # Conv2d
     "conv2d-stride-pad": lambda: (nn.Conv2d(3, 5, 3, stride=2, padding=1), floats(3, 9, 7)),
     "conv2d-same-odd-dilation": lambda: (nn.Conv2d(2, 4, 3, padding="same", dilation=2), floats(2, 8, 9)),
@@ -114,6 +116,8 @@ LAYERS = {
     "conv2d-valid-rect-stride": lambda: (nn.Conv2d(3, 4, (2, 3), stride=(2, 1), padding="valid"), floats(3, 7, 6)),
     "conv2d-groups": lambda: (nn.Conv2d(4, 6, 3, groups=2, padding=(1, 0)), floats(4, 6, 5)),
     "conv2d-depthwise-nobias": lambda: (nn.Conv2d(4, 4, 3, groups=4, padding=1, bias=False), floats(4, 5, 5)),
+    "conv2d-1x1-groups-channels-last": lambda: (nn.Conv2d(4, 6, 1, stride=2, groups=2),
+                                                floats(4, 5, 5).to(memory_format=torch.channels_last)),
     "conv2d-reflect": lambda: (nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), floats(2, 6, 5)),
     "conv2d-circular-stride": lambda: (nn.Conv2d(2, 3, 3, stride=2, padding=(2, 1), padding_mode="circular"),
                                        floats(2, 7, 6)),
@@ -245,7 +249,8 @@ def test_layer_matches_oracle_whether_per_sample_gradients_are_formed_or_not(nam
 
 def random_conv(seed: int):
     """A convolution no one chose: rank, groups, channels, kernel, stride, dilation, padding (ints,
-    "same", "valid") and padding mode drawn from ``seed``, with a batch of 1-5 inputs it fits."""
+    "same", "valid") and padding mode drawn from ``seed``, with a batch of 1-5 inputs it fits, their
+    channels stored first or last."""
     import random
 
     r = random.Random(seed)
@@ -263,7 +268,10 @@ def random_conv(seed: int):
     conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dim - 1]
     layer = conv(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups,
                  bias=r.random() < 0.7, padding_mode=mode)
-    return layer, torch.randn(r.choice([1, 2, 3, 5]), c_in, *size, dtype=torch.float64)
+    x = torch.randn(r.choice([1, 2, 3, 5]), c_in, *size, dtype=torch.float64)
+    if r.random() < 0.3:  # channels stored last (a channels_last image, a transposed sequence)
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    return layer, x
 
 
 @pytest.mark.parametrize("route", ["default", "every-call-alone", "no-per-sample-gradients"])

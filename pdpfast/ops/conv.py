@@ -96,7 +96,7 @@ def conv_as_linear(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None):
     B, G = x_pad.shape[0], module.groups
     cols, o2 = _unfold(x_pad, o, module, padding)
     L, d_g, p_g = cols.shape[-1], cols.shape[1] // G, o.shape[1] // G
-    a = cols.view(B, G, d_g, L).transpose(2, 3).reshape(B * G, L, d_g)
+    a = cols.reshape(B, G, d_g, L).transpose(2, 3).reshape(B * G, L, d_g)
     out = o2.reshape(B, G, p_g, L).transpose(2, 3).reshape(B * G, L, p_g)
     return a, out
 
@@ -394,6 +394,6 @@ def conv_per_sample_grads(x_pad, o, module, padding=None) -> torch.Tensor:
         b = samples.stop - samples.start
         cols, o2 = _unfold(x_pad[samples], o[samples], module, padding)
         # (b·G, d_g, L) @ (b·G, L, p_g): each sample's and group's fan-in × outputs gradient
-        grads = torch.bmm(cols.to(o.dtype).view(b * G, -1, L), o2.reshape(b * G, -1, L).transpose(1, 2))
+        grads = torch.bmm(cols.to(o.dtype).reshape(b * G, -1, L), o2.reshape(b * G, -1, L).transpose(1, 2))
         out[samples] = grads.view(b, G, *grads.shape[1:]).transpose(2, 3).reshape(b, *w.shape)
     return out
