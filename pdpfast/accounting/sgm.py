@@ -162,35 +162,58 @@ def _log_binom_int(alpha: int) -> np.ndarray:
     return out
 
 
-def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha: int) -> np.ndarray:
-    """log A_α for integer α ≥ 2: log(1 + Σ_{k≥2} C(α,k)(1−q)^{α−k} q^k (e^{(k²−k)/2z²} − 1)).
+def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alphas: np.ndarray,
+              mask: np.ndarray | None = None) -> np.ndarray:
+    """log A_α for integer orders α ≥ 2: log(1 + Σ_{k≥2} C(α,k)(1−q)^{α−k} q^k (e^{(k²−k)/2z²} − 1)).
+
+    All the orders in one pass per doubling of α: each (point, order) pair's terms are a row padded
+    with zeros (−inf in log) to the next power of two, so a pair's rounding depends on it alone, not
+    on which other orders or points share the call.
 
     Args:
         log_q: (P,) float64 log q, q in (0, 1) the Poisson sample rate (may be (1,)).
         log1m_q: (P,) float64 log(1 − q) (may be (1,)).
         inv_2z2: (P,) float64 1/(2z²), z > 0 the noise multiplier; (1,) when z is shared.
-        alpha: the integer order α ≥ 2.
+        alphas: (F,) integer orders α ≥ 2 (any numeric dtype).
+        mask: (P, F) bool, the (point, order) pairs to evaluate; None: all.
     Returns:
-        (P,) float64 log A_α (P the longest of the inputs).
+        (P, F) float64 log A_α (P the longest of the inputs); +inf off the mask.
     """
-    k = np.arange(2, alpha + 1, dtype=np.float64)
-    log_coef = _log_binom_int(alpha)[2:]
-    p = max(log_q.shape[0], inv_2z2.shape[0])
-    out = np.empty(p)
-    step = max(1, _CHUNK // len(k))
-    shared_z = inv_2z2.shape[0] == 1
-    if shared_z:
-        log_bump = _log_expm1((k * k - k) * inv_2z2[0])                     # (K,)
-    for s in range(0, p, step):
-        e = slice(s, min(p, s + step))
-        lq = log_q[e] if log_q.shape[0] > 1 else log_q
-        l1 = log1m_q[e] if log1m_q.shape[0] > 1 else log1m_q
-        bump = log_bump[None, :] if shared_z else _log_expm1((k * k - k)[None, :] * inv_2z2[e, None])
-        terms = log_coef + k * lq[:, None] + (alpha - k) * l1[:, None] + bump
-        top = terms.max(axis=1)
-        top = np.where(np.isfinite(top), top, 0.0)
-        log_b = top + np.log(np.exp(terms - top[:, None]).sum(axis=1))
-        out[e] = np.logaddexp(0.0, log_b)
+    p = max(log_q.shape[0], log1m_q.shape[0], inv_2z2.shape[0])
+    alphas = np.asarray(alphas).astype(np.int64)
+    mask = np.ones((p, alphas.shape[0]), dtype=bool) if mask is None else mask
+    out = np.full(mask.shape, np.inf)
+    width = np.left_shift(1, np.ceil(np.log2(alphas)).astype(np.int64))   # the row's last k: 2, 4, 8, ...
+    for w in np.unique(width):
+        cols = np.flatnonzero(width == w)
+        rows, at = np.nonzero(mask[:, cols])          # the pairs; ``at`` indexes ``cols``
+        if rows.size == 0:
+            continue
+        k = np.arange(2, w + 1, dtype=np.float64)
+        alpha = alphas[cols].astype(np.float64)[:, None]                   # (C, 1)
+        valid = k[None, :] <= alpha                                         # (C, K)
+        log_coef = np.full(valid.shape, -np.inf)
+        for c, a in enumerate(alphas[cols]):
+            log_coef[c, :a - 1] = _log_binom_int(int(a))[2:]
+        # a term is log C(α,k) + k·log(q/(1−q)) + bump_k, plus α·log(1 − q) for the whole row
+        shared = inv_2z2.shape[0] == 1
+        if shared:
+            log_coef = log_coef + _log_expm1((k * k - k) * inv_2z2[0])[None, :]
+            log_coef[~valid] = -np.inf     # (a bump of +inf, z → 0, must not meet a padding −inf)
+        logit = log_q - log1m_q
+        step = max(1, _CHUNK // k.shape[0])
+        for s in range(0, rows.size, step):
+            r, c = rows[s:s + step], at[s:s + step]
+            one = np.zeros_like(r)
+            terms = log_coef[c] + k * logit[r if logit.shape[0] > 1 else one][:, None]
+            if not shared:
+                terms += _log_expm1((k * k - k)[None, :] * inv_2z2[r, None])
+                terms[~valid[c]] = -np.inf
+            top = terms.max(axis=1)
+            top = np.where(np.isfinite(top), top, 0.0)
+            log_b = top + np.log(np.exp(terms - top[:, None]).sum(axis=1)) + \
+                alpha[c, 0] * log1m_q[r if log1m_q.shape[0] > 1 else one]
+            out[r, cols[c]] = np.logaddexp(0.0, log_b)
     return out
 
 
@@ -437,11 +460,9 @@ def rdp_one_step(q: np.ndarray, z: np.ndarray, orders: np.ndarray, mask: np.ndar
     inv_2z2 = 1.0 / (2.0 * (zg[:1] if shared else zg) ** 2)
     is_int = is_integer_order(orders)
     sub = np.full((general.size, n), np.inf)
-    for col in np.flatnonzero(is_int & mg.any(axis=0)):
-        rows = np.flatnonzero(mg[:, col])
-        alpha = int(orders[col])
-        zz = inv_2z2 if shared else inv_2z2[rows]
-        sub[rows, col] = log_a_int(log_q[rows], log1m_q[rows], zz, alpha) / (alpha - 1)
+    ints = np.flatnonzero(is_int & mg.any(axis=0))
+    if ints.size:
+        sub[:, ints] = log_a_int(log_q, log1m_q, inv_2z2, orders[ints], mg[:, ints]) / (orders[ints] - 1.0)
     # α = inf spends ρ = inf (as in compute_rdp): it stays inf in ``sub``, never reaches the quadrature
     frac = np.flatnonzero(~is_int & np.isfinite(orders) & mg.any(axis=0))
     if frac.size:
@@ -505,9 +526,9 @@ def _rdp_series(q: np.ndarray, z: np.ndarray, orders: np.ndarray) -> np.ndarray:
     out = np.empty((max(q.shape[0], z.shape[0]), orders.shape[0]))
     is_int = np.array([float(a).is_integer() for a in orders])
     finite = np.isfinite(orders)
-    for col in np.flatnonzero(is_int & finite):
-        alpha = int(orders[col])
-        out[:, col] = log_a_int(log_q, log1m_q, inv_2z2, alpha) / (alpha - 1)
+    ints = np.flatnonzero(is_int & finite)
+    if ints.size:
+        out[:, ints] = log_a_int(log_q, log1m_q, inv_2z2, orders[ints]) / (orders[ints] - 1.0)
     frac = np.flatnonzero(~is_int & finite)
     if frac.size:
         step = max(1, _CHUNK // (8 * frac.size))
