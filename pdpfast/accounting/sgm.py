@@ -22,8 +22,8 @@ import warnings
 import numpy as np
 from scipy import special
 
-__all__ = ["OPACUS_ORDERS", "DEFAULT_ORDERS", "QUAD_WIDTH", "RDP_ROUNDOFF", "ROWS_CHUNK", "as_orders", "check_rdp",
-           "is_integer_order",
+__all__ = ["OPACUS_ORDERS", "DEFAULT_ORDERS", "QUAD_MAX_NODES", "QUAD_WIDTH", "RDP_ROUNDOFF", "ROWS_CHUNK", "as_orders",
+           "check_rdp", "is_integer_order",
            "distinct_rows", "log_a_int", "log_a_frac", "log_a_quadrature", "log_a_at", "degenerate_rdp", "rdp_one_step",
            "rdp_one_step_series", "rdp_at", "eps_from_rdp"]
 
@@ -40,6 +40,8 @@ _MAX_SERIES_TERMS = 10 ** 7  # fractional series: more terms than this means no 
 _SCALAR_TAIL = 16           # finish series with this few elements left in scalar arithmetic
 QUAD_WIDTH = 13.0           # quadrature: Gaussian tails beyond 13 std are < e^-84 of the mass
 ROWS_CHUNK = 1 << 20        # quadrature: elements per temporary (points × nodes) array
+QUAD_MAX_NODES = 1 << 20    # quadrature: a (point, order) needing more nodes (z below ~0.0016·√α) is taken as
+                            # log A_α = +inf, an upper bound (no calibration goes there: its floor is z = 0.05)
 
 
 def as_orders(orders) -> tuple[np.ndarray, bool]:
@@ -207,7 +209,8 @@ def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha
             one = np.zeros_like(r)
             terms = log_coef[c] + k * logit[r if logit.shape[0] > 1 else one][:, None]
             if not shared:
-                terms += _log_expm1((k * k - k)[None, :] * inv_2z2[r, None])
+                with np.errstate(invalid="ignore"):   # padding (−inf) + a bump of +inf (z → 0): reset below
+                    terms += _log_expm1((k * k - k)[None, :] * inv_2z2[r, None])
                 terms[~valid[c]] = -np.inf
             top = terms.max(axis=1)
             top = np.where(np.isfinite(top), top, 0.0)
@@ -336,26 +339,35 @@ def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.
         alphas: (F,) float64 orders α > 1.
         mask: (P, F) bool, the (point, order) pairs to evaluate.
     Returns:
-        (P, F) float64 log A_α; +inf off the mask.
+        (P, F) float64 log A_α; +inf off the mask, and where the rule would need more than
+        ``QUAD_MAX_NODES`` nodes (an upper bound: z below ~0.0016·√α).
     """
     out = np.full(mask.shape, np.inf)
+    # a pair whose rule would need over QUAD_MAX_NODES nodes keeps log A_α = +inf, an upper bound
+    mask = mask & (_node_count(z[:, None], alphas[None, :]) <= QUAD_MAX_NODES)
+    todo = np.flatnonzero(mask.any(axis=1))
+    if todo.size == 0:
+        return out
+    need = np.where(mask[todo], alphas[None, :], 0.0).max(axis=1)    # each point's largest order
     # points needing similar node counts are processed together (padding ≤ 2×)
-    for e, u, base, log_w in _quadrature_chunks(q, z, alphas.max(), 1):
+    for e, u, base, log_w in _quadrature_chunks(q[todo], z[todo], need, 1):
+        e = todo[e]
         gauss = -0.5 * u * u
         for f in range(alphas.shape[0]):
             rows = np.flatnonzero(mask[e, f])
             if rows.size:
                 # order α_f needs the nodes up to α_f/z + QUAD_WIDTH only (its bump's far tail), as α_max
                 # needs those up to α_max/z + QUAD_WIDTH: a low order sums a prefix of the chunk's nodes
-                n = min(u.shape[1], _node_count(z[e[rows]], alphas[f]).max())
+                n = int(min(u.shape[1], _node_count(z[e[rows]], alphas[f]).max()))
                 out[e[rows], f] = _logsumexp_rows(gauss[rows, :n] + alphas[f] * base[rows, :n]) + log_w[rows]
     return out
 
 
 def _node_count(z, alpha):
-    """The trapezoidal rule's node count for order ``alpha`` at noise multipliers ``z`` (nodes −QUAD_WIDTH
-    + m·h, h = min(0.5, 0.4·z), up to α/z + QUAD_WIDTH)."""
-    return np.ceil((alpha / z + 2 * QUAD_WIDTH) / np.minimum(0.5, 0.4 * z)).astype(np.int64) + 1
+    """The trapezoidal rule's node count (float64) for order ``alpha`` at noise multipliers ``z``
+    (nodes −QUAD_WIDTH + m·h, h = min(0.5, 0.4·z), up to α/z + QUAD_WIDTH)."""
+    with np.errstate(over="ignore", divide="ignore"):
+        return np.ceil((alpha / z + 2 * QUAD_WIDTH) / np.minimum(0.5, 0.4 * z)) + 1
 
 
 def _quadrature_chunks(q, z, alpha, buckets_per_octave):
@@ -363,7 +375,7 @@ def _quadrature_chunks(q, z, alpha, buckets_per_octave):
     of ``buckets_per_octave`` buckets per doubling are processed together. Yields (point indices e,
     nodes u (E, m), log(1 − q + q·e^{u/z − 1/(2z²)}) (E, m), log weight (E,))."""
     h = np.minimum(0.5, 0.4 * z)
-    n_nodes = _node_count(z, alpha)
+    n_nodes = _node_count(z, alpha).astype(np.int64)   # (≤ QUAD_MAX_NODES: the callers keep the rest out)
     bucket = np.ceil(np.log2(n_nodes) * buckets_per_octave).astype(np.int64)
     logit = np.log(q) - np.log1p(-q)
     for b in np.unique(bucket):
@@ -391,11 +403,15 @@ def log_a_at(q: np.ndarray, z: np.ndarray, alpha: np.ndarray, derivatives: bool 
         derivatives: also return the first two derivatives in α.
     Returns:
         (P,) float64 log A_α; with ``derivatives``, (log A, d/dα log A, d²/dα² log A), each (P,).
+        log A_α = +inf (derivatives NaN) where the rule would need more than ``QUAD_MAX_NODES`` nodes.
     """
     p = q.shape[0]
-    out, d1, d2 = np.empty(p), np.empty(p), np.empty(p)
+    out, d1, d2 = np.full(p, np.inf), np.full(p, np.nan), np.full(p, np.nan)
+    # a point whose rule would need over QUAD_MAX_NODES nodes keeps log A_α = +inf, an upper bound
+    todo = np.flatnonzero(_node_count(z, alpha) <= QUAD_MAX_NODES)
     # similar node counts together (padding ≤ 19%)
-    for e, u, base, log_w in _quadrature_chunks(q, z, alpha, 4):
+    for e, u, base, log_w in _quadrature_chunks(q[todo], z[todo], alpha[todo], 4):
+        e = todo[e]
         x = -0.5 * u * u + alpha[e, None] * base
         top = x.max(axis=1)
         w = np.exp(x - top[:, None])

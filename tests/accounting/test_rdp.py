@@ -139,6 +139,33 @@ def test_quadrature_engine_matches_series():
     np.testing.assert_array_less(np.abs(fast - series), 1e-10 * series + 1e-12 / np.minimum(orders - 1, 1))
 
 
+def test_orders_the_quadrature_cannot_reach_are_charged_infinity_not_a_crash():
+    """Below z ≈ 0.0016·√α the trapezoidal rule would need over a million nodes (at z·h = 4e-11, a
+    steep noise schedule's last step, the count overflowed int64 and the calibration died in numpy):
+    those fractional orders get ρ = +inf, an upper bound, and the integer orders stay exact."""
+    from pdpfast.accounting import orders as own_orders
+    from pdpfast.accounting import sgm
+
+    q, z = np.array([0.1, 0.5, 0.01, 0.2]), np.array([1e-170, 1e-3, 4e-11, 0.5])
+    orders = np.array(DEFAULT_ORDERS)
+    is_int = sgm.is_integer_order(orders)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # 1/(2z²) overflows at z = 1e-170: ρ = inf, as it is
+        rdp = sgm.rdp_one_step(q, z, orders)
+        series = sgm.rdp_one_step_series(q, z, orders[is_int])
+    assert not np.isnan(rdp).any()
+    unreachable = sgm.QUAD_MAX_NODES < np.ceil((orders / z[:, None] + 2 * sgm.QUAD_WIDTH) / (0.4 * z[:, None]))
+    assert unreachable[:3, ~is_int].all() and not unreachable[3].any()
+    assert np.isinf(rdp[:3, ~is_int]).all() and np.isfinite(rdp[3]).all()
+    np.testing.assert_array_equal(rdp[:, is_int], series)    # the integer orders: the exact sum, one code path
+    assert np.isfinite(rdp[1:, is_int]).all()
+    # one order per point (the ledgers' own orders) likewise
+    at = sgm.rdp_at(q[1:], z[1:], np.array([1.5, 2.5, 1.5]))
+    assert np.isinf(at[:2]).all() and np.isfinite(at[2])
+    eps, alpha = own_orders.optimal_orders(q[1:3], z[1:3], 10, 1e-5, np.full(2, 2.0), np.full(2, 1.1), np.full(2, 9.0))
+    assert np.all(eps > 1e10) and not np.isnan(eps).any()
+
+
 def test_get_privacy_spent_matches_opacus():
     rng = np.random.default_rng(7)
     orders = np.array(DEFAULT_ORDERS)

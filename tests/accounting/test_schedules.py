@@ -52,6 +52,16 @@ def test_bad_inputs_raise_naming_the_argument(bad, err, name):
         bad()
 
 
+def test_a_schedule_whose_noise_falls_to_almost_nothing_is_calibrated_within_the_budgets():
+    # h(t) = 0.01^t down to 1e-14: the last steps' σ₀·h were below what the quadrature can resolve, and
+    # the calibration died in numpy ("zero-size array to reduction operation maximum")
+    budgets = np.repeat([2.0, 8.0], 3)
+    plan = S.calibrate_scheduled(budgets, delta=1e-5, steps=8, sample_rate=0.01,
+                                 noise_schedule=S.StepDecay(0.01, 1), method="sample")
+    assert plan.noise_factors[-1] == pytest.approx(1e-14)
+    assert (plan.epsilons() <= budgets).all() and (plan.epsilons() >= 0.99 * budgets).all()
+
+
 def test_scheduled_rdp_is_the_sum_of_its_steps():
     rng = np.random.default_rng(0)
     q, z = np.array([0.02, 0.3]), np.array([1.3, 0.9])
