@@ -7,7 +7,13 @@ sampled client runs τ local DP-SGD steps, record j sampled at rate q_j with noi
 * local RDP after τ steps: ρ^τ(α) = τ·ρ_SGM(α; q, σ)
 * threat "clients" (other clients / third parties see global models): client-level subsampling
   amplifies, ρ^{τ,λ}(α) ≤ log(1 − λ + λ·exp((α−1)ρ^τ(α)))/(α−1), and ρ_FL = T·ρ^{τ,λ};
-* threat "server" (an honest-but-curious server sees client updates): ρ_FL = λ·T·ρ^τ;
+* threat "server" (an honest-but-curious server sees client updates): ρ_FL = λ·T·ρ^τ, the paper's
+  figure. It is ε after the *expected* number of rounds, λT, and not a bound over the client
+  sampling: the server knows the number K ~ Binomial(T, λ) of rounds a client took part in, and a
+  record's ε after K > λT rounds is higher. The guarantee under this threat is the federated
+  ledger's (``fl.ledger``: it charges ρ^τ for the rounds that happened and drops a record before
+  it would exceed its budget). A bound that holds before the run is T·ρ^{τ,λ}, the "clients"
+  figure: it is the exact RDP of (K, updates) (log E[e^{(α−1)Kρ^τ}]/(α−1)), ≥ λ·T·ρ^τ by Jensen;
 * conversion "standard" (the paper's): ε = min_α ρ_FL(α) + log(1/δ)/(α−1); "improved": Balle et
   al. (2020), as ``rdp.get_privacy_spent``.
 
@@ -151,7 +157,8 @@ def epsilon(q, *, noise_multiplier, delta, local_steps, rounds, client_rate, thr
         local_steps: τ, local DP-SGD steps per round (positive int).
         rounds: T, the number of rounds (positive int).
         client_rate: λ in (0, 1], the server's Poisson rate over clients.
-        threat: "clients" (ρ_FL = T·ρ^{τ,λ}) or "server" (ρ_FL = λ·T·ρ^τ).
+        threat: "clients" (ρ_FL = T·ρ^{τ,λ}) or "server" (ρ_FL = λ·T·ρ^τ: ε after the expected λT
+            rounds of the client, not a bound over the client sampling; see the module docstring).
         conversion: "standard" (ε = min_α ρ + log(1/δ)/(α−1), the paper's) or "improved".
         orders: RDP orders α > 1 (default ``DEFAULT_ORDERS``).
     Returns:

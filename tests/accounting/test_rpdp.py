@@ -47,6 +47,23 @@ def test_improved_conversion_is_tighter_and_client_sampling_amplifies():
     assert full == pytest.approx(plain, rel=1e-9)
 
 
+def test_the_clients_figure_is_the_exact_rdp_over_the_client_sampling_and_the_servers_its_expectation():
+    """T·ρ^{τ,λ} = log E[e^{(α−1)·K·ρ^τ}]/(α−1) with K ~ Binomial(T, λ), the rounds the client takes
+    part in: the RDP of (K, its updates), which the server sees. The "server" figure λ·T·ρ^τ is
+    E[K]·ρ^τ, below it by Jensen: a plan for the expected rounds, whose guarantee is the ledger's."""
+    from scipy import stats
+
+    orders = np.array(DEFAULT_ORDERS)
+    t, lam = SETTING["rounds"], SETTING["client_rate"]
+    rho_local = SETTING["local_steps"] * compute_rdp(0.05, SETTING["noise_multiplier"], 1, orders)
+    k = np.arange(t + 1)
+    log_pk = stats.binom.logpmf(k, t, lam)
+    mixture = np.logaddexp.reduce(log_pk[:, None] + (orders - 1) * k[:, None] * rho_local, axis=0) / (orders - 1)
+    np.testing.assert_allclose(t * rpdp.client_sampled_rdp(rho_local, orders, lam), mixture, rtol=1e-9)
+    assert np.all(lam * t * rho_local <= mixture)
+    assert rpdp.epsilon(0.05, threat="server", **SETTING) < rpdp.epsilon(0.05, threat="clients", **SETTING)
+
+
 def test_scf_fits_and_inverts():
     est = rpdp.fit_scf(**SETTING)
     assert est.r2 > 0.95
