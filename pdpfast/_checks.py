@@ -12,6 +12,7 @@ Naming: ``check_*`` validates and returns the value (converted to float / int / 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -462,3 +463,21 @@ def as_per_sample(name: str, values, batch_size: int | None = None, *, positive:
     if positive and (t <= 0).any():
         raise ValueError(f"{name} must be > 0; found {t.min().item():g}")
     return t
+
+
+class LargeDeltaWarning(UserWarning):
+    """δ ≥ 1/N: a mechanism may then publish a few records in the clear and still be (ε, δ)-DP."""
+
+
+def warn_large_delta(delta: float, n: int, name: str = "delta") -> None:
+    """Warn (``LargeDeltaWarning``) when δ ≥ 1/N for N records.
+
+    Args:
+        delta: δ in (0, 1); n: the number of records; name: the argument, for the message.
+    Returns:
+        None.
+    """
+    if n > 0 and delta >= 1.0 / n:
+        warnings.warn(f"{name} {delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the "
+                      f"clear; use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})",
+                      LargeDeltaWarning, stacklevel=3)

@@ -66,6 +66,22 @@ def check_output_path(path, option: str) -> str:
     return full
 
 
+def check_outputs_spare_inputs(outputs: dict, inputs: dict) -> None:
+    """Refuse an output that names one of the command's input files (``--out budgets.npy`` used to
+    replace the budgets with the plan's JSON, silently).
+
+    Args:
+        outputs: option → output path; inputs: option → input path or None (not given).
+    Returns:
+        None. Raises ValueError naming both options.
+    """
+    for out_option, out in outputs.items():
+        for in_option, src in inputs.items():
+            if src is not None and os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src):
+                raise ValueError(f"{out_option} {os.fspath(out)!r} is the {in_option} input file; give the output its "
+                                 "own path")
+
+
 def remove_stale_temporaries(path) -> list[str]:
     """Remove temporary files that an atomic write of ``path`` left behind when its process was
     killed (SIGKILL, power loss) between creating and renaming them. Call it when a command starts

@@ -318,7 +318,7 @@ def _calibrate(args) -> int:
 
     from . import plots
     from ._checks import check_positive_integer
-    from ._io import check_output_path
+    from ._io import check_output_path, check_outputs_spare_inputs
     from .datasets import read_budgets
 
     plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
@@ -326,6 +326,7 @@ def _calibrate(args) -> int:
     plots.check_image_path(plot, "--plot")      # the suffix picks the format: checked before calibrating
     if outputs["--out"] == outputs["--plot"]:
         raise ValueError("--out and --plot name the same file; give each its own path")
+    check_outputs_spare_inputs(outputs, {"budgets": args.budgets})
     if args.sample_rate is not None and args.batch_size is not None:
         raise ValueError("give one of --sample-rate and --batch-size, not both (each sets q)")
     for option, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--epochs", args.epochs),
@@ -557,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-column", help="text column, tokenized for bert/gpt2 models (hashing tokenizer by default)")
     g.add_argument("--tokenizer", help="a Hugging Face tokenizer name for --text-column (may download)")
     g.add_argument("--tokens", action="store_true", help="feature columns are integer token ids (implied by bert/gpt2)")
-    g.add_argument("--max-length", type=int, default=d.max_length, help="tokens per text (default 64)")
+    g.add_argument("--max-length", type=int, help="tokens per text (default 64; text data only)")
     g.add_argument("--image-shape", help="view flat features as images C,H,W (e.g. 1,8,8) for cnn, resnet18-gn, vit")
     g.add_argument("--image-size", type=int, default=d.image_size, help="image folders are resized to this (32)")
     g.add_argument("--test-fraction", type=float, default=d.test_fraction,
@@ -572,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = train.add_argument_group("model and method")
     g.add_argument("--model", default=d.model, choices=model_names(), metavar="MODEL",
                    help=f"one of {', '.join(model_names())} (default mlp)")
-    g.add_argument("--hidden", default=d.hidden, help="mlp hidden widths, comma-separated (default 128)")
+    g.add_argument("--hidden", help="mlp hidden widths, comma-separated (default 128; --model mlp only)")
     g.add_argument("--method", default=d.method, choices=METHODS,
                    help="sample | scale | hybrid (individualized DP-SGD), dpsgd (min ε for everyone), pdp (PDP-SGD)")
     g.add_argument("--clipping", default=d.clipping, choices=("flat", "per_layer"))
@@ -596,7 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: forward and backward under torch.autocast(bfloat16), weights, norms and clip weights "
                         "in fp32; clip bounds keep a per-record rounding bound (README, 'Mixed precision')")
     g.add_argument("--lr", type=float, default=d.lr)
-    g.add_argument("--momentum", type=float, default=d.momentum)
+    g.add_argument("--momentum", type=float, help="SGD's momentum (default 0.9; --optimizer sgd only)")
     g.add_argument("--optimizer", default=d.optimizer, choices=("sgd", "adam"))
     g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="reference clip norm C")
     g.add_argument("--seed", type=int, default=d.seed,
@@ -618,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", help="continue from this checkpoint (same data, budgets and settings)")
     g.add_argument("--overwrite", action="store_true",
                    help="start afresh over an existing --checkpoint (its ledger is replaced)")
-    g.add_argument("--stop-after-steps", type=int, help="stop (resumably) after N steps of this invocation")
+    g.add_argument("--stop-after-steps", type=int,
+                   help="stop after N steps of this invocation (resumably with --checkpoint)")
     g.add_argument("--out-json", help="write a summary (test metrics, ε per group) as JSON")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
@@ -716,14 +718,15 @@ def _main(argv: list[str] | None, ctrl_c: _CtrlC) -> int:
         raise
     run = getattr(args, "run", None) or getattr(args, "func", None)
     try:
-        rc = run(args)
+        with _warnings_as_lines(args) if args.command == "fl" else contextlib.nullcontext():
+            rc = run(args)
         return 0 if rc is None else int(rc)
     except TrainingInterrupted as exc:      # stopped after a whole step, final checkpoint written
         _report(f"pdpfast {args.command}: {exc}")
         return 128 + exc.signum
     except KeyboardInterrupt as exc:   # before training started, or a second Ctrl-C (the last checkpoint stands)
         return _interrupted(args.command, getattr(exc, "signum", None))
-    except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError) as exc:
+    except (ValueError, TypeError, KeyError, OSError, ImportError, RuntimeError, FloatingPointError) as exc:
         if ctrl_c.signum is not None:
             return _interrupted(args.command, ctrl_c.signum)
         if os.environ.get("PDPFAST_DEBUG"):

@@ -33,6 +33,7 @@ __all__ = ["HashingTokenizer", "TrainData", "check_budgets", "load_csv", "load_d
 
 PAD_ID = 0
 KINDS = ("features", "image", "tokens")
+DEFAULT_MAX_LENGTH = 64     # tokens per text when no max_length is given
 
 
 @dataclass
@@ -806,7 +807,7 @@ def _class_label(values, names: list, what: str):
 
 
 def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, budget_column=None, budgets=None,
-              text_column=None, tokens=False, tokenizer=None, max_length=64, image_size=32, hf_split=None,
+              text_column=None, tokens=False, tokenizer=None, max_length=None, image_size=32, hf_split=None,
               hf_config=None, lm=False) -> TrainData:
     """Load records by what ``data`` is (a directory → image folder, .csv, .npy/.npz) or from
     ``hf_dataset``, then attach budgets from ``budgets`` (a file) when given.
@@ -820,7 +821,8 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
     Raises:
         ValueError for budgets given twice, or for an argument the source does not read (``labels``
         beside anything but a .npy, a column beside anything but a CSV or a Hugging Face dataset, a
-        tokenizer name without text, ``hf_split`` / ``hf_config`` beside ``data``): nothing given is ignored.
+        tokenizer name or ``max_length`` without text, ``hf_split`` / ``hf_config`` beside ``data``):
+        nothing given is ignored. ``max_length`` None: 64 tokens per text.
     """
     if (data is None) == (hf_dataset is None):
         raise ValueError("give exactly one of --data and --hf-dataset")
@@ -832,11 +834,14 @@ def load_data(data=None, *, labels=None, hf_dataset=None, label_column=None, bud
               "--tokenizer": (tokenizer if isinstance(tokenizer, str) else None,      # a name; ints are defaults
                               "text (a CSV's --text-column, or a Hugging Face dataset)",
                               data is None or (ext == ".csv" and text_column is not None)),
+              "--max-length": (max_length, "text (a CSV's --text-column, or a Hugging Face dataset)",
+                               data is None or (ext == ".csv" and text_column is not None)),
               "--hf-split": (hf_split, "--hf-dataset", data is None),
               "--hf-config": (hf_config, "--hf-dataset", data is None)}
     for option, (value, where, read) in unread.items():
         if value is not None and not read:
             raise ValueError(f"{option} applies to {where}; it would be ignored here")
+    max_length = DEFAULT_MAX_LENGTH if max_length is None else max_length
     if budget_column is not None and data is not None and ext != ".csv":    # checked before an image folder loads
         raise ValueError("--budget-column applies to CSV data; use --budgets FILE for other data")
     if hf_dataset is not None:

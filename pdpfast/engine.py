@@ -21,6 +21,7 @@ from ._checks import (
     check_nonnegative,
     check_positive,
     check_rate,
+    warn_large_delta,
 )
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
@@ -865,6 +866,7 @@ class PrivacyEngine:
         n = map_style_length(data_loader.dataset)
         if n == 0:
             raise ValueError("data_loader's dataset is empty: there are no records to train on")
+        warn_large_delta(check_delta("delta", delta), n)
         if sample_rate is None and len(data_loader) == 0:
             raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
                              "sample rate batch_size / N is undefined; give sample_rate=")

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch import nn
 
 from . import launch
 from ._checks import (
+    LargeDeltaWarning,
     check_choice,
     check_delta,
     check_in_range,
@@ -47,6 +49,8 @@ __all__ = ["METHODS", "SequenceCrossEntropy", "Task", "TrainConfig", "TrainingIn
 METHODS = ("sample", "scale", "hybrid", "dpsgd", "pdp")
 # --precision: the dtype the forward and backward run in under torch.autocast (None: fp32 throughout)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+DEFAULT_HIDDEN = "128"      # --hidden of the mlp
+DEFAULT_MOMENTUM = 0.9      # --momentum of SGD
 
 
 # ---------------------------------------------------------------------------------------------- devices
@@ -140,19 +144,19 @@ class TrainConfig:
     text_column: str | None = None
     tokens: bool = False
     tokenizer: str | None = None
-    max_length: int = 64
+    max_length: int | None = None      # tokens per text (64 when None); read with text only
     image_shape: str | None = None
     image_size: int = 32
     test_fraction: float = 0.2
     model: str = "mlp"
-    hidden: str = "128"
+    hidden: str | None = None          # mlp hidden widths ("128" when None); read by the mlp only
     method: str = "sample"
     clipping: str = "flat"
     mode: str = "bk"
     epochs: int = 5
     batch_size: int = 64
     lr: float = 0.1
-    momentum: float = 0.9
+    momentum: float | None = None      # SGD's momentum (0.9 when None); Adam takes none
     optimizer: str = "sgd"
     max_grad_norm: float = 1.0
     delta: float = 1e-5
@@ -251,14 +255,15 @@ def _check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"unknown method {cfg.method!r}; choose from {', '.join(METHODS)}")
     if cfg.model not in model_names():
         raise ValueError(f"unknown model {cfg.model!r}; choose from {', '.join(model_names())}")
-    for name in ("epochs", "batch_size", "rounds", "max_length", "image_size"):
+    for name in ("epochs", "batch_size", "rounds", "image_size"):
         check_positive_integer(_option(name), getattr(cfg, name))
-    for name in ("physical_batch_size", "threads", "stop_after_steps"):
+    for name in ("physical_batch_size", "threads", "stop_after_steps", "max_length"):
         if getattr(cfg, name) is not None:
             check_positive_integer(_option(name), getattr(cfg, name))
     for name in ("lr", "max_grad_norm"):
         check_positive(_option(name), getattr(cfg, name))
-    check_nonnegative("--momentum", cfg.momentum)
+    if cfg.momentum is not None:
+        check_nonnegative("--momentum", cfg.momentum)
     check_delta("--delta", cfg.delta)
     if cfg.hybrid_weight is not None and cfg.method != "hybrid":
         raise ValueError(f"--hybrid-weight is for --method hybrid (this is --method {cfg.method}): "
@@ -269,6 +274,16 @@ def _check_config(cfg: TrainConfig) -> None:
     check_int("--seed", cfg.seed, 0)
     if cfg.noise_seed is not None:
         check_int("--noise-seed", cfg.noise_seed, 0)
+    # an option this run would not read is refused, not ignored
+    unread = {"--momentum": (cfg.momentum, cfg.optimizer != "adam", "--optimizer sgd (Adam keeps its own moments)"),
+              "--hidden": (cfg.hidden, cfg.model == "mlp", "--model mlp"),
+              "--image-shape": (cfg.image_shape, cfg.model != "mlp",
+                                "image models (--model mlp flattens its input whatever its shape)"),
+              "--accountant": (None if cfg.accountant == "rdp" else cfg.accountant, cfg.method != "pdp",
+                               "--method sample/scale/hybrid/dpsgd (PDP-SGD's rounds are accounted with RDP)")}
+    for option, (value, read, where) in unread.items():
+        if value is not None and not read:
+            raise ValueError(f"{option} is for {where}; it would be ignored here")
     if cfg.model == "mlp":
         _hidden_widths(cfg)
     if cfg.image_shape:
@@ -339,7 +354,7 @@ def check_data_parallel(cfg: TrainConfig) -> None:
 
 def _hidden_widths(cfg: TrainConfig) -> list[int]:
     try:
-        widths = [int(h) for h in str(cfg.hidden).split(",") if h.strip()]
+        widths = [int(h) for h in str(cfg.hidden or DEFAULT_HIDDEN).split(",") if h.strip()]
     except ValueError:
         widths = None
     if widths is None or any(w <= 0 for w in widths):
@@ -362,8 +377,10 @@ def _check_outputs(cfg: TrainConfig) -> None:
     """Every path the run will write, checked before any work: not a directory, under a writable
     directory, no two outputs on one path, and no existing checkpoint (a run and its privacy
     ledger) replaced unless it is the one being resumed or --overwrite says so."""
-    from ._io import check_output_path
+    from ._io import check_output_path, check_outputs_spare_inputs
 
+    if cfg.overwrite and not cfg.checkpoint:
+        raise ValueError("--overwrite replaces an existing --checkpoint; no --checkpoint is given")
     written = {}
     if cfg.resume:
         if os.path.isdir(cfg.resume):
@@ -378,6 +395,11 @@ def _check_outputs(cfg: TrainConfig) -> None:
         written["--out-json"] = check_output_path(cfg.out_json, "--out-json")
     if len(set(written.values())) < len(written):
         raise ValueError(f"{' and '.join(written)} name the same file; give each output its own path")
+    check_outputs_spare_inputs({k: v for k, v in written.items() if k != "--resume"},
+                               {"--data": cfg.data, "--labels": cfg.labels, "--budgets": cfg.budgets})
+    if cfg.overwrite and cfg.resume and os.path.exists(cfg.checkpoint) and os.path.samefile(cfg.resume, cfg.checkpoint):
+        raise ValueError("--overwrite with --resume of the same checkpoint would be ignored: the run continues it. "
+                         "Drop --resume to start afresh over it, or --overwrite to continue it")
     if cfg.checkpoint and os.path.exists(cfg.checkpoint) and not cfg.overwrite:
         if not cfg.resume:
             raise ValueError(f"--checkpoint {cfg.checkpoint!r} already exists (a run and its privacy ledger); "
@@ -474,14 +496,18 @@ def _optimizer(cfg: TrainConfig, model):
     if cfg.optimizer == "adam":
         # a captured step (--cuda-graph) keeps Adam's step count on the GPU
         return torch.optim.Adam(params, lr=cfg.lr, capturable=cfg.cuda_graph)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=_momentum(cfg))
+
+
+def _momentum(cfg: TrainConfig) -> float:
+    return DEFAULT_MOMENTUM if cfg.momentum is None else cfg.momentum
 
 
 def _load_checkpoint_file(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:      # a truncated or foreign file
-        raise ValueError(f"checkpoint {path!r} cannot be read: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"--resume {path!r} cannot be read as a checkpoint: {type(exc).__name__}: {exc}") from None
 
 
 # the settings a resumed run must share with its checkpoint (the plan, the schedule, the optimizer state)
@@ -692,8 +718,9 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         _say(cfg, f"done: {summary['steps']} steps in {summary['seconds']:.1f}s, {summary['train_seconds']:.1f}s "
                   f"of them training ({summary['records_per_second']:.0f} records/s on {device}){saved}")
     else:
-        _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; continue with "
-                  f"--resume {checkpoint_path}")
+        _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; " +
+             (f"continue with --resume {checkpoint_path}" if checkpoint_path else
+              "no --checkpoint was given, so it cannot be continued"))
     if cfg.out_json:
         import json
 
@@ -778,7 +805,7 @@ class _Job:
         for group in optimizer.param_groups:          # the checkpoint's were loaded with its state
             group["lr"] = self.cfg.lr
             if "momentum" in group:
-                group["momentum"] = self.cfg.momentum
+                group["momentum"] = _momentum(self.cfg)
         _set_rng_states(self.resume_state["extra"], model_device(model))
         step, total = where()
         _say(self.cfg, f"resumed from {self.cfg.resume} at step {step} of {total}")
@@ -817,12 +844,14 @@ class _Job:
 
 def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, total_steps) -> dict:
     cfg = job.cfg
-    engine, model, optimizer, loader, criterion = private_engine(
-        cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
-        sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
-        clipping=cfg.clipping, mode=cfg.mode, seed=cfg.noise_seed,
-        hybrid_weight=cfg.hybrid_weight,
-        accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
+    with warnings.catch_warnings():   # δ ≥ 1/N was said once, in --delta's words, when the data loaded
+        warnings.simplefilter("ignore", LargeDeltaWarning)
+        engine, model, optimizer, loader, criterion = private_engine(
+            cfg.method, model, optimizer, train.dataset(), budgets, delta=cfg.delta, steps=total_steps,
+            sample_rate=sample_rate, batch_size=cfg.batch_size, task=task, max_grad_norm=cfg.max_grad_norm,
+            clipping=cfg.clipping, mode=cfg.mode, seed=cfg.noise_seed,
+            hybrid_weight=cfg.hybrid_weight,
+            accountant=cfg.accountant, physical_batch_size=cfg.physical_batch_size)
     plan = engine.plan
 
     def load():

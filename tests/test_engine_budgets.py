@@ -9,7 +9,7 @@ import pdpfast
 from pdpfast.engine import PrivacyBudgetExceeded
 
 
-def _setup(budgets, seed=0, **kwargs):
+def _setup(budgets, seed=0, delta=1e-5, **kwargs):
     g = torch.Generator().manual_seed(1)
     n = len(budgets)
     ds = TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
@@ -20,7 +20,7 @@ def _setup(budgets, seed=0, **kwargs):
     if "steps" not in kwargs:
         kwargs.setdefault("epochs", 2)
     model, opt, loader = engine.make_private_with_budgets(
-        module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=10), budgets=budgets, delta=1e-5, **kwargs)
+        module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=10), budgets=budgets, delta=delta, **kwargs)
     return engine, model, opt, loader
 
 
@@ -363,3 +363,15 @@ def test_a_hybrid_weight_given_with_sample_or_scale_is_refused_not_ignored(metho
     default, *_ = _setup(np.repeat([1.0, 3.0], 20), method="hybrid")
     half, *_ = _setup(np.repeat([1.0, 3.0], 20), method="hybrid", hybrid_weight=0.5)
     assert default.plan.to_dict() == half.plan.to_dict() != engine.plan.to_dict()    # None means 0.5
+
+
+def test_a_delta_of_at_least_one_over_n_warns_in_the_python_api_as_the_cli_does():
+    from pdpfast._checks import LargeDeltaWarning
+
+    with pytest.warns(LargeDeltaWarning, match=r"delta 0\.05 ≥ 1/N = 1/30: .* publish a few records in the clear"):
+        _setup(np.full(30, 2.0), delta=0.05)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LargeDeltaWarning)
+        _setup(np.full(30, 2.0))       # δ = 1e-5

@@ -112,8 +112,20 @@ def plot_accuracy(results: dict, path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from ..plots import atomic_path
+
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
+
+
+def _out_paths(out: str) -> tuple[Path, Path]:
+    """(<out>.json, <out>.png): a name ending in .json or .png gives its stem, any other name is kept
+    whole (``--out run_lr0.05`` writes run_lr0.05.json, not run_lr0.json)."""
+    path = Path(out)
+    if path.suffix.lower() in (".json", ".png"):
+        path = path.with_suffix("")
+    return path.with_name(path.name + ".json"), path.with_name(path.name + ".png")
 
 
 def _private_only_given(args) -> None:
@@ -139,6 +151,13 @@ def _simulate(args) -> int:
         raise ValueError(f"--methods lists {', '.join(twice)} more than once; each method runs once (one row, one "
                          "entry of the JSON)")
     _private_only_given(args)
+    if args.out:     # checked before any work: a bad path fails in a second, not after the runs
+        from .._io import check_output_path
+
+        json_path, png_path = _out_paths(args.out)
+        check_output_path(json_path, "--out")
+        if not args.no_plot:
+            check_output_path(png_path, "--out")
     results, rows = {}, []
     for method in args.methods:
         config = _config(args, method=method)
@@ -153,17 +172,17 @@ def _simulate(args) -> int:
     print(title)
     print(format_table(rows))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        from ..plots import atomic_write_text
+
         argv = getattr(args, "argv", None)
         argv = sys.argv[1:] if argv is None else argv
         payload = {"title": title, "command": "python -m pdpfast.fl " + " ".join(argv),
                    "rows": [{k: _json_float(v) for k, v in r.items()} for r in rows],
                    "runs": {m: r.to_dict() for m, r in results.items()}}
-        out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+        atomic_write_text(json_path, json.dumps(payload, indent=2))
         if not args.no_plot:
-            plot_accuracy(results, out.with_suffix(".png"), title)
-        print(f"wrote {out.with_suffix('.json')}" + ("" if args.no_plot else f" and {out.with_suffix('.png')}"))
+            plot_accuracy(results, png_path, title)
+        print(f"wrote {json_path}" + ("" if args.no_plot else f" and {png_path}"))
     return 0
 
 
@@ -296,11 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     _fill(parser)
     args = parser.parse_args(argv)
     args.argv = argv
-    try:
-        return args.run(args)
-    except (ValueError, TypeError, ImportError) as exc:
-        from .._options import as_option_words
+    import warnings
 
+    from .._options import as_option_words
+
+    def show(message, category, filename, lineno, file=None, line=None):   # one line, in the options' words
+        text = as_option_words(parser, args, " ".join(str(message).split()))
+        print(f"pdpfast fl {args.fl_command}: warning: {text}", file=sys.stderr, flush=True)
+
+    try:
+        with warnings.catch_warnings():     # restores showwarning on leaving
+            warnings.showwarning = show
+            return args.run(args)
+    except (ValueError, TypeError, ImportError) as exc:
         print(f"pdpfast fl {args.fl_command}: error: {as_option_words(parser, args, str(exc))}", file=sys.stderr)
         return 2
 

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import check_flag, check_int, check_positive_per_record
+from .._checks import check_flag, check_int, check_positive_per_record, warn_large_delta
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
 from .config import FLConfig, sampled_clients
 from .datasets import FederatedData, load_federated, model_factory
+from .methods import METHODS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +398,8 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
                       method=method, threat=threat, conversion=conversion, mode=mode, clipping=clipping, seed=seed)
     data = load_federated(dataset, clients, split, seed=seed, dirichlet_alpha=dirichlet_alpha)
     per_record = resolve_budgets(budgets, data, seed)
+    if METHODS[method].private:
+        warn_large_delta(config.delta, len(per_record))
     with torch_threads(threads):
         silos = [build_silo(data, per_record, config, k, noise_seed) for k in range(data.num_clients)]
         run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)

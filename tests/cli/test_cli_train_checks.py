@@ -69,6 +69,7 @@ def test_delta_at_least_one_over_n_warns(cli, data_dir, tmp_path):
                      "--stop-after-steps", 1, *SMALL)
     assert rc == 0, err
     assert "pdpfast train: warning: --delta 0.01 ≥ 1/N" in err and "288" in err
+    assert err.count("≥ 1/N") == 1, err     # the engine's own warning is not repeated
     rc, _, err = cli("calibrate", data_dir / "budgets.npy", "--delta", 0.01, "--steps", 5, "--sample-rate", 0.1,
                      "--out", tmp_path / "plan.json")
     assert rc == 0, err
@@ -159,3 +160,75 @@ def test_a_language_model_given_labels_is_refused_and_labels_in_its_data_are_nam
                      "--epochs", 1, "--batch-size", 8, "--quiet")
     assert rc == 0, err
     assert "warning: --model gpt2-micro is a language model" in err and "are not read" in err, err
+
+
+@pytest.mark.parametrize("command,output", [("calibrate", "--out"), ("train", "--out-json"), ("train", "--checkpoint")])
+def test_an_output_that_names_an_input_file_is_refused_and_the_input_kept(cli, data_dir, tmp_path, command, output):
+    """``calibrate b.npy --out b.npy`` used to replace the budgets with the plan's JSON, status 0."""
+    budgets = tmp_path / "b.npy"
+    budgets.write_bytes((data_dir / "budgets.npy").read_bytes())
+    if command == "calibrate":
+        message = cli.fails("calibrate", budgets, "--steps", 10, "--sample-rate", 0.1, "--out", budgets)
+        named = "budgets"
+    else:
+        message = cli.fails("train", *_npy(data_dir), "--budgets", budgets, output, budgets, *SMALL)
+        named = "--budgets"
+    assert f"{output} " in message and f"is the {named} input file" in message, message
+    assert budgets.read_bytes() == (data_dir / "budgets.npy").read_bytes()
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (("--optimizer", "adam", "--momentum", 0.9), "--momentum is for --optimizer sgd"),
+    (("--method", "pdp", "--accountant", "pld"), "--accountant is for --method sample/scale/hybrid/dpsgd"),
+    (("--model", "cnn", "--image-shape", "1,8,8", "--hidden", 64), "--hidden is for --model mlp"),
+    (("--image-shape", "1,8,8"), "--image-shape is for image models"),
+    (("--max-length", 10), "--max-length applies to text"),
+    (("--overwrite",), "--overwrite replaces an existing --checkpoint; no --checkpoint is given")])
+def test_an_option_this_run_would_not_read_is_refused_not_ignored(cli, data_dir, tmp_path, extra, expected):
+    """Each of these trained as if the option had not been given (Adam has no momentum, PDP-SGD's
+    rounds are accounted with RDP whatever --accountant says, ...)."""
+    message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", *extra,
+                        "--out-json", tmp_path / "s.json", *SMALL)
+    assert expected in message, message
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_overwrite_with_a_resume_of_the_same_checkpoint_is_refused_not_ignored(cli, data_dir, tmp_path):
+    common = (*_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--checkpoint", tmp_path / "c.pt")
+    rc, out, err = cli("train", *common, "--stop-after-steps", 1, *SMALL)
+    assert rc == 0, err
+    message = cli.fails("train", *common, "--resume", tmp_path / "c.pt", "--overwrite", *SMALL)
+    assert "--overwrite with --resume of the same checkpoint would be ignored" in message
+
+
+def test_a_run_stopped_without_a_checkpoint_does_not_offer_a_resume(cli, data_dir):
+    rc, out, err = cli("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--stop-after-steps", 1,
+                       "--epochs", 1, "--batch-size", 40, "--noise-seed", 0)
+    assert rc == 0, err
+    said = out + err
+    assert "stopped after step 1 of" in said and "no --checkpoint was given, so it cannot be continued" in said
+    assert "--resume None" not in said
+
+
+def test_a_record_whose_gradient_overflows_stops_the_run_with_one_line_not_a_traceback(cli, tmp_path):
+    """A feature of 1e30 is a float32, so the loader takes it, but its squared norm overflows: the
+    clipping refuses the batch (FloatingPointError), which used to end the command in a traceback."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3))
+    x[3, 0] = 1e30
+    rows = ["a,b,c,y,eps"] + [f"{a:.17g},{b:.17g},{c:.17g},{int(a > 0)},{e}"
+                              for (a, b, c), e in zip(x, rng.choice([1.0, 2.0], 40))]
+    (tmp_path / "big.csv").write_text("\n".join(rows) + "\n")
+    rc, out, err = cli("train", "--data", tmp_path / "big.csv", "--label-column", "y", "--budget-column", "eps",
+                       "--batch-size", 40, "--epochs", 1, "--test-fraction", 0, "--quiet", "--noise-seed", 0,
+                       "--out-json", tmp_path / "s.json")
+    assert rc == 2 and "Traceback" not in err, err
+    assert "pdpfast train: error: 1 record(s) of the batch" in err and "NaN or inf" in err
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_a_resume_file_that_is_not_a_checkpoint_is_named_by_resume(cli, data_dir, tmp_path):
+    (tmp_path / "plan.json").write_text("{}")
+    message = cli.fails("train", *_npy(data_dir), "--budgets", data_dir / "budgets.npy", "--resume",
+                        tmp_path / "plan.json", *SMALL)
+    assert "--resume" in message and "cannot be read as a checkpoint" in message and "--checkpoint" not in message

@@ -134,6 +134,29 @@ def test_cli_simulate_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("name,stem", [("run_lr0.05", "run_lr0.05"), ("exp.json", "exp"), ("exp.png", "exp")])
+def test_cli_simulate_keeps_a_dotted_out_name_whole(tmp_path, capsys, name, stem):
+    """``--out run_lr0.05`` wrote run_lr0.json: runs named exp.v1 and exp.v2 overwrote each other."""
+    assert main(["simulate", "--dataset", "breast_cancer", "--clients", "2", "--rounds", "1", "--local-steps", "1",
+                 "--methods", "minimum", "--quiet", "--out", str(tmp_path / name)]) == 0
+    assert f"wrote {tmp_path / stem}.json and {tmp_path / stem}.png" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.png"]
+
+
+def test_cli_simulate_checks_its_out_path_before_the_runs(tmp_path, capsys):
+    (tmp_path / "taken.json").mkdir()
+    assert main(["simulate", "--methods", "minimum", "--rounds", "1", "--quiet", "--out", str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr()
+    assert "--out" in err.err and "is a directory" in err.err and "method | final acc" not in err.out
+
+
+def test_cli_simulate_warns_about_a_delta_of_at_least_one_over_n_in_one_line(tmp_path, capsys):
+    assert main(["simulate", "--dataset", "breast_cancer", "--clients", "2", "--rounds", "1", "--local-steps", "1",
+                 "--methods", "rpdp", "--quiet", "--delta", "0.01"]) == 0
+    err = capsys.readouterr().err
+    assert "pdpfast fl simulate: warning: --delta 0.01 ≥ 1/N = 1/" in err and "LargeDeltaWarning" not in err
+
+
 def test_cli_simulate_refuses_a_method_listed_twice(capsys):
     """``--methods rpdp rpdp`` printed two rows but its JSON, keyed by method, kept one."""
     assert main(["simulate", "--methods", "rpdp", "minimum", "rpdp", "--quiet", "--no-plot"]) == 2
