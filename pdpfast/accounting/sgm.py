@@ -164,6 +164,27 @@ def _log_binom_int(alpha: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _log_binom_table(width: int) -> np.ndarray:
+    """log C(α, k) for α in (width/2, width] (rows) and k = 2..width (columns), −inf for k > α (read-only)."""
+    first = width // 2 + 1
+    out = np.full((width - first + 1, width - 1), -np.inf)
+    for row, a in enumerate(range(first, width + 1)):
+        out[row, :a - 1] = _log_binom_int(a)[2:]
+    out.flags.writeable = False
+    return out
+
+
+def _log_binom_rows(width: int, alphas: np.ndarray) -> np.ndarray:
+    """(C, width − 1) log C(α, k) for k = 2..width, −inf for k > α, one row per α in (width/2, width]."""
+    if width <= 1024:                  # a table of at most 4 MiB, built once
+        return _log_binom_table(width)[alphas - (width // 2 + 1)]
+    out = np.full((alphas.shape[0], width - 1), -np.inf)
+    for c, a in enumerate(alphas):
+        out[c, :a - 1] = _log_binom_int(int(a))[2:]
+    return out
+
+
 def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alphas: np.ndarray,
               mask: np.ndarray | None = None) -> np.ndarray:
     """log A_α for integer orders α ≥ 2: log(1 + Σ_{k≥2} C(α,k)(1−q)^{α−k} q^k (e^{(k²−k)/2z²} − 1)).
@@ -194,9 +215,7 @@ def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha
         k = np.arange(2, w + 1, dtype=np.float64)
         alpha = alphas[cols].astype(np.float64)[:, None]                   # (C, 1)
         valid = k[None, :] <= alpha                                         # (C, K)
-        log_coef = np.full(valid.shape, -np.inf)
-        for c, a in enumerate(alphas[cols]):
-            log_coef[c, :a - 1] = _log_binom_int(int(a))[2:]
+        log_coef = _log_binom_rows(int(w), alphas[cols])                     # (C, K), −inf past α
         # a term is log C(α,k) + k·log(q/(1−q)) + bump_k, plus α·log(1 − q) for the whole row
         shared = inv_2z2.shape[0] == 1
         if shared:
@@ -208,9 +227,10 @@ def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha
             r, c = rows[s:s + step], at[s:s + step]
             one = np.zeros_like(r)
             terms = log_coef[c] + k * logit[r if logit.shape[0] > 1 else one][:, None]
-            if not shared:
+            if not shared:           # a point's bumps, once for all its orders
+                points, which = np.unique(r, return_inverse=True)
                 with np.errstate(invalid="ignore"):   # padding (−inf) + a bump of +inf (z → 0): reset below
-                    terms += _log_expm1((k * k - k)[None, :] * inv_2z2[r, None])
+                    terms += _log_expm1((k * k - k)[None, :] * inv_2z2[points, None])[which]
                 terms[~valid[c]] = -np.inf
             top = terms.max(axis=1)
             top = np.where(np.isfinite(top), top, 0.0)
@@ -353,12 +373,14 @@ def log_a_quadrature(q: np.ndarray, z: np.ndarray, alphas: np.ndarray, mask: np.
     for e, u, base, log_w in _quadrature_chunks(q[todo], z[todo], need, 1):
         e = todo[e]
         gauss = -0.5 * u * u
+        # order α_f needs the nodes up to α_f/z + QUAD_WIDTH only (its bump's far tail), as α_max needs
+        # those up to α_max/z + QUAD_WIDTH: a low order sums a prefix of the chunk's nodes (the count at
+        # the chunk's smallest z, the most any of its points needs)
+        prefix = np.minimum(_node_count(z[e].min(), alphas), u.shape[1]).astype(np.int64)
         for f in range(alphas.shape[0]):
             rows = np.flatnonzero(mask[e, f])
             if rows.size:
-                # order α_f needs the nodes up to α_f/z + QUAD_WIDTH only (its bump's far tail), as α_max
-                # needs those up to α_max/z + QUAD_WIDTH: a low order sums a prefix of the chunk's nodes
-                n = int(min(u.shape[1], _node_count(z[e[rows]], alphas[f]).max()))
+                n = prefix[f]
                 out[e[rows], f] = _logsumexp_rows(gauss[rows, :n] + alphas[f] * base[rows, :n]) + log_w[rows]
     return out
 
