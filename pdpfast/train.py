@@ -274,6 +274,9 @@ def _check_config(cfg: TrainConfig) -> None:
     check_int("--seed", cfg.seed, 0)
     if cfg.noise_seed is not None:
         check_int("--noise-seed", cfg.noise_seed, 0)
+    if cfg.clipping == "per_layer" and cfg.mode == "ghost":     # (the engine says so too, in its argument names)
+        raise ValueError("--clipping per_layer clips inside one backward; --mode ghost does not apply to it (use "
+                         "--mode bk, the default)")
     # an option this run would not read is refused, not ignored
     unread = {"--momentum": (cfg.momentum, cfg.optimizer != "adam", "--optimizer sgd (Adam keeps its own moments)"),
               "--hidden": (cfg.hidden, cfg.model == "mlp", "--model mlp"),

@@ -183,7 +183,8 @@ def test_an_output_that_names_an_input_file_is_refused_and_the_input_kept(cli, d
     (("--model", "cnn", "--image-shape", "1,8,8", "--hidden", 64), "--hidden is for --model mlp"),
     (("--image-shape", "1,8,8"), "--image-shape is for image models"),
     (("--max-length", 10), "--max-length applies to text"),
-    (("--overwrite",), "--overwrite replaces an existing --checkpoint; no --checkpoint is given")])
+    (("--overwrite",), "--overwrite replaces an existing --checkpoint; no --checkpoint is given"),
+    (("--mode", "ghost", "--clipping", "per_layer"), "--clipping per_layer clips inside one backward; --mode ghost")])
 def test_an_option_this_run_would_not_read_is_refused_not_ignored(cli, data_dir, tmp_path, extra, expected):
     """Each of these trained as if the option had not been given (Adam has no momentum, PDP-SGD's
     rounds are accounted with RDP whatever --accountant says, ...)."""
