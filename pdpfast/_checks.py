@@ -469,15 +469,28 @@ class LargeDeltaWarning(UserWarning):
     """δ ≥ 1/N: a mechanism may then publish a few records in the clear and still be (ε, δ)-DP."""
 
 
+def large_delta_message(delta: float, n: int, name: str = "delta") -> str | None:
+    """What to say when δ ≥ 1/N for N records (None when δ < 1/N).
+
+    Args:
+        delta: δ in (0, 1); n: the number of records; name: the argument or option, for the message.
+    Returns:
+        the warning's text, or None.
+    """
+    if n > 0 and delta >= 1.0 / n:
+        return (f"{name} {delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the clear; "
+                f"use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
+    return None
+
+
 def warn_large_delta(delta: float, n: int, name: str = "delta") -> None:
-    """Warn (``LargeDeltaWarning``) when δ ≥ 1/N for N records.
+    """Warn (``LargeDeltaWarning``) when δ ≥ 1/N for N records (``large_delta_message``).
 
     Args:
         delta: δ in (0, 1); n: the number of records; name: the argument, for the message.
     Returns:
         None.
     """
-    if n > 0 and delta >= 1.0 / n:
-        warnings.warn(f"{name} {delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the "
-                      f"clear; use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})",
-                      LargeDeltaWarning, stacklevel=3)
+    text = large_delta_message(delta, n, name)
+    if text is not None:
+        warnings.warn(text, LargeDeltaWarning, stacklevel=3)

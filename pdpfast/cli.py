@@ -317,7 +317,7 @@ def _calibrate(args) -> int:
     import pdpfast
 
     from . import plots
-    from ._checks import check_positive_integer
+    from ._checks import check_positive_integer, large_delta_message
     from ._io import check_output_path, check_outputs_spare_inputs
     from .datasets import read_budgets
 
@@ -338,9 +338,9 @@ def _calibrate(args) -> int:
     if args.column is not None and Path(args.budgets).suffix.lower() not in (".csv", ".npz"):
         raise ValueError(f"--column names a column of a .csv or an array of a .npz; {args.budgets!r} is neither")
     budgets = read_budgets(args.budgets, column=args.column, column_option="--column")
-    if 0 < args.delta < 1 and args.delta >= 1.0 / budgets.shape[0]:
-        print(f"pdpfast calibrate: warning: --delta {args.delta:g} ≥ 1/N = 1/{budgets.shape[0]}: a mechanism with "
-              "such a δ may publish a few records in the clear; use δ well below 1/N", file=sys.stderr)
+    too_large = large_delta_message(args.delta, budgets.shape[0], "--delta") if 0 < args.delta < 1 else None
+    if too_large:
+        print(f"pdpfast calibrate: warning: {too_large}", file=sys.stderr)
     if args.sample_rate is None:
         if args.batch_size is None:
             raise ValueError("give --sample-rate q (expected batch / N) or --batch-size B")

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
-import math
 import os
 import signal
 import sys
@@ -35,6 +34,7 @@ from ._checks import (
     check_nonnegative,
     check_positive,
     check_positive_integer,
+    large_delta_message,
 )
 from ._malloc import retain_unless_configured
 from .accounting.calibration.problem import DEFAULT_HYBRID_WEIGHT
@@ -666,9 +666,9 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
     allocator = retain_unless_configured() if device.type == "cpu" else None
     train, test, budgets = load_training_data(cfg)
     n = len(train)
-    if cfg.delta >= 1.0 / n:
-        _warn(f"--delta {cfg.delta:g} ≥ 1/N = 1/{n}: a mechanism with such a δ may publish a few records in the "
-              f"clear; use δ well below 1/N (e.g. {10 ** math.floor(math.log10(0.1 / n)):g})")
+    too_large = large_delta_message(cfg.delta, n, "--delta")
+    if too_large:
+        _warn(too_large)
     _warn_about_batch_size(cfg, n)
     task = Task.for_model(cfg.model)
     model, model_config = _build(cfg, train)
