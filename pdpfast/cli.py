@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Trains non-private, DP-SGD at ε=1, IDP Sample / Scale / hybrid and PDP-SGD on "
                                       "scikit-learn's digits (groups 34%/43%/23% at ε=1/2/3, δ=1e-5); prints a "
                                       "table and writes accuracy.png, epsilon.png and results.json into --out.")
-    demo.add_argument("--epochs", type=int, default=10)
+    demo.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over (default 3)")
     # --methods, --rounds and --accountant default to None so that --adaptive can tell them given
     demo.add_argument("--methods",
@@ -569,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "one per record in order: the data's rows, an --hf-dataset split's row order, "
                                      "an image folder's classes sorted by name, then its images sorted by path")
     g.add_argument("--epsilon", type=float, help="the same ε for every record")
-    g.add_argument("--delta", type=float, default=d.delta)
+    g.add_argument("--delta", type=float, default=d.delta,
+                   help=f"δ of every record's (ε, δ) guarantee, well below 1/N (default {d.delta:g})")
     g = train.add_argument_group("model and method")
     g.add_argument("--model", default=d.model, choices=model_names(), metavar="MODEL",
                    help=f"one of {', '.join(model_names())} (default mlp)")
@@ -588,7 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pdp-charge", choices=("all", "sampled"),
                    help=f"PDP-SGD charging rule: all (default: {d.pdp_charge}) or sampled (the paper's)")
     g = train.add_argument_group("optimization")
-    g.add_argument("--epochs", type=int, default=d.epochs)
+    g.add_argument("--epochs", type=int, default=d.epochs,
+                   help=f"expected passes over the data: steps = epochs × round(1/q) (default {d.epochs})")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="expected batch size (Poisson)")
     g.add_argument("--physical-batch-size", type=int, help="memory cap per physical batch (draws are split)")
     g.add_argument("--cuda-graph", action="store_true",
@@ -630,9 +632,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the plan as JSON and a histogram of q_i and c_i as PNG.")
     cal.add_argument("budgets", help="budgets file: .npy, .npz, .csv (one column or --column), .txt (one per line)")
     cal.add_argument("--column", help="CSV column (or .npz array) holding the budgets")
-    cal.add_argument("--delta", type=float, default=1e-5)
-    cal.add_argument("--steps", type=int)
-    cal.add_argument("--epochs", type=int)
+    cal.add_argument("--delta", type=float, default=1e-5,
+                     help="δ of every record's (ε, δ) guarantee, well below 1/N (default 1e-05)")
+    cal.add_argument("--steps", type=int, help="training steps the plan covers (or --epochs)")
+    cal.add_argument("--epochs", type=int, help="expected passes over the data: steps = epochs × round(1/q)")
     cal.add_argument("--sample-rate", type=float, help="mean Poisson rate q (expected batch / N)")
     cal.add_argument("--batch-size", type=int, help="expected batch size (sets q = B / N)")
     cal.add_argument("--method", default="sample", choices=("sample", "scale", "hybrid"))
@@ -668,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--canaries", type=int, default=3000, help="number of canaries (default 3000)")
     audit.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     audit.add_argument("--confidence", type=float, default=0.95, help="of the lower bounds (default 0.95)")
-    audit.add_argument("--seed", type=int, default=0)
+    audit.add_argument("--seed", type=int, default=0, help="seed of the canaries, the split, the model and the noise "
+                                                           "(default 0)")
     audit.add_argument("--threads", type=int,
                        help="torch threads (default: torch's own; 1 is far faster on a machine other jobs load)")
     audit.add_argument("--out", default="audit_out", help="directory for audit.json and audit.png")
