@@ -164,25 +164,27 @@ def _log_binom_int(alpha: int) -> np.ndarray:
     return out
 
 
+def _padded_log_binom(width: int, alphas) -> np.ndarray:
+    """(C, width − 1) log C(α, k) for k = 2..width, −inf for k > α, one row per α ≤ width."""
+    out = np.full((len(alphas), width - 1), -np.inf)
+    for row, a in enumerate(alphas):
+        out[row, :a - 1] = _log_binom_int(int(a))[2:]
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _log_binom_table(width: int) -> np.ndarray:
-    """log C(α, k) for α in (width/2, width] (rows) and k = 2..width (columns), −inf for k > α (read-only)."""
-    first = width // 2 + 1
-    out = np.full((width - first + 1, width - 1), -np.inf)
-    for row, a in enumerate(range(first, width + 1)):
-        out[row, :a - 1] = _log_binom_int(a)[2:]
+    """``_padded_log_binom`` of every α in (width/2, width], built once per width (read-only)."""
+    out = _padded_log_binom(width, range(width // 2 + 1, width + 1))
     out.flags.writeable = False
     return out
 
 
 def _log_binom_rows(width: int, alphas: np.ndarray) -> np.ndarray:
-    """(C, width − 1) log C(α, k) for k = 2..width, −inf for k > α, one row per α in (width/2, width]."""
-    if width <= 1024:                  # a table of at most 4 MiB, built once
+    """``_padded_log_binom`` of orders α in (width/2, width]: from the cached table up to 1024 (4 MiB)."""
+    if width <= 1024:
         return _log_binom_table(width)[alphas - (width // 2 + 1)]
-    out = np.full((alphas.shape[0], width - 1), -np.inf)
-    for c, a in enumerate(alphas):
-        out[c, :a - 1] = _log_binom_int(int(a))[2:]
-    return out
+    return _padded_log_binom(width, alphas)
 
 
 def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alphas: np.ndarray,
@@ -207,6 +209,8 @@ def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha
     mask = np.ones((p, alphas.shape[0]), dtype=bool) if mask is None else mask
     out = np.full(mask.shape, np.inf)
     width = np.left_shift(1, np.ceil(np.log2(alphas)).astype(np.int64))   # the row's last k: 2, 4, 8, ...
+    shared = inv_2z2.shape[0] == 1
+    logit = log_q - log1m_q
     for w in np.unique(width):
         cols = np.flatnonzero(width == w)
         rows, at = np.nonzero(mask[:, cols])          # the pairs; ``at`` indexes ``cols``
@@ -217,11 +221,9 @@ def log_a_int(log_q: np.ndarray, log1m_q: np.ndarray, inv_2z2: np.ndarray, alpha
         valid = k[None, :] <= alpha                                         # (C, K)
         log_coef = _log_binom_rows(int(w), alphas[cols])                     # (C, K), −inf past α
         # a term is log C(α,k) + k·log(q/(1−q)) + bump_k, plus α·log(1 − q) for the whole row
-        shared = inv_2z2.shape[0] == 1
         if shared:
             log_coef = log_coef + _log_expm1((k * k - k) * inv_2z2[0])[None, :]
             log_coef[~valid] = -np.inf     # (a bump of +inf, z → 0, must not meet a padding −inf)
-        logit = log_q - log1m_q
         step = max(1, _CHUNK // k.shape[0])
         for s in range(0, rows.size, step):
             r, c = rows[s:s + step], at[s:s + step]
