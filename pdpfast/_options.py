@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+import sys
+import warnings
 
-__all__ = ["as_option_words"]
+__all__ = ["as_option_words", "warnings_as_lines"]
 
 
 def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
@@ -34,3 +37,24 @@ def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
         text = f"{options[name]} {rest}"
     return re.sub(r"(?<![\w./-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w./-])",
                   lambda m: options.get(m.group(0), m.group(0)), text)
+
+
+@contextlib.contextmanager
+def warnings_as_lines(parser: argparse.ArgumentParser, args, prefix: str, shown: bool = True):
+    """Warnings the API raises while the block runs, printed as they come, one line each
+    (``<prefix>: warning: ...``, in the options' words) rather than as Python's file:line report.
+
+    Args:
+        parser: the top-level parser; args: what it parsed; prefix: the command, e.g. "pdpfast train".
+        shown: False drops them (ranks other than 0 of ``train --nproc``, whose rank 0 warns the same).
+    Yields:
+        None.
+    """
+    def show(message, category, filename, lineno, file=None, line=None):
+        if shown:
+            text = as_option_words(parser, args, " ".join(str(message).split()))
+            print(f"{prefix}: warning: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():     # restores showwarning on leaving
+        warnings.showwarning = show
+        yield

@@ -121,18 +121,9 @@ def _warnings_as_lines(args, shown: bool = True):
     """Warnings the API raises while the block runs, printed as they come, one line each
     (``pdpfast <command>: warning: ...``, in the options' words) rather than as Python's file:line report;
     ``shown=False`` (ranks other than 0 of ``train --nproc``, whose rank 0 warns the same) drops them."""
-    import warnings
+    from ._options import warnings_as_lines
 
-    from ._options import as_option_words
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if not shown:
-            return
-        text = as_option_words(build_parser(), args, " ".join(str(message).split()))
-        print(f"pdpfast {args.command}: warning: {text}", file=sys.stderr, flush=True)
-
-    with warnings.catch_warnings():     # restores showwarning on leaving
-        warnings.showwarning = show
+    with warnings_as_lines(build_parser(), args, f"pdpfast {args.command}", shown):
         yield
 
 

@@ -315,17 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     _fill(parser)
     args = parser.parse_args(argv)
     args.argv = argv
-    import warnings
-
-    from .._options import as_option_words
-
-    def show(message, category, filename, lineno, file=None, line=None):   # one line, in the options' words
-        text = as_option_words(parser, args, " ".join(str(message).split()))
-        print(f"pdpfast fl {args.fl_command}: warning: {text}", file=sys.stderr, flush=True)
+    from .._options import as_option_words, warnings_as_lines
 
     try:
-        with warnings.catch_warnings():     # restores showwarning on leaving
-            warnings.showwarning = show
+        with warnings_as_lines(parser, args, f"pdpfast fl {args.fl_command}"):
             return args.run(args)
     except (ValueError, TypeError, ImportError) as exc:
         print(f"pdpfast fl {args.fl_command}: error: {as_option_words(parser, args, str(exc))}", file=sys.stderr)
