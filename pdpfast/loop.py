@@ -342,7 +342,9 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
                   on_step=None, cuda_graph: bool = False, autocast: torch.dtype | None = None) -> None:
     """Train until ``engine.steps == until``: the user's ordinary loop over the Poisson loader
     (forward, backward, ``optimizer.step()``, ``zero_grad()``), for as many passes as it takes.
-    Batches are moved to the model's device (non-blocking from pinned memory).
+    Batches are moved to the model's device (non-blocking from pinned memory). An empty draw runs no
+    forward (some models, a Hugging Face BERT's attention, cannot take zero rows): its step, noise only,
+    is the same bit for bit.
 
     Args:
         engine: the ``PrivacyEngine`` (its ``steps`` count the optimizer steps taken).
@@ -351,7 +353,7 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
         until: the engine step to stop at (a resumed run takes only the steps that remain).
         on_step: ``on_step(step, loss)`` after every optimizer step: step = engine.steps, loss = the
             criterion's value on the draw's last physical batch divided by its rows (the mean
-            per-record loss for a summed loss). Returning True stops early.
+            per-record loss for a summed loss; 0 for an empty draw). Returning True stops early.
         cuda_graph: run each physical batch through ``engine.make_step`` (the step captured in CUDA
             graphs and replayed; needs a physical batch size and a CUDA model) instead of the
             ordinary loop. The same steps, the same noise.
@@ -398,10 +400,14 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
     while engine.steps < until:
         yielded = False
         for batch in loader:
-            yielded, before = True, engine.steps
+            yielded, before, rows = True, engine.steps, int(batch[0].shape[0])
             try:
                 if step is not None:  # copies the batch into the graph's inputs itself
                     loss = step(*batch)
+                elif rows == 0:  # an empty draw: nothing to clip, the step adds noise only. No forward either:
+                    loss = None   # a Hugging Face attention cannot reshape zero rows
+                    optimizer.step()
+                    optimizer.zero_grad()
                 else:
                     if device.type != "cpu":
                         batch = to_device(batch, device)
@@ -413,8 +419,8 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
                 optimizer.zero_grad()  # the refused draw's clipped sums go, and its batch closes
                 raise
             if engine.steps != before:
-                rows = max(int(batch[0].shape[0]), 1)
-                stop = on_step(engine.steps, float(loss.detach()) / rows) if on_step is not None else False
+                mean = 0.0 if loss is None else float(loss.detach()) / max(rows, 1)
+                stop = on_step(engine.steps, mean) if on_step is not None else False
                 if stop or engine.steps >= until:
                     return
         if not yielded:

@@ -116,6 +116,73 @@ def test_on_step_must_be_callable():
     assert run.engine.steps == 0
 
 
+# ---------------------------------------------------------------------------------------------- empty draws
+class _Recording:
+    """The Poisson loader, noting each physical batch's rows."""
+
+    def __init__(self, loader):
+        self.loader, self.rows = loader, []
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.rows.append(int(batch[0].shape[0]))
+            yield batch
+
+
+def _rare_draws(model, data, mode="bk"):
+    """Mean batch 0.5 of len(data) records: most draws are empty."""
+    return private_engine("sample", model, torch.optim.SGD(model.parameters(), lr=0.1), data, np.full(len(data), 4.0),
+                          delta=1e-5, steps=12, sample_rate=0.5 / len(data), batch_size=1, mode=mode, seed=3)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_an_empty_draw_skips_the_forward_and_still_takes_the_noised_step(mode):
+    """The loop runs no forward on an empty draw; the result is the ordinary loop's (forward, backward
+    and step on every draw, the empty ones too), bit for bit: the step is noise only either way."""
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        return _rare_draws(model, _data(), mode)
+
+    run = fresh()
+    recording = _Recording(run.loader)
+    _steps(run, until=12, loader=recording)
+    assert 0 in recording.rows and any(recording.rows)   # empty draws and full ones both taken
+    assert run.engine.steps == 12
+
+    ordinary = fresh()
+    while ordinary.engine.steps < 12:
+        for batch in ordinary.loader:
+            Task().loss(ordinary.model, batch, ordinary.criterion).backward()
+            ordinary.optimizer.step()
+            ordinary.optimizer.zero_grad()
+            if ordinary.engine.steps == 12:
+                break
+    for skipped, taken in zip(run.model.parameters(), ordinary.model.parameters()):
+        assert torch.equal(skipped, taken)
+    np.testing.assert_array_equal(run.engine.epsilons(), ordinary.engine.epsilons())
+
+
+def test_a_hugging_face_bert_trains_through_empty_draws():
+    """Before: an empty draw crashed the BERT's attention ("cannot reshape tensor of 0 elements into
+    shape [0, 6, -1, 16]"); now each empty draw is a noised step charged to the ledger like any other."""
+    from pdpfast.models import build_model
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randint(1, 50, (20, 6), generator=g), torch.randint(0, 2, (20,), generator=g))
+    torch.manual_seed(0)
+    model = build_model("bert-micro", input_shape=(6,), num_classes=2, vocab_size=50, input_kind="tokens")
+    run = _rare_draws(model, data)
+    recording = _Recording(run.loader)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    private_steps(run.engine, run.model, run.optimizer, recording, Task.for_model("bert-micro"), run.criterion,
+                  until=12)
+    assert recording.rows.count(0) >= 3 and run.engine.steps == 12
+    assert all(not torch.equal(p, b) for p, b in zip(run.model.parameters(), before))   # noise reached every weight
+    eps = run.engine.epsilons()
+    assert np.all(eps > 0) and np.all(eps <= 4.0)
+
+
 # ---------------------------------------------------------------------------------------------- language modelling
 V, T = 128, 9
 
