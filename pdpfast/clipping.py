@@ -346,6 +346,7 @@ class ClippingState:
         self.batch_size: int | None = None
         self.draw = None
         self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
+        self._records = None  # (B,) dataset index of each row of the open batch, for messages
         self._nonfinite: str | None = None  # why the draw's clipped sums are not finite (a step is refused)
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
@@ -552,7 +553,7 @@ class ClippingState:
                        }[phase]
         self._layer_backward = handler
 
-    def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0, *, draw=None) -> None:
+    def begin_batch(self, clip_norms, mask=None, loss_scale: float = 1.0, *, draw=None, records=None) -> None:
         """Open a batch of B = len(clip_norms) samples (padded rows have mask 0).
 
         Args:
@@ -568,6 +569,8 @@ class ClippingState:
                 new draw is refused while the previous draw's clipped sums still wait for
                 ``optimizer.step()``; without one (the functional API, benchmarks) the caller owns the
                 lifecycle.
+            records: None, or (B,) the dataset index of each row, which errors name (a record whose
+                gradient is not finite) instead of its row in the batch.
         Returns:
             None; the state enters phase ``OPEN``.
         Raises:
@@ -598,6 +601,7 @@ class ClippingState:
             self.pending = False
             self._nonfinite = None
         self.draw = draw
+        self._records = records
         self._reset_backward()
         self._enter(Phase.OPEN)
 
@@ -1331,10 +1335,13 @@ class ClippingState:
                                      "rank does")
         if not rows:
             return
-        self._nonfinite = (f"{len(rows)} record(s) of the batch (rows {rows[:8]}{' ...' if len(rows) > 8 else ''}) "
-                           "have a per-sample gradient norm that is NaN or inf: their data or loss is not finite "
-                           "(a NaN or inf input, a log of 0), or the gradient overflowed its dtype. Their clipped sum "
-                           "would turn the model NaN")
+        where = f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of the batch"
+        if self._records is not None:
+            records = [int(self._records[r]) for r in rows[:8]]
+            where = f"dataset records {records}{' ...' if len(rows) > 8 else ''} (0-based; {where})"
+        self._nonfinite = (f"{len(rows)} record(s) ({where}) have a per-sample gradient norm that is NaN or inf: "
+                           "their data or loss is not finite (a NaN or inf input, a log of 0), or the gradient "
+                           "overflowed its dtype. Their clipped sum would turn the model NaN")
         raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
                                  "data (pdpfast train refuses non-finite features) and the loss")
 

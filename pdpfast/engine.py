@@ -777,7 +777,8 @@ class PrivacyEngine:
                 "covers; to drop a draw's gradient, call optimizer.zero_grad() and then optimizer.step()")
         rows = batch.indices.numel()
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
-        self.state.begin_batch(self.batch_clip_norms(batch.indices), batch.mask, loss_scale=scale, draw=batch.step)
+        self.state.begin_batch(self.batch_clip_norms(batch.indices), batch.mask, loss_scale=scale, draw=batch.step,
+                              records=batch.indices)
         self._unstepped = batch.step
         self._at_boundary = batch.is_last
         self._implicit_open = False

@@ -3,6 +3,8 @@
 a change one record makes to the whole update, which no noise hides. On the CPU, where the check
 costs no host synchronisation, its backward is refused with the records named, a step on the draw
 is refused, and ``zero_grad()`` discards the draw so training goes on."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -28,7 +30,7 @@ def test_a_record_whose_gradient_is_not_finite_is_refused_by_row(style, bad, dty
     x = torch.randn(3, 4).to(dtype)
     x[1, 0] = bad
     y = torch.tensor([0, 1, 2])
-    with pytest.raises(FloatingPointError, match=r"1 record\(s\) of the batch \(rows \[1\]\).*NaN or inf"):
+    with pytest.raises(FloatingPointError, match=r"1 record\(s\) \(rows \[1\] of the batch\) have .*NaN or inf"):
         clipped_gradients(model, lambda out: nn.functional.cross_entropy(out.float(), y, reduction="none"), x,
                           clip_norms=torch.ones(3), **STYLES[style])
 
@@ -59,3 +61,28 @@ def test_a_nonfinite_record_leaves_the_model_finite_and_training_goes_on(style):
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_the_engine_names_the_nonfinite_record_by_its_index_in_the_dataset():
+    """Before: "rows [1]" of a physical batch, which the user cannot map back to the data."""
+    model = _model()
+    x, y = torch.randn(8, 4), torch.arange(8) % 3
+    x[5, 0] = float("nan")
+    made = pdpfast.PrivacyEngine(seed=0).make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        sample_rates=1.0, loss_reduction="sum", physical_batch_size=4)
+    model, loader = made[0], made[-1]
+    batches, refused = iter(loader), 0
+    for _ in range(2):   # the draw of all 8 records in two physical batches of 4
+        xb, yb = next(batches)
+        loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+        row = torch.isnan(xb).any(1).nonzero().flatten().tolist()
+        if row:
+            named = re.escape(f"dataset records [5] (0-based; rows {row} of the batch)")
+            with pytest.raises(FloatingPointError, match=named):
+                loss.backward()
+            refused += 1
+        else:
+            loss.backward()
+    assert refused == 1
