@@ -8,7 +8,7 @@ import re
 import sys
 import warnings
 
-__all__ = ["as_option_words", "warnings_as_lines"]
+__all__ = ["as_option_words", "method_words", "warnings_as_lines"]
 
 
 def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
@@ -37,6 +37,28 @@ def as_option_words(parser: argparse.ArgumentParser, args, text: str) -> str:
         text = f"{options[name]} {rest}"
     return re.sub(r"(?<![\w./-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w./-])",
                   lambda m: options.get(m.group(0), m.group(0)), text)
+
+
+def method_words(values, known) -> list:
+    """Names given to a list option such as ``--methods`` (``nargs="+"``), the way a user types them:
+    separate words, comma-separated (``sample,scale``) or both, each spelled with or without its
+    hyphen or underscore (``non-private``, ``nonprivate``), in any case.
+
+    Args:
+        values: the strings argparse collected (None: not given); known: the names the command uses.
+    Returns:
+        None when not given; else the names in the given order, each known one in its ``known``
+        spelling and the others as typed (for the caller's check to refuse by name).
+    """
+    if values is None:
+        return None
+    spelling = {_bare(name): name for name in known}
+    words = [word.strip() for value in values for word in value.split(",") if word.strip()]
+    return [spelling.get(_bare(word), word) for word in words]
+
+
+def _bare(name: str) -> str:
+    return name.replace("-", "").replace("_", "").lower()
 
 
 @contextlib.contextmanager

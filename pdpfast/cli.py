@@ -127,13 +127,15 @@ def _warnings_as_lines(args, shown: bool = True):
         yield
 
 
-def _method_names(text: str | None, default, known) -> tuple:
-    """--methods as given (comma-separated; blanks between commas skipped), or ``default`` when not given."""
+def _method_names(values, default, known) -> tuple:
+    """--methods as given (words, comma-separated or not: ``_options.method_words``), or ``default``
+    when not given."""
+    from ._options import method_words
     from .demo import check_method_names
 
-    if text is None:
+    if values is None:
         return tuple(default)
-    return check_method_names("--methods", [m.strip() for m in text.split(",") if m.strip()], known)
+    return check_method_names("--methods", method_words(values, known), known)
 
 
 def _output_directory(out: str, names, what: str) -> Path:
@@ -198,7 +200,9 @@ def _demo_adaptive(args) -> int:
     from .plots import Staging
 
     if args.methods is not None:
-        without = [m.strip() for m in args.methods.split(",") if m.strip() in DEMO_METHODS and m.strip() not in METHODS]
+        from ._options import method_words
+
+        without = [m for m in method_words(args.methods, DEMO_METHODS) if m in DEMO_METHODS and m not in METHODS]
         if without:
             raise ValueError(f"--methods: {', '.join(without)} {'has' if len(without) == 1 else 'have'} no adaptive "
                              f"variant; with --adaptive choose from {', '.join(METHODS)}")
@@ -519,9 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     demo.add_argument("--seeds", type=int, default=3, help="number of seeds to average over (default 3)")
     # --methods, --rounds and --accountant default to None so that --adaptive can tell them given
-    demo.add_argument("--methods",
-                      help=f"private methods, comma-separated, each once (default {','.join(DEMO_METHODS)}; "
-                           "with --adaptive: sample,scale,hybrid)")
+    demo.add_argument("--methods", nargs="+",
+                      help=f"private methods, each once, as words or comma-separated (default "
+                           f"{' '.join(DEMO_METHODS)}; with --adaptive: sample scale hybrid)")
     demo.add_argument("--rounds", type=int, help="PDP-SGD rounds (default 2; needs pdp in --methods)")
     demo.add_argument("--accountant", choices=("rdp", "pld"),
                       help="accountant that calibrates the dpsgd/sample/scale/hybrid plans (default rdp; not "
@@ -657,8 +661,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Steinke, Nasr & Jagielski's one-run audit on the demo's task: canaries per "
                                        "privacy group, one training run per method, an empirical lower bound on ε "
                                        "per group (it must stay below the group's certified ε).")
-    audit.add_argument("--methods",
-                       help="comma-separated, each once, from sample, scale, hybrid, dpsgd, non-private (default: all)")
+    audit.add_argument("--methods", nargs="+",
+                       help="each once, as words or comma-separated, from sample scale hybrid dpsgd non-private "
+                            "(default: all)")
     audit.add_argument("--canaries", type=int, default=3000, help="number of canaries (default 3000)")
     audit.add_argument("--epochs", type=int, default=10, help="training epochs per method (default 10)")
     audit.add_argument("--confidence", type=float, default=0.95, help="of the lower bounds (default 0.95)")

@@ -76,7 +76,7 @@ def test_bad_arguments_are_refused():
 
 def test_cli_writes_the_json_and_the_plot(tmp_path, capsys):
     out = tmp_path / "audit"
-    assert main(["audit", "--methods", "sample,non-private", "--canaries", "600", "--epochs", "3", "--quiet",
+    assert main(["audit", "--methods", "sample", "nonprivate", "--canaries", "600", "--epochs", "3", "--quiet",
                  "--out", str(out)]) == 0
     result = json.loads((out / "audit.json").read_text())
     assert result["delta"] == 1e-5 and (out / "audit.png").stat().st_size > 0

@@ -144,9 +144,14 @@ def _private_only_given(args) -> None:
 
 
 def _simulate(args) -> int:
+    from .._options import method_words
     from .simulation import _json_float, simulate
 
-    twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
+    args.methods = method_words(args.methods, METHODS)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown or not args.methods:
+        raise ValueError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
+    twice = [m for m in dict.fromkeys(args.methods) if args.methods.count(m) > 1]
     if twice:
         raise ValueError(f"--methods lists {', '.join(twice)} more than once; each method runs once (one row, one "
                          "entry of the JSON)")
@@ -252,8 +257,9 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     sim = sub.add_parser("simulate", help="in-process simulation of rPDP-FL and the baselines")
     _add_data_args(sim)
     _add_config_args(sim, skip=("method",))
-    sim.add_argument("--methods", nargs="+", default=list(METHODS), choices=tuple(METHODS),
-                     help="the runs, each method once (default all)")
+    sim.add_argument("--methods", nargs="+", default=list(METHODS),
+                     help=f"the runs, each method once, as words or comma-separated, from {' '.join(METHODS)} "
+                          "(default all)")
     sim.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; the runs of several --methods then "
                                                                        "share it")
     sim.add_argument("--out", help="write <out>.json and <out>.png (accuracy per round)")

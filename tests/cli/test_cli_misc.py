@@ -123,3 +123,22 @@ def test_an_audit_out_under_a_file_is_refused_before_training(cli, tmp_path):
                         "--out", tmp_path / "ok.csv" / "sub")
     assert "--out" in message and "is a file, not a directory" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.csv"]
+
+
+@pytest.mark.parametrize("values,expected", [
+    (["sample", "scale"], ["sample", "scale"]), (["sample,scale"], ["sample", "scale"]),
+    (["sample, scale", "hybrid"], ["sample", "scale", "hybrid"]), (["nonprivate"], ["non-private"]),
+    (["Non_Private,DPSGD"], ["non-private", "dpsgd"]), (["bogus"], ["bogus"]), ([""], []), (None, None)])
+def test_method_lists_are_read_as_words_or_comma_separated_in_either_spelling(values, expected):
+    """Before: demo and audit took only "a,b", fl simulate only "a b"; "nonprivate" and "non-private" each
+    worked in one command only."""
+    from pdpfast._options import method_words
+
+    assert method_words(values, ("non-private", "dpsgd", "sample", "scale", "hybrid")) == expected
+
+
+def test_audit_methods_given_as_words_in_the_other_spelling_are_refused_only_when_unknown(cli, tmp_path):
+    message = cli.fails("audit", "--methods", "sample", "nonprivate", "bogus", "--quiet", "--out", tmp_path / "a")
+    assert "--methods: unknown bogus" in message
+    message = cli.fails("audit", "--methods", "sample", "non_private", "sample,", "--quiet", "--out", tmp_path / "a")
+    assert "--methods must name each once; repeated: sample" in message

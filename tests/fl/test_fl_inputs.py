@@ -441,3 +441,16 @@ def test_cli_nonprivate_alone_runs_with_the_default_privacy_settings(monkeypatch
     given = _first_simulate_call(monkeypatch, ["--methods", "nonprivate"])
     defaults = fl.FLConfig(method="nonprivate").to_dict() | {"budgets": "ThreeLevels"}
     assert {k: given[k] for k in defaults} == defaults
+
+
+@pytest.mark.parametrize("argv,first", [(["non-private,minimum"], "nonprivate"), (["Minimum,", "rpdp"], "minimum")])
+def test_simulate_methods_are_read_as_words_or_comma_separated_in_either_spelling(monkeypatch, argv, first):
+    """Before: only words, and only "nonprivate" (``pdpfast demo`` and ``audit`` say "non-private")."""
+    assert _first_simulate_call(monkeypatch, ["--methods", *argv])["method"] == first
+
+
+@pytest.mark.parametrize("argv,message", [(["rpdp,bogus"], "--methods: unknown bogus"),
+                                          (["rpdp", "RPDP"], "--methods lists rpdp more than once")])
+def test_simulate_refuses_unknown_or_repeated_methods_by_option(capsys, argv, message):
+    assert main(["simulate", "--methods", *argv, "--quiet", "--no-plot"]) == 2
+    assert message in capsys.readouterr().err
