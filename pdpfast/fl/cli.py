@@ -47,7 +47,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="digits", choices=datasets())
     parser.add_argument("--clients", type=int, default=5, help="M, number of clients (silos)")
     parser.add_argument("--split", default="iid", choices=SPLITS, help="how records are split across clients")
-    parser.add_argument("--dirichlet-alpha", type=float, default=0.5, help="α of --split dirichlet")
+    parser.add_argument("--dirichlet-alpha", type=float, help="α of --split dirichlet (default 0.5)")
     parser.add_argument("--budgets", default=_DEFAULTS["budgets"], choices=distributions(),
                         help="per-record budget distribution")
 
@@ -66,7 +66,12 @@ def _config(args, **override) -> FLConfig:
 
 
 def _data_kwargs(args) -> dict:
-    return dict(dataset=args.dataset, clients=args.clients, split=args.split, dirichlet_alpha=args.dirichlet_alpha)
+    alpha = args.dirichlet_alpha
+    if alpha is not None and args.split != "dirichlet":
+        raise ValueError(f"--dirichlet-alpha is for --split dirichlet (this is --split {args.split}, which does not "
+                         "read it)")
+    return dict(dataset=args.dataset, clients=args.clients, split=args.split,
+                dirichlet_alpha=0.5 if alpha is None else alpha)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -156,6 +161,7 @@ def _simulate(args) -> int:
         raise ValueError(f"--methods lists {', '.join(twice)} more than once; each method runs once (one row, one "
                          "entry of the JSON)")
     _private_only_given(args)
+    data = _data_kwargs(args)
     if args.out:     # checked before any work: a bad path fails in a second, not after the runs
         from .._io import check_output_path
 
@@ -169,7 +175,7 @@ def _simulate(args) -> int:
         start = time.perf_counter()
         # without --noise-seed, every client of every method's run draws its own secret noise seed
         res = simulate(budgets=args.budgets, progress=not args.quiet, threads=args.threads, noise_seed=args.noise_seed,
-                       **_data_kwargs(args), **{k: v for k, v in config.to_dict().items()})
+                       **data, **{k: v for k, v in config.to_dict().items()})
         results[method] = res
         rows.append(res.summary() | {"seconds": time.perf_counter() - start})
     title = (f"{args.dataset}, {args.clients} clients ({args.split}), {args.budgets}; T={args.rounds}, "

@@ -69,8 +69,10 @@ def test_an_audit_with_fewer_than_two_canaries_per_group_is_refused_before_it_st
                                          (("audit", "--seed", 2 ** 40), "--seed"),
                                          (("audit", "--methods", ""), "--methods"),
                                          (("audit", "--methods", "sample,sample"), "--methods"),
-                                         (("fl", "simulate", "--dirichlet-alpha", 0), "--dirichlet-alpha"),
-                                         (("fl", "simulate", "--dirichlet-alpha", "nan"), "--dirichlet-alpha")])
+                                         (("fl", "simulate", "--split", "dirichlet", "--dirichlet-alpha", 0),
+                                          "--dirichlet-alpha"),
+                                         (("fl", "simulate", "--split", "dirichlet", "--dirichlet-alpha", "nan"),
+                                          "--dirichlet-alpha")])
 def test_settings_that_used_to_train_or_fail_inside_a_library_are_refused_by_option(cli, args, option, tmp_path):
     """``demo --lr nan`` trained on NaN weights, ``fl simulate --dirichlet-alpha 0`` ran an iid split with
     the bad α unread, and ``audit --seed -1`` failed inside scikit-learn."""
@@ -86,7 +88,8 @@ def test_settings_that_used_to_train_or_fail_inside_a_library_are_refused_by_opt
                                          (("fl", "client", "--client-id", 0, "--max-wait-time", 0), "--max-wait-time"),
                                          (("fl", "launch", "--timeout", 0), "--timeout"),
                                          (("fl", "launch", "--clients", 0), "--clients"),
-                                         (("fl", "launch", "--dirichlet-alpha", -1), "--dirichlet-alpha")])
+                                         (("fl", "launch", "--split", "dirichlet", "--dirichlet-alpha", -1),
+                                          "--dirichlet-alpha")])
 def test_flower_processes_refuse_bad_settings_before_they_open_a_port_or_start_a_process(cli, args, option):
     """A server with ``--wait-timeout -1`` used to start and wait; ``fl launch --clients 0`` started the
     server and reported its error from the server's log."""
@@ -95,6 +98,17 @@ def test_flower_processes_refuse_bad_settings_before_they_open_a_port_or_start_a
     message = cli.fails(*args)
     assert f"error: {option} must" in message, message
     assert "Flower processes failed" not in message
+
+
+@pytest.mark.parametrize("command", ["simulate", "launch", "server", "flower"])
+@pytest.mark.parametrize("split", ["iid", "label"])
+def test_a_dirichlet_alpha_for_another_split_is_refused_rather_than_unread(cli, command, split):
+    """Before: ``fl simulate --split iid --dirichlet-alpha 0.1`` ran the iid split, the α unread."""
+    pytest.importorskip("pdpfast.fl.cli")
+    if command != "simulate":
+        pytest.importorskip("flwr")
+    message = cli.fails("fl", command, "--split", split, "--dirichlet-alpha", 0.1)
+    assert f"error: --dirichlet-alpha is for --split dirichlet (this is --split {split}" in message, message
 
 
 def test_python_names_inside_an_error_become_the_options_of_the_command_that_ran():
