@@ -682,7 +682,7 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
     address = f"127.0.0.1:{free_port()}"
     common = ["--dataset", dataset, "--clients", str(clients), "--split", split, "--budgets", budgets,
-              "--dirichlet-alpha", str(dirichlet_alpha), *config_to_argv(config)]
+              *(["--dirichlet-alpha", str(dirichlet_alpha)] if split == "dirichlet" else []), *config_to_argv(config)]
     env = os.environ | {"FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
                         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                        os.environ.get("PYTHONPATH", "")])}

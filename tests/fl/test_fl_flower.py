@@ -151,6 +151,31 @@ def _fit_config(config, server_round, last_update_round=0):
     return {"server_round": server_round, "last_update_round": last_update_round} | config.to_dict()
 
 
+@pytest.mark.parametrize("split", ["iid", "label", "dirichlet"])
+def test_launch_local_passes_the_dirichlet_alpha_only_to_a_dirichlet_split(tmp_path, monkeypatch, split):
+    """The processes refuse --dirichlet-alpha with another split (it would be unread)."""
+    import subprocess
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(argv, **kwargs):
+        started.append(argv)
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), workdir=tmp_path, dirichlet_alpha=3.0,
+                     **(FEDERATION | {"clients": 2, "split": split}))
+    (server,) = started
+    if split == "dirichlet":
+        assert server[server.index("--dirichlet-alpha") + 1] == "3.0"
+    else:
+        assert "--dirichlet-alpha" not in server
+
+
 def test_the_fit_config_carries_the_public_settings_and_no_noise_seed():
     """What a client checks its own settings against; the noise seed is the clients' secret."""
     config = replace(SMALL, client_rate=1.0)
