@@ -234,7 +234,7 @@ def _launch(args) -> int:
 
     _private_only_given(args)
     out = launch_local(budgets=args.budgets, config=_config(args), timeout=args.timeout, noise_seed=args.noise_seed,
-                       **_data_kwargs(args))
+                       workdir=args.workdir, **_data_kwargs(args))
     server = out["server"]
     print(f"Flower on {out['address']}: {args.clients} client processes, {args.rounds} rounds; "
           f"accuracy per round {[round(a, 4) for a in server['accuracy']]}")
@@ -311,6 +311,8 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     _add_config_args(lau)
     lau.add_argument("--timeout", type=float, default=300.0, help="kill everything after this many seconds")
     lau.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; passed to the client processes only")
+    lau.add_argument("--workdir", help="directory for the processes' logs and JSON outputs, made if missing (default: "
+                                       "a new temporary directory)")
     lau.set_defaults(run=_launch, **dict.fromkeys(_PRIVATE_ONLY))
 
 

@@ -660,7 +660,7 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         dataset, clients, split, budgets, dirichlet_alpha: the federation (``budgets`` a distribution name).
         config: the settings.
         timeout: seconds for the whole run.
-        workdir: for logs and outputs (a temporary one by default).
+        workdir: for logs and outputs, made if missing (a new temporary one by default).
         python: the interpreter of the processes (default this one).
         noise_seed: passed to the client processes only (``--noise-seed``; they are the clients),
             never to the server; None (the default): each client process draws its own secret one.
@@ -669,8 +669,8 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         processes' JSON outputs (the server's with its final "weights").
     Raises:
         ImportError when Flower is not installed; ValueError when ``budgets`` is not a name, ``timeout``
-        not a finite number > 0, or as :func:`~pdpfast.fl.load_federated`; RuntimeError, with the logs,
-        when a process fails or the time runs out.
+        not a finite number > 0, a workdir that cannot be made, or as :func:`~pdpfast.fl.load_federated`;
+        RuntimeError, with the logs, when a process fails or the time runs out.
     """
     _require_flwr()
     if not isinstance(budgets, str):
@@ -680,6 +680,10 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     # the federation is checked here, where its errors name the argument, not in a process's log
     _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"workdir {str(workdir)!r} cannot be made a directory: {exc.strerror or exc}") from exc
     address = f"127.0.0.1:{free_port()}"
     common = ["--dataset", dataset, "--clients", str(clients), "--split", split, "--budgets", budgets,
               *(["--dirichlet-alpha", str(dirichlet_alpha)] if split == "dirichlet" else []), *config_to_argv(config)]

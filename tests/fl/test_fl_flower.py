@@ -167,13 +167,20 @@ def test_launch_local_passes_the_dirichlet_alpha_only_to_a_dirichlet_split(tmp_p
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     with pytest.raises(Stop):
-        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), workdir=tmp_path, dirichlet_alpha=3.0,
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), workdir=tmp_path / "new" / "run", dirichlet_alpha=3.0,
                      **(FEDERATION | {"clients": 2, "split": split}))
     (server,) = started
+    assert (tmp_path / "new" / "run").is_dir()      # the workdir is made
     if split == "dirichlet":
         assert server[server.index("--dirichlet-alpha") + 1] == "3.0"
     else:
         assert "--dirichlet-alpha" not in server
+
+
+def test_launch_local_refuses_a_workdir_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="workdir .* cannot be made a directory"):
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), workdir=tmp_path / "file" / "run", **FEDERATION)
 
 
 def test_the_fit_config_carries_the_public_settings_and_no_noise_seed():
