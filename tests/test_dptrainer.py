@@ -388,6 +388,21 @@ def test_per_record_loss_of_float_label_heads_averages_to_the_models_own(num_lab
     torch.testing.assert_close(per_record.mean(), own, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("labels", [[1, 0, 3, 2], [0, 0, 0, 0]], ids=["ints", "zeros"])
+def test_one_logit_with_integer_labels_is_regression_as_the_models_own_loss(labels):
+    """Before: cross-entropy over one class, "Target 1 is out of bounds", or, for labels all 0, a loss of 0
+    that trained nothing; the model's own rule is num_labels = 1 → squared error, whatever the dtype."""
+    ids = torch.randint(3, VOCAB, (4, T), generator=torch.Generator().manual_seed(3))
+    labels = torch.tensor(labels)
+    model = bert_with(1, None)
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss
+        model.config.problem_type = None   # as DPTrainer finds it: its forwards carry no labels
+        per_record = default_per_sample_loss(model)(model(input_ids=ids), labels)
+    assert per_record.shape == (4,) and torch.all(per_record > 0)
+    torch.testing.assert_close(per_record.mean(), own, rtol=1e-5, atol=1e-6)
+
+
 def test_a_multi_label_model_trains_within_its_budgets(tmp_path):
     class MultiLabel(Records):
         def __getitem__(self, i):

@@ -222,9 +222,9 @@ def default_per_sample_loss(model: nn.Module):
     Returns:
         ``loss(outputs, labels)`` → (B,) fp32 per-record losses (cross-entropies in nats), whose mean is the
         model's own loss when every record has as many labelled tokens.
-        ``outputs``: the model's output (its ``logits``) or the logits themselves. Labels (B,): float
-        labels with logits (B, 1) (or problem_type "regression") give the squared error, otherwise class
-        ids give the cross-entropy of logits (B, C). Float labels (B, C) with logits (B, C): the mean over
+        ``outputs``: the model's output (its ``logits``) or the logits themselves. Labels (B,) with
+        logits (B, 1) (num_labels 1, whatever the labels' dtype, as the model's own rule) or problem_type
+        "regression" give the squared error, otherwise class ids give the cross-entropy of logits (B, C). Float labels (B, C) with logits (B, C): the mean over
         the C labels of the binary cross-entropy with logits (multi-label classification, as the model's
         ``BCEWithLogitsLoss``), or of the squared error with problem_type "regression". Labels (B, T) int
         token ids (-100 ignored) with logits (B, T, V) give each record's mean cross-entropy over its own
@@ -234,9 +234,11 @@ def default_per_sample_loss(model: nn.Module):
 
     def loss(outputs, labels):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
-        regression = getattr(getattr(model, "config", None), "problem_type", None) == "regression"
+        problem = getattr(getattr(model, "config", None), "problem_type", None)
+        regression = problem == "regression"
         if labels.dim() == 1:
-            if regression or (logits.shape[-1] == 1 and labels.is_floating_point()):  # num_labels = 1
+            # the model's own rule: one logit (num_labels = 1) is regression unless problem_type says otherwise
+            if regression or (problem is None and logits.shape[-1] == 1):
                 return (logits.squeeze(-1).float() - labels.float()).pow(2)
             return nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         if labels.is_floating_point() and logits.dim() == 2:  # (B, C) targets: multi-label or regression
