@@ -224,9 +224,10 @@ def default_per_sample_loss(model: nn.Module):
         model's own loss when every record has as many labelled tokens.
         ``outputs``: the model's output (its ``logits``) or the logits themselves. Labels (B,) with
         logits (B, 1) (num_labels 1, whatever the labels' dtype, as the model's own rule) or problem_type
-        "regression" give the squared error, otherwise class ids give the cross-entropy of logits (B, C). Float labels (B, C) with logits (B, C): the mean over
-        the C labels of the binary cross-entropy with logits (multi-label classification, as the model's
-        ``BCEWithLogitsLoss``), or of the squared error with problem_type "regression". Labels (B, T) int
+        "regression" give the squared error, otherwise class ids give the cross-entropy of logits (B, C).
+        Float labels (B, C) with logits (B, C): the mean over the C labels of the binary cross-entropy
+        with logits (multi-label classification, as the model's ``BCEWithLogitsLoss``), or of the
+        squared error with problem_type "regression". Labels (B, T) int
         token ids (-100 ignored) with logits (B, T, V) give each record's mean cross-entropy over its own
         tokens (0 for a record with none).
     """
