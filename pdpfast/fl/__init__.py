@@ -15,7 +15,8 @@ import importlib
 _LAZY = {
     "distributions": "budgets", "sample_budgets": "budgets",
     "LocalUpdate": "client", "Silo": "client", "get_weights": "client", "set_weights": "client",
-    "FLConfig": "config", "local_seed": "config", "sampled_clients": "config",
+    "FLConfig": "config", "draw_noise_seed": "config", "draw_sampling_seed": "config", "local_seed": "config",
+    "sampled_clients": "config",
     "FederatedData": "datasets", "load_federated": "datasets", "model_factory": "datasets", "partition": "datasets",
     "FederatedLedger": "ledger", "round_rdp": "ledger",
     "METHODS": "methods", "target_budgets": "methods",

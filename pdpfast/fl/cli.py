@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .budgets import distributions
-from .config import CONVERSIONS, THREATS, FLConfig
+from .config import CONVERSIONS, PRIVATE_FIELDS, THREATS, FLConfig
 from .datasets import SPLITS, datasets
 from .methods import METHODS
 
@@ -28,19 +28,23 @@ _HELP = {
     "max_grad_norm": "C, clip bound", "delta": "δ of every record", "lr": "local SGD learning rate",
     "threat": "threat model the sampling rates are calibrated for", "conversion": "RDP → (ε, δ) conversion",
     "mode": "engine clipping schedule (bk, ghost)", "clipping": "flat or per_layer",
-    "seed": "public seed: model initialization, client sampling, split and budget draws (not the clients' noise)",
+    "seed": "public seed: model initialization, split and budget draws (not the client sampling nor the noise)",
     "method": "rPDP-FL or a baseline",
 }
 _NOISE_SEED_HELP = ("the clients' secret seed of their noise and record draws (default: each client draws its own "
                     "from os.urandom). Given, the run is reproducible bit for bit, but whoever knows it can "
                     "recompute the noise and remove it from the updates: only for experiments")
+_SAMPLING_SEED_HELP = ("the server's secret seed of the client sampling (default: a fresh one from os.urandom). Given, "
+                       "the sampling is reproducible, but whoever knows it knows which rounds every client took part "
+                       "in, and the 'clients' epsilon does not hold against them: only for experiments")
 _CHOICES = {"method": tuple(METHODS), "threat": THREATS, "conversion": CONVERSIONS, "mode": ("bk", "ghost"),
             "clipping": ("flat", "per_layer")}   # the engine's (FLConfig checks against it)
 # settings only the private methods read: the nonprivate baseline trains without budgets, clipping,
-# noise or a ledger. Every command parses them with no default, to tell one the user gave from none.
-_PRIVATE_ONLY = ("budgets", "noise_multiplier", "max_grad_norm", "delta", "threat", "conversion", "mode", "clipping",
-                 "noise_seed")
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FLConfig)} | {"budgets": "ThreeLevels", "noise_seed": None}
+# noise or a ledger, and samples clients with no privacy claim. Every command parses them with no
+# default, to tell one the user gave from none.
+_PRIVATE_ONLY = ("budgets", *PRIVATE_FIELDS, "noise_seed", "ledger")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(FLConfig)} | {"budgets": "ThreeLevels", "noise_seed": None,
+                                                                        "ledger": None}
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -169,17 +173,25 @@ def _simulate(args) -> int:
         check_output_path(json_path, "--out")
         if not args.no_plot:
             check_output_path(png_path, "--out")
+    from .config import draw_sampling_seed
+
+    # the runs of the several methods sample the same clients (a secret seed drawn once, unless given)
+    sampling_seed = draw_sampling_seed(args.sampling_seed)
     results, rows = {}, []
     for method in args.methods:
         config = _config(args, method=method)
         start = time.perf_counter()
         # without --noise-seed, every client of every method's run draws its own secret noise seed
         res = simulate(budgets=args.budgets, progress=not args.quiet, threads=args.threads, noise_seed=args.noise_seed,
-                       **data, **{k: v for k, v in config.to_dict().items()})
+                       sampling_seed=sampling_seed, **data, **{k: v for k, v in config.to_dict().items()})
+        if args.sampling_seed is None:
+            res.info["sampling_seed"] = "secret (os.urandom)"
         results[method] = res
         rows.append(res.summary() | {"seconds": time.perf_counter() - start})
-    title = (f"{args.dataset}, {args.clients} clients ({args.split}), {args.budgets}; T={args.rounds}, "
-             f"τ={args.local_steps}, λ={args.client_rate}, σ={args.noise_multiplier}, δ={args.delta:g}")
+    private = any(METHODS[m].private for m in args.methods)    # the baseline alone reads none of these
+    title = (f"{args.dataset}, {args.clients} clients ({args.split})" + (f", {args.budgets}" if private else "")
+             + f"; T={args.rounds}, τ={args.local_steps}, λ={args.client_rate}"
+             + (f", σ={args.noise_multiplier}, δ={args.delta:g}" if private else ""))
     print(title)
     print(format_table(rows))
     if args.out:
@@ -203,7 +215,8 @@ def _flower(args) -> int:
     _private_only_given(args)
     runner = run_ray_simulation if args.engine == "ray" else run_inprocess
     start = time.perf_counter()
-    res = runner(budgets=args.budgets, config=_config(args), noise_seed=args.noise_seed, **_data_kwargs(args))
+    res = runner(budgets=args.budgets, config=_config(args), noise_seed=args.noise_seed,
+                 sampling_seed=args.sampling_seed, **_data_kwargs(args))
     print(format_table([res.summary() | {"seconds": time.perf_counter() - start}]))
     return 0
 
@@ -211,9 +224,12 @@ def _flower(args) -> int:
 def _server(args) -> int:
     from .flower import serve
 
+    if args.budgets is not None:
+        raise ValueError("--budgets is read by the clients (each rebuilds its records' budgets), not by the server: "
+                         "give it to every client")
     _private_only_given(args)
     report = serve(args.address, config=_config(args), out=args.out, wait_timeout=args.wait_timeout,
-                   **{k: v for k, v in _data_kwargs(args).items()})
+                   sampling_seed=args.sampling_seed, **_data_kwargs(args))
     print(f"final accuracy {report['accuracy'][-1]:.4f}" if report["accuracy"] else "no evaluation")
     return 0
 
@@ -234,7 +250,7 @@ def _launch(args) -> int:
 
     _private_only_given(args)
     out = launch_local(budgets=args.budgets, config=_config(args), timeout=args.timeout, noise_seed=args.noise_seed,
-                       workdir=args.workdir, **_data_kwargs(args))
+                       sampling_seed=args.sampling_seed, workdir=args.workdir, **_data_kwargs(args))
     server = out["server"]
     print(f"Flower on {out['address']}: {args.clients} client processes, {args.rounds} rounds; "
           f"accuracy per round {[round(a, 4) for a in server['accuracy']]}")
@@ -268,6 +284,8 @@ def _fill(parser: argparse.ArgumentParser) -> None:
                           "(default all)")
     sim.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; the runs of several --methods then "
                                                                        "share it")
+    sim.add_argument("--sampling-seed", type=int, help=_SAMPLING_SEED_HELP + "; the runs of several --methods share "
+                                                                             "one, given or drawn")
     sim.add_argument("--out", help="write <out>.json and <out>.png (accuracy per round)")
     sim.add_argument("--no-plot", action="store_true")
     sim.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -284,6 +302,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     flw.add_argument("--engine", default="inprocess", choices=("inprocess", "ray"),
                      help="inprocess: Flower's Server, clients called directly; ray: flwr.simulation (needs Ray)")
     flw.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP)
+    flw.add_argument("--sampling-seed", type=int, help=_SAMPLING_SEED_HELP)
     flw.set_defaults(run=_flower, **dict.fromkeys(_PRIVATE_ONLY))
 
     srv = sub.add_parser("server", help="a Flower server process")
@@ -292,6 +311,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--address", default="127.0.0.1:8080")
     srv.add_argument("--out", help="JSON report (and the final weights next to it as .npz)")
     srv.add_argument("--wait-timeout", type=float, default=120.0, help="seconds to wait for all clients")
+    srv.add_argument("--sampling-seed", type=int, help=_SAMPLING_SEED_HELP)
     # the server has no noise seed: it is the clients' secret
     srv.set_defaults(run=_server, **dict.fromkeys(n for n in _PRIVATE_ONLY if n != "noise_seed"))
 
@@ -311,6 +331,7 @@ def _fill(parser: argparse.ArgumentParser) -> None:
     _add_config_args(lau)
     lau.add_argument("--timeout", type=float, default=300.0, help="kill everything after this many seconds")
     lau.add_argument("--noise-seed", type=int, help=_NOISE_SEED_HELP + "; passed to the client processes only")
+    lau.add_argument("--sampling-seed", type=int, help=_SAMPLING_SEED_HELP + "; passed to the server process only")
     lau.add_argument("--workdir", help="directory for the processes' logs and JSON outputs, made if missing (default: "
                                        "a new temporary directory)")
     lau.set_defaults(run=_launch, **dict.fromkeys(_PRIVATE_ONLY))
@@ -322,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
     Returns:
-        the exit status: 0 on success, 2 for a ValueError, TypeError or ImportError (printed to stderr).
+        the exit status: 0 on success, 2 for a ValueError, TypeError, ImportError, RuntimeError or
+        TimeoutError (printed to stderr: a bad setting, a missing package, a Flower process that failed
+        or clients that did not connect in time).
     """
     parser = argparse.ArgumentParser(prog="python -m pdpfast.fl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings_as_lines(parser, args, f"pdpfast fl {args.fl_command}"):
             return args.run(args)
-    except (ValueError, TypeError, ImportError) as exc:
+    except (ValueError, TypeError, ImportError, RuntimeError, TimeoutError) as exc:
         print(f"pdpfast fl {args.fl_command}: error: {as_option_words(parser, args, str(exc))}", file=sys.stderr)
         return 2
 

@@ -222,7 +222,7 @@ class Silo:
             self.ledger = FederatedLedger(
                 self.sample_rates, np.where(np.isfinite(self.targets), self.targets, self.budgets),
                 noise_multiplier=config.noise_multiplier, local_steps=config.local_steps,
-                client_rate=config.client_rate, delta=config.delta, conversion=config.conversion)
+                client_rate=config.client_rate, delta=config.delta, conversion=config.conversion, threat=config.threat)
         self.draw_counts = np.zeros(n, dtype=np.int64)
         self.rounds_sampled = 0
         self.rounds_contributed = 0

@@ -1,12 +1,16 @@
-"""The public settings of an rPDP-FL run, the server's public draw and a client's secret one.
+"""The public settings of an rPDP-FL run, the server's secret draw and a client's secret one.
 
 Server and clients must agree on these numbers (they are part of the privacy analysis), so they
 live in one frozen dataclass that both sides build from the same arguments; the server sends them
 with every fit (``settings_differences`` names what a client's own differ in). Two random draws
 of the protocol are not the engine's own:
 
-* which clients a round samples: public, a pure function of (seed, round), so an in-process
-  simulation and a Flower server sample the same clients;
+* which clients a round samples: a function of a **secret** sampling seed that only the server
+  knows, and the round. The "clients" ε amplifies by client sampling, which holds only against
+  parties who cannot tell which rounds a client took part in; were the sampling a function of the
+  public seed, every client could compute every other's rounds. The server draws it from
+  ``os.urandom`` unless one is given (experiments: then a simulation and a Flower server given the
+  same one sample the same clients);
 * the seed of a client's local DP-SGD in a round (its record draws and its noise): a function of
   a **secret** noise seed that only the client knows, the round and the client id. Whoever knows
   the noise seed can recompute that noise and subtract it from the client's update, so it is
@@ -25,6 +29,9 @@ from .._checks import check_choice, check_in_range, check_int
 
 THREATS = ("clients", "server")
 CONVERSIONS = ("standard", "improved")
+# the FLConfig fields only the private methods read (the nonprivate baseline trains without clipping,
+# noise or a ledger)
+PRIVATE_FIELDS = ("noise_multiplier", "max_grad_norm", "delta", "threat", "conversion", "mode", "clipping")
 
 # Salts keep the client-sampling stream and the local-training stream independent.
 _CLIENT_SAMPLING_SALT = 0x5EED_C11E
@@ -45,14 +52,18 @@ class FLConfig:
         delta: δ ∈ (0, 1) of every record's (ε, δ) guarantee.
         lr: local SGD learning rate (> 0).
         method: "rpdp", "minimum", "dropout" or "nonprivate" (see ``pdpfast.fl.methods``).
-        threat: the threat model the sampling rates are calibrated for ("clients": others see global
-            models, ρ = T·ρ^{τ,λ}; "server": the server sees updates, ρ = λ·T·ρ^τ); both are
-            accounted and reported either way.
+        threat: the threat model whose ε the sampling rates are calibrated for and every client's
+            ledger enforces: "clients" (other clients and third parties see the global models,
+            ρ = T·ρ^{τ,λ}, charged every round) or "server" (an honest-but-curious server sees the
+            updates of the clients it samples: ρ^τ per round the client takes part in, calibrated
+            for λ·T·ρ^τ, its expectation; this guarantee covers the others too, who see less). The
+            other model's ε is accounted and reported for comparison, not enforced.
         conversion: RDP → (ε, δ): "standard" (the paper's) or "improved" (Balle et al. 2020).
         mode, clipping: passed to the engine (``pdpfast.clipping.MODES`` / ``CLIPPINGS``).
-        seed: public (the server needs it): of the model initialization, the client sampling, the
-            split and the budget draws of the built-in data sets (int ≥ 0). It does not seed the local
-            training: a client's noise comes from its own secret noise seed (``noise_seed``).
+        seed: public (the server needs it): of the model initialization, the split and the budget
+            draws of the built-in data sets (int ≥ 0). It seeds neither the client sampling (the
+            server's secret sampling seed, ``draw_sampling_seed``) nor the local training (each
+            client's secret noise seed, ``draw_noise_seed``).
     Raises:
         ValueError (from the checks in ``__post_init__``) for a setting out of range or not one of
         the choices.
@@ -117,15 +128,18 @@ class FLConfig:
                     rounds=self.rounds, client_rate=self.client_rate, conversion=self.conversion)
 
 
-def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate: float) -> np.ndarray:
+def sampled_clients(sampling_seed: int, server_round: int, num_clients: int, client_rate: float) -> np.ndarray:
     """(M,) bool: which clients round ``server_round`` (1-based) samples.
 
     Client-level Poisson sampling: every client independently with probability λ = client_rate
     (never a fixed fraction), so a round may sample no client at all. A pure function of
-    (seed, round): the simulation and the Flower strategy draw the same clients.
+    (sampling seed, round): the simulation and the Flower strategy given the same seed draw the
+    same clients.
 
     Args:
-        seed: the run's seed.
+        sampling_seed: the server's secret sampling seed (``draw_sampling_seed``), never the run's
+            public seed: the "clients" bound amplifies by client sampling, which holds only against
+            parties who do not know which rounds a client took part in.
         server_round: t, 1-based.
         num_clients: M.
         client_rate: λ in (0, 1].
@@ -134,11 +148,11 @@ def sampled_clients(seed: int, server_round: int, num_clients: int, client_rate:
     Raises:
         ValueError (TypeError for a non-number) for a seed < 0, a round < 1, no clients or λ outside (0, 1].
     """
-    check_int("seed", seed, 0)
+    check_int("sampling_seed", sampling_seed, 0)
     check_int("server_round", server_round, 1)
     check_int("num_clients", num_clients, 1)
     client_rate = check_in_range("client_rate", client_rate, low=0.0, high=1.0)
-    rng = np.random.default_rng([_CLIENT_SAMPLING_SALT, int(seed), int(server_round)])
+    rng = np.random.default_rng([_CLIENT_SAMPLING_SALT, int(sampling_seed), int(server_round)])
     return rng.random(int(num_clients)) < client_rate
 
 
@@ -175,9 +189,28 @@ def draw_noise_seed(noise_seed: int | None = None) -> int:
     Raises:
         ValueError for a value that is not None nor an int in [0, 2**63 − 1].
     """
-    if noise_seed is None:
+    return _secret_seed("noise_seed", noise_seed)
+
+
+def draw_sampling_seed(sampling_seed: int | None = None) -> int:
+    """The server's client-sampling seed: the one given, checked, or a fresh secret one.
+
+    Args:
+        sampling_seed: None (a fresh secret from ``os.urandom``) or an int in [0, 2**63 − 1] (only for
+            experiments: whoever knows it knows which rounds every client took part in, and the
+            "clients" ε, which counts on that being secret, does not hold against them).
+    Returns:
+        the sampling seed, an int ≥ 0.
+    Raises:
+        ValueError for a value that is not None nor an int in [0, 2**63 − 1].
+    """
+    return _secret_seed("sampling_seed", sampling_seed)
+
+
+def _secret_seed(name: str, value: int | None) -> int:
+    if value is None:
         return secrets.randbits(63)   # secrets reads os.urandom
-    return check_int("noise_seed", noise_seed, 0)
+    return check_int(name, value, 0)
 
 
 def local_seed(noise_seed: int, server_round: int, client_id: int) -> int:

@@ -7,9 +7,10 @@ Poisson sampling and FedAvg (DESIGN.md §3.3).
   silo's round: ledger pre-check, τ local DP-SGD steps, ledger charge, and returns the model
   *delta*; a client with no budget left returns no update (``num_examples = 0``, ``contributed = 0``).
 * ``PoissonFedAvg``: a Flower ``Strategy``. Each round it samples every client independently with
-  probability λ (``sampled_clients``: not Flower's fixed-fraction sampling; a round may sample
-  none, and the global model then stays as it is) and averages the deltas weighted by client size
-  (``aggregate``: the same function, in the same client-id order, as the simulation). Clients are
+  probability λ (``sampled_clients`` of its secret sampling seed: not Flower's fixed-fraction
+  sampling; a round may sample none, and the global model then stays as it is) and averages the
+  deltas weighted by client size (``aggregate``: the same function, in the same client-id order, as
+  the simulation). Clients are
   identified by the ``client_id`` they report through ``get_properties``, not by Flower's
   connection ids, so the draws do not depend on the order in which clients connect; a client that
   reports other settings than the server's is refused there.
@@ -57,7 +58,7 @@ else:
 
 from .._checks import check_int, check_positive  # noqa: E402
 from .client import LocalUpdate, Silo, Weights  # noqa: E402
-from .config import FLConfig, sampled_clients, settings_differences  # noqa: E402
+from .config import PRIVATE_FIELDS, FLConfig, draw_sampling_seed, sampled_clients, settings_differences  # noqa: E402
 from .simulation import aggregate, build_silo, collect_result, evaluate, initial_weights, resolve_budgets  # noqa: E402
 
 
@@ -205,11 +206,14 @@ class PoissonFedAvg(Strategy):
         evaluate_fn: optional ``weights -> (loss, accuracy)`` for centralized evaluation after every round.
         wait_timeout: seconds ``configure_fit`` waits for all M clients to connect (and for each
             ``get_properties`` reply).
+        sampling_seed: the server's secret seed of the client sampling (``draw_sampling_seed``: None,
+            the default, draws a fresh one from ``os.urandom``; an int only for experiments, and never
+            sent to a client).
     Attributes:
         sampled, contributed: rounds × M lists of bool, which clients each round sampled / which sent
             an update.
         accuracy, loss: lists of floats, index 0 the initial model (filled only with ``evaluate_fn``).
-        failures: number of failed client calls per round.
+        failures: number of failed client calls per round (0 for a round that sampled no client).
         last_update_round: (M,) list of int, the last round each client's update was received in (0: none);
             sent to it with every fit, so a client whose ledger forgot that round notices.
         weights: the latest global model's arrays.
@@ -219,8 +223,10 @@ class PoissonFedAvg(Strategy):
     """
 
     def __init__(self, *, num_clients: int, config: FLConfig, initial: Weights,
-                 evaluate_fn: Callable[[Weights], tuple[float, float]] | None = None, wait_timeout: float = 120.0):
+                 evaluate_fn: Callable[[Weights], tuple[float, float]] | None = None, wait_timeout: float = 120.0,
+                 sampling_seed: int | None = None):
         _require_flwr()
+        self._sampling_seed = draw_sampling_seed(sampling_seed)
         self.num_clients, self.config, self.initial = check_int("num_clients", num_clients, 1), config, initial
         self.evaluate_fn, self.wait_timeout = evaluate_fn, check_positive("wait_timeout", wait_timeout)
         self._proxies: dict[int, ClientProxy] = {}
@@ -275,8 +281,9 @@ class PoissonFedAvg(Strategy):
         """Flower's ``Strategy.configure_fit``: client-level Poisson sampling of round ``server_round``.
 
         Waits for all M clients, then samples each independently with probability λ
-        (``sampled_clients``, a function of (seed, round)); records the draw in ``sampled`` and an
-        all-False row in ``contributed``, and keeps the global model for ``aggregate_fit``.
+        (``sampled_clients``, a function of the secret sampling seed and the round); records the draw in
+        ``sampled``, an all-False row in ``contributed`` and no failure yet, and keeps the global model for
+        ``aggregate_fit``.
 
         Args:
             server_round: t, 1-based.
@@ -295,9 +302,10 @@ class PoissonFedAvg(Strategy):
         proxies = self._clients(client_manager)
         self._current = parameters_to_ndarrays(parameters)
         self._round = int(server_round)
-        chosen = sampled_clients(self.config.seed, server_round, self.num_clients, self.config.client_rate)
+        chosen = sampled_clients(self._sampling_seed, server_round, self.num_clients, self.config.client_rate)
         self.sampled.append(chosen.tolist())
         self.contributed.append([False] * self.num_clients)
+        self.failures.append(0)     # Flower calls aggregate_fit only for a round that sampled a client
         settings = {"server_round": int(server_round)} | self.config.to_dict()
         return [(proxies[k], FitIns(parameters, settings | {"last_update_round": self.last_update_round[k]}))
                 for k in np.flatnonzero(chosen)]
@@ -314,7 +322,7 @@ class PoissonFedAvg(Strategy):
             ``contributed``, ``last_update_round`` and ``failures`` are updated in place.
         """
         # A failed client contributes nothing this round (its ledger already charged it, if it ran).
-        self.failures.append(len(failures))
+        self.failures[-1] = len(failures)
         updates = []
         for _, res in results:
             if int(res.metrics.get("contributed", 0)):
@@ -399,7 +407,8 @@ def _federation(dataset, clients, split, budgets, config: FLConfig, dirichlet_al
 
 
 def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets="ThreeLevels", *,
-                  config: FLConfig, dirichlet_alpha: float = 0.5, noise_seed: int | None = None):
+                  config: FLConfig, dirichlet_alpha: float = 0.5, noise_seed: int | None = None,
+                  sampling_seed: int | None = None):
     """rPDP-FL through Flower's ``Server`` with ``PoissonFedAvg`` and ``PDPClient``s called in this
     process, one at a time (``max_workers = 1``).
 
@@ -413,8 +422,10 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
         dirichlet_alpha: α of the "dirichlet" split.
         noise_seed: the clients' secret seed of their noise and record draws (as ``simulate``'s: None,
             the default, draws one per client from ``os.urandom``; an int only for experiments).
+        sampling_seed: the server's secret seed of the client sampling (as ``simulate``'s).
     Returns:
-        a ``FederatedResult`` like ``simulate`` (with the same ``noise_seed``, the same bits).
+        a ``FederatedResult`` like ``simulate`` (with the same ``noise_seed`` and ``sampling_seed``, the
+        same bits).
     Raises:
         ImportError when Flower is not installed.
     """
@@ -430,7 +441,8 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
         manager.register(_DirectProxy(f"node-{1000 - silo.client_id}", PDPClient(silo).to_client()))
     strategy = PoissonFedAvg(num_clients=data.num_clients, config=config,
                              initial=initial_weights(model_fn, config.seed),
-                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=5)
+                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=5,
+                             sampling_seed=sampling_seed)
     server = Server(client_manager=manager, strategy=strategy)
     server.max_workers = 1
     server.fit(num_rounds=config.rounds, timeout=None)
@@ -447,7 +459,8 @@ def run_inprocess(dataset: str = "digits", clients: int = 5, split: str = "iid",
 # ----------------------------------------------------------------------------------------------
 def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "iid", budgets: str = "ThreeLevels", *,
                        config: FLConfig, dirichlet_alpha: float = 0.5, ledger_dir: str | os.PathLike | None = None,
-                       ray_init_args: dict | None = None, noise_seed: int | None = None):
+                       ray_init_args: dict | None = None, noise_seed: int | None = None,
+                       sampling_seed: int | None = None):
     """rPDP-FL on Flower's Ray simulation engine: M virtual SuperNodes, one ClientApp each (its
     ``partition-id`` is the client id), the ``PoissonFedAvg`` strategy in a ServerApp.
 
@@ -462,6 +475,7 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
         ray_init_args: passed to ``ray.init``, over the default of 2 CPUs and no dashboard.
         noise_seed: the clients' secret seed of their noise and record draws (as ``simulate``'s: None,
             the default, draws one per client and message from ``os.urandom``; an int only for experiments).
+        sampling_seed: the server's secret seed of the client sampling (as ``simulate``'s).
     Returns:
         a ``FederatedResult`` like ``simulate`` (per-record ε read back from the silos' ledger files).
     Raises:
@@ -486,7 +500,8 @@ def run_ray_simulation(dataset: str = "digits", clients: int = 5, split: str = "
     data, per_record = _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     model_fn = model_factory(dataset)
     strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
-                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=300)
+                             evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test), wait_timeout=300,
+                             sampling_seed=sampling_seed)
     client_app = ClientApp(client_fn=_RayClientFn(dataset, clients, split, budgets, config, dirichlet_alpha,
                                                   str(ledger_dir), noise_seed))
     server_app = ServerApp(server_fn=lambda context: ServerAppComponents(
@@ -531,7 +546,7 @@ class _RayClientFn:
 # ----------------------------------------------------------------------------------------------
 def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str = "iid", config: FLConfig,
           dirichlet_alpha: float = 0.5, out: str | os.PathLike | None = None, wait_timeout: float = 120.0,
-          round_timeout: float | None = 300.0) -> dict:
+          round_timeout: float | None = 300.0, sampling_seed: int | None = None) -> dict:
     """Run the Flower server of an rPDP-FL federation at ``address`` (e.g. "127.0.0.1:8080") until
     T rounds are done.
 
@@ -543,6 +558,8 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
             weights beside it with suffix .npz); None writes nothing.
         wait_timeout: seconds to wait for the clients.
         round_timeout: seconds to wait for one round (None: no limit).
+        sampling_seed: the server's secret seed of the client sampling (``PoissonFedAvg``'s: None, the
+            default, draws a fresh one from ``os.urandom``; an int only for experiments).
     Returns:
         the JSON dict ("config", "accuracy", "loss", "sampled", "contributed", "failures"), plus
         "weights" (the final global arrays).
@@ -563,7 +580,7 @@ def serve(address: str, *, dataset: str = "digits", clients: int = 5, split: str
     model_fn = model_factory(dataset)
     strategy = PoissonFedAvg(num_clients=clients, config=config, initial=initial_weights(model_fn, config.seed),
                              evaluate_fn=lambda w: evaluate(model_fn, w, data.x_test, data.y_test),
-                             wait_timeout=wait_timeout)
+                             wait_timeout=wait_timeout, sampling_seed=sampling_seed)
     server = _ClosingServer(client_manager=SimpleClientManager(), strategy=strategy)
     server.max_workers = clients
     start_server(server_address=address, server=server,
@@ -652,7 +669,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid", budgets: str = "ThreeLevels",
                  config: FLConfig, dirichlet_alpha: float = 0.5, timeout: float = 300.0,
                  workdir: str | os.PathLike | None = None, python: str | None = None,
-                 noise_seed: int | None = None) -> dict:
+                 noise_seed: int | None = None, sampling_seed: int | None = None) -> dict:
     """Start one server and ``clients`` client processes on 127.0.0.1 (a free port) and wait for
     them (at most ``timeout`` seconds, then kill them all).
 
@@ -664,6 +681,8 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         python: the interpreter of the processes (default this one).
         noise_seed: passed to the client processes only (``--noise-seed``; they are the clients),
             never to the server; None (the default): each client process draws its own secret one.
+        sampling_seed: passed to the server process only (``--sampling-seed``), never to a client;
+            None (the default): the server draws its own secret one.
     Returns:
         {"server": ..., "clients": [...], "address": ..., "workdir": ...}, the first two read from the
         processes' JSON outputs (the server's with its final "weights").
@@ -677,6 +696,14 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
         raise ValueError("budgets must be a distribution name for launch_local (processes rebuild them)")
     check_positive("timeout", timeout)
     client_argv = [] if noise_seed is None else ["--noise-seed", str(check_int("noise_seed", noise_seed, 0))]
+    server_argv = [] if sampling_seed is None else ["--sampling-seed",
+                                                    str(check_int("sampling_seed", sampling_seed, 0))]
+    if not config.private:   # the processes refuse what the baseline would not read
+        if noise_seed is not None:
+            raise ValueError(f"noise_seed is for the private methods; method {config.method!r} adds no noise")
+        client_argv = []
+    else:
+        client_argv = ["--budgets", budgets, *client_argv]
     # the federation is checked here, where its errors name the argument, not in a process's log
     _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="pdpfast-fl-"))
@@ -685,7 +712,7 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     except OSError as exc:
         raise ValueError(f"workdir {str(workdir)!r} cannot be made a directory: {exc.strerror or exc}") from exc
     address = f"127.0.0.1:{free_port()}"
-    common = ["--dataset", dataset, "--clients", str(clients), "--split", split, "--budgets", budgets,
+    common = ["--dataset", dataset, "--clients", str(clients), "--split", split,
               *(["--dirichlet-alpha", str(dirichlet_alpha)] if split == "dirichlet" else []), *config_to_argv(config)]
     env = os.environ | {"FLWR_TELEMETRY_ENABLED": os.environ.get("FLWR_TELEMETRY_ENABLED", "0"),
                         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
@@ -701,7 +728,7 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
 
     wait = str(max(10.0, timeout - 5))
     start("server", ["server", "--address", address, "--out", str(workdir / "server.json"),
-                     "--wait-timeout", wait, *common])
+                     "--wait-timeout", wait, *common, *server_argv])
     for k in range(clients):
         start(f"client{k}", ["client", "--address", address, "--client-id", str(k),
                              "--out", str(workdir / f"client{k}.json"), "--max-wait-time", wait, *common,
@@ -744,9 +771,18 @@ def config_to_argv(config: FLConfig) -> list[str]:
     Args:
         config: the run's settings.
     Returns:
-        a list of str, ``--<field> <value>`` for every field (floats by ``repr``, so they round-trip).
+        a list of str, ``--<field> <value>`` for every field (floats by ``repr``, so they round-trip);
+        for the nonprivate method, none of the privacy fields (``PRIVATE_FIELDS``: the processes refuse
+        them, and take their defaults).
+    Raises:
+        ValueError for the nonprivate method with a privacy field other than its default (it would be lost).
     """
-    argv = []
+    argv, defaults = [], FLConfig()
     for key, value in config.to_dict().items():
+        if not config.private and key in PRIVATE_FIELDS:
+            if value != getattr(defaults, key):
+                raise ValueError(f"config.{key}={value!r} is for the private methods; method {config.method!r} "
+                                 "does not read it (leave it at its default)")
+            continue
         argv += [f"--{key.replace('_', '-')}", repr(value) if isinstance(value, float) else str(value)]
     return argv

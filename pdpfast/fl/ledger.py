@@ -13,14 +13,19 @@ times a per-round RDP, under each threat model (Liu et al., CCS 2024, Thms. 2-3)
   in rounds its client was sampled. This is the exact composition over the realized rounds; the
   paper's λ·T·ρ^τ is its expectation over the client sampling.
 
-Before each round the ledger drops every record whose ε after the round would exceed its budget
-(the "clients" check every round, the "server" check when the client is sampled); after the
-round it charges the records that took part. ε uses the conversion of ``rpdp.epsilon`` and equals
-``rpdp.epsilon(q_j, rounds=n, ...)`` for a record charged n rounds (tested).
+Both are accounted; the ledger enforces the run's threat model's. Before each round it drops every
+record whose ε under that model after the round would exceed its budget (under "clients" every
+round, under "server" when the client is sampled); after the round it charges the records that took
+part. ε uses the conversion of ``rpdp.epsilon`` and equals ``rpdp.epsilon(q_j, rounds=n, ...)`` for
+a record charged n rounds (tested).
 
-Caveat: a drop triggered by the "server" check depends on how often the client was sampled,
-which the "clients" analysis treats as secret. With sampling rates calibrated for the planned T
-rounds (``rpdp.sample_rates``) the "clients" check never fires; the "server" check fires only
+Why only one: under "clients" a drop must not depend on whether the client was sampled (the
+analysis treats that as secret), so the "server" count, which does, may not trigger one; the
+server is trusted there. Under "server" the guarantee against the server covers the other
+clients and third parties too (they see a function of what the server sees), so the "clients"
+bound is not needed, and enforcing it would end every record early: rates calibrated for
+λ·T·ρ^τ reach T·ρ^{τ,λ} ≥ λ·T·ρ^τ before T. With rates calibrated for the planned T rounds
+(``rpdp.sample_rates``) the "clients" check never fires within T; the "server" check fires only
 when a client is sampled more often than λ·T allows for that record.
 """
 from __future__ import annotations
@@ -106,7 +111,8 @@ class FederatedLedger:
     Args:
         sample_rates: (n,) q_j in [0, 1] (0: the record never takes part).
         budgets: (n,) the ε each record must not exceed (> 0; ∞ allowed).
-        noise_multiplier, local_steps, client_rate, delta, conversion: as in ``FLConfig``.
+        noise_multiplier, local_steps, client_rate, delta, conversion, threat: as in ``FLConfig``
+            (``threat``: the model whose ε the ledger keeps within the budgets).
         orders: the RDP orders α > 1 (default ``DEFAULT_ORDERS``).
     Attributes:
         active: (n,) bool, the records that still take part.
@@ -115,12 +121,12 @@ class FederatedLedger:
         rounds_seen: the last round seen (int, 0 before the first).
     Raises:
         ValueError when the shapes differ, a rate lies outside [0, 1], a budget is NaN or ≤ 0, δ lies
-        outside (0, 1), σ, τ or λ is out of range (as ``FLConfig`` checks them), or the conversion is
-        unknown.
+        outside (0, 1), σ, τ or λ is out of range (as ``FLConfig`` checks them), or the conversion or
+        threat is unknown.
     """
 
     def __init__(self, sample_rates, budgets, *, noise_multiplier: float, local_steps: int, client_rate: float,
-                 delta: float, conversion: str = "standard", orders=None):
+                 delta: float, conversion: str = "standard", threat: str = "clients", orders=None):
         q = as_float_array("sample_rates", sample_rates).ravel()
         b = as_float_array("budgets", budgets).ravel()
         if q.shape != b.shape:
@@ -132,9 +138,11 @@ class FederatedLedger:
             raise ValueError("budgets must be > 0 (use q = 0 for records that never take part)")
         if conversion not in CONVERSIONS:
             raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
+        if threat not in THREATS:
+            raise ValueError(f"threat must be one of {THREATS}, got {threat!r}")
         self.sample_rates, self.budgets = q, b
         self.noise_multiplier, self.local_steps, self.client_rate = noise_multiplier, local_steps, client_rate
-        self.delta, self.conversion = float(delta), conversion
+        self.delta, self.conversion, self.threat = float(delta), conversion, threat
         self.orders = as_orders(DEFAULT_ORDERS if orders is None else orders)[0]
         # one round's RDP per distinct rate, computed once (the costly part of accounting)
         distinct, self._rate_index = np.unique(q, return_inverse=True)
@@ -179,10 +187,11 @@ class FederatedLedger:
         return self._epsilon_at(threat, counts)
 
     def begin_round(self, server_round: int, sampled: bool) -> np.ndarray:
-        """Pre-check of a round: drop the records whose ε after it would exceed their budget.
+        """Pre-check of a round: drop the records whose ε after it would exceed their budget under the
+        ledger's threat model.
 
         Rounds skipped since the last call are accounted first, as rounds in which the client was
-        not sampled. The "clients" check runs every round, the "server" check only when ``sampled``.
+        not sampled. Under "clients" the check runs every round, under "server" only when ``sampled``.
 
         Args:
             server_round: t, 1-based; the round after ``rounds_seen``, or later.
@@ -198,8 +207,9 @@ class FederatedLedger:
         if server_round <= self.rounds_seen:
             raise ValueError(f"server_round {server_round} was already seen (last round {self.rounds_seen})")
         self.advance_to(server_round - 1)
-        self._drop("clients", self.rounds_charged + 1)
-        if sampled:
+        if self.threat == "clients":
+            self._drop("clients", self.rounds_charged + 1)
+        elif sampled:
             self._drop("server", self.participations + 1)
         return np.where(self.active, self.sample_rates, 0.0)
 
@@ -239,11 +249,12 @@ class FederatedLedger:
 
     def _settings(self) -> dict:
         """What the counts mean: a count of rounds is worth ε only under the σ, τ, λ, δ, conversion
-        and orders it was charged at (and for these rates and budgets)."""
+        and orders it was charged at (and for these rates and budgets), and which records are still
+        active depends on the threat model enforced."""
         return {"sample_rates": self.sample_rates, "budgets": self.budgets,
                 "noise_multiplier": np.float64(self.noise_multiplier), "local_steps": np.int64(self.local_steps),
                 "client_rate": np.float64(self.client_rate), "delta": np.float64(self.delta),
-                "conversion": np.str_(self.conversion), "orders": self.orders}
+                "conversion": np.str_(self.conversion), "threat": np.str_(self.threat), "orders": self.orders}
 
     def state_dict(self) -> dict:
         """The mutable state and the settings it was charged under (the per-round RDP is rebuilt
@@ -252,7 +263,7 @@ class FederatedLedger:
         Returns:
             a dict of numpy values (copies): "active", "rounds_charged", "participations",
             "rounds_seen", and the settings ``load_state_dict`` checks: "sample_rates", "budgets",
-            "noise_multiplier", "local_steps", "client_rate", "delta", "conversion", "orders".
+            "noise_multiplier", "local_steps", "client_rate", "delta", "conversion", "threat", "orders".
         """
         return {"active": self.active.copy(), "rounds_charged": self.rounds_charged.copy(),
                 "participations": self.participations.copy(), "rounds_seen": np.int64(self.rounds_seen)} | {
@@ -267,9 +278,10 @@ class FederatedLedger:
             None; the ledger's state is replaced by copies of the saved one.
         Raises:
             ValueError when the state lacks a key, was saved under other settings (naming them: other
-            sample rates or budgets, σ, τ, λ, δ, conversion or orders, under which its counts are worth
-            another ε), or its counts cannot be a history (not one per record, negative, more
-            participations than rounds charged or more rounds charged than seen): such a state would
+            sample rates or budgets, σ, τ, λ, δ, conversion, threat or orders, under which its counts are
+            worth another ε), or its counts cannot be a history (not one per record, negative, more
+            participations than rounds charged, more rounds charged than seen, an active record not
+            charged every round seen, or a record never drawn (q = 0) active): such a state would
             misreport spending. The ledger is then unchanged.
         """
         settings = self._settings()
@@ -298,6 +310,10 @@ class FederatedLedger:
         if seen < 0 or (participations < 0).any() or (participations > charged).any() or (charged > seen).any():
             raise ValueError("ledger state: the counts cannot be a history (need 0 <= participations <= rounds_charged "
                              "<= rounds_seen)")
+        # a record takes part from round 1 until it is dropped, charged every round meanwhile
+        if (active & (charged != seen)).any() or (active & (self.sample_rates == 0)).any():
+            raise ValueError("ledger state: the counts cannot be a history (an active record is charged every round "
+                             "seen, and a record of rate 0 is never active)")
         self.active, self.rounds_charged, self.participations, self.rounds_seen = active, charged, participations, seen
 
     def save(self, path) -> None:

@@ -62,7 +62,9 @@ def _minimum(budgets, federation):
 
 
 def _dropout(budgets, federation):
-    mean = float(np.mean(federation))
+    # the mean of equal budgets can round above them (np.mean of 1437 × 0.7 is 0.7000000000000001),
+    # which would leave every record out; no mean lies above the largest budget
+    mean = min(float(np.mean(federation)), float(np.max(federation)))
     b = np.asarray(budgets, dtype=np.float64)
     return np.where(b >= mean, mean, np.nan)
 

@@ -6,7 +6,8 @@ steps through the pdpfast engine with record-level Poisson sampling at its per-r
 (``rpdp.sample_rates``: SCF + exact re-accounting), shared σ and C; the server averages the
 sampled clients' model deltas weighted by their number of records n_k (FedAvg:
 θ ← θ + Σ_k n_k Δ_k / Σ_k n_k over the clients that sent an update). Every client keeps a
-per-record ledger (``FederatedLedger``) and every record's ε is reported under both threat models.
+per-record ledger (``FederatedLedger``) that keeps every record within its budget under the run's
+threat model; its ε is reported under both.
 
 ``simulate(...)`` runs one configuration end to end; ``run_federated(...)`` runs given silos (the
 building block the Flower front end shares: ``sampled_clients``, ``aggregate`` and ``Silo``).
@@ -24,7 +25,7 @@ from torch import nn
 from .._checks import check_flag, check_int, check_positive_per_record, warn_large_delta
 from .budgets import sample_budgets
 from .client import LocalUpdate, Silo, Weights, get_weights
-from .config import FLConfig, sampled_clients
+from .config import FLConfig, draw_sampling_seed, sampled_clients
 from .datasets import FederatedData, load_federated, model_factory
 from .methods import METHODS
 
@@ -111,7 +112,8 @@ class FederatedResult:
         targets: (N,) float64 the ε each record was trained for (NaN: left out; ∞: no privacy).
         sample_rates: (N,) float64 q_i.
         epsilon_clients, epsilon_server: (N,) float64 ε spent under the "clients" and "server" threat
-            models (∞ without privacy).
+            models (∞ without privacy); the run's ``threat`` is the one its ledgers keep within the
+            budgets (:attr:`epsilon`), the other is accounted for comparison.
         client_index: (N,) int64 the client of each record.
         clients: per-client statistics (``Silo.stats``), in client-id order.
         weights: the final global model (float32 arrays).
@@ -138,13 +140,19 @@ class FederatedResult:
         """Test accuracy of the final global model, in [0, 1]."""
         return float(self.accuracy[-1])
 
+    @property
+    def epsilon(self) -> np.ndarray:
+        """(N,) float64 ε spent per record under the run's threat model, the one its ledgers enforce
+        (``epsilon_clients`` or ``epsilon_server``; the other is for comparison)."""
+        return self.epsilon_server if self.config.get("threat") == "server" else self.epsilon_clients
+
     def within_budget(self) -> bool:
         """Whether every record stayed within its budget.
 
         Returns:
-            True when no record's ε exceeds its budget under either threat model.
+            True when no record's ε exceeds its budget under the run's threat model (:attr:`epsilon`).
         """
-        return bool(np.all(self.epsilon_clients <= self.budgets) and np.all(self.epsilon_server <= self.budgets))
+        return bool(np.all(self.epsilon <= self.budgets))
 
     def summary(self) -> dict:
         """Scalars for tables and JSON.
@@ -273,7 +281,7 @@ def build_silo(data: FederatedData, budgets: np.ndarray, config: FLConfig, clien
 # ----------------------------------------------------------------------------------------------
 def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test_features: torch.Tensor,
                   test_labels: torch.Tensor, config: FLConfig, *, progress: bool = False,
-                  on_round: Callable[[int, Weights], None] | None = None) -> dict:
+                  on_round: Callable[[int, Weights], None] | None = None, sampling_seed: int | None = None) -> dict:
     """Run T rounds over ``silos``: sample clients, let each sampled silo fit, FedAvg the updates,
     evaluate; then account every silo's rounds up to T.
 
@@ -285,6 +293,8 @@ def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test
         config: the run's settings.
         progress: show a progress bar.
         on_round: optional ``on_round(t, weights)`` after every round t = 1..T.
+        sampling_seed: the server's secret seed of the client sampling (``draw_sampling_seed``: None,
+            the default, draws a fresh one from ``os.urandom``; an int only for experiments).
     Returns:
         a dict: "weights" (the final global arrays), "accuracy" / "loss" (T+1,) float (index 0: the
         initial model), "sampled" / "contributed" (T, M) bool.
@@ -307,13 +317,14 @@ def run_federated(silos: Sequence[Silo], model_fn: Callable[[], nn.Module], test
     if M == 0:
         raise ValueError("clients must be ≥ 1")
     check_flag("progress", progress)
+    sampling_seed = draw_sampling_seed(sampling_seed)
     weights = initial_weights(model_fn, config.seed)
     loss, acc = np.zeros(T + 1), np.zeros(T + 1)
     loss[0], acc[0] = evaluate(model_fn, weights, test_features, test_labels)
     sampled, contributed = np.zeros((T, M), dtype=bool), np.zeros((T, M), dtype=bool)
     bar = tqdm(range(1, T + 1), desc=f"{config.method:>10}", leave=False, disable=not progress)
     for t in bar:
-        sampled[t - 1] = sampled_clients(config.seed, t, M, config.client_rate)
+        sampled[t - 1] = sampled_clients(sampling_seed, t, M, config.client_rate)
         updates = []
         for k in np.flatnonzero(sampled[t - 1]):
             update = silos[k].fit(weights, t)
@@ -361,8 +372,8 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
              method: str = "rpdp", *, rounds: int = 40, local_steps: int = 10, client_rate: float = 0.5,
              noise_multiplier: float = 4.0, max_grad_norm: float = 1.0, delta: float = 1e-4, lr: float = 0.05,
              threat: str = "clients", conversion: str = "standard", mode: str = "bk", clipping: str = "flat",
-             dirichlet_alpha: float = 0.5, seed: int = 0, noise_seed: int | None = None, progress: bool = False,
-             threads: int | None = None) -> FederatedResult:
+             dirichlet_alpha: float = 0.5, seed: int = 0, noise_seed: int | None = None,
+             sampling_seed: int | None = None, progress: bool = False, threads: int | None = None) -> FederatedResult:
     """Simulate rPDP-FL (or a baseline) in process and return a ``FederatedResult``.
 
     Args:
@@ -373,12 +384,17 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
             client_rate: λ ∈ (0, 1]; noise_multiplier: σ; max_grad_norm: C; the rest as in ``FLConfig``.
             With method "nonprivate" the privacy settings (σ, C, δ, threat, conversion, mode,
             clipping, budgets, noise_seed) are checked but not used.
-        seed: the public seed (model initialization, client sampling, split, budget draws).
+        seed: the public seed (model initialization, split, budget draws).
         noise_seed: the clients' secret seed of their noise and record draws. None (the default):
             every client draws its own from ``os.urandom`` for this run, so two runs differ even with
-            the same ``seed``. An int makes the run reproducible bit for bit (and equal to the Flower
-            paths given the same one), but whoever knows it can recompute every client's noise and
-            remove it from their updates: only for experiments.
+            the same ``seed``. An int makes the local training reproducible bit for bit, but whoever
+            knows it can recompute every client's noise and remove it from their updates: only for
+            experiments.
+        sampling_seed: the server's secret seed of the client sampling. None (the default): a fresh
+            one from ``os.urandom``. An int (only for experiments) fixes which clients each round
+            samples; whoever knows it knows every client's rounds, and the "clients" ε, which
+            amplifies by client sampling, does not hold against them. With both seeds given, the
+            run equals the Flower paths given the same ones, bit for bit.
         threads: torch threads for the run (``torch.set_num_threads``, restored afterwards); None or 0
             (the default) leaves torch's setting. The result does not depend on it beyond float rounding.
     Returns:
@@ -393,6 +409,8 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
         check_int("threads", threads, 0)
     if noise_seed is not None:
         check_int("noise_seed", noise_seed, 0)
+    if sampling_seed is not None:
+        check_int("sampling_seed", sampling_seed, 0)
     config = FLConfig(rounds=rounds, local_steps=local_steps, client_rate=client_rate,
                       noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, delta=delta, lr=lr,
                       method=method, threat=threat, conversion=conversion, mode=mode, clipping=clipping, seed=seed)
@@ -402,8 +420,10 @@ def simulate(dataset: str = "digits", clients: int = 5, split: str = "iid", budg
         warn_large_delta(config.delta, len(per_record))
     with torch_threads(threads):
         silos = [build_silo(data, per_record, config, k, noise_seed) for k in range(data.num_clients)]
-        run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress)
+        run = run_federated(silos, model_factory(dataset), data.x_test, data.y_test, config, progress=progress,
+                            sampling_seed=sampling_seed)
     info = {"split": split, "budgets": budgets if isinstance(budgets, str) else "custom",
             "aggregation": "FedAvg of model deltas weighted by client size n_k, over the clients that sent one",
-            "noise_seed": "secret (os.urandom, per client)" if noise_seed is None else noise_seed}
+            "noise_seed": "secret (os.urandom, per client)" if noise_seed is None else noise_seed,
+            "sampling_seed": "secret (os.urandom)" if sampling_seed is None else sampling_seed}
     return collect_result(silos, data, per_record, config, run, info)

@@ -21,6 +21,7 @@ from pdpfast.fl.flower import PoissonFedAvg, launch_local, run_inprocess  # noqa
 
 FEDERATION = dict(dataset="breast_cancer", clients=4, split="label", budgets="BoundedMixGauss")
 NOISE_SEED = 17   # the clients' secret, fixed so that two paths can be compared bit for bit
+SAMPLING_SEED = 29   # the server's secret, likewise
 
 
 def _same(a, b):
@@ -29,8 +30,8 @@ def _same(a, b):
 
 def test_flower_inprocess_equals_simulation_bitwise():
     config = fl.FLConfig(rounds=5, local_steps=3, client_rate=0.5, seed=4)
-    flower = run_inprocess(config=config, noise_seed=NOISE_SEED, **FEDERATION)
-    sim = fl.simulate(**FEDERATION, **config.to_dict(), noise_seed=NOISE_SEED)
+    flower = run_inprocess(config=config, noise_seed=NOISE_SEED, sampling_seed=SAMPLING_SEED, **FEDERATION)
+    sim = fl.simulate(**FEDERATION, **config.to_dict(), noise_seed=NOISE_SEED, sampling_seed=SAMPLING_SEED)
     assert _same(flower.weights, sim.weights)
     np.testing.assert_array_equal(flower.accuracy, sim.accuracy)
     np.testing.assert_array_equal(flower.sampled, sim.sampled)
@@ -44,8 +45,8 @@ def test_strategy_samples_clients_by_poisson_not_fixed_fraction():
     """λ = 0.25 with 4 clients: rounds with 0, 1, 2, ... clients all occur; an empty round keeps
     the global model (Flower cancels the round: configure_fit returned nothing)."""
     config = fl.FLConfig(rounds=12, local_steps=2, client_rate=0.25, seed=0)
-    res = run_inprocess(config=config, **FEDERATION)
-    want = np.stack([fl.sampled_clients(0, t, 4, 0.25) for t in range(1, 13)])
+    res = run_inprocess(config=config, sampling_seed=5, **FEDERATION)
+    want = np.stack([fl.sampled_clients(5, t, 4, 0.25) for t in range(1, 13)])
     np.testing.assert_array_equal(res.sampled, want)
     counts = res.sampled.sum(1)
     assert (counts == 0).any() and len(set(counts.tolist())) >= 3
@@ -81,8 +82,9 @@ def test_flower_server_and_client_processes_on_loopback_match_simulation(tmp_pat
     ε (reported by the client processes) equal the in-process simulation's."""
     config = fl.FLConfig(rounds=3, local_steps=3, client_rate=0.7, seed=1)
     federation = FEDERATION | {"clients": 3}
-    out = launch_local(config=config, timeout=240, workdir=tmp_path, noise_seed=NOISE_SEED, **federation)
-    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED)
+    out = launch_local(config=config, timeout=240, workdir=tmp_path, noise_seed=NOISE_SEED,
+                       sampling_seed=SAMPLING_SEED, **federation)
+    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED, sampling_seed=SAMPLING_SEED)
     server = out["server"]
     assert _same(server["weights"], sim.weights)
     np.testing.assert_array_equal(np.array(server["sampled"]), sim.sampled)
@@ -91,8 +93,7 @@ def test_flower_server_and_client_processes_on_loopback_match_simulation(tmp_pat
         idx = sim.client_index == report["client_id"]
         np.testing.assert_array_equal(report["epsilon_clients"], sim.epsilon_clients[idx])
         np.testing.assert_array_equal(report["epsilon_server"], sim.epsilon_server[idx])
-        assert np.all(np.array(report["epsilon_server"]) <= np.array(report["budgets"]))
-        assert np.all(np.array(report["epsilon_clients"]) <= np.array(report["budgets"]))
+        assert np.all(np.array(report["epsilon_clients"]) <= np.array(report["budgets"]))   # threat "clients"
     assert os.path.exists(tmp_path / "server.log")
     assert "noise_seed" not in server["config"]
 
@@ -105,16 +106,19 @@ def test_flower_ray_simulation_engine_equals_simulation_bitwise(tmp_path):
 
     config = fl.FLConfig(rounds=3, local_steps=3, client_rate=0.7, seed=1)
     federation = FEDERATION | {"clients": 3}
-    ray_res = run_ray_simulation(config=config, ledger_dir=tmp_path, noise_seed=NOISE_SEED, **federation)
-    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED)
+    ray_res = run_ray_simulation(config=config, ledger_dir=tmp_path, noise_seed=NOISE_SEED,
+                                 sampling_seed=SAMPLING_SEED, **federation)
+    sim = fl.simulate(**federation, **config.to_dict(), noise_seed=NOISE_SEED, sampling_seed=SAMPLING_SEED)
     assert _same(ray_res.weights, sim.weights)
     np.testing.assert_array_equal(ray_res.sampled, sim.sampled)
     np.testing.assert_array_equal(ray_res.epsilon_clients, sim.epsilon_clients)
     np.testing.assert_array_equal(ray_res.epsilon_server, sim.epsilon_server)
 
 
-def test_launch_local_gives_the_noise_seed_to_the_client_processes_only(tmp_path, monkeypatch):
-    """The noise seed is the clients' secret: the server process must not be started with it."""
+def test_launch_local_gives_the_noise_seed_to_the_clients_only_and_the_sampling_seed_to_the_server_only(
+        tmp_path, monkeypatch):
+    """The noise seed is the clients' secret, the sampling seed the server's; the budgets only the
+    clients read."""
     import subprocess
 
     started = []
@@ -130,12 +134,13 @@ def test_launch_local_gives_the_noise_seed_to_the_client_processes_only(tmp_path
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     with pytest.raises(Stop):
-        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), noise_seed=5, workdir=tmp_path,
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1), noise_seed=5, sampling_seed=8, workdir=tmp_path,
                      **(FEDERATION | {"clients": 2}))
     server, *clients = started
-    assert server[3] == "server" and "--noise-seed" not in server
+    assert server[3] == "server" and "--noise-seed" not in server and "--budgets" not in server
+    assert server[server.index("--sampling-seed") + 1] == "8"
     for argv in clients:
-        assert argv[3] == "client" and argv[argv.index("--noise-seed") + 1] == "5"
+        assert argv[3] == "client" and argv[argv.index("--noise-seed") + 1] == "5" and "--sampling-seed" not in argv
 
 
 SMALL = fl.FLConfig(rounds=4, local_steps=2, client_rate=0.5, noise_multiplier=1.5, seed=0)
@@ -183,8 +188,9 @@ def test_launch_local_refuses_a_workdir_under_a_file(tmp_path):
         launch_local(config=fl.FLConfig(rounds=1, local_steps=1), workdir=tmp_path / "file" / "run", **FEDERATION)
 
 
-def test_the_fit_config_carries_the_public_settings_and_no_noise_seed():
-    """What a client checks its own settings against; the noise seed is the clients' secret."""
+def test_the_fit_config_carries_the_public_settings_and_no_noise_or_sampling_seed():
+    """What a client checks its own settings against; the noise seed is the clients' secret, the
+    sampling seed the server's."""
     config = replace(SMALL, client_rate=1.0)
 
     class Proxy:
@@ -202,8 +208,10 @@ def test_the_fit_config_carries_the_public_settings_and_no_noise_seed():
 
     strategy = PoissonFedAvg(num_clients=1, config=config, initial=[np.zeros(1, np.float32)])
     parameters = flwr.common.ndarrays_to_parameters([np.zeros(1, np.float32)])
+    strategy = PoissonFedAvg(num_clients=1, config=config, initial=[np.zeros(1, np.float32)], sampling_seed=123)
     [(_, ins)] = strategy.configure_fit(1, parameters, Manager())
-    assert ins.config == _fit_config(config, 1) and not any("noise_seed" in k for k in ins.config)
+    assert ins.config == _fit_config(config, 1) and not any("seed" in k and k != "seed" for k in ins.config)
+    assert 123 not in ins.config.values()
 
 
 @pytest.mark.parametrize("name, value", [("client_rate", 0.9), ("rounds", 6), ("noise_multiplier", 2.0),
@@ -278,3 +286,88 @@ def test_every_command_refuses_a_privacy_option_the_nonprivate_method_would_igno
     assert main([*command, "--method", "nonprivate", "--noise-multiplier", "0.01"]) == 2
     err = capsys.readouterr().err
     assert "error: --noise-multiplier is for the private methods (rpdp, minimum, dropout); --method nonprivate" in err
+
+
+def test_client_sampling_is_the_servers_secret_not_a_function_of_the_public_seed():
+    """Before: sampled_clients(seed, t) of the public seed, which every client receives, so any client
+    could compute every other's rounds, and the "clients" ε (amplified by client sampling) did not hold
+    against them."""
+    config = fl.FLConfig(rounds=20, local_steps=1, client_rate=0.5, seed=0)
+    draws = [PoissonFedAvg(num_clients=6, config=config, initial=[np.zeros(1, np.float32)])._sampling_seed
+             for _ in range(2)]
+    assert draws[0] != draws[1]                # a fresh secret per server
+    secret = np.stack([fl.sampled_clients(draws[0], t, 6, 0.5) for t in range(1, 21)])
+    public = np.stack([fl.sampled_clients(config.seed, t, 6, 0.5) for t in range(1, 21)])
+    assert not np.array_equal(secret, public)
+    a = fl.simulate(**FEDERATION, rounds=6, local_steps=1, seed=1, noise_seed=0)
+    b = fl.simulate(**FEDERATION, rounds=6, local_steps=1, seed=1, noise_seed=0)
+    assert not np.array_equal(a.sampled, b.sampled) and a.info["sampling_seed"] == "secret (os.urandom)"
+    c = fl.simulate(**FEDERATION, rounds=6, local_steps=1, seed=2, noise_seed=0, sampling_seed=3)
+    d = fl.simulate(**FEDERATION, rounds=6, local_steps=1, seed=1, noise_seed=0, sampling_seed=3)
+    np.testing.assert_array_equal(c.sampled, d.sampled)     # the public seed does not enter
+
+
+def test_the_server_counts_failures_in_every_round_also_one_that_sampled_nobody(monkeypatch):
+    """Before: ``failures`` had one entry per round that sampled a client (Flower skips aggregate_fit
+    for the others), though documented per round."""
+    strategies = []
+    init = PoissonFedAvg.__init__
+
+    def keep(self, **kwargs):
+        init(self, **kwargs)
+        strategies.append(self)
+
+    monkeypatch.setattr(PoissonFedAvg, "__init__", keep)
+    res = run_inprocess(config=fl.FLConfig(rounds=12, local_steps=1, client_rate=0.25, seed=0), sampling_seed=5,
+                        **FEDERATION)
+    assert (res.sampled.sum(1) == 0).any()
+    assert strategies[0].failures == [0] * 12
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["server", "--budgets", "BoundedPareto"], "--budgets is read by the clients"),
+    (["client", "--client-id", "0", "--method", "nonprivate", "--ledger", "x.npz"],
+     "--ledger is for the private methods")])
+def test_flower_processes_refuse_what_they_would_not_read(argv, message, capsys):
+    """Before: the server accepted --budgets (the clients draw them) and a nonprivate client --ledger
+    (it never wrote one)."""
+    from pdpfast.fl.cli import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_launch_local_of_the_nonprivate_baseline_passes_no_privacy_setting(tmp_path, monkeypatch):
+    """Before: it passed --budgets and every privacy field, which the processes refuse for nonprivate,
+    so every launch of the baseline failed."""
+    import subprocess
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def popen(argv, **kwargs):
+        started.append(argv)
+        if len(started) == 2:
+            raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(Stop):
+        launch_local(config=fl.FLConfig(rounds=1, local_steps=1, method="nonprivate"), workdir=tmp_path,
+                     **(FEDERATION | {"clients": 2}))
+    from pdpfast.fl.cli import _fill
+
+    for argv in started:
+        flags = {a for a in argv if a.startswith("--")}
+        assert not flags & {"--budgets", "--noise-multiplier", "--max-grad-norm", "--delta", "--threat", "--mode"}
+        parser = __import__("argparse").ArgumentParser()
+        _fill(parser)
+        args = parser.parse_args(argv[3:])
+        from pdpfast.fl.cli import _private_only_given
+
+        _private_only_given(args)       # what the process checks first: nothing refused
+    with pytest.raises(ValueError, match="noise_seed is for the private methods"):
+        launch_local(config=fl.FLConfig(method="nonprivate"), noise_seed=1, workdir=tmp_path, **FEDERATION)
+    with pytest.raises(ValueError, match="config.noise_multiplier=2.0 is for the private methods"):
+        launch_local(config=fl.FLConfig(method="nonprivate", noise_multiplier=2.0), workdir=tmp_path, **FEDERATION)

@@ -200,6 +200,28 @@ def test_a_ledger_state_with_fractional_counts_is_refused_not_truncated(key, val
         ledger.load_state_dict({k: v for k, v in ledger.state_dict().items() if k != "rounds_seen"})
 
 
+@pytest.mark.parametrize("change", [dict(rounds_seen=np.int64(50)), dict(active=np.array([True, True]))],
+                         ids=["active-not-charged-every-round", "rate-0-active"])
+def test_a_ledger_state_that_cannot_be_a_history_is_refused(change):
+    """Before: a state with rounds_seen 50 and rounds_charged 0 for an active record was accepted (its ε
+    read 0 after 50 rounds), as was an active record of rate 0."""
+    from pdpfast.fl.ledger import FederatedLedger
+
+    ledger = FederatedLedger([0.5, 0.0], [100.0, 1.0], **LEDGER)
+    ledger.advance_to(3)
+    with pytest.raises(ValueError, match="cannot be a history"):
+        ledger.load_state_dict(ledger.state_dict() | change)
+    assert ledger.rounds_seen == 3
+
+
+def test_a_ledger_state_saved_under_the_other_threat_model_is_refused():
+    from pdpfast.fl.ledger import FederatedLedger
+
+    saved = FederatedLedger([0.5], [100.0], **LEDGER, threat="server").state_dict()
+    with pytest.raises(ValueError, match="saved for other threat"):
+        FederatedLedger([0.5], [100.0], **LEDGER).load_state_dict(saved)
+
+
 def test_silos_built_for_another_client_rate_are_refused_by_the_run():
     """Silos built for λ = 0.2 and run at λ = 1 were sampled every round while their ledgers charged
     rounds at λ = 0.2: ε was reported 0.72 against 1.31 spent."""
@@ -341,7 +363,8 @@ def test_flower_client_fit_names_a_missing_or_bad_server_round(federation, confi
     assert n == silo.num_records and metrics == {"client_id": 0, "contributed": 1}
 
 
-THREADS_RUN = dict(dataset="breast_cancer", clients=2, rounds=2, local_steps=2, client_rate=1.0, seed=1, noise_seed=1)
+THREADS_RUN = dict(dataset="breast_cancer", clients=2, rounds=2, local_steps=2, client_rate=1.0, seed=1, noise_seed=1,
+                   sampling_seed=1)
 
 
 @pytest.mark.parametrize("method", ["rpdp", "nonprivate"])

@@ -1,4 +1,4 @@
-"""Privacy properties of rPDP-FL: no record ever exceeds its budget, under either threat model."""
+"""Privacy properties of rPDP-FL: no record ever exceeds its budget under the run's threat model."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,18 +12,49 @@ from pdpfast.fl.simulation import run_federated
 FAST = dict(dataset="breast_cancer", clients=4, rounds=6, local_steps=4, client_rate=0.5)
 
 
+@pytest.mark.parametrize("threat", ["clients", "server"])
 @pytest.mark.parametrize("budgets", ["ThreeLevels", "BoundedPareto", "BoundedMixGauss"])
 @pytest.mark.parametrize("method", ["rpdp", "minimum", "dropout"])
-def test_every_record_epsilon_within_budget_under_both_threat_models(budgets, method):
-    res = fl.simulate(budgets=budgets, method=method, seed=3, **FAST)
-    assert np.all(res.epsilon_clients <= res.budgets)
-    assert np.all(res.epsilon_server <= res.budgets)
+def test_every_record_epsilon_within_budget_under_the_runs_threat_model(budgets, method, threat):
+    res = fl.simulate(budgets=budgets, method=method, threat=threat, seed=3, **FAST)
+    spent = res.epsilon_server if threat == "server" else res.epsilon_clients
+    np.testing.assert_array_equal(res.epsilon, spent)
+    assert np.all(spent <= res.budgets)
     trained = np.isfinite(res.targets)
-    assert np.all(res.epsilon_clients[trained] <= res.targets[trained])
-    assert np.all(res.epsilon_server[trained] <= res.targets[trained])
+    assert np.all(spent[trained] <= res.targets[trained])
     assert res.within_budget()
     if method == "dropout":   # left-out records are never drawn and spend nothing
         assert np.all(res.sample_rates[~trained] == 0) and np.all(res.epsilon_clients[~trained] == 0)
+
+
+def test_under_threat_clients_no_record_leaves_for_how_often_its_client_was_sampled():
+    """The "clients" analysis treats the client sampling as secret, so whether a record is dropped may
+    not depend on it: before, the "server" count dropped the records of a client sampled 19 or 20 times
+    in 30 rounds (λ = 0.5), whose rates were calibrated, under "clients", for all 30."""
+    res = fl.simulate("breast_cancer", clients=3, rounds=30, local_steps=3, client_rate=0.5, seed=1, noise_seed=0,
+                      sampling_seed=4)
+    assert res.sampled.sum(0).max() > 15        # a client sampled more often than λ·T
+    assert [c["records_active_at_end"] for c in res.clients] == [c["records_trained"] for c in res.clients]
+    assert np.all(res.epsilon_clients <= res.budgets) and res.within_budget()
+
+
+def test_under_threat_server_a_client_sampled_at_most_lambda_t_times_keeps_its_records():
+    """Rates are calibrated for λ·T·ρ^τ under "server"; before, the "clients" bound T·ρ^{τ,λ}, which is
+    larger, was enforced too, and every record left before round T whatever its client's sampling."""
+    res = fl.simulate("breast_cancer", clients=3, rounds=30, local_steps=3, client_rate=0.5, threat="server", seed=1,
+                      noise_seed=0, sampling_seed=4)
+    rare = [c for c in res.clients if c["rounds_sampled"] <= 15]
+    assert rare, "some client should be sampled at most λ·T = 15 times"
+    for c in rare:
+        assert c["records_active_at_end"] == c["records_trained"]
+    assert np.all(res.epsilon_server <= res.budgets) and res.within_budget()
+
+
+def test_dropout_with_equal_budgets_trains_every_record():
+    """Before: the mean of 1437 × 0.7 is 0.7000000000000001, above every budget: no record trained."""
+    res = fl.simulate("digits", clients=3, budgets=np.full(1437, 0.7), method="dropout", rounds=2, local_steps=2,
+                      noise_seed=0, sampling_seed=0)
+    assert res.summary()["records_trained"] == 1437 and np.all(res.targets <= 0.7)
 
 
 def test_rpdp_spends_each_budget_almost_exactly_over_the_planned_rounds():
@@ -34,9 +65,9 @@ def test_rpdp_spends_each_budget_almost_exactly_over_the_planned_rounds():
     assert ratio.max() <= 1 and ratio.min() >= 0.99
 
 
-def _ledger(threat_rates, budgets, conversion="standard", client_rate=0.5):
+def _ledger(threat_rates, budgets, conversion="standard", client_rate=0.5, threat="clients"):
     return fl.FederatedLedger(threat_rates, budgets, noise_multiplier=2.0, local_steps=5, client_rate=client_rate,
-                              delta=1e-5, conversion=conversion)
+                              delta=1e-5, conversion=conversion, threat=threat)
 
 
 @pytest.mark.parametrize("conversion", ["standard", "improved"])
@@ -61,13 +92,36 @@ def test_ledger_drops_records_before_they_would_exceed_budget_server_threat():
     budgets = np.array([0.5, 1.0, 2.0, 5.0] * 5)
     kw = dict(noise_multiplier=2.0, delta=1e-5, local_steps=5, rounds=10, client_rate=0.5)
     q = rpdp.sample_rates(budgets, threat="clients", **kw)
-    led = _ledger(q, budgets)
+    led = _ledger(q, budgets, threat="server")
     for t in range(1, 11):
         rates = led.begin_round(t, sampled=True)
         led.end_round(sampled=True)
-        assert np.all(led.epsilons("server") <= budgets) and np.all(led.epsilons("clients") <= budgets)
+        assert np.all(led.epsilons("server") <= budgets)
         assert np.all(rates[~led.active] == 0)
     assert not led.active.all(), "a client sampled every round must exhaust some records' server-side budget"
+
+
+@pytest.mark.parametrize("threat", ["clients", "server"])
+def test_ledger_enforces_only_its_threat_models_bound(threat):
+    """Under "clients" which records take part never depends on the client's sampling (the same
+    records leave whether it was sampled every round or never); under "server" it does."""
+    budgets = np.array([0.5, 1.0, 2.0, 5.0] * 5)
+    q = rpdp.sample_rates(budgets, threat=threat, noise_multiplier=2.0, delta=1e-5, local_steps=5, rounds=10,
+                          client_rate=0.5)
+    histories = []
+    for sampled in (True, False):
+        led, active = _ledger(q, budgets, threat=threat), []
+        for t in range(1, 21):   # twice the planned rounds: budgets run out
+            led.begin_round(t, sampled=sampled)
+            led.end_round(sampled=sampled)
+            active.append(led.active.copy())
+            assert np.all(led.epsilons(threat) <= budgets)
+        histories.append(np.array(active))
+    if threat == "clients":
+        np.testing.assert_array_equal(histories[0], histories[1])
+        assert not histories[0][-1].all()
+    else:
+        assert not histories[0][-1].all() and histories[1][-1].all()
 
 
 def test_ledger_unsampled_rounds_charge_clients_threat_only():

@@ -74,7 +74,7 @@ def test_aggregate_is_size_weighted_mean_of_deltas_in_client_order():
 
 
 def test_round_without_clients_keeps_the_global_model():
-    res = fl.simulate(**(FAST | {"client_rate": 0.15, "rounds": 8}), seed=0)
+    res = fl.simulate(**(FAST | {"client_rate": 0.15, "rounds": 8}), seed=0, sampling_seed=0)
     empty = np.flatnonzero(~res.sampled.any(axis=1))
     assert empty.size, "λ = 0.15 with 4 clients should leave some round empty"
     for t in empty:             # row t of sampled is round t+1; accuracy[t+1] is after it
@@ -82,10 +82,11 @@ def test_round_without_clients_keeps_the_global_model():
 
 
 def test_same_seeds_same_model_other_public_seed_other_model():
-    a, b = fl.simulate(seed=11, noise_seed=1, **FAST), fl.simulate(seed=11, noise_seed=1, **FAST)
+    a, b = (fl.simulate(seed=11, noise_seed=1, sampling_seed=1, **FAST),
+            fl.simulate(seed=11, noise_seed=1, sampling_seed=1, **FAST))
     assert all(np.array_equal(x, y) for x, y in zip(a.weights, b.weights))
     np.testing.assert_array_equal(a.epsilon_server, b.epsilon_server)
-    c = fl.simulate(seed=12, noise_seed=1, **FAST)
+    c = fl.simulate(seed=12, noise_seed=1, sampling_seed=1, **FAST)
     assert not all(np.array_equal(x, y) for x, y in zip(a.weights, c.weights))
 
 
