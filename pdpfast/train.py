@@ -520,8 +520,11 @@ _RESUME_SETTINGS = ("method", "model", "delta", "epochs", "batch_size", "max_gra
 
 
 def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
-    extra = checkpoint.get("extra", {}) if isinstance(checkpoint, dict) else {}
-    if "train_args" not in extra:
+    extra = checkpoint.get("extra") if isinstance(checkpoint, dict) else None
+    # a foreign or damaged file fails here, not on a TypeError deep inside the comparisons below
+    if not (isinstance(extra, dict) and isinstance(extra.get("train_args"), dict)
+            and isinstance(extra.get("data", {}), (dict, type(None)))
+            and isinstance(extra.get("model_config", {}), dict)):
         raise ValueError(f"{cfg.resume!r} is not a `pdpfast train` checkpoint")
     saved = dict(extra["train_args"])
     saved["hybrid_weight"] = _hybrid_weight(saved.get("method"), saved.get("hybrid_weight"))
@@ -542,8 +545,37 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
         if data.get(key) != fingerprint[key]:
             raise ValueError(f"cannot resume {cfg.resume!r}: it was made on {what}; its spent budget belongs to "
                              "those records, so resume with the same data and budgets")
-    if extra.get("model_config") != model_config:
-        raise ValueError("the checkpoint's model configuration differs from this run's")
+    differences = _model_config_differences(extra.get("model_config") or {}, model_config)
+    if differences:
+        raise ValueError(f"the checkpoint's model configuration differs from this run's: {differences}; resume "
+                         "with the settings it was made with")
+
+
+def _model_config_differences(saved: dict, now: dict) -> str:
+    """The fields of two model configurations (as :func:`_build` returns) that differ.
+
+    Args:
+        saved: the checkpoint's model configuration; now: this run's.
+    Returns:
+        "--hidden 128 in the checkpoint, 64 in this run, ..." (an option's words where a field has an option:
+        the mlp's widths are --hidden), empty when they agree.
+    """
+    def fields(config):
+        flat = {k: v for k, v in config.items() if k != "options"}
+        options = config.get("options")
+        flat.update(options if isinstance(options, dict) else {"options": options})
+        return flat
+
+    saved, now = fields(saved), fields(now)
+    words = {"name": "--model", "hidden": "--hidden"}
+    shown = {"hidden": lambda widths: ",".join(map(str, widths)) if isinstance(widths, list) else repr(widths)}
+    differences = []
+    for key in sorted(set(saved) | set(now), key=lambda k: (k not in words, k)):
+        if saved.get(key) != now.get(key):
+            show = shown.get(key, repr)
+            differences.append(f"{words.get(key, key)} {show(saved.get(key))} in the checkpoint, "
+                               f"{show(now.get(key))} in this run")
+    return ", ".join(differences)
 
 
 def _hybrid_weight(method, hybrid_weight):

@@ -350,3 +350,26 @@ def test_a_second_ctrl_c_while_the_first_is_handled_is_the_same_interruption(cli
     assert rc == 128 + signal.SIGINT and err.strip() == "pdpfast train: interrupted", err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler        # in-process: given back
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("extra", [5, {"train_args": 5}, "damaged data", "damaged model config"])
+def test_resume_of_a_file_with_a_foreign_structure_says_it_is_not_a_train_checkpoint(cli, data_dir, tmp_path, extra):
+    """A dict whose `extra`, `train_args`, `data` or `model_config` is not what `pdpfast train` writes is named
+    as not its checkpoint (was a TypeError from inside the checks, or "predates fingerprints")."""
+    ck = tmp_path / "run.pt"
+    if isinstance(extra, str):
+        assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+        checkpoint = torch.load(ck, weights_only=False)
+        checkpoint["extra"]["data" if extra == "damaged data" else "model_config"] = "x"
+        torch.save(checkpoint, ck)
+    else:
+        torch.save({"extra": extra}, ck)
+    message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, *SMALL)
+    assert f"{str(ck)!r} is not a `pdpfast train` checkpoint" in message, message
+
+
+def test_resume_with_another_model_configuration_names_the_option_and_both_values(cli, data_dir, tmp_path):
+    ck = tmp_path / "run.pt"
+    assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+    message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, "--hidden", "64", *SMALL)
+    assert "--hidden 128 in the checkpoint, 64 in this run" in message, message
