@@ -77,7 +77,8 @@ class TrainData:
         if self.labels.is_floating_point() or self.labels.is_complex() or self.labels.dtype == torch.bool:
             raise TypeError(f"{where}labels must be integer class indices, got {self.labels.dtype}")
         if self.features.shape[0] != self.labels.shape[0]:
-            raise ValueError(f"{self.source}: {self.features.shape[0]} records but {self.labels.shape[0]} labels")
+            raise ValueError(f"{where}labels must be one per record: features has {self.features.shape[0]} records, "
+                             f"labels has {self.labels.shape[0]}")
         if self.features.shape[0] == 0:
             raise ValueError(f"{self.source}: no records")
         if int(self.labels.min()) < 0:
@@ -439,8 +440,9 @@ def _labels(values, what: str):
     labels, a class absent from the data). Other integers (a negative one, or M ≥ 2K: say a stray
     9999 among 0 and 1) are mapped to their rank among the sorted distinct values, with a warning
     naming them, as names always are; ``class names`` holds each index's original label. Numbers that
-    are not whole (a regression target) are refused, as is a number Python reads but that is not
-    written in plain decimal ('1_0').
+    are not whole (a regression target) are refused, as are a missing or non-finite one (NaN, inf;
+    the message names its record) and a number Python reads but that is not written in plain decimal
+    ('1_0').
     """
     values = [str(v).strip() for v in values]
     if not values:
@@ -456,7 +458,11 @@ def _labels(values, what: str):
         names = sorted(set(values))
         index = {v: j for j, v in enumerate(names)}
         return torch.tensor([index[v] for v in values], dtype=torch.int64), names
-    fractional = next((v for v, x in zip(values, numbers) if not (math.isfinite(x) and x == round(x))), None)
+    missing = next((i for i, x in enumerate(numbers) if not math.isfinite(x)), None)
+    if missing is not None:     # NaN is how a float array marks a missing label: not a regression target
+        raise ValueError(f"{what} has a missing or non-finite label at record {missing} ({values[missing]}); every "
+                         "record needs a class label")
+    fractional = next((v for v, x in zip(values, numbers) if x != round(x)), None)
     if fractional is not None:
         # numbers that are not whole are a regression target, not class names: as classes, N
         # records would silently become up to N classes of one record each
@@ -603,8 +609,9 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
         NumPy data, arrays of Python objects), an .npz holding two names for one array (``x`` and
         ``X``, ``y`` and ``labels``) or arrays that are not read, ``labels`` beside an .npz, no records,
         features that are not finite real numbers within float32's range (complex ones too), or labels
-        that are not 1-D (N,) (an (N, 1) column too); TypeError for labels of dtype bool, complex or
-        other than integers, reals and strings.
+        that are not 1-D (N,) (an (N, 1) column too), not one per record (the message names the labels
+        file) or missing or non-finite (NaN; the message names the record); TypeError for labels of
+        dtype bool, complex or other than integers, reals and strings.
     """
     path = os.fspath(path)
     check_flag("tokens", tokens)
@@ -639,7 +646,10 @@ def load_numpy(path, *, labels=None, tokens: bool = False) -> TrainData:
         where = f"labels of {path}" if labels is None else f"labels file {os.fspath(labels)!r}"
         _check_label_array(y, where)
         if y.shape[0] != x.shape[0]:
-            raise ValueError(f"{path}: {x.shape[0]} records but {y.shape[0]} labels")
+            # a labels file of another length is that file's fault, not the data's
+            raise ValueError(f"{path}: {x.shape[0]} records but {y.shape[0]} labels" if labels is None else
+                             f"{where} has {y.shape[0]} labels for the {x.shape[0]} records of {path}; give one "
+                             "label per record")
         y_t, names = _labels(y.tolist(), where)
     if budgets is not None:
         budgets = check_budgets(budgets, x.shape[0], f"budgets in {path}")

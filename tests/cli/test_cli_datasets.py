@@ -149,6 +149,8 @@ def test_subset_refuses_indices_it_would_wrap_truncate_or_misread(index, error, 
     (torch.zeros(2, 2), torch.tensor([0.5, 1.5]), "features", TypeError, "labels must be integer"),
     (torch.zeros(2, 2), torch.tensor([0, -1]), "features", ValueError, "labels must be class indices ≥ 0"),
     (torch.zeros(2, 2), torch.tensor(1), "features", ValueError, "labels must be \\(N,\\)"),
+    (torch.zeros(2, 2), torch.zeros(3, dtype=torch.long), "features", ValueError,
+     "^labels must be one per record: features has 2 records, labels has 3$"),
     (torch.zeros(2, 2), torch.zeros(2, dtype=torch.long), "bogus", ValueError, "kind must be one of")])
 def test_train_data_refuses_records_it_cannot_hold(features, labels, kind, error, match):
     with pytest.raises(error, match=match):

@@ -29,6 +29,23 @@ def test_float_labels_holding_whole_numbers_are_classes(cli, data_dir, tmp_path)
     assert rc == 0, err
 
 
+def test_a_labels_file_of_another_length_is_named_not_the_data(cli, data_dir, tmp_path):
+    np.save(tmp_path / "ys.npy", np.load(data_dir / "y.npy")[:-1])
+    message = cli.fails("train", "--data", data_dir / "x.npy", "--labels", tmp_path / "ys.npy", "--budgets",
+                        data_dir / "budgets.npy", *SMALL)
+    assert f"--labels file {str(tmp_path / 'ys.npy')!r} has 359 labels for the 360 records" in message, message
+
+
+def test_a_missing_float_label_names_its_record_not_regression(cli, data_dir, tmp_path):
+    """NaN is how a float array marks a missing value: the record is named, as a missing budget's is."""
+    labels = np.load(data_dir / "y.npy").astype(np.float64)
+    labels[359] = np.nan
+    np.save(tmp_path / "y.npy", labels)
+    message = cli.fails("train", "--data", data_dir / "x.npy", "--labels", tmp_path / "y.npy", "--budgets",
+                        data_dir / "budgets.npy", *SMALL)
+    assert "has a missing or non-finite label at record 359 (nan)" in message and "regression" not in message
+
+
 # at q = 1 Sample cannot raise the larger budgets' rates; Scale and hybrid (whose rates are all 1
 # too) spend them through larger clip bounds
 @pytest.mark.parametrize("method,under_spending", [("sample", ("ε=2", "ε=3")), ("scale", ()), ("hybrid", ())])
