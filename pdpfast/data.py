@@ -58,10 +58,23 @@ class _EmptySafeCollate:
 
 
 def _take_zero_rows(batch):
+    """The zero-row batch shaped like ``batch`` (one sample collated).
+
+    Args:
+        batch: a tensor, or a mapping, named tuple, list or tuple of them (nested); anything else is kept.
+    Returns:
+        the same structure with every tensor's rows cut to 0. A mapping of any kind (a dict, transformers'
+        ``BatchEncoding``, a ``collections.abc.Mapping`` of one's own) keeps its type where
+        ``type(batch)(dict)`` builds one, and is a plain dict of the same keys where it does not.
+    """
     if isinstance(batch, torch.Tensor):
         return batch[:0]
-    if isinstance(batch, dict):
-        return type(batch)({k: _take_zero_rows(v) for k, v in batch.items()})
+    if isinstance(batch, Mapping):
+        rows = {k: _take_zero_rows(v) for k, v in batch.items()}
+        try:
+            return type(batch)(rows)
+        except (TypeError, ValueError):     # a mapping type not built from a dict (defaultdict, a no-argument init)
+            return rows
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_take_zero_rows(v) for v in batch))
     if isinstance(batch, (list, tuple)):

@@ -1,4 +1,7 @@
-"""DPDataLoader (pdpfast.data): what it cannot draw from is refused by name at construction."""
+"""DPDataLoader (pdpfast.data): what it cannot draw from is refused by name at construction; an empty
+draw is a zero-row batch of the collate's own structure."""
+from collections.abc import Mapping
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +146,50 @@ def test_a_mapping_or_a_string_is_refused_since_records_are_drawn_by_number(data
     with pytest.raises(TypeError, match="dataset must be indexed by record number"):
         map_style_length(dataset)
     assert map_style_length([(1, 2), (3, 4)]) == 2
+
+
+class _Record(Mapping):
+    """A read-only mapping of one's own, built from a dict (not a dict subclass)."""
+
+    def __init__(self, fields):
+        self._fields = dict(fields)
+
+    def __getitem__(self, key):
+        return self._fields[key]
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self):
+        return len(self._fields)
+
+
+class _Fixed(_Record):
+    """A mapping whose constructor takes no dict."""
+
+    def __init__(self):
+        super().__init__({"x": torch.ones(1, 2)})
+
+
+def _empty_draw(collate):
+    records = [{"x": torch.randn(2), "y": torch.tensor(i)} for i in range(6)]
+    loader = DPDataLoader(records, 1e-9, seed=0, steps_per_epoch=1, collate_fn=collate)
+    (batch,) = list(loader)
+    assert len(loader.current.indices) == 0
+    return batch
+
+
+def test_an_empty_draw_through_a_collate_returning_any_mapping_has_zero_rows_not_record_0():
+    """Before: only a dict was cut to zero rows; any other Mapping came back as record 0, a one-row batch."""
+    batch = _empty_draw(lambda rows: _Record({k: torch.stack([r[k] for r in rows]) for k in rows[0]}))
+    assert type(batch) is _Record and batch["x"].shape == (0, 2) and batch["y"].shape == (0,)
+    batch = _empty_draw(lambda rows: _Fixed())
+    assert type(batch) is dict and batch["x"].shape == (0, 2)
+
+
+def test_an_empty_draw_through_a_collate_returning_a_batch_encoding_keeps_its_type_with_zero_rows():
+    transformers = pytest.importorskip("transformers")
+    batch = _empty_draw(lambda rows: transformers.BatchEncoding(
+        {"input_ids": torch.stack([r["x"] for r in rows]), "labels": torch.stack([r["y"] for r in rows])}))
+    assert isinstance(batch, transformers.BatchEncoding)
+    assert batch["input_ids"].shape == (0, 2) and batch["labels"].shape == (0,)
