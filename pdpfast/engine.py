@@ -37,7 +37,7 @@ from .distributed import (
     unwrap,
 )
 from .nn.convert import convert, unsupported_modules
-from .optimizer import DPOptimizer
+from .optimizer import SECURE_MODE_REFUSAL, DPOptimizer, noise_seed_from
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -226,8 +226,7 @@ class PrivacyEngine:
                              "approximation is not an upper bound on ε. Use 'rdp', 'pld' or 'prv'")
         check_choice("accountant", accountant, tuple(_ACCOUNTANTS))
         if secure_mode:
-            raise ValueError("secure_mode=True is not supported: pdpfast draws Poisson masks and noise from "
-                             "seeded counter-based generators, not from a cryptographically secure one")
+            raise ValueError(SECURE_MODE_REFUSAL)
         self.seed = None if seed is None else check_int("seed", seed, 0)
         self.distributed = None  # a DistributedContext when the model is DDP-wrapped
         self.accountant = create_accountant(_ACCOUNTANTS[accountant])
@@ -396,7 +395,7 @@ class PrivacyEngine:
             shard = dict(rank=self.distributed.rank, world_size=self.distributed.world_size)
         noise_seed = None if seed is None else seed + 1
         if noise_generator is not None:
-            noise_seed = int(torch.randint(0, 2 ** 62, (1,), generator=noise_generator))
+            noise_seed = noise_seed_from(noise_generator)
         # what ClippingState refuses only once it sees the converted layers (layer_shares that name no
         # clipping group, or do not number one per group) must leave the model as it was: the swap
         # changes classes only, so restoring them undoes it

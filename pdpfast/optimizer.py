@@ -8,12 +8,33 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
-from ._checks import check_int, check_nonnegative, check_positive
+from ._checks import check_choice, check_int, check_nonnegative, check_positive
 from .clipping import attach_changes, unguarded
 from .ops.noise import add_noise_
 
 # ids of the wrapped optimizers a DPOptimizer is stepping now: their own step is refused otherwise
 _STEPPING: set[int] = set()
+
+
+SECURE_MODE_REFUSAL = ("secure_mode=True is not supported: pdpfast draws Poisson masks and noise from seeded "
+                       "counter-based generators, not from a cryptographically secure one")
+
+
+def noise_seed_from(generator: torch.Generator) -> int:
+    """The noise seed a ``torch.Generator`` given for the noise stands for: one draw from it (so the
+    same generator state gives the same noise), as ``make_private(noise_generator=)`` and
+    ``DPOptimizer(generator=)`` read it.
+
+    Args:
+        generator: a torch.Generator (it advances by one draw).
+    Returns:
+        an int in [0, 2**62).
+    Raises:
+        TypeError when ``generator`` is not a torch.Generator.
+    """
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator))
 
 
 def _refuse_direct_step(optimizer, args, kwargs) -> None:
@@ -44,15 +65,36 @@ class DPOptimizer(Optimizer):
         max_grad_norm: C, the clip norm, a finite float > 0.
         expected_batch_size: B_exp = Σ_i q_i, records per draw, a finite float > 0.
         seed: the noise seed, an int in [0, 2**63) as ``DPDataLoader``'s; None draws one from ``os.urandom``.
+        loss_reduction, generator, secure_mode: Opacus's DPOptimizer arguments, where this one can honor
+            them. loss_reduction: only "mean", Opacus's default and what ``step()`` does (the noisy sum
+            divided by ``expected_batch_size``); Opacus's "sum" does not divide, and is refused rather than
+            ignored. generator: seeds the noise, as ``make_private``'s ``noise_generator`` (one draw from it;
+            instead of ``seed``). secure_mode: only False, as ``PrivacyEngine``'s.
     Raises:
-        TypeError if ``optimizer`` is not a ``torch.optim.Optimizer`` or a number is not a number; ValueError
-            for an out-of-range number or a seed that is not such an int.
+        TypeError if ``optimizer`` is not a ``torch.optim.Optimizer``, a number is not a number or
+            ``generator`` not a torch.Generator; ValueError for an out-of-range number, a seed that is not
+            such an int, both ``seed`` and ``generator``, loss_reduction="sum" or another value than "mean",
+            or secure_mode=True.
     """
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
-                 expected_batch_size: float, seed: int | None = None):
+                 expected_batch_size: float, seed: int | None = None, loss_reduction: str = "mean",
+                 generator: torch.Generator | None = None, secure_mode: bool = False):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if loss_reduction == "sum":
+            raise ValueError(
+                "loss_reduction='sum' is not offered by DPOptimizer: its step always divides the noisy clipped sum "
+                "by expected_batch_size (Opacus's 'mean'), and how the loss is read is the clipping state's "
+                "(ClippingState.begin_batch(loss_scale=)) or make_private's loss_reduction. For Opacus's 'sum' "
+                "step, leave loss_reduction='mean' and multiply the learning rate by expected_batch_size")
+        check_choice("loss_reduction", loss_reduction, ("mean",))
+        if secure_mode:
+            raise ValueError(SECURE_MODE_REFUSAL)
+        if generator is not None and seed is not None:
+            raise ValueError("give seed or generator, not both: each seeds the noise")
+        if generator is not None:
+            seed = noise_seed_from(generator)
         self.original_optimizer = optimizer
         self._set_step_noise(noise_multiplier, max_grad_norm)
         self.expected_batch_size = check_positive("expected_batch_size", expected_batch_size)

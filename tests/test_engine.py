@@ -516,3 +516,30 @@ def test_dp_optimizer_refuses_the_seeds_dp_data_loader_refuses(seed):
         DPOptimizer(sgd, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0, seed=seed)
     assert DPOptimizer(sgd, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4.0,
                        seed=np.int64(5)).seed == 5
+
+
+def test_dp_optimizer_takes_the_opacus_arguments_it_honors_with_their_meaning():
+    """Opacus's DPOptimizer(loss_reduction="mean", generator=, secure_mode=False) run here (before: Python's
+    "unexpected keyword argument"); a generator seeds the noise as make_private's noise_generator does."""
+    def optimizer(**kwargs):
+        return DPOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                           expected_batch_size=8, **kwargs)
+
+    assert optimizer(loss_reduction="mean", secure_mode=False).expected_batch_size == 8
+    seeded = optimizer(generator=torch.Generator().manual_seed(5)).seed
+    assert seeded == optimizer(generator=torch.Generator().manual_seed(5)).seed
+    assert seeded == pdpfast.optimizer.noise_seed_from(torch.Generator().manual_seed(5))
+    assert seeded != optimizer(generator=torch.Generator().manual_seed(6)).seed
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(loss_reduction="sum"), ValueError, r"loss_reduction='sum' is not offered .*multiply the learning rate"),
+    (dict(loss_reduction="avg"), ValueError, "loss_reduction must be one of 'mean', got 'avg'"),
+    (dict(secure_mode=True), ValueError, "secure_mode=True is not supported"),
+    (dict(generator=3), TypeError, "generator must be a torch.Generator, got int"),
+    (dict(generator=torch.Generator(), seed=1), ValueError, "give seed or generator, not both"),
+])
+def test_dp_optimizer_refuses_the_opacus_arguments_it_cannot_honor_by_name(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DPOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
+                    expected_batch_size=8, **kwargs)

@@ -490,6 +490,16 @@ def test_get_epsilon_refuses_a_bad_delta_and_is_zero_before_training():
         engine.get_epsilon(1.5)
 
 
+def test_every_keyword_of_opacus_dp_optimizer_is_one_of_pdpfasts():
+    """So an Opacus low-level script gets pdpfast's answer for each (honored, or refused by name), not
+    Python's "unexpected keyword argument"."""
+    import inspect
+
+    ours = inspect.signature(pdpfast.DPOptimizer.__init__).parameters
+    theirs = inspect.signature(opacus.optimizers.DPOptimizer.__init__).parameters
+    assert [name for name, p in theirs.items() if p.kind is p.KEYWORD_ONLY and name not in ours] == []
+
+
 def test_noise_generator_makes_the_noise_reproducible():
     def noisy_step(seed):
         x, y = _dataset(n=32).tensors
