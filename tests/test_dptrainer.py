@@ -119,6 +119,22 @@ def test_resume_from_a_checkpoint_continues_the_ledger_exactly(tmp_path):
     assert epochs(resumed) == epochs(whole) and epochs(whole)[4] > epochs(whole)[2] > 0
 
 
+def test_a_resumed_run_reports_the_same_final_epoch_in_its_train_summary(tmp_path):
+    """Before: the summary (the log with train_runtime) kept the Trainer's own count, which restarts in a
+    resumed run that does not replay the skipped draws: 1.333 instead of 2. The last step (12) is not a
+    logging step, so no log with a loss sets the epoch just before the summary."""
+    def final_epoch(out, resume=None):
+        args = arguments(out, max_steps=-1, num_train_epochs=2, save_strategy="steps", save_steps=4,
+                         logging_steps=5)
+        trainer = DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5)
+        trainer.train(resume_from_checkpoint=resume)
+        (summary,) = [log for log in trainer.state.log_history if "train_runtime" in log]
+        return summary["epoch"]
+
+    assert final_epoch(tmp_path / "whole") == 2
+    assert final_epoch(tmp_path / "resumed", resume=str(tmp_path / "whole" / "checkpoint-4")) == 2
+
+
 def test_the_noise_seed_is_secret_not_the_public_args_seed_unless_given(tmp_path):
     """Before: the engine took args.seed (42 by default, and in every shared training script), so anyone
     could recompute the draws and the noise of a released model."""

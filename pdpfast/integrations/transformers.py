@@ -529,18 +529,21 @@ class DPTrainer(transformers.Trainer):
         """The Trainer's ``log``, with the privacy spent added to every log that has a training loss.
 
         Args:
-            logs: the metrics to log; when it holds "loss" (after training started) its "epoch" is
-                steps / steps per epoch (continued by a resumed run), and it gets "epsilon",
-                the largest ε spent by any record, and for up to ``MAX_LOGGED_GROUPS`` distinct budgets
-                "epsilon_budget_<budget>", the largest ε spent by a record with that budget.
+            logs: the metrics to log; when it holds "loss" or is the train summary (with "train_runtime"),
+                after training started, its "epoch" is steps / steps per epoch (continued by a resumed run);
+                one with "loss" gets "epsilon", the largest ε spent by any record, and for up to
+                ``MAX_LOGGED_GROUPS`` distinct budgets "epsilon_budget_<budget>", the largest ε spent by a
+                record with that budget.
             start_time: passed to ``Trainer.log``.
         Returns:
             None.
         """
-        if self._train_loader is not None and "loss" in logs:
+        if self._train_loader is not None and ("loss" in logs or "train_runtime" in logs):
             # the epoch in expected passes over the data: the Trainer counts it from the batches of this
-            # call, and a resumed run does not replay the draws before its checkpoint (ignore_data_skip)
+            # call, and a resumed run does not replay the draws before its checkpoint (ignore_data_skip);
+            # the summary too, whose last step need not be a logging step
             self.state.epoch = self.state.global_step / self._steps_per_epoch
+        if self._train_loader is not None and "loss" in logs:
             eps = self.epsilons()
             logs["epsilon"] = float(eps.max())
             for name, members in self._groups:
