@@ -819,7 +819,7 @@ class PrivacyEngine:
 
         budgets: (N,) ε_i > 0, one per record of ``data_loader.dataset``; delta: δ in (0, 1); the
         run is ``epochs`` passes (in expectation) or ``steps`` optimizer steps; sample_rate: mean
-        Poisson rate (default: batch_size / N of ``data_loader``); method: "sample" | "scale" |
+        Poisson rate (default 1/len(data_loader), as ``make_private``'s); method: "sample" | "scale" |
         "hybrid" (see ``pdpfast.calibrate``). Other keyword arguments go to ``make_private``.
 
         The engine keeps a per-record ledger of the plan's own accountant (``accountant``: "rdp" or
@@ -840,7 +840,8 @@ class PrivacyEngine:
             epochs, steps: the run's length: passes (in expectation) or optimizer steps.
             method: "sample" | "scale" | "hybrid" (see ``pdpfast.calibrate``).
             hybrid_weight: λ of "hybrid" in [0, 1] (None: 0.5); refused with the other methods.
-            sample_rate: mean Poisson rate (default: batch_size / N of ``data_loader``).
+            sample_rate: mean Poisson rate (default 1/len(data_loader), one over the loader's batches per
+                pass, as ``make_private``'s: batch_size / N only when batch_size divides N).
             max_grad_norm: C, the reference clip bound.
             accountant: "rdp" or "pld", the plan's accountant and ledger.
             noise_schedule, adaptive_clipping: see above.
@@ -869,7 +870,7 @@ class PrivacyEngine:
         warn_large_delta(check_delta("delta", delta), n)
         if sample_rate is None and len(data_loader) == 0:
             raise ValueError("data_loader yields no batches (drop_last with batch_size > N?), so the default "
-                             "sample rate batch_size / N is undefined; give sample_rate=")
+                             "sample rate 1/len(data_loader) is undefined; give sample_rate=")
         budgets = as_budget_vector("budgets", budgets)
         if budgets.shape[0] != n:
             raise ValueError(f"budgets must have one ε per record of the dataset ({n}), got shape {budgets.shape}")

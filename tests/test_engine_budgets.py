@@ -375,3 +375,21 @@ def test_a_delta_of_at_least_one_over_n_warns_in_the_python_api_as_the_cli_does(
     with warnings.catch_warnings():
         warnings.simplefilter("error", LargeDeltaWarning)
         _setup(np.full(30, 2.0))       # δ = 1e-5
+
+
+def test_the_default_sample_rate_is_one_over_the_loaders_batches_as_documented():
+    """30 records in batches of 4: 8 batches, so q = 1/8, not batch_size / N = 0.133 (the docstring said the
+    latter, and the error for a loader without batches named it)."""
+    model = nn.Linear(6, 3)
+    ds = TensorDataset(torch.randn(30, 6), torch.zeros(30, dtype=torch.long))
+    engine = pdpfast.PrivacyEngine(seed=0)
+    engine.make_private_with_budgets(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                     data_loader=DataLoader(ds, batch_size=4), budgets=np.ones(30), delta=1e-5,
+                                     epochs=1, method="scale")
+    np.testing.assert_allclose(engine.plan.sample_rates, 1 / 8)
+    doc = pdpfast.PrivacyEngine.make_private_with_budgets.__doc__
+    assert "default 1/len(data_loader)" in doc and "default: batch_size / N" not in doc
+    with pytest.raises(ValueError, match=r"sample rate 1/len\(data_loader\) is undefined"):
+        pdpfast.PrivacyEngine().make_private_with_budgets(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(ds, batch_size=40, drop_last=True), budgets=np.ones(30), delta=1e-5, epochs=1)
