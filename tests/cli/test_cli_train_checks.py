@@ -241,7 +241,7 @@ def test_a_record_whose_gradient_overflows_stops_the_run_with_one_line_not_a_tra
                        "--batch-size", 40, "--epochs", 1, "--test-fraction", 0, "--quiet", "--noise-seed", 0,
                        "--out-json", tmp_path / "s.json")
     assert rc == 2 and "Traceback" not in err, err
-    assert "pdpfast train: error: 1 record(s) of the batch" in err and "NaN or inf" in err
+    assert "pdpfast train: error: 1 record(s) (dataset records [3] (0-based;" in err and "NaN or inf" in err
     assert not (tmp_path / "s.json").exists()
 
 
