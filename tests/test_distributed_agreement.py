@@ -230,7 +230,7 @@ def test_a_non_finite_record_makes_every_rank_discard_the_draw_as_one_process_do
         p, dropped, messages = result
         assert dropped == single_dropped, f"rank {rank}"
         torch.testing.assert_close(p, single, rtol=1e-12, atol=1e-12, msg=f"rank {rank}")
-    own = [m for r in (0, 1) for m in _both(outcomes, "nan")[r][2] if "record(s) of the batch" in m]
+    own = [m for r in (0, 1) for m in _both(outcomes, "nan")[r][2] if f"record(s) (dataset records [{BAD}]" in m]
     elsewhere = [m for r in (0, 1) for m in _both(outcomes, "nan")[r][2] if "another rank's share" in m]
     assert len(own) == len(elsewhere) == len(single_dropped)  # per draw: one rank holds it, the other is told
 
