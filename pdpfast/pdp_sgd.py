@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -197,6 +198,10 @@ class PDPSGD:
         if float(min_remaining) >= self.budgets.max():
             raise ValueError(f"min_remaining={min_remaining!r} is not below the largest budget "
                              f"({self.budgets.max():g}): every record would count as exhausted and nothing train")
+        below = int((self.budgets <= float(min_remaining)).sum())
+        if below:
+            warnings.warn(f"{below} record(s) have a budget at or below min_remaining={min_remaining!r} and never "
+                          "train (they count as exhausted from the start, charged nothing)", UserWarning, stacklevel=2)
         if (steps_per_round is None) == (epochs_per_round is None):
             raise ValueError("give exactly one of steps_per_round and epochs_per_round")
         if epochs_per_round is not None:
@@ -242,12 +247,11 @@ class PDPSGD:
         if getattr(self, "_total_steps", None) is None:
             rem, total = self.budgets.copy(), 0
             for _ in range(self.rounds):
-                rem = np.where(rem > self.min_remaining, rem, 0.0)
-                if not np.any(rem > 0):
+                plan, left_out = pdp.meetable_round(np.where(rem > self.min_remaining, rem, 0.0), self._plan)
+                if plan is None:
                     break
-                threshold, probabilities, q = self._threshold(rem)
-                total += self._steps_for(q)
-                rem = pdp.charge(rem, threshold)
+                total += plan.steps
+                rem = pdp.charge(np.where(left_out | (rem <= self.min_remaining), 0.0, rem), plan.threshold)
             self._total_steps = total
         return self._total_steps
 
@@ -258,6 +262,11 @@ class PDPSGD:
         # q_R from the budgets alone (Σ π_i, not the drawn subset's size), so it is data-independent
         q = self.sample_rate or min(1.0, self.expected_batch_size / float(probabilities.sum()))
         return threshold, probabilities, q
+
+    def _plan(self, rem: np.ndarray):
+        """The round plan on remaining budgets ``rem`` (raises ``pdp.UnmeetableThreshold``)."""
+        threshold, _, q = self._threshold(rem)
+        return pdp.round_plan(rem, delta=self.delta, steps=self._steps_for(q), sample_rate=q, threshold=threshold)
 
     def _steps_for(self, sample_rate: float) -> int:
         if self.steps_per_round is not None:
@@ -290,23 +299,30 @@ class PDPSGD:
         cur = self.current
         payers = np.zeros_like(self.ledger_eps, dtype=bool)
         payers[cur["payers"]] = True
-        return np.where(payers, np.log1p(cur["probabilities"] * np.expm1(engine_epsilon)), 0.0)
+        return np.where(payers, pdp.amplified_epsilon(cur["probabilities"], engine_epsilon), 0.0)
 
     # ------------------------------------------------------------------ rounds
     def _begin_round(self) -> bool:
         rem = np.where(self.remaining > self.min_remaining, self.remaining, 0.0)
-        if not np.any(rem > 0):
+        plan, left_out = pdp.meetable_round(rem, self._plan)
+        if left_out.any():
+            warnings.warn(f"{int(left_out.sum())} record(s) with a remaining budget of at most "
+                          f"{rem[left_out].max():.3g} take no further part: no noise multiplier meets so small a "
+                          f"budget over a round at δ={self.delta:g} (they keep it, charged nothing more)",
+                          UserWarning, stacklevel=3)
+        if plan is None:
             return False
-        threshold, _, q = self._threshold(rem)
-        steps = self._steps_for(q)
-        plan = pdp.round_plan(rem, delta=self.delta, steps=steps, sample_rate=q, threshold=threshold)
+        rem = np.where(left_out, 0.0, rem)
+        q, steps = plan.sample_rate, plan.steps
         # data-independent randomness: a function of (seed, round) only
         draws = np.random.default_rng([self.seed, 0x9D95, self.round]).random(rem.shape[0])
         kept = draws < plan.probabilities
         # charge before release: the ledger pays for the round before the round trains
         self.spent_delta = pdp.charge_delta(self.spent_delta, rem, plan.threshold, self.delta, sampled=kept,
                                             rule=self.rule)
-        self.remaining = pdp.charge(rem, plan.threshold, sampled=kept, rule=self.rule)
+        # records out of the round (exhausted, or left out) keep what they have: charged nothing
+        self.remaining = np.where(rem > 0, pdp.charge(rem, plan.threshold, sampled=kept, rule=self.rule),
+                                  self.remaining)
         payers = kept if self.rule == "sampled" else rem > 0
         self.current = {"threshold": plan.threshold, "probabilities": plan.probabilities, "sample_rate": q,
                         "steps": steps,
@@ -361,8 +377,10 @@ class PDPSGD:
                             f"{type(on_step).__name__}")
         stop_at = None if max_steps is None else self.steps + check_int("max_steps", max_steps, 0)
         stopped = False
+        exhausted = False
         while self.round < self.rounds and not stopped:
             if self.current is None and not self._begin_round():
+                exhausted = True     # no record can take part any more
                 break
             if len(self.current["kept"]) == 0:        # nobody drawn: the round takes no step, releases nothing
                 self.current["steps"] = 0
@@ -399,7 +417,8 @@ class PDPSGD:
                     self.current["engine"] = engine.state_dict()
                     self._engine = None
                 engine.detach()
-        if self.round >= self.rounds or (self.current is None and not np.any(self.remaining > self.min_remaining)):
+        if self.round >= self.rounds or exhausted or (self.current is None and
+                                                      not np.any(self.remaining > self.min_remaining)):
             self.finished = True
         return self.result()
 

@@ -196,3 +196,66 @@ def test_train_pdp_sgd_refuses_lr_that_its_given_optimizer_would_ignore():
     with pytest.raises(ValueError, match="lr"):
         train_pdp_sgd(model, dataset, budgets, delta=DELTA, rounds=1, steps_per_round=1, sample_rate=0.3, lr=-1.0)
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def _tiny(n=4):
+    torch.manual_seed(0)
+    return nn.Linear(3, 2), TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,)))
+
+
+def test_a_leftover_budget_no_round_can_meet_is_left_out_with_a_warning_not_a_crash():
+    """Before: round 1's threshold was record 3's leftover 0.005, which no noise meets over 3 steps at
+    δ = 1e-5; run() raised mid-run (advising an orders= that PDPSGD does not take) and returned nothing."""
+    model, data = _tiny()
+    driver = PDPSGD(model, data, [1.0, 1.0, 1.0, 1.005], optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    delta=1e-5, rounds=2, steps_per_round=3, sample_rate=0.5, seed=0)
+    with pytest.warns(UserWarning, match=r"1 record\(s\) with a remaining budget of at most 0.005 take no further"):
+        result = driver.run()
+    assert driver.finished and len(result.rounds) == 1
+    np.testing.assert_allclose(result.remaining, [0.0, 0.0, 0.0, 0.005], atol=1e-12)
+    assert np.all(result.epsilons <= driver.budgets) and np.all(result.ledger_epsilons <= result.epsilons + 1e-12)
+
+
+def test_the_harmonic_loss_plans_every_round_of_continuous_budgets():
+    """Before: "harmonic" (τ = the smallest remaining budget) met a leftover of 0.002 in round 2 and raised."""
+    from pdpfast.accounting import pdp
+
+    budgets = np.random.default_rng(0).uniform(1, 3, 100)
+    plans = pdp.schedule(budgets, 4, delta=1e-5, steps_per_round=100, sample_rate=0.05, loss="harmonic")
+    assert 1 <= len(plans) <= 4
+    spent = sum(np.asarray(p.epsilons) for p in plans)
+    assert np.all(spent <= budgets + 1e-12)
+
+
+def test_budgets_above_709_give_finite_probabilities_thresholds_and_ledger():
+    """Before: e^ε overflowed: π = inf/inf = NaN, the threshold a NaN candidate, the ledger ε inf."""
+    from pdpfast.accounting import pdp
+
+    np.testing.assert_allclose(pdp.sampling_probabilities([720.0, 730.0], 740.0), np.exp([-20.0, -10.0]), rtol=1e-12)
+    assert np.all(np.isfinite(pdp.threshold_losses([800.0, 900.0, 1000.0], [800.0, 900.0, 1000.0])))
+    assert pdp.select_threshold([800.0, 900.0, 1000.0]) == 800.0
+    model, data = _tiny(3)
+    result = train_pdp_sgd(model, data, [1000.0] * 3, delta=1e-5, rounds=1, steps_per_round=2, sample_rate=0.5, lr=0.1)
+    assert np.all(np.isfinite(result.ledger_epsilons)) and np.all(result.ledger_epsilons <= result.epsilons)
+
+
+def test_the_small_probability_and_amplification_formulas_are_unchanged_in_the_usual_range():
+    from pdpfast.accounting import pdp
+
+    eps = np.random.default_rng(1).uniform(0.01, 8.0, 200)
+    expected = np.where(eps < 5, np.expm1(eps) / np.expm1(5.0), 1.0)
+    np.testing.assert_allclose(pdp.sampling_probabilities(eps, 5.0), expected, rtol=1e-12)
+    for e in (0.3, 1.0, 4.0, 30.0):
+        p = np.r_[0.0, np.random.default_rng(2).uniform(0, 1, 20), 1.0]
+        np.testing.assert_allclose(pdp.amplified_epsilon(p, e), np.log1p(p * np.expm1(e)), rtol=1e-12, atol=1e-15)
+
+
+def test_records_at_or_below_min_remaining_never_train_and_are_reported_as_charged_nothing():
+    """Before: their ε read as their whole budget (0.5, 1.0), though they were never in a subset."""
+    model, data = _tiny()
+    with pytest.warns(UserWarning, match=r"2 record\(s\) have a budget at or below min_remaining=1.5"):
+        result = train_pdp_sgd(model, data, [0.5, 1.0, 2.0, 4.0], delta=1e-5, rounds=3, steps_per_round=3,
+                               sample_rate=0.5, lr=0.1, min_remaining=1.5)
+    np.testing.assert_array_equal(result.epsilons[:2], [0.0, 0.0])
+    np.testing.assert_array_equal(result.remaining[:2], [0.5, 1.0])
+    assert np.all(result.epsilons[2:] > 0)

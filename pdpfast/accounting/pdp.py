@@ -34,9 +34,10 @@ from .._checks import (
     check_rate,
 )
 from .rdp import get_noise_multiplier
+from .sgm import as_orders
 
-__all__ = ["RoundPlan", "charge", "charge_delta", "round_plan", "sampling_probabilities", "schedule",
-           "select_threshold", "threshold_losses"]
+__all__ = ["RoundPlan", "UnmeetableThreshold", "amplified_epsilon", "charge", "charge_delta", "meetable_round",
+           "round_plan", "sampling_probabilities", "schedule", "select_threshold", "threshold_losses"]
 
 _LOSSES = ("fixed", "adaptive", "harmonic")
 _RULES = ("all", "sampled")
@@ -82,16 +83,21 @@ def _sampled(sampled, rule, n: int):
     return mask if rule == "sampled" else None
 
 
+def _log_expm1(x: np.ndarray) -> np.ndarray:
+    """log(e^x − 1) for x > 0, without overflow (e^x is inf beyond x ≈ 709)."""
+    return x + np.log(-np.expm1(-x))
+
+
 def _wastes(sorted_eps: np.ndarray, taus: np.ndarray):
     """(waste_u, waste_s) at each candidate τ from prefix sums over the sorted budgets.
 
     waste_u(τ) = Σ_{ε_i<τ} ε_i(1 − π_i) = S1 − S2/(e^τ − 1), S1 = Σ ε_i, S2 = Σ ε_i(e^{ε_i} − 1);
-    waste_s(τ) = Σ_{ε_i>τ} (ε_i − τ)."""
+    waste_s(τ) = Σ_{ε_i>τ} (ε_i − τ). S2 is summed in log space: its terms overflow for ε_i > 709."""
     c1 = np.r_[0.0, np.cumsum(sorted_eps)]
-    c2 = np.r_[0.0, np.cumsum(sorted_eps * np.expm1(sorted_eps))]
+    log_c2 = np.logaddexp.accumulate(np.r_[-np.inf, np.log(sorted_eps) + _log_expm1(sorted_eps)])
     below = np.searchsorted(sorted_eps, taus, side="left")             # count of ε_i < τ
     above_from = np.searchsorted(sorted_eps, taus, side="right")       # first ε_i > τ
-    waste_u = c1[below] - c2[below] / np.expm1(taus)
+    waste_u = c1[below] - np.exp(log_c2[below] - _log_expm1(taus))
     n = sorted_eps.shape[0]
     waste_s = (c1[n] - c1[above_from]) - taus * (n - above_from)
     return np.maximum(waste_u, 0.0), np.maximum(waste_s, 0.0)
@@ -185,7 +191,28 @@ def sampling_probabilities(budgets, threshold) -> np.ndarray:
     """
     eps = _budgets(budgets, allow_zero=True)
     tau = _threshold(threshold)
-    return np.where(eps < tau, np.expm1(eps) / np.expm1(tau), 1.0)
+    # (e^ε − 1)/(e^τ − 1) as e^{ε−τ}(1 − e^{−ε})/(1 − e^{−τ}): the same value, finite beyond ε ≈ 709
+    ratio = np.exp(np.minimum(eps - tau, 0.0)) * np.expm1(-eps) / np.expm1(-tau)
+    return np.where(eps < tau, ratio, 1.0)
+
+
+def amplified_epsilon(probabilities, epsilon: float) -> np.ndarray:
+    """ε of a record kept with probability π in a subset whose training is ε-DP: log(1 + π(e^ε − 1))
+    (the sampling mechanism's amplification), computed without overflow for large ε.
+
+    Args:
+        probabilities: π_i in [0, 1], an array of any shape.
+        epsilon: ε ≥ 0 of the subset's training (finite).
+    Returns:
+        float64 ε_i of the shape of ``probabilities`` (0 where π_i = 0).
+    """
+    p = np.asarray(probabilities, dtype=np.float64)
+    e = float(epsilon)
+    if e <= 1.0:
+        return np.log1p(p * np.expm1(e))
+    # = ε + log(π + (1 − π)e^{−ε}) (for π > 0), whose terms stay finite for any ε
+    safe = np.where(p > 0, p, 1.0)
+    return np.where(p > 0, e + np.log(safe + (1.0 - safe) * np.exp(-e)), 0.0)
 
 
 @dataclass(frozen=True)
@@ -213,6 +240,14 @@ class RoundPlan:
     deltas: np.ndarray
 
 
+class UnmeetableThreshold(ValueError):
+    """A round's threshold τ_R that no noise multiplier meets over its steps (``threshold``: τ_R)."""
+
+    def __init__(self, message: str, threshold: float):
+        super().__init__(message)
+        self.threshold = threshold
+
+
 def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2=0.3, threshold=None,
                orders=None) -> RoundPlan:
     """Plan a round on the remaining budgets (records with nothing left get π = 0).
@@ -229,8 +264,8 @@ def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2
         the :class:`RoundPlan`.
     Raises:
         TypeError for an argument that is not a number; ValueError for a bad argument (``loss``, w1
-        and w2 are checked with a ``threshold`` given too), when no record has budget left, or when
-        τ_R cannot be met (``get_noise_multiplier``).
+        and w2 are checked with a ``threshold`` given too) or when no record has budget left;
+        :class:`UnmeetableThreshold` (a ValueError) when τ_R cannot be met (``get_noise_multiplier``).
     """
     rem = _budgets(remaining, allow_zero=True)
     delta = check_delta("delta", delta)
@@ -244,7 +279,12 @@ def round_plan(remaining, *, delta, steps, sample_rate, loss="fixed", w1=0.7, w2
         raise ValueError("remaining: no record has budget left")
     tau = select_threshold(rem[alive], loss, w1, w2) if tau is None else tau
     pi = np.where(alive, sampling_probabilities(rem, tau), 0.0)
-    sigma = float(get_noise_multiplier(tau, delta, q, steps, orders=orders))
+    if orders is not None:
+        as_orders(orders)   # bad orders are the caller's error, not an unmeetable τ
+    try:
+        sigma = float(get_noise_multiplier(tau, delta, q, steps, orders=orders))
+    except ValueError as err:
+        raise UnmeetableThreshold(str(err), tau) from err
     eps = np.where(alive, np.minimum(rem, tau), 0.0)
     deltas = np.where(alive, np.where(rem < tau, pi, 1.0) * delta, 0.0)
     return RoundPlan(tau, pi, sigma, steps, q, eps, deltas)
@@ -314,11 +354,40 @@ def charge_delta(spent_delta, remaining, threshold, delta, sampled=None, rule="a
     return given + pay
 
 
+def meetable_round(remaining, plan_for):
+    """Plan a round, leaving out the budgets that no round can meet.
+
+    A remaining budget at or below a threshold τ that no noise multiplier meets over a round (a
+    leftover sliver after earlier rounds, or a tiny budget) cannot be spent: such records take no
+    further part, as if exhausted (they keep what is left, charged nothing more), and the round is
+    planned again on the others.
+
+    Args:
+        remaining: (N,) remaining ε_i ≥ 0.
+        plan_for: ``plan_for(remaining) -> RoundPlan`` (``round_plan`` with the round's settings),
+            raising :class:`UnmeetableThreshold`.
+    Returns:
+        (plan, left_out): the round's plan, or None when no record can take part any more, and (N,)
+        bool, the records left out here for a budget no round can meet.
+    """
+    rem = np.asarray(remaining, dtype=np.float64).copy()
+    left_out = np.zeros(rem.shape, dtype=bool)
+    while np.any(rem > 0):
+        try:
+            return plan_for(rem), left_out
+        except UnmeetableThreshold as err:
+            out = (rem > 0) & (rem <= err.threshold)
+            left_out |= out
+            rem[out] = 0.0
+    return None, left_out
+
+
 def schedule(budgets, rounds, *, delta, steps_per_round, sample_rate, loss="fixed", w1=0.7, w2=0.3,
              orders=None) -> list:
     """All rounds of PDP-SGD under rule "all" (data-independent, so plannable up front).
 
-    With rounds = 1 this is the "DP-SGD + Sampling" baseline.
+    With rounds = 1 this is the "DP-SGD + Sampling" baseline. A budget (or what is left of it) that no
+    round can meet is left out (``meetable_round``): its record takes no further part.
 
     Args:
         budgets: (N,) ε_i > 0 (any shape; flattened).
@@ -336,10 +405,10 @@ def schedule(budgets, rounds, *, delta, steps_per_round, sample_rate, loss="fixe
     rem = _budgets(budgets)
     plans = []
     for _ in range(check_positive_integer("rounds", rounds)):
-        if not np.any(rem > 0):
+        plan, left_out = meetable_round(rem, lambda r: round_plan(
+            r, delta=delta, steps=steps_per_round, sample_rate=sample_rate, loss=loss, w1=w1, w2=w2, orders=orders))
+        if plan is None:
             break
-        plan = round_plan(rem, delta=delta, steps=steps_per_round, sample_rate=sample_rate, loss=loss, w1=w1,
-                          w2=w2, orders=orders)
         plans.append(plan)
-        rem = charge(rem, plan.threshold)
+        rem = charge(np.where(left_out, 0.0, rem), plan.threshold)
     return plans
