@@ -630,7 +630,8 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
             default: a fresh secret from ``os.urandom``; an int only for experiments). Never sent.
     Returns:
         that dict: "client_id", "budgets", "sample_rates", "epsilon_clients", "epsilon_server" (lists
-        of n floats) and "stats" (``Silo.stats``).
+        of n floats), "threat" (the model whose ε the ledger kept within the budgets) and "stats"
+        (``Silo.stats``).
     Raises:
         ImportError when Flower is not installed; ValueError for a ``client_id`` outside [0, M) or a
         ``max_wait_time`` that is not a finite number > 0.
@@ -647,7 +648,7 @@ def run_client(address: str, client_id: int, *, dataset: str = "digits", clients
     silo.finish(config.rounds)
     report = {"client_id": client_id, "budgets": silo.budgets.tolist(), "sample_rates": silo.sample_rates.tolist(),
               "epsilon_clients": silo.epsilons("clients").tolist(), "epsilon_server": silo.epsilons("server").tolist(),
-              "stats": silo.stats()}
+              "threat": config.threat, "stats": silo.stats()}
     if out is not None:
         Path(out).write_text(json.dumps(report, allow_nan=True))
     return report

@@ -93,7 +93,8 @@ def test_flower_server_and_client_processes_on_loopback_match_simulation(tmp_pat
         idx = sim.client_index == report["client_id"]
         np.testing.assert_array_equal(report["epsilon_clients"], sim.epsilon_clients[idx])
         np.testing.assert_array_equal(report["epsilon_server"], sim.epsilon_server[idx])
-        assert np.all(np.array(report["epsilon_clients"]) <= np.array(report["budgets"]))   # threat "clients"
+        assert report["threat"] == "clients"
+        assert np.all(np.array(report["epsilon_clients"]) <= np.array(report["budgets"]))
     assert os.path.exists(tmp_path / "server.log")
     assert "noise_seed" not in server["config"]
 
