@@ -404,15 +404,15 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
             try:
                 if step is not None:  # copies the batch into the graph's inputs itself
                     loss = step(*batch)
-                elif rows == 0:  # an empty draw: nothing to clip, the step adds noise only. No forward either:
-                    loss = None   # a Hugging Face attention cannot reshape zero rows
-                    optimizer.step()
-                    optimizer.zero_grad()
                 else:
-                    if device.type != "cpu":
-                        batch = to_device(batch, device)
-                    loss = loss_of(batch)
-                    loss.backward()
+                    # an empty draw: nothing to clip, the step adds noise only. No forward either: a Hugging
+                    # Face attention cannot reshape zero rows
+                    loss = None
+                    if rows:
+                        if device.type != "cpu":
+                            batch = to_device(batch, device)
+                        loss = loss_of(batch)
+                        loss.backward()
                     optimizer.step()
                     optimizer.zero_grad()
             except PrivacyBudgetExceeded:

@@ -247,11 +247,12 @@ class PDPSGD:
         if getattr(self, "_total_steps", None) is None:
             rem, total = self.budgets.copy(), 0
             for _ in range(self.rounds):
-                plan, left_out = pdp.meetable_round(np.where(rem > self.min_remaining, rem, 0.0), self._plan)
+                alive = np.where(rem > self.min_remaining, rem, 0.0)
+                plan, left_out = pdp.meetable_round(alive, self._plan)
                 if plan is None:
                     break
                 total += plan.steps
-                rem = pdp.charge(np.where(left_out | (rem <= self.min_remaining), 0.0, rem), plan.threshold)
+                rem = pdp.charge(np.where(left_out, 0.0, alive), plan.threshold)
             self._total_steps = total
         return self._total_steps
 

@@ -699,11 +699,9 @@ def launch_local(*, dataset: str = "digits", clients: int = 3, split: str = "iid
     client_argv = [] if noise_seed is None else ["--noise-seed", str(check_int("noise_seed", noise_seed, 0))]
     server_argv = [] if sampling_seed is None else ["--sampling-seed",
                                                     str(check_int("sampling_seed", sampling_seed, 0))]
-    if not config.private:   # the processes refuse what the baseline would not read
-        if noise_seed is not None:
-            raise ValueError(f"noise_seed is for the private methods; method {config.method!r} adds no noise")
-        client_argv = []
-    else:
+    if not config.private and noise_seed is not None:   # the processes refuse what the baseline would not read
+        raise ValueError(f"noise_seed is for the private methods; method {config.method!r} adds no noise")
+    if config.private:
         client_argv = ["--budgets", budgets, *client_argv]
     # the federation is checked here, where its errors name the argument, not in a process's log
     _federation(dataset, clients, split, budgets, config, dirichlet_alpha)
