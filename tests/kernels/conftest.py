@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,6 +66,52 @@ if TRITON_ERROR is None:
     # every launcher allocates its outputs and partial buffers through new_buffer: fill them with
     # NaN so an element a kernel forgets to write fails the comparison loudly
     _kernel_utils.POISON_OUTPUTS = True
+
+
+def _interpreter_patches_the_language_once_per_launch() -> None:
+    """The Triton interpreter (3.x) patches the language modules again at every device-function call
+    inside a kernel (``InterpretedFunction.__call__``: ``tl.sum``, ``tl.zeros``, our helpers), though
+    they are already patched for the running launch: ``inspect.getmembers`` over the language each
+    time, about a third of these tests' time. Here a call inside a launch skips the patch when every
+    language module its function sees was patched since the launch began (by the launch or by an
+    earlier call in it: Triton never undoes a call's patch). Launches patch and restore as Triton
+    does; a Triton without these names is left alone."""
+    if not INTERPRET or TRITON_ERROR is not None:
+        return
+    from triton.runtime import interpreter
+
+    patch, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch is None or executor is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    launches: list[set] = []  # per running launch (innermost last): the language modules patched in it
+
+    def languages(fn) -> set:
+        return {id(v) for v in fn.__globals__.values()
+                if isinstance(v, types.ModuleType) and v.__name__ in ("triton.language", "triton.language.core")}
+
+    def patch_lang(fn):
+        seen = languages(fn)
+        if launches and launches[-1] and seen <= launches[-1]:
+            return interpreter._LangPatchScope()  # patched already: nothing to do, nothing to restore
+        scope = patch(fn)
+        if launches:
+            launches[-1] |= seen
+        return scope
+
+    run = executor.__call__
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = launch
+
+
+_interpreter_patches_the_language_once_per_launch()
 
 if TRITON_ERROR is not None:
     SKIP_REASON = TRITON_ERROR
