@@ -303,9 +303,13 @@ def sample_rates(budgets, *, noise_multiplier, delta, local_steps, rounds, clien
     if part.size > _grid.REFINE_MAX:      # many budgets: read off an exact grid (no fit needed)
         q[part] = _grid_rates(values[part], s)
     elif part.size:
-        est = estimator if estimator is not None else fit_scf(
-            noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps, rounds=s.rounds,
-            client_rate=s.client_rate, threat=s.threat, conversion=s.conversion, orders=s.orders)
+        if estimator is None:
+            with warnings.catch_warnings():  # a fit that did not converge is only a worse starting point here
+                warnings.filterwarnings("ignore", message="SCF fit did not converge")
+                estimator = fit_scf(noise_multiplier=s.noise_multiplier, delta=s.delta, local_steps=s.local_steps,
+                                    rounds=s.rounds, client_rate=s.client_rate, threat=s.threat,
+                                    conversion=s.conversion, orders=s.orders)
+        est = estimator
         q[part] = _exact_rates(values[part], est.inverse(values[part]), s)
     return q[inverse].reshape(np.shape(budgets))
 

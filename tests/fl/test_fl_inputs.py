@@ -182,6 +182,8 @@ def test_a_scf_fit_that_does_not_converge_does_not_warn_since_every_rate_is_reac
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rates = calibrate_rates(budgets, config)
+        direct = rpdp.sample_rates(budgets, **setting)  # fits its own estimator
+    np.testing.assert_array_equal(direct, rates)
     eps = rpdp.epsilon(rates, threat=config.threat, **config.accounting_kwargs())
     assert np.all(eps <= budgets) and np.all((eps >= 0.99 * budgets) | (rates == 1))
 
