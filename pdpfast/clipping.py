@@ -646,15 +646,17 @@ class ClippingState:
             self._refuse_forward()
         x = self._batch_first(module, x)
         prepared = module._prepare(x)
-        params = module._parameters
+        params, buffers = module._parameters, module._buffers
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
-            return module._unflatten(module._compute(prepared, params), prepared)
+            return module._unflatten(module._compute(prepared, {**buffers, **params} if buffers else params), prepared)
         uses = self._uses  # keyed by id: a Parameter's __hash__ is a Python call, this runs per layer call
         trainable = [params[n] for n in names]
         for p in trainable:
             uses[id(p)] = uses.get(id(p), 0) + 1
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
+        if buffers:  # a frozen weight or bias kept as a buffer: torch's forward reads it as self.<name> too
+            detached = {**buffers, **detached}
         out = module._compute(prepared, detached)
         return module._unflatten(record_call(out, prepared, (self._layer[module], names), trainable), prepared)
 

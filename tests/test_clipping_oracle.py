@@ -706,6 +706,50 @@ def test_partially_frozen_layer(name, frozen, style, oracle):
     assert set(result.grads) == {"bias" if frozen == "weight" else "weight"}
 
 
+def _as_buffer(module: nn.Module, name: str) -> nn.Module:
+    """``module`` with its parameter ``name`` kept as a buffer of random values: a frozen weight or bias
+    as ``torch.nn.utils.parametrize.remove_parametrizations`` leaves a frozen parametrization."""
+    value = torch.randn_like(getattr(module, name).detach())
+    delattr(module, name)
+    module.register_buffer(name, value)
+    return module
+
+
+def _attention_with_buffer(name):
+    layer = SelfAttention()
+    _as_buffer(layer.attn, name)
+    return layer
+
+
+# (layer with a buffer where torch's layer has a parameter, input)
+BUFFERED = {
+    "linear-bias": lambda: (_as_buffer(nn.Linear(5, 4), "bias"), floats(3, 5)),
+    "linear-weight": lambda: (nn.Sequential(nn.Linear(5, 5), nn.Tanh(), _as_buffer(nn.Linear(5, 4), "weight")),
+                              floats(3, 5)),
+    "conv2d-weight": lambda: (nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(),
+                                            _as_buffer(nn.Conv2d(3, 3, 2, groups=3), "weight")), floats(2, 5, 4)),
+    "embedding-weight": lambda: (nn.Sequential(_as_buffer(nn.Embedding(7, 4), "weight"), nn.Linear(4, 3)), ids(7, 5)),
+    "layernorm-weight": lambda: (_as_buffer(nn.LayerNorm(6), "weight"), floats(3, 6)),
+    "groupnorm-bias": lambda: (_as_buffer(nn.GroupNorm(2, 4), "bias"), floats(4, 5)),
+    "attention-in-proj-bias": lambda: (_attention_with_buffer("in_proj_bias"), floats(3, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(BUFFERED))
+def test_a_weight_or_bias_kept_as_a_buffer_is_used_as_torch_uses_it(name, style, oracle):
+    """torch's forward reads a layer's weight or bias as ``self.<name>``, a parameter or a buffer; the DP
+    layers read their parameters only, so a converted layer dropped a buffer bias (Linear, GroupNorm: no
+    bias), dropped a buffer weight (LayerNorm: weight 1) or failed (KeyError: 'weight'), outside a private
+    batch and in it (the clipped gradients of another function than the model's)."""
+    layer, x = BUFFERED[name]()
+    reference = randomize_(layer).double()
+    model = pdpfast.nn.convert(copy.deepcopy(reference))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+        target = torch.randn_like(reference(x))
+    oracle.check(model, sq_loss, (x,), (target,), reference=reference, **style)
+
+
 class DeadBranch(nn.Module):
     """A DP layer whose output never reaches the loss: zero gradient, no norm."""
 

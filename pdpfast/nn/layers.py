@@ -180,5 +180,7 @@ class DPModule:
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             x = self._prepare(x)
-            return self._unflatten(self._compute(x, dict(self.named_parameters(recurse=False))), x)
+            # buffers too: torch's forward reads a weight or bias kept as a buffer (a frozen one, e.g. after
+            # torch.nn.utils.parametrize.remove_parametrizations) as self.<name>, like a parameter
+            return self._unflatten(self._compute(x, {**self._buffers, **self._parameters}), x)
         return state.forward(self, x)
