@@ -260,6 +260,47 @@ def test_a_dp_module_changed_after_conversion_to_an_option_it_ignores_is_refused
         ClippingState(model)
 
 
+REPARAMETRIZED = {
+    "weight_norm-hook": (lambda m: torch.nn.utils.weight_norm(m), "weight is recomputed by torch.nn.utils.weight_norm",
+                         lambda m: torch.nn.utils.remove_weight_norm(m)),
+    "spectral_norm-hook": (lambda m: torch.nn.utils.spectral_norm(m),
+                           "weight is recomputed by torch.nn.utils.spectral_norm",
+                           lambda m: torch.nn.utils.remove_spectral_norm(m)),
+    "weight_norm-parametrize": (lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+                                "weight parametrized with torch.nn.utils.parametrize",
+                                lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight")),
+    "orthogonal-parametrize": (lambda m: torch.nn.utils.parametrizations.orthogonal(m),
+                               "weight parametrized with torch.nn.utils.parametrize",
+                               lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight")),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*is deprecated in favor of:FutureWarning")
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("name", list(REPARAMETRIZED))
+def test_a_reparametrized_layer_is_refused_by_name_frozen_or_not(name, frozen, oracle):
+    """A layer whose weight its forward recomputes (weight norm, spectral norm, parametrize) has no
+    registered ``weight``: every private forward failed with ``KeyError: 'weight'``, also after
+    following the advice to freeze the parametrization's parameters. Refused by path and cause, as a
+    torch module and as a DP layer reparametrized after conversion; folded in, it trains exactly."""
+    reparametrize, match, fold = REPARAMETRIZED[name]
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(4, 4), head=reparametrize(nn.Linear(4, 4)))).double()
+    if frozen:
+        for n, p in model.head.named_parameters():
+            p.requires_grad_(n == "bias")
+    with pytest.raises(ValueError, match=r"head \(\w*Linear: " + match):
+        convert(model)
+    assert dp_modules(model) == []  # nothing changed on error
+    fold(model.head)
+    reference = copy.deepcopy(model)
+    convert(model)
+    x, t = torch.randn(B, 4, dtype=torch.float64), torch.randn(B, 4, dtype=torch.float64)
+    oracle.check(model, sq_loss, (x,), (t,), reference=reference)
+    reparametrize(model.head)  # after conversion: the clipping state refuses it
+    with pytest.raises(ValueError, match=r"head \(\w*Linear: " + match):
+        ClippingState(model)
+
+
 def test_a_lazy_layer_is_refused_until_initialized():
     model = nn.Sequential(nn.LazyLinear(3))
     with pytest.raises(ValueError, match=r"0 \(LazyLinear: uninitialized \(lazy\) parameters weight, bias: "

@@ -12,6 +12,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedParameter
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .._checks import check_int
 from . import rules
@@ -52,6 +55,29 @@ _UNSUPPORTED = ("pdpfast has no private version of these modules with trainable 
                 "with requires_grad_(False), or replace them): ")
 
 
+def _reparametrized(module: nn.Module) -> str | None:
+    """Why a layer whose parameter is recomputed at every forward cannot be swapped, or None.
+
+    A DP layer's private forward computes on its registered parameters (``module._parameters``) by
+    the torch layer's names; a reparametrized one (``torch.nn.utils.parametrize``, or the forward
+    pre-hooks of ``torch.nn.utils.weight_norm`` / ``spectral_norm``) has ``weight_g``/``weight_v``,
+    ``weight_orig`` or ``parametrizations.weight.original*`` there instead of ``weight``: every private
+    forward failed with ``KeyError: 'weight'``, frozen or not, and its per-sample rule knows nothing of
+    the reparametrization's gradient."""
+    if parametrize.is_parametrized(module):
+        names = list(module.parametrizations.keys())
+        return (f"{', '.join(names)} parametrized with torch.nn.utils.parametrize (e.g. parametrizations.weight_norm), "
+                "which its private forward and per-sample rule do not follow; fold it in with "
+                f"torch.nn.utils.parametrize.remove_parametrizations(module, {names[0]!r}) before converting")
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, (WeightNorm, SpectralNorm)):
+            kind = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+            return (f"{hook.name} is recomputed by torch.nn.utils.{kind} in a forward pre-hook, which its private "
+                    f"forward and per-sample rule do not follow; fold it in with torch.nn.utils.remove_{kind}(module) "
+                    "before converting")
+    return None
+
+
 def layer_problem(module: nn.Module, dp_class: type) -> str | None:
     """Why ``dp_class`` cannot train ``module`` privately, or None: the one check of a layer's options.
 
@@ -63,7 +89,8 @@ def layer_problem(module: nn.Module, dp_class: type) -> str | None:
         module: the module (a torch module ``convert`` would swap, or a DP layer).
         dp_class: its DP class (``type(module)`` for a DP layer).
     Returns:
-        a one-line reason: uninitialized (lazy) parameters, no per-sample rule registered for
+        a one-line reason: uninitialized (lazy) parameters, a reparametrized parameter (``_reparametrized``:
+        weight norm, spectral norm, ``torch.nn.utils.parametrize``), no per-sample rule registered for
         ``dp_class``, or ``dp_class.unsupported_options(module)`` (an option its private forward would
         ignore or train wrongly); None when ``dp_class`` trains ``module`` exactly.
     """
@@ -73,6 +100,9 @@ def layer_problem(module: nn.Module, dp_class: type) -> str | None:
         instead = f"nn.{eager.__name__}" if isinstance(eager, type) else "a layer built with its sizes"
         return (f"uninitialized (lazy) parameters {', '.join(lazy)}: initialize it with a forward pass first, "
                 f"or use {instead}")
+    reparametrized = _reparametrized(module)
+    if reparametrized:
+        return reparametrized
     if rules.rule_for_class(dp_class) is None:
         return f"no per-sample rule is registered for {dp_class.__name__} (pdpfast.nn.register_rule)"
     return dp_class.unsupported_options(module)
