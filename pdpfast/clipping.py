@@ -30,6 +30,13 @@ A parameter used more than once in a forward (tied embeddings, a module called t
 gradients that are sums over its uses, so norms of the uses do not add: such parameters fall back
 to accumulating their materialized per-sample gradients, which is exact.
 
+Activation checkpointing re-runs a block's forward inside the backward. torch's non-reentrant
+checkpoint (``use_reentrant=False``) replays it only to refill the saved tensors of the graph the
+forward built, whose nodes (and the layer calls hooked on them) are the ones autograd runs: a
+replayed call is computed as the forward computed it but neither counted as a use nor reported
+(``_replaying``). A reentrant checkpoint's block is first run under no_grad and recorded only in the
+backward, after other layers were clipped with uses counted without it: refused.
+
 Host cost is part of the design: a layer's backward makes a fixed, small number of tensor ops, no
 host synchronisation, and clip bounds move to the device once per batch.
 """
@@ -70,6 +77,64 @@ CLIPPINGS = ("flat", "per_layer")
 # the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead --kernels stub``) turns it off likewise.
 # Under torch.distributed its verdict is all-reduced, so that every rank refuses the same batches.
 CHECK_FINITE_ON_CPU = True
+
+# Where the backward runs a node (None outside a backward), and the innermost saved-tensor hooks
+# (None when none are active); both private torch APIs, absent from old versions: then no forward is
+# seen as one inside a backward, as before.
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: None)
+
+REENTRANT_CHECKPOINT_REFUSAL = (
+    "a DP layer's private forward ran inside a backward without the saved-tensor hooks of torch's non-reentrant "
+    "checkpoint: a reentrant activation checkpoint (torch.utils.checkpoint.checkpoint(..., use_reentrant=True), "
+    "or one of its kind) recomputes its block there. That block ran its forward under no_grad, so pdpfast sees its "
+    "layer calls only now, after other layers were clipped without them: a parameter used in the block and "
+    "elsewhere (or twice in it, with per-layer clipping) would be clipped as separate uses, beyond its bound. Pass "
+    "use_reentrant=False (torch's recommendation and Hugging Face's gradient_checkpointing_enable() default): "
+    "its replay is exact with every clipping mode")
+
+
+def _replaying() -> bool:
+    """Whether a private forward is a non-reentrant activation checkpoint's replay of a block inside the
+    backward (module docstring): a forward inside a backward under saved-tensor hooks (the checkpoint's).
+
+    Returns:
+        True for such a replay, False for a forward outside a backward.
+    Raises:
+        RuntimeError (``REENTRANT_CHECKPOINT_REFUSAL``) for a forward inside a backward without such
+        hooks: a reentrant checkpoint's recomputation, whose graph a nested backward runs.
+    """
+    if _current_autograd_node() is None:
+        return False
+    if _top_saved_tensors_hooks(False) is not None:
+        return True
+    raise RuntimeError(REENTRANT_CHECKPOINT_REFUSAL)
+
+
+class _ReplayedLayer:
+    """Stands for the layer in a call a non-reentrant checkpoint replays: autograd runs the original
+    graph's nodes with the replay's tensors, never the replay's own nodes, so this call's backward does
+    not run. Were it to (a backward inside the checkpointed function itself), it would report a call
+    no forward counted: refused. Has what ``LayerCall`` and ``DPLayerFunction`` read of a ``_Layer``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def state(self):
+        return self
+
+    @staticmethod
+    def keeps_inputs() -> bool:
+        return False
+
+    def on_backward(self, call, x, o) -> None:
+        raise RuntimeError(f"a backward reached a call of DP layer {self.name} that activation checkpointing "
+                           "replayed inside the backward; pdpfast clips the calls of the forward. Do not run a "
+                           "backward inside a checkpointed function")
+
 
 # The states attached now (``attach`` adds, ``detach`` removes) and a count of those changes: a
 # ``DPOptimizer`` releases only gradients that one of them clipped (``unguarded``).
@@ -352,6 +417,7 @@ class ClippingState:
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
         self._ghost_weights: torch.Tensor | None = None  # ghost clipping's second backward: the w_i of its layers
+        self._replayed: dict[DPModule, _ReplayedLayer] = {}  # the layer of a checkpoint's replayed calls
         self._last_rho: torch.Tensor | None = None
         # called as hook(state) once a batch's clipped sums are formed (e.g. adaptive clipping
         # reads last_norms / last_group_norms there: a draw's physical batches each report)
@@ -640,25 +706,47 @@ class ClippingState:
         Returns:
             the layer's output, (B, ...).
         Raises:
-            RuntimeError unless a batch is open; ValueError for an input whose dim 0 is not B (or 1).
+            RuntimeError unless a batch is open (inside a backward: for a reentrant checkpoint's
+            recomputation, ``_replaying``); ValueError for an input whose dim 0 is not B (or 1).
         """
-        if self.phase is not Phase.OPEN:
-            self._refuse_forward()
+        replay = self._check_forward()
         x = self._batch_first(module, x)
         prepared = module._prepare(x)
         params, buffers = module._parameters, module._buffers
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
             return module._unflatten(module._compute(prepared, {**buffers, **params} if buffers else params), prepared)
-        uses = self._uses  # keyed by id: a Parameter's __hash__ is a Python call, this runs per layer call
         trainable = [params[n] for n in names]
-        for p in trainable:
-            uses[id(p)] = uses.get(id(p), 0) + 1
+        if replay:
+            layer = self._replayed_layer(module)
+        else:
+            uses = self._uses  # keyed by id: a Parameter's __hash__ is a Python call, this runs per layer call
+            for p in trainable:
+                uses[id(p)] = uses.get(id(p), 0) + 1
+            layer = self._layer[module]
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
         if buffers:  # a frozen weight or bias kept as a buffer: torch's forward reads it as self.<name> too
             detached = {**buffers, **detached}
         out = module._compute(prepared, detached)
-        return module._unflatten(record_call(out, prepared, (self._layer[module], names), trainable), prepared)
+        return module._unflatten(record_call(out, prepared, (layer, names), trainable), prepared)
+
+    def _check_forward(self) -> bool:
+        """Refuse a private forward outside an open batch; returns whether it is a checkpoint's replay
+        (``_replaying``), which runs inside the batch's backward (phase ``OPEN``, a ghost phase, or
+        ``CLIPPED``, whose layers' backwards then refuse a second backward)."""
+        replay = _replaying()
+        if replay:
+            if self.phase is Phase.IDLE:
+                self._refuse_without_batch()
+        elif self.phase is not Phase.OPEN:
+            self._refuse_forward()
+        return replay
+
+    def _replayed_layer(self, module: DPModule) -> _ReplayedLayer:
+        replayed = self._replayed.get(module)
+        if replayed is None:
+            replayed = self._replayed[module] = _ReplayedLayer(self._names[module])
+        return replayed
 
     def partial_forward(self, module: DPModule, x: torch.Tensor, names: tuple, compute) -> torch.Tensor:
         """One call of ``module`` that uses only its parameters ``names`` (e.g. one gate projection of
@@ -671,24 +759,27 @@ class ClippingState:
         Returns:
             compute's output.
         Raises:
-            RuntimeError unless a batch is open; ValueError for an input whose dim 0 is not B (or 1).
+            RuntimeError unless a batch is open (as ``forward``); ValueError for an input whose dim 0 is
+            not B (or 1).
         """
-        if self.phase is not Phase.OPEN:
-            self._refuse_forward()
+        replay = self._check_forward()
         x = self._batch_first(module, x)
         params = module._parameters
         used = tuple(n for n in names if params.get(n) is not None and params[n].requires_grad)
         if not used:
             return compute(x, {n: params.get(n) for n in names})
         trainable = [params[n] for n in used]
-        for p in trainable:
-            self._uses[id(p)] = self._uses.get(id(p), 0) + 1
-        # calls on different parameters of one group (a recurrent layer's projections) use none of them
-        # twice, yet per-layer clipping must clip the group's sum over the calls, not each call alone
-        group = self._layer[module].group
-        self._partial_calls[group] = self._partial_calls.get(group, 0) + 1
+        if replay:
+            layer = self._replayed_layer(module)
+        else:
+            for p in trainable:
+                self._uses[id(p)] = self._uses.get(id(p), 0) + 1
+            # calls on different parameters of one group (a recurrent layer's projections) use none of them
+            # twice, yet per-layer clipping must clip the group's sum over the calls, not each call alone
+            layer = self._layer[module]
+            self._partial_calls[layer.group] = self._partial_calls.get(layer.group, 0) + 1
         out = compute(x, {n: (params[n].detach() if params.get(n) is not None else None) for n in names})
-        return record_call(out, x, (self._layer[module], used), trainable)
+        return record_call(out, x, (layer, used), trainable)
 
     def broadcast_forward(self, module, forward, args, kwargs):
         """The forward of a module with batch-broadcast parameters (``pdpfast.nn.broadcast``): each
@@ -699,18 +790,18 @@ class ClippingState:
         Returns:
             what ``forward(*args, **kwargs)`` returns (the parameters are restored afterwards).
         Raises:
-            RuntimeError unless a batch is open, or (naming the parameters) when the forward fails with them
-            expanded to the batch size.
+            RuntimeError unless a batch is open (as ``forward``), or (naming the parameters) when the forward
+            fails with them expanded to the batch size.
         """
-        if self.phase is not Phase.OPEN:
-            self._refuse_forward()
+        replay = self._check_forward()
         params = module._parameters
         names = [n for n in module.broadcast_names if params.get(n) is not None and params[n].requires_grad]
-        layer, saved = self._layer[module], {}
+        layer, saved = (self._replayed_layer(module) if replay else self._layer[module]), {}
         try:
             for n in names:
                 p = saved[n] = params[n]
-                self._uses[id(p)] = self._uses.get(id(p), 0) + 1
+                if not replay:
+                    self._uses[id(p)] = self._uses.get(id(p), 0) + 1
                 params[n] = BroadcastParameterFunction.apply(p, self.batch_size, (layer, (n,)))
             return forward(*args, **kwargs)
         except RuntimeError as e:
@@ -823,7 +914,7 @@ class ClippingState:
             return
         self._layer_backward(layer, names, x, o)
 
-    def _refuse_without_batch(self, layer, names, x, o) -> None:
+    def _refuse_without_batch(self, *call) -> None:
         raise RuntimeError("a private backward reached a DP layer with no open batch (optimizer.step() closed "
                            "it); take the next batch from the loader")
 

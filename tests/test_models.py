@@ -393,6 +393,27 @@ def test_hf_model_matches_oracle(hf_case, style, oracle):
     oracle.assert_matches(result, expected)
 
 
+@pytest.mark.parametrize("style", [dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")],
+                         ids=["bk", "ghost", "per_layer"])
+def test_hf_gradient_checkpointing_gives_the_same_clipped_sums_as_the_oracle(hf_case, style, oracle):
+    """``gradient_checkpointing_enable()`` (``activation_checkpointing_enable()`` since transformers 5:
+    torch's non-reentrant checkpoint around every layer) replays each layer in the backward. Before:
+    ghost clipping refused the replay as a second forward, and book-keeping formed every checkpointed
+    layer's per-sample gradients (counting the replay as a second use): exact, at the memory
+    checkpointing is meant to save."""
+    c = hf_case
+    model = copy.deepcopy(c["model"])
+    hf = model.model
+    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
+    model.train()
+    per_sample, reference = c["per_sample"], c["reference"]
+    clip_norms = oracle.bounds(oracle.expected(reference, per_sample, torch.ones(B)).norms)
+    expected = oracle.expected(reference, per_sample, clip_norms, None, **{k: v for k, v in style.items()
+                                                                          if k == "clipping"})
+    result = oracle.run(model, c["loss"], c["inputs"], c["targets"], clip_norms=clip_norms, **style)
+    oracle.assert_matches(result, expected)
+
+
 def test_hf_model_structure(hf_case, oracle):
     """Every trainable parameter is covered; GPT-2's tied wte / lm_head is one parameter in one group."""
     model = hf_case["model"]
