@@ -16,6 +16,14 @@ from .ops.noise import add_noise_
 _STEPPING: set[int] = set()
 
 
+GRAD_SCALER_REFUSAL = (
+    "optimizer.step() was called by a torch.amp.GradScaler (scaler.step(optimizer)). Its loss scale S multiplies "
+    "every per-sample gradient before pdpfast clips it, and its unscale divides the clipped sum by S before the "
+    "noise: a record then contributes up to c_i / S, 1/65536 of its bound at the default S and more than the "
+    "noise is calibrated for once S < 1. Loss scaling is not supported: train "
+    "under torch.autocast(device_type, dtype=torch.bfloat16), which needs no scaler (pdpfast's norms and clip "
+    "weights accumulate in fp32), and drop the GradScaler (or construct it with enabled=False)")
+
 SECURE_MODE_REFUSAL = ("secure_mode=True is not supported: pdpfast draws Poisson masks and noise from seeded "
                        "counter-based generators, not from a cryptographically secure one")
 
@@ -59,6 +67,10 @@ class DPOptimizer(Optimizer):
     optimizer's own ``step()`` is refused while this one wraps it (``detach()`` allows it again): called
     directly it would release the clipped sum without noise.
 
+    A ``torch.amp.GradScaler`` is refused at ``scaler.step(optimizer)`` (``GRAD_SCALER_REFUSAL``): the
+    optimizer declares ``_step_supports_amp_scaling``, so the scaler hands it the scale (``grad_scale``,
+    ``found_inf``) instead of unscaling ``.grad`` and skipping steps on its own.
+
     Args:
         optimizer: the torch optimizer to wrap.
         noise_multiplier: σ, a finite float ≥ 0 (noise std in units of the clip norm C).
@@ -76,6 +88,10 @@ class DPOptimizer(Optimizer):
             such an int, both ``seed`` and ``generator``, loss_reduction="sum" or another value than "mean",
             or secure_mode=True.
     """
+
+    # a GradScaler then calls step() itself, with grad_scale / found_inf set, rather than unscaling
+    # .grad (between the clipping and the noise) and skipping steps on overflow: step() refuses it
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: Optimizer, *, noise_multiplier: float, max_grad_norm: float,
                  expected_batch_size: float, seed: int | None = None, loss_reduction: str = "mean",
@@ -257,7 +273,14 @@ class DPOptimizer(Optimizer):
             closure: optional, re-evaluates the model and returns the loss (run with grad enabled).
         Returns:
             the closure's loss, or None.
+        Raises:
+            RuntimeError when called by a torch.amp.GradScaler (``GRAD_SCALER_REFUSAL``); what
+            ``before_step`` raises.
         """
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            for hook in self.refused_step_hooks:
+                hook(self)
+            raise RuntimeError(GRAD_SCALER_REFUSAL)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -408,6 +408,45 @@ def test_autocast_bf16_trains_and_stays_within_bound(style):
     assert _grad_norm(model) <= 4.0
 
 
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["scaler.step", "unscale_-then-step"])
+@pytest.mark.parametrize("style", STYLES[:2], ids=STYLE_IDS[:2])  # ghost's criterion returns no tensor to scale
+def test_a_grad_scaler_is_refused_before_a_record_could_exceed_its_bound(style, unscale_first):
+    """torch.amp.GradScaler scales every per-sample gradient by S before the clipping, and its unscale_
+    divides the clipped sum by S before the noise. Before, a record contributed min(‖g_i‖, c_i / S):
+    c_i / 65536 at the default S (training stalled, silently), 4·c_i at S = 0.25, beyond what the noise
+    covers. scaler.step(optimizer) is refused; nothing is released or charged."""
+    engine, model, opt, criterion, loader = _engine(**style)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.25)
+    x, y = next(iter(loader))
+    scaler.scale(criterion(model(x), y)).backward()
+    if unscale_first:
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"GradScaler.*torch\.bfloat16"):
+        scaler.step(opt)
+    assert opt.steps == 0 and engine.accountant.history == []
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_disabled_grad_scaler_gives_the_step_of_a_loop_without_one():
+    grads = []
+    for scaler in (None, torch.amp.GradScaler("cpu", enabled=False)):
+        engine, model, opt, criterion, loader = _engine(n=4)
+        x, y = next(iter(loader))
+        loss = criterion(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert opt.steps == 1
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 def test_tied_weights_under_autocast_stay_within_bound(style):
     """A tied embedding and LM head under bf16 autocast: the head's per-sample gradients come in
