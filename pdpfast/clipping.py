@@ -20,7 +20,8 @@ The lifecycle of a batch, one ``Phase`` at a time (``_enter`` is the only place 
 * ``CLIPPED`` — the batch's clipped sums are in ``param.grad``. A second backward or a forward
   into the same batch is refused: it would add another contribution of up to c_i per record. The
   next ``begin_batch`` (the next physical batch of the same draw) or ``end_draw`` (after
-  ``optimizer.step()``) leaves it.
+  ``optimizer.step()``) leaves it. Until then the sums must stay as the backward wrote them
+  (``check_clipped_sums_unchanged``): the noise is calibrated to them.
 
 A draw (one Poisson sample, one optimizer step) may span several physical batches. ``begin_batch``
 with ``draw=`` refuses a batch of a *new* draw while gradients of the previous draw are still
@@ -400,6 +401,10 @@ class ClippingState:
         if not any(_trainable(m) for m in self.layers):
             raise ValueError("the model has no trainable parameters in DP layers; call pdpfast.nn.convert(model)")
         self._build_groups()
+        in_groups = {id(p) for params in self._group_params for p in params}
+        # (name, parameter) of every parameter whose clipped sum the state writes, once each
+        self._clipped_params = [(name, p) for name, p in model.named_parameters() if id(p) in in_groups]
+        self._written: list | None = None  # (grad, its version) of each, as the last backward left them
         self._layer = {m: _Layer(self, m, rule_for(m), self._names[m], self._group_of.get(m)) for m in self.layers}
         self.shares = self._resolve_shares(layer_shares) if clipping == "per_layer" else None
         self._multi_call_groups = frozenset(k for k, calls in enumerate(self._group_calls) if calls > 1)
@@ -652,6 +657,8 @@ class ClippingState:
                 "twice its clip bound. Call optimizer.step() after every draw's backward; to bound memory for a "
                 "large logical batch, pass physical_batch_size= to make_private (it splits one draw into "
                 "physical batches that form one step)")
+        if draw is not None and self.pending:  # the next physical batch of the draw adds into the sums
+            self.check_clipped_sums_unchanged()
         self.check_trainable()
         self.clip_norms = self._as_clip_norms(clip_norms)
         self.batch_size = int(self.clip_norms.shape[-1])
@@ -666,6 +673,7 @@ class ClippingState:
         if draw is None or draw != self.draw:
             self.pending = False
             self._nonfinite = None
+            self._written = None
         self.draw = draw
         self._records = records
         self._reset_backward()
@@ -691,6 +699,7 @@ class ClippingState:
         """
         self.pending = False
         self._nonfinite = None
+        self._written = None
         self._reset_backward()
         self._enter(Phase.IDLE)
 
@@ -1460,6 +1469,38 @@ class ClippingState:
         self._enter(Phase.CLIPPED)
         for hook in self.post_backward_hooks:
             hook(self)
+        self._written = [(g, None if g is None else g._version) for g in (p.grad for _, p in self._clipped_params)]
+
+    def check_clipped_sums_unchanged(self) -> None:
+        """Refuse a step (or a draw's next physical batch) on clipped sums that were changed after the
+        backward wrote them: in place (``torch.nn.utils.clip_grad_norm_``, ``p.grad.mul_``) or replaced. The
+        noise is calibrated to Σ_i w_i g_i with each record within c_i; a change that scales the sum up or
+        adds to it would release more than the noise covers, and a clip of it only shrinks the signal
+        against the same noise (Opacus overwrites ``.grad`` at the step, where such a call does nothing).
+        Changes through ``.data``, which keeps no version, are not seen; neither are torch.amp.GradScaler's
+        (its unscale keeps the versions: ``DPOptimizer`` refuses the scaler itself).
+
+        Returns:
+            None.
+        Raises:
+            RuntimeError naming the first parameter whose clipped sum changed.
+        """
+        written = self._written
+        if written is None:
+            return
+        for (name, p), (grad, version) in zip(self._clipped_params, written):
+            now = p.grad
+            if now is grad and (now is None or now._version == version):
+                continue
+            how = "changed in place" if now is grad else "replaced"
+            raise RuntimeError(
+                f"the clipped gradient of {name} was {how} between the backward and optimizer.step() (e.g. by "
+                "torch.nn.utils.clip_grad_norm_, or an edit of .grad). Here .grad holds the sum of the records' "
+                "gradients, each already clipped to its bound c_i, and the step's noise is calibrated to that sum: "
+                "a change that scales it up or adds to it releases more than the noise covers, and a clip of it "
+                "only shrinks the signal against the same noise. Remove the change (per-sample clipping replaces "
+                "gradient clipping: make_private's max_grad_norm / clip_norms); to drop the draw instead, call "
+                "optimizer.zero_grad() and then optimizer.step()")
 
     def clipped_outputs(self) -> tuple:
         """What a backward leaves besides ``param.grad``. A captured step (``pdpfast.graphs``) holds

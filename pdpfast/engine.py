@@ -437,6 +437,7 @@ class PrivacyEngine:
         self.optimizer.may_zero_grad = self._may_zero_grad
         self.optimizer.pre_step_hooks.append(lambda opt: self.state.check_trainable(opt.trainable_params()))
         self.optimizer.pre_step_hooks.append(lambda _: self.state.check_finite())
+        self.optimizer.pre_step_hooks.append(lambda _: self.state.check_clipped_sums_unchanged())
         self._unstepped: int | None = None  # the draw the loader gave last, until a step releases it
         self.optimizer.post_step_hooks.append(self._draw_stepped)
         self.optimizer.refused_step_hooks.append(self._draw_stepped)

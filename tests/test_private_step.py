@@ -448,9 +448,9 @@ def test_a_replayed_backward_leaves_the_batch_as_its_backward_does(clipping):
     state, calls = b_engine.state, []
     state.post_backward_hooks.append(calls.append)
     assert state.phase is Phase.OPEN
-    state.replayed_backward(tuple(None if t is None else t.clone() for t in a_engine.state.clipped_outputs()))
-    for p, q in zip(b_model.parameters(), a_model.parameters()):  # what the graph wrote
+    for p, q in zip(b_model.parameters(), a_model.parameters()):  # what the graph's replay wrote, before the host hears
         p.grad = q.grad.clone()
+    state.replayed_backward(tuple(None if t is None else t.clone() for t in a_engine.state.clipped_outputs()))
     assert state.phase is Phase.CLIPPED and state.pending and calls == [state]
     torch.testing.assert_close(state.last_norms, a_engine.state.last_norms, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="already computed"):
