@@ -278,6 +278,9 @@ class DPOptimizer(Optimizer):
             ``before_step`` raises.
         """
         if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            # the scaler deletes them only after a step that returns: a loop that drops it is not refused again
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
             for hook in self.refused_step_hooks:
                 hook(self)
             raise RuntimeError(GRAD_SCALER_REFUSAL)

@@ -426,6 +426,11 @@ def test_a_grad_scaler_is_refused_before_a_record_could_exceed_its_bound(style, 
         scaler.step(opt)
     assert opt.steps == 0 and engine.accountant.history == []
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.zero_grad()
+    x, y = next(iter(loader))  # the same loop without the scaler steps
+    criterion(model(x), y).backward()
+    opt.step()
+    assert opt.steps == 1 and len(engine.accountant.history) == 1
 
 
 def test_a_disabled_grad_scaler_gives_the_step_of_a_loop_without_one():
