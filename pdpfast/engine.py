@@ -36,6 +36,7 @@ from .distributed import (
     process_group_size,
     unwrap,
 )
+from .models import is_causal_lm
 from .nn.convert import convert, unsupported_modules
 from .optimizer import SECURE_MODE_REFUSAL, DPOptimizer, noise_seed_from
 
@@ -137,6 +138,52 @@ _USER_BATCH_WARNING = (
     "every record is drawn independently with its sample rate at every step (Poisson sampling), which "
     "your batches do not do; the reported ε is then an approximation, as in Opacus")
 
+_TOKEN_MEAN_LOSS = (
+    "{model}'s own loss (its labels= argument) is the mean over every labelled token of the batch{counts}: a "
+    "record's gradient then depends on how many labelled tokens the other records have, so its clipped "
+    "contribution no longer bounds what it changes in the sum the noise covers (exact only when every record "
+    "has as many). Average per-record losses over the rows instead, each the mean over the record's own "
+    "tokens: `pdpfast.integrations.transformers.default_per_sample_loss(model)(outputs, labels).mean()`, as "
+    "DPTrainer and `pdpfast train` do")
+
+
+_COUNTED_ON_HOST = ("cpu",)  # labels on these devices are counted per row at once (no device to stop)
+
+
+def _token_mean_loss_guard(module: nn.Module, warned: list):
+    """A forward hook for a Hugging Face model: when a private forward returns the model's own loss over
+    token labels (logits (B, T, V), labels (B, T)) and a backward goes through it, refuse it if the rows
+    have different numbers of labelled tokens (labels on the CPU, counted there) or warn once that it
+    is exact only if they do not (labels on a GPU: counting them would stop the host every batch).
+    ``warned``: a one-item list, the engine's flag."""
+
+    def hook(module, args, kwargs, output):
+        loss, logits, labels = getattr(output, "loss", None), getattr(output, "logits", None), kwargs.get("labels")
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and isinstance(logits, torch.Tensor)
+                and logits.dim() >= 3 and isinstance(labels, torch.Tensor) and labels.dim() >= 2
+                and not labels.is_floating_point()):
+            return
+        name = type(module).__name__
+        if labels.device.type in _COUNTED_ON_HOST:
+            counted = labels[:, 1:] if is_causal_lm(module) else labels
+            per_row = (counted != -100).flatten(1).sum(1)
+            low, high = (int(per_row.min()), int(per_row.max())) if per_row.numel() else (0, 0)
+            if low == high:
+                return
+            message = _TOKEN_MEAN_LOSS.format(model=name, counts=f" (here {low} to {high} a record)")
+
+            def refuse(grad):
+                raise RuntimeError(message)
+            loss.register_hook(refuse)
+        elif not warned[0]:
+            def warn(grad):
+                if not warned[0]:
+                    warned[0] = True
+                    warnings.warn(_TOKEN_MEAN_LOSS.format(model=name, counts=""), UserWarning, stacklevel=2)
+            loss.register_hook(warn)
+
+    return hook
+
 
 class _Hooks:
     """What ``make_private(wrap_model=False)`` returns in Opacus: the model stays the user's; ``cleanup()``
@@ -236,6 +283,7 @@ class PrivacyEngine:
         self.data_loader: DPDataLoader | None = None
         self.uniform = False
         self._warned_user_batch = False
+        self._warned_token_loss = [False]
         self._user_batches = 0
         self._implicit_open = False
         self._forward_done = True
@@ -444,6 +492,9 @@ class PrivacyEngine:
         self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
         self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
+        if getattr(module, "config", None) is not None:  # a Hugging Face model: its loss over token labels
+            self._hooks.append(module.register_forward_hook(
+                _token_mean_loss_guard(module, self._warned_token_loss), with_kwargs=True))
         if self.uniform and self.plan is None:
             # a budgets run spends each record's budget through its sampling rate: its batches come
             # from the Poisson loader (or name their records)

@@ -257,6 +257,21 @@ def cnn(in_channels: int, num_classes: int, width: int = 32) -> nn.Sequential:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face causal language model, whose loss shifts the labels by one.
+
+    Args:
+        model: a module; a peft wrapper is judged by the model it wraps (one built without ``task_type``
+            is a plain ``PeftModel``).
+    Returns:
+        True for a ``*ForCausalLM`` / ``*LMHeadModel`` class, else False.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        model = get_base_model()
+    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A registered builder.

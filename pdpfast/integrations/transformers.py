@@ -50,6 +50,7 @@ from .._checks import as_budget_vector, check_choice, check_delta, check_nonnega
 from .._io import atomic_write
 from ..clipping import check_clipping_options
 from ..engine import DPLoss, PrivacyEngine
+from ..models import is_causal_lm
 
 ENGINE_FILE = "pdpfast_engine.pt"
 MAX_LOGGED_GROUPS = 8
@@ -163,14 +164,6 @@ def _check_plan_length(training_args) -> None:
                          "or set max_steps")
 
 
-def _is_causal_lm(model: nn.Module) -> bool:
-    # a peft wrapper built without task_type is a plain PeftModel: judge the model it wraps
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model):
-        model = get_base_model()
-    return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-
-
 def _check_training_arguments(training_args, max_grad_norm: float) -> None:
     """Refuse the TrainingArguments that DP training would otherwise silently ignore or break.
 
@@ -231,7 +224,7 @@ def default_per_sample_loss(model: nn.Module):
         token ids (-100 ignored) with logits (B, T, V) give each record's mean cross-entropy over its own
         tokens (0 for a record with none).
     """
-    causal = _is_causal_lm(model)
+    causal = is_causal_lm(model)
 
     def loss(outputs, labels):
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
