@@ -150,12 +150,13 @@ _TOKEN_MEAN_LOSS = (
 _COUNTED_ON_HOST = ("cpu",)  # labels on these devices are counted per row at once (no device to stop)
 
 
-def _token_mean_loss_guard(module: nn.Module, warned: list):
-    """A forward hook for a Hugging Face model: when a private forward returns the model's own loss over
-    token labels (logits (B, T, V), labels (B, T)) and a backward goes through it, refuse it if the rows
-    have different numbers of labelled tokens (labels on the CPU, counted there) or warn once that it
-    is exact only if they do not (labels on a GPU: counting them would stop the host every batch).
-    ``warned``: a one-item list, the engine's flag."""
+def _token_mean_loss_guard(warned: list):
+    """A forward hook for a Hugging Face model. When a forward returns the model's own loss over token
+    labels (logits (B, T, V), labels (B, T)) and a backward goes through it: refused if the rows have
+    different numbers of labelled tokens (labels on the CPU, counted there), nothing if they have as
+    many (the mean of per-record means); labels on a GPU are not counted (that would stop the host every
+    batch): a warning says once that the loss is exact only with equal counts. ``warned``: a one-item
+    list, the engine's flag."""
 
     def hook(module, args, kwargs, output):
         loss, logits, labels = getattr(output, "loss", None), getattr(output, "logits", None), kwargs.get("labels")
@@ -494,7 +495,7 @@ class PrivacyEngine:
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
         if getattr(module, "config", None) is not None:  # a Hugging Face model: its loss over token labels
             self._hooks.append(module.register_forward_hook(
-                _token_mean_loss_guard(module, self._warned_token_loss), with_kwargs=True))
+                _token_mean_loss_guard(self._warned_token_loss), with_kwargs=True))
         if self.uniform and self.plan is None:
             # a budgets run spends each record's budget through its sampling rate: its batches come
             # from the Poisson loader (or name their records)
