@@ -16,6 +16,20 @@ non-private step of the same run.
     python -m bench.bench_overhead --model bert-base --route large --kernels stub
                                                          # BERT-base's launches per step on the GPU
                                                          # route (counts only: no times)
+    python -m bench.bench_overhead --records 1e3,1e4,1e5,1e6,1e7 --clock cpu
+                                                         # host time per step vs the number of records
+                                                         # N (a tiny MLP, make_private_with_budgets)
+
+``--records`` asks another question: how a private step's host time grows with the dataset's size N,
+everything else fixed. A 2-layer MLP of width 8 on 4 features (its own work is negligible) trains
+by ``make_private_with_budgets`` on a ``TensorDataset`` of N rows with expected batch 32 (sample rate
+32/N), for each method (``--methods``) and budget shape (``--budgets``: ``groups``, three values 1/2/3
+in the demo's proportions; ``distinct``, uniform in [1, 3], every record its own), δ = 1e-8, against
+non-private training of the same MLP (a shuffled batch-32 loader) in the same rounds. Per step it splits
+the time into the loader's (the Poisson draw and the collate), the ledger's check (``would_exceed``,
+before the step) and charge (``step``, after it), and the rest; once per variant, the one-off costs:
+calibration, the rest of ``make_private_with_budgets``, and the first step (first draw, the ledger's
+first full evaluation).
 
 The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, per-layer ≤ bk.
 
@@ -37,7 +51,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
+import statistics
+import time
+import warnings
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -217,6 +236,159 @@ def large_call_route():
         clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS = saved
 
 
+# --records: a private step's host time against the number of records N
+RECORDS_BATCH = 32   # expected batch size, the same at every N (sample rate 32/N)
+RECORDS_DELTA = 1e-8  # below 1/N up to N = 10^7
+
+
+def records_budgets(n: int, shape: str) -> np.ndarray:
+    """(n,) ε_i: "groups" (1/2/3 in the demo's proportions) or "distinct" (uniform in [1, 3], the same range:
+    every record its own budget)."""
+    rng = np.random.default_rng(0)
+    if shape == "groups":
+        return rng.choice([1.0, 2.0, 3.0], size=n, p=[0.34, 0.43, 0.23])
+    if shape == "distinct":
+        return rng.uniform(1.0, 3.0, size=n)
+    raise ValueError(f"--budgets takes groups and distinct, got {shape!r}")
+
+
+def records_dataset(n: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+class _Run:
+    """One variant of the --records benchmark: a model, its loader and ``step()``, with the step's
+    time split into the loader's (draw and collate), the ledger's check and charge, and the rest."""
+
+    def __init__(self, dataset, timer, *, method: str | None = None, budgets: str | None = None,
+                 clipping: str = "flat", steps: int = 1):
+        n = len(dataset)
+        self.timer, self.model, self.part = timer, _mlp(), {"check": 0.0, "charge": 0.0}
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.one_off = {}
+        if method is None:  # the non-private baseline
+            self.loader = torch.utils.data.DataLoader(dataset, batch_size=RECORDS_BATCH, shuffle=True)
+        else:
+            import pdpfast.accounting
+
+            spent = []
+            calibrate = pdpfast.accounting.calibrate
+
+            def timed_calibrate(*args, **kwargs):
+                t = timer()
+                try:
+                    return calibrate(*args, **kwargs)
+                finally:
+                    spent.append(timer() - t)
+            loader = torch.utils.data.DataLoader(dataset, batch_size=RECORDS_BATCH)
+            engine = pdpfast.PrivacyEngine(seed=0)
+            epochs = math.ceil(steps / max(1, round(n / RECORDS_BATCH)))
+            pdpfast.accounting.calibrate = timed_calibrate  # make_private_with_budgets looks it up at its call
+            t = timer()
+            try:
+                with warnings.catch_warnings():  # δ against N, groups rarely drawn: not the question here
+                    warnings.simplefilter("ignore")
+                    self.model, self.optimizer, self.loader = engine.make_private_with_budgets(
+                        module=self.model, optimizer=self.optimizer, data_loader=loader,
+                        budgets=records_budgets(n, budgets), delta=RECORDS_DELTA, epochs=epochs, method=method,
+                        sample_rate=RECORDS_BATCH / n, clipping=clipping)
+            finally:
+                pdpfast.accounting.calibrate = calibrate
+            total = timer() - t
+            self.one_off = {"calibrate_s": spent[0], "make_private_rest_s": total - spent[0],
+                            "ledger_rows": int(engine.accountant.group_rates.shape[0]),
+                            "distinct_sample_rates": int(np.unique(engine.plan.sample_rates).size),
+                            "distinct_clip_norms": int(np.unique(engine.plan.clip_norms).size)}
+            ledger = engine.accountant
+            for name, part in (("would_exceed", "check"), ("exceeding", "check"), ("step", "charge")):
+                if hasattr(ledger, name):
+                    setattr(ledger, name, self._timed(getattr(ledger, name), part))
+        self.batches = iter(self.loader)
+        first = self.step()
+        self.one_off.update(first_step_ms=first["step"] * 1e3, first_loader_ms=first["loader"] * 1e3,
+                            first_check_ms=first["check"] * 1e3)
+
+    def _timed(self, fn, part: str):
+        def timed(*args, **kwargs):
+            t = self.timer()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.part[part] += self.timer() - t
+        return timed
+
+    def step(self) -> dict:
+        """One training step; its times in seconds: "step" (all of it), "loader", "check", "charge"."""
+        self.part.update(check=0.0, charge=0.0)
+        t = self.timer()
+        try:
+            x, y = next(self.batches)
+        except StopIteration:   # the next pass over the loader (its next draws)
+            self.batches = iter(self.loader)
+            x, y = next(self.batches)
+        loaded = self.timer()
+        nn.functional.cross_entropy(self.model(x), y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        end = self.timer()
+        return {"step": end - t, "loader": loaded - t, **self.part}
+
+
+def records_scaling(args) -> list:
+    """Rows of the --records benchmark: for each N, every (method, budgets, clipping) variant and the
+    non-private baseline, interleaved step by step; medians over ``args.repeats`` steps."""
+    timer = time.process_time if args.clock == "cpu" else time.perf_counter
+    env = environment(torch.device("cpu"))
+    rows = []
+    for n in (int(float(v)) for v in args.records.split(",")):
+        dataset = records_dataset(n)
+        steps = args.repeats + 10 + 2
+        runs = {("non-private", None, None, None): _Run(dataset, timer)}
+        for method in args.methods.split(","):
+            for budgets in args.budgets.split(","):
+                for clipping in args.clipping.split(","):
+                    runs[("pdpfast", method, budgets, clipping)] = _Run(
+                        dataset, timer, method=method, budgets=budgets, clipping=clipping, steps=steps)
+        times = {key: [] for key in runs}
+        for r in range(10 + args.repeats):   # 10 warm-up rounds
+            for key, run in runs.items():
+                measured = run.step()
+                if r >= 10:
+                    times[key].append(measured)
+        base = statistics.median(t["step"] for t in times[("non-private", None, None, None)])
+        for (provider, method, budgets, clipping), ts in times.items():
+            median = {part: statistics.median(t[part] for t in ts) * 1e3 for part in ("step", "loader", "check",
+                                                                                     "charge")}
+            rows.append({"benchmark": "host_per_step_vs_records", "records": n, "provider": provider,
+                         "method": method, "budgets": budgets, "clipping": clipping,
+                         "expected_batch": RECORDS_BATCH, "median_ms": median["step"],
+                         "loader_ms": median["loader"], "check_ms": median["check"], "charge_ms": median["charge"],
+                         "time_ratio_vs_nonprivate": median["step"] / (base * 1e3),
+                         **runs[(provider, method, budgets, clipping)].one_off, **env, "repeats": args.repeats,
+                         "clock": args.clock})
+        del runs, dataset
+    return rows
+
+
+def _print_records(rows: list) -> None:
+    print("| N | provider | budgets | clipping | step (ms) | × non-private | loader | check | charge | "
+          "calibration (s) | make_private rest (s) | first step (ms) | ledger rows |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        name = r["provider"] if r["method"] is None else r["method"]
+        once = (f"{r['calibrate_s']:.2f} | {r['make_private_rest_s']:.2f} | {r['first_step_ms']:.1f} | "
+                f"{r['ledger_rows']}") if "calibrate_s" in r else " | | | "
+        print(f"| {r['records']:.0e} | {name} | {r['budgets'] or ''} | {r['clipping'] or ''} | {r['median_ms']:.2f} | "
+              f"{r['time_ratio_vs_nonprivate']:.2f} | {r['loader_ms']:.2f} | {r['check_ms']:.2f} | "
+              f"{r['charge_ms']:.2f} | {once} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -236,8 +408,21 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=("bert-12x16", "bert-base"), default="bert-12x16",
                         help="bert-base: BERT-base (batch 2, seq 128), launches per step only (no times: on a "
                              "CPU its arithmetic dwarfs its host work)")
+    parser.add_argument("--records", default=None,
+                        help="comma-separated dataset sizes N (1e3,1e6 or 1000,1000000): a private step's host "
+                             "time vs N on a tiny MLP (see above) instead of the BERT providers")
+    parser.add_argument("--methods", default="sample,scale,hybrid", help="with --records: calibration methods")
+    parser.add_argument("--budgets", default="groups,distinct", help="with --records: budget shapes")
+    parser.add_argument("--clipping", default="flat", help="with --records: flat, per_layer or both")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.records is not None:
+        torch.set_num_threads(args.threads)
+        rows = records_scaling(args)
+        out = write_rows(args.out or "bench/results/overhead_records_cpu.json", rows)
+        _print_records(rows)
+        print(f"device: {rows[0]['device']}, torch {rows[0]['torch']}, {rows[0]['date']}; written to {out}")
+        return 0
     if args.kernels == "stub":
         stub_kernel_launches()
     torch.set_num_threads(args.threads)

@@ -197,6 +197,27 @@ def test_bench_overhead_counts_bert_bases_launches_without_timing_them(tmp_path)
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"] > 0
 
 
+def test_bench_overhead_records_splits_a_private_steps_host_time_by_dataset_size(tmp_path):
+    """--records times make_private_with_budgets steps of a tiny MLP at each dataset size N, every
+    (method, budgets) variant beside a non-private baseline, with the step split into the loader's, the
+    ledger's check and charge, and the one-off costs (calibration, first step)."""
+    from bench import bench_overhead
+
+    out = tmp_path / "overhead_records.json"
+    assert bench_overhead.main(["--records", "300,2e3", "--repeats", "2", "--methods", "sample,scale",
+                                "--budgets", "groups,distinct", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    variants = [("non-private", None, None), ("pdpfast", "sample", "groups"), ("pdpfast", "sample", "distinct"),
+                ("pdpfast", "scale", "groups"), ("pdpfast", "scale", "distinct")]
+    assert [(r["records"], r["provider"], r["method"], r["budgets"]) for r in rows] == [
+        (n, *v) for n in (300, 2000) for v in variants]
+    private = [r for r in rows if r["provider"] == "pdpfast"]
+    assert all(r["median_ms"] > 0 and r["loader_ms"] > 0 and r["check_ms"] > 0 and r["charge_ms"] > 0 for r in private)
+    assert all(r["calibrate_s"] > 0 and r["first_step_ms"] > 0 and r["ledger_rows"] >= 1 for r in private)
+    assert [r["ledger_rows"] for r in private if r["budgets"] == "groups"] == [3] * 4
+    assert all(r["check_ms"] == 0 and "calibrate_s" not in r for r in rows if r["provider"] == "non-private")
+
+
 def test_bench_overhead_bf16_runs_the_low_precision_route(tmp_path):
     """--dtype bf16 times the bf16 model, whose calls also bound their clipped sums' rounding."""
     from bench import bench_overhead
