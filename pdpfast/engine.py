@@ -983,11 +983,11 @@ class PrivacyEngine:
             raise PrivacyBudgetExceeded(
                 f"the plan allows {self.plan.steps} steps and all have been taken; a further step would spend "
                 "more than the records' budgets")
-        over = self.accountant.would_exceed(self.delta, 1)
-        if over.any():
-            raise PrivacyBudgetExceeded(f"one more step would take {int(over.sum())} record(s) past their budget "
-                                        f"under the {self.accountant.name.upper()} ledger "
-                                        f"(first: record {int(np.flatnonzero(over)[0])})")
+        # the records' ids, not an (N,) mask: with every record clear the check reads no per-record array
+        over = self.accountant.exceeding(self.delta, 1)
+        if over.size:
+            raise PrivacyBudgetExceeded(f"one more step would take {over.size} record(s) past their budget under "
+                                        f"the {self.accountant.name.upper()} ledger (first: record {int(over[0])})")
 
     def epsilons(self) -> np.ndarray:
         """(N,) ε each record has spent so far, at the plan's δ, by the ledger of the plan's accountant
