@@ -25,7 +25,7 @@ from torch.utils.data import (
 from torch.utils.data.dataloader import default_collate, default_convert
 
 from ._checks import as_per_record, check_int
-from .sampling import poisson_sample
+from .sampling import PoissonSampler
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class _PhysicalBatches:
         loader = self.loader
         first, resume = loader.next_step, loader._resume
         for step in range(first, first + loader.steps_per_epoch):
-            batches = loader.split(poisson_sample(loader.sample_rates_tensor, loader.seed, step), step)
+            batches = loader.split(loader.poisson_sampler.draw(loader.seed, step), step)
             if resume is not None and resume[0] == step:  # the rest of a draw left part-way
                 batches = batches[resume[1]:]
             for batch in batches:
@@ -214,6 +214,8 @@ class DPDataLoader:
         self.dataset = dataset
         self.sample_rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0)
         self.sample_rates_tensor = torch.from_numpy(self.sample_rates)
+        # poisson_sample(sample_rates_tensor, seed, step) bit for bit, with its per-record set-up done once
+        self.poisson_sampler = PoissonSampler(self.sample_rates_tensor)
         self.expected_batch_size = float(self.sample_rates.sum())
         if self.expected_batch_size <= 0:
             raise ValueError("sample_rates are all 0: no record would ever be drawn")

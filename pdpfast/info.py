@@ -15,6 +15,7 @@ def report() -> str:
         a multi-line str: the pdpfast / torch / python versions, the CUDA device (or "not available"),
         then one line per registered op ("triton kernel", or "torch reference (why)"), one for the
         Poisson sampler's backend (with the reason its compiled path is not used, if any), one for the
+        loader's draw from thresholds (``sampling.loader_route``), one for the
         CPU GroupNorm per-sample gradients and one per device for the clip weights (C++ kernel or
         torch, and why).
     """
@@ -38,6 +39,7 @@ def report() -> str:
         lines.append(f"  {name:<28} {impl}")
     why = sampling.unavailable_reason()
     lines.append(f"  {'poisson_sample':<28} {sampling.backend()}" + (f" ({why})" if why else ""))
+    lines.append(f"  {'poisson_sample (loader, CPU)':<28} {sampling.loader_route()}")
     cpu = torch.zeros(1, 1)
     lines.append(f"  {'group_norm (CPU)':<28} {norm.group_norm_kernel(cpu, cpu)}")
     for device in ["cpu"] + (["cuda"] if cuda else []):

@@ -5,7 +5,9 @@ shuffle, never a fixed size, never truncated. These tests check that property st
 check that the C++ kernel, the CUDA kernel and the plain-torch reference make bit-identical draws
 for every (seed, step), whatever the thread count.
 """
+import math
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -13,14 +15,18 @@ import torch
 from scipy import stats
 
 from pdpfast import sampling
-from pdpfast.sampling import poisson_sample, poisson_sample_reference
+from pdpfast.sampling import PoissonSampler, poisson_sample, poisson_sample_reference, sample_thresholds
 
 HAS_CPP = sampling.unavailable_reason("cpu") is None
 needs_cpp = pytest.mark.skipif(not HAS_CPP, reason=f"C++ sampler not built: {sampling.unavailable_reason('cpu')}")
+HAS_THRESHOLDS = sampling._THRESHOLDS_ERROR is None
+needs_thresholds = pytest.mark.skipif(not HAS_THRESHOLDS, reason=f"no threshold kernel: {sampling._THRESHOLDS_ERROR}")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-# "auto" is whatever poisson_sample picks here (the C++ kernel when built); "torch" the reference.
-SAMPLERS = {"auto": poisson_sample, "torch": poisson_sample_reference}
+# "auto" is whatever poisson_sample picks here (the C++ kernel when built); "torch" the reference;
+# "loader" what DPDataLoader draws with (PoissonSampler: the C++ threshold kernel when built).
+SAMPLERS = {"auto": poisson_sample, "torch": poisson_sample_reference,
+            "loader": lambda rates, seed, step: PoissonSampler(rates).draw(seed, step)}
 GRID_RATES = (0.0, 1e-3, 0.05, 0.3, 0.9, 1.0)
 # Per-record acceptance bands hold with probability 1 - ALPHA each; with ~100 records checked per
 # test a false alarm is ~1e-6.
@@ -293,3 +299,101 @@ def test_backend_names_the_path_that_runs():
 def test_a_device_that_is_not_a_device_name_is_refused_by_name(function, device, error, match):
     with pytest.raises(error, match=match):
         function(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# PoissonSampler: the loader's draw from thresholds computed once, bit for bit poisson_sample's
+# ---------------------------------------------------------------------------------------------
+
+# poisson_sample_reference(linspace(0, 1, 200) ** 3, 20261129, 7): written down, so that a change of the
+# generator or of the decision rule (in any implementation) fails here and not only in a comparison
+PINNED_DRAW = [51, 76, 79, 107, 110, 112, 118, 120, 121, 123, 127, 129, 135, 138, 140, 146, 147, 148, 150, 151,
+               152, 154, 155, 157, 160, 161, 163, 165, 166, 167, 168, 169, 171, 174, 175, 176, 177, 178, 179, 180,
+               181, 182, 184, 186, 187, 188, 189, 193, 194, 195, 196, 197, 198, 199]
+
+
+@pytest.mark.parametrize("sampler_name", sorted(SAMPLERS))
+def test_draws_are_unchanged_for_a_given_seed(sampler_name):
+    rates = torch.linspace(0.0, 1.0, 200, dtype=torch.float64) ** 3
+    assert SAMPLERS[sampler_name](rates, 20261129, 7).tolist() == PINNED_DRAW
+
+
+def _edge_rates(num_records: int, dtype) -> torch.Tensor:
+    """Random rates with the edges of the decision rule mixed in: 0, 1, multiples of 2^-53 (where
+    u < q·2^53 and u < ceil(q·2^53) meet), their float neighbours, subnormals."""
+    rates = torch.rand(num_records, generator=torch.Generator().manual_seed(num_records), dtype=torch.float64)
+    two53 = float(2**53)
+    edges = torch.tensor([0.0, 1.0, 1 / two53, 2 / two53, 3 / two53, np.nextafter(1 / two53, 1),
+                          np.nextafter(1 / two53, 0), np.nextafter(1.0, 0), 5e-324, 1e-300, 0.5, np.nextafter(0.5, 0),
+                          2**-20, 1e-12], dtype=torch.float64)
+    rates[::3] = edges.repeat(num_records // len(edges) + 1)[: rates[::3].numel()]
+    return rates.to(dtype)
+
+
+@needs_thresholds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_records", [1, 7, 63, 64, 65, 513, 100_003])
+@pytest.mark.parametrize("seed,step", [(0, 0), (1, 2), (2**64 - 1, 2**63 + 5), (987654321, 10**12)])
+def test_threshold_kernel_draws_are_unchanged_for_a_given_seed(dtype, num_records, seed, step):
+    """The loader's kernel compares (z >> 11) with ceil(q·2^53) as integers, vectorized: the records it
+    draws must be poisson_sample's, bit for bit, on the rule's edges and for every thread count."""
+    rates = _edge_rates(num_records, dtype)
+    expected = poisson_sample_reference(rates, seed, step)
+    sampler = PoissonSampler(rates)
+    for num_threads in (1, 2, 3, 7):
+        assert torch.equal(sampler.draw(seed, step, num_threads), expected)
+    assert torch.equal(sampling._C.poisson_sample_thresholds_cpu(sample_thresholds(rates), seed, step, 0), expected)
+
+
+def test_thresholds_are_the_exact_integer_form_of_the_rates():
+    rates = _edge_rates(4099, torch.float64)
+    thresholds = sample_thresholds(rates)
+    exact = [math.ceil(Fraction(q) * 2**53) for q in rates.tolist()]
+    assert thresholds.dtype == torch.int64 and thresholds.tolist() == exact
+    assert sample_thresholds(torch.tensor([0.0, 1.0])).tolist() == [0, 2**53]
+
+
+@needs_thresholds
+@pytest.mark.parametrize("bad", [-1, 2**53 + 1, -(2**63)])
+def test_threshold_kernel_refuses_a_threshold_outside_0_to_2_pow_53(bad):
+    thresholds = torch.zeros(300, dtype=torch.int64)
+    thresholds[130] = bad
+    with pytest.raises(ValueError, match=r"thresholds\[130\]"):
+        sampling._C.poisson_sample_thresholds_cpu(thresholds, 1, 1, 0)
+
+
+def test_sampler_without_the_threshold_kernel_draws_through_poisson_sample(monkeypatch):
+    """An extension built before the threshold kernel existed (or none at all) still draws the same."""
+    rates = _edge_rates(5000, torch.float64)
+    expected = poisson_sample_reference(rates, 3, 4)
+    monkeypatch.setattr(sampling, "_THRESHOLDS_ERROR", "pretend an older build")
+    sampler = PoissonSampler(rates)
+    assert torch.equal(sampler.draw(3, 4), expected)
+    monkeypatch.setattr(sampling, "_IMPORT_ERROR", "pretend no build")
+    assert torch.equal(PoissonSampler(rates).draw(3, 4), expected)
+
+
+@pytest.mark.parametrize("num_threads,error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_sampler_refuses_a_thread_count_that_is_not_a_positive_int(num_threads, error):
+    with pytest.raises(error, match="num_threads"):
+        PoissonSampler(torch.full((10,), 0.5)).draw(0, 0, num_threads)
+
+
+@needs_thresholds
+@pytest.mark.parametrize("seed,step", [(5, 6), (2**64 - 1, 0)])
+def test_threshold_kernel_decides_as_poisson_sample_where_u_meets_q(seed, step):
+    """Rates made from the records' own uniforms u_i = (z_i >> 11)·2^-53, where u < q turns: q_i = u_i
+    and the float just below are not drawn, the float just above and u_i + 2^-53 are. The threshold
+    kernel must decide each as the rule (and the reference) does."""
+    n = 4000
+    top_bits = sampling.logical_shift_right(sampling.random_bits_reference(n, seed, step), 11)
+    at = top_bits.to(torch.float64) / 2**53                      # exact: top_bits < 2^53
+    choices = torch.stack([at, torch.nextafter(at, torch.zeros_like(at)),
+                           torch.nextafter(at, torch.ones_like(at)), (top_bits + 1).to(torch.float64) / 2**53])
+    which = torch.arange(n) % 4
+    rates = choices[which, torch.arange(n)].clamp(0.0, 1.0)
+    drawn = torch.nonzero(which >= 2).flatten()                  # the two rates above u_i
+    assert torch.equal(poisson_sample_reference(rates, seed, step), drawn)
+    assert torch.equal(PoissonSampler(rates).draw(seed, step), drawn)
+    for num_threads in (1, 3):
+        assert torch.equal(PoissonSampler(rates).draw(seed, step, num_threads), drawn)

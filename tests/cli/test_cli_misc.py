@@ -19,6 +19,7 @@ def test_info_reports_the_implementations(cli):
     assert rc == 0 and "pdpfast" in out and "torch" in out
     assert "poisson_sample" in out and "group_norm (CPU)" in out and "clip_weights (CPU)" in out
     assert "clip_scale (CPU)" in out
+    assert "poisson_sample (loader, CPU)" in out
 
 
 def test_fl_subcommand_comes_from_pdpfast_fl_when_it_imports(cli):
