@@ -349,8 +349,29 @@ class AdaptiveTraining:
 
     def _set_ledger(self, step: int) -> None:
         ledger = getattr(self.engine, "accountant", None)
-        if self.factors is not None and ledger is not None:
+        if self.factors is None or ledger is None:
+            return
+        rows = self._plan_noise_of_rows(ledger)
+        if rows is None:
             ledger.set_rates(noise_multipliers=self.plan.noise_multipliers * self._factor(step))
+        else:   # the same values, one per row: no pass over the N records every step
+            ledger.set_group_noise(rows * self._factor(step))
+
+    def _plan_noise_of_rows(self, ledger) -> np.ndarray | None:
+        """(G,) the plan's z_i of each ledger row's records, when every row's records share one (the rows of a
+        plan's ledger do); None otherwise. Found once per set of rows."""
+        kept = self.__dict__.get("_row_noise")
+        if kept is not None and kept[0] is ledger.group_of:
+            return kept[1]
+        rows = None
+        if hasattr(ledger, "set_group_noise"):
+            ids, starts = ledger.group_members()
+            counts = np.diff(starts)
+            z = self.plan.noise_multipliers[ids]
+            if counts.all() and np.array_equal(z, np.repeat(z[starts[:-1]], counts)):
+                rows = z[starts[:-1]]
+        self._row_noise = (ledger.group_of, rows)
+        return rows
 
     def _grad_inflation(self) -> float:
         return 1.0 if self.clipping is None else 1.0 / math.sqrt(1.0 - self.clipping.count_share)

@@ -127,6 +127,25 @@ def test_ledger_of_a_scheduled_run_equals_an_independent_composition_of_its_step
         assert acc.get_epsilon(DELTA) >= ledger[0] * (1 - 1e-9)
 
 
+def test_a_scheduled_runs_ledger_is_charged_as_if_every_records_multiplier_were_set_each_step(monkeypatch):
+    """Each step's z_i·h(t) reaches the ledger row by row (O(rows), not a pass over the records), and must
+    charge exactly what setting every record's multiplier would: the same ε bit for bit."""
+    from pdpfast.accounting import ledger_for_plan
+
+    engine, *rest = _engine(method="sample", schedule=S.ExponentialDecay(0.03), steps=20)
+    monkeypatch.setattr(engine.accountant, "set_rates", lambda **kw: pytest.fail("a pass over every record"))
+    _train(engine, *rest, steps=12)
+    by_record = ledger_for_plan(engine.plan)
+    for t in range(12):
+        by_record.set_rates(noise_multipliers=engine.plan.noise_multipliers * engine.adaptive._factor(t))
+        by_record.step()
+    by_record.set_rates(noise_multipliers=engine.plan.noise_multipliers * engine.adaptive._factor(12))
+    assert engine.accountant.group_rates.shape[0] == by_record.group_rates.shape[0] == 3
+    np.testing.assert_array_equal(engine.accountant.noise_multipliers, by_record.noise_multipliers)
+    np.testing.assert_array_equal(engine.epsilons(), by_record.epsilons(engine.delta))
+    np.testing.assert_array_equal(engine.accountant.exceeding(engine.delta, 8), by_record.exceeding(engine.delta, 8))
+
+
 def test_scheduled_run_spends_its_budgets_and_refuses_the_step_after():
     engine, *rest = _engine(method="sample", schedule="step:0.6,8", steps=20)
     _train(engine, *rest)

@@ -539,6 +539,37 @@ class IndividualAccountant(_RecordLedger):
             self._update_rates(sample_rates, noise_multipliers, ids)
         return ids
 
+    def group_members(self) -> tuple[np.ndarray, np.ndarray]:
+        """Which records each row of accumulated RDP holds (kept until the rows change).
+
+        Returns:
+            ((N,) int64 record ids ordered by row, (G + 1,) int64 offsets): row g's records are
+            ``ids[starts[g]:starts[g + 1]]``, ascending.
+        """
+        ids, starts, _ = self._members()
+        return ids, starts
+
+    def set_group_noise(self, noise_multipliers):
+        """Give every row's records one new current z at once: what ``set_rates(noise_multipliers=z)``
+        does when the members of each row get one value, in O(G) instead of reading N records (a noise
+        schedule sets every record's z_i·h(t) before each step).
+
+        Args:
+            noise_multipliers: (G,) z ≥ 0 of the rows (``group_noise``'s order).
+        Returns:
+            self, updated in place.
+        Raises:
+            ValueError for another length or a negative or NaN value; TypeError for values that are not numbers.
+        """
+        z = as_float_array("noise_multipliers", noise_multipliers)
+        if z.shape != self.group_noise.shape:
+            raise ValueError(f"noise_multipliers must be one value per row ({self.group_noise.shape[0]}), got shape "
+                             f"{z.shape}")
+        _check_rates(self.group_rates, z)
+        self.group_noise = z + 0.0    # + 0.0 as set_rates: −0.0 and 0.0 are one value
+        self.__dict__.pop("_step_rdp", None)
+        return self
+
     def _own_rdp_per_step(self, rows) -> np.ndarray:
         """(len(rows),) RDP of one step of each row at its own order (0 where it has none)."""
         own = self.group_own_order[rows]
