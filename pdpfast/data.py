@@ -212,8 +212,12 @@ class DPDataLoader:
         if n == 0:
             raise ValueError("dataset is empty")
         self.dataset = dataset
-        self.sample_rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0)
-        self.sample_rates_tensor = torch.from_numpy(self.sample_rates)
+        # the loader's own copy, read-only: the sampler's thresholds are computed from it once, and a
+        # caller's array changed in place afterwards must not leave the draws and the rates apart
+        rates = as_per_record("sample_rates", sample_rates, n, low=0.0, high=1.0).copy()
+        self.sample_rates_tensor = torch.from_numpy(rates)
+        rates.flags.writeable = False
+        self.sample_rates = rates
         # poisson_sample(sample_rates_tensor, seed, step) bit for bit, with its per-record set-up done once
         self.poisson_sampler = PoissonSampler(self.sample_rates_tensor)
         self.expected_batch_size = float(self.sample_rates.sum())

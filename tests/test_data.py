@@ -193,3 +193,21 @@ def test_an_empty_draw_through_a_collate_returning_a_batch_encoding_keeps_its_ty
         {"input_ids": torch.stack([r["x"] for r in rows]), "labels": torch.stack([r["y"] for r in rows])}))
     assert isinstance(batch, transformers.BatchEncoding)
     assert batch["input_ids"].shape == (0, 2) and batch["labels"].shape == (0,)
+
+
+def test_a_loader_draws_from_the_rates_it_was_given_even_if_the_callers_array_changes_later():
+    """The loader's Poisson draw uses thresholds computed once from its rates: it keeps its own read-only
+    copy, so a caller's array edited afterwards cannot leave its draws and its expected batch size apart."""
+    import numpy as np
+
+    from pdpfast.sampling import poisson_sample
+
+    rates = np.full(64, 0.25)
+    loader = DPDataLoader(_data(64), rates, seed=3)
+    rates[:] = 1.0
+    drawn = [batch[1] for batch in loader]
+    assert loader.expected_batch_size == 16.0
+    for step, labels in enumerate(drawn):
+        assert torch.equal(labels, poisson_sample(torch.full((64,), 0.25, dtype=torch.float64), 3, step))
+    with pytest.raises(ValueError, match="read-only"):
+        loader.sample_rates[0] = 1.0
