@@ -79,6 +79,15 @@ CLIPPINGS = ("flat", "per_layer")
 # Under torch.distributed its verdict is all-reduced, so that every rank refuses the same batches.
 CHECK_FINITE_ON_CPU = True
 
+# nn.DataParallel over several devices copies the model at every forward; the copies' layers hold no
+# parameters of their own, so the private forward cannot be run in them (refused at make_private, and
+# by a DP layer that finds itself in such a copy)
+DATA_PARALLEL_REFUSAL = (
+    "nn.DataParallel over several devices is not supported: it copies the model onto each device at every "
+    "forward, and a DP layer's copy holds no parameters of its own to clip per sample. Use "
+    "DistributedDataParallel (one process per device, wrapped before make_private: see pdpfast.distributed), "
+    "or DataParallel over one device")
+
 # Where the backward runs a node (None outside a backward), and the innermost saved-tensor hooks
 # (None when none are active); both private torch APIs, absent from old versions: then no forward is
 # seen as one inside a backward, as before.
@@ -724,6 +733,8 @@ class ClippingState:
         params, buffers = module._parameters, module._buffers
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
+            if module.__dict__.get("_is_replica"):  # nn.DataParallel's copy: its parameters are not in _parameters
+                raise RuntimeError(DATA_PARALLEL_REFUSAL)
             return module._unflatten(module._compute(prepared, {**buffers, **params} if buffers else params), prepared)
         trainable = [params[n] for n in names]
         if replay:

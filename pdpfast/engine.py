@@ -25,7 +25,7 @@ from ._checks import (
 )
 from ._io import atomic_write
 from ._private import MadePrivate, MadePrivateGhost
-from .clipping import ClippingState, Phase, check_clipping_options, refuse_sequence_first
+from .clipping import DATA_PARALLEL_REFUSAL, ClippingState, Phase, check_clipping_options, refuse_sequence_first
 from .data import DPDataLoader, PhysicalBatch, check_whole_dataset_sampler, map_style_length
 from .distributed import (
     active_ddp_wrapper,
@@ -519,6 +519,8 @@ class PrivacyEngine:
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(module, nn.DataParallel) and len(module.device_ids) > 1:
+            raise ValueError(DATA_PARALLEL_REFUSAL)
         if not isinstance(data_loader, DataLoader):
             raise TypeError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}")
         if map_style_length(data_loader.dataset) == 0:

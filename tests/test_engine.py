@@ -543,3 +543,34 @@ def test_dp_optimizer_refuses_the_opacus_arguments_it_cannot_honor_by_name(kwarg
     with pytest.raises(error, match=match):
         DPOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1), noise_multiplier=1.0, max_grad_norm=1.0,
                     expected_batch_size=8, **kwargs)
+
+
+def test_data_parallel_over_several_devices_is_refused_since_its_copies_of_a_dp_layer_hold_no_parameters():
+    """nn.DataParallel over several devices copies the model at every forward; a copy's layers keep their
+    parameters outside ``_parameters``, so a DP layer there could not clip them per sample. make_private
+    refuses the wrapper, and a DP layer run inside such a copy (a model wrapped after make_private) raises
+    rather than computing without its parameters. Over one device (or none) DataParallel calls the model
+    itself, which trains as usual."""
+    model = nn.DataParallel(_mlp())
+    model.device_ids = [0, 1]   # what DataParallel keeps on a machine with two GPUs
+    with pytest.raises(ValueError, match="DataParallel over several devices is not supported.*DistributedDataParallel"):
+        pdpfast.PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(_data(), batch_size=8), noise_multiplier=1.0,
+                                             max_grad_norm=1.0)
+
+    engine, ds, model, opt, loader = _private()
+    first = model[0]
+    copy = first._replicate_for_data_parallel()  # as torch.nn.parallel.replicate makes it, before it sets
+    copy.weight, copy.bias = first.weight * 1.0, first.bias * 1.0   # the broadcast parameters as attributes
+    x, y = next(iter(loader))
+    with pytest.raises(RuntimeError, match="DataParallel over several devices is not supported"):
+        copy(x)
+
+    engine, ds, model, opt, loader = _private()
+    wrapped = nn.DataParallel(model)  # no GPU here: no device, no copies
+    before = [p.detach().clone() for p in model.parameters()]
+    for x, y in loader:
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
