@@ -7,6 +7,7 @@ import pytest
 from pdpfast.accounting import (
     DEFAULT_ORDERS,
     IndividualAccountant,
+    PLDIndividualAccountant,
     calibrate,
     compute_rdp,
     get_privacy_spent,
@@ -357,3 +358,55 @@ def test_member_index_lists_each_rows_records_in_order_with_their_tightest_budge
     some = np.sort(rng.choice(rows, min(rows, 7) - 1, replace=False))
     assert np.array_equal(acc._members_of(some), np.concatenate([np.flatnonzero(acc.group_of == g) for g in some]))
     assert acc._members_of(some[:0]).size == 0
+
+
+def _exceeding_by_stepping_a_copy(ledger, delta, n):
+    """The records over budget after n more steps, found the slow way: a copy without caches steps n times."""
+    import copy
+
+    twin = copy.deepcopy(ledger)
+    for cache in ("_anchor", "_member_index", "_certified"):
+        twin.__dict__.pop(cache, None)
+    if isinstance(twin, PLDIndividualAccountant):
+        twin._certified = {}
+    twin.step(n)
+    return np.flatnonzero(twin.epsilons(delta) > twin.budgets)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_exceeding_equals_stepping_a_copy_across_random_histories_of_both_ledgers(seed):
+    """Random histories, each call of ``exceeding`` checked against a copy stepped for real: full and
+    partial steps, rates changed for some records (rows split), every row's multiplier at once, and an
+    older state loaded into the same object after its rows changed (its row caches must not survive),
+    for the RDP ledger and the PLD ledger (with and without a horizon)."""
+    rng = np.random.default_rng(seed)
+    checks = 0
+    for trial in range(6):
+        n_records, groups = int(rng.integers(1, 50)), int(rng.integers(1, 5))
+        g = rng.integers(0, groups, n_records)
+        q = rng.choice([0.01, 0.05, 0.2, 0.5], groups)[g]
+        z = rng.choice([0.6, 1.0, 2.0], groups)[g]
+        budgets = rng.uniform(0.2, 3.0, n_records)
+        pld = trial % 3 == 2
+        ledger = (PLDIndividualAccountant(q, z, budgets=budgets, horizon=[None, 40][trial % 2]) if pld
+                  else IndividualAccountant(q, z, budgets=budgets))
+        older = None
+        for _ in range(15):
+            n = int(rng.choice([1, 1, 2, 5]))
+            np.testing.assert_array_equal(ledger.exceeding(1e-5, n), _exceeding_by_stepping_a_copy(ledger, 1e-5, n))
+            checks += 1
+            r = rng.random()
+            if r < 0.5 or pld and r < 0.8:
+                ledger.step(int(rng.integers(1, 4)))
+            elif r < 0.62:
+                ledger.step(1, record_ids=rng.choice(n_records, int(rng.integers(1, n_records + 1)), replace=False))
+            elif r < 0.72:
+                ids = rng.choice(n_records, int(rng.integers(1, n_records + 1)), replace=False)
+                ledger.set_rates(noise_multipliers=float(rng.choice([0.8, 1.2, 3.0])), record_ids=ids)
+            elif r < 0.8:
+                ledger.set_group_noise(ledger.group_noise * float(rng.choice([0.9, 1.1])))
+            elif older is not None and r < 0.9:
+                ledger.load_state_dict(older)
+            else:
+                older = ledger.state_dict()
+    assert checks == 90
