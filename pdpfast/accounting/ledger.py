@@ -363,10 +363,10 @@ class _RecordLedger:
         if bool(has_budgets):
             if np.shape(state["budgets"]) != group_of.shape:
                 raise ValueError("ledger state: budgets do not match group_of")
-            budgets = as_per_record("budgets", state["budgets"], group_of.shape[0], low=0.0, low_inclusive=False)
+            budgets = _fixed_budgets(state["budgets"], group_of.shape[0])   # checked, and the ledger's own copy
         # copies: the ledger adds into its arrays in place, and must not write into the caller's state
         return {"group_of": group_of.copy(), "group_rates": group_rates.copy(), "group_noise": group_noise.copy(),
-                "steps_taken": steps_taken, "budgets": _fixed_budgets(budgets, group_of.shape[0])}
+                "steps_taken": steps_taken, "budgets": budgets}
 
 
 @register_ledger("rdp")
