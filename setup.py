@@ -4,8 +4,9 @@ Two roles:
 
 * ``python3 setup.py demo | test | bench`` — the quick start. Creates ``.venv`` next to this file
   (once), installs pdpfast and what it needs into it, then runs the main job, the test suite or
-  the CPU benchmark inside it. On a machine without an NVIDIA GPU torch is pinned to the 2.13.0
-  CPU build so no multi-GB CUDA wheel is pulled.
+  the CPU benchmark inside it. On a machine without an NVIDIA GPU torch is pinned to 2.13.0 and
+  taken from PyTorch's CPU index when that index answers (a CPU build pip finds on disk, as on CI,
+  serves as well), so no multi-GB CUDA wheel is pulled.
 * an ordinary setuptools script (``pip install --no-build-isolation -e .``): installs the
   ``pdpfast`` package, maps ``kernels/`` to ``pdpfast.kernels`` and builds the optional C++/CUDA
   extension ``pdpfast._C`` from ``csrc/``. A failed extension build never fails the install: the
@@ -23,7 +24,7 @@ VENV = ROOT / ".venv"
 RUNTIME = ["numpy", "scipy", "tqdm", "matplotlib", "scikit-learn", "dp-accounting"]
 TESTING = ["pytest", "pytest-benchmark", "opacus==1.6.*", "transformers", "accelerate", "datasets", "peft", "triton",
            "flwr", "ruff==0.17.6"]  # ruff pinned: a new release may add checks that fail an unchanged tree
-# `python3 setup.py test` lints first (settings in pyproject.toml); it takes no pytest arguments.
+# `python3 setup.py test` lints first (settings in pyproject.toml); arguments after it go to both pytest runs.
 LINT = ["-m", "ruff", "check", "pdpfast", "tests", "bench", "kernels", "setup.py"]
 # Each quick command: the runs it makes inside the venv, as (arguments, extra environment).
 # The Triton kernels are tested in a process of their own: TRITON_INTERPRET=1 must be set before
@@ -35,6 +36,27 @@ QUICK_COMMANDS = {
              (["-m", "pytest", "-q", "tests/kernels"], {"TRITON_INTERPRET": "1"})],
     "bench": [(["-m", "bench.bench_cpu"], {})],
 }
+
+
+# Where torch's CPU builds are published: with it as an extra index, pip prefers 2.13.0+cpu to the
+# CUDA build of 2.13.0 on PyPI (a local version sorts above the plain one).
+CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _answers(url: str, timeout: float = 5.0) -> bool:
+    import urllib.request
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _torch_requirement(has_gpu: bool, cpu_index_answers) -> list[str]:
+    """pip arguments that install torch: any build with a GPU; else 2.13.0, from the CPU index when it answers."""
+    if has_gpu:
+        return ["torch"]
+    return ["torch==2.13.0"] + (["--extra-index-url", CPU_TORCH_INDEX] if cpu_index_answers() else [])
 
 
 def _has_nvidia_gpu() -> bool:
@@ -51,9 +73,9 @@ def _bootstrap(command: str, extra_args: list[str]) -> int:
         subprocess.check_call([sys.executable, "-m", "venv", str(VENV)])
     if not stamp.exists():
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        torch_req = "torch" if _has_nvidia_gpu() else "torch==2.13.0"
+        torch_req = _torch_requirement(_has_nvidia_gpu(), lambda: _answers(CPU_TORCH_INDEX + "/torch/"))
         # torch first and alone: every later requirement then sees it installed and adds nothing
-        subprocess.check_call(pip + [torch_req])
+        subprocess.check_call(pip + torch_req)
         subprocess.check_call(pip + wanted)
         subprocess.check_call(pip + ["--no-build-isolation", "--no-deps", "-e", str(ROOT)])
         stamp.touch()
