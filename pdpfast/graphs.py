@@ -38,7 +38,8 @@ check before a step and its charge after, the step count — runs on the host ar
 as the eager step runs it.
 
 ``cuda_graph=False`` runs the same bodies eagerly every time (its noise seeded on the host): the
-same static buffers, the same host lifecycle, no capture. The first ``warmup`` steps of a captured
+same static buffers, the same host lifecycle, no capture; it keeps the static inputs of its eight most
+recently used signatures only. The first ``warmup`` steps of a captured
 step run the very bodies the capture records, device counter included, eagerly on a side stream, as
 CUDA graph capture requires: every kernel a capture launches is compiled and loaded by then (a
 module cannot be loaded while a stream captures). A body first met after the warm-up (the accumulate
@@ -76,6 +77,10 @@ from .sampling import as_int64
 
 # Distinct input signatures before a warning: each has its own accumulate graph and memory pool.
 _SIGNATURES_WARN = 4
+# Signatures an eager step (cuda_graph=False) keeps, the most recently used: it captures nothing, so one
+# dropped is only rebuilt (static inputs) when its shapes come back; keeping all would grow with every
+# new batch size, sequence length or non-tensor argument value of a run.
+_EAGER_SIGNATURES = 8
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -239,7 +244,11 @@ class PrivateStep:
         key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves),
                tuple(state.clip_norms.shape), state.mask is None, state.loss_scale)
         signature = self._signatures.get(key)
+        if signature is not None and not self.cuda_graph:
+            self._signatures[key] = self._signatures.pop(key)  # the most recently used last
         if signature is None:
+            if not self.cuda_graph and len(self._signatures) >= _EAGER_SIGNATURES:
+                del self._signatures[next(iter(self._signatures))]  # the least recently used
             signature = self._signatures[key] = _Signature(self, spec, leaves)
             if len(self._signatures) == _SIGNATURES_WARN + 1 and self.cuda_graph:
                 warnings.warn(f"the captured step has seen {len(self._signatures)} input signatures (shapes, dtypes): "

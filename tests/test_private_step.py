@@ -109,6 +109,33 @@ def test_private_step_equals_the_ordinary_loop(clipping, kwargs):
         assert step._grads is None  # no gradient buffer outlives a step when every draw is one batch
 
 
+def test_an_eager_private_step_keeps_a_bounded_number_of_input_signatures_and_still_equals_the_loop():
+    """An eager step keyed every call anew (here by a non-tensor argument, as a step counter passed to
+    the loss would be) keeps only its most recently used signatures, even inside a draw of several
+    physical batches, and steps exactly as the ordinary loop."""
+    from pdpfast import graphs
+
+    a_engine, a_model, a_opt, a_loader = _engine(_mlp(), physical_batch_size=4, steps=12)
+    b_engine, b_model, b_opt, b_loader = _engine(_mlp(), physical_batch_size=4, steps=12)
+    expected = _ordinary(a_model, a_opt, a_loader, 10)
+    loss = _loss(b_model)
+    step = b_engine.make_step(lambda x, y, call: loss(x, y))
+    calls, sizes = 0, []
+    while b_opt.steps < 10 or not b_loader.current.is_last:
+        for x, y in b_loader:
+            step(x, y, calls)
+            calls += 1
+            sizes.append(len(step._signatures))
+            if b_opt.steps == 10 and b_loader.current.is_last:
+                break
+    assert calls == len(expected) > graphs._EAGER_SIGNATURES
+    assert max(sizes) == graphs._EAGER_SIGNATURES
+    assert list(step._signatures)[-1][1][-1] == ("value", calls - 1)  # the last call's is kept
+    for p, q in zip(b_model.parameters(), a_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(b_engine.epsilons(), a_engine.epsilons())
+
+
 def test_private_step_returns_fresh_losses_and_accumulates_a_draws_physical_batches():
     engine, model, opt, loader = _engine(_mlp(), physical_batch_size=2)
     step = engine.make_step(_loss(model))
