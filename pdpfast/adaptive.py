@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,11 +227,64 @@ class GeometricQuantileTracker:
         return self.bounds
 
 
+class AdaptiveHistory(Sequence):
+    """Every step's clip bounds and noise of an ``AdaptiveTraining`` run: ``history[t]`` is a dict "step",
+    "clip_norms" ((G,) float64, the groups' total clip bounds), "noise_std" (of the gradient sum) and,
+    with adaptive clipping, "count_std" (the counts' noise stds: (G,) per group, else (1,)).
+
+    Kept as what sets the bounds, not as G numbers per step: nothing with fixed bounds (a noise
+    schedule alone), the K shared factors of ``per_group=False``, the (G, K) bounds of ``per_group=True``
+    (which are G numbers a step by nature). A run over many privacy groups (distinct per-record
+    budgets: G up to the number of records) then keeps a few numbers per step, where a list of G
+    floats per step grew by gigabytes over a long run; the dicts are built when read.
+
+    Args:
+        initial_bounds: (G, K) the plan's bounds per group and clipping group.
+    """
+
+    def __init__(self, initial_bounds: np.ndarray):
+        self._initial = initial_bounds
+        self._steps: list[int] = []
+        self._noise: list[float] = []
+        self._bounds: list[np.ndarray | None] = []   # None: the initial bounds; (K,) factors; (G, K) bounds
+        self._count: list[np.ndarray | None] = []
+
+    def append(self, step: int, noise_std: float, bounds, count_std) -> None:
+        """Record one step: its bounds as ``AdaptiveTraining`` holds them (None, (K,) or (G, K); kept by
+        reference, so never written in place after) and its counts' noise stds (None without adaptive
+        clipping)."""
+        self._steps.append(int(step))
+        self._noise.append(float(noise_std))
+        self._bounds.append(bounds)
+        self._count.append(count_std)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]  # negative indices, and IndexError past the end
+        bounds = self._bounds[index]
+        if bounds is None:
+            bounds = self._initial
+        elif bounds.ndim == 1:
+            bounds = self._initial * bounds[None, :]
+        record = {"step": self._steps[index], "clip_norms": np.sqrt(np.sum(bounds ** 2, axis=1)),
+                  "noise_std": self._noise[index]}
+        if self._count[index] is not None:
+            record["count_std"] = self._count[index]
+        return record
+
+    def __repr__(self) -> str:
+        return f"AdaptiveHistory({len(self)} steps)"
+
+
 class AdaptiveTraining:
     """Attached by ``PrivacyEngine.make_private_with_budgets(adaptive_clipping=..., noise_schedule=...)``:
-    sets each step's clip bounds, noise and ledger multipliers. ``history`` holds, per step, a dict:
-    "step", "clip_norms" (the groups' total clip bounds, G floats), "noise_std" (of the gradient sum)
-    and, with adaptive clipping, "count_std" (the counts' noise stds).
+    sets each step's clip bounds, noise and ledger multipliers. ``history`` (an ``AdaptiveHistory``) gives,
+    per step, a dict: "step", "clip_norms" (the groups' total clip bounds, G floats), "noise_std" (of
+    the gradient sum) and, with adaptive clipping, "count_std" (the counts' noise stds).
 
     Args:
         engine: the PrivacyEngine (after ``make_private``).
@@ -267,7 +321,7 @@ class AdaptiveTraining:
         self.count_sensitivity = 0.5 * math.sqrt(self.num_layers)
         self._counts = np.zeros((self.num_groups, self.num_layers))
         self._rows: torch.Tensor | None = None
-        self.history: list[dict] = []
+        self.history = AdaptiveHistory(self.initial_bounds)
         self.seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
         if clipping is not None:
             start = self.initial_bounds if clipping.per_group else np.ones(self.num_layers)
@@ -386,10 +440,10 @@ class AdaptiveTraining:
 
     def _after_step(self, optimizer) -> None:
         t = optimizer.steps - 1                                   # the step just taken
-        record = {"step": t, "clip_norms": self.group_clip_norms.tolist(), "noise_std": optimizer.noise_std}
-        if self.clipping is not None:
-            record["count_std"] = self._update_bounds(t).tolist()
-        self.history.append(record)
+        # the bounds the step used (the tracker replaces its array at each update, never writes into it)
+        bounds = None if self.clipping is None else self.tracker.bounds
+        count_std = None if self.clipping is None else self._update_bounds(t)
+        self.history.append(t, optimizer.noise_std, bounds, count_std)
         self._set_ledger(optimizer.steps)
 
     def _update_bounds(self, t: int) -> np.ndarray:

@@ -67,14 +67,15 @@ def _budgets():
 
 
 def _engine(*, method="scale", clipping="flat", mode="bk", adaptive=None, schedule=None, steps=25, seed=0,
-            automatic_gamma=None):
+            automatic_gamma=None, budgets=None):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = pdpfast.PrivacyEngine(seed=seed)
     criterion = nn.CrossEntropyLoss(reduction="sum")
     out = engine.make_private_with_budgets(
-        module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=40), budgets=_budgets(),
+        module=model, optimizer=opt, data_loader=DataLoader(_data(), batch_size=40),
+        budgets=_budgets() if budgets is None else budgets,
         delta=DELTA, steps=steps, method=method, clipping=clipping, mode=mode, loss_reduction="sum",
         criterion=criterion if mode == "ghost" else None, adaptive_clipping=adaptive, noise_schedule=schedule,
         automatic_gamma=automatic_gamma)
@@ -442,3 +443,41 @@ def test_the_adaptive_demo_refuses_bad_choices_before_the_first_run(kwargs, name
     monkeypatch.setattr(demo_adaptive, "train_variant", trains)
     with pytest.raises((TypeError, ValueError), match=name):
         demo_adaptive.run_adaptive_demo(**(dict(epochs=1, seeds=(0,), progress=False) | kwargs))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("per_group", [None, False, True])   # None: a noise schedule and fixed bounds
+def test_adaptive_history_gives_every_steps_bounds_and_keeps_only_what_sets_them(per_group, clipping):
+    """``history[t]`` holds the bounds and noise step t used (read here at each step, before the bounds'
+    update), while the history keeps per step only what sets the bounds: nothing for fixed bounds and
+    K factors for bounds that move together, not G numbers, with G here one privacy group per record
+    (per-group bounds are G numbers a step by nature; their groups here are three, as a group of one
+    record's noised count would throw its bound out of range)."""
+    adaptive = None if per_group is None else QuantileClipping(target_quantile=0.6, learning_rate=0.5,
+                                                               count_share=0.05, per_group=per_group)
+    # every budget distinct, G = N groups; three groups for per-group bounds
+    budgets = _budgets() if per_group else np.random.default_rng(5).uniform(1.0, 4.0, N)
+    engine, *rest = _engine(method="scale", clipping=clipping, adaptive=adaptive, schedule="exponential:0.02",
+                            steps=12, budgets=budgets)
+    ad = engine.adaptive
+    seen = []
+    engine.optimizer.post_step_hooks.insert(0, lambda opt: seen.append((ad.group_clip_norms, opt.noise_std)))
+    _train(engine, *rest)
+    history = ad.history
+    assert len(history) == len(seen) == 12 and ad.num_groups == (3 if per_group else N)
+    for t, (record, (norms, noise_std)) in enumerate(zip(history, seen)):
+        assert record["step"] == t and record["noise_std"] == noise_std
+        np.testing.assert_array_equal(record["clip_norms"], norms)
+        assert ("count_std" in record) == (adaptive is not None)
+    if adaptive is not None:
+        assert not np.array_equal(history[0]["clip_norms"], history[-1]["clip_norms"])   # the bounds moved
+        assert history[-1]["count_std"].shape == ((3,) if per_group else (1,))
+    K = ad.num_layers
+    kept = [b for b in history._bounds if b is not None]
+    if per_group is None:
+        assert kept == []
+    elif not per_group:
+        assert all(b.shape == (K,) for b in kept) and len(kept) == 12
+    assert [r["step"] for r in history[-3:]] == [9, 10, 11] and history[-1]["step"] == 11
+    with pytest.raises(IndexError):
+        history[12]
