@@ -5,14 +5,22 @@ keeps them until every layer's norms are known. Fresh memory for them every step
 CPU: the allocator returns a freed block of many MiB to the kernel, and the next step takes a page
 fault per 4 KiB to get it back (about 2 µs each in a VM: ~100 ms per step for the 200 MB of a
 small transformer, a fifth of its non-private step). The clipping state hands buffers back with
-``recycle`` once it has used them; ``empty`` gives them out again for the same shape.
+``recycle`` once it has used them; ``empty`` lends them out again.
+
+A Poisson batch has a new size at every step, so a buffer is lent for any shape it can hold: the
+request is a view of the smallest pooled buffer (of its dtype and device) that holds it and is at
+most ``REUSE_SLACK`` times its size. A new buffer is made only for a batch larger than every one
+before it (a new maximum, ever rarer as a run goes on). The pool keeps at most as many buffers as were
+ever lent at once (the backward's peak), the most recently returned, and at most ``MAX_BYTES``: a run
+whose shapes drift does not pile up buffers for sizes it no longer asks for.
 
 Only buffers this module lent are taken back, so a tensor someone else may still hold (an output
-gradient, a view) is never reused. What the pool holds between steps is what the previous
-backward used at its peak, at most ``MAX_BYTES``; ``clear`` frees it.
+gradient, a view) is never reused. ``clear`` frees the pool.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
 
 import torch
@@ -23,9 +31,16 @@ MIN_BYTES = 1 << 20
 # lent at once that ``linear.prefer_per_sample`` lets book-keeping keep (beyond it, layers compute
 # norms and clipped sums without forming per-sample gradients).
 MAX_BYTES = 1 << 30
+# A pooled buffer serves a request of at least 1/REUSE_SLACK of its size.
+REUSE_SLACK = 2
 
-_free: dict[tuple, list[torch.Tensor]] = {}        # (shape, dtype, device) → buffers ready to lend
-_lent: dict[int, tuple[weakref.ref, int]] = {}     # id → (buffer, bytes): lent by ``empty``, not returned
+# (dtype, device) → [(elements, returned at, buffer)] ready to lend, by size: flat buffers
+_free: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+# id of a lent view → (the view, bytes of its buffer, its buffer, its key): lent by ``empty``, not returned
+_lent: dict[int, tuple[weakref.ref, int, torch.Tensor, tuple | None]] = {}
+_lent_count: dict[tuple, int] = {}   # pooled-size buffers lent now, per key
+_peak: dict[tuple, int] = {}         # most of them ever lent at once (since ``clear``)
+_ticks = itertools.count()           # return order: the pool drops the buffer that has waited longest
 _free_bytes = 0
 _lent_bytes = 0
 
@@ -34,58 +49,72 @@ def lent_bytes() -> int:
     """Bytes of CPU buffers lent by ``empty`` and neither returned nor freed.
 
     Returns:
-        an int ≥ 0, in bytes (``linear.prefer_per_sample`` forms no more per-sample gradients that
-        would take it past ``MAX_BYTES``).
+        an int ≥ 0, in bytes of the lent buffers (a request served by a larger buffer counts all of it;
+        ``linear.prefer_per_sample`` forms no more per-sample gradients that would take it past
+        ``MAX_BYTES``).
     """
     return _lent_bytes
 
 
-def _forget(ident: int) -> None:
+def _forget(ident: int) -> tuple | None:
     global _lent_bytes
     entry = _lent.pop(ident, None)
     if entry is not None:
         _lent_bytes -= entry[1]
+        if entry[3] is not None:
+            _lent_count[entry[3]] -= 1
+    return entry
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized contiguous tensor, from the pool when one of this shape was recycled.
+    """An uninitialized contiguous tensor, from the pool when a buffer that holds it was recycled.
 
-    A CPU tensor is lent (counted in ``lent_bytes`` until ``recycle`` takes it back or it is freed);
-    on any other device this is plain ``torch.empty``.
+    A CPU tensor is lent (counted in ``lent_bytes`` until ``recycle`` takes it back or it is freed); on
+    any other device this is plain ``torch.empty``.
 
     Args:
         shape: the tensor's shape (any sequence of ints).
         dtype: its dtype.
         device: its device.
     Returns:
-        a tensor of ``shape``, ``dtype`` and ``device`` with arbitrary contents.
+        a contiguous tensor of ``shape``, ``dtype`` and ``device`` with arbitrary contents (a view of a
+        pooled buffer, at its start, when it is at least ``MIN_BYTES``).
     """
     global _free_bytes, _lent_bytes
     shape, device = torch.Size(shape), torch.device(device)
-    nbytes = shape.numel() * dtype.itemsize
+    n = shape.numel()
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    ready = _free.get((shape, dtype, device)) if nbytes >= MIN_BYTES else None
-    if ready:
-        buffer = ready.pop()
-        _free_bytes -= nbytes
+    key = None
+    if n * dtype.itemsize >= MIN_BYTES:
+        key = (dtype, device)
+        ready = _free.get(key, ())
+        at = bisect.bisect_left(ready, (n,))  # the smallest that holds n elements
+        if at < len(ready) and ready[at][0] <= REUSE_SLACK * n:
+            size, _, buffer = ready.pop(at)
+            _free_bytes -= size * dtype.itemsize
+        else:
+            buffer = torch.empty(n, dtype=dtype, device=device)
+        view = buffer[:n].view(shape)
+        _lent_count[key] = count = _lent_count.get(key, 0) + 1
+        _peak[key] = max(_peak.get(key, 0), count)
     else:
-        buffer = torch.empty(shape, dtype=dtype, device=device)
-    ident = id(buffer)
-    _lent[ident] = (weakref.ref(buffer, lambda _, ident=ident: _forget(ident)), nbytes)
+        view = buffer = torch.empty(shape, dtype=dtype, device=device)
+    ident, nbytes = id(view), buffer.numel() * dtype.itemsize
+    _lent[ident] = (weakref.ref(view, lambda _, ident=ident: _forget(ident)), nbytes, buffer, key)
     _lent_bytes += nbytes
-    return buffer
+    return view
 
 
 def recycle(tensors) -> None:
     """Take back buffers lent by ``empty`` whose caller is done with them; others are ignored.
 
-    A returned buffer of at least ``MIN_BYTES`` is pooled while the pool holds at most ``MAX_BYTES``;
-    the others are only forgotten (freed once nothing references them).
+    A returned buffer of at least ``MIN_BYTES`` is pooled; the pool then drops the buffers that have
+    waited longest while it holds more than the most ever lent at once, or more than ``MAX_BYTES``.
 
     Args:
-        tensors: an iterable of tensors; only the buffers ``empty`` lent themselves (not views of
-            them) are taken back.
+        tensors: an iterable of tensors; only the tensors ``empty`` returned (not views of them) are
+            taken back.
     Returns:
         None.
     """
@@ -95,10 +124,16 @@ def recycle(tensors) -> None:
         if entry is None or entry[0]() is not t:
             continue
         _forget(id(t))
-        nbytes = t.numel() * t.element_size()
-        if MIN_BYTES <= nbytes and _free_bytes + nbytes <= MAX_BYTES:
-            _free.setdefault((t.shape, t.dtype, t.device), []).append(t)
-            _free_bytes += nbytes
+        _, nbytes, buffer, key = entry
+        if key is None:
+            continue
+        ready = _free.setdefault(key, [])
+        bisect.insort(ready, (buffer.numel(), next(_ticks), buffer))  # (a tick is never equal: no tensor compared)
+        _free_bytes += nbytes
+        while ready and (len(ready) > _peak[key] or _free_bytes > MAX_BYTES):
+            oldest = min(range(len(ready)), key=lambda i: ready[i][1])
+            size, _, dropped = ready.pop(oldest)
+            _free_bytes -= size * dropped.element_size()
 
 
 def batch_chunks(B: int, per_sample: int, budget: int) -> list[slice]:
@@ -129,4 +164,6 @@ def clear() -> None:
     """
     global _free_bytes
     _free.clear()
+    _peak.clear()
+    _peak.update(_lent_count)  # buffers still lent may come back
     _free_bytes = 0
