@@ -449,6 +449,10 @@ class IndividualAccountant(_RecordLedger):
             return rows[inverse]
         keys = list(map(tuple, pairs.tolist()))
         missing = [k for k in keys if k not in cache]
+        if missing and cache and len(missing) == len(keys):
+            # none seen before (a noise schedule gives every step new multipliers): computed, not cached,
+            # or the cache would fill with pairs that never come back
+            return rdp_one_step(pairs[:, 0].copy(), pairs[:, 1].copy(), self.orders)[inverse]
         if missing:
             arr = np.array(missing, dtype=np.float64)
             rows = rdp_one_step(arr[:, 0].copy(), arr[:, 1].copy(), self.orders)

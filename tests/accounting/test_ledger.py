@@ -256,6 +256,36 @@ def test_many_distinct_rates_are_accounted_in_chunks_as_the_cached_path_accounts
     np.testing.assert_array_equal(chunked.epsilons(1e-5), cached.epsilons(1e-5))
 
 
+def test_a_noise_schedule_does_not_fill_the_pair_cache_with_pairs_that_never_come_back(monkeypatch):
+    """Each step of a schedule brings new multipliers, so its (q, z) pairs are computed and not cached
+    (the cache grew to its cap, ~95 MiB, holding nothing a later step asked for); pairs that recur are
+    still cached, and the numbers are those of the path that caches nothing."""
+    from pdpfast.accounting import ledger
+
+    rng = np.random.default_rng(4)
+    q, z = rng.uniform(0.001, 0.2, 40), rng.choice([0.8, 1.3, 2.1], 40)
+    runs = []
+    for cache_size in (0, ledger._PAIR_CACHE_SIZE):   # 0: every call takes the uncached, chunked path
+        monkeypatch.setattr(ledger, "_PAIR_CACHE_SIZE", cache_size)
+        acc, sizes = IndividualAccountant(q, z), []
+        for t in range(30):
+            acc.set_rates(noise_multipliers=z * 0.98 ** t)
+            acc.step()
+            sizes.append(len(acc.__dict__.get("_pair_cache", {})))
+        acc.set_rates(noise_multipliers=z * 0.98 ** 3)  # pairs of step 3 again: not kept, computed again
+        acc.step()
+        runs.append((acc, sizes))
+    (uncached, _), (cached, sizes) = runs
+    assert sizes == [40] * 30   # the first step's 40 pairs (the cache was empty), none after
+    np.testing.assert_array_equal(cached.rdp(), uncached.rdp())
+    np.testing.assert_array_equal(cached.epsilons(1e-5), uncached.epsilons(1e-5))
+    # pairs that recur (rates set back to the first step's) are served from the cache: nothing computed
+    monkeypatch.setattr(ledger, "rdp_one_step", lambda *args: pytest.fail("a cached pair was computed again"))
+    cached.set_rates(noise_multipliers=z)
+    cached.step()
+    assert len(cached._pair_cache) == 40
+
+
 def test_new_rates_given_row_by_row_keep_the_rows_and_the_numbers_of_a_split():
     """A noise schedule sets every record's z each step; when each row's members get one value the
     ledger keeps its rows (no sort of N records) and must account exactly as splitting would."""
