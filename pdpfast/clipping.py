@@ -88,6 +88,13 @@ DATA_PARALLEL_REFUSAL = (
     "DistributedDataParallel (one process per device, wrapped before make_private: see pdpfast.distributed), "
     "or DataParallel over one device")
 
+def _refuse_replica(module) -> None:
+    """Refuse a DP layer run in nn.DataParallel's copy of the model, whose parameters are not in
+    ``_parameters`` (checked where a layer found no trainable parameter: off the common path)."""
+    if module.__dict__.get("_is_replica"):
+        raise RuntimeError(DATA_PARALLEL_REFUSAL)
+
+
 # Where the backward runs a node (None outside a backward), and the innermost saved-tensor hooks
 # (None when none are active); both private torch APIs, absent from old versions: then no forward is
 # seen as one inside a backward, as before.
@@ -733,8 +740,7 @@ class ClippingState:
         params, buffers = module._parameters, module._buffers
         names = tuple(n for n, p in params.items() if p is not None and p.requires_grad)
         if not names:
-            if module.__dict__.get("_is_replica"):  # nn.DataParallel's copy: its parameters are not in _parameters
-                raise RuntimeError(DATA_PARALLEL_REFUSAL)
+            _refuse_replica(module)
             return module._unflatten(module._compute(prepared, {**buffers, **params} if buffers else params), prepared)
         trainable = [params[n] for n in names]
         if replay:
@@ -787,6 +793,7 @@ class ClippingState:
         params = module._parameters
         used = tuple(n for n in names if params.get(n) is not None and params[n].requires_grad)
         if not used:
+            _refuse_replica(module)
             return compute(x, {n: params.get(n) for n in names})
         trainable = [params[n] for n in used]
         if replay:
@@ -816,6 +823,8 @@ class ClippingState:
         replay = self._check_forward()
         params = module._parameters
         names = [n for n in module.broadcast_names if params.get(n) is not None and params[n].requires_grad]
+        if not names:
+            _refuse_replica(module)
         layer, saved = (self._replayed_layer(module) if replay else self._layer[module]), {}
         try:
             for n in names:

@@ -574,3 +574,45 @@ def test_data_parallel_over_several_devices_is_refused_since_its_copies_of_a_dp_
         opt.step()
         opt.zero_grad()
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class _Token(nn.Module):
+    """A learned token put before every sequence: a batch-broadcast parameter (registered below)."""
+
+    def __init__(self):
+        super().__init__()
+        self.token = nn.Parameter(torch.zeros(1, 1, 4))
+
+    def forward(self, x):
+        return torch.cat([self.token.expand(x.shape[0], -1, -1), x], 1)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.token, self.rnn, self.head = _Token(), nn.LSTM(4, 3, batch_first=True), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.token(x))[0][:, -1])
+
+
+def test_a_data_parallel_copy_of_a_recurrent_layer_or_a_broadcast_host_is_refused_by_name():
+    """The layers that run their parameters through private forwards of their own (a recurrent layer's
+    gate projections, a host's batch-broadcast parameters) refuse nn.DataParallel's copy as the others
+    do, not with torch's error or a KeyError."""
+    pdpfast.nn.register_broadcast_host(_Token, "token")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 5, 4, generator=g), torch.randint(0, 2, (40,), generator=g))
+    torch.manual_seed(0)
+    engine = pdpfast.PrivacyEngine(seed=3)
+    model = _Recurrent()
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=DataLoader(data, batch_size=8), noise_multiplier=0.0,
+                                             max_grad_norm=1.0)
+    x, _ = next(iter(loader))
+    for layer in (model.rnn, model.token):
+        copy = layer._replicate_for_data_parallel()
+        for name, p in layer._parameters.items():   # the broadcast parameters, as replicate sets them
+            setattr(copy, name, p * 1.0)
+        with pytest.raises(RuntimeError, match="DataParallel over several devices is not supported"):
+            copy(x)
