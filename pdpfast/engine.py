@@ -88,6 +88,14 @@ class DPLoss:
     def __float__(self) -> float:
         return self.item()
 
+    def __iter__(self):
+        # torch.amp.GradScaler.scale(loss) iterates what is not a tensor; say why it cannot scale this one
+        raise TypeError("a ghost-mode loss (DPLoss) is not a tensor and cannot be iterated or scaled: if "
+                        "torch.amp.GradScaler.scale(loss) called this, loss scaling is not supported (its scale "
+                        "multiplies every per-sample gradient before the clipping, and its unscale divides the "
+                        "clipped sum before the noise). Train under torch.autocast(device_type, "
+                        "dtype=torch.bfloat16), which needs no scaler, and call loss.backward()")
+
     def __repr__(self) -> str:
         return f"DPLoss({self.value.item():.6g})"
 

@@ -433,6 +433,21 @@ def test_a_grad_scaler_is_refused_before_a_record_could_exceed_its_bound(style, 
     assert opt.steps == 1 and len(engine.accountant.history) == 1
 
 
+def test_a_grad_scaler_cannot_scale_a_ghost_mode_loss_and_says_why():
+    """Ghost mode's criterion returns a DPLoss, not a tensor: an enabled GradScaler's scale(loss) is
+    refused there with pdpfast's reason (it was torch's "outputs must be a Tensor"), before any backward;
+    a disabled one passes the loss through and the step is taken."""
+    ghost = STYLES[STYLE_IDS.index("ghost")]
+    engine, model, opt, criterion, loader = _engine(**ghost)
+    x, y = next(iter(loader))
+    loss = criterion(model(x), y)
+    with pytest.raises(TypeError, match=r"GradScaler.*loss scaling is not supported.*torch\.bfloat16"):
+        torch.amp.GradScaler("cpu", init_scale=0.25).scale(loss)
+    torch.amp.GradScaler("cpu", enabled=False).scale(loss).backward()
+    opt.step()
+    assert opt.steps == 1 and len(engine.accountant.history) == 1
+
+
 def test_a_disabled_grad_scaler_gives_the_step_of_a_loop_without_one():
     grads = []
     for scaler in (None, torch.amp.GradScaler("cpu", enabled=False)):
