@@ -250,9 +250,16 @@ class AdaptiveHistory(Sequence):
         self._count: list[np.ndarray | None] = []
 
     def append(self, step: int, noise_std: float, bounds, count_std) -> None:
-        """Record one step: its bounds as ``AdaptiveTraining`` holds them (None, (K,) or (G, K); kept by
-        reference, so never written in place after) and its counts' noise stds (None without adaptive
-        clipping)."""
+        """Record one step.
+
+        Args:
+            step: the step's index; noise_std: the gradient sum's noise std.
+            bounds: its bounds as ``AdaptiveTraining`` holds them: None (the plan's), (K,) shared factors or
+                (G, K) per-group bounds; kept by reference, so never written in place afterwards.
+            count_std: its counts' noise stds, or None without adaptive clipping.
+        Returns:
+            None.
+        """
         self._steps.append(int(step))
         self._noise.append(float(noise_std))
         self._bounds.append(bounds)

@@ -58,6 +58,8 @@ def lent_bytes() -> int:
 
 def _forget(ident: int) -> tuple | None:
     global _lent_bytes
+    if _lent is None:  # a lent tensor freed at interpreter exit, after this module's globals
+        return None
     entry = _lent.pop(ident, None)
     if entry is not None:
         _lent_bytes -= entry[1]
