@@ -86,7 +86,9 @@ def clipped_gradients(model: nn.Module, loss_fn: Callable, *inputs, clip_norms, 
                 losses.sum().backward()
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
         weights = getattr(state, "last_weights", None) if clipping == "flat" else None
-        norms = state.last_norms if state.last_norms is not None else torch.zeros(state.batch_size)
+        # no DP layer reached: every norm is 0, on the losses' device
+        norms = state.last_norms if state.last_norms is not None else torch.zeros(state.batch_size,
+                                                                                  device=losses.device)
         return ClippedGradients(grads, norms, weights)
     finally:
         for n, p in params.items():

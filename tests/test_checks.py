@@ -154,6 +154,21 @@ def test_clip_norms_that_are_not_numbers_are_refused_by_name(clip_norms, error):
         clipped_gradients(model, lambda out: out.sum(1), torch.randn(3, 3), clip_norms=clip_norms)
 
 
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_batch_no_dp_layer_gradient_reached_has_zero_norms_and_sums_where_its_losses_are(mode):
+    from torch import nn
+
+    from pdpfast.functional import clipped_gradients
+    from pdpfast.nn import convert
+
+    model = convert(nn.Linear(3, 2)).double()
+    free = torch.zeros(4, dtype=torch.float64, requires_grad=True)   # a loss term no DP layer is under
+    out = clipped_gradients(model, lambda y: y.detach().sum(1) + free, torch.randn(4, 3, dtype=torch.float64),
+                            clip_norms=torch.ones(4), mode=mode)
+    assert torch.equal(out.norms, torch.zeros(4)) and out.norms.device == free.device
+    assert all(torch.count_nonzero(g) == 0 for g in out.grads.values())
+
+
 def test_boolean_budgets_are_refused_where_users_give_budgets():
     """True would read as ε = 1: the API, the CLI's files and programs' per-record arrays alike."""
     flags = np.ones(4, dtype=bool)
