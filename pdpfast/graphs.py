@@ -243,17 +243,16 @@ class PrivateStep:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = (spec, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves),
                tuple(state.clip_norms.shape), state.mask is None, state.loss_scale)
-        signature = self._signatures.get(key)
-        if signature is not None and not self.cuda_graph:
-            self._signatures[key] = self._signatures.pop(key)  # the most recently used last
+        signature = self._signatures.pop(key, None)  # put back last: the dict runs from least to most recently used
         if signature is None:
             if not self.cuda_graph and len(self._signatures) >= _EAGER_SIGNATURES:
                 del self._signatures[next(iter(self._signatures))]  # the least recently used
-            signature = self._signatures[key] = _Signature(self, spec, leaves)
-            if len(self._signatures) == _SIGNATURES_WARN + 1 and self.cuda_graph:
-                warnings.warn(f"the captured step has seen {len(self._signatures)} input signatures (shapes, dtypes): "
+            signature = _Signature(self, spec, leaves)
+            if len(self._signatures) == _SIGNATURES_WARN and self.cuda_graph:
+                warnings.warn(f"the captured step has seen {_SIGNATURES_WARN + 1} input signatures (shapes, dtypes): "
                               "each is captured in graphs of its own. Give every batch the same shapes "
                               "(physical_batch_size= pads Poisson batches to a fixed size)", stacklevel=2)
+        self._signatures[key] = signature
         eager = not self.cuda_graph or self.eager_steps < self.warmup
         if not state.pending and optimizer.at_step_boundary():
             # a draw of one physical batch: forward to optimizer step in one body

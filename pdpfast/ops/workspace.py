@@ -56,16 +56,15 @@ def lent_bytes() -> int:
     return _lent_bytes
 
 
-def _forget(ident: int) -> tuple | None:
+def _forget(ident: int) -> None:
     global _lent_bytes
     if _lent is None:  # a lent tensor freed at interpreter exit, after this module's globals
-        return None
+        return
     entry = _lent.pop(ident, None)
     if entry is not None:
         _lent_bytes -= entry[1]
         if entry[3] is not None:
             _lent_count[entry[3]] -= 1
-    return entry
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
