@@ -137,10 +137,13 @@ def report_ending(line: str) -> bool:
     return True
 
 
-def _print_endings(folder: str, nproc: int) -> None:
+def _print_endings(folder: str, nproc: int, received: bool = False) -> None:
     """Rank 0's ending line, then every other rank's that differs from it (prefixed with its rank).
     Where a rank was interrupted, the others' errors are left out: they come of its leaving (a
-    collective whose peer closed the connection), and the interruption is the news."""
+    collective whose peer closed the connection), and the interruption is the news. ``received``:
+    the command itself was sent a stop signal (and handed it on); then an interrupted rank's line is
+    the command's own, unprefixed, whichever rank ended on it first (rank 0 may instead have ended
+    with the error rank 1's leaving caused)."""
     lines = {}
     for rank in range(nproc):
         line = _ending(folder, rank)
@@ -148,6 +151,8 @@ def _print_endings(folder: str, nproc: int) -> None:
             lines[rank] = line
     interrupted = {rank: line for rank, line in lines.items() if line.partition(": ")[2].startswith("interrupted")}
     lines = interrupted or lines
+    if received and interrupted and 0 not in interrupted:
+        lines = {0: interrupted[min(interrupted)]}
     if 0 in lines:
         print(lines[0], file=sys.stderr)
     for rank, line in lines.items():
@@ -302,7 +307,7 @@ def run_ranks(argv: list[str], nproc: int, threads: int | None = None) -> int:
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         status = _wait(ranks, received, endings.name)
-        _print_endings(endings.name, nproc)
+        _print_endings(endings.name, nproc, received=bool(received))
         return status
     finally:
         for s, handler in previous.items():

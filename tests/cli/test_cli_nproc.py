@@ -307,6 +307,18 @@ def test_a_ranks_interruption_is_the_line_not_the_error_it_caused_in_another(tmp
     assert capsys.readouterr().err.splitlines() == ["pdpfast train (rank 1): interrupted"]
 
 
+def test_a_ctrl_c_on_the_command_is_its_own_line_even_where_rank_0_ended_on_the_error_it_caused(tmp_path, capsys):
+    """The command handed a Ctrl-C to both ranks; rank 1 stopped first, and rank 0's collective failed
+    on its leaving before its own copy of the signal arrived. The interruption is the command's, so
+    its line is unprefixed (as where rank 0 ended on it); this was a rare flake of the test above."""
+    from pdpfast import launch
+
+    (tmp_path / "rank-0").write_text("pdpfast train: error: [gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    (tmp_path / "rank-1").write_text("pdpfast train: interrupted")
+    launch._print_endings(str(tmp_path), 2, received=True)
+    assert capsys.readouterr().err.splitlines() == ["pdpfast train: interrupted"]
+
+
 @pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT)])
 def test_a_second_signal_just_after_the_first_is_the_same_stop_even_once_the_steps_have_ended(data_dir, tmp_path,
                                                                                              first, second):
