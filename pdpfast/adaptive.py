@@ -286,6 +286,47 @@ class AdaptiveHistory(Sequence):
     def __repr__(self) -> str:
         return f"AdaptiveHistory({len(self)} steps)"
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the history (as held: a few numbers per step).
+
+        Returns:
+            a dict: "steps" (int64), "noise_std" (float64), "bounds" and "count_std" (lists, one entry
+            per step, as ``append`` took them).
+        """
+        return {"steps": np.asarray(self._steps, dtype=np.int64),
+                "noise_std": np.asarray(self._noise, dtype=np.float64),
+                "bounds": list(self._bounds), "count_std": list(self._count)}
+
+    @staticmethod
+    def check_state(state: dict) -> tuple:
+        """Check a saved history (``state_dict``), changing nothing.
+
+        Args:
+            state: as ``state_dict`` returns it.
+        Returns:
+            (steps, noise_std, bounds, count_std) as lists.
+        Raises:
+            ValueError when its four entries do not hold one value per step.
+        """
+        steps, noise = np.asarray(state["steps"], dtype=np.int64), np.asarray(state["noise_std"], dtype=np.float64)
+        bounds, count = list(state["bounds"]), list(state["count_std"])
+        if steps.ndim != 1 or noise.ndim != 1 or not (len(steps) == len(noise) == len(bounds) == len(count)):
+            raise ValueError("adaptive history: steps, noise_std, bounds and count_std must hold one entry per step, "
+                             f"got {steps.size}, {noise.size}, {len(bounds)} and {len(count)}")
+        return steps.tolist(), noise.tolist(), bounds, count
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the history by a saved one (``state_dict``).
+
+        Args:
+            state: as ``state_dict`` returns it.
+        Returns:
+            None.
+        Raises:
+            ValueError as ``check_state`` (nothing changed).
+        """
+        self._steps, self._noise, self._bounds, self._count = self.check_state(state)
+
 
 class AdaptiveTraining:
     """Attached by ``PrivacyEngine.make_private_with_budgets(adaptive_clipping=..., noise_schedule=...)``:
@@ -349,9 +390,10 @@ class AdaptiveTraining:
             engine.batch_clip_norms = self.batch_clip_norms
             engine.state.keep_group_norms = self.per_layer
             engine.state.post_backward_hooks.append(self._count)
-            # a refused step closes its draw unreleased; its counts go with it (added to the next draw's, a
-            # record in both would count twice in one release)
+            # a refused step closes its draw unreleased, and zero_grad() discards one: its counts go with it
+            # (added to the next draw's, a record in both would count twice in one release)
             engine.optimizer.refused_step_hooks.append(self._drop_counts)
+            engine.optimizer.post_zero_grad_hooks.append(self._drop_counts)
         engine.optimizer.pre_step_hooks.append(self._set_step_noise)
         engine.optimizer.post_step_hooks.append(self._after_step)
         self._set_ledger(engine.optimizer.steps)
@@ -449,36 +491,46 @@ class AdaptiveTraining:
         t = optimizer.steps - 1                                   # the step just taken
         # the bounds the step used (the tracker replaces its array at each update, never writes into it)
         bounds = None if self.clipping is None else self.tracker.bounds
-        count_std = None if self.clipping is None else self._update_bounds(t)
-        self.history.append(t, optimizer.noise_std, bounds, count_std)
-        self._set_ledger(optimizer.steps)
+        count_std = None if self.clipping is None else self._count_std(t)
+        try:
+            if count_std is not None:
+                self._update_bounds(t, count_std)
+        finally:
+            # the step is released and charged even where the update refused its bounds (the tracker's
+            # ValueError, which leaves them as they were): its counts go, and the history and the
+            # ledger's multipliers move on, so that a run the caller continues stays consistent
+            self._drop_counts()
+            self.history.append(t, optimizer.noise_std, bounds, count_std)
+            self._set_ledger(optimizer.steps)
 
-    def _update_bounds(self, t: int) -> np.ndarray:
-        c = self.clipping
-        rng = np.random.default_rng([self.seed, t])
+    def _count_std(self, t: int) -> np.ndarray:
+        """The noise stds of step t's counts: (G,) per group, else (1,)."""
         z_t = self.base_noise * self._factor(t)                                        # (G,)
-        if c.per_group:
-            _, count_std = split_noise(z_t, c.count_share, self.count_sensitivity)      # (G,)
+        if self.clipping.per_group:
+            return split_noise(z_t, self.clipping.count_share, self.count_sensitivity)[1]
+        return np.atleast_1d(split_noise(float(z_t.max()), self.clipping.count_share, self.count_sensitivity)[1])
+
+    def _update_bounds(self, t: int, count_std: np.ndarray) -> None:
+        rng = np.random.default_rng([self.seed, t])
+        if self.clipping.per_group:
             noisy = self._counts + rng.normal(size=self._counts.shape) * count_std[:, None]
             self.tracker.update(noisy, np.broadcast_to(self.expected[:, None], noisy.shape))
         else:
-            _, count_std = split_noise(float(z_t.max()), c.count_share, self.count_sensitivity)
-            count_std = np.atleast_1d(count_std)
             noisy = self._counts.sum(0) + rng.normal(size=self.num_layers) * count_std
             self.tracker.update(noisy, np.full(self.num_layers, self.expected.sum()))
-        self._drop_counts()
         self._bounds_tensor = torch.from_numpy(self.bounds.copy())
-        return count_std
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict:
         """The state a checkpoint needs to resume the adaptation.
 
         Returns:
-            a dict: "bounds" (the tracker's float64 bounds, a copy; None without adaptive clipping) and
-            "seed" (int).
+            a dict: "bounds" (the tracker's float64 bounds, a copy; None without adaptive clipping),
+            "seed" (int) and "history" (``AdaptiveHistory.state_dict``: a resumed run's ``history[t]``
+            is still step t's).
         """
-        return {"bounds": None if self.clipping is None else self.tracker.bounds.copy(), "seed": self.seed}
+        return {"bounds": None if self.clipping is None else self.tracker.bounds.copy(), "seed": self.seed,
+                "history": self.history.state_dict()}
 
     def check_state(self, state: dict) -> np.ndarray | None:
         """Check what ``load_state_dict`` would restore, changing nothing (the engine checks a whole
@@ -490,9 +542,12 @@ class AdaptiveTraining:
             the bounds to restore (float64, the tracker's shape), or None where there are none
             (no adaptive clipping, or none saved).
         Raises:
-            ValueError for bounds not of the tracker's shape or not all finite and > 0.
+            ValueError for bounds not of the tracker's shape or not all finite and > 0, or a history
+            (``AdaptiveHistory.check_state``) not of one entry per step.
         """
         int(state["seed"])  # a missing or non-integer seed fails here, before anything changes
+        if state.get("history") is not None:
+            AdaptiveHistory.check_state(state["history"])
         if self.clipping is None or state.get("bounds") is None:
             return None
         bounds = np.array(state["bounds"], dtype=np.float64)
@@ -505,7 +560,9 @@ class AdaptiveTraining:
         """Restore what ``state_dict()`` returned and reset the ledger's multipliers for the engine's step.
 
         Args:
-            state: a dict with "seed" and "bounds" (bounds ignored when None or without adaptive clipping).
+            state: a dict with "seed" and "bounds" (bounds ignored when None or without adaptive clipping),
+                and "history" (absent from checkpoints of before it was kept: then the history starts
+                at the resumed step).
         Returns:
             None.
         Raises:
@@ -514,6 +571,8 @@ class AdaptiveTraining:
         bounds = self.check_state(state)
         seed = state["seed"]
         seed = check_int("seed", seed.item() if isinstance(seed, np.ndarray) and seed.ndim == 0 else seed, 0)
+        if state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
         if bounds is not None:
             self.tracker.bounds = bounds
             self._bounds_tensor = torch.from_numpy(self.bounds.copy())

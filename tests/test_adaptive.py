@@ -401,6 +401,82 @@ def test_a_refused_step_drops_its_draws_counts_so_no_release_holds_two_draws():
     assert engine.steps == 0
 
 
+def test_a_batch_discarded_by_zero_grad_drops_its_counts_so_no_release_holds_a_record_twice():
+    """records() → backward → zero_grad() → records() → backward → step(): the discarded batch's
+    counts stayed and were released with the next one's (each record of both counted twice, a
+    sensitivity of 1 where the count's noise was sized for ½)."""
+    engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5, per_group=False), steps=4)
+    x, y = loader.dataset.tensors if hasattr(loader, "dataset") else _data().tensors
+    idx = torch.arange(20)
+    with engine.records(idx):
+        criterion(model(x[idx]), y[idx]).backward()
+    one_batch = engine.adaptive._counts.copy()
+    assert np.abs(one_batch).sum() > 0
+    opt.zero_grad()
+    np.testing.assert_array_equal(engine.adaptive._counts, 0.0)
+    with engine.records(idx):
+        criterion(model(x[idx]), y[idx]).backward()
+    np.testing.assert_array_equal(engine.adaptive._counts, one_batch)    # this batch's, once
+    opt.step()
+    assert engine.steps == 1 and len(engine.adaptive.history) == 1
+
+
+def test_a_bound_update_refused_after_its_step_leaves_the_run_consistent():
+    """The tracker refuses bounds outside [1e-30, 1e30] after the step was released and charged: its
+    counts used to stay (released again with the next draw's), the history to miss the step and the
+    ledger to charge the next step at this one's multiplier under a schedule."""
+    engine, model, opt, loader, criterion = _engine(
+        adaptive=QuantileClipping(0.5, learning_rate=1000.0, count_share=0.5), schedule="step:0.5,1", steps=4,
+        method="sample")
+    x, y = next(iter(loader))
+    criterion(model(x), y).backward()
+    with pytest.raises(ValueError, match="clip bounds would leave"):
+        opt.step()
+    assert engine.steps == 1
+    np.testing.assert_array_equal(engine.adaptive._counts, 0.0)
+    np.testing.assert_array_equal(engine.adaptive.bounds, engine.adaptive.initial_bounds)   # kept
+    assert [h["step"] for h in engine.adaptive.history] == [0]
+    # the next step is charged at its own multipliers z_i·h(1), not this one's z_i·h(0) = 2 z_i·h(1)
+    np.testing.assert_allclose(engine.accountant.noise_multipliers,
+                               engine.plan.noise_multipliers * engine.adaptive._factor(1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_a_resumed_runs_history_still_holds_every_step_from_the_first(tmp_path, per_group):
+    """The checkpoint kept the bounds and the seed, not the history: a resumed run's history[0] was the
+    resumed step's."""
+    def run(stop_at=None, resume=None):
+        engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5, per_group=per_group),
+                                                        schedule="exponential:0.02", steps=8)
+        if resume is not None:
+            engine.load_checkpoint(resume, model)
+        _train(engine, model, opt, loader, criterion, steps=stop_at)
+        return engine, model
+
+    whole, _ = run()
+    half, half_model = run(stop_at=4)
+    half.save_checkpoint(tmp_path / "half.pt", half_model)
+    resumed, _ = run(resume=tmp_path / "half.pt")
+    assert len(resumed.adaptive.history) == len(whole.adaptive.history) == 8
+    for a, b in zip(whole.adaptive.history, resumed.adaptive.history):
+        assert a.keys() == b.keys() and a["step"] == b["step"] and a["noise_std"] == b["noise_std"]
+        np.testing.assert_array_equal(a["clip_norms"], b["clip_norms"])
+        np.testing.assert_array_equal(a["count_std"], b["count_std"])
+
+
+def test_a_checkpoint_with_a_damaged_adaptive_history_is_refused_before_the_engine_changes(tmp_path):
+    engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5), steps=12)
+    _train(engine, model, opt, loader, criterion, steps=3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+    checkpoint["engine"]["adaptive"]["history"]["bounds"].pop()
+    torch.save(checkpoint, tmp_path / "damaged.pt")
+    fresh, model2, *_ = _engine(adaptive=QuantileClipping(0.5), steps=12)
+    with pytest.raises(ValueError, match="adaptive history: .* one entry per step"):
+        fresh.load_checkpoint(tmp_path / "damaged.pt", model2)
+    assert fresh.steps == 0 and len(fresh.adaptive.history) == 0
+
+
 def test_bounds_given_as_strings_are_refused_by_name():
     with pytest.raises(TypeError, match="bounds must be numbers"):
         GeometricQuantileTracker(["1", "2"], 0.5, 0.2)
