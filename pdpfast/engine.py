@@ -219,6 +219,10 @@ def _first_batch_dim(args, kwargs) -> int | None:
     return None
 
 
+# make_private_with_budgets's arguments that the uniform entry points do not take
+_WITH_BUDGETS_ONLY = ("adaptive_clipping", "noise_schedule")
+
+
 def _refuse_unknown_arguments(function: str, unknown: dict) -> None:
     """Opacus's adaptive-clipping arguments refused as clipping="adaptive" is; any other unknown name
     as Python refuses it."""
@@ -228,7 +232,10 @@ def _refuse_unknown_arguments(function: str, unknown: dict) -> None:
     if adaptive:
         raise ValueError(f"{_ADAPTIVE_REFUSAL}, without Opacus's adaptive-clipping arguments ({', '.join(adaptive)})")
     names = ", ".join(repr(name) for name in unknown)
-    raise TypeError(f"{function}() got unexpected keyword argument(s) {names}")
+    elsewhere = [name for name in _WITH_BUDGETS_ONLY if name in unknown]
+    hint = (f" ({', '.join(elsewhere)}: an argument of make_private_with_budgets, whose plan pays for it)"
+            if elsewhere else "")
+    raise TypeError(f"{function}() got unexpected keyword argument(s) {names}{hint}")
 
 
 def _refuse_ddp_wrapped_after(model: nn.Module):

@@ -477,6 +477,23 @@ def test_a_checkpoint_with_a_damaged_adaptive_history_is_refused_before_the_engi
     assert fresh.steps == 0 and len(fresh.adaptive.history) == 0
 
 
+@pytest.mark.parametrize("value", [np.ones(2), None, "1"], ids=["array", "None", "string"])
+def test_a_schedule_function_returning_no_number_is_refused_naming_the_schedule_and_step(value):
+    """Before: an array or None gave float()'s bare TypeError, and the string "1" was taken."""
+    with pytest.raises(TypeError, match=r"noise_schedule\(0\) must be a number"):
+        S.as_schedule(lambda t: value).factors(5)
+
+
+@pytest.mark.parametrize("name, value", [("adaptive_clipping", QuantileClipping(0.5)),
+                                         ("noise_schedule", "exponential:0.01")])
+def test_make_private_given_an_argument_of_the_budgets_entry_point_says_where_it_belongs(name, value):
+    model = nn.Linear(7, 2)
+    with pytest.raises(TypeError, match=f"unexpected keyword argument.*'{name}'.*make_private_with_budgets"):
+        pdpfast.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(_data(), batch_size=40), noise_multiplier=1.0, max_grad_norm=1.0, **{name: value})
+
+
 def test_bounds_given_as_strings_are_refused_by_name():
     with pytest.raises(TypeError, match="bounds must be numbers"):
         GeometricQuantileTracker(["1", "2"], 0.5, 0.2)

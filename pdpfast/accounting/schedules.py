@@ -206,8 +206,11 @@ class FunctionSchedule(NoiseSchedule):
             t: (T,) int64 step indices (0-based).
         Returns:
             (T,) float64 h(t).
+        Raises:
+            TypeError naming ``noise_schedule`` and the step where fn returns something other than a
+            number (an array, None, a string).
         """
-        return np.array([float(self.fn(int(s))) for s in t])
+        return np.array([check_number(f"noise_schedule({int(s)})", self.fn(int(s))) for s in t], dtype=np.float64)
 
 
 _BY_NAME = {"constant": ConstantNoise, "time": TimeDecay, "exponential": ExponentialDecay, "step": StepDecay,
