@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import warnings
 from contextlib import contextmanager
 
@@ -217,6 +218,48 @@ def _first_batch_dim(args, kwargs) -> int | None:
         elif isinstance(item, (list, tuple)):
             stack = [*item, *stack]
     return None
+
+
+def _read_checkpoint(path) -> dict:
+    """``save_checkpoint``'s file as a dict with "model", "engine" and "extra", or ValueError naming it."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:      # a truncated or foreign file: pickle's or zipfile's words, not the file's
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read (truncated, or not a file save_checkpoint "
+                         f"wrote): {type(exc).__name__}: {exc}") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"checkpoint {str(path)!r} is not a file save_checkpoint wrote (it holds a "
+                         f"{type(checkpoint).__name__}, not a dict)")
+    missing = [key for key in ("model", "engine", "extra") if key not in checkpoint]
+    wrong = [key for key in ("model", "engine", "extra") if key in checkpoint and not isinstance(checkpoint[key], dict)]
+    if missing or wrong:
+        what = (f"it lacks {', '.join(missing)}" if missing else "") + ("; " if missing and wrong else "") + (
+            f"{', '.join(wrong)} not a dict" if wrong else "")
+        raise ValueError(f"checkpoint {str(path)!r} is not a file save_checkpoint wrote ({what})")
+    rng = checkpoint.get("rng")       # (absent from checkpoints of before it was kept)
+    now = torch.get_rng_state()
+    if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor)
+                                and rng["cpu"].dtype == now.dtype and rng["cpu"].shape == now.shape):
+        raise ValueError(f"checkpoint {str(path)!r}: its random states (rng) are damaged (expected a dict whose "
+                         f"'cpu' is a {now.dtype} tensor of shape {tuple(now.shape)})")
+    return checkpoint
+
+
+def _rng_states() -> dict:
+    """torch's random states: the CPU's, and each CUDA device's where CUDA is initialized."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_states(states: dict) -> None:
+    """Restore ``_rng_states()`` (checked by ``_read_checkpoint``); a CUDA state is restored where as
+    many devices are present."""
+    torch.set_rng_state(states["cpu"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 # make_private_with_budgets's arguments that the uniform entry points do not take
@@ -1020,6 +1063,12 @@ class PrivacyEngine:
                                "the ε of any run)")
         return self.accountant.epsilons(self.delta)
 
+    def _inside_draw(self) -> bool:
+        """Whether a draw is open: its physical batches or its backward wait for ``optimizer.step()``."""
+        return self.state is not None and (self.state.phase is not Phase.IDLE or self.state.pending) or (
+            self.data_loader is not None and self.data_loader.current is not None
+            and not self.data_loader.current.is_last)
+
     def state_dict(self) -> dict:
         """Everything needed to resume: optimizer (with its step count and noise seed), the loader's
         next draw, the plan and the ledger. Model weights are saved by ``save_checkpoint``.
@@ -1028,7 +1077,15 @@ class PrivacyEngine:
             a dict: "optimizer", "settings" (clipping mode and style, adaptive clipping's settings, and
             a digest of the per-record rates, bounds and noise), and where they apply "loader", "plan" /
             "ledger" / "delta", "accountant", "adaptive".
+        Raises:
+            RuntimeError inside a draw (after a backward, before its ``optimizer.step()``): the loader has
+            moved past the draw and the optimizer not, so a run resumed from it would skip the draw and
+            pair every later draw with the noise of the step before.
         """
+        if self._inside_draw():
+            raise RuntimeError("a checkpoint cannot be saved inside a draw (its physical batches or backward wait "
+                               "for optimizer.step()): a run resumed from it would skip the draw. Save it after "
+                               "optimizer.step() (or optimizer.zero_grad(), which discards the draw)")
         state = {"optimizer": self.optimizer.state_dict(), "settings": self._settings()}
         if self.data_loader is not None:
             state["loader"] = {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}
@@ -1126,9 +1183,7 @@ class PrivacyEngine:
             when it holds fewer steps than this engine has taken (a roll-back), or when this engine has
             taken steps of another run (another seed: its released steps would drop out of the ledger).
         """
-        if self.state is not None and (self.state.phase is not Phase.IDLE or self.state.pending) or (
-                self.data_loader is not None and self.data_loader.current is not None
-                and not self.data_loader.current.is_last):
+        if self._inside_draw():
             raise RuntimeError("a checkpoint cannot be loaded inside a draw (its physical batches or backward wait "
                                "for optimizer.step()): the draw's rows would be joined to another draw's. Load it "
                                "before training, or after optimizer.step()")
@@ -1243,15 +1298,22 @@ class PrivacyEngine:
         """Atomically write model weights and the engine's state (incl. the ledger) to ``path``: a
         crash leaves the previous checkpoint or the new one, never a half-written file.
 
+        The file also keeps torch's random states (CPU, and CUDA where initialized), which
+        ``load_checkpoint`` restores: a model that draws randomness of its own (dropout) resumes as it
+        would have gone on. It holds the noise and draw seeds, which undo the noise: keep it as secret as
+        the data, and publish the model's weights alone.
+
         Args:
             path: the file to write (rank 0 only under data parallelism; every rank waits for it).
             module: the model (a DDP wrapper is unwrapped).
             **extra: other values to store, returned by ``load_checkpoint``.
         Returns:
             None.
+        Raises:
+            RuntimeError inside a draw (``state_dict``).
         """
         module = inner_module(module)
-        state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra}
+        state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra, "rng": _rng_states()}
         if self.distributed is None or self.distributed.rank == 0:  # every rank holds the same state
             atomic_write(path, lambda f: torch.save(state, f))
         if self.distributed is not None:
@@ -1263,16 +1325,19 @@ class PrivacyEngine:
         Args:
             path: the checkpoint file; module: the model to load the weights into.
         Returns:
-            the dict of its ``extra`` fields.
+            the dict of its ``extra`` fields; torch's random states are restored where it holds them.
         Raises:
-            as ``load_state_dict``; a refused checkpoint leaves the model's weights as they were too. Under
-            ``torch.distributed`` a rank that cannot read its checkpoint, or whose weights do not fit the
-            model, makes every rank refuse (every rank must call it).
+            ValueError for a file that cannot be read (truncated, not a torch file) or is not a
+            ``save_checkpoint`` file (its keys are named); as ``load_state_dict``; a refused checkpoint
+            leaves the model's weights as they were too. Under ``torch.distributed`` a rank that cannot
+            read its checkpoint, or whose weights do not fit the model, makes every rank refuse (every
+            rank must call it). The file is unpickled (``weights_only=False``): load only checkpoints you
+            wrote.
         """
         module = inner_module(module)
         before = {k: v.detach().clone() for k, v in module.state_dict().items()}
         try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint = _read_checkpoint(path)
             module.load_state_dict(checkpoint["model"])
         except Exception as exc:
             module.load_state_dict(before)
@@ -1283,7 +1348,49 @@ class PrivacyEngine:
         except BaseException:
             module.load_state_dict(before)
             raise
+        if checkpoint.get("rng") is not None:
+            _set_rng_states(checkpoint["rng"])
         return checkpoint["extra"]
+
+    def reseed(self, label: str) -> None:
+        """Derive new noise and draw seeds for the steps to come from the current ones and ``label``.
+
+        The noise of step t comes from (seed, t), and a checkpoint keeps the seed: two continuations of
+        one checkpoint (say, with two learning rates) would add the same noise to both from their second
+        step on, and their difference would be noise-free, a release no ledger counts. Call this after
+        ``load_checkpoint`` with a label per continuation (its settings, e.g. "lr=0.01"): each then
+        draws its own records and noise, and each spends the records' budgets on its own (two
+        continuations published spend them twice). The same label gives the same seeds, so a
+        continuation rerun with the same label and settings releases what it released before.
+        ``pdpfast train`` does it when ``--resume`` changes the learning rate, momentum or precision.
+
+        Args:
+            label: a non-empty string naming the continuation.
+        Returns:
+            None; the noise seed, the loader's draw seed and adaptive clipping's count seed change
+            (a checkpoint saved afterwards holds the new ones).
+        Raises:
+            TypeError / ValueError for a label that is not a non-empty string; RuntimeError inside a
+            draw (its noise would come from another seed than its clipping's draw).
+        """
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a string naming the continuation, got {type(label).__name__}")
+        if not label:
+            raise ValueError("label must be a non-empty string naming the continuation")
+        if self.optimizer is None:
+            raise RuntimeError("reseed() needs a private model: call make_private first")
+        if self._inside_draw():
+            raise RuntimeError("reseed() inside a draw: call it after load_checkpoint, before the next draw")
+
+        def derived(seed: int) -> int:   # 63 bits of SHA-256 over (seed, label): seeds stay ints in [0, 2**63)
+            digest = hashlib.sha256(f"{int(seed)}\x00{label}".encode()).digest()
+            return int.from_bytes(digest[:8], "little") >> 1
+
+        self.optimizer.seed = derived(self.optimizer.seed)
+        if self.data_loader is not None:
+            self.data_loader.seed = derived(self.data_loader.seed)
+        if getattr(self, "adaptive", None) is not None:
+            self.adaptive.seed = derived(self.adaptive.seed)
 
     @property
     def steps(self) -> int:

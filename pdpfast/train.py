@@ -519,6 +519,26 @@ _RESUME_SETTINGS = ("method", "model", "delta", "epochs", "batch_size", "max_gra
                     "optimizer")
 
 
+# the settings a resumed run may change that change what its steps release: a continuation with other
+# values must not add the checkpoint's noise (see _continuation_changes)
+_CONTINUATION_SETTINGS = ("lr", "momentum", "precision")
+
+
+def _continuation_changes(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The settings of ``_CONTINUATION_SETTINGS`` this run changes from the checkpoint's (``saved``:
+    its train_args), as "--lr 0.1 → 0.05". A continuation with them would draw the checkpoint's noise
+    (from its seed and the step), as does another continuation of the same checkpoint (the run that
+    wrote it going on, or one with other values): the two releases' difference would be noise-free."""
+    changes = []
+    for key in _CONTINUATION_SETTINGS:
+        before, now = saved.get(key), getattr(cfg, key)
+        if key == "momentum" and cfg.optimizer == "sgd":
+            before, now = (DEFAULT_MOMENTUM if v is None else v for v in (before, now))
+        if before != now:
+            changes.append(f"--{key} {before!r} → {now!r}")
+    return changes
+
+
 def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_config: dict) -> None:
     extra = checkpoint.get("extra") if isinstance(checkpoint, dict) else None
     # a foreign or damaged file fails here, not on a TypeError deep inside the comparisons below
@@ -549,6 +569,11 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     if differences:
         raise ValueError(f"the checkpoint's model configuration differs from this run's: {differences}; resume "
                          "with the settings it was made with")
+    changes = _continuation_changes(saved, cfg)
+    if changes and cfg.method == "pdp":
+        raise ValueError(f"a PDP-SGD run resumes with the checkpoint's settings ({', '.join(changes)}): its rounds "
+                         "draw records and noise from the checkpoint's seed, which another continuation of it "
+                         "shares, so their difference would be noise-free. Resume with the same values")
 
 
 def _model_config_differences(saved: dict, now: dict) -> str:
@@ -830,10 +855,13 @@ class _Job:
         ended its training the same way)."""
         return self.stop.received if self.ranks is None else self.agreed
 
-    def resume(self, load, model: nn.Module, optimizer, where) -> None:
+    def resume(self, load, model: nn.Module, optimizer, where, reseed=None) -> None:
         """Restore the checkpoint, if any: ``load()`` puts the state into the run's objects, then
         torch's random states; ``where()`` → (step, total steps) for the message. The optimizer keeps
-        its state (momentum buffers, Adam's moments) and takes this run's --lr and --momentum."""
+        its state (momentum buffers, Adam's moments) and takes this run's --lr and --momentum. Where
+        those or --precision changed (``_continuation_changes``), ``reseed(label)`` derives the noise
+        and draw seeds of the steps to come from the checkpoint's and the step and new values
+        (``PrivacyEngine.reseed``); ``_check_resume`` refused such changes where there is none."""
         if self.resume_state is None:
             return
         _restore(self.cfg, load)
@@ -844,6 +872,12 @@ class _Job:
         _set_rng_states(self.resume_state["extra"], model_device(model))
         step, total = where()
         _say(self.cfg, f"resumed from {self.cfg.resume} at step {step} of {total}")
+        changes = _continuation_changes(self.resume_state["extra"]["train_args"], self.cfg)
+        if changes:
+            reseed(f"step {step}: " + ", ".join(changes))
+            _say(self.cfg, f"{', '.join(changes)}: this continuation draws its own records and noise from here "
+                           "(seeds derived from the checkpoint's, the step and the new values), so it shares none "
+                           "with another continuation of the checkpoint; each spends the records' budgets")
 
     def train(self, train, save_state, model: nn.Module, progress: _Progress, postfix=dict):
         """``train(on_step)`` with the progress bar, a checkpoint every ``--checkpoint-every`` steps
@@ -893,7 +927,7 @@ def _run_idp(job: _Job, model, optimizer, train, task, budgets, sample_rate, tot
         inner_module(model).load_state_dict(job.resume_state["model"])
         engine.load_state_dict(job.resume_state["engine"])
 
-    job.resume(load, model, optimizer, lambda: (engine.steps, plan.steps))
+    job.resume(load, model, optimizer, lambda: (engine.steps, plan.steps), reseed=engine.reseed)
     note = f" (DP-SGD: every record at the smallest budget {budgets.min():.4g})" if cfg.method == "dpsgd" else ""
     _say(cfg, f"plan: σ={plan.noise_multiplier:.4g}, C={plan.max_grad_norm:g}, "
               f"expected batch {plan.expected_batch_size:.1f}{note}")

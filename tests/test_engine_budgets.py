@@ -79,6 +79,107 @@ def test_checkpoint_then_resume_continues_the_ledger_and_training_exactly(tmp_pa
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_checkpoint_saved_inside_a_draw_is_refused_so_no_resumed_run_skips_it(tmp_path):
+    """Before: saved after backward and before step(), it held the optimizer's steps and the loader past
+    the draw: a run resumed from it skipped the draw and paired every later draw with the step before's noise."""
+    budgets = np.repeat([1.0, 3.0], 40)
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 3)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="cannot be saved inside a draw"):
+        engine.save_checkpoint(tmp_path / "mid.pt", model)
+    assert not (tmp_path / "mid.pt").exists()
+    opt.step()
+    engine.save_checkpoint(tmp_path / "after.pt", model)
+    assert torch.load(tmp_path / "after.pt", weights_only=False)["engine"]["optimizer"]["steps"] == 4
+
+
+def test_a_resume_bit_identical_for_a_model_with_dropout(tmp_path):
+    """Before: the checkpoint kept no random state of torch's, and a model with dropout resumed in
+    another process drew other masks (the weights differed by 0.03)."""
+    budgets = np.repeat([1.0, 3.0], 40)
+
+    def setup():
+        engine, model, opt, loader = _setup(budgets, steps=8)
+        model.insert(1, nn.Dropout(0.5))               # (no parameters: added to the private model as is)
+        return engine, model, opt, loader
+
+    engine, model, opt, loader = setup()
+    _train(model, opt, loader, 8)
+    expected = [p.detach().clone() for p in model.parameters()]
+    engine, model, opt, loader = setup()
+    _train(model, opt, loader, 4)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    torch.manual_seed(1234)                             # as a new process's state would differ
+    resumed, model2, opt2, loader2 = setup()
+    resumed.load_checkpoint(tmp_path / "c.pt", model2)
+    _train(model2, opt2, loader2, 4)
+    for a, b in zip(expected, model2.parameters()):
+        torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate", "cannot be read \\(truncated, or not a file save_checkpoint wrote\\)"),
+    ("no extra", "is not a file save_checkpoint wrote \\(it lacks extra\\)"),
+    ("engine not a dict", "is not a file save_checkpoint wrote \\(engine not a dict\\)"),
+    ("a list", "holds a list, not a dict"),
+    ("rng", "its random states \\(rng\\) are damaged"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_before_anything_changes(tmp_path, damage, message):
+    """Before: a file without "extra" raised KeyError after the weights and the engine were replaced,
+    a truncated one a bare OSError."""
+    budgets = np.repeat([1.0, 3.0], 40)
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 2)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    path = tmp_path / "damaged.pt"
+    if damage == "truncate":
+        path.write_bytes((tmp_path / "c.pt").read_bytes()[:300])
+    else:
+        checkpoint = torch.load(tmp_path / "c.pt", weights_only=False)
+        if damage == "no extra":
+            del checkpoint["extra"]
+        elif damage == "engine not a dict":
+            checkpoint["engine"] = [checkpoint["engine"]]
+        elif damage == "a list":
+            checkpoint = [checkpoint]
+        else:
+            checkpoint["rng"] = {"cpu": torch.zeros(3)}
+        torch.save(checkpoint, path)
+    fresh, model2, *_ = _setup(budgets, steps=12)
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match=message) as refused:
+        fresh.load_checkpoint(path, model2)
+    assert "damaged.pt" in str(refused.value)
+    assert fresh.steps == 0 and all(torch.equal(a, p) for a, p in zip(before, model2.parameters()))
+
+
+def test_two_continuations_reseeded_with_their_own_labels_share_no_noise_or_draws(tmp_path):
+    """reseed(label) after load_checkpoint: each continuation of one checkpoint draws its own records
+    and noise (the same seed and step would add the same noise to both); the same label, the same seeds."""
+    budgets = np.repeat([1.0, 3.0], 40)
+    engine, model, opt, loader = _setup(budgets, steps=12)
+    _train(model, opt, loader, 3)
+    engine.save_checkpoint(tmp_path / "c.pt", model)
+    seeds = {}
+    for label in ("lr=0.1", "lr=0.01", "lr=0.1"):
+        fork, model2, opt2, loader2 = _setup(budgets, steps=12)
+        fork.load_checkpoint(tmp_path / "c.pt", model2)
+        fork.reseed(label)
+        pair = (fork.optimizer.seed, fork.data_loader.seed)
+        assert pair != (engine.optimizer.seed, engine.data_loader.seed) and all(0 <= s < 2 ** 63 for s in pair)
+        assert seeds.setdefault(label, pair) == pair
+    assert seeds["lr=0.1"] != seeds["lr=0.01"]
+    for bad, error in (("", ValueError), (3, TypeError)):
+        with pytest.raises(error, match="label must be"):
+            engine.reseed(bad)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="reseed\\(\\) inside a draw"):
+        engine.reseed("late")
+
+
 def test_an_older_checkpoint_loaded_into_the_engine_that_went_past_it_is_refused_not_rolled_back(tmp_path):
     """Before: the ledger fell back to the checkpoint's steps (ε 3.6 → 2.6 in the probe) and the steps
     taken again drew the same noise as the released ones, which cancels it between the two."""

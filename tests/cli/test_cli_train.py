@@ -190,6 +190,48 @@ def test_a_resume_takes_the_new_lr_and_momentum_and_keeps_the_optimizer_state(cl
     assert any(not torch.equal(same[k], v) for k, v in saved["model"].items())
 
 
+def test_two_continuations_of_one_checkpoint_with_other_learning_rates_share_no_noise(cli, data_dir, tmp_path):
+    """The noise of step t came from (the checkpoint's seed, t): a continuation with another --lr added
+    the same noise as the run that wrote the checkpoint going on, and the difference of their updates
+    was noise-free (std 0.0006 where independent noise gives 0.058). A continuation that changes --lr,
+    --momentum or --precision now derives its own seeds; one that changes nothing still goes on
+    bit-identically."""
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+              data_dir / "budgets.npy", "--epochs", 2, "--batch-size", 40, "--quiet", "--momentum", 0)
+
+    def weights(path):
+        return torch.cat([v.flatten().double() for v in torch.load(path, weights_only=False)["model"].values()])
+
+    def seeds(path):
+        engine = torch.load(path, weights_only=False)["engine"]
+        return engine["optimizer"]["seed"], engine["loader"]["seed"]
+
+    assert cli(*common, "--lr", 0.1, "--checkpoint", tmp_path / "c.pt", "--stop-after-steps", 2)[0] == 0
+    updates = {}
+    for name, lr in (("same", 0.1), ("again", 0.1), ("other", 0.3)):
+        path = tmp_path / f"{name}.pt"
+        shutil.copy(tmp_path / "c.pt", path)
+        rc, out, err = cli(*common, "--lr", lr, "--resume", path, "--checkpoint", path, "--stop-after-steps", 1)
+        assert rc == 0, err
+        assert ("--lr 0.1 → 0.3: this continuation draws its own records and noise" in out) == (name == "other")
+        after_one = weights(path)
+        assert cli(*common, "--lr", lr, "--resume", path, "--checkpoint", path, "--stop-after-steps", 1)[0] == 0
+        updates[name] = (after_one - weights(path)) / lr               # step 3's noisy mean gradient
+    assert seeds(tmp_path / "same.pt") == seeds(tmp_path / "c.pt")
+    assert seeds(tmp_path / "other.pt") != seeds(tmp_path / "c.pt")
+    torch.testing.assert_close(updates["again"], updates["same"], rtol=0, atol=0)   # the same continuation
+    # independent noise: the difference has about √2 times one update's noise, not a fraction of it
+    assert (updates["other"] - updates["same"]).std() > 0.8 * updates["same"].std()
+
+
+def test_a_pdp_run_resumed_with_another_learning_rate_is_refused(cli, data_dir, tmp_path):
+    common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", "--budgets",
+              data_dir / "budgets.npy", "--method", "pdp", "--epochs", 2, "--batch-size", 40, "--quiet")
+    assert cli(*common, "--checkpoint", tmp_path / "c.pt", "--stop-after-steps", 2)[0] == 0
+    message = cli.fails(*common, "--lr", 0.01, "--resume", tmp_path / "c.pt", "--checkpoint", tmp_path / "d.pt")
+    assert "PDP-SGD run resumes with the checkpoint's settings (--lr 0.1 → 0.01)" in message
+
+
 def test_resume_with_other_budgets_is_refused(cli, data_dir, tmp_path):
     common = ("train", "--data", data_dir / "x.npy", "--labels", data_dir / "y.npy", *SMALL)
     assert cli(*common, "--budgets", data_dir / "budgets.npy", "--checkpoint", tmp_path / "c.pt",
