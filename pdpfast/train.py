@@ -553,6 +553,16 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
         if saved.get(key) != now:
             raise ValueError(f"the checkpoint was made with --{key.replace('_', '-')} {saved.get(key)!r}, not "
                              f"{now!r}; resume with the same settings")
+    state = "pdp" if cfg.method == "pdp" else "engine"     # (PDP-SGD's state is in extra)
+    damaged = [key for key in ("model", state)
+               if not isinstance((extra if key == "pdp" else checkpoint).get(key), dict)]
+    rng, like = extra.get("torch_rng"), torch.get_rng_state()
+    if rng is not None and not (isinstance(rng, torch.Tensor) and rng.dtype == like.dtype and rng.shape == like.shape):
+        damaged.append("torch_rng")
+    if damaged:
+        raise ValueError(f"the checkpoint {cfg.resume!r} is damaged: its {' and '.join(damaged)} "
+                         f"{'is' if len(damaged) == 1 else 'are'} not what `pdpfast train` writes; resume from "
+                         "another checkpoint, or start afresh (--overwrite)")
     data = extra.get("data") or {}
     if "features_sha256" not in data:
         raise ValueError(f"the checkpoint {cfg.resume!r} predates fingerprints of the features and labels, so it "

@@ -30,6 +30,8 @@ when a client is sampled more often than λ·T allows for that record.
 """
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 
 from .._checks import as_float_array, check_delta, check_in_range, check_int, holds_whole_numbers
@@ -334,11 +336,24 @@ class FederatedLedger:
         Returns:
             None; as :meth:`load_state_dict`.
         Raises:
-            ValueError as :meth:`load_state_dict` (a state saved under other settings, or that cannot be
-            a history).
+            FileNotFoundError for a missing file; ValueError naming the file for one that cannot be read
+            as a saved ledger (truncated, not an .npz), and as :meth:`load_state_dict` (a state saved
+            under other settings, or that cannot be a history).
         """
-        with np.load(path) as data:
-            self.load_state_dict({k: data[k] for k in data.files})
+        state = None
+        try:
+            data = np.load(path, allow_pickle=False)
+            if isinstance(data, np.lib.npyio.NpzFile):
+                with data:
+                    state = {k: data[k] for k in data.files}
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile):   # truncated, or not an .npz
+            pass
+        if state is None:
+            raise ValueError(f"the ledger file {str(path)!r} cannot be read: it is truncated, or not a ledger that "
+                             "save() wrote (an .npz of its arrays)")
+        self.load_state_dict(state)
 
     @property
     def exhausted(self) -> bool:

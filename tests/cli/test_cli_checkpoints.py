@@ -368,6 +368,22 @@ def test_resume_of_a_file_with_a_foreign_structure_says_it_is_not_a_train_checkp
     assert f"{str(ck)!r} is not a `pdpfast train` checkpoint" in message, message
 
 
+@pytest.mark.parametrize("damage", ["engine", "model", "torch_rng"])
+def test_resume_of_a_checkpoint_with_a_damaged_state_names_it_in_one_line(cli, data_dir, tmp_path, damage):
+    """An engine entry that is not a dict was an AttributeError traceback (status 1); a damaged torch_rng
+    torch's words without the checkpoint's name."""
+    ck = tmp_path / "run.pt"
+    assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0
+    checkpoint = torch.load(ck, weights_only=False)
+    if damage == "torch_rng":
+        checkpoint["extra"]["torch_rng"] = torch.zeros(3, dtype=torch.uint8)
+    else:
+        checkpoint[damage] = "not a dict"
+    torch.save(checkpoint, ck)
+    message = cli.fails("train", *_npy_args(data_dir), "--resume", ck, *SMALL)
+    assert f"the checkpoint {str(ck)!r} is damaged: its {damage} is not what `pdpfast train` writes" in message
+
+
 def test_resume_with_another_model_configuration_names_the_option_and_both_values(cli, data_dir, tmp_path):
     ck = tmp_path / "run.pt"
     assert cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--stop-after-steps", 2, *SMALL)[0] == 0

@@ -189,6 +189,26 @@ def test_ledger_state_survives_a_restart(tmp_path):
         _ledger(q, b * 2).load(tmp_path / "ledger.npz")
 
 
+@pytest.mark.parametrize("content", ["truncated", "garbage", "one array"])
+def test_a_damaged_ledger_file_is_refused_naming_it(tmp_path, content):
+    """A truncated file was zipfile's BadZipFile (a traceback in `pdpfast fl client --ledger`), a foreign one
+    numpy's advice to load it with allow_pickle."""
+    q, b = np.array([0.05, 0.3]), np.array([1.0, 2.0])
+    _ledger_after_three_rounds(q, b).save(tmp_path / "ledger.npz")
+    path = tmp_path / "damaged.npz"
+    if content == "truncated":
+        path.write_bytes((tmp_path / "ledger.npz").read_bytes()[:200])
+    elif content == "garbage":
+        path.write_bytes(b"hello")
+    else:
+        with open(path, "wb") as f:
+            np.save(f, np.zeros(3))
+    led = _ledger(q, b)
+    with pytest.raises(ValueError, match="the ledger file .*damaged.npz' cannot be read: it is truncated, or not"):
+        led.load(path)
+    assert led.rounds_seen == 0
+
+
 @pytest.mark.parametrize("name, value", [("noise_multiplier", 3.0), ("local_steps", 2), ("client_rate", 0.4),
                                          ("delta", 1e-4), ("conversion", "improved")])
 def test_a_ledger_state_saved_under_other_settings_is_refused_by_name(tmp_path, name, value):

@@ -37,7 +37,9 @@ def test_record_sampling_frequency_matches_sample_rates():
     n = data.y_train.shape[0]
     budgets = fl.sample_budgets("BoundedMixGauss", n, seed=2)
     config = fl.FLConfig(rounds=30, local_steps=10, client_rate=1.0, noise_multiplier=4.0, lr=0.01)
-    silo = fl.build_silo(data, budgets, config, 0)
+    # a fixed seed of the record draws: drawn afresh (the default), the bounds below failed for 1 seed in 40
+    # tried (counts of rates < 0.05 over 300 draws are far from normal in their tails)
+    silo = fl.build_silo(data, budgets, config, 0, noise_seed=11)
     weights = initial_weights(fl.model_factory("breast_cancer"), 0)
     for t in range(1, config.rounds + 1):
         assert silo.fit(weights, t) is not None
