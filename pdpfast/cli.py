@@ -619,6 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after-steps", type=int,
                    help="stop after N steps of this invocation (resumably with --checkpoint)")
     g.add_argument("--out-json", help="write a summary (test metrics, ε per group) as JSON")
+    g.add_argument("--save-model", help="write the trained model's weights alone (a torch state_dict) once training "
+                                        "ends: what to publish. The checkpoint is secret: it holds the noise seeds "
+                                        "and hashes of the data")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
 

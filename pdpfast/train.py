@@ -36,6 +36,7 @@ from ._checks import (
     check_positive_integer,
     large_delta_message,
 )
+from ._io import atomic_write
 from ._malloc import retain_unless_configured
 from .accounting.calibration.problem import DEFAULT_HYBRID_WEIGHT
 from .distributed import DistributedContext, inner_module, leave_process_group
@@ -179,6 +180,7 @@ class TrainConfig:
     threads: int | None = None
     quiet: bool = False
     out_json: str | None = None
+    save_model: str | None = None      # the model's weights alone (a state_dict): what may be published
     nproc: int = 1
     log: object = field(default=None, repr=False)
 
@@ -396,6 +398,8 @@ def _check_outputs(cfg: TrainConfig) -> None:
         written["--checkpoint"] = check_output_path(cfg.checkpoint, "--checkpoint")
     if cfg.out_json:
         written["--out-json"] = check_output_path(cfg.out_json, "--out-json")
+    if cfg.save_model:
+        written["--save-model"] = check_output_path(cfg.save_model, "--save-model")
     if len(set(written.values())) < len(written):
         raise ValueError(f"{' and '.join(written)} name the same file; give each output its own path")
     check_outputs_spare_inputs({k: v for k, v in written.items() if k != "--resume"},
@@ -692,7 +696,7 @@ def run(cfg: TrainConfig) -> dict:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         if rank != 0:  # one rank speaks and writes (checkpoints: the engine writes them on rank 0)
-            cfg = dataclasses.replace(cfg, quiet=True, out_json=None)
+            cfg = dataclasses.replace(cfg, quiet=True, out_json=None, save_model=None)
     try:
         return _run(cfg, device, rank, world_size)
     finally:
@@ -745,7 +749,7 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
     if cfg.resume:
         resume_state = _load_checkpoint_file(cfg.resume)
         _check_resume(resume_state, cfg, fingerprint, model_config)
-    for path in (checkpoint_path, cfg.out_json):
+    for path in (checkpoint_path, cfg.out_json, cfg.save_model):
         if path and rank == 0:
             remove_stale_temporaries(path)
     model.to(device)
@@ -791,6 +795,11 @@ def _run(cfg: TrainConfig, device: torch.device, rank: int, world_size: int) -> 
         _say(cfg, f"stopped after step {summary['steps']} of {summary['total_steps']}; " +
              (f"continue with --resume {checkpoint_path}" if checkpoint_path else
               "no --checkpoint was given, so it cannot be continued"))
+    if cfg.save_model:
+        # no seeds, no data fingerprint, no optimizer state: unlike the checkpoint, safe to publish
+        weights = {k: v.detach().cpu() for k, v in inner_module(model).state_dict().items()}
+        atomic_write(cfg.save_model, lambda f: torch.save(weights, f))
+        _say(cfg, f"model weights (nothing else) written to {cfg.save_model}")
     if cfg.out_json:
         import json
 

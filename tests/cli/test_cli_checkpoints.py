@@ -368,6 +368,23 @@ def test_resume_of_a_file_with_a_foreign_structure_says_it_is_not_a_train_checkp
     assert f"{str(ck)!r} is not a `pdpfast train` checkpoint" in message, message
 
 
+def test_save_model_writes_the_weights_alone_which_load_into_the_model_and_hold_no_seed(cli, data_dir, tmp_path):
+    """The checkpoint was the only file holding the trained model, and it holds the noise seeds (which undo
+    the noise) and hashes of the data: --save-model writes what may be published."""
+    ck, weights = tmp_path / "run.pt", tmp_path / "model.pt"
+    rc, out, err = cli("train", *_npy_args(data_dir), "--checkpoint", ck, "--save-model", weights, *SMALL)
+    assert rc == 0, err
+    assert f"model weights (nothing else) written to {weights}" in out
+    saved = torch.load(weights, weights_only=True)              # tensors only: loads without unpickling code
+    checkpoint = torch.load(ck, weights_only=False)
+    assert saved.keys() == checkpoint["model"].keys()
+    for name, value in checkpoint["model"].items():
+        assert torch.equal(saved[name], value)
+    message = cli.fails("train", *_npy_args(data_dir), "--checkpoint", tmp_path / "b.pt", "--save-model",
+                        tmp_path / "b.pt", *SMALL)
+    assert "--checkpoint and --save-model name the same file" in message
+
+
 @pytest.mark.parametrize("damage", ["engine", "model", "torch_rng"])
 def test_resume_of_a_checkpoint_with_a_damaged_state_names_it_in_one_line(cli, data_dir, tmp_path, damage):
     """An engine entry that is not a dict was an AttributeError traceback (status 1); a damaged torch_rng
