@@ -272,23 +272,29 @@ def test_bad_engine_inputs_raise_naming_the_argument():
             accountant="pld", noise_schedule="exponential:0.01")
 
 
-@pytest.mark.parametrize("schedule", [None, "exponential:0.02"])
-def test_a_resumed_adaptive_run_continues_exactly(tmp_path, schedule):
-    """Checkpoint after 6 of 12 steps, resume in a fresh engine: the clip bounds, the noise, the
-    ledger and the weights end exactly where the uninterrupted run ends."""
-    from pdpfast.adaptive import QuantileClipping
-
+def _whole_and_resumed(tmp_path, adaptive, schedule, steps):
+    """(engine, model) of an uninterrupted run of ``steps``, then of one checkpointed halfway and resumed
+    in a fresh engine."""
     def run(stop_at=None, resume=None):
-        engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5), schedule=schedule, steps=12)
+        engine, model, opt, loader, criterion = _engine(adaptive=adaptive, schedule=schedule, steps=steps)
         if resume is not None:
             engine.load_checkpoint(resume, model)
         _train(engine, model, opt, loader, criterion, steps=stop_at)
         return engine, model
 
     whole, whole_model = run()
-    half, half_model = run(stop_at=6)
+    half, half_model = run(stop_at=steps // 2)
     half.save_checkpoint(tmp_path / "half.pt", half_model)
-    resumed, resumed_model = run(resume=tmp_path / "half.pt")
+    return (whole, whole_model, *run(resume=tmp_path / "half.pt"))
+
+
+@pytest.mark.parametrize("schedule", [None, "exponential:0.02"])
+def test_a_resumed_adaptive_run_continues_exactly(tmp_path, schedule):
+    """Checkpoint after 6 of 12 steps, resume in a fresh engine: the clip bounds, the noise, the
+    ledger and the weights end exactly where the uninterrupted run ends."""
+    from pdpfast.adaptive import QuantileClipping
+
+    whole, whole_model, resumed, resumed_model = _whole_and_resumed(tmp_path, QuantileClipping(0.5), schedule, 12)
     assert resumed.steps == whole.steps == 12
     np.testing.assert_array_equal(resumed.epsilons(), whole.epsilons())
     for (name, a), (_, b) in zip(whole_model.named_parameters(), resumed_model.named_parameters()):
@@ -445,18 +451,8 @@ def test_a_bound_update_refused_after_its_step_leaves_the_run_consistent():
 def test_a_resumed_runs_history_still_holds_every_step_from_the_first(tmp_path, per_group):
     """The checkpoint kept the bounds and the seed, not the history: a resumed run's history[0] was the
     resumed step's."""
-    def run(stop_at=None, resume=None):
-        engine, model, opt, loader, criterion = _engine(adaptive=QuantileClipping(0.5, per_group=per_group),
-                                                        schedule="exponential:0.02", steps=8)
-        if resume is not None:
-            engine.load_checkpoint(resume, model)
-        _train(engine, model, opt, loader, criterion, steps=stop_at)
-        return engine, model
-
-    whole, _ = run()
-    half, half_model = run(stop_at=4)
-    half.save_checkpoint(tmp_path / "half.pt", half_model)
-    resumed, _ = run(resume=tmp_path / "half.pt")
+    whole, _, resumed, _ = _whole_and_resumed(tmp_path, QuantileClipping(0.5, per_group=per_group),
+                                              "exponential:0.02", 8)
     assert len(resumed.adaptive.history) == len(whole.adaptive.history) == 8
     for a, b in zip(whole.adaptive.history, resumed.adaptive.history):
         assert a.keys() == b.keys() and a["step"] == b["step"] and a["noise_std"] == b["noise_std"]
