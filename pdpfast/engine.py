@@ -1360,8 +1360,10 @@ class PrivacyEngine:
         step on, and their difference would be noise-free, a release no ledger counts. Call this after
         ``load_checkpoint`` with a label per continuation (its settings, e.g. "lr=0.01"): each then
         draws its own records and noise, and each spends the records' budgets on its own (two
-        continuations published spend them twice). The same label gives the same seeds, so a
-        continuation rerun with the same label and settings releases what it released before.
+        continuations published spend them twice). The seeds are derived from the current ones, the
+        steps taken and the label: the same checkpoint and label give the same seeds, so a
+        continuation rerun with the same settings releases what it released before, and one label
+        used at two steps of a run (two checkpoints) gives two.
         ``pdpfast train`` does it when ``--resume`` changes the learning rate, momentum or precision.
 
         Args:
@@ -1382,8 +1384,10 @@ class PrivacyEngine:
         if self._inside_draw():
             raise RuntimeError("reseed() inside a draw: call it after load_checkpoint, before the next draw")
 
-        def derived(seed: int) -> int:   # 63 bits of SHA-256 over (seed, label): seeds stay ints in [0, 2**63)
-            digest = hashlib.sha256(f"{int(seed)}\x00{label}".encode()).digest()
+        step = self.optimizer.steps
+
+        def derived(seed: int) -> int:   # 63 bits of SHA-256 over (seed, step, label): ints in [0, 2**63)
+            digest = hashlib.sha256(f"{int(seed)}\x00{step}\x00{label}".encode()).digest()
             return int.from_bytes(digest[:8], "little") >> 1
 
         self.optimizer.seed = derived(self.optimizer.seed)

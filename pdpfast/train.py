@@ -879,7 +879,7 @@ class _Job:
         torch's random states; ``where()`` → (step, total steps) for the message. The optimizer keeps
         its state (momentum buffers, Adam's moments) and takes this run's --lr and --momentum. Where
         those or --precision changed (``_continuation_changes``), ``reseed(label)`` derives the noise
-        and draw seeds of the steps to come from the checkpoint's and the step and new values
+        and draw seeds of the steps to come from the checkpoint's, its step and the new values
         (``PrivacyEngine.reseed``); ``_check_resume`` refused such changes where there is none."""
         if self.resume_state is None:
             return
@@ -893,7 +893,7 @@ class _Job:
         _say(self.cfg, f"resumed from {self.cfg.resume} at step {step} of {total}")
         changes = _continuation_changes(self.resume_state["extra"]["train_args"], self.cfg)
         if changes:
-            reseed(f"step {step}: " + ", ".join(changes))
+            reseed(", ".join(changes))
             _say(self.cfg, f"{', '.join(changes)}: this continuation draws its own records and noise from here "
                            "(seeds derived from the checkpoint's, the step and the new values), so it shares none "
                            "with another continuation of the checkpoint; each spends the records' budgets")

@@ -171,6 +171,12 @@ def test_two_continuations_reseeded_with_their_own_labels_share_no_noise_or_draw
         assert pair != (engine.optimizer.seed, engine.data_loader.seed) and all(0 <= s < 2 ** 63 for s in pair)
         assert seeds.setdefault(label, pair) == pair
     assert seeds["lr=0.1"] != seeds["lr=0.01"]
+    _train(model, opt, loader, 2)                      # the same label at another step: other seeds
+    engine.save_checkpoint(tmp_path / "later.pt", model)
+    fork, model2, *_ = _setup(budgets, steps=12)
+    fork.load_checkpoint(tmp_path / "later.pt", model2)
+    fork.reseed("lr=0.1")
+    assert (fork.optimizer.seed, fork.data_loader.seed) != seeds["lr=0.1"]
     for bad, error in (("", ValueError), (3, TypeError)):
         with pytest.raises(error, match="label must be"):
             engine.reseed(bad)
