@@ -368,7 +368,13 @@ def _wait(ranks: list[subprocess.Popen], received: list[int], folder: str | None
         time.sleep(0.05)
     if not failed:
         return 128 + received[0] if any(process.returncode for process in ranks) else 0
-    first = failed[0]           # the cause; the others failed after it (a collective with it broke)
+    # the cause: a rank killed by a signal nothing here sent (a peer's leaving makes a rank end with an
+    # error, never with a signal), else the first to fail; the others failed after it (a collective with
+    # it broke), though a starved command may see both in one poll and rank 0 first
+    sent = {rank for rank, _ in ended}
+    killed = [rank for rank in failed if ranks[rank].returncode < 0 and -ranks[rank].returncode not in received
+              and rank not in sent]
+    first = killed[0] if killed else failed[0]
     code = ranks[first].returncode
     if code < 0 and -code in received:      # the signal the command handed on, outside the training steps
         print(f"pdpfast train: stopped by {signal.Signals(-code).name} outside the training steps (starting, or "

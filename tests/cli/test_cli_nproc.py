@@ -268,9 +268,10 @@ def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failu
     monkeypatch.setattr(launch, "GRACE_S", 0.2)
     (tmp_path / "rank-1").write_text("pdpfast train: interrupted (SIGINT) after step 3 of 90; checkpoint 'c.pt' "
                                      "holds every step taken: continue with --resume c.pt")
-    quick = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(130)"])
+    # (the signal comes 0.1 s in, the quick rank ends at 1 s: a margin for a loaded machine's late timer)
+    quick = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(1.0); sys.exit(130)"])
     saving = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
-                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(99))\ntime.sleep(1.5)\n"
+                               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(99))\ntime.sleep(2.5)\n"
                                "sys.exit(130)"])
     received: list[int] = []
     import threading
@@ -278,6 +279,21 @@ def test_ranks_that_stop_on_a_signal_the_command_got_while_waiting_are_not_failu
     threading.Timer(0.1, lambda: received.append(signal.SIGINT)).start()     # as hand_on does
     assert launch._wait([saving, quick], received, str(tmp_path)) == 130
     assert saving.returncode == 130, "the rank still saving was ended as if another had failed"
+
+
+def test_a_rank_killed_from_outside_is_the_cause_though_the_command_saw_the_error_it_caused_in_the_same_poll(
+        tmp_path, capsys):
+    """A command starved on a loaded machine may first poll after both have ended: rank 1 killed, and rank 0
+    with the error its leaving caused. Rank 0, the first in rank order, was taken for the cause: its status,
+    and no line saying that rank 1 was killed."""
+    from pdpfast import launch
+
+    erred = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    erred.wait(), killed.wait()
+    assert launch._wait([erred, killed], [], str(tmp_path)) == 128 + signal.SIGKILL
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
 
 
 def test_a_rank_left_waiting_by_one_that_stopped_before_the_steps_is_ended(monkeypatch, tmp_path):
@@ -370,9 +386,10 @@ def test_the_commands_copy_of_a_signal_that_a_rank_handles_late_is_still_the_sam
     arrived during that wait, but Python ran its handler only after the barrier, more than a second
     after the first: a second request, so "interrupted", status 130. The copy is judged by when it
     arrived."""
-    launcher, checkpoint = _start_training(data_dir, tmp_path, env=_slow_final_checkpoint(tmp_path, 2.0))
+    launcher, checkpoint = _start_training(data_dir, tmp_path, env=_slow_final_checkpoint(tmp_path, 3.0))
     os.kill(_ranks_of(launcher)[1], signal.SIGTERM)     # rank 1's own: the ranks stop after the next step
-    time.sleep(0.5)                                     # rank 1 now waits for rank 0's final checkpoint
+    time.sleep(0.25)                                    # rank 1 now waits for rank 0's final checkpoint
+    # (the copy must reach the command within SAME_STOP_S = 1 s of rank 1's signal: a 0.75 s margin)
     launcher.send_signal(signal.SIGTERM)                # the command's copy reaches it within the wait
     rc, out, err = _finish(launcher, checkpoint)
     assert rc == 128 + signal.SIGTERM, err
