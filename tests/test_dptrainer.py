@@ -1,6 +1,8 @@
 """``DPTrainer``: Hugging Face Trainer with per-record budgets (tiny BERT and GPT-2 on the CPU)."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -189,6 +191,64 @@ def test_a_refused_resume_leaves_the_noise_seed_and_step_so_training_on_draws_no
         other.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     optimizer = other.privacy_engine.optimizer
     assert optimizer.steps == 0 and optimizer.seed != saved["seed"]
+
+
+def test_a_resume_refused_after_the_trainer_loaded_the_checkpoint_gives_back_its_weights_and_state(tmp_path):
+    """The Trainer loads a checkpoint's weights and trainer_state.json before the optimizer's state, where
+    DPTrainer's checks ran: a refused resume left the checkpoint's weights in the model (and its global
+    step), which a later save_model() would have written as the trained model."""
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5,
+              method="sample").train()
+    other = DPTrainer(model=bert(), args=arguments(tmp_path / "again", max_steps=4), train_dataset=Records(),
+                      budgets=BUDGETS, delta=1e-5, method="scale")
+    before, step = parameters(other.model), other.state.global_step
+    with pytest.raises(ValueError, match="plan"):
+        other.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert_unchanged(other.model, before)
+    assert other.state.global_step == step == 0
+
+
+def test_a_roll_back_or_a_folder_without_the_engine_is_refused_before_any_weight_loads(tmp_path):
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5)
+    trainer.train()
+    before = parameters(trainer.model)
+    with pytest.raises(ValueError, match="written after 2 steps, but this trainer has taken 4"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert_unchanged(trainer.model, before)
+    assert trainer.state.global_step == 4
+    (tmp_path / "run" / "checkpoint-4" / "pdpfast_engine.pt").unlink()
+    fresh = DPTrainer(model=bert(), args=arguments(tmp_path / "again", max_steps=4), train_dataset=Records(),
+                      budgets=BUDGETS, delta=1e-5)
+    before = parameters(fresh.model)
+    with pytest.raises(FileNotFoundError, match="holds no pdpfast_engine.pt"):
+        fresh.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert_unchanged(fresh.model, before)
+
+
+def test_two_continuations_of_a_checkpoint_with_other_learning_rates_draw_their_own_noise(tmp_path):
+    """A checkpoint keeps the noise seed, and the noise of step t comes from (seed, t): a continuation with
+    another learning rate added the same noise as the run going on, and their difference was noise-free.
+    Another learning rate now draws new seeds; the same settings keep them (an exact continuation)."""
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2, learning_rate=5e-3)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    saved = torch.load(tmp_path / "run" / "checkpoint-2" / "pdpfast_engine.pt", weights_only=False)
+
+    def seeds_of_a_continuation(lr):
+        trainer = DPTrainer(model=bert(), args=arguments(tmp_path / f"lr{lr}", max_steps=4, learning_rate=lr),
+                            train_dataset=Records(), budgets=BUDGETS, delta=1e-5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=checkpoint)
+        said = any("this continuation draws its own records and noise" in str(w.message) for w in caught)
+        return (trainer.privacy_engine.optimizer.seed, trainer.privacy_engine.data_loader.seed), said
+
+    same, said_same = seeds_of_a_continuation(5e-3)
+    other, said_other = seeds_of_a_continuation(2e-2)
+    assert same == (saved["optimizer"]["seed"], saved["loader"]["seed"]) and not said_same
+    assert other[0] != same[0] and other[1] != same[1] and said_other
 
 
 def test_uniform_dp_with_a_noise_multiplier(tmp_path):

@@ -32,13 +32,16 @@ What changes against the plain Trainer, and why:
 * **The ledger.** ``trainer.epsilons()`` (= ``trainer.privacy_engine.epsilons()`` with budgets), ``epsilon``
   and ``epsilon_<group>`` (max ε of the records with that budget, for up to ``MAX_LOGGED_GROUPS`` distinct
   budgets) are logged with the other metrics; checkpoints hold the engine's state (``pdpfast_engine.pt``), so
-  ``train(resume_from_checkpoint=...)`` continues the ledger, the draws and the noise exactly.
+  ``train(resume_from_checkpoint=...)`` continues the ledger, the draws and the noise exactly (with other
+  release settings, such as the learning rate, its own draws and noise: ``DPTrainer.train``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -53,6 +56,9 @@ from ..engine import DPLoss, PrivacyEngine
 from ..models import is_causal_lm
 
 ENGINE_FILE = "pdpfast_engine.pt"
+# TrainingArguments that change what the steps of a resumed run release: another value draws fresh seeds
+_RELEASE_SETTINGS = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+                     "weight_decay", "optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16")
 MAX_LOGGED_GROUPS = 8
 METHODS = ("sample", "scale", "hybrid", "dpsgd")
 ACCOUNTANTS = ("rdp", "pld")  # the plan's accountants (``pdpfast.calibrate``)
@@ -543,29 +549,80 @@ class DPTrainer(transformers.Trainer):
                 logs[name] = float(eps[members].max())
         super().log(logs, start_time)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; a resume is checked before the Trainer loads anything of the checkpoint.
+
+        A checkpoint without ``pdpfast_engine.pt``, unreadable, or older than the steps this trainer has
+        taken is refused before the model's weights are loaded; one the engine refuses later (another
+        plan) leaves the model's weights and the Trainer's state as they were. A resume with another
+        learning rate, schedule, weight decay, optimizer or precision than the checkpoint's run draws its
+        own records and noise (``PrivacyEngine.reseed``): two continuations of one checkpoint would
+        otherwise add the same noise, and their difference would be noise-free.
+
+        Args:
+            resume_from_checkpoint, *args, **kwargs: the Trainer's.
+        Returns:
+            what ``Trainer.train`` returns.
+        Raises:
+            FileNotFoundError / ValueError for a refused checkpoint (see above); what ``Trainer.train`` raises.
+        """
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+        if not checkpoint:        # (none found: the Trainer says so)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        self._read_engine_state(checkpoint)
+        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        trainer_state = copy.deepcopy(self.state)
+        self._refused = False
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            if self._refused:      # the Trainer had loaded the checkpoint's weights and state before the refusal
+                self.model.load_state_dict(weights)
+                self.state = trainer_state
+            raise
+
+    def _read_engine_state(self, checkpoint) -> dict:
+        """The checkpoint's engine state, refused when missing, unreadable or older than the steps taken."""
+        path = os.path.join(checkpoint, ENGINE_FILE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
+                                    "privacy ledger is unknown and training cannot resume from it")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            taken = int(state["optimizer"]["steps"])
+        except Exception as exc:
+            raise ValueError(f"{path} cannot be read as DPTrainer's engine state (truncated or damaged): "
+                             f"{type(exc).__name__}: {exc}") from None
+        if taken < self.privacy_engine.steps:
+            raise ValueError(f"{checkpoint} was written after {taken} steps, but this trainer has taken "
+                             f"{self.privacy_engine.steps}: resuming from it would roll the privacy ledger back over "
+                             "steps already released and draw their noise again. Resume a run from its latest "
+                             "checkpoint")
+        return state
+
+    def _release_settings(self) -> dict:
+        """The TrainingArguments that change what a step releases, as comparable values."""
+        return {name: str(getattr(self.args, name, None)) for name in _RELEASE_SETTINGS}
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         state = self.privacy_engine.state_dict()
         if self.uniform_ledger is not None:
             state["uniform_ledger"] = self.uniform_ledger.state_dict()
+        state["release_settings"] = self._release_settings()
         atomic_write(os.path.join(output_dir, ENGINE_FILE), lambda f: torch.save(state, f))
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None:
             super()._load_optimizer_and_scheduler(checkpoint)
             return
-        path = os.path.join(checkpoint, ENGINE_FILE)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{checkpoint} holds no {ENGINE_FILE}: it was not written by DPTrainer, so its "
-                                    "privacy ledger is unknown and training cannot resume from it")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        self._refused = True          # until the checks pass (``train`` then gives back the weights)
         # everything is checked before the Trainer loads the optimizer's state: it holds the step count and the
         # noise seed, and a refused resume must leave them as they were (training on would draw released noise)
-        if int(state["optimizer"]["steps"]) < self.privacy_engine.steps:
-            raise ValueError(f"{checkpoint} was written after {int(state['optimizer']['steps'])} steps, but this "
-                             f"trainer has taken {self.privacy_engine.steps}: resuming from it would roll the privacy "
-                             "ledger back over steps already released and draw their noise again. Resume a run "
-                             "from its latest checkpoint")
+        state = self._read_engine_state(checkpoint)
+        path = os.path.join(checkpoint, ENGINE_FILE)
         checked = self.privacy_engine.check_state(state)
         uniform = None
         if "uniform_ledger" in state:
@@ -582,7 +639,15 @@ class DPTrainer(transformers.Trainer):
                     and np.array_equal(uniform.noise_multipliers, self.uniform_ledger.noise_multipliers)):
                 raise ValueError(f"{path}: its run had another sample rate or noise_multiplier than this one; its "
                                  "ledger would go on charging those. Resume with the same settings")
+        self._refused = False
         super()._load_optimizer_and_scheduler(checkpoint)
         self.privacy_engine._restore(state, *checked)
         if uniform is not None:
             self.uniform_ledger = uniform
+        saved, now = state.get("release_settings"), self._release_settings()
+        if saved is not None and saved != now:
+            changed = ", ".join(f"{k} {saved.get(k)} → {now[k]}" for k in now if saved.get(k) != now[k])
+            self.privacy_engine.reseed(changed)
+            warnings.warn(f"DPTrainer: resumed from {checkpoint} with {changed}: this continuation draws its own "
+                          "records and noise from here, so it shares none with another continuation of the "
+                          "checkpoint; each spends the records' budgets", stacklevel=2)
