@@ -572,7 +572,8 @@ class DPTrainer(transformers.Trainer):
         if not checkpoint:        # (none found: the Trainer says so)
             return super().train(resume_from_checkpoint, *args, **kwargs)
         self._read_engine_state(checkpoint)
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        # (kept on the CPU: a second copy of a large model's weights on its GPU could run out of memory)
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         trainer_state = copy.deepcopy(self.state)
         self._refused = False
         try:
