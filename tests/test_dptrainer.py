@@ -251,6 +251,30 @@ def test_two_continuations_of_a_checkpoint_with_other_learning_rates_draw_their_
     assert other[0] != same[0] and other[1] != same[1] and said_other
 
 
+def test_a_continuation_label_draws_its_own_noise_for_a_change_the_trainer_cannot_see(tmp_path):
+    args = arguments(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
+    DPTrainer(model=bert(), args=args, train_dataset=Records(), budgets=BUDGETS, delta=1e-5).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+
+    def seeds(name, **train):
+        trainer = DPTrainer(model=bert(), args=arguments(tmp_path / name, max_steps=4), train_dataset=Records(),
+                            budgets=BUDGETS, delta=1e-5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(resume_from_checkpoint=checkpoint, **train)
+        return trainer.privacy_engine.optimizer.seed, trainer.privacy_engine.data_loader.seed
+
+    plain, a, again, b = (seeds("plain"), seeds("a", continuation="new collator"),
+                          seeds("a2", continuation="new collator"), seeds("b", continuation="new model code"))
+    assert a == again and len({plain, a, b}) == 3
+    fresh = DPTrainer(model=bert(), args=arguments(tmp_path / "fresh", max_steps=4), train_dataset=Records(),
+                      budgets=BUDGETS, delta=1e-5)
+    with pytest.raises(ValueError, match="continuation= names a continuation of a checkpoint"):
+        fresh.train(continuation="x")
+    with pytest.raises(TypeError, match="continuation must be a string"):
+        fresh.train(resume_from_checkpoint=checkpoint, continuation=3)
+
+
 def test_uniform_dp_with_a_noise_multiplier(tmp_path):
     trainer = DPTrainer(model=bert(), args=arguments(tmp_path, max_steps=3), train_dataset=Records(),
                         noise_multiplier=1.0, max_grad_norm=0.5, delta=1e-5)

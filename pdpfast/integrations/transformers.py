@@ -549,7 +549,7 @@ class DPTrainer(transformers.Trainer):
                 logs[name] = float(eps[members].max())
         super().log(logs, start_time)
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, continuation: str | None = None, **kwargs):
         """``Trainer.train``; a resume is checked before the Trainer loads anything of the checkpoint.
 
         A checkpoint without ``pdpfast_engine.pt``, unreadable, or older than the steps this trainer has
@@ -557,18 +557,33 @@ class DPTrainer(transformers.Trainer):
         plan) leaves the model's weights and the Trainer's state as they were. A resume with another
         learning rate, schedule, weight decay, optimizer or precision than the checkpoint's run draws its
         own records and noise (``PrivacyEngine.reseed``): two continuations of one checkpoint would
-        otherwise add the same noise, and their difference would be noise-free.
+        otherwise add the same noise, and their difference would be noise-free. ``continuation`` does the
+        same for a change the trainer cannot see (the model's code, the collator, the loss).
 
         Args:
             resume_from_checkpoint, *args, **kwargs: the Trainer's.
+            continuation: with ``resume_from_checkpoint``, a label naming this continuation (e.g.
+                "new collator"): its records and noise are drawn from seeds derived from the
+                checkpoint's, its step and the label. None (default): only the settings above do.
         Returns:
             what ``Trainer.train`` returns.
         Raises:
-            FileNotFoundError / ValueError for a refused checkpoint (see above); what ``Trainer.train`` raises.
+            FileNotFoundError / ValueError for a refused checkpoint (see above); ValueError for an empty
+            ``continuation`` or one without a checkpoint; TypeError for one that is not a string; what
+            ``Trainer.train`` raises.
         """
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+        if continuation is not None:
+            if not isinstance(continuation, str):
+                raise TypeError(f"continuation must be a string naming the continuation, got "
+                                f"{type(continuation).__name__}")
+            if not continuation:
+                raise ValueError("continuation must be a non-empty string naming the continuation")
+            if not checkpoint:
+                raise ValueError("continuation= names a continuation of a checkpoint: give resume_from_checkpoint")
+        self._continuation = continuation
         if not checkpoint:        # (none found: the Trainer says so)
             return super().train(resume_from_checkpoint, *args, **kwargs)
         self._read_engine_state(checkpoint)
@@ -646,8 +661,11 @@ class DPTrainer(transformers.Trainer):
         if uniform is not None:
             self.uniform_ledger = uniform
         saved, now = state.get("release_settings"), self._release_settings()
-        if saved is not None and saved != now:
-            changed = ", ".join(f"{k} {saved.get(k)} → {now[k]}" for k in now if saved.get(k) != now[k])
+        changes = [f"{k} {saved.get(k)} → {now[k]}" for k in now if saved is not None and saved.get(k) != now[k]]
+        if getattr(self, "_continuation", None) is not None:
+            changes.append(f"continuation {self._continuation!r}")
+        if changes:
+            changed = ", ".join(changes)
             self.privacy_engine.reseed(changed)
             warnings.warn(f"DPTrainer: resumed from {checkpoint} with {changed}: this continuation draws its own "
                           "records and noise from here, so it shares none with another continuation of the "
