@@ -146,6 +146,19 @@ def _is_number(value) -> bool:
     return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
 
 
+def is_cpu_rng_state(value) -> bool:
+    """Whether ``value`` could be ``torch.get_rng_state()``'s (a tensor of its dtype and shape): what a
+    checkpoint's saved random state must be before ``torch.set_rng_state`` is given it.
+
+    Args:
+        value: anything read from a checkpoint.
+    Returns:
+        True or False.
+    """
+    like = torch.get_rng_state()
+    return isinstance(value, torch.Tensor) and value.dtype == like.dtype and value.shape == like.shape
+
+
 def check_number(name: str, value) -> float:
     """Check that a value is a real number (not a bool, a string or a tensor of several values).
 

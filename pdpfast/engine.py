@@ -22,6 +22,7 @@ from ._checks import (
     check_nonnegative,
     check_positive,
     check_rate,
+    is_cpu_rng_state,
     warn_large_delta,
 )
 from ._io import atomic_write
@@ -239,9 +240,8 @@ def _read_checkpoint(path) -> dict:
             f"{', '.join(wrong)} not a dict" if wrong else "")
         raise ValueError(f"checkpoint {str(path)!r} is not a file save_checkpoint wrote ({what})")
     rng = checkpoint.get("rng")       # (absent from checkpoints of before it was kept)
-    now = torch.get_rng_state()
-    if rng is not None and not (isinstance(rng, dict) and isinstance(rng.get("cpu"), torch.Tensor)
-                                and rng["cpu"].dtype == now.dtype and rng["cpu"].shape == now.shape):
+    if rng is not None and not (isinstance(rng, dict) and is_cpu_rng_state(rng.get("cpu"))):
+        now = torch.get_rng_state()
         raise ValueError(f"checkpoint {str(path)!r}: its random states (rng) are damaged (expected a dict whose "
                          f"'cpu' is a {now.dtype} tensor of shape {tuple(now.shape)})")
     return checkpoint

@@ -34,6 +34,7 @@ from ._checks import (
     check_nonnegative,
     check_positive,
     check_positive_integer,
+    is_cpu_rng_state,
     large_delta_message,
 )
 from ._io import atomic_write
@@ -560,8 +561,7 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, fingerprint: dict, model_c
     state = "pdp" if cfg.method == "pdp" else "engine"     # (PDP-SGD's state is in extra)
     damaged = [key for key in ("model", state)
                if not isinstance((extra if key == "pdp" else checkpoint).get(key), dict)]
-    rng, like = extra.get("torch_rng"), torch.get_rng_state()
-    if rng is not None and not (isinstance(rng, torch.Tensor) and rng.dtype == like.dtype and rng.shape == like.shape):
+    if extra.get("torch_rng") is not None and not is_cpu_rng_state(extra["torch_rng"]):
         damaged.append("torch_rng")
     if damaged:
         raise ValueError(f"the checkpoint {cfg.resume!r} is damaged: its {' and '.join(damaged)} "

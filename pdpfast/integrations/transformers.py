@@ -586,7 +586,7 @@ class DPTrainer(transformers.Trainer):
         self._continuation = continuation
         if not checkpoint:        # (none found: the Trainer says so)
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        self._read_engine_state(checkpoint)
+        self._engine_state = (checkpoint, self._read_engine_state(checkpoint))   # (read once: see below)
         # (kept on the CPU: a second copy of a large model's weights on its GPU could run out of memory)
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         trainer_state = copy.deepcopy(self.state)
@@ -637,7 +637,9 @@ class DPTrainer(transformers.Trainer):
         self._refused = True          # until the checks pass (``train`` then gives back the weights)
         # everything is checked before the Trainer loads the optimizer's state: it holds the step count and the
         # noise seed, and a refused resume must leave them as they were (training on would draw released noise)
-        state = self._read_engine_state(checkpoint)
+        read, state = self.__dict__.pop("_engine_state", (None, None))     # what train() read and checked
+        if read != checkpoint:
+            state = self._read_engine_state(checkpoint)
         path = os.path.join(checkpoint, ENGINE_FILE)
         checked = self.privacy_engine.check_state(state)
         uniform = None
