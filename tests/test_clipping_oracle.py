@@ -166,7 +166,17 @@ LAYERS = {
     "hf-deit-embeddings": lambda: (hf("DeiTEmbeddings"), floats(3, 8, 8)),
     "hf-dinov2-embeddings": lambda: (hf("Dinov2Embeddings"), floats(3, 8, 8)),
     "hf-dinov2-layer-scale": lambda: (hf("Dinov2LayerScale", layerscale_value=0.5), floats(3, 8)),
+    # Llama's RMSNorm, an RMSNorm form (recognized by its forward; it normalizes in float32)
+    "hf-llama-rmsnorm": lambda: (hf_llama_rms_norm(), floats(3, 6)),
 }
+
+
+def hf_llama_rms_norm() -> nn.Module:
+    pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(6, eps=0.1)
+    return nn.Sequential(nn.Linear(6, 6), norm)  # its input varies with x: float32 rounding is then visible
 
 
 def build(name):
@@ -179,11 +189,12 @@ def build(name):
 
 
 def test_every_registered_layer_family_has_a_case():
-    """Each family ``convert`` knows (``registered_layers``) is built by some LAYERS case, so the
+    """Each family ``convert`` knows (``registered_layers``) is built by some LAYERS case, and each form
+    it recognizes (``registered_forms``) is converted from one, so the
     oracle tests over LAYERS (any batch, one sample, none, all masked) cover it."""
     import importlib
 
-    from pdpfast.nn.rules import registered_layers
+    from pdpfast.nn.rules import registered_forms, registered_layers
 
     built = set()
     for name in LAYERS:
@@ -201,6 +212,9 @@ def test_every_registered_layer_family_has_a_case():
         if not any(issubclass(t, key) for t in built):
             missing.append(f"{key.__module__}.{key.__qualname__}")
     assert not missing, f"registered layer families with no case in LAYERS: {missing}"
+    converted = {type(m) for name in LAYERS for m in pdpfast.nn.convert(LAYERS[name]()[0]).modules()}
+    missing = [form.__name__ for form in registered_forms() if not any(issubclass(t, form) for t in converted)]
+    assert not missing, f"forms convert recognizes with no case in LAYERS: {missing}"
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

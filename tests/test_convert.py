@@ -440,3 +440,129 @@ def test_conv3d_and_instance_norm_convert_in_place():
     assert isinstance(model[0], DPConv3d) and isinstance(model[1], nn.InstanceNorm3d)
     assert isinstance(model[1], DPInstanceNorm)
     assert all(a is b for a, b in zip(params, model.parameters()))
+
+
+# ------------------------------------------------------------------------ an RMSNorm under another name
+
+
+class CopiedRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm as each model family copies it under its own name (``LlamaRMSNorm``,
+    ``Qwen2RMSNorm``, ...): normalized in float32, then scaled in the input's dtype."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _normalized(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class OffsetWeightRMSNorm(CopiedRMSNorm):  # Gemma's: the weight is an offset from 1
+    def forward(self, x):
+        return _normalized(self, x) * (1 + self.weight)
+
+
+class SquaredWeightRMSNorm(CopiedRMSNorm):  # equal to an RMSNorm at a weight of ones only
+    def forward(self, x):
+        return _normalized(self, x) * self.weight * self.weight
+
+
+class EpsilonIgnoredRMSNorm(CopiedRMSNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * self.weight
+
+
+class GatedRMSNorm(CopiedRMSNorm):  # a second input the private forward would not pass on
+    def forward(self, x, gate=None):
+        out = _normalized(self, x) * self.weight
+        return out if gate is None else out * F.silu(gate)
+
+
+class TrainingDependentRMSNorm(CopiedRMSNorm):  # reads more of its module than weight and ε
+    def forward(self, x):
+        return _normalized(self, x) * self.weight * (1.0 if self.training else 2.0)
+
+
+def _norm_between_linears(norm):
+    model = nn.Sequential(nn.Linear(5, 6), norm, nn.Linear(6, 3)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model
+
+
+@pytest.mark.parametrize("shape", [(B, 5), (B, 3, 5)], ids=["2d", "3d"])
+def test_a_module_computing_an_rms_norm_under_another_name_is_converted_and_equals_the_oracle(shape, oracle):
+    reference = _norm_between_linears(CopiedRMSNorm(6, eps=0.3))
+    model = convert(copy.deepcopy(reference))
+    assert isinstance(model[1], pnn.DPRMSNormForm) and isinstance(model[1], CopiedRMSNorm)
+    assert model[1].weight is not None and dp_modules(model) == ["0", "1", "2"]
+    x, t = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape[:-1], 3, dtype=torch.float64)
+    for kwargs in (dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")):
+        oracle.check(model, sq_loss, (x,), (t,), reference=reference, **kwargs)
+        for clipped in (True, False):
+            oracle.check_one(model, sq_loss, (x,), (t,), reference=reference, clipped=clipped, **kwargs)
+        oracle.check_empty(model, sq_loss, (x,), (t,), **kwargs)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-weight-bf16-input"])
+def test_an_rms_norm_under_another_name_keeps_its_own_forward_bit_for_bit(dtypes):
+    weight_dtype, input_dtype = dtypes
+    norm = CopiedRMSNorm(6, eps=1e-5).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    converted = convert(nn.Sequential(copy.deepcopy(norm)))
+    x = torch.randn(B, 3, 6).to(input_dtype)
+    seen = []
+
+    def capture(outputs):  # the private forward's outputs
+        seen.append(outputs.detach().clone())
+        return outputs.float().pow(2).flatten(1).sum(1)
+
+    clipped_gradients(converted, capture, x, clip_norms=torch.ones(B))
+    expected = norm(x)
+    assert torch.equal(seen[0], expected.detach()) and torch.equal(converted(x), expected)
+
+
+@pytest.mark.parametrize("norm_class", [OffsetWeightRMSNorm, SquaredWeightRMSNorm, EpsilonIgnoredRMSNorm,
+                                        GatedRMSNorm, TrainingDependentRMSNorm])
+def test_a_norm_computing_something_else_than_an_rms_norm_is_refused_by_name(norm_class):
+    model = _norm_between_linears(norm_class(6, eps=0.3))
+    assert unsupported_modules(model) == [f"1 ({norm_class.__name__}: weight)"]
+    with pytest.raises(ValueError, match=rf"1 \({norm_class.__name__}: weight\)"):
+        convert(model)
+    assert dp_modules(model) == []  # nothing changed
+    model[1].requires_grad_(False)  # frozen, it is left alone
+    assert dp_modules(convert(model)) == ["0", "2"]
+
+
+def test_an_rms_norm_with_more_than_its_weight_is_not_taken_for_one():
+    norm = CopiedRMSNorm(6)
+    norm.bias = nn.Parameter(torch.zeros(6))  # ignored by its forward, but trained by nobody
+    assert unsupported_modules(nn.Sequential(norm)) == ["0 (CopiedRMSNorm: weight, bias)"]
+    norm = CopiedRMSNorm(6)
+    norm.variance_epsilon = "1e-6"
+    assert unsupported_modules(nn.Sequential(norm)) == ["0 (CopiedRMSNorm: weight)"]
+
+
+def test_hugging_faces_rms_norms_are_recognized_by_their_forward_not_their_names():
+    pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    model = nn.Sequential(LlamaRMSNorm(6), T5LayerNorm(6), GemmaRMSNorm(6))
+    assert unsupported_modules(model) == ["2 (GemmaRMSNorm: weight)"]  # 1 + weight: not an RMSNorm's
+    model[2].requires_grad_(False)
+    convert(model)
+    assert all(isinstance(m, pnn.DPRMSNormForm) for m in model[:2]) and not isinstance(model[2], DPModule)

@@ -317,6 +317,38 @@ def _gpt2():
     return HFCausalLM(lm), (ids, (~pad).long()), (torch.where(pad, -100, ids),), shifted_lm_loss
 
 
+def _randomize_norms_(model):
+    # RMSNorm weights start at ones: give them a spread, so a rule that ignored them would show
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+    return model
+
+
+def _llama_style(config_class, model_class, **extra):
+    # a Llama-style decoder: Hugging Face's own RMSNorm class (DPRMSNormForm), rotary positions,
+    # grouped-query attention, SwiGLU, tied embeddings
+    config = config_class(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                          tie_word_embeddings=True, rms_norm_eps=0.1, **extra, **_hf_config_kwargs())
+    lm = _randomize_norms_(model_class(config))
+    ids, targets, pad = ragged_ids(50, 10)
+    return HFCausalLM(lm), (ids, (~pad).long()), (torch.where(pad, -100, ids),), shifted_lm_loss
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _llama_style(LlamaConfig, LlamaForCausalLM)
+
+
+def _qwen3():  # RMSNorms on each head's queries and keys too: (B, T, heads, head_dim) inputs
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _llama_style(Qwen3Config, Qwen3ForCausalLM, head_dim=8)
+
+
 class HFImageClassifier(nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -366,7 +398,8 @@ def _dinov2():
     return _vision_case(model)
 
 
-HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "vit": _vit, "deit": _deit, "dinov2": _dinov2}
+HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "vit": _vit, "deit": _deit,
+               "dinov2": _dinov2}
 
 
 @pytest.fixture(scope="module", params=list(HF_BUILDERS))

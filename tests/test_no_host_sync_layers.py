@@ -9,7 +9,8 @@ Each test runs two physical batches, the second adding into ``.grad``; their bou
 padded row included) are opened outside the guard, as the engine opens them (``begin_batch`` checks
 them on the host).
 
-``CASES`` holds, for each key of ``pdpfast.nn.rules.registered_layers()``, small models that use the
+``CASES`` holds, for each key of ``pdpfast.nn.rules.registered_layers()`` and each form of
+``registered_forms()``, small models that use the
 family with the options that take different code paths (strides, groups, padding modes, padding
 indices, masks, tied or reused parameters, ...); a family registered later without a case fails
 ``test_every_registered_layer_family_has_a_case`` by name. Each model ends in a parameter-free head,
@@ -40,7 +41,7 @@ from torch import nn
 import pdpfast
 import pdpfast.clipping
 from pdpfast.graphs import no_host_sync
-from pdpfast.nn.rules import registered_layers
+from pdpfast.nn.rules import registered_forms, registered_layers
 from pdpfast.ops import clip as clip_ops
 from pdpfast.ops import conv as conv_ops
 from pdpfast.ops import linear as lin_ops
@@ -190,6 +191,21 @@ def hf_conv1d(*shapes: tuple[int, int]) -> Callable[[], nn.Module]:
     return build
 
 
+class CopiedRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm, which each model family copies under its own name (``LlamaRMSNorm``)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d).normal_(1.0, 0.5))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
 def two_calls(first: str = "a", second: str = "b"):
     return lambda m, x: getattr(m, second)(torch.tanh(getattr(m, first)(x)))
 
@@ -297,6 +313,10 @@ CASES: dict[type | str, dict[str, tuple[Callable[[], nn.Module], Callable[[], tu
     nn.RMSNorm: {
         "3d-input": (probe(layer=nn.RMSNorm(6)), randn(B, 5, 6)),
         "2d-shape-eps": (probe(layer=nn.RMSNorm((2, 6), eps=1e-5)), randn(B, 3, 2, 6)),
+    },
+    pdpfast.nn.DPRMSNormForm: {  # a form: recognized by its forward
+        "3d-input": (probe(layer=CopiedRMSNorm(6)), randn(B, 5, 6)),
+        "same-shape-calls": (probe(two_calls(), a=CopiedRMSNorm(6), b=CopiedRMSNorm(6)), randn(B, 5, 6)),
     },
     nn.InstanceNorm1d: {"affine": (probe(layer=nn.InstanceNorm1d(4, affine=True)), randn(B, 4, 7))},
     nn.InstanceNorm2d: {"affine": (probe(layer=nn.InstanceNorm2d(4, affine=True)), randn(B, 4, 3, 3))},
@@ -414,7 +434,7 @@ def _test_only(key) -> bool:
 
 
 def test_every_registered_layer_family_has_a_case():
-    registered = [key for key in registered_layers() if not _test_only(key)]
+    registered = [key for key in [*registered_layers(), *registered_forms()] if not _test_only(key)]
     missing = [f"{key.__module__}.{key.__qualname__}" if isinstance(key, type) else key
                for key in registered if not CASES.get(key)]
     assert not missing, f"registered layer families without a no-host-sync case in CASES: {missing}"
@@ -432,7 +452,7 @@ def test_private_step_of_a_layer_family_never_synchronises_with_the_host(key, va
         monkeypatch.setattr(module, name, value)  # raises if the attribute is gone: update ROUTES
     build, make_inputs = CASES[key][variant]
     model = pdpfast.nn.convert(build()).train()
-    dp_class = registered_layers()[key]
+    dp_class = registered_layers().get(key, key)  # a form is its own DP class
     assert any(isinstance(m, dp_class) for m in model.modules()), f"the case builds no {dp_class.__name__}"
     inputs, labels = make_inputs(), torch.randint(0, CLASSES, (B,))
     spec = MODES[mode]

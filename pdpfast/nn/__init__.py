@@ -10,12 +10,12 @@ from .convert import convert, replace_batchnorm
 from .embedding import DPEmbedding, DPEmbeddingBag
 from .layers import DPLayerFunction, DPModule
 from .linear import DPConv1D, DPLinear
-from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm
+from .norms import DPGroupNorm, DPInstanceNorm, DPLayerNorm, DPRMSNorm, DPRMSNormForm
 from .rnn import DPGRU, DPLSTM, DPRNN
-from .rules import LayerRule, register_layer, register_module, register_rule, rule_for
+from .rules import LayerRule, register_form, register_layer, register_module, register_rule, rule_for
 
 __all__ = ["DPBroadcastHost", "DPMultiheadAttention", "DPConv1D", "DPConv1d", "DPConv2d", "DPConv3d", "DPEmbedding",
            "DPEmbeddingBag", "DPGroupNorm", "DPGRU", "DPInstanceNorm", "DPLSTM", "DPRNN", "DPLayerFunction",
-           "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm",
-           "LayerRule", "convert", "register_broadcast_host", "register_layer", "register_module", "register_rule",
-           "replace_batchnorm", "rule_for"]
+           "DPLayerNorm", "DPLayerScale", "DPLinear", "DPModule", "DPRMSNorm", "DPRMSNormForm",
+           "LayerRule", "convert", "register_broadcast_host", "register_form", "register_layer", "register_module",
+           "register_rule", "replace_batchnorm", "rule_for"]

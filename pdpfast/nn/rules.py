@@ -318,6 +318,7 @@ _RULES: dict[type, LayerRule] = {}
 _DP_CLASSES: dict[type, type] = {}
 # Layers of optional libraries, by qualified name so their libraries are never imported here.
 _DP_CLASSES_BY_NAME: dict[str, type] = {}
+_FORMS: list[type] = []  # register_form: DP classes that recognize modules by their forward
 _generation = 0  # bumped by every torch → DP mapping, so lookups cached elsewhere know to redo
 
 
@@ -475,6 +476,54 @@ def generation() -> int:
         an int that changes whenever a torch → DP mapping is registered.
     """
     return _generation
+
+
+def register_form(dp_class: type) -> None:
+    """Make ``convert`` recognize modules by what their forward computes: a module of a class with no
+    registered DP class is swapped for ``dp_class`` (mixed into its own class) when
+    ``dp_class.recognizes(module)``, e.g. the RMSNorm that Hugging Face copies into each model family
+    under the family's own name (``DPRMSNormForm``). Forms are tried in order of registration.
+
+    Args:
+        dp_class: a ``DPModule`` subclass with a rule (``register_rule``) and a classmethod
+            ``recognizes(module) -> bool`` that checks the module's own forward, not its name.
+    Returns:
+        None.
+    Raises:
+        TypeError for a ``dp_class`` that is not a ``DPModule`` subclass or has no ``recognizes``;
+        ValueError when it has no rule.
+    """
+    global _generation
+    if not (isinstance(dp_class, type) and issubclass(dp_class, DPModule)):
+        raise TypeError(f"dp_class must be a subclass of pdpfast.nn.DPModule, got {dp_class!r}")
+    if not callable(getattr(dp_class, "recognizes", None)):
+        raise TypeError(f"{dp_class.__name__} has no classmethod recognizes(module)")
+    if rule_for_class(dp_class) is None:
+        raise ValueError(f"{dp_class.__name__} has no rule: register one with register_rule first")
+    if dp_class not in _FORMS:
+        _FORMS.append(dp_class)
+        _generation += 1
+
+
+def dp_class_by_form(module: nn.Module) -> type | None:
+    """The first registered form (``register_form``) that recognizes ``module``; ``convert`` asks
+    this for a module whose class has no registered DP class.
+
+    Args:
+        module: a module of a class with no registered DP class.
+    Returns:
+        the form's DP class, or None.
+    """
+    return next((form for form in _FORMS if form.recognizes(module)), None)
+
+
+def registered_forms() -> tuple:
+    """Every form ``convert`` recognizes modules by (``register_form``).
+
+    Returns:
+        a tuple of DP classes, in order of registration.
+    """
+    return tuple(_FORMS)
 
 
 def registered_layers() -> dict:
