@@ -7,6 +7,7 @@ non-private step of the same run.
 
     python -m bench.bench_overhead [--repeats 200] [--threads 1] [--out bench/results/overhead_cpu.json]
     python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
+    python -m bench.bench_overhead --model llama-12x16   # a Llama-style decoder of the same sizes
     python -m bench.bench_overhead --route large         # every call as a large model's call
     python -m bench.bench_overhead --dtype bf16          # bf16 weights (the low-precision route)
     TRITON_INTERPRET=1 python -m bench.bench_overhead --dtype bf16 --route large --repeats 3
@@ -78,6 +79,26 @@ def build(device: torch.device, layers: int = 12, width: int = 16, batch: int = 
     y = torch.randint(0, 2, (batch,), generator=g).to(device)
     loss = lambda out, t: nn.functional.cross_entropy(out.logits, t, reduction="none")  # noqa: E731
     return model, inputs, y, loss
+
+
+def build_llama(device: torch.device, layers: int = 12, width: int = 16, batch: int = 4, seq: int = 8):
+    """(model, inputs, targets, per-sample loss) of ``build``'s sizes for a Llama-style decoder
+    (Hugging Face ``LlamaForCausalLM``: RMSNorm copies, rotary positions, grouped-query attention,
+    SwiGLU) trained on next-token loss, each record's loss the mean over its positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         attn_implementation="eager")
+    model = LlamaForCausalLM(config).to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 128, (batch, seq), generator=g).to(device)
+    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).repeat(batch, 1).to(device)}
+
+    def loss(out, t):
+        return nn.functional.cross_entropy(out.logits[:, :-1].transpose(1, 2), t[:, 1:], reduction="none").mean(1)
+    return model, inputs, ids, loss
 
 
 def build_bert_base(device: torch.device, batch: int = 2, seq: int = 128):
@@ -405,9 +426,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", choices=("run", "stub"), default="run",
                         help="stub: the GPU's kernel choices with every launch a no-op (the GPU route's host "
                              "time on a CPU; outputs are garbage)")
-    parser.add_argument("--model", choices=("bert-12x16", "bert-base"), default="bert-12x16",
-                        help="bert-base: BERT-base (batch 2, seq 128), launches per step only (no times: on a "
-                             "CPU its arithmetic dwarfs its host work)")
+    parser.add_argument("--model", choices=("bert-12x16", "llama-12x16", "bert-base"), default="bert-12x16",
+                        help="llama-12x16: a Llama-style decoder of the same sizes on next-token loss; bert-base: "
+                             "BERT-base (batch 2, seq 128), launches per step only (no times: on a CPU its "
+                             "arithmetic dwarfs its host work)")
     parser.add_argument("--records", default=None,
                         help="comma-separated dataset sizes N (1e3,1e6 or 1000,1000000): a private step's host "
                              "time vs N on a tiny MLP (see above) instead of the BERT providers")
@@ -427,8 +449,9 @@ def main(argv=None) -> int:
         stub_kernel_launches()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    timed = args.model == "bert-12x16"
-    model, inputs, y, loss = (build if timed else build_bert_base)(device)
+    timed = args.model != "bert-base"
+    model, inputs, y, loss = {"bert-12x16": build, "llama-12x16": build_llama, "bert-base": build_bert_base}[
+        args.model](device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
@@ -451,7 +474,7 @@ def main(argv=None) -> int:
              **env, "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
              "kernels": args.kernels}
             for name, r in results.items()]
-    suffix = "" if timed else "_" + args.model.replace("-", "_")
+    suffix = "" if args.model == "bert-12x16" else "_" + args.model.replace("-", "_")
     suffix += "" if args.route == "model" else f"_{args.route}_calls"
     suffix += "" if args.dtype == "fp32" else f"_{args.dtype}"
     suffix += "" if args.kernels == "run" else f"_{args.kernels}_kernels"

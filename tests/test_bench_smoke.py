@@ -183,6 +183,21 @@ def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
 
 
+def test_bench_overhead_times_a_llama_style_decoder_in_every_mode(tmp_path):
+    """--model llama-12x16: Hugging Face's Llama (its own RMSNorm class, recognized by its forward)
+    of the BERT's sizes, on next-token loss, timed with the same providers."""
+    pytest.importorskip("transformers")
+    from bench import bench_overhead
+
+    out = tmp_path / "overhead_llama.json"
+    assert bench_overhead.main(["--model", "llama-12x16", "--repeats", "2", "--providers",
+                                "non-private,pdpfast bk,pdpfast ghost", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["provider"]) for r in rows] == [("llama-12x16", p) for p in
+                                                           ("non-private", "pdpfast bk", "pdpfast ghost")]
+    assert all(r["median_ms"] > 0 and r["launches_per_step"] > 0 for r in rows), rows
+
+
 def test_bench_overhead_counts_bert_bases_launches_without_timing_them(tmp_path):
     """--model bert-base counts a full-size model's launches per step (on a CPU its arithmetic would
     swamp any time of its host work, so no time is reported)."""
