@@ -550,9 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-split", help="split of --hf-dataset (default train)")
     g.add_argument("--hf-config", help="configuration of --hf-dataset")
     g.add_argument("--label-column", help="CSV / HF label column")
-    g.add_argument("--text-column", help="text column, tokenized for bert/gpt2 models (hashing tokenizer by default)")
+    g.add_argument("--text-column", help="text column, tokenized for bert/gpt2/llama (hashing tokenizer by default)")
     g.add_argument("--tokenizer", help="a Hugging Face tokenizer name for --text-column (may download)")
-    g.add_argument("--tokens", action="store_true", help="feature columns are integer token ids (implied by bert/gpt2)")
+    g.add_argument("--tokens", action="store_true",
+                   help="feature columns are integer token ids (implied by bert/gpt2/llama)")
     g.add_argument("--max-length", type=int, help="tokens per text (default 64; text data only)")
     g.add_argument("--image-shape", help="view flat features as images C,H,W (e.g. 1,8,8) for cnn, resnet18-gn, vit")
     g.add_argument("--image-size", type=int, default=d.image_size, help="image folders are resized to this (32)")

@@ -586,8 +586,8 @@ def load_csv(path, *, label_column: str | None, budget_column: str | None = None
 def _from_matrix(matrix: np.ndarray, labels, names, budgets, tokens: bool, source: str) -> TrainData:
     if tokens:
         if not np.array_equal(matrix, np.round(matrix)) or matrix.min() < 0:
-            raise ValueError(f"{source}: token ids must be integers ≥ 0 (for bert/gpt2 models every feature column "
-                             "is one token position)")
+            raise ValueError(f"{source}: token ids must be integers ≥ 0 (for bert/gpt2/llama models every feature "
+                             "column is one token position)")
         ids = torch.as_tensor(matrix.reshape(matrix.shape[0], -1), dtype=torch.int64)
         return TrainData(ids, labels, "tokens", budgets, names, int(ids.max()) + 1, source)
     kind = "image" if matrix.ndim == 4 else "features"

@@ -117,7 +117,7 @@ class Task:
     Attributes:
         kind: "classification" or "lm".
         family: "plain" (``model(x)``), "bert" (token ids with an attention mask hiding ``pad_id``)
-            or "gpt2".
+            or "gpt2" (token ids alone: a causal LM, GPT-2 or Llama, padded on the right).
         pad_id: the padding token id of token inputs (an int ≥ 0; pdpfast's data pad with 0 on the
             right): "bert" hides it with the attention mask; "lm" takes no target in a record's trailing
             run of it (a ``pad_id`` inside the sequence stays a target — id 0 is a real token, "!", for
@@ -142,15 +142,15 @@ class Task:
         Args:
             name: a registered model name.
         Returns:
-            a ``Task`` with the model's kind, and the input family "bert" / "gpt2" for "bert*" /
-            "gpt2*" models ("plain" otherwise).
+            a ``Task`` with the model's kind, and the input family "bert" for "bert*" models, "gpt2"
+            (token ids, no mask) for the causal LMs "gpt2*" and "llama*", "plain" otherwise.
         Raises:
             ValueError for an unknown name.
         """
         from .models import model_spec
 
         spec = model_spec(name)
-        family = "bert" if name.startswith("bert") else "gpt2" if name.startswith("gpt2") else "plain"
+        family = "bert" if name.startswith("bert") else "gpt2" if name.startswith(("gpt2", "llama")) else "plain"
         return cls(spec.task, family)
 
     def criterion(self) -> nn.Module:

@@ -2,8 +2,8 @@
 
 ``resnet18_gn`` is ResNet-18 with GroupNorm in place of BatchNorm (BatchNorm has no per-sample
 gradients) and torchvision's module names (conv1, bn1, layer1.0.conv1, ..., fc), so a torchvision
-state_dict's convolution and linear weights load into it. ``bert`` and ``gpt2`` build Hugging
-Face models from configs with random initialization.
+state_dict's convolution and linear weights load into it. ``bert``, ``gpt2``, ``llama`` and
+``vit`` build Hugging Face models from configs with random initialization.
 """
 from __future__ import annotations
 
@@ -174,6 +174,35 @@ def gpt2(size: str = "small", **overrides):
     config = _config(GPT2Config, **{**sizes[size], **overrides})
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
+
+
+def llama(size: str = "small", **overrides):
+    """A Hugging Face LlamaForCausalLM (a Llama-style decoder: RMSNorm, rotary positions, grouped-query
+    attention, SwiGLU; lm_head tied to the token embedding), random init.
+
+    Args:
+        size: "small" (SmolLM2-135M's shape: 30×576, 9 heads sharing 3 key/value heads, 49,152 tokens),
+            "tiny" (2×128) or "micro" (1×32); overrides: LlamaConfig fields.
+    Returns:
+        the model: input_ids (B, T) → logits (B, T, V).
+    Raises:
+        ValueError for an unknown size or a field LlamaConfig does not have.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                 num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                 tie_word_embeddings=True)
+    sizes = {"small": small,
+             "tiny": {**small, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+                      "num_attention_heads": 2, "num_key_value_heads": 1},
+             "micro": {**small, "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}}
+    if size not in sizes:
+        raise ValueError(f"size must be one of {sorted(sizes)}, got {size!r}")
+    config = _config(LlamaConfig, **{**sizes[size], **overrides})
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
 
 
 def vit(size: str = "base", num_labels: int = 10, image_size: int | None = None, num_channels: int = 3,
@@ -454,10 +483,9 @@ def _token_model(builder, size):
         length = input_shape[0]
         if builder is bert:
             model = bert(size, num_labels=num_classes, **overrides)
-            positions = model.config.max_position_embeddings
         else:
-            model = gpt2(size, **overrides)
-            positions = model.config.n_positions
+            model = builder(size, **overrides)
+        positions = model.config.n_positions if builder is gpt2 else model.config.max_position_embeddings
         if vocab_size is not None and vocab_size > model.config.vocab_size:
             raise ValueError(f"token ids go up to {vocab_size - 1}, but the model's vocabulary has "
                              f"{model.config.vocab_size} entries")
@@ -475,6 +503,10 @@ for _size in ("micro", "tiny", "base"):
 for _name, _size in (("gpt2", "small"), ("gpt2-tiny", "tiny"), ("gpt2-micro", "micro")):
     register_model(_name, inputs=("tokens",), task="lm", vocab_size=128 if _size == "micro" else 50257,
                    help=f"Hugging Face GPT-2 ({_size}) language model, random init")(_token_model(gpt2, _size))
+for _name, _size in (("llama", "small"), ("llama-tiny", "tiny"), ("llama-micro", "micro")):
+    register_model(_name, inputs=("tokens",), task="lm", vocab_size=128 if _size == "micro" else 49152,
+                   help=f"Hugging Face Llama-style decoder ({_size}; small = SmolLM2-135M's shape) language model, "
+                        "random init")(_token_model(llama, _size))
 
 
 def _vit_model(size):

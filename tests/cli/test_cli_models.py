@@ -28,8 +28,8 @@ def _one_private_step(model, inputs, labels, task, mode="bk"):
 
 @pytest.mark.parametrize("builder", [lambda: models.resnet18_gn(), lambda: models.bert("micro"),
                                      lambda: models.gpt2("micro"), lambda: models.bert("tiny"),
-                                     lambda: models.vit("tiny")],
-                         ids=["resnet18-gn", "bert-micro", "gpt2-micro", "bert-tiny", "vit-tiny"])
+                                     lambda: models.vit("tiny"), lambda: models.llama("micro")],
+                         ids=["resnet18-gn", "bert-micro", "gpt2-micro", "bert-tiny", "vit-tiny", "llama-micro"])
 def test_convert_keeps_every_parameter_of_each_model(builder):
     model = builder()
     params = dict(model.named_parameters())
@@ -53,6 +53,14 @@ def test_one_private_step_bert_micro(mode):
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_one_private_step_gpt2_micro(mode):
     model = models.gpt2("micro")
+    ids = torch.randint(0, model.config.vocab_size, (8, 10))
+    _one_private_step(model, ids, torch.zeros(8, dtype=torch.long), Task("lm", "gpt2"), mode)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_one_private_step_llama_micro(mode):
+    model = models.llama("micro")
+    assert Task.for_model("llama-micro") == Task("lm", "gpt2")  # token ids alone, as GPT-2's
     ids = torch.randint(0, model.config.vocab_size, (8, 10))
     _one_private_step(model, ids, torch.zeros(8, dtype=torch.long), Task("lm", "gpt2"), mode)
 
