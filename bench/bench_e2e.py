@@ -3,7 +3,7 @@ GroupNorm (CIFAR 32×32, batch 256), GPT-2 small (seq 512, batch 8) in full and 
 (224×224, batch 64); non-private vs pdpfast (bk, ghost, per-layer) vs Opacus 1.6 (hooks, ghost), in one
 process, on a CUDA device.
 
-    python -m bench.bench_e2e [--models bert,resnet18,gpt2,gpt2-lora,vit] [--dtype fp32|bf16] [--repeats 20]
+    python -m bench.bench_e2e [--models bert,resnet18,gpt2,gpt2-lora,vit,llama] [--dtype fp32|bf16] [--repeats 20]
     python -m bench.bench_e2e --device cpu --size micro --repeats 2     # smoke test without a GPU
     python -m bench.bench_e2e --device cpu --route large --models bert --repeats 1 \
         --providers "non-private,pdpfast bk,pdpfast per-layer"          # a GPU's peak memory, on a CPU
@@ -54,7 +54,7 @@ def _with_positions(ids):
     return {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).repeat(ids.shape[0], 1)}
 
 
-MODELS = ("bert", "resnet18", "gpt2", "gpt2-lora", "vit")
+MODELS = ("bert", "resnet18", "gpt2", "gpt2-lora", "vit", "llama")
 
 
 def build(name: str, size: str, device, dtype):
@@ -86,6 +86,11 @@ def build(name: str, size: str, device, dtype):
                                                           target_modules=["c_attn", "c_proj", "c_fc"]))
         batch, seq = (8, 512) if size == "full" else (2, 16)
         ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=g)
+        inputs, y, loss = _with_positions(ids), ids, _lm_loss
+    elif name == "llama":  # a Llama-style decoder of SmolLM2-135M's shape (RMSNorm copies, grouped-query attention)
+        model = models.llama("small" if size == "full" else size)
+        batch, seq = (8, 512) if size == "full" else (2, 16)
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
         inputs, y, loss = _with_positions(ids), ids, _lm_loss
     elif name == "vit":
         model = models.vit("base" if size == "full" else size, hidden_dropout_prob=0.0,

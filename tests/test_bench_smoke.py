@@ -37,10 +37,11 @@ def test_e2e_benchmark_measures_a_gpu_routes_memory_on_the_cpu(tmp_path, capsys)
     for r in rows:
         assert r["route"] == "large" and r["peak_memory_mb"] > 0 and r["memory_ratio_vs_nonprivate"] > 0, r
     # --batch: the first samples of the model's batch (a full-size model's memory in a CPU's time)
-    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "vit", "--repeats", "1", "--batch",
+    assert bench_e2e.main(["--device", "cpu", "--size", "micro", "--models", "vit,llama", "--repeats", "1", "--batch",
                            "1", "--providers", "non-private,pdpfast bk", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["batch"], r["provider"]) for r in rows] == [(1, "non-private"), (1, "pdpfast bk")]
+    assert [(r["model"], r["batch"], r["provider"]) for r in rows] == [
+        (model, 1, provider) for model in ("vit", "llama") for provider in ("non-private", "pdpfast bk")]
     assert all(r["throughput_samples_per_s"] == pytest.approx(1000 / r["median_ms"]) for r in rows), rows
     with pytest.raises(SystemExit):
         bench_e2e.main(["--device", "cpu", "--batch", "0"])
