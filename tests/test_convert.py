@@ -514,6 +514,32 @@ def test_a_module_computing_an_rms_norm_under_another_name_is_converted_and_equa
         oracle.check_empty(model, sq_loss, (x,), (t,), **kwargs)
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_an_rms_norm_under_another_name_in_a_low_precision_takes_rms_norms_route_and_stays_exact(
+        dtype, tolerance, oracle, monkeypatch):
+    """Below float64 the per-sample gradient comes from nn.RMSNorm's op (one launch on a GPU), not the
+    module's own forward: equal to autograd's per-sample gradients of that forward to the dtype's
+    rounding, and every record's clipped contribution within its bound."""
+    import pdpfast.ops.norm
+
+    op, calls = pdpfast.ops.norm.rms_norm_per_sample_grads, []
+    monkeypatch.setattr(pdpfast.ops.norm, "rms_norm_per_sample_grads", lambda *a: calls.append(a) or op(*a))
+    reference = _norm_between_linears(CopiedRMSNorm(6, eps=0.3)).to(dtype)
+    model = convert(copy.deepcopy(reference))
+    x, t = torch.randn(B, 3, 5, dtype=dtype), torch.randn(B, 3, 3, dtype=dtype)
+    per_sample = oracle.per_sample_grads(reference.double(), sq_loss, (x.double(),), (t.double(),))
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in per_sample.values()))
+    result = oracle.run(model, sq_loss, (x,), (t,), clip_norms=norms * 100)  # none clipped
+    torch.testing.assert_close(result.norms.double(), norms, rtol=tolerance, atol=0)
+    for name, g in per_sample.items():
+        torch.testing.assert_close(result.grads[name].double(), g.sum(0), rtol=tolerance,
+                                   atol=tolerance * float(g.abs().max()), msg=name)
+    bounds = norms / 4  # every record clipped to a quarter of its norm
+    result = oracle.run(model, sq_loss, (x,), (t,), clip_norms=bounds)
+    assert torch.all(result.weights.double() * result.norms.double() <= bounds * (1 + 1e-6))
+    assert calls and all(x.dtype == dtype for x, _, _ in calls)  # the op's route, in the model's dtype
+
+
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float32, torch.bfloat16)], ids=["fp32", "bf16", "fp32-weight-bf16-input"])
 def test_an_rms_norm_under_another_name_keeps_its_own_forward_bit_for_bit(dtypes):

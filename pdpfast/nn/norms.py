@@ -245,6 +245,8 @@ register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_gr
 def _rms_norm_form_grads(x, o, module) -> dict:
     # x̂ as the module's own forward forms it (Llama's normalizes in float32 whatever x's dtype): its
     # output at a weight of ones, so the per-sample gradient is autograd's of that forward
+    if x.dtype != torch.float64:
+        return norm_ops.rms_norm_per_sample_grads(x, o, module)
     weight = module._parameters["weight"]
     x_hat = _own_forward(type(module))(_WeightAndEps(torch.ones_like(weight), module.variance_epsilon), x)
     per_position = x_hat * o  # (B, ..., d): summed over the positions between
