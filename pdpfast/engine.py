@@ -157,18 +157,43 @@ _TOKEN_MEAN_LOSS = (
     "DPTrainer and `pdpfast train` do")
 
 
+_BATCH_LOSS = (
+    "{model}'s {key} is a statistic of the whole batch (a mixture-of-experts router's load-balancing loss), and "
+    "a backward went through it{through}: each record then changes every other record's gradient through it, "
+    "which its clipped contribution does not bound. Leave it out: build the model with "
+    "output_router_logits=False (its own loss then has none) and train on per-record losses, e.g. "
+    "`pdpfast.integrations.transformers.default_per_sample_loss(model)(outputs, labels).mean()`")
+
+
+def _batch_losses(output) -> list:
+    """The (name, tensor) items of a model output that are losses over the whole batch and need a
+    gradient: Hugging Face mixture-of-experts outputs' ``aux_loss`` (``encoder_aux_loss``, ``z_loss``...)."""
+    items = output.items() if hasattr(output, "items") else ()
+    return [(key, value) for key, value in items if isinstance(key, str) and key.endswith(("aux_loss", "z_loss"))
+            and isinstance(value, torch.Tensor) and value.requires_grad]
+
+
 _COUNTED_ON_HOST = ("cpu",)  # labels on these devices are counted per row at once (no device to stop)
 
 
 def _token_mean_loss_guard(warned: list):
-    """A forward hook for a Hugging Face model. When a forward returns the model's own loss over token
-    labels (logits (B, T, V), labels (B, T)) and a backward goes through it: refused if the rows have
+    """A forward hook for a Hugging Face model. A backward through a loss of the whole batch in its
+    output (a mixture-of-experts ``aux_loss``: ``_batch_losses``) is refused, whoever adds it. When a
+    forward returns the model's own loss over token labels (logits (B, T, V), labels (B, T)) and a
+    backward goes through it: refused if the rows have
     different numbers of labelled tokens (labels on the CPU, counted there), nothing if they have as
     many (the mean of per-record means); labels on a GPU are not counted (that would stop the host every
     batch): a warning says once that the loss is exact only with equal counts. ``warned``: a one-item
     list, the engine's flag."""
 
     def hook(module, args, kwargs, output):
+        for key, batch_loss in _batch_losses(output):
+            through = " (the model's own loss adds it)" if getattr(output, "loss", None) is not None else ""
+            message = _BATCH_LOSS.format(model=type(module).__name__, key=key, through=through)
+
+            def refuse_batch_loss(grad, message=message):
+                raise RuntimeError(message)
+            batch_loss.register_hook(refuse_batch_loss)
         loss, logits, labels = getattr(output, "loss", None), getattr(output, "logits", None), kwargs.get("labels")
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad and isinstance(logits, torch.Tensor)
                 and logits.dim() >= 3 and isinstance(labels, torch.Tensor) and labels.dim() >= 2

@@ -102,3 +102,51 @@ def test_where_labels_cannot_be_counted_on_the_host_a_token_mean_loss_is_warned_
     assert engine.steps == 3 and len(said) == 1
     assert said[0].startswith("GPT2LMHeadModel's own loss (its labels= argument) is the mean over every labelled "
                               "token of the batch: ")
+
+
+def _private_mixture_of_experts(output_router_logits: bool):
+    """A Mixtral of 4 experts, experts and router frozen (convert has no rule for their 3-D parameters,
+    and says to freeze them), every row with as many labelled tokens."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=T, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=output_router_logits, router_aux_loss_coef=1.0, attn_implementation="eager",
+        experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config)
+    for name, p in model.named_parameters():
+        if ".experts." in name or ".gate." in name:
+            p.requires_grad_(False)
+    ids = torch.randint(0, V, (N, T), generator=torch.Generator().manual_seed(1))
+    engine = pdpfast.PrivacyEngine(seed=0)
+    model, optimizer, loader = engine.make_private_with_budgets(
+        module=model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids, ids), batch_size=8), budgets=np.repeat([1.0, 4.0], N // 2),
+        delta=1e-5, steps=3, method="hybrid")
+    return engine, model, optimizer, loader
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-loss", "added-to-per-record-losses"])
+def test_a_mixture_of_experts_load_balancing_loss_over_the_whole_batch_is_refused(own):
+    """Its aux_loss is a statistic of the batch's routing: one record moves the others' gradients
+    through it (the audit measured 3e-4 relative at Mixtral's default coefficient), though every row
+    has as many labelled tokens. Refused whether the model's own loss adds it or the user does."""
+    engine, model, optimizer, loader = _private_mixture_of_experts(output_router_logits=True)
+    x, y = _first_batch_of_several_rows(loader)
+    out = model(input_ids=x, labels=y)
+    loss = out.loss if own else default_per_sample_loss(model)(out, y).mean() + 0.01 * out.aux_loss
+    with pytest.raises(RuntimeError, match=r"MixtralForCausalLM's aux_loss is a statistic of the whole batch.*"
+                                           r"output_router_logits=False"):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters()) and engine.steps == 0
+
+
+def test_a_mixture_of_experts_trained_on_per_record_losses_is_not_refused():
+    for output_router_logits in (True, False):  # computed and not used, or not computed
+        engine, model, optimizer, loader = _private_mixture_of_experts(output_router_logits)
+        for x, y in loader:
+            out = model(input_ids=x, labels=y)
+            (default_per_sample_loss(model)(out, y).mean() if output_router_logits else out.loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert engine.steps == 3 and np.all(engine.epsilons() <= np.repeat([1.0, 4.0], N // 2))
