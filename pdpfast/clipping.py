@@ -899,8 +899,14 @@ class ClippingState:
             return x
         if n == 1:  # e.g. position ids of shape (1, T) broadcast over the batch: make it per sample
             return x.expand(B, *x.shape[1:])
+        flattened = ""
+        if n is not None and B and n > B and n % B == 0:
+            flattened = (f"; {n} rows = {B} × {n // B} is usually the batch flattened with its positions (as a "
+                         "mixture-of-experts block routes tokens, e.g. to a shared expert): the layer cannot tell "
+                         "the records apart there, so keep (B, T, ...) inputs, or freeze the layer "
+                         "(requires_grad_(False))")
         raise ValueError(f"{self._names[module]} got an input of shape {tuple(x.shape)} but the batch has {B} "
-                         "samples; DP layers need batch-first inputs (e.g. batch_first=True)")
+                         f"samples; DP layers need batch-first inputs (e.g. batch_first=True){flattened}")
 
     # ------------------------------------------------------------------ backward
 

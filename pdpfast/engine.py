@@ -112,7 +112,8 @@ class DPCriterion:
         criterion: a torch loss module with a ``reduction`` attribute (copied, not changed).
         state: the engine's ``ClippingState``; reduction: "mean" or "sum".
     Raises:
-        TypeError if ``criterion`` has no ``reduction`` attribute.
+        TypeError if ``criterion`` has no ``reduction`` attribute; a call raises ValueError for (k·B,) losses,
+        token losses flattened over the batch, whose records it cannot tell apart.
     """
 
     def __init__(self, criterion: nn.Module, state: ClippingState, reduction: str):
@@ -126,6 +127,12 @@ class DPCriterion:
     def __call__(self, *args, **kwargs) -> DPLoss:
         per_sample = self.criterion(*args, **kwargs)
         B = self.state.batch_size
+        if per_sample.dim() == 1 and B and per_sample.shape[0] != B and per_sample.shape[0] % B == 0:
+            raise ValueError(
+                f"the criterion returned {per_sample.shape[0]} losses for a batch of {B} records: token losses "
+                "flattened over the batch (logits.view(-1, V)) cannot be told apart by record here; pass them "
+                "unflattened, e.g. criterion(logits.transpose(1, 2), labels) with logits (B, T, V) and labels "
+                "(B, T), which gives (B, T) losses, reduced per record")
         if per_sample.dim() > 1:  # e.g. token-level losses (B, T): one loss per record
             per_sample = per_sample.reshape(B, -1)
             per_sample = per_sample.mean(1) if self.reduction == "mean" else per_sample.sum(1)

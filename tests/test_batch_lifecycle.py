@@ -346,8 +346,27 @@ def test_modules_that_are_not_batch_first_are_refused():
 
 def test_input_that_is_not_batch_first_is_refused():
     model = pdpfast.nn.convert(nn.Sequential(nn.Linear(4, 2)))
-    with pytest.raises(ValueError, match="batch-first"):
+    with pytest.raises(ValueError, match="batch-first") as refused:
         clipped_gradients(model, lambda out: out.sum((0, 2)), torch.randn(7, 3, 4), clip_norms=torch.ones(3))
+    assert "flattened" not in str(refused.value)
+
+
+class _TokensFlattened(nn.Module):
+    """A block that routes every token of the batch on its own, as a mixture-of-experts block does."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.expert(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+def test_a_layer_fed_the_batch_flattened_with_its_positions_is_refused_saying_so():
+    model = pdpfast.nn.convert(_TokensFlattened())
+    with pytest.raises(ValueError, match=r"expert got an input of shape \(15, 4\) but the batch has 3 samples; .* "
+                                         r"15 rows = 3 × 5 is usually the batch flattened with its positions"):
+        clipped_gradients(model, lambda out: out.sum((1, 2)), torch.randn(3, 5, 4), clip_norms=torch.ones(3))
 
 
 # ------------------------------------------------------------------ low precision

@@ -170,7 +170,8 @@ class LinearWithExtraMethod(nn.Linear):
 
 def test_subclass_overriding_forward_is_refused():
     model = nn.Sequential(nn.Linear(3, 4), LinearWithOwnForward(4, 2))
-    with pytest.raises(ValueError, match=r"1 \(LinearWithOwnForward"):
+    with pytest.raises(ValueError, match=r"1 \(LinearWithOwnForward: weight, bias; a subclass of nn.Linear with its "
+                                         r"own forward, whose math the Linear rule does not know\)"):
         convert(model)
     assert dp_modules(model) == []
 
@@ -466,9 +467,22 @@ def _normalized(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
 
 
-class OffsetWeightRMSNorm(CopiedRMSNorm):  # Gemma's: the weight is an offset from 1
+class OffsetWeightRMSNorm(nn.Module):  # Gemma's: the weight is an offset from 1; ε named eps; a helper method
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x):
-        return _normalized(self, x) * (1 + self.weight)
+        return (self._norm(x.float()) * (1.0 + self.weight.float())).type_as(x)
+
+
+class MeanSubtractedRMSNorm(CopiedRMSNorm):  # a LayerNorm without bias (Cohere's)
+    def forward(self, x):
+        return _normalized(self, x - x.mean(-1, keepdim=True)) * self.weight
 
 
 class SquaredWeightRMSNorm(CopiedRMSNorm):  # equal to an RMSNorm at a weight of ones only
@@ -500,11 +514,13 @@ def _norm_between_linears(norm):
     return model
 
 
+@pytest.mark.parametrize("norm_class", [CopiedRMSNorm, OffsetWeightRMSNorm])
 @pytest.mark.parametrize("shape", [(B, 5), (B, 3, 5)], ids=["2d", "3d"])
-def test_a_module_computing_an_rms_norm_under_another_name_is_converted_and_equals_the_oracle(shape, oracle):
-    reference = _norm_between_linears(CopiedRMSNorm(6, eps=0.3))
+def test_a_module_computing_an_rms_norm_under_another_name_is_converted_and_equals_the_oracle(
+        norm_class, shape, oracle):
+    reference = _norm_between_linears(norm_class(6, eps=0.3))
     model = convert(copy.deepcopy(reference))
-    assert isinstance(model[1], pnn.DPRMSNormForm) and isinstance(model[1], CopiedRMSNorm)
+    assert isinstance(model[1], pnn.DPRMSNormForm) and isinstance(model[1], norm_class)
     assert model[1].weight is not None and dp_modules(model) == ["0", "1", "2"]
     x, t = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape[:-1], 3, dtype=torch.float64)
     for kwargs in (dict(mode="bk"), dict(mode="ghost"), dict(clipping="per_layer")):
@@ -560,7 +576,7 @@ def test_an_rms_norm_under_another_name_keeps_its_own_forward_bit_for_bit(dtypes
     assert torch.equal(seen[0], expected.detach()) and torch.equal(converted(x), expected)
 
 
-@pytest.mark.parametrize("norm_class", [OffsetWeightRMSNorm, SquaredWeightRMSNorm, EpsilonIgnoredRMSNorm,
+@pytest.mark.parametrize("norm_class", [SquaredWeightRMSNorm, EpsilonIgnoredRMSNorm, MeanSubtractedRMSNorm,
                                         GatedRMSNorm, TrainingDependentRMSNorm])
 def test_a_norm_computing_something_else_than_an_rms_norm_is_refused_by_name(norm_class):
     model = _norm_between_linears(norm_class(6, eps=0.3))
@@ -579,16 +595,21 @@ def test_an_rms_norm_with_more_than_its_weight_is_not_taken_for_one():
     norm = CopiedRMSNorm(6)
     norm.variance_epsilon = "1e-6"
     assert unsupported_modules(nn.Sequential(norm)) == ["0 (CopiedRMSNorm: weight)"]
+    norm = CopiedRMSNorm(6)
+    norm.eps = 1e-6  # two ε: which one its forward reads, a probe could not tell
+    assert unsupported_modules(nn.Sequential(norm)) == ["0 (CopiedRMSNorm: weight)"]
 
 
 def test_hugging_faces_rms_norms_are_recognized_by_their_forward_not_their_names():
     pytest.importorskip("transformers")
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRMSNorm
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-    model = nn.Sequential(LlamaRMSNorm(6), T5LayerNorm(6), GemmaRMSNorm(6))
-    assert unsupported_modules(model) == ["2 (GemmaRMSNorm: weight)"]  # 1 + weight: not an RMSNorm's
-    model[2].requires_grad_(False)
+    model = nn.Sequential(LlamaRMSNorm(6), T5LayerNorm(6), GemmaRMSNorm(6), Llama4TextRMSNorm(6), CohereLayerNorm(6))
+    assert unsupported_modules(model) == ["4 (CohereLayerNorm: weight)"]  # it subtracts the mean
+    model[4].requires_grad_(False)
     convert(model)
-    assert all(isinstance(m, pnn.DPRMSNormForm) for m in model[:2]) and not isinstance(model[2], DPModule)
+    assert all(isinstance(m, pnn.DPRMSNormForm) for m in model[:4]) and not isinstance(model[4], DPModule)

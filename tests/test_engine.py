@@ -280,6 +280,27 @@ def test_ghost_mode_refuses_a_plain_backward():
         nn.functional.cross_entropy(model(xb), yb).backward()
 
 
+def test_ghost_mode_refuses_token_losses_flattened_over_the_batch_saying_how_to_pass_them():
+    """logits.view(-1, V) gives B·T losses in an order the criterion cannot check (a (T, B) flattening
+    would mix records), so they are refused, not reshaped; (B, V, T) logits give (B, T) losses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 11))
+    ids = torch.randint(0, 11, (40, 5))
+    engine = pdpfast.PrivacyEngine(seed=3)
+    model, opt, crit, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=8), noise_multiplier=0.0, max_grad_norm=1.0,
+        sample_rates=0.5, mode="ghost", criterion=nn.CrossEntropyLoss())
+    (xb,) = next(batch for batch in loader if len(batch[0]) >= 2)
+    logits = model(xb)
+    with pytest.raises(ValueError, match=rf"returned {5 * len(xb)} losses for a batch of {len(xb)} records: .*"
+                                         r"criterion\(logits.transpose\(1, 2\), labels\)"):
+        crit(logits.reshape(-1, 11), xb.reshape(-1))
+    crit(logits.transpose(1, 2), xb).backward()  # (B, T) losses, one mean per record
+    opt.step()
+    assert engine.steps == 1
+
+
 def test_training_loop_learns_digits():
     from pdpfast.demo import load_digits_split
 

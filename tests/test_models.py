@@ -343,6 +343,14 @@ def _llama():
     return _llama_style(LlamaConfig, LlamaForCausalLM)
 
 
+def _gemma():  # RMSNorms scaling by 1 + weight; its scaled token embedding (and the tied head) frozen
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    model, inputs, targets, loss = _llama_style(GemmaConfig, GemmaForCausalLM, head_dim=8)
+    model.model.model.embed_tokens.requires_grad_(False)
+    return model, inputs, targets, loss
+
+
 def _qwen3():  # RMSNorms on each head's queries and keys too: (B, T, heads, head_dim) inputs
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -398,8 +406,8 @@ def _dinov2():
     return _vision_case(model)
 
 
-HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "vit": _vit, "deit": _deit,
-               "dinov2": _dinov2}
+HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "gemma": _gemma, "vit": _vit,
+               "deit": _deit, "dinov2": _dinov2}
 
 
 @pytest.fixture(scope="module", params=list(HF_BUILDERS))

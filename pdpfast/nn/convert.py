@@ -47,6 +47,17 @@ def _subclass(dp: type, cls: type) -> type:
     return type(f"DP{cls.__name__}", (dp, cls), {"__module__": dp.__module__})
 
 
+def _own_forward_over(cls: type) -> str:
+    """"; a subclass of <registered class> with its own forward, ..." when that is why ``cls`` has no DP
+    class, else "" (a class no rule knows needs no reason)."""
+    base = next((b for b in cls.__mro__[1:] if rules.dp_class_registered(b) is not None), None)
+    if base is None:
+        return ""
+    where = "nn" if base.__module__.startswith("torch.nn.") else base.__module__
+    return (f"; a subclass of {where}.{base.__qualname__} with its own forward, whose math the "
+            f"{base.__qualname__} rule does not know")
+
+
 def _path(name: str) -> str:
     return name or "<model>"
 
@@ -141,7 +152,8 @@ def _scan(model: nn.Module):
         if dp_class is None:
             trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if trainable:
-                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
+                why = _own_forward_over(type(module))
+                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)}{why})")
             continue
         problem = layer_problem(module, dp_class)
         if problem:

@@ -63,14 +63,29 @@ class DPRMSNorm(DPModule, nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, p.get("weight"), self.eps)
 
 
-class _WeightAndEps:
-    """What an RMSNorm form's forward reads of its module (``DPRMSNormForm``): ``weight`` and
-    ``variance_epsilon``. Its forward runs on one of these, so it computes on the weight it is given."""
+_EPS_NAMES = ("variance_epsilon", "eps")  # what Hugging Face's norms call their ε
 
-    __slots__ = ("weight", "variance_epsilon")
 
-    def __init__(self, weight, variance_epsilon):
-        self.weight, self.variance_epsilon = weight, variance_epsilon
+def _module_class(cls: type) -> type:
+    """The first class in ``cls``'s MRO that is not a DP class: the module's own."""
+    return next(c for c in cls.__mro__ if not issubclass(c, DPModule))
+
+
+def _eps_name(module: nn.Module) -> str | None:
+    """The one ε attribute of ``module`` (``_EPS_NAMES``) that is a real, finite number ≥ 0, or None."""
+    names = [n for n in _EPS_NAMES if n in vars(module)]
+    if len(names) != 1:
+        return None
+    eps = vars(module)[names[0]]
+    return names[0] if isinstance(eps, numbers.Real) and not isinstance(eps, bool) and 0 <= eps < math.inf else None
+
+
+def _bare(cls: type, weight: torch.Tensor, eps_name: str, eps: float) -> nn.Module:
+    """An instance of ``cls`` that holds ``weight`` and its ε and nothing else: its forward (and the
+    helper methods it calls, e.g. Gemma's ``_norm``) can read nothing more, not even ``training``."""
+    bare = object.__new__(cls)
+    bare.__dict__.update({"_parameters": {"weight": weight}, "_buffers": {}, "_modules": {}, eps_name: eps})
+    return bare
 
 
 def _takes_one_input(forward) -> bool:
@@ -82,42 +97,47 @@ def _takes_one_input(forward) -> bool:
 
 
 @functools.cache
-def _computes_rms_norm(forward) -> bool:
-    """Whether ``forward(module, x)``, reading only the module's ``weight`` and ``variance_epsilon``,
-    computes ``weight · x / sqrt(mean(x², -1) + eps)``: float32 probes of two shapes, a random weight
-    (so ``1 + weight`` or ``weight²`` differ) and an ε large enough to matter."""
+def _computes_rms_norm(cls: type, eps_name: str) -> bool:
+    """Whether ``cls``'s forward, reading only ``weight`` and its ε, is ``f(w) = c + w · x /
+    sqrt(mean(x², -1) + ε)`` with ``c`` not depending on w: ``f(w) − f(0)`` equals ``nn.RMSNorm``'s
+    output for two random weights (so ``weight²`` differs), float32 probes of two shapes and an ε
+    large enough to matter. Llama's form has c = 0, Gemma's ``(1 + weight)`` c = x̂."""
+    if not _takes_one_input(cls.forward):
+        return False
     gen = torch.Generator().manual_seed(0)
     for shape in ((2, 3, 8), (1, 8)):
         x = torch.randn(shape, generator=gen) * 0.5
-        weight, eps = torch.randn(8, generator=gen), 0.25
+        eps = 0.25
         try:
             with torch.no_grad():
-                out = forward(_WeightAndEps(weight, eps), x)
+                base = cls.forward(_bare(cls, torch.zeros(8), eps_name, eps), x)
+                for _ in range(2):
+                    weight = torch.randn(8, generator=gen)
+                    out = cls.forward(_bare(cls, weight, eps_name, eps), x)
+                    if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype
+                            and torch.allclose(out - base, F.rms_norm(x, (8,), weight, eps), rtol=1e-5,
+                                               atol=1e-6)):
+                        return False
         except Exception:  # reads something else of its module, or fails on the probe: not this form
             return False
-        if not (isinstance(out, torch.Tensor) and out.shape == x.shape and out.dtype == x.dtype
-                and torch.allclose(out, F.rms_norm(x, (8,), weight, eps), rtol=1e-5, atol=1e-6)):
-            return False
     return True
-
-
-@functools.cache
-def _own_forward(cls: type):
-    """The forward of the first class in ``cls``'s MRO that is not a DP class: the module's own."""
-    return next(vars(c)["forward"] for c in cls.__mro__ if not issubclass(c, DPModule) and "forward" in vars(c))
 
 
 class DPRMSNormForm(DPModule):
     """A module whose forward is an RMSNorm's without being ``nn.RMSNorm``: Hugging Face copies
     Llama's ``weight * (x / sqrt(mean(x²) + variance_epsilon))`` (normalized in float32) into each
     model family under the family's own name (``LlamaRMSNorm``, ``MistralRMSNorm``,
-    ``Qwen2RMSNorm``, ``T5LayerNorm``, ... about 150 classes in transformers 5).
+    ``Qwen2RMSNorm``, ``T5LayerNorm``, ... about 150 classes in transformers 5), and Gemma's norms
+    scale by ``1 + weight`` (the same per-sample gradient: the weight enters with slope x̂).
 
     ``convert`` mixes it into the module's own class when ``recognizes(module)``: what the module's
     forward computes is checked, not its name. The private forward is the module's own forward run on
     the detached weight, so outputs are the model's bit for bit; the weight's per-sample gradient is
-    Σ_t o_t ⊙ x̂_t, as ``nn.RMSNorm``'s. Forms that compute something else (Gemma's ``1 + weight``, a
-    gated norm taking a second input) are not recognized and stay refused by name.
+    Σ_t o_t ⊙ x̂_t as ``nn.RMSNorm``'s (one kernel launch on a GPU), and in float64 autograd's of the
+    module's own forward, sample by sample (``torch.func``), which may compute in float32 (Llama's x̂,
+    Gemma's output) where ``nn.RMSNorm`` would not. Forms that compute something else (a weight
+    squared, a mean subtracted, a gated norm taking a second input, a forward reading ``training``)
+    are not recognized and stay refused by name.
     """
 
     @property
@@ -127,8 +147,8 @@ class DPRMSNormForm(DPModule):
 
     @property
     def eps(self) -> float:
-        """``variance_epsilon``, the ε added to the mean square (read by the per-sample rule)."""
-        return float(self.variance_epsilon)
+        """The ε added to the mean square (``variance_epsilon`` or ``eps``; read by the per-sample rule)."""
+        return float(vars(self)[_eps_name(self)])
 
     @classmethod
     def recognizes(cls, module: nn.Module) -> bool:
@@ -137,23 +157,26 @@ class DPRMSNormForm(DPModule):
         Args:
             module: a module of a class with no registered DP class.
         Returns:
-            True for a leaf module whose one parameter is a 1-D ``weight``, with a real, finite
-            ``variance_epsilon`` ≥ 0, whose forward takes one input and computes ``weight · x /
-            sqrt(mean(x², -1) + variance_epsilon)`` on float32 probes (checked once per forward).
+            True for a leaf module whose one parameter is a 1-D ``weight``, with one ε attribute
+            (``variance_epsilon`` or ``eps``: a real, finite number ≥ 0), whose forward takes one input
+            and, reading nothing but the weight and ε, computes ``c + weight · x / sqrt(mean(x², -1) + ε)``
+            (c independent of the weight) on float32 probes (checked once per class).
         """
-        eps = getattr(module, "variance_epsilon", None)
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
-            return False
-        if next(module.children(), None) is not None:
+        eps_name = _eps_name(module)
+        if eps_name is None or next(module.children(), None) is not None:
             return False
         params = dict(module.named_parameters(recurse=False))
         if list(params) != ["weight"] or params["weight"].dim() != 1:
             return False
-        forward = _own_forward(type(module))
-        return _takes_one_input(forward) and _computes_rms_norm(forward)
+        return _computes_rms_norm(_module_class(type(module)), eps_name)
+
+    def _own(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The module's own forward of ``x`` with ``weight`` in place of its weight."""
+        cls, name = _module_class(type(self)), _eps_name(self)
+        return cls.forward(_bare(cls, weight, name, vars(self)[name]), x)
 
     def _compute(self, x, p):
-        return _own_forward(type(self))(_WeightAndEps(p["weight"], self.variance_epsilon), x)
+        return self._own(p["weight"], x)
 
 
 class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
@@ -243,15 +266,18 @@ register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sam
 register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_grads,
                                                  lambda m: (tuple(m.normalized_shape), m.eps)))
 def _rms_norm_form_grads(x, o, module) -> dict:
-    # x̂ as the module's own forward forms it (Llama's normalizes in float32 whatever x's dtype): its
-    # output at a weight of ones, so the per-sample gradient is autograd's of that forward
+    # nn.RMSNorm's op (one launch on a GPU: the forms' own forwards take about eight), which computes
+    # x̂ in float32 for float32 and lower precisions as the forms do, up to roundings. In float64,
+    # autograd's per-sample gradient of the module's own forward (a vector-Jacobian product per
+    # sample): the forms may compute in float32 even then (Llama's x̂, Gemma's whole output), which
+    # nn.RMSNorm's op would not.
     if x.dtype != torch.float64:
         return norm_ops.rms_norm_per_sample_grads(x, o, module)
-    weight = module._parameters["weight"]
-    x_hat = _own_forward(type(module))(_WeightAndEps(torch.ones_like(weight), module.variance_epsilon), x)
-    per_position = x_hat * o  # (B, ..., d): summed over the positions between
-    middle = tuple(range(1, per_position.dim() - 1))
-    return {"weight": per_position.sum(middle) if middle else per_position}  # sum(()) would sum everything
+    weight = module._parameters["weight"].detach()
+
+    def one_sample(x_i, o_i):
+        return torch.func.vjp(lambda w: module._own(w, x_i), weight)[1](o_i)[0]
+    return {"weight": torch.func.vmap(one_sample)(x, o)}
 
 
 register_rule(DPRMSNormForm, rule=_norm_rule(_rms_norm_form_grads, lambda m: (tuple(m.normalized_shape), m.eps)))
