@@ -397,3 +397,44 @@ def test_a_plan_whose_records_would_almost_surely_never_be_drawn_warns_naming_th
         calibrate(budgets, delta=DELTA, steps=20, sample_rate=0.05, method="scale")
         calibrate(np.r_[np.full(10, 0.5), np.full(990, 3.0)], delta=DELTA, steps=100, sample_rate=0.05,
                   method="sample")
+
+
+class _TooManyEvaluations(AssertionError):
+    pass
+
+
+def test_sample_calibration_with_budgets_three_orders_apart_finishes_in_seconds(monkeypatch):
+    """{1000, 1} at q = 0.6 in one step: the plan (σ ≈ 1.83, rates 1 and 0.2) exists. The search's
+    surrogate extrapolated ε = 1 far below its curve (at σ = 0.05 no rate ≥ 1e-12 meets it) to a rate
+    near 1, so its bracket walked down below the noise floor, where each ε curve costs quadrature at
+    1/z² nodes: 160 curves, 43 s. Counted, not timed: a budget of curves (each ≤ ~0.3 s) fails fast."""
+    from pdpfast.accounting import _grid
+
+    calls, real = [0], _grid.eps_curve
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 40:
+            raise _TooManyEvaluations("more than 40 ε curves for one Sample calibration")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_grid, "eps_curve", counted)
+    budgets = np.repeat([1000.0, 1.0], 50)
+    plan = calibrate(budgets, delta=DELTA, steps=1, sample_rate=0.6, method="sample")
+    assert plan.sample_rates.mean() == pytest.approx(0.6, rel=1e-9)
+    assert np.all(plan.epsilons() <= budgets)
+    assert plan.group_epsilons[0] >= 0.998          # the ε = 1 group spends its budget
+    assert plan.group_sample_rates[1] == 1.0
+
+
+def test_sample_search_that_its_surrogate_cannot_bracket_ends_in_a_plan_not_a_scipy_error():
+    """{0.01, 1, 1000} at q = 0.9, δ = 0.01, one step: the plan exists (σ ≈ 26, ε = 1 and 1000 at
+    rate 1, ε = 0.01 at ≈ 0.67). ε is clamped at 0 over most of the surrogate's rate grid there, so
+    the surrogate undershot from below at every probe (mean 0.877, 0.884, 0.888, ...) and then
+    widened its bracket past σ_hi until scipy's brentq raised "f(a) and f(b) must have different
+    signs" (and before the curve fix the search ran for minutes)."""
+    budgets = np.repeat([0.01, 1.0, 1000.0], [30, 40, 30])
+    plan = calibrate(budgets, delta=0.01, steps=1, sample_rate=0.9, method="sample")
+    assert plan.sample_rates.mean() == pytest.approx(0.9, rel=1e-9)
+    assert np.all(plan.epsilons() <= budgets)
+    assert plan.group_epsilons[0] >= 0.998 * 0.01

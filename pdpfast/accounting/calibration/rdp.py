@@ -184,11 +184,20 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     rep_values, rep_weights = _compress(problem.values, problem.counts)
     log_rep = np.log(rep_values)
 
+    curves = {}     # σ → its ε curve: brentq re-evaluates the bracket ends solve() has just evaluated
+
     def surrogate(sigma):
-        e, _ = _grid.eps_curve(grid, np.array([sigma]), problem.steps, problem.delta, problem.orders, window=window)
+        if sigma not in curves:
+            curves[sigma] = _grid.eps_curve(grid, np.array([sigma]), problem.steps, problem.delta, problem.orders,
+                                            window=window)[0]
+        e = curves[sigma]
         le = np.log(np.maximum(np.maximum.accumulate(e), 1e-300)) + np.arange(e.shape[0]) * 1e-12
         f = interpolate.PchipInterpolator(le, np.log(grid), extrapolate=True)
-        rates = np.where(log_rep >= le[-1], grid[-1], np.exp(np.minimum(0.0, f(log_rep))))
+        # A budget below the curve's smallest ε needs a rate below the grid's smallest (or none at
+        # this σ): read it as that smallest rate. PCHIP's cubic extrapolation there is unbounded: for
+        # {1000, 1} at q = 0.6, T = 1 it gave ε = 1 a rate near 1 at σ = 0.05, where it has none, so
+        # the bracket chased a root below the noise floor (quadrature at 1/z² nodes: 43 s).
+        rates = np.where(log_rep >= le[-1], grid[-1], np.exp(np.minimum(0.0, f(np.maximum(log_rep, le[0])))))
         return float(np.dot(rep_weights, rates) / problem.n)
 
     def solve(correction, target, upper):
@@ -202,16 +211,13 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
                 return float(np.exp(hi))
             target = 0.5 * (q + reach)
             glo, ghi = g(lo, target), g(hi, target)
-        for _ in range(40):                           # the surrogate's bracket may need widening
-            if glo < 0 < ghi:
-                break
-            if glo >= 0:
-                lo -= 0.05
-            elif np.isfinite(upper):
-                return float(np.exp(hi))
-            else:
-                hi += 0.05
-            glo, ghi = g(lo, target), g(hi, target)
+        if not glo < 0 < ghi:
+            # The exact root lies in [σ_lo, σ_hi] (every rate ≤ q at σ_lo, ≥ q at σ_hi), so a surrogate
+            # root outside it is the surrogate's error: propose the end it points to and let the exact
+            # bracket decide. (Widening beyond the ends walked below the noise floor, where each curve
+            # costs quadrature at 1/z² nodes, or past σ_hi until scipy's brentq refused "f(a) and f(b)
+            # must have different signs", as the user's error.)
+            return float(np.exp(lo if glo >= 0 else hi))
         return float(np.exp(optimize.brentq(lambda ls: g(ls, target), lo, hi, xtol=1e-9, rtol=1e-12)))
 
     # Aim a little above q: the exact rates are rounded down (to a grid for many budgets). The
@@ -224,7 +230,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
     upper, correction = np.inf, 1.0
     below, above = 0.0, np.inf         # exact bracket: mean(below) < q ≤ mean(above)
     sigma = solve(correction, aim, upper)
-    spread_error, fallback, filled, misses = None, None, None, 0
+    spread_error, fallback, filled, misses, same_side, last_below = None, None, None, 0, 0, None
     for _ in range(120):
         try:
             rates, eps, idx, alpha = _rates_at(problem, sigma, own_orders)
@@ -272,10 +278,14 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             below = max(below, sigma)
         else:
             above = min(above, sigma)
-        if misses < 2:
+        # probes creeping up on the root from one side (the surrogate, rescaled at each probe, keeps
+        # undershooting where ε is flat or clamped at 0: δ = 0.01, T = 1) count as misses too
+        same_side = same_side + 1 if (mean < q) == last_below else 0
+        last_below = mean < q
+        if misses < 2 and same_side < 2:
             correction = mean / surrogate(sigma)
             sigma = solve(correction, aim, upper)
-        if misses >= 2 or not below < sigma < above:
+        if misses >= 2 or same_side >= 2 or not below < sigma < above:
             # bisect (in log σ) the exact bracket, closed by the search's own ends where no probe has
             # yet: every rate is ≥ q at σ_hi and ≤ q at σ_lo (a step of 1% from one side took
             # hundreds of probes when the budgets are far apart). After two misses the surrogate,
@@ -284,6 +294,7 @@ def _solve_sample(problem: Problem, own_orders: bool = True):
             lo_end = below if below > 0 else sigma_lo
             hi_end = above if np.isfinite(above) else sigma_hi
             sigma = float(np.sqrt(lo_end * hi_end))
+            same_side = 0
         else:
             misses = 0
     if fallback is not None and fallback[0] >= _FALLBACK_SPENT:
@@ -315,7 +326,10 @@ def _cut_to_mean(problem: Problem, sigma: float, rates: np.ndarray, eps: np.ndar
     cut = ~keep
     rest_mass = float(np.dot(problem.counts[cut], rates[cut]))
     want = problem.n * q - float(np.dot(problem.counts[keep], rates[keep]))
-    if not np.any(keep) or rest_mass <= 0 or want <= 0 or want < 0.9 * rest_mass:
+    # the others must have rates below 1 to absorb the cut (renormalize_capped holds rate 1 fixed: with
+    # only capped rates left to cut, nothing was cut and the mean stayed above q, e.g. 0.90003 for 0.9)
+    if (not np.any(keep) or not np.any(cut & (rates < 1.0)) or rest_mass <= 0 or want <= 0
+            or want < 0.9 * rest_mass):
         return renormalize_capped(rates, problem.counts, q)
     out = rates.astype(np.float64).copy()
     out[cut] = renormalize_capped(rates[cut], problem.counts[cut], want / float(problem.counts[cut].sum()))
