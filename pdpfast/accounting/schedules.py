@@ -35,7 +35,7 @@ from scipy import optimize
 
 from .._checks import as_float_array, check_delta, check_epsilons, check_number, check_positive_integer, check_rate
 from . import _grid
-from .calibration.problem import MEAN_SLACK, hybrid_weight_of, renormalize_capped, spread_message
+from .calibration.problem import MEAN_SLACK, hybrid_weight_of, renormalize_capped, spread_message, warn_rarely_drawn
 from .plan import PrivacyPlan
 from .sgm import DEFAULT_ORDERS, as_orders, eps_from_rdp, rdp_one_step
 
@@ -631,6 +631,7 @@ def calibrate_scheduled(budgets, *, delta, steps, sample_rate, noise_schedule, m
     eps, idx = s.eps(rates, zeta, exact=True)
     if np.any(eps > values):      # the solvers keep the safe side: never pass silently
         raise RuntimeError("internal error: a scheduled plan's certified epsilon exceeds its budget")
+    warn_rarely_drawn(values, counts, rates, steps)
     return ScheduledPlan(method=method, accountant="rdp", noise_multiplier=sigma0, max_grad_norm=c, steps=steps,
                          delta=delta, budget_values=values, group_index=inverse, group_sizes=counts,
                          group_sample_rates=rates, group_clip_norms=clip, group_epsilons=eps,

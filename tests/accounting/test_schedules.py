@@ -1,4 +1,6 @@
 """Noise schedules: shapes, exact step-by-step accounting, calibration of σ₀, bad inputs."""
+import warnings
+
 import numpy as np
 import pytest
 
@@ -127,3 +129,20 @@ def test_scheduled_sample_refuses_budgets_too_far_apart_naming_the_spread(method
                                          r".*mean rate is already 0\.5.*use method 'scale'"):
         S.calibrate_scheduled([1e6, 1.0], delta=DELTA, steps=100, sample_rate=0.1, noise_schedule="exponential:0.01",
                               method=method)
+
+
+def test_a_scheduled_plan_whose_records_would_almost_surely_never_be_drawn_warns_naming_them():
+    # as calibrate does (test_calibration): ε = 0.3 beside ε = 3 at q = 0.05 over 100 steps gets a rate
+    # near 1e-4, drawn at all in under 1% of trainings. The engine calibrates with a noise schedule
+    # here, and its users were not told.
+    budgets = np.r_[np.full(10, 0.3), np.full(990, 3.0)]
+    with pytest.warns(UserWarning, match=r"10 record\(s\) in 1 budget group\(s\) are drawn at all with probability "
+                                         r"below 1% in 100 steps \(epsilon=0\.3: .*almost surely not train the model"
+                                         r".*or use method 'scale'"):
+        plan = S.calibrate_scheduled(budgets, delta=DELTA, steps=100, sample_rate=0.05,
+                                     noise_schedule="step:0.7,50")
+    assert 1 - (1 - plan.group_sample_rates[0]) ** 100 < 0.01
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # Scale draws every record at q = 0.05: no warning
+        S.calibrate_scheduled(budgets, delta=DELTA, steps=100, sample_rate=0.05, noise_schedule="step:0.7,50",
+                              method="scale")

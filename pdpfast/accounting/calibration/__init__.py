@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
-
 from ..._checks import (
     as_budget_vector,
     check_delta,
@@ -33,30 +31,9 @@ from ..pld import MAX_PAIRS
 from ..sgm import DEFAULT_ORDERS, as_orders
 from . import pld, rdp  # noqa: F401 — importing them registers the built-in methods
 from .pld import bin_budgets_down
-from .problem import METHODS, Problem, Solution, hybrid_weight_of, register_method
-
-_RARE = 0.01          # a group drawn at all with a probability below this is warned about
+from .problem import METHODS, Problem, Solution, hybrid_weight_of, register_method, warn_rarely_drawn
 
 __all__ = ["calibrate", "register_method", "Problem", "Solution", "PrivacyPlan", "GroupSummary"]
-
-
-def _warn_rarely_drawn(values, counts, rates, steps) -> None:
-    """Warn when the records of some budget group are drawn at all with probability below 1% over
-    training (q_g·T < 0.01, which bounds 1 - (1 - q_g)^T).
-
-    Such a plan is private and valid, but those records will almost surely never train the model. It
-    usually means their budgets are far below the others': Sample met each budget by lowering its rate.
-    """
-    with np.errstate(divide="ignore"):      # q = 1: log1p(-1) = -inf, drawn = 1
-        drawn = -np.expm1(steps * np.log1p(-np.minimum(np.asarray(rates), 1.0)))     # 1 - (1 - q)^T
-    rare = drawn < _RARE
-    if rare.any():
-        worst = int(np.argmin(drawn))
-        warnings.warn(f"{int(np.asarray(counts)[rare].sum())} record(s) in {int(rare.sum())} budget group(s) are "
-                      f"drawn at all with probability below {_RARE:.0%} in {steps} steps (epsilon={values[worst]:.4g}: "
-                      f"sample rate {rates[worst]:.3g}, probability {drawn[worst]:.3g}): they will almost surely not "
-                      "train the model. Raise their budgets (or the steps or sample_rate), or leave them out",
-                      stacklevel=3)
 
 
 def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_norm=1.0, hybrid_weight=None,
@@ -121,7 +98,7 @@ def calibrate(budgets, *, delta, steps, sample_rate, method="sample", max_grad_n
                           f"{problem.values[edge][0]:.4g}) is at the edge of the order grid "
                           f"[{orders_arr[0]:g}, {orders_arr[-1]:g}]; their guarantee is valid but loose: "
                           "pass orders= with a wider range to tighten it", stacklevel=2)
-    _warn_rarely_drawn(problem.values, problem.counts, sol.sample_rates, steps)
+    warn_rarely_drawn(problem.values, problem.counts, sol.sample_rates, steps)
     return PrivacyPlan.from_groups(method=method, accountant=accountant, noise_multiplier=sol.sigma,
                                    max_grad_norm=c, steps=steps, delta=delta, budget_values=problem.values,
                                    group_index=problem.inverse, counts=problem.counts,

@@ -3,12 +3,14 @@ methods (``calibration.rdp``), the PLD ones (``calibration.pld``) and the schedu
 (``schedules``) share. Imports nothing of the package."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
 
 __all__ = ["Problem", "Solution", "METHODS", "MEAN_SLACK", "register_method", "budget_error", "spread_message",
-           "hybrid_weight_of", "DEFAULT_HYBRID_WEIGHT", "harmonic_sigma", "renormalize_capped"]
+           "hybrid_weight_of", "DEFAULT_HYBRID_WEIGHT", "harmonic_sigma", "renormalize_capped", "RARE",
+           "warn_rarely_drawn"]
 
 
 class Problem:
@@ -188,3 +190,39 @@ def renormalize_capped(rates: np.ndarray, counts: np.ndarray, q: float) -> np.nd
             break
         rates = np.minimum(rates, 1.0)
     return np.minimum(rates, 1.0)
+
+
+RARE = 0.01     # a budget group drawn at all with a probability below this over training is warned about
+
+
+def warn_rarely_drawn(values, counts, rates, steps) -> None:
+    """Warn when the records of some budget group are drawn at all with probability below ``RARE`` (1%)
+    over training: 1 − (1 − q_g)^T < 0.01 (about q_g·T < 0.01). The one check for every calibration
+    (``calibrate``, ``schedules.calibrate_scheduled``), called just before the plan is returned.
+
+    Such a plan is private and valid, but those records will almost surely never train the model. It
+    usually means their budgets are far below the others': Sample met each budget by lowering its rate
+    (rates like 1e-11 beside budgets three orders of magnitude larger).
+
+    Args:
+        values: (U,) float64 the distinct budgets.
+        counts: (U,) records per distinct budget.
+        rates: (U,) float64 each group's Poisson sample rate in [0, 1].
+        steps: T, the number of steps (positive int).
+    Returns:
+        None; issues one ``UserWarning`` naming how many records in how many groups, and the worst group
+        (its ε, rate and probability of being drawn at all), attributed to the calibration's caller.
+    """
+    rates = np.asarray(rates, dtype=np.float64)
+    with np.errstate(divide="ignore"):      # q = 1: log1p(-1) = -inf, drawn = 1
+        drawn = -np.expm1(steps * np.log1p(-np.minimum(rates, 1.0)))     # 1 - (1 - q)^T
+    rare = drawn < RARE
+    if rare.any():
+        worst = int(np.argmin(drawn))
+        # per-record rates (Sample, hybrid) made them rare: Scale draws every record at sample_rate
+        scale = ", or use method 'scale' (every record drawn at sample_rate)" if np.ptp(rates) > 0 else ""
+        warnings.warn(f"{int(np.asarray(counts)[rare].sum())} record(s) in {int(rare.sum())} budget group(s) are "
+                      f"drawn at all with probability below {RARE:.0%} in {steps} steps (epsilon={values[worst]:.4g}: "
+                      f"sample rate {rates[worst]:.3g}, probability {drawn[worst]:.3g}): they will almost surely not "
+                      f"train the model. Raise their budgets (or the steps or sample_rate), or leave them out{scale}",
+                      stacklevel=3)
