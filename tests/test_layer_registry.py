@@ -213,3 +213,25 @@ def test_a_dp_module_built_directly_without_a_rule_is_refused_by_name():
         ClippingState(model)
     with pytest.raises(ValueError, match="no per-sample rule"):
         convert(model)
+
+
+def test_register_form_refuses_what_could_not_recognize_or_train_a_module():
+    from pdpfast.nn import register_form
+    from pdpfast.nn.rules import registered_forms
+
+    class NoRecognizer(DPModule):
+        pass
+
+    class NoRule(DPModule):
+        @classmethod
+        def recognizes(cls, module):
+            return False
+
+    before = registered_forms()
+    with pytest.raises(TypeError, match="dp_class must be a subclass of pdpfast.nn.DPModule"):
+        register_form(nn.Linear)
+    with pytest.raises(TypeError, match="NoRecognizer has no classmethod recognizes"):
+        register_form(NoRecognizer)
+    with pytest.raises(ValueError, match="NoRule has no rule"):
+        register_form(NoRule)
+    assert registered_forms() == before

@@ -353,13 +353,15 @@ def refine(evaluate, safe, unsafe, eps_safe, idx_safe, idx_unsafe, eps_unsafe, t
         ok = e <= goal[a]          # the safe test itself is direct: logs only steer the interpolation
         ps[a[ok]], es[a[ok]], is_[a[ok]] = px[ok], e[ok], i[ok]
         iu[a[~ok]] = i[~ok]
-        return np.log(e) - np.log(goal[a]), ok
+        with np.errstate(divide="ignore"):  # ε = 0 (large δ, tiny rates): log −inf steers like any other
+            return np.log(e) - np.log(goal[a]), ok
 
     def active(a, b):
         return (es[a] < goal[a] * (1 - rtol)) & (np.abs(b.other[a] - b.kept[a]) > 1e-12)
 
-    illinois(step, np.log(ps), np.log(unsafe), np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal),
-             active, max_iter)
+    with np.errstate(divide="ignore"):
+        start_safe, start_unsafe = np.log(eps_safe) - np.log(goal), np.log(eps_unsafe) - np.log(goal)
+    illinois(step, np.log(ps), np.log(unsafe), start_safe, start_unsafe, active, max_iter)
     return ps, es, is_
 
 
