@@ -46,14 +46,14 @@ void clip_weights_cpu(const scalar_t* sq, int64_t parts, const scalar_t* bounds,
 }
 
 // x and out: n rows of `row` elements; weights: n, in x's dtype. Each weight is computed in acc_t
-// (sq's dtype), rounded to x's dtype, and each product x·w computed in acc_t and rounded once: what
-// torch's x * w.to(x.dtype) computes, bit for bit.
+// (sq's dtype), rounded to x's dtype (toward zero in fp16: weight_as), and each product x·w computed
+// in acc_t and rounded once: what torch's x * weights_to(w, x.dtype) computes, bit for bit.
 template <typename scalar_t, typename acc_t>
 void clip_scale_cpu(const scalar_t* x, const acc_t* sq, int64_t parts, const acc_t* bounds, const acc_t* rho,
                     int64_t rho_parts, scalar_t* out, scalar_t* weights, int64_t n, int64_t row, acc_t offset,
                     acc_t cap) {
   for (int64_t i = 0; i < n; ++i) {
-    weights[i] = static_cast<scalar_t>(clip_weight<acc_t>(
+    weights[i] = weight_as<scalar_t, acc_t>(clip_weight<acc_t>(
         sq + i * parts, parts, bounds[i], rho == nullptr ? nullptr : rho + i * rho_parts, rho_parts, offset, cap));
   }
   if (row == 0) return;

@@ -3,9 +3,9 @@
 //
 // clip_weights: one thread per weight (summing its partial sums, if given).
 // clip_scale: one block per chunk of a row; the block's first thread computes the row's weight, rounds
-// it to x's dtype (writing it out from the row's first chunk) and shares it; every thread then scales
-// its elements, each product computed in float (double for double) and rounded once, as torch's
-// x * w.to(x.dtype) does.
+// it to x's dtype (toward zero in fp16: weight_as), writes it out from the row's first chunk and
+// shares it; every thread then scales its elements, each product computed in float (double for
+// double) and rounded once, as torch's x * pdpfast.ops.clip.weights_to(w, x.dtype) does.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -47,7 +47,7 @@ __global__ void clip_scale_kernel(const scalar_t* __restrict__ x, const acc_t* _
   const int64_t i = static_cast<int64_t>(blockIdx.x) / chunks;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) % chunks;
   if (threadIdx.x == 0) {
-    const scalar_t w = static_cast<scalar_t>(clip_weight<acc_t>(
+    const scalar_t w = weight_as<scalar_t, acc_t>(clip_weight<acc_t>(
         sq + i * parts, parts, bounds[i], rho == nullptr ? nullptr : rho + i * rho_parts, rho_parts, offset, cap));
     if (chunk == 0) weights[i] = w;
     shared_w = static_cast<acc_t>(w);

@@ -7,9 +7,11 @@
 #pragma once
 
 #include <c10/macros/Macros.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace pdpfast {
 namespace clip {
@@ -31,6 +33,22 @@ C10_HOST_DEVICE inline T clip_weight(const T* sq, int64_t parts, T bound, const 
   }
   const T w = bound / (root + offset);
   return w > cap ? cap : w;
+}
+
+// A weight w >= 0 cast to the dtype of the tensor it scales. fp16 rounds toward zero: below its
+// smallest normal (2^-14) fp16 rounds in absolute steps of 2^-24, so a weight rounded to nearest
+// could grow by 2^-25, and times an unclipped gradient ‖g_i‖ ~ c_i / w that is a relative error of
+// 2^-25 / w (19% at w = 1e-7); rounded toward zero it never grows. Other dtypes round to nearest (bf16
+// has fp32's exponent range: the fixed relative margin covers it). pdpfast.ops.clip.weights_to is
+// the torch twin.
+template <typename scalar_t, typename acc_t>
+C10_HOST_DEVICE inline scalar_t weight_as(acc_t w) {
+  scalar_t cast = static_cast<scalar_t>(w);
+  if constexpr (std::is_same<scalar_t, c10::Half>::value) {
+    const acc_t back = static_cast<acc_t>(cast);
+    if (back > w && back > acc_t(0)) cast = c10::Half(static_cast<uint16_t>(cast.x - 1), c10::Half::from_bits());
+  }
+  return cast;
 }
 
 }  // namespace clip

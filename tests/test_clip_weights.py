@@ -26,6 +26,7 @@ from pdpfast.ops.clip import (
     clip_weights,
     clip_weights_reference,
     clip_weights_route,
+    weights_to,
 )
 
 needs_op = pytest.mark.skipif(_ext.missing("clip_weights", "clip.cpp") is not None,
@@ -320,8 +321,9 @@ def _pending(B, K, acc, g, rho, gamma, loss_scale):
 def test_cpp_clip_scale_equals_the_weights_cast_and_the_row_product_bit_for_bit(dtype, row, K, rho, gamma,
                                                                                  loss_scale):
     """One call computes the weights, rounds them to x's dtype and scales x's rows, each product
-    rounded once: bit for bit what ``clip_weights`` (the same C++ formula), ``.to(x.dtype)`` and
-    torch's ``x * w`` give, for every dtype per-layer clipping computes clipped sums in."""
+    rounded once: bit for bit what ``clip_weights`` (the same C++ formula), ``weights_to(w, x.dtype)``
+    (toward zero in fp16) and torch's ``x * w`` give, for every dtype per-layer clipping computes
+    clipped sums in."""
     g = torch.Generator().manual_seed(zlib.crc32(repr((dtype, row, K, rho, gamma, loss_scale)).encode()))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     for B in (0, 1, 6):
@@ -329,7 +331,7 @@ def test_cpp_clip_scale_equals_the_weights_cast_and_the_row_product_bit_for_bit(
         x = torch.randn(B, *row, generator=g, dtype=torch.float64).mul_(10).to(dtype)
         assert clip_scale_route(x, weights) == "C++ kernel"
         scaled, w = clip_scale(x, weights)
-        expected_w = weights.tensor().to(dtype)
+        expected_w = weights_to(weights.tensor(), dtype)
         assert w.dtype == dtype and w.shape == (B,) and scaled.shape == x.shape and scaled.dtype == dtype
         assert torch.equal(w, expected_w)
         assert torch.equal(scaled, x * expected_w.view(-1, *[1] * len(row)))
@@ -536,3 +538,23 @@ def test_per_layer_clipping_weighs_a_large_linear_call_in_the_op_that_scales_it(
     assert routes[2:] == ["torch (stale)"] * 2
     for name in expected:
         assert torch.equal(grads[name], expected[name]), name
+
+
+def test_fp16_weights_round_toward_zero_and_other_dtypes_to_nearest():
+    """Below fp16's smallest normal a weight rounded to nearest could grow by 2^-25, which times an
+    unclipped gradient exceeds the bound: fp16 weights never grow, on the torch and the C++ route."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.cat([torch.logspace(-9, 0, 200, dtype=torch.float64).float(), torch.rand(56, generator=g),
+                   torch.tensor([0.0, 1.0, 7e4])])
+    half = weights_to(w, torch.float16)
+    assert half.dtype == torch.float16 and (half.float() <= w).all()
+    step = torch.where(w < 2.0 ** -14, 2.0 ** -24, w * 2.0 ** -10)  # one step at most (and 65504 above it)
+    assert ((w - half.float()) <= step)[:-1].all() and half[-1] == 65504
+    assert torch.equal(weights_to(w, torch.bfloat16), w.to(torch.bfloat16))
+    assert weights_to(w, torch.float32) is w
+    if _ext.missing("clip_scale", "clip.cpp") is None:
+        sq = (torch.ones_like(w) / w.clamp_min(1e-30)).square()
+        pending = PendingWeights(sq, torch.ones_like(w), None, 1.0)
+        x = torch.ones(w.shape[0], 3, dtype=torch.float16)
+        scaled, cpp = clip_scale(x, pending)
+        assert torch.equal(cpp, weights_to(pending.tensor(), torch.float16))

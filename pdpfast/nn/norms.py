@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import norm as norm_ops
+from ..ops.clip import weights_to
 from .layers import DPModule
 from .rules import LayerRule, Stacked, register_form, register_layer, register_rule
 
@@ -246,7 +247,7 @@ def _norm_rule(per_sample_grads, config, stacks=None) -> LayerRule:
 
     def stacked_clipped(calls, weights):  # weights (B,) shared or (n, B) per call
         w = weights.unsqueeze(-2)  # (1, B) or (n, 1, B): a batched row vector
-        per_name = [(name, torch.matmul(w.to(g.dtype), g).flatten(0, -2).unbind(0))
+        per_name = [(name, torch.matmul(weights_to(w, g.dtype), g).flatten(0, -2).unbind(0))
                     for name, g in stacked_grads(calls)]
         return [{name: grads[i] for name, grads in per_name} for i in range(len(calls))]
 

@@ -43,6 +43,31 @@ def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
     return len(shape) <= len(target) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
 
 
+def weights_to(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clip weights cast to the dtype of the gradients they scale: to nearest, except fp16 toward zero.
+
+    Below fp16's smallest normal (2^-14, a record whose gradient is ~10^4x its bound) fp16 rounds in
+    absolute steps of 2^-24: a weight rounded to nearest could grow by 2^-25, and times the record's
+    unclipped gradient ‖g_i‖ ≈ c_i / w_i that is 2^-25 / w_i of c_i (19% at w_i = 1e-7), beyond any
+    relative margin. Rounded toward zero it never grows: w̃_i ≤ w_i, so w̃_i‖g_i‖ ≤ c_i. bf16 (fp32's
+    exponent range) and wider dtypes round to nearest, the fixed margin covering them.
+    ``csrc/clip_weight.h``'s ``weight_as`` is the C++ twin.
+
+    Args:
+        weights: (B,) or any shape, w_i ≥ 0 in fp32 or fp64.
+        dtype: the gradients' dtype.
+    Returns:
+        the weights in ``dtype`` (``weights`` itself where already of it).
+    """
+    if weights.dtype == dtype:
+        return weights
+    cast = weights.to(dtype)
+    if dtype != torch.float16:
+        return cast
+    grew = cast.to(weights.dtype) > weights  # exact: fp16 widens exactly
+    return torch.where(grew, torch.nextafter(cast, cast.new_zeros(())), cast)
+
+
 def clip_weights_route(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mask: torch.Tensor | None = None,
                        rounding: torch.Tensor | None = None, parts: bool = False) -> str:
     """Which route ``clip_weights`` takes for these tensors.
@@ -198,9 +223,9 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
         x: (B, ...) the tensor whose rows are scaled (a linear call's output gradients or inputs).
         weights: the B rows' ``PendingWeights``, (B,) bounds.
     Returns:
-        (scaled, w): scaled like x (contiguous) and w (B,) the weights s·w_i rounded to x's dtype, each
-        product x·w rounded once: what ``x * weights.tensor().to(x.dtype)`` gives, bit for bit, where
-        the weights are computed alike (``clip_weights_route``).
+        (scaled, w): scaled like x (contiguous) and w (B,) the weights s·w_i in x's dtype (``weights_to``:
+        toward zero in fp16), each product x·w rounded once: what ``x * weights_to(weights.tensor(),
+        x.dtype)`` gives, bit for bit, where the weights are computed alike (``clip_weights_route``).
     """
     if clip_scale_route(x, weights) == _FUSED:
         sq, bounds, gamma, s, rounding, parts = weights
@@ -213,7 +238,7 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
         raise ValueError(f"clip_scale weighs the rows of x: it needs one weight per row, (B,) = ({rows},), "
                          f"got weights of shape {tuple(w.shape)} (from clip_norms of shape "
                          f"{tuple(weights.clip_norms.shape)}) for x of shape {tuple(x.shape)}")
-    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    w = weights_to(w, x.dtype)
     return (x * w.view(-1, *([1] * (x.dim() - 1)))).contiguous(), w
 
 
@@ -232,8 +257,8 @@ def clip_weights_reference(sq_norms: torch.Tensor, clip_norms: torch.Tensor, mas
         return torch.zeros_like(sq_norms)
     if sq_norms.dtype == torch.float16:
         # ε/s underflows in fp16 for s ≳ 34: a masked row's 0 / 0 would be NaN (fp32 inside, fp16 out)
-        return clip_weights_reference(sq_norms.float(), clip_norms, mask, automatic_gamma, loss_scale,
-                                      rounding).to(torch.float16)
+        return weights_to(clip_weights_reference(sq_norms.float(), clip_norms, mask, automatic_gamma, loss_scale,
+                                                 rounding), torch.float16)
     clip_norms = clip_norms.to(sq_norms.dtype) if clip_norms.dtype != sq_norms.dtype else clip_norms
     if _requires_grad(sq_norms, clip_norms, rounding):
         # out of place, for autograd (the in-place ops below serve the no-grad route)
