@@ -128,7 +128,7 @@ class DPRMSNormForm(DPModule):
     """A module whose forward is an RMSNorm's without being ``nn.RMSNorm``: Hugging Face copies
     Llama's ``weight * (x / sqrt(mean(x²) + variance_epsilon))`` (normalized in float32) into each
     model family under the family's own name (``LlamaRMSNorm``, ``MistralRMSNorm``,
-    ``Qwen2RMSNorm``, ``T5LayerNorm``, ... about 150 classes in transformers 5), and Gemma's norms
+    ``Qwen2RMSNorm``, ``T5LayerNorm``, ... about 140 classes in transformers 5.24), and Gemma's norms
     scale by ``1 + weight`` (the same per-sample gradient: the weight enters with slope x̂).
 
     ``convert`` mixes it into the module's own class when ``recognizes(module)``: what the module's
