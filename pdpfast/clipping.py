@@ -60,7 +60,7 @@ from ._checks import as_per_sample, check_choice, check_nonnegative, check_numbe
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.convert import refuse_unsupported_layers
 from .nn.layers import DPModule, record_call
-from .nn.rules import LayerRule, exact_scaling, low_precision, rule_for, scaling_underflow, sq_norms_of, weighted_sum
+from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import PendingWeights, clip_weights
 from .ops.linear import acc_dtype
@@ -970,8 +970,6 @@ class ClippingState:
         stacked = layer.rule.stacked
         if stacked is None or (stacked.rounding is None and not layer.rule.materializes and low_precision(o)):
             return None, None, 0  # (a stack that cannot bound its rounding: each call bounds its own)
-        if layer.rule.rounding not in (None, exact_scaling) and scaling_underflow(o):
-            return None, None, 0  # fp16: each call bounds its own subnormal rounding (LayerRule.underflow)
         nbytes = x.numel() * x.element_size() + o.numel() * o.element_size()
         if nbytes > SMALL_CALL_BYTES:
             return None, None, 0
@@ -1043,7 +1041,6 @@ class ClippingState:
                 sq, rho = _norms_and_rounding(layer, normal, x, o, parts=True)
                 self._add_sq(sq)
                 self._add_rounding(rho)
-                self._add_underflow(layer.rule.underflow_bound(layer.module, x, o, normal))
                 self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
@@ -1088,8 +1085,7 @@ class ClippingState:
             # the rule takes them, the weights are computed by the op that scales the clipped sum's rows
             sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
             weights = self._group_weights(sq, k, o, rounding=rho, parts=sq.dim() == 2,
-                                          pending=layer.rule.pending_weights,
-                                          underflow=layer.rule.underflow_bound(layer.module, x, o, names))
+                                          pending=layer.rule.pending_weights)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
         self._add_group_sq(k, sq)
         self._add_sq(sq)
@@ -1116,7 +1112,6 @@ class ClippingState:
             sq, rho = _norms_and_rounding(layer, normal, x, o)
             self._add_sq(sq)
             self._add_rounding(rho)
-            self._add_underflow(layer.rule.underflow_bound(layer.module, x, o, normal))
             self._note_precision(o)
 
     def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
@@ -1128,12 +1123,6 @@ class ClippingState:
         with the others once, at the end of the backward (one launch for all, not one per layer).
         ``sq``: (B,), or (B, K) partial sums whose rows sum to the norms (``LayerRule.norm_parts``)."""
         self._sq_parts.append(sq)
-
-    def _add_underflow(self, underflow: torch.Tensor | None) -> None:
-        """Flat clipping: keep one layer's E_i (``LayerRule.underflow``, fp16), combined with the others
-        in quadrature at the end of the backward, as ρ is."""
-        if underflow is not None:
-            self._underflow_parts.append(underflow)
 
     def _add_rounding(self, rho: torch.Tensor | None) -> None:
         """Flat clipping: keep one layer's (or stack's) ρ_i (``LayerRule.rounding``), combined with the
@@ -1196,42 +1185,35 @@ class ClippingState:
         self._margin = max(self._margin, rounding_margin(o))
 
     def _weights(self, sq: torch.Tensor, bounds: torch.Tensor, rounding: torch.Tensor | None = None,
-                 parts: bool = False, pending: bool = False,
-                 underflow: torch.Tensor | None = None) -> torch.Tensor | PendingWeights:
+                 parts: bool = False, pending: bool = False) -> torch.Tensor | PendingWeights:
         """Weights applied to the backward's output gradients (s·w_i, the loss scale s folded in):
         sq the squared norms of their per-sample gradients (with ``parts``, (..., K) partial sums of
         them), bounds c_i broadcast against sq, rounding their rounding bounds ρ_i
         (``LayerRule.rounding``) or None; ``pending``: uncomputed, for the op that applies them
-        (``LayerRule.pending_weights``); ``underflow``: (B,) E_i (``LayerRule.underflow``) or None."""
+        (``LayerRule.pending_weights``)."""
         if rounding is not None and rounding.dtype != sq.dtype:
             rounding = rounding.to(sq.dtype)
-        if underflow is not None:
-            # fp16's subnormal rounding is absolute, not scaled by w_i: w_i(‖g_i‖ + ρ_i) + E_i ≤ c_i is
-            # w_i = (c_i − E_i) / (‖g_i‖ + ρ_i), and 0 where E_i ≥ c_i (not the cached bounds: a new tensor)
-            bounds = torch.sub(bounds, underflow.to(bounds.dtype)).clamp_min_(0)
         if pending:
             return PendingWeights(sq, bounds, self.automatic_gamma, self.loss_scale, rounding, parts)
         return clip_weights(sq, bounds, None, self.automatic_gamma, self.loss_scale, rounding, parts)
 
     def _flat_weights(self, sq: torch.Tensor) -> torch.Tensor:
         self._last_rho = _in_quadrature(self._rho_parts) if self._rho_parts else None
-        underflow = _in_quadrature(self._underflow_parts) if self._underflow_parts else None
-        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho,
-                             underflow=underflow)
+        return self._weights(sq, self._bounds_for(sq.device, sq.dtype, self._margin), self._last_rho)
 
     def _group_weights(self, sq: torch.Tensor, group: int, *like: torch.Tensor,
                        rounding: torch.Tensor | None = None, parts: bool = False,
-                       pending: bool = False, underflow: torch.Tensor | None = None) -> torch.Tensor | PendingWeights:
+                       pending: bool = False) -> torch.Tensor | PendingWeights:
         """Weights of per-layer group k for clipped sums computed like the tensors ``like`` (dtype,
         device): the bounds keep the widest of their rounding margins (a tied weight's group under
         autocast holds fp32 and bf16 gradients); ``rounding``: the group's ρ_i, or None; ``parts``:
-        sq is (B, K) partial sums; ``pending``, ``underflow``: as in ``_weights``."""
+        sq is (B, K) partial sums; ``pending``: as in ``_weights``."""
         margin = rounding_margin(like[0]) if len(like) == 1 else max(map(rounding_margin, like))
         key = (sq.device, sq.dtype, margin, group)
         bounds = self._bounds.get(key)  # the group's row, kept for the batch: no view made per call
         if bounds is None:
             bounds = self._bounds[key] = self._bounds_for(sq.device, sq.dtype, margin)[group]
-        return self._weights(sq, bounds, rounding, parts, pending, underflow)
+        return self._weights(sq, bounds, rounding, parts, pending)
 
     # ------------------------------------------------------------------ end of a backward
 
@@ -1575,7 +1557,6 @@ class ClippingState:
     def _reset_backward(self) -> None:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
-        self._underflow_parts: list[torch.Tensor] = []  # (B,) E_i of each fp16 layer call (flat clipping)
         self._tape: list = []
         self._stacks: dict = {}
         self._stack_bytes = 0

@@ -14,7 +14,7 @@ from torch import nn
 from ..ops import conv as conv_ops
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, register_layer, scaling_roundoff, scaling_underflow
+from .rules import LayerRule, register_layer, scaling_roundoff
 
 
 class _DPConv(DPModule):
@@ -116,16 +116,6 @@ def _conv_rounding(m, x, o, names):
     return conv_ops.conv_scaled_sum_rounding(x, o, m, "weight" in names, "bias" in names, m.own_padding(), u)
 
 
-def _conv_underflow(m, x, o, names):
-    # fp16: each scaled w_i·o_q (C_out values at output position q) within u|w_i·o_qj| + η; the η parts
-    # (‖δ_q‖ ≤ η√C_out) reach the gradients as ρ's terms do: ρ's formula with ‖o_q‖ = √C_out, u = η
-    eta = scaling_underflow(o)
-    if not eta:
-        return None
-    ones = o.new_ones(()).expand(o.shape)  # no memory: only its norms over channels, √C_out, are read
-    return conv_ops.conv_scaled_sum_rounding(x, ones, m, "weight" in names, "bias" in names, m.own_padding(), eta)
-
-
 def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
     """Conv calls form per-sample gradients where they are small next to the call (``prefer_per_sample``),
     unless the implicit Gram gives their norms for less: then norms and one weight gradient on scaled
@@ -138,7 +128,7 @@ def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
 
 
 _CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight,
-                       rounding=_conv_rounding, underflow=_conv_underflow)
+                       rounding=_conv_rounding)
 register_layer(nn.Conv1d, DPConv1d, _CONV_RULE)
 register_layer(nn.Conv2d, DPConv2d, _CONV_RULE)
 register_layer(nn.Conv3d, DPConv3d, _CONV_RULE)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, Stacked, register_layer, scaling_roundoff, scaling_underflow
+from .rules import LayerRule, Stacked, register_layer, scaling_roundoff
 
 
 class _FlatLinear(DPModule):
@@ -90,25 +90,6 @@ def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bi
     return lin_ops.scaled_sum_rounding(a if with_weight else None, o, with_bias, u)
 
 
-def linear_underflow(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):
-    """The ``LayerRule.underflow`` of a linear call: η·√p·Σ_t √(‖a_t‖² + 1) (η·√p·T for the bias
-    alone). In fp16 the clipped sum stores each scaled row w_i·o_t (p values, ``linear_clipped_grads``
-    scales o there), each value within u·|w_i·o_tj| + η of exact; the η parts δ_t (‖δ_t‖ ≤ η√p) reach
-    the weight gradient as Σ_t δ_t a_tᵀ and the bias as Σ_t δ_t, together at most Σ_t ‖δ_t‖·√(‖a_t‖² + 1):
-    ``linear_rounding`` with every ‖o_t‖ = √p and u = η.
-
-    Args:
-        a: (B, T, d) inputs; o: (B, T, p) output gradients; with_weight, with_bias: the call's parameters.
-    Returns:
-        (B,) fp32 (fp64 for fp64 inputs), or None where o is not fp16 (``scaling_underflow``).
-    """
-    eta = scaling_underflow(o)
-    if not eta:
-        return None
-    ones = o.new_ones(()).expand(o.shape)  # no memory: only its row norms √p are read
-    return lin_ops.scaled_sum_rounding(a if with_weight else None, ones, with_bias, eta)
-
-
 def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool,
                              parts: bool = False):
     """(per-sample squared norms, ``linear_rounding``) of a linear call, from one launch where the
@@ -175,9 +156,6 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     def rounding(m, x, o, names):
         return linear_rounding(*as_btd(x, o), weight in names, bias in names)
 
-    def underflow(m, x, o, names):
-        return linear_underflow(*as_btd(x, o), weight in names, bias in names)
-
     def sq_norms_rounding(m, x, o, names, parts=False):
         return linear_sq_norms_rounding(*as_btd(x, o), weight in names, bias in names, parts)
 
@@ -229,8 +207,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
 
     stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
-                     sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True,
-                     underflow=underflow)
+                     sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .linear import as_btd, linear_rounding, linear_sq_norms_rounding, linear_underflow
+from .linear import as_btd, linear_rounding, linear_sq_norms_rounding
 from .rules import LayerRule, register_layer
 
 
@@ -196,13 +196,7 @@ def _sq_norms_rounding(m, x, o, names):
     return linear_sq_norms_rounding(*as_btd(x, o), weight is not None, bias is not None)
 
 
-def _underflow(m, x, o, names):
-    weight, bias = _split(names)
-    return linear_underflow(*as_btd(x, o), weight is not None, bias is not None)
-
-
-_RULE = LayerRule(_per_sample, _sq_norms, _clipped, rounding=_rounding, sq_norms_rounding=_sq_norms_rounding,
-                  underflow=_underflow)
+_RULE = LayerRule(_per_sample, _sq_norms, _clipped, rounding=_rounding, sq_norms_rounding=_sq_norms_rounding)
 register_layer(nn.RNN, DPRNN, _RULE)
 register_layer(nn.LSTM, DPLSTM, _RULE)
 register_layer(nn.GRU, DPGRU, _RULE)

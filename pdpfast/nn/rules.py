@@ -24,13 +24,6 @@ low precision, each w_i·o_t is rounded relative to its own size, not to the sum
 terms cancel would exceed its bound by far more than a relative margin covers. ``rounding`` bounds
 that error per record, and the clipping state clips to c_i with it included. A rule that gives no
 ``rounding`` forms its per-sample gradients in a low precision instead (``low_precision``).
-
-fp16 also has a subnormal range, below 2^-14, where it rounds in absolute steps of 2^-24: a scaled
-term w_i·o_tj stored there is off by up to η = 2^-25 whatever its size, which no relative bound
-covers once w_i is small (a record whose gradient is ~10^4x its bound or more). A rule that bounds
-``rounding`` also bounds that absolute part (``underflow``: E_i, not scaled by w_i); the clipping
-state clips w_i(‖g_i‖ + ρ_i) + E_i to c_i. Weights are cast to fp16 toward zero
-(``pdpfast.ops.clip.weights_to``), so formed per-sample gradients need no such bound.
 """
 from __future__ import annotations
 
@@ -53,9 +46,6 @@ Rounding = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], "torch.Tenso
 
 # Unit roundoff of a clipped sum's row scaling w_i·o_t (round to nearest), by its dtype.
 _SCALING_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-# Half the spacing of fp16's subnormals: a product rounded to fp16 is within u·|x| + η of x (bf16's
-# subnormals lie below fp32's normals, 1e-38: no weight or product of a training step reaches them).
-_SCALING_UNDERFLOW = {torch.float16: 2.0 ** -25}
 # fp32 through TF32 tensor cores: both operands of each product lose all but 10 mantissa bits
 # (truncated: 2^-10 relative each), the scaled one and the other.
 _TF32_ROUNDOFF = 2.0 ** -9
@@ -76,18 +66,6 @@ def scaling_roundoff(t: torch.Tensor, tf32: bool) -> float:
     if tf32 and t.dtype == torch.float32 and t.is_cuda:
         return _TF32_ROUNDOFF
     return _SCALING_ROUNDOFF.get(t.dtype, 0.0)
-
-
-def scaling_underflow(t: torch.Tensor) -> float:
-    """η such that each scaled term w·o_tj of a clipped sum stored like ``t`` is within u·|w·o_tj| + η
-    of its exact value: the absolute rounding of fp16's subnormal range.
-
-    Args:
-        t: a tensor of the scaled terms' dtype.
-    Returns:
-        2^-25 for fp16, else 0.0 (bf16, fp32 and fp64 share fp32's exponent range or wider).
-    """
-    return _SCALING_UNDERFLOW.get(t.dtype, 0.0)
 
 
 def low_precision(t: torch.Tensor) -> bool:
@@ -192,13 +170,6 @@ class LayerRule:
         sq_norms_rounding: ``(module, x, o, names)`` → (``sq_norms(...)``, ``rounding(...)``) from one
             pass where that is cheaper than two (the linear norm kernel reads the row norms of ρ off
             its Grams' diagonals); None: the two apart. Given only with both of them.
-        underflow: ``(module, x, o, names)`` → (B,) E_i ≥ 0, called where ``scaling_underflow(o)`` is
-            not 0 (fp16): the absolute part of the clipped sum's rounding, ‖computed clipped sum of
-            record i − w_i g_i‖ ≤ w_i(ρ_i + margin) + E_i; for a sum that stores each scaled
-            w_i·o_t (p values) in fp16, E_i = η·√p·Σ_t √(‖a_t‖² + 1). The clipping state clips
-            w_i(‖g_i‖ + ρ_i) + E_i to c_i (E of different parameters in quadrature, as ρ). None with a
-            ``rounding`` other than ``exact_scaling``: fp16 calls form per-sample gradients instead,
-            and do not stack.
         norm_parts: ``sq_norms`` and ``sq_norms_rounding`` take a keyword ``parts``: when True the
             caller sums the rows of the squared norms itself, and they may return (B, K) partial
             sums (the norm kernel's per-program sums) instead of (B,): book-keeping sums every
@@ -223,7 +194,6 @@ class LayerRule:
     sq_norms_rounding: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], tuple] | None = None
     norm_parts: bool = False
     pending_weights: bool = False
-    underflow: Rounding | None = None
 
     def __post_init__(self):
         missing_rounding = self.rounding is not None and self.sq_norms_rounding is None
@@ -248,34 +218,10 @@ class LayerRule:
                 clipped and freed at once (per-layer clipping).
         Returns:
             True when the rule has no norm formula, when it has no ``rounding`` and ``o`` is of a low
-            precision (``low_precision``), when it bounds no ``underflow`` and ``o`` is fp16, or when
-            ``materialize_when`` says so for this call.
+            precision (``low_precision``), or when ``materialize_when`` says so for this call.
         """
-        return self.sq_norms is None or (self.rounding is None and low_precision(o)) or \
-            self.lacks_underflow(o) or (self.materialize_when is not None and self.materialize_when(module, x, o, kept))
-
-    def lacks_underflow(self, o: torch.Tensor) -> bool:
-        """Whether calls computed like ``o`` store scaled terms in fp16's subnormal range with no
-        ``underflow`` bound (then they form per-sample gradients and do not stack).
-
-        Args:
-            o: a call's output gradient.
-        Returns:
-            True for a ``rounding`` other than ``exact_scaling``, no ``underflow`` and an fp16 ``o``.
-        """
-        return o.dtype in _SCALING_UNDERFLOW and self.underflow is None and self.rounding not in (None, exact_scaling)
-
-    def underflow_bound(self, module, x, o, names) -> torch.Tensor | None:
-        """A call's E_i (see ``underflow``) where its clipped sum stores scaled terms in fp16.
-
-        Args:
-            module, x, o, names: the call, as in ``norms``.
-        Returns:
-            (B,) E_i, or None where ``o`` is not fp16 or the rule has no ``underflow``.
-        """
-        if self.underflow is None or o.dtype not in _SCALING_UNDERFLOW:  # (per call: no function call)
-            return None
-        return self.underflow(module, x, o, names)
+        return self.sq_norms is None or (self.rounding is None and low_precision(o)) or (
+            self.materialize_when is not None and self.materialize_when(module, x, o, kept))
 
     def norms_and_rounding(self, module, x, o, names, bound: bool, parts: bool = False) -> tuple:
         """A call's per-sample squared norms (``norms``) and, where ``bound``, its rounding bound ρ
