@@ -382,7 +382,7 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
     """(Σ_i w_i o_iᵀ a_i, Σ_i w_i Σ_t o_{i,t}): the clipped weight and bias gradients of a linear layer.
 
     The weight gradient is the ordinary weight-gradient GEMM (cuBLAS on a GPU) over the B·T rows
-    once one operand's rows are scaled by their sample's w_i: the narrower one (o in fp16) is scaled, and the
+    once one operand's rows are scaled by their sample's w_i: the narrower one is scaled, and the
     bias reuses it when it is o. ``transposed`` returns the (d, p) weight gradient (Hugging Face's
     Conv1D) from the same GEMM with its operands swapped, never through a transpose copy.
 
@@ -399,9 +399,7 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
         each None when not needed.
     """
     d, p = a.shape[-1], o.shape[-1]
-    # fp16 always scales o: the rule's underflow bound (E_i, ``pdpfast.nn.linear.linear_underflow``) is
-    # for the scaled rows w_i·o_t, and the bias then reuses them (no product with an fp16 weight)
-    scale_o = weights is not None and (p <= d or not need_weight or o.dtype == torch.float16)
+    scale_o = weights is not None and (p <= d or not need_weight)
     if isinstance(weights, PendingWeights):  # computed and applied in one op
         scaled, weights = clip_scale(o if scale_o else a, weights)
         o, a = (scaled, a) if scale_o else (o, scaled)
