@@ -67,6 +67,7 @@ class DPRMSNorm(DPModule, nn.RMSNorm):
 _EPS_NAMES = ("variance_epsilon", "eps")  # what Hugging Face's norms call their ε
 
 
+@functools.cache
 def _module_class(cls: type) -> type:
     """The first class in ``cls``'s MRO that is not a DP class: the module's own."""
     return next(c for c in cls.__mro__ if not issubclass(c, DPModule))
