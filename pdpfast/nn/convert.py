@@ -146,9 +146,9 @@ def _scan(model: nn.Module):
             batchnorms.append(f"{_path(name)} ({type(module).__name__})")
             continue
         dp_class = type(module) if is_dp else _dp_class_for(type(module))
-        if dp_class is None and not is_dp:
+        if dp_class is None and not is_dp:  # (a form is a DP class: is_dp modules never reach it)
             form = rules.dp_class_by_form(module)
-            dp_class = form and (form if isinstance(module, form) else _subclass(form, type(module)))
+            dp_class = form and _subclass(form, type(module))
         if dp_class is None:
             trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if trainable:
