@@ -162,11 +162,11 @@ def bench_linear_norms(rows, op, dtype_name, quick, reps):
     """Each path of the kernel (for fp32 at its default ``tf32x3`` products and with exact ones,
     ``ieee``) against the reference, with every kernel row's largest relative error against float64
     norms."""
-    from pdpfast.ops.linear import use_gram
+    from pdpfast.ops.linear import kernel_uses_gram
 
     dtype = DTYPES[dtype_name]
-    # (8, 512, 768, 768): GPT-2 small's 768→768 calls, where "auto" takes the direct path (kernel or
-    # torch's reference there: the open question of the per-layer route's bf16 rows)
+    # (8, 512, 768, 768): GPT-2 small's 768→768 calls, where the Gram form takes 1.33× the direct
+    # form's multiply-adds ("auto" took the direct path there until the H200's rows of 2026-11-29)
     shapes = [(256, 1, 4096, 4096), (64, 128, 768, 768), (32, 512, 1024, 4096), (8, 512, 768, 768),
               (16, 2048, 768, 768), (8, 4096, 64, 64)]
     if quick:
@@ -176,7 +176,7 @@ def bench_linear_norms(rows, op, dtype_name, quick, reps):
         o = torch.randn(B, T, p, device="cuda", dtype=dtype)
         exact = op.reference(a.double(), o.double())
         nbytes = (a.numel() + o.numel()) * a.element_size() + 4 * B
-        auto = "rank_one" if T == 1 else ("gram" if use_gram(T, d, p) else "direct")
+        auto = "rank_one" if T == 1 else ("gram" if kernel_uses_gram(T, d, p) else "direct")
         flops = {"rank_one": 2 * B * (d + p), "gram": 2 * B * T * T * (d + p + 1),
                  "direct": 2 * B * T * d * p + 2 * B * d * p}
         default = "tf32x3" if dtype == torch.float32 else "ieee"  # the launcher's fp32 default

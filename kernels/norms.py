@@ -8,13 +8,16 @@ References: ``pdpfast.ops.linear.linear_sq_norms_reference`` (weight, or weight 
 ``bias_sq_norms_reference`` and ``pdpfast.ops.embedding.embedding_sq_norms_reference``.
 
 Each launcher registers itself under its op's name (``pdpfast.ops.dispatch.register``), with where
-it was measured faster. Measured on an H100, 2026-11-23
-(bench/results/bench_kernels-NVIDIA_H100_80GB_HBM3.json):
+it was measured faster (bench/results/bench_kernels-NVIDIA_H100_80GB_HBM3.json, 2026-11-23/24, and
+bench_kernels-NVIDIA_H200.json, 2026-11-29):
 
-- linear norms win in fp16/bf16 (1.5-7.1x); in fp32 the kernel's exact FMA dots lose to cuBLAS's
-  fp32 Gram (0.40-0.87x), so fp32 runs the reference;
-- the bias kernel wins only on fp16/bf16 sequences (1.7x at (64, 512, 1024)); torch's three ops
-  win in fp32 (0.6x) and on one-row samples (0.8x);
+- linear norms win in fp16/bf16 (1.4-7.6x); in fp32 on the rank-one and Gram paths, whose tf32x3
+  products beat cuBLAS's fp32 GEMMs (1.2-1.9x), not on the direct path (0.92x on an H200 at GPT-2's
+  768→768 calls), which runs the reference there. The Gram path is taken up to 1.5× the direct
+  form's multiply-adds (``pdpfast.ops.linear.kernel_uses_gram``: it ran 1.24-1.38x faster than
+  the direct path at 1.33×);
+- the bias kernel wins only on fp16/bf16 sequences (1.5-1.7x at (64, 512, 1024)); torch's three ops
+  win in fp32 (0.4-0.6x) and on one-row samples (0.8-1.0x);
 - embedding norms win everywhere measured (1.7-4.5x).
 """
 from __future__ import annotations
@@ -27,9 +30,9 @@ from pdpfast.ops.dispatch import register
 from pdpfast.ops.embedding import embedding_sq_norms_reference
 from pdpfast.ops.linear import (
     bias_sq_norms_reference,
+    kernel_uses_gram,
     linear_sq_norms_reference,
     linear_sq_norms_rounding_reference,
-    use_gram,
 )
 
 from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
@@ -178,7 +181,7 @@ def _kernel_wins(a: torch.Tensor, o: torch.Tensor) -> bool:
     if o.dtype != torch.float32 or o.dim() != 3:
         return False
     T = o.shape[1]
-    return T == 1 or use_gram(T, a.shape[-1], o.shape[-1])
+    return T == 1 or kernel_uses_gram(T, a.shape[-1], o.shape[-1])
 
 
 @register("linear_weight_sq_norms", when=_kernel_wins)
@@ -191,7 +194,7 @@ def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor, path: str = "auto",
             contiguous); mixed dtypes meet in their promoted dtype.
         o: (B, T, p) gradients of the summed loss w.r.t. the layer outputs, fp32/fp16/bf16.
         path: "auto" (T = 1 → rank-one kernel, else the cheaper of Gram and direct by
-            ``pdpfast.ops.linear.use_gram``), or "gram" / "direct" to force one.
+            ``pdpfast.ops.linear.kernel_uses_gram``), or "gram" / "direct" to force one.
         with_bias: add the bias's ‖Σ_t o_{i,t}‖² — in the same launch on the rank-one and Gram
             paths (one launch per layer, not two), by the bias kernel on the direct path.
         parts: return the launch's per-program partial sums, (B, K), unsummed: the caller sums
@@ -217,7 +220,7 @@ def _fuses_rounding(a: torch.Tensor, o: torch.Tensor) -> bool:
     if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or not _kernel_wins(a, o):
         return False
     T = o.shape[1]
-    return T == 1 or use_gram(T, a.shape[-1], o.shape[-1])
+    return T == 1 or kernel_uses_gram(T, a.shape[-1], o.shape[-1])
 
 
 @register("linear_sq_norms_rounding", when=_fuses_rounding)
@@ -267,7 +270,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
         # ‖a_t‖², ‖o_t‖² from TF32 products (operands truncated to 2^-10): a bound stays a bound
         u *= 1 + 2.0 ** -8
     if path == "auto":
-        path = "rank_one" if T == 1 else ("gram" if use_gram(T, D, P) else "direct")
+        path = "rank_one" if T == 1 else ("gram" if kernel_uses_gram(T, D, P) else "direct")
     n_out = 2 if rounding else 1
     with device_guard(a):
         if path == "rank_one":

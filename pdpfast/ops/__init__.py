@@ -18,6 +18,7 @@ from .dispatch import pick, register, registered, use_triton
 from .embedding import embedding_clipped_grad_reference, embedding_sq_norms, embedding_sq_norms_reference
 from .linear import (
     bias_sq_norms,
+    kernel_uses_gram,
     linear_clipped_grads,
     linear_sq_norms,
     linear_sq_norms_reference,
@@ -32,7 +33,8 @@ __all__ = [
     "add_noise_", "add_noise_reference_", "bias_sq_norms", "clip_weights", "clip_weights_reference",
     "clip_weights_route", "conv_weight_sq_norms",
     "conv_weight_sq_norms_reference", "embedding_clipped_grad_reference",
-    "embedding_sq_norms", "embedding_sq_norms_reference", "group_norm_affine_grads", "layer_norm_per_sample_grads",
+    "embedding_sq_norms", "embedding_sq_norms_reference", "group_norm_affine_grads", "kernel_uses_gram",
+    "layer_norm_per_sample_grads",
     "linear_clipped_grads", "linear_sq_norms",
     "linear_sq_norms_reference", "linear_weight_sq_norms", "linear_weight_sq_norms_reference", "pick", "register",
     "registered", "rms_norm_per_sample_grads", "use_gram", "use_triton",

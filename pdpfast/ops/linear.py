@@ -92,6 +92,29 @@ def use_gram(T: int, d: int, p: int) -> bool:
     return gram_cost(T, d, p) < direct_cost(T, d, p)
 
 
+# The norm kernels' Gram path multiplies T×T tiles on the tensor cores and gets more of the GPU's
+# pace per multiply-add than their direct path. On an H200 (bench_kernels-NVIDIA_H200.json,
+# 2026-11-29), at GPT-2 small's 768→768 calls (B, T, d, p) = (8, 512, 768, 768), where the Gram form
+# takes 1.33× the direct form's multiply-adds, the Gram path ran 1.24× (bf16: 0.083 ms against
+# 0.103) and 1.38× (fp32, tf32x3: 0.134 against 0.184) faster than the direct one, and faster than
+# torch's reference (0.249 and 0.168 ms) where the direct one was not (fp32). No measured shape had
+# the direct path ahead of the Gram path where both ran: the kernels take the Gram path up to this
+# ratio of multiply-adds, below the ~1.65-1.8 the H200 puts the break-even at.
+KERNEL_GRAM_RATIO = 1.5
+
+
+def kernel_uses_gram(T: int, d: int, p: int) -> bool:
+    """Whether the norm kernels (``pdpfast.kernels.norms``) take their Gram path for a call with
+    T > 1: the Gram form's multiply-adds below ``KERNEL_GRAM_RATIO`` times the direct form's.
+
+    Args:
+        T: positions (rows) per sample; d: input features; p: output features.
+    Returns:
+        a bool (``use_gram`` weighs the two forms as the CPU's reference computes them).
+    """
+    return gram_cost(T, d, p) < KERNEL_GRAM_RATIO * direct_cost(T, d, p)
+
+
 # Without the kernels (the CPU path), a layer call's per-sample gradients are formed and kept when
 # they hold at most this many times the values book-keeping keeps for the call anyway (its input
 # and output gradient). Their norms then cost one pass over them, and the clipped sum becomes the

@@ -212,6 +212,21 @@ def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
     assert dispatch.pick("linear_weight_sq_norms", a[:, :1].float(), o[:, :1].float()) is kernels.linear_weight_sq_norms
 
 
+def test_gpt2_768_to_768_calls_take_the_kernels_gram_path():
+    """At GPT-2's 768→768 calls (T = 512) the Gram form takes 1.33× the direct form's multiply-adds;
+    on an H200 the kernel's Gram path still ran 1.24-1.38× faster than its direct path, and 1.26×
+    cuBLAS in fp32, so the kernel takes it (fp32 too); at T = 1024 (2.67×) the direct form wins."""
+    from pdpfast.ops.linear import kernel_uses_gram, use_gram
+
+    assert kernel_uses_gram(512, 768, 768) and not use_gram(512, 768, 768)
+    assert not kernel_uses_gram(1024, 768, 768)
+    a, o = torch.empty(1, 512, 768), torch.empty(1, 512, 768)
+    assert dispatch.pick("linear_weight_sq_norms", a, o) is kernels.linear_weight_sq_norms
+    assert dispatch.pick("linear_sq_norms_rounding", a, o) is kernels.linear_sq_norms_rounding
+    long_a, long_o = torch.empty(1, 1024, 768), torch.empty(1, 1024, 768)
+    assert dispatch.pick("linear_weight_sq_norms", long_a, long_o) is ops.linear_weight_sq_norms_reference
+
+
 def test_linear_sq_norms_with_bias_through_the_kernel(tools, gen, monkeypatch):
     """The kernel takes the bias into the weight's launch; the reference into the weight's Gram."""
     a = tools.randn(gen, 3, 7, 9, dtype=torch.bfloat16, device=tools.device)

@@ -197,7 +197,7 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     monkeypatch.setattr(lin_ops, "clip_scale", spy_scale)
     torch.manual_seed(0)
     B, T, d = 3, 65, 200  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
-    assert lin_ops.use_gram(T, d, d)
+    assert lin_ops.kernel_uses_gram(T, d, d)
     model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)).to(device, dtype))
     x = torch.randn(B, T, d, device=device, dtype=dtype)
 

@@ -262,10 +262,10 @@ FUSED_SHAPES = [(3, 1, 7, 5), (0, 1, 4, 4), (2, 7, 65, 7), (2, 65, 200, 200), (1
 def test_linear_sq_norms_rounding_in_one_launch(tools, gen, shape, with_bias, dtype):
     """The norms and ρ_i = u·Σ_t ‖o_t‖√(‖a_t‖² [+ 1]) from one launch (ρ's row norms off the Grams'
     diagonals), each against float64."""
-    from pdpfast.ops.linear import linear_sq_norms_reference, use_gram
+    from pdpfast.ops.linear import kernel_uses_gram, linear_sq_norms_reference
 
     B, T, d, p = shape
-    assert T <= 1 or use_gram(T, d, p)  # the shapes exercise the fused paths, not the fallback
+    assert T <= 1 or kernel_uses_gram(T, d, p)  # the shapes exercise the fused paths, not the fallback
     a = tools.randn(gen, B, T, d, dtype=dtype, device=tools.device)
     o = tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)
     u = 2.0 ** -8
@@ -285,7 +285,7 @@ def test_linear_sq_norms_rounding_parts_are_the_launchs_partial_sums(tools, gen,
     """parts=True returns the norms' and ρ's per-program partial sums, (B, K) each, unsummed (the
     launch writes both side by side): their row sums are the summed results. Where the two are
     computed apart (the direct path), they come summed, (B,), whatever ``parts``."""
-    from pdpfast.ops.linear import use_gram
+    from pdpfast.ops.linear import kernel_uses_gram
 
     B, T, d, p = shape
     a = tools.randn(gen, B, T, d, dtype=torch.bfloat16, device=tools.device)
@@ -293,7 +293,7 @@ def test_linear_sq_norms_rounding_parts_are_the_launchs_partial_sums(tools, gen,
     u = 2.0 ** -8
     sq, rho = norms.linear_sq_norms_rounding(a, o, with_bias, u)
     sq_parts, rho_parts = norms.linear_sq_norms_rounding(a, o, with_bias, u, parts=True)
-    if T > 1 and not use_gram(T, d, p):
+    if T > 1 and not kernel_uses_gram(T, d, p):
         assert sq_parts.shape == rho_parts.shape == (B,)
         assert torch.equal(sq_parts, sq) and torch.equal(rho_parts, rho)
         return
@@ -305,14 +305,14 @@ def test_linear_sq_norms_rounding_parts_are_the_launchs_partial_sums(tools, gen,
     torch.testing.assert_close(rho_parts.sum(1), rho, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("shape", [(2, 33, 7, 65), (2, 9, 6, 300)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 33, 7, 65), (2, 12, 6, 300)], ids=str)
 def test_linear_sq_norms_rounding_on_the_direct_path_computes_them_apart(tools, gen, shape):
     """Where the direct norm is cheaper, ρ needs the rows' norms the direct kernel never forms: the
     two are computed apart, and equal the references."""
-    from pdpfast.ops.linear import linear_sq_norms_reference, scaled_sum_rounding, use_gram
+    from pdpfast.ops.linear import kernel_uses_gram, linear_sq_norms_reference, scaled_sum_rounding
 
     B, T, d, p = shape
-    assert not use_gram(T, d, p)
+    assert not kernel_uses_gram(T, d, p)
     a = tools.randn(gen, B, T, d, dtype=torch.bfloat16, device=tools.device)
     o = tools.randn(gen, B, T, p, dtype=torch.bfloat16, device=tools.device)
     sq, rho = norms.linear_sq_norms_rounding(a, o, True, 2.0 ** -8)
