@@ -9,10 +9,15 @@ accumulated in fp32, and x and o read once. A BERT step has 25 LayerNorm calls, 
 launches fewer per step, the host time that keeps an eager GPU step waiting (bench/README.md).
 
 A program takes whole rows (the statistics need all of a row), so rows of up to ``MAX_N``
-elements run here and longer ones run the reference. One program per sample keeps the sums in
-registers, with no partial sums to add afterwards and no atomics (deterministic); a batch smaller
-than the GPU's count of multiprocessors leaves some idle (``bench_kernels`` times it against the
-reference at BERT's, ViT's and GPT-2's shapes).
+elements run here and longer ones run the reference. Where the batch alone gives the GPU enough
+programs, one program per sample keeps the sums in registers and writes the gradients. Where it
+does not (GPT-2's 8 samples of 512 positions, or BERT's 32 of 128, on a GPU of 132
+multiprocessors), each sample's positions are split among programs (``_splits``): each writes
+its fp32 partial sums, and a second launch adds them in a fixed order and rounds them to the
+output dtype once. Neither uses atomics, so the result is deterministic. One program per sample
+ran 0.40-0.43x torch's reference at GPT-2's shapes and 0.71-0.88x at ViT-B/16's on an H200,
+1.05-1.24x at BERT-base's (bench/results/bench_kernels-NVIDIA_H200.json, 2026-11-29): the time of
+a program walking all 512 positions of its sample while most of the GPU idled.
 
 GroupNorm and InstanceNorm (G = C) normalize over a group of channels and scale per channel: a
 program per (sample, group) merges the group's mean and squared deviations tile by tile, then sums
@@ -42,18 +47,25 @@ MAX_N = 8192
 
 
 @triton.jit
-def _norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, T, N, eps,
-                              stride_xb, stride_xt, stride_ob, stride_ot,
+def _norm_affine_grads_kernel(x_ptr, o_ptr, out_ptr, T, N, eps,
+                              stride_xb, stride_xt, stride_ob, stride_ot, ROWS, SPLITS, PLANE, SPLIT_STRIDE,
                               CENTER: tl.constexpr, HAS_BIAS: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    sample = tl.program_id(0).to(tl.int64)
+    # program (sample, split) sums positions [split·ROWS, (split + 1)·ROWS) of its sample into row
+    # (split, sample) of out: the gradients themselves when SPLITS = 1, else fp32 partial sums
+    # (SPLIT_STRIDE apart) that _sum_splits_kernel adds; the bias's follow the weight's, PLANE further
+    pid = tl.program_id(0)
+    sample = (pid // SPLITS).to(tl.int64)
+    split = pid % SPLITS
+    first = split * ROWS
+    end = tl.minimum(first + ROWS, T)
     cols = tl.arange(0, BLOCK_N)
     in_n = cols < N
     acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, T, BLOCK_T):
+    for start in range(first, end, BLOCK_T):
         rows = start + tl.arange(0, BLOCK_T)
-        inside = (rows < T)[:, None] & in_n[None, :]
+        inside = (rows < end)[:, None] & in_n[None, :]
         x = tl.load(x_ptr + sample * stride_xb + rows[:, None] * stride_xt + cols[None, :],
                     mask=inside, other=0.0).to(tl.float32)
         o = tl.load(o_ptr + sample * stride_ob + rows[:, None] * stride_ot + cols[None, :],
@@ -65,26 +77,82 @@ def _norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, T, N, eps,
         acc_w += tl.sum(o * (x * rstd[:, None]), axis=0)
         if HAS_BIAS:
             acc_b += tl.sum(o, axis=0)
-    tl.store(weight_ptr + sample * N + cols, acc_w.to(weight_ptr.dtype.element_ty), mask=in_n)
+    base = out_ptr + split.to(tl.int64) * SPLIT_STRIDE + sample * N + cols
+    tl.store(base, acc_w.to(out_ptr.dtype.element_ty), mask=in_n)
     if HAS_BIAS:
-        tl.store(bias_ptr + sample * N + cols, acc_b.to(bias_ptr.dtype.element_ty), mask=in_n)
+        tl.store(base + PLANE, acc_b.to(out_ptr.dtype.element_ty), mask=in_n)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, SPLITS, M, BLOCK: tl.constexpr):
+    # out[m] = Σ_s partial[s, m] in fp32, s in order, rounded once to out's dtype
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < M
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = partial_ptr + offs
+    for _ in range(0, SPLITS):
+        acc += tl.load(ptrs, mask=inside, other=0.0)
+        ptrs += M
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# Programs a launch should give the GPU, per multiprocessor (a few resident at once hide latency)
+PROGRAMS_PER_SM = 2
+# The fewest positions a split takes: fewer would make the partial sums outweigh the rows
+MIN_SPLIT_ROWS = 16
+# Multiprocessors assumed off a GPU (the Triton interpreter): an H100's or H200's, so that the CPU
+# takes the launches a GPU would (tests, ``bench_overhead --kernels stub``)
+_INTERPRETER_SMS = 132
+_SMS: dict = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SMS.get(index)
+    if count is None:
+        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def _splits(B: int, T: int, max_block_t: int, device: torch.device) -> tuple[int, int, int]:
+    """(splits, rows per split, rows per tile) of each sample's T positions: one split when the B
+    programs of one per sample reach every multiprocessor or T is short, else enough for
+    ``PROGRAMS_PER_SM`` per multiprocessor, each of at least ``MIN_SPLIT_ROWS`` positions and a
+    whole number of tiles of at most ``max_block_t`` rows."""
+    sms = _multiprocessors(device)
+    splits = 1 if B >= sms else min(-(-PROGRAMS_PER_SM * sms // B), -(-T // MIN_SPLIT_ROWS))
+    if splits <= 1:
+        return 1, T, block(T, 1, max_block_t)
+    per_split = -(-T // splits)
+    block_t = block(per_split, 1, max_block_t)
+    rows = -(-per_split // block_t) * block_t
+    return -(-T // rows), rows, block_t
 
 
 def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: bool, with_bias: bool) -> dict:
     B, N = x.shape[0], math.prod(shape)
+    planes = 2 if with_bias else 1
     # both outputs in one allocation (x and o share a dtype here): an allocator call fewer per call
-    out = new_buffer((2 if with_bias else 1, B, *shape), x.dtype, x.device)
+    out = new_buffer((planes, B, *shape), x.dtype, x.device)
     weight, bias = out[0], out[-1]
     if B:
         x3, o3 = x.reshape(B, -1, N), o.reshape(B, -1, N)
         x3 = x3 if x3.stride(2) == 1 else x3.contiguous()
         o3 = o3 if o3.stride(2) == 1 else o3.contiguous()
         T, block_n = x3.shape[1], block(N, 16, MAX_N)
+        splits, rows, block_t = _splits(B, T, max(1, 4096 // block_n), x.device)
+        M = out.numel()
+        # SPLITS > 1: fp32 partial sums, (splits, planes, B, N), added by a second launch
+        into = out if splits == 1 else new_buffer((splits, M), torch.float32, x.device)
         with device_guard(x):
-            _norm_affine_grads_kernel[(B,)](
-                x3, o3, weight, bias, T, N, eps, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1),
-                CENTER=center, HAS_BIAS=with_bias, BLOCK_T=block(T, 1, max(1, 4096 // block_n)), BLOCK_N=block_n,
+            _norm_affine_grads_kernel[(B * splits,)](
+                x3, o3, into, T, N, eps, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), rows, splits,
+                B * N, M, CENTER=center, HAS_BIAS=with_bias, BLOCK_T=block_t, BLOCK_N=block_n,
                 num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16)
+            if splits > 1:
+                _sum_splits_kernel[(-(-M // 1024),)](into, out, splits, M, BLOCK=1024, num_warps=4)
     return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
 
 

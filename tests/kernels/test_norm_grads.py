@@ -13,10 +13,12 @@ from pdpfast.ops import norm as norm_ops  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (input shape, normalized shape): odd sizes, one position (2-D input), several row tiles of the
-# loop (BLOCK_T = 4096 // BLOCK_N rows: 33 positions at N = 768 take nine), N = 1 (x̂ = 0), a
-# two-dim normalized shape, a row of two N-blocks' worth (1500 → 2048)
+# loop (BLOCK_T = 4096 // BLOCK_N rows at most: 33 positions at N = 768 take nine), N = 1 (x̂ = 0),
+# a two-dim normalized shape, a row of two N-blocks' worth (1500 → 2048). Positions split among
+# programs (``_splits``, with the 132 multiprocessors assumed off a GPU): 33 at N = 768 in three
+# splits of three tiles; 70 in five of 16 (the last of six); 50 at N = 24 in four of one 16-row tile
 SHAPES = [((1, 1, 5), (5,)), ((3, 7, 33), (33,)), ((2, 9), (9,)), ((2, 33, 768), (768,)), ((3, 4, 1), (1,)),
-          ((2, 3, 4, 6), (4, 6)), ((1, 5, 1500), (1500,))]
+          ((2, 3, 4, 6), (4, 6)), ((1, 5, 1500), (1500,)), ((1, 70, 768), (768,)), ((2, 50, 24), (24,))]
 
 
 def _oracle(x, o, shape, eps, center):
@@ -74,6 +76,36 @@ def test_rms_norm_per_sample_grads(tools, gen, shapes, eps, dtype):
     x = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 1
     o = tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)
     _check(tools, x, o, nn.RMSNorm(shape, eps=eps), False, f"rms norm {x_shape} {dtype} eps={eps}")
+
+
+def test_positions_are_split_among_programs_where_the_batch_leaves_the_gpu_idle(monkeypatch):
+    """One program per sample where the batch reaches every multiprocessor; else each sample's
+    positions split among programs, at least MIN_SPLIT_ROWS each, a whole number of row tiles."""
+    cpu = torch.device("cpu")
+    assert norm_grads._splits(8, 512, 4, cpu) == (32, 16, 4)     # GPT-2 small at (8, 512, 768)
+    assert norm_grads._splits(32, 128, 4, cpu) == (8, 16, 4)     # BERT-base at (32, 128, 768)
+    assert norm_grads._splits(64, 197, 4, cpu) == (5, 40, 4)     # ViT-B/16: four splits of 40, one of 37
+    assert norm_grads._splits(256, 128, 4, cpu) == (1, 128, 4)   # a batch of one program per multiprocessor
+    assert norm_grads._splits(2, 9, 128, cpu) == (1, 9, 16)      # too short to split
+    monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", 4)
+    assert norm_grads._splits(1, 100, 128, cpu) == (7, 16, 16)   # 8 programs wanted, 16 rows each at least
+
+
+@pytest.mark.parametrize("sms", [1, 4, 1000])
+@pytest.mark.parametrize("center", [True, False])
+def test_split_and_unsplit_launches_equal_the_oracle_and_repeat_bit_for_bit(tools, gen, monkeypatch, sms, center):
+    """The same rows summed by one program per sample (sms = 1), in a few splits and in many: each
+    equals the float64 oracle (1, 3 and 5 splits of 70 positions), and a second launch returns the
+    same bits (no atomics)."""
+    monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", sms)
+    x = tools.randn(gen, 3, 70, 48, dtype=torch.bfloat16, device=tools.device) * 2 - 1
+    o = tools.randn(gen, 3, 70, 48, dtype=torch.bfloat16, device=tools.device)
+    module = nn.LayerNorm(48) if center else nn.RMSNorm(48)
+    _check(tools, x, o, module, center, f"sms={sms} center={center}")
+    launcher = norm_grads.layer_norm_per_sample_grads if center else norm_grads.rms_norm_per_sample_grads
+    first, again = launcher(x, o, module), launcher(x, o, module)
+    for key in first:
+        assert torch.equal(first[key], again[key]), key
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
