@@ -13,8 +13,9 @@ elements run here and longer ones run the reference. Where the batch alone gives
 programs, one program per sample keeps the sums in registers and writes the gradients. Where it
 does not (GPT-2's 8 samples of 512 positions, or BERT's 32 of 128, on a GPU of 132
 multiprocessors), each sample's positions are split among programs (``_splits``): each writes
-its fp32 partial sums, and a second launch adds them in a fixed order and rounds them to the
-output dtype once. Neither uses atomics, so the result is deterministic. One program per sample
+its fp32 partial sums, and torch's sum over the splits adds them (one op, cheaper for the host to
+issue than a second Triton launch; two in fp16/bf16, whose result is rounded once to the output
+dtype). Neither uses atomics, so the result is deterministic. One program per sample
 ran 0.40-0.43x torch's reference at GPT-2's shapes and 0.71-0.88x at ViT-B/16's on an H200,
 1.05-1.24x at BERT-base's (bench/results/bench_kernels-NVIDIA_H200.json, 2026-11-29): the time of
 a program walking all 512 positions of its sample while most of the GPU idled.
@@ -53,7 +54,7 @@ def _norm_affine_grads_kernel(x_ptr, o_ptr, out_ptr, T, N, eps,
                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     # program (sample, split) sums positions [split·ROWS, (split + 1)·ROWS) of its sample into row
     # (split, sample) of out: the gradients themselves when SPLITS = 1, else fp32 partial sums
-    # (SPLIT_STRIDE apart) that _sum_splits_kernel adds; the bias's follow the weight's, PLANE further
+    # (SPLIT_STRIDE apart) that torch adds; the bias's follow the weight's, PLANE further
     pid = tl.program_id(0)
     sample = (pid // SPLITS).to(tl.int64)
     split = pid % SPLITS
@@ -81,19 +82,6 @@ def _norm_affine_grads_kernel(x_ptr, o_ptr, out_ptr, T, N, eps,
     tl.store(base, acc_w.to(out_ptr.dtype.element_ty), mask=in_n)
     if HAS_BIAS:
         tl.store(base + PLANE, acc_b.to(out_ptr.dtype.element_ty), mask=in_n)
-
-
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, SPLITS, M, BLOCK: tl.constexpr):
-    # out[m] = Σ_s partial[s, m] in fp32, s in order, rounded once to out's dtype
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < M
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    ptrs = partial_ptr + offs
-    for _ in range(0, SPLITS):
-        acc += tl.load(ptrs, mask=inside, other=0.0)
-        ptrs += M
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 # Programs a launch should give the GPU, per multiprocessor (a few resident at once hide latency)
@@ -144,15 +132,18 @@ def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: 
         T, block_n = x3.shape[1], block(N, 16, MAX_N)
         splits, rows, block_t = _splits(B, T, max(1, 4096 // block_n), x.device)
         M = out.numel()
-        # SPLITS > 1: fp32 partial sums, (splits, planes, B, N), added by a second launch
+        # SPLITS > 1: fp32 partial sums, (splits, planes, B, N), added by torch
         into = out if splits == 1 else new_buffer((splits, M), torch.float32, x.device)
         with device_guard(x):
             _norm_affine_grads_kernel[(B * splits,)](
                 x3, o3, into, T, N, eps, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), rows, splits,
                 B * N, M, CENTER=center, HAS_BIAS=with_bias, BLOCK_T=block_t, BLOCK_N=block_n,
                 num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16)
-            if splits > 1:
-                _sum_splits_kernel[(-(-M // 1024),)](into, out, splits, M, BLOCK=1024, num_warps=4)
+        if splits > 1:  # torch's sum over dim 0: a fixed order (no atomics), one rounding to x's dtype
+            if out.dtype == torch.float32:
+                torch.sum(into, 0, out=out.view(M))
+            else:
+                out.view(M).copy_(into.sum(0))
     return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
 
 

@@ -95,7 +95,7 @@ def test_positions_are_split_among_programs_where_the_batch_leaves_the_gpu_idle(
 @pytest.mark.parametrize("center", [True, False])
 def test_split_and_unsplit_launches_equal_the_oracle_and_repeat_bit_for_bit(tools, gen, monkeypatch, sms, center):
     """The same rows summed by one program per sample (sms = 1), in a few splits and in many: each
-    equals the float64 oracle (1, 3 and 5 splits of 70 positions), and a second launch returns the
+    equals the float64 oracle (1, 3 and 5 splits of 70 positions), and a second call returns the
     same bits (no atomics)."""
     monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", sms)
     x = tools.randn(gen, 3, 70, 48, dtype=torch.bfloat16, device=tools.device) * 2 - 1
