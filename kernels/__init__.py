@@ -20,8 +20,14 @@ import. Every launcher is a drop-in for the plain-torch ``<op>_reference`` of th
 from .conv_norms import conv_weight_sq_norms
 from .noise import add_noise_
 from .norm_grads import group_norm_affine_grads, layer_norm_per_sample_grads, rms_norm_per_sample_grads
-from .norms import bias_sq_norms, embedding_sq_norms, linear_sq_norms_rounding, linear_weight_sq_norms
+from .norms import (
+    bias_sq_norms,
+    embedding_sq_norms,
+    linear_sq_norms_grouped,
+    linear_sq_norms_rounding,
+    linear_weight_sq_norms,
+)
 
 __all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "group_norm_affine_grads",
            "layer_norm_per_sample_grads",
-           "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]
+           "linear_sq_norms_grouped", "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]

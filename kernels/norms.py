@@ -31,6 +31,7 @@ from pdpfast.ops.embedding import embedding_sq_norms_reference
 from pdpfast.ops.linear import (
     bias_sq_norms_reference,
     kernel_uses_gram,
+    linear_sq_norms_grouped_reference,
     linear_sq_norms_reference,
     linear_sq_norms_rounding_reference,
 )
@@ -44,24 +45,16 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Linear, Gram ("ghost") path: ‖G_i‖² = Σ_{s,t} (a_i a_iᵀ)_{st} (o_i o_iᵀ)_{st}
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _linear_gram_sq_norms_kernel(
-        a_ptr, o_ptr, partial_ptr, T, D, P,
-        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
-        N_TILES, N_SHIFTS, N_PARTIALS, U,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
-    # Both Grams are symmetric, so only tile pairs {s, t} are visited, each once: program
-    # (sample, s, shift) takes t = (s + shift) mod n. Shifts 0..n//2 cover every unordered pair
-    # once, except that for an even n the shift n/2 meets each pair twice; one copy is dropped.
-    # ROUNDING: the diagonal programs (shift 0) also write U·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) of their
-    # rows, read off the Grams' diagonals, N_PARTIALS further on (0 from the other programs).
-    pid = tl.program_id(0)
-    shift = pid % N_SHIFTS
-    tile_s = (pid // N_SHIFTS) % N_TILES
-    sample = (pid // (N_SHIFTS * N_TILES)).to(tl.int64)
+def _gram_pair(a_base, o_base, T, D, P, stride_at, stride_ad, stride_ot, stride_op, tile_s, shift, N_TILES,
+               BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
+    # One sample's tile pair {s, t = (s + shift) mod n} of Σ_{s,t} (a aᵀ)_{st} (o oᵀ)_{st}, and with
+    # ROUNDING, on the diagonal pair (shift 0), Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) over tile s's rows.
+    # Both Grams are symmetric, so only tile pairs {s, t} are visited, each once: shifts 0..n//2
+    # cover every unordered pair once, except that for an even n the shift n/2 meets each pair
+    # twice; one copy is dropped.
     tile_t = (tile_s + shift) % N_TILES
     keep = (2 * shift != N_TILES) | (tile_s < shift)
-
     rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     in_s = rows_s < T
@@ -69,7 +62,6 @@ def _linear_gram_sq_norms_kernel(
     product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     terms = tl.zeros([BLOCK_T], dtype=tl.float32)
     if keep:
-        a_base = a_ptr + sample * stride_ab
         gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for start in range(0, D, BLOCK_D):
             cols = start + tl.arange(0, BLOCK_D)
@@ -79,7 +71,6 @@ def _linear_gram_sq_norms_kernel(
             x_t = tl.load(a_base + cols[:, None] * stride_ad + rows_t[None, :] * stride_at,
                           mask=in_d[:, None] & in_t[None, :], other=0.0)
             gram_a = _dot(x_s, x_t, gram_a, DOT_PRECISION, UPCAST)
-        o_base = o_ptr + sample * stride_ob
         gram_o = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for start in range(0, P, BLOCK_P):
             cols = start + tl.arange(0, BLOCK_P)
@@ -99,9 +90,57 @@ def _linear_gram_sq_norms_kernel(
                 sq_a = tl.sum(tl.where(on_diag, gram_a, 0.0), axis=1)
                 sq_o = tl.sum(tl.where(on_diag, gram_o, 0.0), axis=1)
                 terms = tl.sqrt_rn(sq_a) * tl.sqrt_rn(sq_o)  # correctly rounded: tl.sqrt is approximate on a GPU
-    tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
+    return tl.sum(tl.sum(product, axis=1), axis=0), tl.sum(terms, axis=0)
+
+
+@triton.jit
+def _linear_gram_sq_norms_kernel(
+        a_ptr, o_ptr, partial_ptr, T, D, P,
+        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
+        N_TILES, N_SHIFTS, N_PARTIALS, U,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
+    # program (sample, s, shift) takes the tile pair {s, (s + shift) mod n} (``_gram_pair``).
+    # ROUNDING: the diagonal programs (shift 0) also write U·Σ_t ‖o_t‖·√(‖a_t‖² [+ 1]) of their
+    # rows, read off the Grams' diagonals, N_PARTIALS further on (0 from the other programs).
+    pid = tl.program_id(0)
+    shift = pid % N_SHIFTS
+    tile_s = (pid // N_SHIFTS) % N_TILES
+    sample = (pid // (N_SHIFTS * N_TILES)).to(tl.int64)
+    norm, terms = _gram_pair(a_ptr + sample * stride_ab, o_ptr + sample * stride_ob, T, D, P, stride_at, stride_ad,
+                             stride_ot, stride_op, tile_s, shift, N_TILES, BLOCK_T, BLOCK_D, BLOCK_P, DOT_PRECISION,
+                             UPCAST, HAS_BIAS, ROUNDING)
+    tl.store(partial_ptr + pid, norm)
     if ROUNDING:
-        tl.store(partial_ptr + N_PARTIALS + pid, U * tl.sum(terms, axis=0))
+        tl.store(partial_ptr + N_PARTIALS + pid, U * terms)
+
+
+@triton.jit
+def _linear_gram_sq_norms_grouped_kernel(
+        a_ptr, o_ptr, offsets_ptr, partial_ptr, T, D, P,
+        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
+        N_TILES, N_SHIFTS, N_CALLS, N_PARTIALS, U,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGN_A: tl.constexpr,
+        ALIGN_O: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUNDING: tl.constexpr):
+    # N_CALLS calls of one shape in one launch: call c's input and output gradient start
+    # offsets[c] and offsets[N_CALLS + c] elements past a_ptr and o_ptr (each a multiple of ALIGN_A,
+    # ALIGN_O: 16 bytes). Program ((sample, c), s, shift) writes at its own index, so the partial
+    # sums are (B, N_CALLS, K), K = N_TILES·N_SHIFTS, as each call's launch would write them.
+    pid = tl.program_id(0)
+    shift = pid % N_SHIFTS
+    tile_s = (pid // N_SHIFTS) % N_TILES
+    row = pid // (N_SHIFTS * N_TILES)
+    call = row % N_CALLS
+    sample = (row // N_CALLS).to(tl.int64)
+    a_offset = tl.multiple_of(tl.load(offsets_ptr + call), ALIGN_A)
+    o_offset = tl.multiple_of(tl.load(offsets_ptr + N_CALLS + call), ALIGN_O)
+    norm, terms = _gram_pair(a_ptr + a_offset + sample * stride_ab, o_ptr + o_offset + sample * stride_ob, T, D, P,
+                             stride_at, stride_ad, stride_ot, stride_op, tile_s, shift, N_TILES, BLOCK_T, BLOCK_D,
+                             BLOCK_P, DOT_PRECISION, UPCAST, HAS_BIAS, ROUNDING)
+    tl.store(partial_ptr + pid, norm)
+    if ROUNDING:
+        tl.store(partial_ptr + N_PARTIALS + pid, U * terms)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,6 +349,74 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
             return (torch.cat([partials, bias_sq_norms(o).unsqueeze(1)], 1) if with_bias else partials), None
         out = sum_partials(partials)
         return (out.add_(bias_sq_norms(o)) if with_bias else out), None
+
+
+def _gram_groups(a: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Where calls' norms group into one launch: the Gram path of ``linear_weight_sq_norms`` (decided
+    on the first call's (a, o); the others share its shape)."""
+    if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype != a.dtype:
+        return False
+    T = o.shape[1]
+    return T > 1 and kernel_uses_gram(T, a.shape[-1], o.shape[-1])
+
+
+def _offsets(tensors: list, align: int) -> list | None:
+    """Each tensor's start in elements past the first's, or None unless every start is ``align``-byte aligned."""
+    size = tensors[0].element_size()
+    ptrs = [t.data_ptr() for t in tensors]
+    if any(ptr % align for ptr in ptrs):
+        return None
+    return [(ptr - ptrs[0]) // size for ptr in ptrs]
+
+
+@register("linear_sq_norms_grouped", when=_gram_groups)
+def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
+    """Squared norms (and rounding bounds) of n linear calls of one shape, strides and dtype on the
+    Gram path, from one launch: program ((sample, call), s, shift) finds its call's tensors at an
+    offset from the first call's, read from a table of the n calls' offsets.
+
+    One launch instead of n: on an H200 a norm kernel's launch took ~0.13-0.17 ms of host time
+    against 0.01-0.04 ms of GPU time at BERT's and GPT-2's calls (bench_kernels-NVIDIA_H200.json,
+    eager against graph times), so an eager step's many same-shape calls were host-bound.
+
+    Args:
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one shape, strides
+            and dtype (the caller groups them so), fp32/fp16/bf16.
+        with_bias: the calls' bias is among their parameters.
+        u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
+    Returns:
+        (sq, rho): sq (B, n·K) fp32, the launch's partial sums, whose rows sum to the calls' total
+        squared norms; rho (B, n) fp32, each call's ρ_i, or None where ``u`` is 0. Calls whose
+        tensors do not all start on 16-byte boundaries run the reference (one launch each).
+    """
+    a0, o0 = calls[0]
+    B, T, D = a0.shape
+    P = o0.shape[-1]
+    n = len(calls)
+    a_offsets, o_offsets = _offsets([a for a, _ in calls], 16), _offsets([o for _, o in calls], 16)
+    if a_offsets is None or o_offsets is None or B == 0:
+        return linear_sq_norms_grouped_reference(calls, with_bias, u)
+    rounding = bool(u)
+    flags = dot_flags(a0.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a0.is_cuda)
+    if rounding and a0.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
+        u *= 1 + 2.0 ** -8  # as in _linear_norms: ‖a_t‖², ‖o_t‖² from TF32 products
+    block_t = block(T, 16, 64)
+    n_tiles = cdiv(T, block_t)
+    n_shifts = n_tiles // 2 + 1
+    K = n_tiles * n_shifts
+    programs = B * n * K
+    offsets = torch.tensor(a_offsets + o_offsets, dtype=torch.int64)
+    if a0.is_cuda:  # from pinned memory the copy is queued, not waited for
+        offsets = offsets.pin_memory().to(a0.device, non_blocking=True)
+    partials = new_buffer(((2 if rounding else 1) * programs,), torch.float32, a0.device)
+    with device_guard(a0):
+        _linear_gram_sq_norms_grouped_kernel[(programs,)](
+            a0, o0, offsets, partials, T, D, P, *_strides(a0), *_strides(o0), n_tiles, n_shifts, n, programs,
+            u or 0.0, BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64),
+            ALIGN_A=16 // a0.element_size(), ALIGN_O=16 // o0.element_size(), HAS_BIAS=with_bias,
+            ROUNDING=rounding, num_warps=4, **flags)
+    sq = partials[:programs].view(B, n * K)
+    return sq, (partials[programs:].view(B, n, K).sum(2) if rounding else None)
 
 
 # ----------------------------------------------------------------------------------------------

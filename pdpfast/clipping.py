@@ -1037,10 +1037,15 @@ class ClippingState:
             elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
-                # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
-                sq, rho = _norms_and_rounding(layer, normal, x, o, parts=True)
-                self._add_sq(sq)
-                self._add_rounding(rho)
+                grouped = layer.rule.grouped
+                group = None if grouped is None else grouped.key(layer.module, x, o, normal)
+                if group is not None:  # norms at the end of the backward, one launch for all same-shape calls
+                    self._groups.setdefault((grouped, group), []).append((layer, x, o, normal))
+                else:
+                    # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
+                    sq, rho = _norms_and_rounding(layer, normal, x, o, parts=True)
+                    self._add_sq(sq)
+                    self._add_rounding(rho)
                 self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
@@ -1297,6 +1302,15 @@ class ClippingState:
             self._add_sq(sq.sum(0))
             if rho is not None:
                 self._add_rounding(torch.linalg.vector_norm(rho, dim=0))
+        for (grouped, _), calls in self._groups.items():
+            if len(calls) == 1:
+                layer, x, o, names = calls[0]
+                sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
+            else:
+                sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, x, o, names in calls],
+                                                     not _rounds_finely(calls[0][2]))
+            self._add_sq(sq)
+            self._add_rounding(rho)
         packs, rest = self._packed(list(self._materialized))
         total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)
@@ -1558,6 +1572,7 @@ class ClippingState:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
+        self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

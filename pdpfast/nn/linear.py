@@ -14,7 +14,7 @@ from torch import nn
 
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, Stacked, register_layer, scaling_roundoff
+from .rules import Grouped, LayerRule, Stacked, register_layer, scaling_roundoff
 
 
 class _FlatLinear(DPModule):
@@ -206,8 +206,26 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         return sq.view(n, B), (None if rho is None else rho.view(n, B))
 
     stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
+
+    # large calls of one shape (the projections of every transformer block) take one norm launch
+    def group_key(m, x, o, names):
+        if weight not in names or not x.is_floating_point():
+            return None
+        a, g = as_btd(x, o)
+        if not lin_ops.groups_norms(a, g):
+            return None
+        return a.shape, a.stride(), g.shape, g.stride(), g.dtype, g.device, bias in names
+
+    def grouped_norms_and_rounding(calls, bound):
+        names = calls[0][3]
+        pairs = [as_btd(x, o) for _, x, o, _ in calls]
+        u = scaling_roundoff(pairs[0][1], torch.backends.cuda.matmul.allow_tf32) if bound else 0.0
+        sq, rho = lin_ops.linear_sq_norms_grouped(pairs, bias in names, u)
+        return sq, (None if rho is None else torch.linalg.vector_norm(rho, dim=1))
+
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
-                     sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True)
+                     sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True,
+                     grouped=Grouped(group_key, grouped_norms_and_rounding))
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

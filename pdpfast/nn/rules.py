@@ -136,6 +136,27 @@ class Stacked:
 
 
 @dataclass(frozen=True)
+class Grouped:
+    """How large same-shape calls of a layer family compute their norms together, in one launch and
+    without copying them (book-keeping holds every call's input and output gradient to the end of the
+    backward anyway): the host issues one launch where it issued one per call.
+
+    A call is (module, x, o, names) as a rule sees it (see the module docstring).
+
+    Args:
+        key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
+            (calls with equal keys must share shapes, strides, dtype and device).
+        norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
+            rho): sq (B, M) partial sums whose rows sum to the calls' total per-sample squared norms;
+            rho (B,) the calls' ``LayerRule.rounding`` bounds in quadrature, or None where not
+            ``bound`` or where they add nothing.
+    """
+
+    key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
+    norms_and_rounding: Callable[[list, bool], tuple]
+
+
+@dataclass(frozen=True)
 class LayerRule:
     """The per-sample gradient math of a layer family; a rule works on one call (module, x, o).
 
@@ -180,6 +201,8 @@ class LayerRule:
             (the norms and bounds they come from) and computes them in the op that applies them
             (``pdpfast.ops.clip.clip_scale``): per-layer clipping then hands a call its weights
             uncomputed, one op where three ran.
+        grouped: how calls computed on their own (too large to stack) compute their norms together
+            (``Grouped``) in flat clipping, or None.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -194,6 +217,7 @@ class LayerRule:
     sq_norms_rounding: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], tuple] | None = None
     norm_parts: bool = False
     pending_weights: bool = False
+    grouped: Grouped | None = None
 
     def __post_init__(self):
         missing_rounding = self.rounding is not None and self.sq_norms_rounding is None

@@ -324,9 +324,59 @@ def linear_sq_norms_rounding_reference(a: torch.Tensor, o: torch.Tensor, with_bi
     return linear_sq_norms(a, o, with_bias), scaled_sum_rounding(a, o, with_bias, u)
 
 
+def linear_sq_norms_grouped_reference(calls: list, with_bias: bool, u: float = 0.0):
+    """Squared norms (and rounding bounds) of n linear calls of one shape, one call at a time.
+
+    Args:
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients), all of one shape and dtype.
+        with_bias: the calls' bias is among their parameters.
+        u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
+    Returns:
+        (sq, rho): sq (B, n), each call's per-sample squared norms (their row sums are the calls'
+        total); rho (B, n), each call's ρ_i (``scaled_sum_rounding``), or None where ``u`` is 0.
+    """
+    if u:
+        pairs = [linear_sq_norms_rounding(a, o, with_bias, u) for a, o in calls]
+        return torch.stack([sq for sq, _ in pairs], 1), torch.stack([rho for _, rho in pairs], 1)
+    return torch.stack([linear_sq_norms(a, o, with_bias) for a, o in calls], 1), None
+
+
 _LINEAR_WEIGHT_SQ_NORMS = declare("linear_weight_sq_norms", linear_weight_sq_norms_reference)
 _BIAS_SQ_NORMS = declare("bias_sq_norms", bias_sq_norms_reference)
 _LINEAR_SQ_NORMS_ROUNDING = declare("linear_sq_norms_rounding", linear_sq_norms_rounding_reference)
+_LINEAR_SQ_NORMS_GROUPED = declare("linear_sq_norms_grouped", linear_sq_norms_grouped_reference)
+
+
+def groups_norms(a: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether a linear call's norms would take the grouped kernel (``linear_sq_norms_grouped``):
+    where the norm kernel's Gram path runs, on a GPU outside a CUDA graph capture (the launch copies
+    the calls' offsets from the host: a captured step has no host work to save anyway).
+
+    Args:
+        a: (B, T, d) the call's input; o: (B, T, p) its output gradient.
+    Returns:
+        a bool.
+    """
+    if _LINEAR_SQ_NORMS_GROUPED.pick(a, o) is _LINEAR_SQ_NORMS_GROUPED.reference:
+        return False
+    return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
+    """Squared norms (and rounding bounds) of n linear calls of one shape, strides and dtype, from
+    one kernel launch where ``groups_norms`` holds for them, instead of one per call.
+
+    Args:
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one shape, strides and dtype.
+        with_bias: the calls' bias is among their parameters.
+        u: the unit roundoff of the clipped sums' row scaling (``pdpfast.nn.rules.scaling_roundoff``);
+            0: no rounding bound.
+    Returns:
+        (sq, rho): sq (B, M) partial sums whose rows sum to the calls' total squared norms (M = n
+        from the reference, n·K from the kernel); rho (B, n), each call's ρ_i, or None where ``u`` is 0.
+    """
+    a, o = calls[0]
+    return _LINEAR_SQ_NORMS_GROUPED.pick(a, o)(calls, with_bias, u)
 
 
 def linear_weight_sq_norms(a: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

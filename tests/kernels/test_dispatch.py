@@ -104,6 +104,16 @@ def _linear_rounding_case(tools, gen):  # a Gram-path call: norms and ρ from on
             tools.randn(gen, 3, 7, 65, dtype=torch.bfloat16, device=tools.device), True, 2.0 ** -8), None
 
 
+def _linear_grouped_case(tools, gen):  # four Gram-path calls of one shape, one launch
+    calls = [[tools.randn(gen, 3, 7, 64, dtype=torch.bfloat16, device=tools.device),
+              tools.randn(gen, 3, 7, 64, dtype=torch.bfloat16, device=tools.device)] for _ in range(4)]
+
+    def alike(fast, slow):  # the kernel's (B, n·K) partial sums, the reference's (B, n) norms
+        torch.testing.assert_close(fast[0].sum(1), slow[0].sum(1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast[1], slow[1], rtol=1e-5, atol=0)
+    return (calls, True, 2.0 ** -8), alike
+
+
 def _conv_case(tools, gen):
     module = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(tools.device)
     x_pad = ops.conv.conv_pad(tools.randn(gen, 2, 3, 9, 7, device=tools.device), module)
@@ -142,6 +152,7 @@ def _noise_case(tools, gen):
 CASES = {
     "linear_weight_sq_norms": _linear_case,
     "linear_sq_norms_rounding": _linear_rounding_case,
+    "linear_sq_norms_grouped": _linear_grouped_case,
     "conv_weight_sq_norms": _conv_case,
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,

@@ -349,3 +349,72 @@ def test_rounding_bound_adds_no_launch_to_the_norm_kernel(tools, gen, T):
         lin_ops.linear_sq_norms_rounding_reference(a, o, True, 2.0 ** -8)
     assert both.ops == norms_only.ops
     assert len(apart.ops) >= len(both.ops) + 3
+
+
+def _grouped_calls(tools, gen, n, shape, dtype, misaligned=False):
+    """n calls of one shape: the first ones views into one buffer (offsets past the first call, some
+    of them negative), the last a tensor of its own; ``misaligned``: the views start 2 elements apart
+    from 16-byte boundaries."""
+    B, T, d, p = shape
+    shift = 1 if misaligned else 0
+    buf_a = tools.randn(gen, n * B * T * d + 8, dtype=dtype, device=tools.device)
+    buf_o = tools.randn(gen, n * B * T * p + 8, dtype=dtype, device=tools.device)
+    # call 0 is the last slot of the buffers, so the others lie before it
+    order = [n - 2, *range(n - 2)] if n > 1 else []
+    calls = [(buf_a[shift + i * B * T * d:][:B * T * d].view(B, T, d), buf_o[i * B * T * p:][:B * T * p].view(B, T, p))
+             for i in order]
+    calls.append((tools.randn(gen, B, T, d, dtype=dtype, device=tools.device),
+                  tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)))
+    return calls
+
+
+# Gram-path shapes (the kernel groups only those): one T-tile, two (K = 4), wide d and p
+GROUPED_SHAPES = [(3, 7, 64, 64), (2, 65, 200, 136), (1, 2, 520, 8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("u", [0.0, 2.0 ** -8])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("shape", GROUPED_SHAPES, ids=str)
+def test_grouped_linear_norms_equal_one_launch_per_call(tools, gen, shape, n, u, with_bias, dtype):
+    """One launch for n same-shape calls gives each call's norms as its own launch does (the same
+    programs, at an offset from the first call's tensors), their sum within fp32 summation of the
+    float64 oracle, and each call's ρ bit for bit."""
+    from pdpfast.ops.linear import kernel_uses_gram, linear_sq_norms_grouped_reference, linear_sq_norms_reference
+
+    B, T, d, p = shape
+    assert kernel_uses_gram(T, d, p)
+    calls = _grouped_calls(tools, gen, n, shape, dtype)
+    sq, rho = norms.linear_sq_norms_grouped(calls, with_bias, u)
+    K = sq.shape[1] // n
+    assert sq.dtype == torch.float32 and sq.shape == (B, n * K) and K == (1 if T <= 64 else 4)
+    ref_sq, ref_rho = linear_sq_norms_grouped_reference(calls, with_bias, u)
+    per_call = sq.view(B, n, K).sum(2)
+    for c, (a, o) in enumerate(calls):
+        exact = linear_sq_norms_reference(a.double(), o.double(), with_bias)
+        scale = _linear_scale(a, o) + (o.double().sum(1).norm(dim=-1) ** 2 if with_bias else 0)
+        rtol = ACC_RTOL + _tensor_core_rtol(a, o)
+        tools.check(per_call[:, c], ref_sq[:, c], exact, atol=rtol * scale + 1e-30, what=f"call {c} {shape} {dtype}")
+    if u:
+        assert rho.shape == (B, n) and torch.equal(rho, ref_rho)
+    else:
+        assert rho is None and ref_rho is None
+
+
+def test_grouped_linear_norms_of_misaligned_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
+    """Calls whose tensors do not all start on 16-byte boundaries (the table's offsets would break the
+    kernel's alignment assumption) and empty batches take the reference, with its results."""
+    from pdpfast.ops import linear as lin_ops
+
+    seen = []
+    reference = lin_ops.linear_sq_norms_grouped_reference
+    monkeypatch.setattr(norms, "linear_sq_norms_grouped_reference",
+                        lambda *args: (seen.append(len(args[0])), reference(*args))[1])
+    calls = _grouped_calls(tools, gen, 3, (2, 7, 64, 64), torch.bfloat16, misaligned=True)
+    assert calls[1][0].data_ptr() % 16
+    sq, rho = norms.linear_sq_norms_grouped(calls, True, 2.0 ** -8)
+    assert seen == [3] and sq.shape == (2, 3) and rho.shape == (2, 3)
+    empty = [(torch.zeros(0, 7, 64, device=tools.device), torch.zeros(0, 7, 64, device=tools.device))] * 2
+    sq, rho = norms.linear_sq_norms_grouped(empty, False)
+    assert seen == [3, 2] and sq.shape == (0, 2) and rho is None
