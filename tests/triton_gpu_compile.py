@@ -197,7 +197,7 @@ def kernel_calls() -> None:
         first_of_path = set()
         for B, T, d, p in linear_shapes:
             a, o = _e(B, T, d, dtype=dtype), _e(B, T, p, dtype=dtype)
-            path = "rank_one" if T == 1 else "gram" if norms.use_gram(T, d, p) else "direct"
+            path = "rank_one" if T == 1 else "gram" if norms.kernel_uses_gram(T, d, p) else "direct"
             every_flag = path not in first_of_path
             first_of_path.add(path)
             for with_bias in (False, True) if every_flag else (True,):
@@ -205,13 +205,19 @@ def kernel_calls() -> None:
                     norms.linear_weight_sq_norms(a, o, with_bias=with_bias)
                 if path != "direct":
                     norms.linear_sq_norms_rounding(a, o, with_bias, 2.0 ** -8)
+        # book-keeping's grouped norms of same-shape Gram-path calls: BERT-base's 768→768 and a short one
+        for B, T, d, p in [(2, 128, 768, 768), (2, 8, 16, 64)]:
+            calls = [(_e(B, T, d, dtype=dtype), _e(B, T, p, dtype=dtype)) for _ in range(3)]
+            for with_bias, u in ((False, 0.0), (True, 0.0), (True, 2.0 ** -8)):
+                norms.linear_sq_norms_grouped(calls, with_bias, u)
         for B, T, p in [(2, 8, 16), (2, 128, 768), (2, 3, 5)]:
             norms.bias_sq_norms(_e(B, T, p, dtype=dtype))
             ids = torch.zeros(B, T, dtype=torch.int64)
             for padding_idx in (None, 0):
                 norms.embedding_sq_norms(ids, _e(B, T, p, dtype=dtype), 100, padding_idx)
-    # LayerNorm (with and without bias) and RMSNorm rows: BERT's (N = 768, row tiles of 4), a narrow
-    # one (many rows a tile), LLaMA-7B's and the widest the kernel takes (8 and 16 warps), one position
+    # LayerNorm (with and without bias) and RMSNorm rows: BERT's (N = 768, row tiles of 4, positions
+    # split among programs), a narrow one (many rows a tile), LLaMA-7B's and the widest the kernel
+    # takes (8 and 16 warps), one position (one program per sample)
     for dtype in dtypes:
         for B, T, N in [(2, 128, 768), (2, 8, 16), (2, 64, 4096), (2, 4, 8192), (2, 1, 33)]:
             x = _e(B, T, N, dtype=dtype)
