@@ -385,9 +385,9 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
-        (sq, rho): sq (B, n·K) fp32, the launch's partial sums, whose rows sum to the calls' total
-        squared norms; rho (B, n) fp32, each call's ρ_i, or None where ``u`` is 0. Calls whose
-        tensors do not all start on 16-byte boundaries run the reference (one launch each).
+        (sq, rho): sq (B, n, K) fp32, the launch's partial sums, whose sums over K are each call's
+        per-sample squared norms; rho (B, n) fp32, each call's ρ_i, or None where ``u`` is 0. Calls
+        whose tensors do not all start on 16-byte boundaries run the reference (one launch each).
     """
     a0, o0 = calls[0]
     B, T, D = a0.shape
@@ -415,8 +415,7 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
             u or 0.0, BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64),
             ALIGN_A=16 // a0.element_size(), ALIGN_O=16 // o0.element_size(), HAS_BIAS=with_bias,
             ROUNDING=rounding, num_warps=4, **flags)
-    sq = partials[:programs].view(B, n * K)
-    return sq, (partials[programs:].view(B, n, K).sum(2) if rounding else None)
+    return partials[:programs].view(B, n, K), (partials[programs:].view(B, n, K).sum(2) if rounding else None)
 
 
 # ----------------------------------------------------------------------------------------------

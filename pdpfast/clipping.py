@@ -1052,23 +1052,25 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
+        self._queue_finish(self._finish_per_layer)
         if k in self._reused_groups():
             # tied across layers or calls, or one host's parameters in separate calls: the group's
             # per-sample gradient is formed from all of them
+            self._flush_run()
             self._materialize(layer, names, x, o, reused=True)
-            self._queue_finish(self._finish_per_layer)
             return
         key, stacked, nbytes = self._stack_key(layer, names, x, o)
         if key is not None:
             # a small call is host-bound: held briefly and clipped with its same-shape peers (per-layer
             # weights need only the call's own norms, so the buffer can be flushed at any point)
+            self._flush_run()
             self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, names))
             self._stack_bytes += nbytes
             if self._stack_bytes > STACK_BYTES:
                 self._flush_per_layer_stacks()
-            self._queue_finish(self._finish_per_layer)
             return
         if layer.rule.materializes_call(layer.module, x, o, kept=False):  # form them once, clip them now
+            self._flush_run()
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             nbytes = sum(g.numel() * g.element_size() for g in grads)
@@ -1077,7 +1079,6 @@ class ClippingState:
                 params = layer.module._parameters
                 self._materialized.update((params[n], g) for n, g in zip(names, grads))
                 self._held_bytes += nbytes
-                self._queue_finish(self._finish_per_layer)
                 return
             sq = sq_norms_of(grads)
             weights = self._group_weights(sq, k, *grads)
@@ -1085,16 +1086,52 @@ class ClippingState:
             for n, g in zip(names, grads):
                 self._accumulate_param(params[n], weighted_sum(weights, g))
             workspace.recycle(grads)
-        else:
-            # partial sums where the norm kernel leaves them: the clip-weight call sums them, and where
-            # the rule takes them, the weights are computed by the op that scales the clipped sum's rows
-            sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
-            weights = self._group_weights(sq, k, o, rounding=rho, parts=sq.dim() == 2,
+            self._add_group_sq(k, sq)
+            self._add_sq(sq)
+            return
+        grouped = layer.rule.grouped
+        group = None if grouped is None else grouped.key(layer.module, x, o, names)
+        if self._run and (group is None or (grouped, group) != self._run_key):
+            self._flush_run()
+        if group is not None:
+            # held until a call that does not join them: consecutive same-shape calls (a transformer
+            # block's attention projections) take one norm launch, and are clipped then, each on its own
+            self._run_key = (grouped, group)
+            self._run.append((layer, names, x, o))
+            return
+        self._clip_call(layer, names, x, o)
+
+    def _clip_call(self, layer: _Layer, names: tuple, x, o) -> None:
+        """Per-layer clipping of one large call from its norms (and ρ): partial sums where the norm
+        kernel leaves them, summed by the clip-weight call, and where the rule takes them, the weights
+        computed by the op that scales the clipped sum's rows."""
+        sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
+        weights = self._group_weights(sq, layer.group, o, rounding=rho, parts=sq.dim() == 2,
+                                      pending=layer.rule.pending_weights)
+        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+        self._add_group_sq(layer.group, sq)
+        self._add_sq(sq)
+
+    def _flush_run(self) -> None:
+        """Per-layer clipping of the held run of consecutive same-shape calls (``Grouped``): their
+        norms (and ρ) from one launch, then each call's weights and clipped sum."""
+        run, self._run, self._run_key = self._run, [], None
+        if len(run) <= 1:
+            for call in run:
+                self._clip_call(*call)
+            return
+        grouped = run[0][0].rule.grouped
+        sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, names, x, o in run],
+                                             not _rounds_finely(run[0][3]))
+        sq = sq.sum(2)  # (B, n): each call's norms
+        rows = sq.t().contiguous()
+        rho = None if rho is None else rho.t().contiguous()
+        for c, (layer, names, x, o) in enumerate(run):
+            weights = self._group_weights(rows[c], layer.group, o, rounding=None if rho is None else rho[c],
                                           pending=layer.rule.pending_weights)
             self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
-        self._add_group_sq(k, sq)
+            self._add_group_sq(layer.group, rows[c])
         self._add_sq(sq)
-        self._queue_finish(self._finish_per_layer)
 
     def _reused_groups(self) -> frozenset:
         """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
@@ -1306,9 +1343,11 @@ class ClippingState:
             if len(calls) == 1:
                 layer, x, o, names = calls[0]
                 sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
-            else:
+            else:  # (B, n, K) partial sums, all summed in _batch_sq; the calls' ρ in quadrature
                 sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, x, o, names in calls],
                                                      not _rounds_finely(calls[0][2]))
+                sq = sq.view(sq.shape[0], -1)
+                rho = None if rho is None else torch.linalg.vector_norm(rho, dim=1)
             self._add_sq(sq)
             self._add_rounding(rho)
         packs, rest = self._packed(list(self._materialized))
@@ -1385,7 +1424,8 @@ class ClippingState:
         return t
 
     def _finish_per_layer(self) -> None:
-        """End of a per-layer backward: held small calls, and groups used more than once."""
+        """End of a per-layer backward: held calls, and groups used more than once."""
+        self._flush_run()
         self._flush_per_layer_stacks()
         groups = sorted({self._param_group[id(p)] for p in self._materialized})
         by_group = {k: [p for p in self._group_params[k] if p in self._materialized] for k in groups}
@@ -1573,6 +1613,8 @@ class ClippingState:
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
         self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
+        self._run: list = []     # per-layer clipping: consecutive same-shape calls held for one norm launch
+        self._run_key = None
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

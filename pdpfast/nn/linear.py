@@ -220,8 +220,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         names = calls[0][3]
         pairs = [as_btd(x, o) for _, x, o, _ in calls]
         u = scaling_roundoff(pairs[0][1], torch.backends.cuda.matmul.allow_tf32) if bound else 0.0
-        sq, rho = lin_ops.linear_sq_norms_grouped(pairs, bias in names, u)
-        return sq, (None if rho is None else torch.linalg.vector_norm(rho, dim=1))
+        return lin_ops.linear_sq_norms_grouped(pairs, bias in names, u)
 
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
                      sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True,

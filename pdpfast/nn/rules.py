@@ -147,8 +147,8 @@ class Grouped:
         key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
             (calls with equal keys must share shapes, strides, dtype and device).
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
-            rho): sq (B, M) partial sums whose rows sum to the calls' total per-sample squared norms;
-            rho (B,) the calls' ``LayerRule.rounding`` bounds in quadrature, or None where not
+            rho): sq (B, n, K) contiguous partial sums whose sums over K are each call's per-sample
+            squared norms; rho (B, n) each call's ``LayerRule.rounding`` bound, or None where not
             ``bound`` or where they add nothing.
     """
 
@@ -202,7 +202,8 @@ class LayerRule:
             (``pdpfast.ops.clip.clip_scale``): per-layer clipping then hands a call its weights
             uncomputed, one op where three ran.
         grouped: how calls computed on their own (too large to stack) compute their norms together
-            (``Grouped``) in flat clipping, or None.
+            (``Grouped``): all of one key at the end of the backward in flat clipping, consecutive ones
+            in per-layer clipping; or None.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}

@@ -108,8 +108,8 @@ def _linear_grouped_case(tools, gen):  # four Gram-path calls of one shape, one 
     calls = [[tools.randn(gen, 3, 7, 64, dtype=torch.bfloat16, device=tools.device),
               tools.randn(gen, 3, 7, 64, dtype=torch.bfloat16, device=tools.device)] for _ in range(4)]
 
-    def alike(fast, slow):  # the kernel's (B, n·K) partial sums, the reference's (B, n) norms
-        torch.testing.assert_close(fast[0].sum(1), slow[0].sum(1), rtol=1e-5, atol=1e-5)
+    def alike(fast, slow):  # the kernel's (B, n, K) partial sums, the reference's (B, n, 1) norms
+        torch.testing.assert_close(fast[0].sum(2), slow[0].sum(2), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fast[1], slow[1], rtol=1e-5, atol=0)
     return (calls, True, 2.0 ** -8), alike
 

@@ -168,12 +168,12 @@ def test_rounding_bound_with_kernels_matches_reference_math_in_bf16(name, clippi
 def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_reference(clipping, dtype, monkeypatch,
                                                                                      device, full_size_calls):
     """A large call on the norm kernel's Gram path leaves (B, K) per-program partial sums, K > 1
-    (in bf16, of its rounding bound ρ too). Book-keeping computes the norms of its two same-shape
-    calls in one launch at the end of the backward (``linear_sq_norms_grouped``: (B, 2·K) partial
-    sums, and the two calls' ρ in quadrature) and sums every layer's norms with one sum. Per-layer
-    clipping hands each call's to the op that computes the call's weights and scales its clipped
-    sum's rows by them (``clip_scale``), which sums them. Neither spends a launch per call on the
-    sum. Norms and clipped sums equal the torch references' (Triton off)."""
+    (in bf16, of its rounding bound ρ too). Book-keeping keeps both and sums them at the end of the
+    backward: every layer's norms with one sum, the ρ of layers of one K with one sum. Per-layer
+    clipping hands both to the op that computes the call's weights and scales its clipped sum's
+    rows by them (``clip_scale``), which sums them. Neither spends a launch per call on the sum.
+    Norms and clipped sums equal the torch references' (Triton off). (The two calls differ in shape:
+    same-shape calls share a launch, ``test_same_shape_calls_take_one_norm_launch``.)"""
     import pdpfast.ops.linear as lin_ops
     from pdpfast.clipping import ClippingState
 
@@ -197,9 +197,9 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     monkeypatch.setattr(ClippingState, "_add_rounding", spy_add_rounding)
     monkeypatch.setattr(lin_ops, "clip_scale", spy_scale)
     torch.manual_seed(0)
-    B, T, d = 3, 65, 200  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
-    assert lin_ops.kernel_uses_gram(T, d, d)
-    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)).to(device, dtype))
+    B, T, d, p = 3, 65, 200, 136  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
+    assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, p)
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, p)).to(device, dtype))
     x = torch.randn(B, T, d, device=device, dtype=dtype)
 
     def run():
@@ -214,11 +214,10 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
         return out
 
     norms, grads = run()
-    if clipping == "flat":  # both calls' partial sums from one launch, unsummed
-        assert seen["sq"] == [(B, 8)], seen["sq"]
-        assert seen["rho"] == ([(B,)] if dtype == torch.bfloat16 else [None]), seen["rho"]
+    assert seen["sq"].count((B, 4)) == 2, seen["sq"]  # both calls' partial sums, unsummed
+    if clipping == "flat" and dtype == torch.bfloat16:  # ρ's too: summed per layer at the end, then combined
+        assert seen["rho"] == [(B, 4)] * 2, seen["rho"]
     if clipping == "per_layer":  # each call's weights from its partial sums, in the op that applies them
-        assert seen["sq"].count((B, 4)) == 2, seen["sq"]
         rho = (B, 4) if dtype == torch.bfloat16 else None
         assert seen["pending"] == [((B, 4), True, rho)] * 2, seen["pending"]
     monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
@@ -346,11 +345,13 @@ def test_engine_in_bf16_matches_the_brute_force_oracle(name, route, ops, style, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_book_keeping_takes_one_norm_launch_for_all_same_shape_calls(dtype, monkeypatch, device, full_size_calls):
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls):
     """Book-keeping holds every call's input and output gradient to the end of the backward, so calls
     of one shape on the norm kernel's Gram path (a transformer's projections) take one launch there
-    (``linear_sq_norms_grouped``), not one each; a shape met once takes its own. The norms, ρ and
-    clipped sums equal those of one launch per call."""
+    (``linear_sq_norms_grouped``), not one each; a shape met once takes its own. Per-layer clipping
+    holds a run of consecutive same-shape calls until a call that does not join it, then clips each
+    from one launch's norms. The norms, ρ and clipped sums equal those of one launch per call."""
     import pdpfast.ops.linear as lin_ops
     from pdpfast.clipping import ClippingState
 
@@ -367,23 +368,27 @@ def test_book_keeping_takes_one_norm_launch_for_all_same_shape_calls(dtype, monk
     x = torch.randn(B, T, d, device=device, dtype=dtype)
 
     def run():
-        state = ClippingState(model)
+        state = ClippingState(model, clipping=clipping)
+        state.keep_group_norms = True
         with state.attached():
             state.begin_batch(torch.linspace(0.05, 2.0, B))
             model(x).float().pow(2).mean((1, 2)).sum().backward()
-            out = state.last_norms, state.last_rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
+            rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
+            out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
             state.end_draw()
         model.zero_grad(set_to_none=True)
         return out
 
     norms, rho, grads = run()
-    assert launches == [3], launches  # the three d→d calls with a bias; the bias-free one and d→2d alone
+    # flat: the three d→d calls with a bias; the bias-free one and d→2d alone. Per-layer, in the
+    # backward's order: d→2d, the last d→d, the bias-free one, then the first two d→d as one run
+    assert launches == ([3] if clipping == "flat" else [2]), launches
     monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
     launches.clear()
     ref_norms, ref_rho, ref_grads = run()
     assert launches == []
     torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
-    if dtype == torch.bfloat16:
+    if rho is not None or ref_rho is not None:  # flat: ρ in bf16; per-layer: each group's norms
         torch.testing.assert_close(rho, ref_rho, rtol=1e-5, atol=0)
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=0, msg=key)
