@@ -444,6 +444,10 @@ class ClippingState:
         # reads last_norms / last_group_norms there: a draw's physical batches each report)
         self.post_backward_hooks: list = []
         self.keep_group_norms = False  # per-layer clipping: keep each group's norms (last_group_norms)
+        # same-shape calls share a norm launch (``LayerRule.grouped``: host time of an eager step). A
+        # captured step turns it off in its bodies, so that its eager warm-up launches (and compiles)
+        # the per-call kernels its capture records
+        self.group_calls = True
         # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
         # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
         self.nonfinite_anywhere: Callable[[bool], bool] | None = None
@@ -1037,7 +1041,7 @@ class ClippingState:
             elif layer.rule.materializes_call(layer.module, x, o):
                 self._materialize(layer, normal, x, o)
             else:
-                grouped = layer.rule.grouped
+                grouped = layer.rule.grouped if self.group_calls else None
                 group = None if grouped is None else grouped.key(layer.module, x, o, normal)
                 if group is not None:  # norms at the end of the backward, one launch for all same-shape calls
                     self._groups.setdefault((grouped, group), []).append((layer, x, o, normal))
@@ -1089,7 +1093,7 @@ class ClippingState:
             self._add_group_sq(k, sq)
             self._add_sq(sq)
             return
-        grouped = layer.rule.grouped
+        grouped = layer.rule.grouped if self.group_calls else None
         group = None if grouped is None else grouped.key(layer.module, x, o, names)
         if self._run and (group is None or (grouped, group) != self._run_key):
             self._flush_run()

@@ -232,8 +232,18 @@ class PrivateStep:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
+    @contextlib.contextmanager
     def _guard(self):
-        return self.body_guard()
+        # a capture keeps one norm launch per call (its replay issues nothing from the host, and the
+        # grouped launch copies a table from it): so must the eager runs that rehearse it, or the
+        # capture would meet kernels they never compiled
+        state, grouping = self.state, self.state.group_calls
+        state.group_calls = grouping and not self.cuda_graph
+        try:
+            with self.body_guard():
+                yield
+        finally:
+            state.group_calls = grouping
 
     # ------------------------------------------------------------------ a call
 

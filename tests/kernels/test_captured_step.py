@@ -191,8 +191,11 @@ class _Record(TorchDispatchMode):
         self.capturing = True
         capturing = torch.cuda.is_current_stream_capturing
         torch.cuda.is_current_stream_capturing = lambda: True
+        def run():  # as _Body.replay captures it: inside the body's guard
+            with body.guard():
+                return body.fn()
         try:
-            outputs, stream = self._run(body, lambda: body.fn())
+            outputs, stream = self._run(body, run)
         finally:
             self.capturing = False
             torch.cuda.is_current_stream_capturing = capturing
@@ -312,3 +315,25 @@ def test_captured_step_follows_a_later_checkpoint_of_its_run(captured, tmp_path)
         _run(c_opt, c_loader, 6, step)
     for p, q in zip(c_model.parameters(), a_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_captured_step_keeps_one_norm_launch_per_call_in_warm_up_and_capture(captured, route, clipping):
+    """Eagerly, same-shape calls (the transformer's attention projections) share a norm launch
+    (``linear_sq_norms_grouped``): its table of offsets is copied from the host, which a capture
+    cannot replay, and a replay issues nothing from the host anyway. The captured step's bodies keep
+    one launch per call, in the warm-up too, so that the capture meets only kernels the warm-up
+    compiled; an ordinary step of the same engine afterwards groups again."""
+    if route != "large":
+        pytest.skip("at the model's own sizes the small calls stack instead (one launch, copied)")
+    engine, model, opt, loader = _engine(clipping=clipping, model="transformer")
+    step = _captured_step(engine, model)
+    _run(opt, loader, 4, step)
+    assert captured.captured_kinds and captured.first_in_capture == [] and captured.unrehearsed == []
+    names = {name for name, _ in captured.seen}
+    assert "_linear_gram_sq_norms_kernel" in names and "_linear_gram_sq_norms_grouped_kernel" not in names
+    assert engine.state.group_calls
+    captured.seen.clear()
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()  # an ordinary step: the calls share launches
+    assert "_linear_gram_sq_norms_grouped_kernel" in {name for name, _ in captured.seen}
