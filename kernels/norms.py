@@ -119,22 +119,22 @@ def _linear_gram_sq_norms_kernel(
 def _linear_gram_sq_norms_grouped_kernel(
         a_ptr, o_ptr, offsets_ptr, partial_ptr, T, D, P,
         stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
-        N_TILES, N_SHIFTS, N_CALLS, N_PARTIALS, U,
+        N_TILES, N_SHIFTS, B, N_PARTIALS, U,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGN_A: tl.constexpr,
         ALIGN_O: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUNDING: tl.constexpr):
-    # N_CALLS calls of one shape in one launch: call c's input and output gradient start
-    # offsets[c] and offsets[N_CALLS + c] elements past a_ptr and o_ptr (each a multiple of ALIGN_A,
-    # ALIGN_O: 16 bytes). Program ((sample, c), s, shift) writes at its own index, so the partial
-    # sums are (B, N_CALLS, K), K = N_TILES·N_SHIFTS, as each call's launch would write them.
+    # Calls of one shape in one launch: call c's input and output gradient start offsets[2c] and
+    # offsets[2c + 1] elements past a_ptr and o_ptr (each a multiple of ALIGN_A, ALIGN_O: 16 bytes).
+    # Program ((c, sample), s, shift) writes at its own index, so the partial sums are (n, B, K),
+    # K = N_TILES·N_SHIFTS: row c is what call c's own launch would write.
     pid = tl.program_id(0)
     shift = pid % N_SHIFTS
     tile_s = (pid // N_SHIFTS) % N_TILES
     row = pid // (N_SHIFTS * N_TILES)
-    call = row % N_CALLS
-    sample = (row // N_CALLS).to(tl.int64)
-    a_offset = tl.multiple_of(tl.load(offsets_ptr + call), ALIGN_A)
-    o_offset = tl.multiple_of(tl.load(offsets_ptr + N_CALLS + call), ALIGN_O)
+    call = row // B
+    sample = (row % B).to(tl.int64)
+    a_offset = tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_A)
+    o_offset = tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
     norm, terms = _gram_pair(a_ptr + a_offset + sample * stride_ab, o_ptr + o_offset + sample * stride_ob, T, D, P,
                              stride_at, stride_ad, stride_ot, stride_op, tile_s, shift, N_TILES, BLOCK_T, BLOCK_D,
                              BLOCK_P, DOT_PRECISION, UPCAST, HAS_BIAS, ROUNDING)
@@ -385,9 +385,10 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
-        (sq, rho): sq (B, n, K) fp32, the launch's partial sums, whose sums over K are each call's
-        per-sample squared norms; rho (B, n) fp32, each call's ρ_i, or None where ``u`` is 0. Calls
-        whose tensors do not all start on 16-byte boundaries run the reference (one launch each).
+        (sq, rho): (n, B, K) fp32 each, the launch's partial sums, row c what call c's own launch
+        writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
+        squared norms and its ρ_i; rho None where ``u`` is 0. Calls whose tensors do not all start on
+        16-byte boundaries run the reference (one launch each).
     """
     a0, o0 = calls[0]
     B, T, D = a0.shape
@@ -405,17 +406,17 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     n_shifts = n_tiles // 2 + 1
     K = n_tiles * n_shifts
     programs = B * n * K
-    offsets = torch.tensor(a_offsets + o_offsets, dtype=torch.int64)
+    offsets = torch.tensor([x for pair in zip(a_offsets, o_offsets) for x in pair], dtype=torch.int64)
     if a0.is_cuda:  # from pinned memory the copy is queued, not waited for
         offsets = offsets.pin_memory().to(a0.device, non_blocking=True)
     partials = new_buffer(((2 if rounding else 1) * programs,), torch.float32, a0.device)
     with device_guard(a0):
         _linear_gram_sq_norms_grouped_kernel[(programs,)](
-            a0, o0, offsets, partials, T, D, P, *_strides(a0), *_strides(o0), n_tiles, n_shifts, n, programs,
+            a0, o0, offsets, partials, T, D, P, *_strides(a0), *_strides(o0), n_tiles, n_shifts, B, programs,
             u or 0.0, BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64),
             ALIGN_A=16 // a0.element_size(), ALIGN_O=16 // o0.element_size(), HAS_BIAS=with_bias,
             ROUNDING=rounding, num_warps=4, **flags)
-    return partials[:programs].view(B, n, K), (partials[programs:].view(B, n, K).sum(2) if rounding else None)
+    return partials[:programs].view(n, B, K), (partials[programs:].view(n, B, K) if rounding else None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1047,9 +1047,7 @@ class ClippingState:
                     self._groups.setdefault((grouped, group), []).append((layer, x, o, normal))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
-                    sq, rho = _norms_and_rounding(layer, normal, x, o, parts=True)
-                    self._add_sq(sq)
-                    self._add_rounding(rho)
+                    self._add_sq_and_rounding(*_norms_and_rounding(layer, normal, x, o, parts=True))
                 self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
@@ -1105,11 +1103,12 @@ class ClippingState:
             return
         self._clip_call(layer, names, x, o)
 
-    def _clip_call(self, layer: _Layer, names: tuple, x, o) -> None:
-        """Per-layer clipping of one large call from its norms (and ρ): partial sums where the norm
-        kernel leaves them, summed by the clip-weight call, and where the rule takes them, the weights
-        computed by the op that scales the clipped sum's rows."""
-        sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
+    def _clip_call(self, layer: _Layer, names: tuple, x, o, sq=None, rho=None) -> None:
+        """Per-layer clipping of one large call from its norms (and ρ; computed here unless given):
+        partial sums where the norm kernel leaves them, summed by the clip-weight call, and where the
+        rule takes them, the weights computed by the op that scales the clipped sum's rows."""
+        if sq is None:
+            sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
         weights = self._group_weights(sq, layer.group, o, rounding=rho, parts=sq.dim() == 2,
                                       pending=layer.rule.pending_weights)
         self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
@@ -1127,15 +1126,8 @@ class ClippingState:
         grouped = run[0][0].rule.grouped
         sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, names, x, o in run],
                                              not _rounds_finely(run[0][3]))
-        sq = sq.sum(2)  # (B, n): each call's norms
-        rows = sq.t().contiguous()
-        rho = None if rho is None else rho.t().contiguous()
-        for c, (layer, names, x, o) in enumerate(run):
-            weights = self._group_weights(rows[c], layer.group, o, rounding=None if rho is None else rho[c],
-                                          pending=layer.rule.pending_weights)
-            self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
-            self._add_group_sq(layer.group, rows[c])
-        self._add_sq(sq)
+        for c, call in enumerate(run):  # each call's (B, K) partial sums, as its own launch gives them
+            self._clip_call(*call, sq=sq[c], rho=None if rho is None else rho[c])
 
     def _reused_groups(self) -> frozenset:
         """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
@@ -1169,6 +1161,10 @@ class ClippingState:
         with the others once, at the end of the backward (one launch for all, not one per layer).
         ``sq``: (B,), or (B, K) partial sums whose rows sum to the norms (``LayerRule.norm_parts``)."""
         self._sq_parts.append(sq)
+
+    def _add_sq_and_rounding(self, sq: torch.Tensor, rho: torch.Tensor | None) -> None:
+        self._add_sq(sq)
+        self._add_rounding(rho)
 
     def _add_rounding(self, rho: torch.Tensor | None) -> None:
         """Flat clipping: keep one layer's (or stack's) ρ_i (``LayerRule.rounding``), combined with the
@@ -1346,14 +1342,12 @@ class ClippingState:
         for (grouped, _), calls in self._groups.items():
             if len(calls) == 1:
                 layer, x, o, names = calls[0]
-                sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
-            else:  # (B, n, K) partial sums, all summed in _batch_sq; the calls' ρ in quadrature
-                sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, x, o, names in calls],
-                                                     not _rounds_finely(calls[0][2]))
-                sq = sq.view(sq.shape[0], -1)
-                rho = None if rho is None else torch.linalg.vector_norm(rho, dim=1)
-            self._add_sq(sq)
-            self._add_rounding(rho)
+                self._add_sq_and_rounding(*_norms_and_rounding(layer, names, x, o, parts=True))
+                continue
+            sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, x, o, names in calls],
+                                                 not _rounds_finely(calls[0][2]))
+            for c in range(len(calls)):  # each call's (B, K) partial sums, as its own launch gives them
+                self._add_sq_and_rounding(sq[c], None if rho is None else rho[c])
         packs, rest = self._packed(list(self._materialized))
         total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)

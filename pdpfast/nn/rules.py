@@ -147,9 +147,9 @@ class Grouped:
         key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
             (calls with equal keys must share shapes, strides, dtype and device).
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
-            rho): sq (B, n, K) contiguous partial sums whose sums over K are each call's per-sample
-            squared norms; rho (B, n) each call's ``LayerRule.rounding`` bound, or None where not
-            ``bound`` or where they add nothing.
+            rho), each (n, B, K): row c call c's per-sample squared norms and its ``LayerRule.rounding``
+            bound as (B, K) partial sums (``LayerRule.norm_parts``); rho None where not ``bound`` or
+            where they add nothing.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]

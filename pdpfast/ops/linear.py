@@ -332,13 +332,13 @@ def linear_sq_norms_grouped_reference(calls: list, with_bias: bool, u: float = 0
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
-        (sq, rho): sq (B, n, 1), each call's per-sample squared norms; rho (B, n), each call's ρ_i
-        (``scaled_sum_rounding``), or None where ``u`` is 0.
+        (sq, rho): (n, B, 1) each, row c call c's per-sample squared norms and its ρ_i
+        (``scaled_sum_rounding``); rho None where ``u`` is 0.
     """
     if u:
         pairs = [linear_sq_norms_rounding(a, o, with_bias, u) for a, o in calls]
-        return torch.stack([sq for sq, _ in pairs], 1).unsqueeze(2), torch.stack([rho for _, rho in pairs], 1)
-    return torch.stack([linear_sq_norms(a, o, with_bias) for a, o in calls], 1).unsqueeze(2), None
+        return torch.stack([sq for sq, _ in pairs]).unsqueeze(2), torch.stack([rho for _, rho in pairs]).unsqueeze(2)
+    return torch.stack([linear_sq_norms(a, o, with_bias) for a, o in calls]).unsqueeze(2), None
 
 
 _LINEAR_WEIGHT_SQ_NORMS = declare("linear_weight_sq_norms", linear_weight_sq_norms_reference)
@@ -372,8 +372,9 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
         u: the unit roundoff of the clipped sums' row scaling (``pdpfast.nn.rules.scaling_roundoff``);
             0: no rounding bound.
     Returns:
-        (sq, rho): sq (B, n, K) contiguous partial sums, whose sums over K are each call's per-sample
-        squared norms (K = 1 from the reference); rho (B, n), each call's ρ_i, or None where ``u`` is 0.
+        (sq, rho): (n, B, K) partial sums each, row c what call c alone would give with ``parts``
+        (``linear_sq_norms_rounding``): sums over K are its per-sample squared norms and its ρ_i
+        (K = 1 from the reference); rho None where ``u`` is 0.
     """
     a, o = calls[0]
     return _LINEAR_SQ_NORMS_GROUPED.pick(a, o)(calls, with_bias, u)

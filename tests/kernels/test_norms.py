@@ -388,18 +388,17 @@ def test_grouped_linear_norms_equal_one_launch_per_call(tools, gen, shape, n, u,
     calls = _grouped_calls(tools, gen, n, shape, dtype)
     sq, rho = norms.linear_sq_norms_grouped(calls, with_bias, u)
     K = 1 if T <= 64 else 4
-    assert sq.dtype == torch.float32 and sq.shape == (B, n, K) and sq.is_contiguous()
+    assert sq.dtype == torch.float32 and sq.shape == (n, B, K) and sq[n - 1].is_contiguous()
     ref_sq, ref_rho = linear_sq_norms_grouped_reference(calls, with_bias, u)
-    assert ref_sq.shape == (B, n, 1)
-    per_call = sq.sum(2)
+    assert ref_sq.shape == (n, B, 1)
     for c, (a, o) in enumerate(calls):
         exact = linear_sq_norms_reference(a.double(), o.double(), with_bias)
         scale = _linear_scale(a, o) + (o.double().sum(1).norm(dim=-1) ** 2 if with_bias else 0)
         rtol = ACC_RTOL + _tensor_core_rtol(a, o)
-        tools.check(per_call[:, c], ref_sq[:, c, 0], exact, atol=rtol * scale + 1e-30,
-                    what=f"call {c} {shape} {dtype}")
-    if u:
-        assert rho.shape == (B, n) and torch.equal(rho, ref_rho)
+        tools.check(sq[c].sum(1), ref_sq[c, :, 0], exact, atol=rtol * scale + 1e-30, what=f"call {c} {shape} {dtype}")
+    if u:  # each call's ρ partial sums are its own launch's (parts=True), summed as the reference sums them
+        assert rho.shape == (n, B, K) and torch.equal(rho.sum(2), ref_rho[..., 0])
+        assert torch.equal(rho[0], norms.linear_sq_norms_rounding(*calls[0], with_bias, u, parts=True)[1].view(B, K))
     else:
         assert rho is None and ref_rho is None
 
@@ -416,7 +415,7 @@ def test_grouped_linear_norms_of_misaligned_or_empty_calls_run_one_launch_each(t
     calls = _grouped_calls(tools, gen, 3, (2, 7, 64, 64), torch.bfloat16, misaligned=True)
     assert calls[1][0].data_ptr() % 16
     sq, rho = norms.linear_sq_norms_grouped(calls, True, 2.0 ** -8)
-    assert seen == [3] and sq.shape == (2, 3, 1) and rho.shape == (2, 3)
+    assert seen == [3] and sq.shape == rho.shape == (3, 2, 1)
     empty = [(torch.zeros(0, 7, 64, device=tools.device), torch.zeros(0, 7, 64, device=tools.device))] * 2
     sq, rho = norms.linear_sq_norms_grouped(empty, False)
-    assert seen == [3, 2] and sq.shape == (0, 2, 1) and rho is None
+    assert seen == [3, 2] and sq.shape == (2, 0, 1) and rho is None
