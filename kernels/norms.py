@@ -352,9 +352,12 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
 
 
 def _gram_groups(a: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Where calls' norms group into one launch: the Gram path of ``linear_weight_sq_norms`` (decided
-    on the first call's (a, o); the others share its shape)."""
+    """Where calls' norms group into one launch: the Gram path of ``linear_weight_sq_norms`` on
+    tensors whose last dim is contiguous (the per-call launcher copies the others first), decided on
+    the first call's (a, o) (the launcher checks that the others match it)."""
     if a.dim() != 3 or o.dim() != 3 or a.dtype not in KERNEL_DTYPES or o.dtype != a.dtype:
+        return False
+    if (a.shape[-1] > 1 and a.stride(-1) != 1) or (o.shape[-1] > 1 and o.stride(-1) != 1):
         return False
     T = o.shape[1]
     return T > 1 and kernel_uses_gram(T, a.shape[-1], o.shape[-1])
@@ -387,15 +390,19 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     Returns:
         (sq, rho): (n, B, K) fp32 each, the launch's partial sums, row c what call c's own launch
         writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
-        squared norms and its ρ_i; rho None where ``u`` is 0. Calls whose tensors do not all start on
-        16-byte boundaries run the reference (one launch each).
+        squared norms and its ρ_i; rho None where ``u`` is 0. Calls that do not all match the first
+        one's shapes, strides, dtype and device, or whose tensors do not all start on 16-byte
+        boundaries, run the reference (one launch each).
     """
     a0, o0 = calls[0]
     B, T, D = a0.shape
     P = o0.shape[-1]
     n = len(calls)
+    alike = all(a.shape == a0.shape and o.shape == o0.shape and a.stride() == a0.stride() and
+                o.stride() == o0.stride() and a.dtype == o.dtype == a0.dtype and a.device == o.device == a0.device
+                for a, o in calls[1:])
     a_offsets, o_offsets = _offsets([a for a, _ in calls], 16), _offsets([o for _, o in calls], 16)
-    if a_offsets is None or o_offsets is None or B == 0:
+    if not alike or a_offsets is None or o_offsets is None or B == 0:
         return linear_sq_norms_grouped_reference(calls, with_bias, u)
     rounding = bool(u)
     flags = dot_flags(a0.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a0.is_cuda)

@@ -286,6 +286,10 @@ SMALL_CALL_BYTES = 1 << 20
 # parameter (BERT-base's 25 LayerNorms: ~250 launches a step become ~10). Per-layer clipping holds
 # them until then, at most STACK_BYTES in all.
 PACK_BYTES = 1 << 20
+# Per-layer clipping holds a run of consecutive same-shape calls for one norm launch (``Grouped``):
+# at most this many bytes of their inputs and output gradients (a BERT-base block's attention
+# projections at batch 32, fp32: ~75 MiB), so that a stack of uniform layers is not all held.
+RUN_BYTES = 128 << 20
 
 
 def refuse_sequence_first(model: nn.Module) -> None:
@@ -445,8 +449,9 @@ class ClippingState:
         self.post_backward_hooks: list = []
         self.keep_group_norms = False  # per-layer clipping: keep each group's norms (last_group_norms)
         # same-shape calls share a norm launch (``LayerRule.grouped``: host time of an eager step). A
-        # captured step turns it off in its bodies, so that its eager warm-up launches (and compiles)
-        # the per-call kernels its capture records
+        # captured step (``engine.make_step``) turns it off in its bodies, so that its eager warm-up
+        # launches (and compiles) the per-call kernels its capture records; a step captured by other
+        # means must turn it off for its warm-up too
         self.group_calls = True
         # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
         # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
@@ -1098,8 +1103,12 @@ class ClippingState:
         if group is not None:
             # held until a call that does not join them: consecutive same-shape calls (a transformer
             # block's attention projections) take one norm launch, and are clipped then, each on its own
+            shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
+            self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
             self._run_key = (grouped, group)
             self._run.append((layer, names, x, o))
+            if self._run_bytes > RUN_BYTES:
+                self._flush_run()
             return
         self._clip_call(layer, names, x, o)
 
@@ -1118,7 +1127,7 @@ class ClippingState:
     def _flush_run(self) -> None:
         """Per-layer clipping of the held run of consecutive same-shape calls (``Grouped``): their
         norms (and ρ) from one launch, then each call's weights and clipped sum."""
-        run, self._run, self._run_key = self._run, [], None
+        run, self._run, self._run_key, self._run_bytes = self._run, [], None, 0
         if len(run) <= 1:
             for call in run:
                 self._clip_call(*call)
@@ -1613,6 +1622,7 @@ class ClippingState:
         self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
         self._run: list = []     # per-layer clipping: consecutive same-shape calls held for one norm launch
         self._run_key = None
+        self._run_bytes = 0      # their inputs' and output gradients' bytes (RUN_BYTES at most)
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

@@ -145,7 +145,8 @@ class Grouped:
 
     Args:
         key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
-            (calls with equal keys must share shapes, strides, dtype and device).
+            (calls with equal keys must share shapes, strides, dtype and device: x is in o's dtype
+            by then, ``ClippingState.on_backward``).
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
             rho), each (n, B, K): row c call c's per-sample squared norms and its ``LayerRule.rounding``
             bound as (B, K) partial sums (``LayerRule.norm_parts``); rho None where not ``bound`` or

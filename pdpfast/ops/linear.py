@@ -349,8 +349,9 @@ _LINEAR_SQ_NORMS_GROUPED = declare("linear_sq_norms_grouped", linear_sq_norms_gr
 
 def groups_norms(a: torch.Tensor, o: torch.Tensor) -> bool:
     """Whether a linear call's norms would take the grouped kernel (``linear_sq_norms_grouped``):
-    where the norm kernel's Gram path runs, on a GPU outside a CUDA graph capture (the launch copies
-    the calls' offsets from the host: a captured step has no host work to save anyway).
+    where the norm kernel's Gram path runs (on a GPU, or under ``TRITON_INTERPRET=1``), outside a
+    CUDA graph capture (the launch copies the calls' offsets from the host: a captured step has no
+    host work to save anyway).
 
     Args:
         a: (B, T, d) the call's input; o: (B, T, p) its output gradient.

@@ -392,3 +392,42 @@ def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, dev
         torch.testing.assert_close(rho, ref_rho, rtol=1e-5, atol=0)
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=0, msg=key)
+
+
+def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls):
+    """A per-layer run of same-shape calls is flushed once it holds more than RUN_BYTES of inputs and
+    output gradients, so a stack of uniform layers is not all held until the end of the backward: six
+    d→d layers with room for 2.5 calls make two runs of three."""
+    import pdpfast.clipping as clipping
+    import pdpfast.ops.linear as lin_ops
+
+    launches = []
+    grouped = lin_ops.linear_sq_norms_grouped
+    monkeypatch.setattr(lin_ops, "linear_sq_norms_grouped",
+                        lambda calls, *args: (launches.append(len(calls)), grouped(calls, *args))[1])
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(d, d), nn.Tanh()]
+    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
+    x = torch.randn(B, T, d, device=device)
+    monkeypatch.setattr(clipping, "RUN_BYTES", 5 * B * T * d * 4)  # a call holds its input and output gradient
+
+    def run():
+        state = clipping.ClippingState(model, clipping="per_layer")
+        with state.attached():
+            state.begin_batch(torch.linspace(0.05, 2.0, B))
+            model(x).pow(2).mean((1, 2)).sum().backward()
+            out = state.last_norms, {n: p.grad.clone() for n, p in model.named_parameters()}
+            state.end_draw()
+        model.zero_grad(set_to_none=True)
+        return out
+
+    norms, grads = run()
+    assert launches == [3, 3], launches
+    monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
+    ref_norms, ref_grads = run()
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=0, msg=key)

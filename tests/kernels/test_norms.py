@@ -403,9 +403,11 @@ def test_grouped_linear_norms_equal_one_launch_per_call(tools, gen, shape, n, u,
         assert rho is None and ref_rho is None
 
 
-def test_grouped_linear_norms_of_misaligned_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
+def test_grouped_linear_norms_of_misaligned_mismatched_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
     """Calls whose tensors do not all start on 16-byte boundaries (the table's offsets would break the
-    kernel's alignment assumption) and empty batches take the reference, with its results."""
+    kernel's alignment assumption), calls whose shapes or strides differ from the first one's (the
+    kernel reads every call with the first one's) and empty batches take the reference, with its
+    results."""
     from pdpfast.ops import linear as lin_ops
 
     seen = []
@@ -416,6 +418,17 @@ def test_grouped_linear_norms_of_misaligned_or_empty_calls_run_one_launch_each(t
     assert calls[1][0].data_ptr() % 16
     sq, rho = norms.linear_sq_norms_grouped(calls, True, 2.0 ** -8)
     assert seen == [3] and sq.shape == rho.shape == (3, 2, 1)
+    # calls that do not match the first one's shape or strides (the engine never groups them: its
+    # group keys carry both): the launcher checks, and runs one launch each
+    seen.clear()
+    a, o = tools.randn(gen, 2, 9, 64, device=tools.device), tools.randn(gen, 2, 9, 64, device=tools.device)
+    for other in [(tools.randn(gen, 2, 64, 9, device=tools.device).transpose(1, 2), o),
+                  (tools.randn(gen, 2, 18, 64, device=tools.device), tools.randn(gen, 2, 18, 64, device=tools.device))]:
+        sq, _ = norms.linear_sq_norms_grouped([(a, o), other], False)
+        assert seen[-1] == 2 and sq.shape == (2, 2, 1)
+        ref = reference([(a, o), other], False)[0]
+        assert torch.equal(sq, ref)
+    seen.clear()
     empty = [(torch.zeros(0, 7, 64, device=tools.device), torch.zeros(0, 7, 64, device=tools.device))] * 2
     sq, rho = norms.linear_sq_norms_grouped(empty, False)
-    assert seen == [3, 2] and sq.shape == (2, 0, 1) and rho is None
+    assert seen == [2] and sq.shape == (2, 0, 1) and rho is None
