@@ -344,21 +344,58 @@ def test_engine_in_bf16_matches_the_brute_force_oracle(name, route, ops, style, 
         torch.testing.assert_close(result.grads[key].double().cpu(), g, rtol=0, atol=2.5e-2 * scale, msg=key)
 
 
+@pytest.fixture
+def grouped_launches(monkeypatch):
+    """The number of calls of each grouped norm launch (``linear_sq_norms_grouped``), in order."""
+    import pdpfast.ops.linear as lin_ops
+
+    launches = []
+    grouped = lin_ops.linear_sq_norms_grouped
+    monkeypatch.setattr(lin_ops, "linear_sq_norms_grouped",
+                        lambda calls, *args: (launches.append(len(calls)), grouped(calls, *args))[1])
+    return launches
+
+
+def _clip_once(model, x, clipping):
+    """(norms, ρ (flat) or each group's norms (per-layer), clipped sums) of one backward of ``model``."""
+    from pdpfast.clipping import ClippingState
+
+    state = ClippingState(model, clipping=clipping)
+    state.keep_group_norms = True
+    with state.attached():
+        state.begin_batch(torch.linspace(0.05, 2.0, x.shape[0]))
+        model(x).float().pow(2).mean((1, 2)).sum().backward()
+        rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
+        out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
+        state.end_draw()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped):
+    """The grouped launches' results ``grouped`` equal those of one launch per call."""
+    import pdpfast.ops.linear as lin_ops
+
+    monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
+    for got, want in zip(grouped, _clip_once(model, x, clipping)):
+        if isinstance(want, dict):
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0, msg=key)
+        elif want is not None or got is not None:  # ρ in bf16 (flat), each group's norms (per-layer)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls):
+def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls,
+                                               grouped_launches):
     """Book-keeping holds every call's input and output gradient to the end of the backward, so calls
     of one shape on the norm kernel's Gram path (a transformer's projections) take one launch there
     (``linear_sq_norms_grouped``), not one each; a shape met once takes its own. Per-layer clipping
     holds a run of consecutive same-shape calls until a call that does not join it, then clips each
     from one launch's norms. The norms, ρ and clipped sums equal those of one launch per call."""
     import pdpfast.ops.linear as lin_ops
-    from pdpfast.clipping import ClippingState
 
-    launches = []
-    grouped = lin_ops.linear_sq_norms_grouped
-    monkeypatch.setattr(lin_ops, "linear_sq_norms_grouped",
-                        lambda calls, *args: (launches.append(len(calls)), grouped(calls, *args))[1])
     torch.manual_seed(0)
     B, T, d = 3, 7, 64
     assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, 2 * d)
@@ -366,45 +403,21 @@ def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, dev
                                              nn.Linear(d, d, bias=False), nn.Tanh(), nn.Linear(d, d), nn.Tanh(),
                                              nn.Linear(d, 2 * d)).to(device, dtype))
     x = torch.randn(B, T, d, device=device, dtype=dtype)
-
-    def run():
-        state = ClippingState(model, clipping=clipping)
-        state.keep_group_norms = True
-        with state.attached():
-            state.begin_batch(torch.linspace(0.05, 2.0, B))
-            model(x).float().pow(2).mean((1, 2)).sum().backward()
-            rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
-            out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
-            state.end_draw()
-        model.zero_grad(set_to_none=True)
-        return out
-
-    norms, rho, grads = run()
+    grouped = _clip_once(model, x, clipping)
     # flat: the three d→d calls with a bias; the bias-free one and d→2d alone. Per-layer, in the
     # backward's order: d→2d, the last d→d, the bias-free one, then the first two d→d as one run
-    assert launches == ([3] if clipping == "flat" else [2]), launches
-    monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
-    launches.clear()
-    ref_norms, ref_rho, ref_grads = run()
-    assert launches == []
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
-    if rho is not None or ref_rho is not None:  # flat: ρ in bf16; per-layer: each group's norms
-        torch.testing.assert_close(rho, ref_rho, rtol=1e-5, atol=0)
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=0, msg=key)
+    assert grouped_launches == ([3] if clipping == "flat" else [2]), grouped_launches
+    grouped_launches.clear()
+    _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
+    assert grouped_launches == []
 
 
-def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls):
+def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls, grouped_launches):
     """A per-layer run of same-shape calls is flushed once it holds more than RUN_BYTES of inputs and
     output gradients, so a stack of uniform layers is not all held until the end of the backward: six
     d→d layers with room for 2.5 calls make two runs of three."""
     import pdpfast.clipping as clipping
-    import pdpfast.ops.linear as lin_ops
 
-    launches = []
-    grouped = lin_ops.linear_sq_norms_grouped
-    monkeypatch.setattr(lin_ops, "linear_sq_norms_grouped",
-                        lambda calls, *args: (launches.append(len(calls)), grouped(calls, *args))[1])
     torch.manual_seed(0)
     B, T, d = 3, 7, 64
     layers = []
@@ -413,21 +426,6 @@ def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_ca
     model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
     x = torch.randn(B, T, d, device=device)
     monkeypatch.setattr(clipping, "RUN_BYTES", 5 * B * T * d * 4)  # a call holds its input and output gradient
-
-    def run():
-        state = clipping.ClippingState(model, clipping="per_layer")
-        with state.attached():
-            state.begin_batch(torch.linspace(0.05, 2.0, B))
-            model(x).pow(2).mean((1, 2)).sum().backward()
-            out = state.last_norms, {n: p.grad.clone() for n, p in model.named_parameters()}
-            state.end_draw()
-        model.zero_grad(set_to_none=True)
-        return out
-
-    norms, grads = run()
-    assert launches == [3, 3], launches
-    monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
-    ref_norms, ref_grads = run()
-    torch.testing.assert_close(norms, ref_norms, rtol=1e-5, atol=0)
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-5, atol=0, msg=key)
+    grouped = _clip_once(model, x, "per_layer")
+    assert grouped_launches == [3, 3], grouped_launches
+    _same_as_one_launch_per_call(monkeypatch, model, x, "per_layer", grouped)
