@@ -284,6 +284,24 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_bias: bool, 
     return _linear_norms(a, o, "rank_one" if o.shape[1] == 1 else "gram", with_bias, u, parts)
 
 
+def _flags_and_roundoff(a: torch.Tensor, u: float | None) -> tuple[dict, float | None]:
+    """(``dot_flags`` of a launch on ``a``, its rounding bound's roundoff ``u`` or None): fp32 takes one
+    TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin), and ρ's row norms
+    ‖a_t‖², ‖o_t‖² then come from TF32 products (operands truncated to 2^-10): u grows so that a bound
+    stays a bound."""
+    flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
+    if u and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
+        u *= 1 + 2.0 ** -8
+    return flags, u
+
+
+def _gram_tiles(T: int) -> tuple[int, int, int]:
+    """(rows per tile, tiles, shifts) of the Gram path's programs over T positions (``_gram_pair``)."""
+    block_t = block(T, 16, 64)
+    n_tiles = cdiv(T, block_t)
+    return block_t, n_tiles, (n_tiles // 2 + 1 if n_tiles else 0)
+
+
 def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, u: float | None,
                   parts: bool = False):
     """(sq, rho): the launches of ``linear_weight_sq_norms``; rho (``linear_sq_norms_rounding``) when
@@ -303,11 +321,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
         if parts:
             empty = empty.view(0, 1)
         return empty, (empty if rounding else None)
-    # fp32: one TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin)
-    flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
-    if rounding and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
-        # ‖a_t‖², ‖o_t‖² from TF32 products (operands truncated to 2^-10): a bound stays a bound
-        u *= 1 + 2.0 ** -8
+    flags, u = _flags_and_roundoff(a, u)
     if path == "auto":
         path = "rank_one" if T == 1 else ("gram" if kernel_uses_gram(T, D, P) else "direct")
     n_out = 2 if rounding else 1
@@ -321,9 +335,7 @@ def _linear_norms(a: torch.Tensor, o: torch.Tensor, path: str, with_bias: bool, 
                 out = out.unsqueeze(2)
             return out[0], (out[1] if rounding else None)
         if path == "gram":
-            block_t = block(T, 16, 64)
-            n_tiles = cdiv(T, block_t)
-            n_shifts = n_tiles // 2 + 1 if n_tiles else 0
+            block_t, n_tiles, n_shifts = _gram_tiles(T)
             partials = new_buffer((n_out * B, n_tiles * n_shifts), torch.float32, a.device)
             n = B * n_tiles * n_shifts  # programs; their ρ partials follow their norms' (T = 0: none, sums 0)
             if n:
@@ -405,12 +417,8 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     if not alike or a_offsets is None or o_offsets is None or B == 0:
         return linear_sq_norms_grouped_reference(calls, with_bias, u)
     rounding = bool(u)
-    flags = dot_flags(a0.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a0.is_cuda)
-    if rounding and a0.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
-        u *= 1 + 2.0 ** -8  # as in _linear_norms: ‖a_t‖², ‖o_t‖² from TF32 products
-    block_t = block(T, 16, 64)
-    n_tiles = cdiv(T, block_t)
-    n_shifts = n_tiles // 2 + 1
+    flags, u = _flags_and_roundoff(a0, u)
+    block_t, n_tiles, n_shifts = _gram_tiles(T)
     K = n_tiles * n_shifts
     programs = B * n * K
     offsets = torch.tensor([x for pair in zip(a_offsets, o_offsets) for x in pair], dtype=torch.int64)

@@ -222,6 +222,18 @@ def _norms_and_rounding(layer, names: tuple, x, o, parts: bool = False) -> tuple
     return layer.rule.norms_and_rounding(layer.module, x, o, names, bound=not _rounds_finely(o), parts=parts)
 
 
+def _grouped_norms_and_rounding(calls: list) -> list:
+    """[(sq, ρ or None)] of same-shape calls (layer, names, x, o) of one ``Grouped`` key, each as
+    ``_norms_and_rounding(..., parts=True)`` gives it: from one launch for several calls, from the
+    call's own for one."""
+    if len(calls) == 1:
+        layer, names, x, o = calls[0]
+        return [_norms_and_rounding(layer, names, x, o, parts=True)]
+    sq, rho = calls[0][0].rule.grouped.norms_and_rounding(
+        [(layer.module, x, o, names) for layer, names, x, o in calls], not _rounds_finely(calls[0][3]))
+    return [(sq[c], None if rho is None else rho[c]) for c in range(len(calls))]
+
+
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
     """(B,) from (B,) values or (B, K) partial sums of them (``LayerRule.norm_parts``): a view where
     K = 1 (the norm kernel's rank-one path), one sum otherwise."""
@@ -1049,7 +1061,7 @@ class ClippingState:
                 grouped = layer.rule.grouped if self.group_calls else None
                 group = None if grouped is None else grouped.key(layer.module, x, o, normal)
                 if group is not None:  # norms at the end of the backward, one launch for all same-shape calls
-                    self._groups.setdefault((grouped, group), []).append((layer, x, o, normal))
+                    self._groups.setdefault((grouped, group), []).append((layer, normal, x, o))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
                     self._add_sq_and_rounding(*_norms_and_rounding(layer, normal, x, o, parts=True))
@@ -1128,15 +1140,9 @@ class ClippingState:
         """Per-layer clipping of the held run of consecutive same-shape calls (``Grouped``): their
         norms (and ρ) from one launch, then each call's weights and clipped sum."""
         run, self._run, self._run_key, self._run_bytes = self._run, [], None, 0
-        if len(run) <= 1:
-            for call in run:
-                self._clip_call(*call)
-            return
-        grouped = run[0][0].rule.grouped
-        sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, names, x, o in run],
-                                             not _rounds_finely(run[0][3]))
-        for c, call in enumerate(run):  # each call's (B, K) partial sums, as its own launch gives them
-            self._clip_call(*call, sq=sq[c], rho=None if rho is None else rho[c])
+        if run:
+            for call, (sq, rho) in zip(run, _grouped_norms_and_rounding(run)):
+                self._clip_call(*call, sq=sq, rho=rho)
 
     def _reused_groups(self) -> frozenset:
         """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
@@ -1348,15 +1354,9 @@ class ClippingState:
             self._add_sq(sq.sum(0))
             if rho is not None:
                 self._add_rounding(torch.linalg.vector_norm(rho, dim=0))
-        for (grouped, _), calls in self._groups.items():
-            if len(calls) == 1:
-                layer, x, o, names = calls[0]
-                self._add_sq_and_rounding(*_norms_and_rounding(layer, names, x, o, parts=True))
-                continue
-            sq, rho = grouped.norms_and_rounding([(layer.module, x, o, names) for layer, x, o, names in calls],
-                                                 not _rounds_finely(calls[0][2]))
-            for c in range(len(calls)):  # each call's (B, K) partial sums, as its own launch gives them
-                self._add_sq_and_rounding(sq[c], None if rho is None else rho[c])
+        for calls in self._groups.values():
+            for sq, rho in _grouped_norms_and_rounding(calls):
+                self._add_sq_and_rounding(sq, rho)
         packs, rest = self._packed(list(self._materialized))
         total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)
