@@ -127,22 +127,24 @@ def launches_per_step(step) -> tuple[int, int]:
     """The kernels one call of ``step`` sends a GPU, each one the host issues (a proxy of host work
     that does not depend on the clock): aten ops that are not views, plus one per Triton kernel
     launch and one per call of ``pdpfast._C`` (each of its ops is one kernel on a GPU; the tensors
-    it allocates launch nothing). Under ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU;
-    the ops the interpreter (or the extension) runs inside a kernel are not counted, so the count
-    is the GPU's (the times are not).
+    it allocates launch nothing), except its calls made of torch ops (``_EXTENSION_COMPOSITES``),
+    whose aten ops count as anyone's (less their allocations) plus the kernels of their own. Under
+    ``TRITON_INTERPRET=1`` the kernels' route runs on the CPU; the ops the interpreter (or the
+    extension) runs inside a kernel are not counted, so the count is the GPU's (the times are not).
 
     Returns:
         (all launches, the Triton launches among them).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    inside = [0]
+    inside = [0, 0]  # [inside a kernel, inside an extension call made of torch ops]
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0] and func.overloadpacket.__name__ not in _VIEW_OPS:
+            name = func.overloadpacket.__name__
+            if not inside[0] and name not in _VIEW_OPS and not (inside[1] and name in _ALLOCATION_OPS):
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
@@ -154,28 +156,39 @@ def launches_per_step(step) -> tuple[int, int]:
     return Count.n + Triton.n, Triton.n
 
 
+# pdpfast._C functions made of torch ops (csrc/linear_sums.cpp): the dispatcher sees each of their aten
+# ops; the value is the kernels they launch beside them (clip_scale's own, called from C++)
+_EXTENSION_COMPOSITES = {"linear_clipped_into": 0, "linear_clip_scale_into": 1}
+_ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
+
+
 @contextlib.contextmanager
 def _counting_extension_calls(counter, inside: list):
-    """Each call of a ``pdpfast._C`` function adds one to ``counter.n``; ``inside[0]`` > 0 while one runs."""
+    """Each call of a ``pdpfast._C`` function adds one to ``counter.n``; ``inside[0]`` > 0 while one
+    runs. A call of one of ``_EXTENSION_COMPOSITES`` adds the kernels of its own, and ``inside[1]`` > 0
+    while it runs (its aten ops are counted, less their allocations)."""
     from pdpfast import _ext
 
     ext = _ext._C
     names = [] if ext is None else [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))]
     saved = {n: getattr(ext, n) for n in names}
 
-    def counting(fn):
+    def counting(fn, own: int | None):
+        kernel = own is None  # one kernel: the ops it runs inside are not counted
+        depth = 0 if kernel else 1
+
         def wrapped(*args, **kwargs):
-            counter.n += 1
-            inside[0] += 1
+            counter.n += 1 if kernel else own
+            inside[depth] += 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                inside[0] -= 1
+                inside[depth] -= 1
         return wrapped
 
     try:
         for n, fn in saved.items():
-            setattr(ext, n, counting(fn))
+            setattr(ext, n, counting(fn, _EXTENSION_COMPOSITES.get(n)))
         yield
     finally:
         for n, fn in saved.items():

@@ -1132,7 +1132,7 @@ class ClippingState:
             sq, rho = _norms_and_rounding(layer, names, x, o, parts=True)
         weights = self._group_weights(sq, layer.group, o, rounding=rho, parts=sq.dim() == 2,
                                       pending=layer.rule.pending_weights)
-        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+        self._clip_into(layer, x, o, weights, names)
         self._add_group_sq(layer.group, sq)
         self._add_sq(sq)
 
@@ -1169,7 +1169,7 @@ class ClippingState:
 
     def _ghost_grads_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         # the layer weighs its own terms, as book-keeping does, so its rounding is what its rule bounds
-        self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, self._ghost_weights, names))
+        self._clip_into(layer, x, o, self._ghost_weights, names)
 
     def _add_sq(self, sq: torch.Tensor) -> None:
         """Add one layer's (or group's) per-sample squared norms to the batch's total: kept, and summed
@@ -1364,7 +1364,7 @@ class ClippingState:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
                 self._accumulate(module, grads)
         for layer, x, o, names in self._tape:
-            self._accumulate(layer.module, layer.rule.clipped(layer.module, x, o, weights, names))
+            self._clip_into(layer, x, o, weights, names)
         for p in rest:
             self._accumulate_param(p, weighted_sum(weights, self._materialized[p]))
         for params, flat in packs:
@@ -1702,6 +1702,13 @@ class ClippingState:
         self._close_backward(total, weights)
 
     # ------------------------------------------------------------------ gradients
+
+    def _clip_into(self, layer: _Layer, x, o, weights, names: tuple) -> None:
+        """Add one call's clipped sums Σ_i w_i g_i into its parameters' ``.grad``: by the rule's
+        ``clipped_into`` where it takes the call (one call of compiled code), else ``clipped``."""
+        rule = layer.rule
+        if rule.clipped_into is None or not rule.clipped_into(layer.module, x, o, weights, names):
+            self._accumulate(layer.module, rule.clipped(layer.module, x, o, weights, names))
 
     def _accumulate(self, module: nn.Module, grads: dict) -> None:
         params = module._parameters

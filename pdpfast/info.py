@@ -21,7 +21,7 @@ def report() -> str:
     """
     import pdpfast
     from pdpfast import sampling
-    from pdpfast.ops import clip, norm
+    from pdpfast.ops import clip, linear, norm
 
     lines = [f"pdpfast {pdpfast.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
     cuda = torch.cuda.is_available()
@@ -47,6 +47,7 @@ def report() -> str:
         lines.append(f"  {f'clip_weights ({device.upper()})':<28} {clip.clip_weights_route(w, w)}")
         x = torch.zeros(1, 1, device=device)
         lines.append(f"  {f'clip_scale ({device.upper()})':<28} {clip.clip_scale_route(x, clip.PendingWeights(w, w))}")
+    lines.append(f"  {'linear_clipped_into':<28} {linear.linear_clipped_into_route()}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,8 @@ fp16/bf16 bounds, autocast, and a training loop under budgets.
 
 Run by ``bench/gpu.sh tests`` on a GPU machine; the same math runs on the CPU everywhere else.
 """
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -359,6 +361,45 @@ def test_cuda_clip_scale_op_equals_the_cpu_op_bit_for_bit(dtype):
                 out_x.copy_(scaled), out_w.copy_(w)
             graph.replay()
             assert torch.equal(out_x.cpu(), cpu[0]) and torch.equal(out_w.cpu(), cpu[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_linear_clipped_into_equals_the_python_route_bit_for_bit(dtype):
+    """A linear call's clipped sums added into .grad by one C++ call (csrc/linear_sums.cpp) run the
+    Python route's cuBLAS and torch ops in its order: the same bits on the GPU too, scaling either
+    operand, with weights computed or pending (clip_scale's CUDA kernel inside), into a .grad that
+    exists or not."""
+    from pdpfast import _ext
+    from pdpfast.clipping import ClippingState
+    from pdpfast.nn.linear import as_btd
+    from pdpfast.ops import linear as lin_ops
+    from pdpfast.ops.clip import PendingWeights
+
+    if _ext.missing("linear_clipped_into", "linear_sums.cpp") is not None or not _ext._C.clip_with_cuda:
+        pytest.skip("pdpfast._C was built without CUDA (python setup.py build_ext --inplace on this machine)")
+    g = torch.Generator().manual_seed(4)
+    B, T = 8, 33
+    for (d, p), pending, with_grad in itertools.product([(96, 160), (160, 96)], [False, True], [False, True]):
+        x = torch.randn(B, T, d, generator=g).to("cuda", dtype)
+        o = torch.randn(B * T, p, generator=g).to("cuda", dtype)
+        if pending:
+            weights = PendingWeights(torch.rand(B, 3, generator=g).cuda(), torch.rand(B, generator=g).cuda() + 0.1,
+                                     None, 4.0, torch.rand(B, 3, generator=g).cuda() * 1e-3, True)
+        else:
+            weights = torch.rand(B, generator=g).cuda()
+        made = [nn.Parameter(torch.randn(*shape, generator=g).to("cuda", dtype)) for shape in ((p, d), (p,))]
+        for t in made:
+            t.grad = torch.randn_like(t) if with_grad else None
+        ref = [nn.Parameter(t.detach().clone()) for t in made]
+        for r, t in zip(ref, made):
+            r.grad = None if t.grad is None else t.grad.clone()
+        with torch.no_grad():
+            assert lin_ops.linear_clipped_into(x, o, weights, *made)
+            a, og = as_btd(x, o)
+            for param, grad in zip(ref, lin_ops.linear_clipped_grads(a, og, weights, True, True)):
+                ClippingState._accumulate_param(param, grad)
+        for t, r in zip(made, ref):
+            assert torch.equal(t.grad, r.grad), (d, p, pending, with_grad)
 
 
 def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():

@@ -222,9 +222,14 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         u = scaling_roundoff(pairs[0][1], torch.backends.cuda.matmul.allow_tf32) if bound else 0.0
         return lin_ops.linear_sq_norms_grouped(pairs, bias in names, u)
 
+    def clipped_into(m, x, o, weights, names):  # the sums added into .grad in one C++ call where it runs
+        params = m._parameters
+        return lin_ops.linear_clipped_into(x, o, weights, params[weight] if weight in names else None,
+                                           params[bias] if bias in names else None, transposed)
+
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
                      sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True,
-                     grouped=Grouped(group_key, grouped_norms_and_rounding))
+                     grouped=Grouped(group_key, grouped_norms_and_rounding), clipped_into=clipped_into)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -205,6 +205,11 @@ class LayerRule:
         grouped: how calls computed on their own (too large to stack) compute their norms together
             (``Grouped``): all of one key at the end of the backward in flat clipping, consecutive ones
             in per-layer clipping; or None.
+        clipped_into: ``(module, x, o, weights, names)`` → True after adding ``clipped_grads``' sums
+            into the parameters' ``.grad`` itself, as the clipping state adds them (cast to the
+            parameter's dtype, set where it has none), e.g. in one call of compiled code where the
+            Python around the ops is most of a call's host time; False where it did nothing (the
+            state then runs ``clipped_grads``). Only for weights (B,) or ``PendingWeights``; None: never.
     """
 
     per_sample_grads: PerSampleGrads          # (module, x, o) -> {name: (B, *param.shape)}
@@ -220,6 +225,8 @@ class LayerRule:
     norm_parts: bool = False
     pending_weights: bool = False
     grouped: Grouped | None = None
+    # (module, x, o, weights, names) -> whether it added the clipped sums into the parameters' .grad
+    clipped_into: Callable[[nn.Module, torch.Tensor, torch.Tensor, object, tuple], bool] | None = None
 
     def __post_init__(self):
         missing_rounding = self.rounding is not None and self.sq_norms_rounding is None

@@ -214,6 +214,22 @@ def clip_scale_route(x: torch.Tensor, weights: PendingWeights) -> str:
     return _FUSED
 
 
+def fused_scale_args(weights: PendingWeights) -> tuple:
+    """The arguments after x of ``pdpfast._C.clip_scale`` (and of the C++ ops that call it) for these
+    weights.
+
+    Args:
+        weights: the rows' ``PendingWeights``.
+    Returns:
+        (sq_norms, clip_norms, offset, cap, rounding, parts): s·w_i computed as min(cap, c_i / (√sq +
+        offset)), with offset ε/s and cap s, or with automatic clipping γ/s and no cap (inf).
+    """
+    sq, bounds, gamma, s, rounding, parts = weights
+    if gamma is None:
+        return sq, bounds, CLIP_EPS / s, s, rounding, parts
+    return sq, bounds, gamma / s, math.inf, rounding, parts
+
+
 def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """x_i · w_i for every row i, with the weights computed in the same call: one op of
     ``pdpfast._C`` (``clip_scale_route``) where three ran (the weights, their cast to x's dtype, the
@@ -228,10 +244,7 @@ def clip_scale(x: torch.Tensor, weights: PendingWeights) -> tuple[torch.Tensor, 
         x.dtype)`` gives, bit for bit, where the weights are computed alike (``clip_weights_route``).
     """
     if clip_scale_route(x, weights) == _FUSED:
-        sq, bounds, gamma, s, rounding, parts = weights
-        if gamma is None:
-            return _C.clip_scale(x, sq, bounds, CLIP_EPS / s, s, rounding, parts)
-        return _C.clip_scale(x, sq, bounds, gamma / s, math.inf, rounding, parts)
+        return _C.clip_scale(x, *fused_scale_args(weights))
     w = weights.tensor()
     if w.dim() != 1 or x.dim() == 0 or w.shape[0] != x.shape[0]:
         rows = x.shape[0] if x.dim() else "?"

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _ext
+from . import clip as clip_ops
 from . import workspace
 from .clip import PendingWeights, clip_scale, weights_to
 from .dispatch import declare, use_triton
@@ -491,6 +493,53 @@ def linear_clipped_grads(a: torch.Tensor, o: torch.Tensor, weights: torch.Tensor
         per_sample = o.flatten(1, -2).sum(1) if o.dim() > 2 else o  # (B, p): Σ_t o_{i,t}
         grad_b = weights_as(weights, o.dtype) @ per_sample
     return grad_w, grad_b
+
+
+_INTO_MISSING = _ext.missing("linear_clipped_into", "linear_sums.cpp")
+
+
+def linear_clipped_into_route() -> str:
+    """Where ``linear_clipped_into`` runs (``pdpfast info``).
+
+    Returns:
+        "C++ (pdpfast._C)", or "Python (<why>)" where the extension lacks it (every call then takes
+        ``linear_clipped_grads``).
+    """
+    return "C++ (pdpfast._C)" if _INTO_MISSING is None else f"Python ({_INTO_MISSING})"
+
+
+def linear_clipped_into(x: torch.Tensor, o: torch.Tensor, weights: torch.Tensor | PendingWeights | None,
+                        weight: torch.Tensor | None, bias: torch.Tensor | None, transposed: bool = False) -> bool:
+    """``linear_clipped_grads`` with the sums added into ``weight.grad`` and ``bias.grad`` as the clipping
+    state adds them (cast to the parameter's dtype, set where it has none), in one call of
+    ``pdpfast._C`` (``csrc/linear_sums.cpp``): the same torch ops in the same order, so the same bits,
+    with none of the Python between them. A book-keeping backward runs it for every linear call, per-layer
+    clipping once per call; the host time it saves is the interpreter's, per call.
+
+    Args:
+        x: the call's input, (B, ..., d), in ``o``'s dtype.
+        o: its output gradient, B·T·p values ((B·T, p) or (B, ..., p)).
+        weights: (B,) clip weights (any float dtype: cast to ``o``'s as ``weights_as`` casts), or
+            ``PendingWeights`` (then computed by the op that scales the rows, ``clip_scale``).
+        weight, bias: the parameters whose clipped sums are wanted ((p, d), or (d, p) when
+            ``transposed``; (p,)), each None where the call does not train it.
+        transposed: the weight is stored (d, p) (Hugging Face's Conv1D).
+    Returns:
+        True where it ran; False where the extension lacks it, grad mode is on (a backward with
+        ``create_graph=True``), ``weights`` is None, or pending weights' ``clip_scale`` would not take
+        its C++ route (``clip_scale_route``): nothing was done, and the caller runs
+        ``linear_clipped_grads``.
+    """
+    if _INTO_MISSING is not None or weights is None or torch.is_grad_enabled():
+        return False
+    if isinstance(weights, PendingWeights):
+        # (x has the B rows the route checks; it is in o's dtype and on its device)
+        if clip_ops.clip_scale_route(x, weights) != clip_ops._FUSED:
+            return False
+        _ext._C.linear_clip_scale_into(x, o, weight, bias, transposed, *clip_ops.fused_scale_args(weights))
+    else:
+        _ext._C.linear_clipped_into(x, o, weight, bias, transposed, weights_as(weights, o.dtype))
+    return True
 
 
 _ONE = torch.ones(())  # a 0-dim CPU tensor: ops on any device take it as a scalar, with no copy

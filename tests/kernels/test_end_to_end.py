@@ -174,11 +174,12 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     rows by them (``clip_scale``), which sums them. Neither spends a launch per call on the sum.
     Norms and clipped sums equal the torch references' (Triton off). (The two calls differ in shape:
     same-shape calls share a launch, ``test_same_shape_calls_take_one_norm_launch``.)"""
+    import pdpfast.ops.clip as clip_ops
     import pdpfast.ops.linear as lin_ops
     from pdpfast.clipping import ClippingState
 
     seen = {"sq": [], "pending": [], "rho": []}
-    add_sq, add_rounding, scale = ClippingState._add_sq, ClippingState._add_rounding, lin_ops.clip_scale
+    add_sq, add_rounding, route = ClippingState._add_sq, ClippingState._add_rounding, clip_ops.clip_scale_route
 
     def spy_add_sq(self, sq):
         seen["sq"].append(tuple(sq.shape))
@@ -188,14 +189,14 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
         seen["rho"].append(None if rho is None else tuple(rho.shape))
         return add_rounding(self, rho)
 
-    def spy_scale(x, weights):
+    def spy_route(x, weights):  # asked once per call, by the C++ clipped sums or else by clip_scale
         rho = None if weights.rounding is None else tuple(weights.rounding.shape)
         seen["pending"].append((tuple(weights.sq_norms.shape), weights.parts, rho))
-        return scale(x, weights)
+        return route(x, weights)
 
     monkeypatch.setattr(ClippingState, "_add_sq", spy_add_sq)
     monkeypatch.setattr(ClippingState, "_add_rounding", spy_add_rounding)
-    monkeypatch.setattr(lin_ops, "clip_scale", spy_scale)
+    monkeypatch.setattr(clip_ops, "clip_scale_route", spy_route)
     torch.manual_seed(0)
     B, T, d, p = 3, 65, 200, 136  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
     assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, p)
