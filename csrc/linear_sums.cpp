@@ -38,9 +38,10 @@ void accumulate(const at::Tensor& p, at::Tensor g) {
   }
 }
 
-// The call's input and output gradient as (B, T, d) and (B, T, p) (nn/linear.py as_btd).
+// The call's input and output gradient as (B, T, d) and (B, T, p), T the product of x's middle dims
+// (1 for a 2-D x, and for a 1-D one: its single dim is both B and d), as nn/linear.py's as_btd.
 std::pair<at::Tensor, at::Tensor> as_btd(const at::Tensor& x, const at::Tensor& o) {
-  TORCH_CHECK(x.dim() >= 2, "linear_clipped_into: the input must be (B, ..., d), got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1, "linear_clipped_into: the input must be (B, ..., d), got a 0-dim tensor");
   const int64_t B = x.size(0), d = x.size(-1);
   int64_t T = 1;
   for (int64_t k = 1; k + 1 < x.dim(); ++k) T *= x.size(k);

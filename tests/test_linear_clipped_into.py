@@ -77,7 +77,8 @@ def assert_same(run, ref):
         assert torch.equal(a.grad, b.grad), (a.grad - b.grad).abs().max()
 
 
-SHAPES = [((4, 5), 8, 3), ((4, 5), 3, 8), ((3,), 6, 6), ((2, 2, 3), 4, 7), ((1, 4), 5, 2), ((0, 4), 5, 2)]
+SHAPES = [((4, 5), 8, 3), ((4, 5), 3, 8), ((3,), 6, 6), ((2, 2, 3), 4, 7), ((1, 4), 5, 2), ((0, 4), 5, 2),
+          ((), 1, 3)]  # the last: a 1-D input (1,), which the Python route reads as B = d = 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -88,8 +89,8 @@ SHAPES = [((4, 5), 8, 3), ((4, 5), 3, 8), ((3,), 6, 6), ((2, 2, 3), 4, 7), ((1, 
 def test_computed_weights_give_the_python_routes_bits(dtype, lead, d, p, transposed, trained, with_grad):
     seed = hash((str(dtype), lead, d, p, transposed, trained, with_grad)) % 2**31
     g = torch.Generator().manual_seed(seed)
-    B = lead[0]
     x = torch.randn(*lead, d, generator=g).to(dtype)
+    B = x.shape[0]
     o = torch.randn(x[..., 0].numel(), p, generator=g).to(dtype)  # (B·T, p), as the flat linear's backward
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     weights = torch.rand(B, generator=g, dtype=acc)
@@ -107,8 +108,8 @@ def test_computed_weights_give_the_python_routes_bits(dtype, lead, d, p, transpo
 def test_pending_weights_give_the_python_routes_bits(dtype, lead, d, p, transposed, variant):
     seed = hash((str(dtype), lead, d, p, transposed, variant)) % 2**31
     g = torch.Generator().manual_seed(seed)
-    B = lead[0]
     x = torch.randn(*lead, d, generator=g).to(dtype)
+    B = x.shape[0]
     o = torch.randn(x[..., 0].numel(), p, generator=g).to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     weights = pending(B, acc, seed, gamma=0.01 if variant == "automatic" else None,
@@ -146,7 +147,10 @@ def test_declines_where_the_python_route_must_run():
         assert not lin_ops.linear_clipped_into(x, o, torch.rand(2), weight, None)
     zero_scale = PendingWeights(torch.rand(2), torch.rand(2), None, 0.0)  # clip_scale's torch route
     assert not lin_ops.linear_clipped_into(x, o, zero_scale, weight, None)
-    assert weight.grad is None
+    # x of another dtype than o: the Python route scales the operand it asks clip_scale's route about
+    bias = nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    assert not lin_ops.linear_clipped_into(x, o.double(), PendingWeights(torch.rand(2), torch.rand(2)), None, bias)
+    assert weight.grad is None and bias.grad is None
 
 
 def _transformer(seed):
@@ -182,9 +186,9 @@ def test_engine_steps_are_the_same_with_and_without_it(mode, clipping, dtype, mo
         model = pdpfast.nn.convert(_transformer(0).to(dtype))
         state = ClippingState(model, mode=mode, clipping=clipping)
         with state.attached():
-            state.begin_batch(torch.linspace(0.05, 2.0, B), loss_scale=B)
+            state.begin_batch(torch.linspace(0.05, 2.0, B), loss_scale=1 if mode == "ghost" else B)
             losses = model(x).float().pow(2).mean((1, 2))
-            if mode == "ghost":
+            if mode == "ghost":  # (summed per-sample losses: loss scale 1)
                 state.ghost_backward(losses)
             else:
                 losses.mean().backward()
@@ -208,3 +212,30 @@ def test_it_is_declared_in_the_extension_with_its_source():
     """Both entry points are in the built extension (a stale build would run the Python route, slower)."""
     for name in ("linear_clipped_into", "linear_clip_scale_into"):
         assert callable(getattr(_ext._C, name, None)), name
+
+
+def test_a_one_record_batch_through_a_one_feature_layer_on_a_1d_input():
+    """A batch of one record may reach ``nn.Linear(1, p)`` as a (1,) tensor: the Python route reads it as
+    B = d = 1, and so does the C++ one (ghost clipping's second pass takes it at any size)."""
+    import pdpfast
+
+    grads = []
+    for missing in (None, "off for the test"):
+        torch.manual_seed(0)
+        model = pdpfast.nn.convert(nn.Sequential(nn.Linear(1, 3)))
+        calls = []
+        into, saved = lin_ops.linear_clipped_into, lin_ops._INTO_MISSING
+        lin_ops._INTO_MISSING = missing
+        lin_ops.linear_clipped_into = lambda *args: calls.append(into(*args)) or calls[-1]
+        try:
+            state = ClippingState(model, mode="ghost")
+            with torch.enable_grad(), state.attached():
+                state.begin_batch(torch.ones(1))
+                state.ghost_backward(model(torch.tensor([3.0])).pow(2).sum().reshape(1))
+                state.end_draw()
+        finally:
+            lin_ops._INTO_MISSING, lin_ops.linear_clipped_into = saved, into
+        assert calls == [missing is None]
+        grads.append([p.grad for p in model.parameters()])
+    for fast, slow in zip(*grads):
+        assert torch.equal(fast, slow)

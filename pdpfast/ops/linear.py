@@ -526,14 +526,14 @@ def linear_clipped_into(x: torch.Tensor, o: torch.Tensor, weights: torch.Tensor 
         transposed: the weight is stored (d, p) (Hugging Face's Conv1D).
     Returns:
         True where it ran; False where the extension lacks it, grad mode is on (a backward with
-        ``create_graph=True``), ``weights`` is None, or pending weights' ``clip_scale`` would not take
-        its C++ route (``clip_scale_route``): nothing was done, and the caller runs
-        ``linear_clipped_grads``.
+        ``create_graph=True``), ``weights`` is None, x and o differ in dtype, or pending weights'
+        ``clip_scale`` would not take its C++ route (``clip_scale_route``): nothing was done, and the
+        caller runs ``linear_clipped_grads``.
     """
-    if _INTO_MISSING is not None or weights is None or torch.is_grad_enabled():
+    if _INTO_MISSING is not None or weights is None or torch.is_grad_enabled() or x.dtype != o.dtype:
         return False
     if isinstance(weights, PendingWeights):
-        # (x has the B rows the route checks; it is in o's dtype and on its device)
+        # (x has the B rows the route checks, in o's dtype; it is on o's device)
         if clip_ops.clip_scale_route(x, weights) != clip_ops._FUSED:
             return False
         _ext._C.linear_clip_scale_into(x, o, weight, bias, transposed, *clip_ops.fused_scale_args(weights))
