@@ -643,8 +643,9 @@ class ClippingState:
         if grad is not None:
             raise RuntimeError(
                 f"parameter {name} received an ordinary, unclipped gradient in a private backward: it is used "
-                "outside its DP layer's private forward (e.g. F.linear(x, layer.weight), or a DP layer in eval "
-                "mode). Use it through its module (share the Parameter between modules to tie weights), or "
+                "outside its DP layer's private forward (e.g. F.linear(x, layer.weight), a layer subclass whose own "
+                "forward uses it without calling super().forward, or a DP layer in eval mode). Use it through its "
+                "module (share the Parameter between modules to tie weights), or "
                 "freeze it")
 
     # ------------------------------------------------------------------ the lifecycle

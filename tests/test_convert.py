@@ -163,17 +163,78 @@ class LinearWithOwnForward(nn.Linear):
         return super().forward(x) * 2
 
 
+class ShiftedPositions(nn.Embedding):  # as BART's and OPT's learned positions: ids computed in its forward
+    def forward(self, ids):
+        positions = torch.cumsum(ids != 0, dim=1) * (ids != 0)
+        return super().forward(positions + 1) * 0.5
+
+
+class LinearWithAParameterOfItsOwn(nn.Linear):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+class LinearUsingItsWeightDirectly(nn.Linear):
+    def forward(self, x):  # never reaches the private forward
+        return F.linear(x, self.weight, self.bias)
+
+
 class LinearWithExtraMethod(nn.Linear):
     def describe(self):
         return f"{self.in_features}->{self.out_features}"
 
 
-def test_subclass_overriding_forward_is_refused():
-    model = nn.Sequential(nn.Linear(3, 4), LinearWithOwnForward(4, 2))
-    with pytest.raises(ValueError, match=r"1 \(LinearWithOwnForward: weight, bias; a subclass of nn.Linear with its "
-                                         r"own forward, whose math the Linear rule does not know\)"):
+class _TokensAndPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(9, 4, padding_idx=0), ShiftedPositions(8, 4)
+        self.head = LinearWithOwnForward(4, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(ids))).sum(1)
+
+
+def test_subclass_with_its_own_forward_runs_it_around_the_private_forward(oracle):
+    """A subclass's own forward runs, and its ``super().forward`` is the DP layer's private forward:
+    the per-sample gradients are exact whatever it computes around that call."""
+    reference = _TokensAndPositions().double()
+    model = convert(copy.deepcopy(reference))
+    assert dp_modules(model) == ["tokens", "positions", "head"]
+    assert isinstance(model.positions, ShiftedPositions) and isinstance(model.head, LinearWithOwnForward)
+    ids = torch.randint(1, 9, (B, 6))
+    ids[0, 4:] = 0
+    ids[2, 2:] = 0
+    t = torch.randn(B, 2, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+    oracle.check(model, sq_loss, (ids,), (t,), reference=reference)
+
+
+def test_subclass_with_its_own_forward_and_a_parameter_of_its_own_is_refused_naming_it():
+    model = nn.Sequential(nn.Linear(3, 4), LinearWithAParameterOfItsOwn(4, 2))
+    with pytest.raises(ValueError, match=r"1 \(LinearWithAParameterOfItsOwn: gain: a subclass of nn.Linear with its "
+                                         r"own forward and parameters the Linear rule does not clip\)"):
         convert(model)
     assert dp_modules(model) == []
+
+
+def test_subclass_whose_own_forward_bypasses_the_private_forward_is_refused_in_the_backward():
+    model = convert(nn.Sequential(LinearUsingItsWeightDirectly(3, 2)))
+    with pytest.raises(RuntimeError, match="ordinary, unclipped gradient .* own forward uses it without calling "
+                                           r"super\(\).forward"):
+        clipped_gradients(model, lambda out: out.sum(1), torch.randn(B, 3), clip_norms=torch.ones(B))
+
+
+def test_frozen_subclass_with_its_own_forward_is_left_alone():
+    model = nn.Sequential(nn.Linear(3, 4), LinearUsingItsWeightDirectly(4, 2).requires_grad_(False))
+    convert(model)
+    assert dp_modules(model) == ["0"] and type(model[1]) is LinearUsingItsWeightDirectly
+    result = clipped_gradients(model, lambda out: out.sum(1), torch.randn(B, 3), clip_norms=torch.ones(B))
+    assert set(result.grads) == {"0.weight", "0.bias"}
 
 
 def test_subclass_keeping_forward_is_converted_and_keeps_its_class(oracle):

@@ -343,12 +343,29 @@ def _llama():
     return _llama_style(LlamaConfig, LlamaForCausalLM)
 
 
-def _gemma():  # RMSNorms scaling by 1 + weight; its scaled token embedding (and the tied head) frozen
+def _gemma():  # RMSNorms scaling by 1 + weight; its scaled token embedding (its own forward) tied to the head
     from transformers import GemmaConfig, GemmaForCausalLM
 
     model, inputs, targets, loss = _llama_style(GemmaConfig, GemmaForCausalLM, head_dim=8)
-    model.model.model.embed_tokens.requires_grad_(False)
+    embedding = model.model.model.embed_tokens
+    assert type(embedding).forward is not nn.Embedding.forward and float(embedding.embed_scale) != 1.0
     return model, inputs, targets, loss
+
+
+def _bart():  # BART's decoder: a scaled token embedding (√d) and learned positions, both with their own forward
+    from transformers import BartConfig, BartForCausalLM
+
+    config = BartConfig(vocab_size=50, d_model=32, decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=40,
+                        encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=40, max_position_embeddings=16,
+                        scale_embedding=True, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        decoder_layerdrop=0.0, is_decoder=True, is_encoder_decoder=False,
+                        decoder_start_token_id=2, **_hf_config_kwargs())
+    lm = BartForCausalLM(config)
+    decoder = lm.model.decoder
+    assert float(decoder.embed_tokens.embed_scale) != 1.0
+    assert type(decoder.embed_positions).forward is not nn.Embedding.forward
+    ids, targets, pad = ragged_ids(50, 10)
+    return HFCausalLM(_randomize_tokens_(lm)), (ids, (~pad).long()), (torch.where(pad, -100, ids),), shifted_lm_loss
 
 
 def _qwen3():  # RMSNorms on each head's queries and keys too: (B, T, heads, head_dim) inputs
@@ -406,8 +423,8 @@ def _dinov2():
     return _vision_case(model)
 
 
-HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "gemma": _gemma, "vit": _vit,
-               "deit": _deit, "dinov2": _dinov2}
+HF_BUILDERS = {"bert": _bert, "gpt2": _gpt2, "llama": _llama, "qwen3": _qwen3, "gemma": _gemma, "bart": _bart,
+               "vit": _vit, "deit": _deit, "dinov2": _dinov2}
 
 
 @pytest.fixture(scope="module", params=list(HF_BUILDERS))

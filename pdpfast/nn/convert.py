@@ -34,8 +34,8 @@ def _dp_class_cached(cls: type, generation: int) -> type | None:
         dp = rules.dp_class_registered(base)
         if dp is None:
             continue
-        if cls.forward is not base.forward:
-            return None  # a subclass with its own forward: its math is unknown to the rule
+        if cls.forward is not base.forward:  # its own forward around the registered layer's: see _scan
+            return _subclass_over(dp, cls)
         return dp if issubclass(dp, cls) else _subclass(dp, cls)
     return None
 
@@ -47,15 +47,32 @@ def _subclass(dp: type, cls: type) -> type:
     return type(f"DP{cls.__name__}", (dp, cls), {"__module__": dp.__module__})
 
 
-def _own_forward_over(cls: type) -> str:
-    """"; a subclass of <registered class> with its own forward, ..." when that is why ``cls`` has no DP
-    class, else "" (a class no rule knows needs no reason)."""
-    base = next((b for b in cls.__mro__[1:] if rules.dp_class_registered(b) is not None), None)
-    if base is None:
-        return ""
+@functools.cache
+def _subclass_over(dp: type, cls: type) -> type:
+    # the DP class below the user's class in the MRO: the subclass's own forward runs, and its
+    # super().forward(...) is the DP layer's private forward (Gemma's, BART's scaled token embedding;
+    # OPT's and BART's learned positions, which compute their position ids first)
+    return type(f"DP{cls.__name__}", (cls, dp), {"__module__": dp.__module__, "_pdpfast_own_forward": True})
+
+
+# The parameters a subclass with its own forward may have: those the registered layers' rules clip
+# (weight, bias). A parameter of its own would be used outside the private forward (refused there,
+# as an unclipped gradient): convert names it instead.
+_OWN_FORWARD_PARAMS = frozenset({"weight", "bias"})
+
+
+def _own_forward_problem(module: nn.Module, dp_class: type) -> str | None:
+    """Why a subclass with its own forward (``_subclass_over``) cannot be swapped: parameters other
+    than those its registered layer's rule clips. Its forward's use of them is checked when it runs:
+    a parameter used outside the private forward (not through ``super().forward``) gets an ordinary
+    gradient, which the clipping state refuses in the backward, naming it."""
+    base = next(b for b in type(module).__mro__[1:] if rules.dp_class_registered(b) is not None)
     where = "nn" if base.__module__.startswith("torch.nn.") else base.__module__
-    return (f"; a subclass of {where}.{base.__qualname__} with its own forward, whose math the "
-            f"{base.__qualname__} rule does not know")
+    unknown = [n for n, p in module._parameters.items() if p is not None and n not in _OWN_FORWARD_PARAMS]
+    if unknown:
+        return (f"{', '.join(unknown)}: a subclass of {where}.{base.__qualname__} with its own forward and "
+                f"parameters the {base.__qualname__} rule does not clip")
+    return None
 
 
 def _path(name: str) -> str:
@@ -149,12 +166,18 @@ def _scan(model: nn.Module):
         if dp_class is None and not is_dp:  # (a form is a DP class: is_dp modules never reach it)
             form = rules.dp_class_by_form(module)
             dp_class = form and _subclass(form, type(module))
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if dp_class is None:
-            trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if trainable:
-                why = _own_forward_over(type(module))
-                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)}{why})")
+                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
             continue
+        if not is_dp and dp_class.__dict__.get("_pdpfast_own_forward"):
+            if not trainable:
+                continue  # frozen: left as it is (a quantized layer's forward, say, need not be the layer's)
+            problem = _own_forward_problem(module, dp_class)
+            if problem:
+                unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
+                continue
         problem = layer_problem(module, dp_class)
         if problem:
             unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")

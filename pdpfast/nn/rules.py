@@ -2,8 +2,9 @@
 
 A layer family lives in one file under ``pdpfast/nn/`` (``linear.py``, ``conv.py``, ...): its DP
 classes, its rule, and one ``register_layer(torch_classes, dp_class, rule)``. ``convert`` swaps
-the registered torch classes (and subclasses keeping their forward) for the DP class; the
-clipping state finds the rule through the DP class's MRO.
+the registered torch classes and their subclasses for the DP class (a subclass with its own
+forward keeps it, and its ``super().forward`` is the private forward); the clipping state finds the
+rule through the DP class's MRO.
 
 A rule works on one call of a layer: ``x`` the saved input (the module's own preprocessing
 applied, e.g. the padded conv input), ``o`` the gradient of the summed loss w.r.t. the output.
@@ -362,8 +363,9 @@ def register_layer(torch_classes, dp_class: type, rule: LayerRule | None = None,
     Args:
         torch_classes: an ``nn.Module`` subclass, its qualified name as a string (e.g.
             ``"transformers.pytorch_utils.Conv1D"``: the optional library is never imported here), or a
-            tuple/list of them. Subclasses that keep the registered forward are converted too; those with
-            their own forward are not (their math is unknown to the rule).
+            tuple/list of them. Subclasses are converted too; one with its own forward keeps it (the DP
+            class comes after it in the MRO, so its ``super().forward`` is the private forward) when
+            its parameters are only those the rule clips (weight, bias), and is left alone when frozen.
         dp_class: a ``DPModule`` subclass (typically also a subclass of the torch class); layer options it
             cannot train privately are refused by its ``unsupported_options``.
         rule: the rule of ``dp_class`` and its subclasses; None when ``dp_class`` inherits one from a
