@@ -916,7 +916,11 @@ class ClippingState:
                 raise ValueError(f"{self._names[module]} got inputs of shapes {[tuple(t.shape) for t in x]} but "
                                  f"the batch has {B} samples")
             return x
-        n = x.shape[0] if x.dim() else None
+        dims = x.dim()
+        if dims == 1 and getattr(module, "_pdpfast_own_forward", False) and \
+                any(p is not None and p.requires_grad for p in module._parameters.values()):
+            self._refuse_own_forward_1d(module, x)
+        n = x.shape[0] if dims else None
         if n == B:
             return x
         if n == 1:  # e.g. position ids of shape (1, T) broadcast over the batch: make it per sample
@@ -929,6 +933,18 @@ class ClippingState:
                          "(requires_grad_(False))")
         raise ValueError(f"{self._names[module]} got an input of shape {tuple(x.shape)} but the batch has {B} "
                          f"samples; DP layers need batch-first inputs (e.g. batch_first=True){flattened}")
+
+    def _refuse_own_forward_1d(self, module, x: torch.Tensor) -> None:
+        """A subclass's own forward (``pdpfast.nn.convert``) gave its layer a 1-D input: its rows would
+        be taken as records, which they are only when it holds one id per record. Blenderbot's, LED's and
+        BigBird-Pegasus's learned positions look up ``torch.arange(T)`` for the whole batch, broadcast
+        afterwards: with T equal to the batch size, each row of the gradient would be one position's,
+        summed over the records, and clipped as a record."""
+        raise ValueError(
+            f"{self._names[module]} ({type(module).__mro__[1].__name__}, whose own forward calls the layer's) gave the "
+            f"layer a 1-D input of shape {tuple(x.shape)}: its rows would be clipped as records, which they are not "
+            "when the forward looks up positions for the whole batch (torch.arange(T), broadcast afterwards). Freeze "
+            "the layer (requires_grad_(False)), or make its forward pass (B, ...) or (1, T) inputs")
 
     # ------------------------------------------------------------------ backward
 

@@ -217,7 +217,7 @@ def test_subclass_with_its_own_forward_runs_it_around_the_private_forward(oracle
 def test_subclass_with_its_own_forward_and_a_parameter_of_its_own_is_refused_naming_it():
     model = nn.Sequential(nn.Linear(3, 4), LinearWithAParameterOfItsOwn(4, 2))
     with pytest.raises(ValueError, match=r"1 \(LinearWithAParameterOfItsOwn: gain: a subclass of nn.Linear with its "
-                                         r"own forward and parameters the Linear rule does not clip\)"):
+                                         r"own forward and trainable parameters the Linear rule does not clip\)"):
         convert(model)
     assert dp_modules(model) == []
 
@@ -227,6 +227,92 @@ def test_subclass_whose_own_forward_bypasses_the_private_forward_is_refused_in_t
     with pytest.raises(RuntimeError, match="ordinary, unclipped gradient .* own forward uses it without calling "
                                            r"super\(\).forward"):
         clipped_gradients(model, lambda out: out.sum(1), torch.randn(B, 3), clip_norms=torch.ones(B))
+
+
+class FixedPositions(nn.Embedding):  # Blenderbot's and LED's: positions of the whole batch, broadcast afterwards
+    def forward(self, ids):
+        return super().forward(torch.arange(ids.shape[1], device=ids.device))
+
+
+def test_subclass_whose_own_forward_gives_its_layer_a_1d_input_is_refused_even_when_its_length_is_the_batch():
+    """Rows of a 1-D input would be clipped as records: with T = B, each would be one position's
+    gradient summed over the records (Blenderbot's learned positions, which convert refused before)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.positions = nn.Embedding(9, 4), FixedPositions(8, 4)
+
+        def forward(self, ids):
+            return (self.tokens(ids) + self.positions(ids)).sum((1, 2))
+
+    model = convert(Model())
+    for T in (B, B + 1):
+        with pytest.raises(ValueError, match=r"positions \(FixedPositions, whose own forward calls the layer's\) gave "
+                                             rf"the layer a 1-D input of shape \({T},\)"):
+            clipped_gradients(model, lambda out: out, torch.randint(0, 9, (B, T)), clip_norms=torch.ones(B))
+    model.positions.requires_grad_(False)  # frozen after convert: nothing to clip
+    frozen_before = Model()
+    frozen_before.positions.requires_grad_(False)  # left as it is by convert
+    for trained in (model, convert(frozen_before)):
+        assert set(clipped_gradients(trained, lambda out: out, torch.randint(0, 9, (B, B)),
+                                     clip_norms=torch.ones(B)).grads) == {"tokens.weight"}
+
+
+class LinearCallingItsLayerByKeyword(nn.Linear):
+    def forward(self, x):
+        return super().forward(input=x) * 2  # torch's name for the argument
+
+
+class RMSNormByHand(nn.RMSNorm):  # recognized by what it computes (DPRMSNormForm), its forward run privately
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class InstanceNormPlusOne(nn.InstanceNorm2d):  # a DP class shared by InstanceNorm1d/2d/3d
+    def forward(self, x):
+        return super().forward(x) + 1
+
+
+class LinearWithAFrozenGain(LinearWithAParameterOfItsOwn):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gain.requires_grad_(False)
+
+
+@pytest.mark.parametrize("make", [lambda: LinearCallingItsLayerByKeyword(4, 2), lambda: RMSNormByHand(4, eps=1e-5),
+                                  lambda: InstanceNormPlusOne(2, affine=True), lambda: LinearWithAFrozenGain(4, 2)],
+                         ids=["keyword", "rms-norm-form", "instance-norm", "frozen-gain"])
+def test_more_subclasses_with_their_own_forward_match_the_oracle(make, oracle):
+    torch.manual_seed(0)
+    layer = make()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(1.0, 0.5)
+    if isinstance(layer, nn.InstanceNorm2d):
+        reference, x = nn.Sequential(nn.Conv2d(3, 2, 3), layer).double(), torch.randn(B, 3, 6, 6, dtype=torch.float64)
+    else:
+        reference, x = nn.Sequential(nn.Linear(4, 4), layer).double(), torch.randn(B, 3, 4, dtype=torch.float64)
+    model = convert(copy.deepcopy(reference))
+    assert isinstance(model[1], DPModule) and isinstance(model[1], type(layer))
+    assert isinstance(model[1], pnn.DPRMSNormForm) == isinstance(layer, RMSNormByHand)
+    t = torch.randn_like(reference(x))
+    for mode, clipping in (("bk", "flat"), ("ghost", "flat"), ("bk", "per_layer")):
+        oracle.check(model, sq_loss, (x,), (t,), reference=reference, mode=mode, clipping=clipping)
+
+
+class LinearWithAHelperNamedLikeTheDPLayers(nn.Linear):
+    def _prepare(self, x):  # DPModule's name: first in the MRO, it would replace the private forward's
+        return x * 2.0
+
+    def forward(self, x):
+        return super().forward(self._prepare(x))
+
+
+def test_subclass_with_its_own_forward_and_a_method_named_like_the_dp_layers_is_refused():
+    with pytest.raises(ValueError, match=r"0 \(LinearWithAHelperNamedLikeTheDPLayers: weight, bias; a subclass of "
+                                         r"nn.Linear with its own forward that defines _prepare, which the private "
+                                         r"forward of DPLinear uses: rename them\)"):
+        convert(nn.Sequential(LinearWithAHelperNamedLikeTheDPLayers(3, 2)))
 
 
 def test_frozen_subclass_with_its_own_forward_is_left_alone():

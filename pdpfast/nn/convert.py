@@ -35,7 +35,11 @@ def _dp_class_cached(cls: type, generation: int) -> type | None:
         if dp is None:
             continue
         if cls.forward is not base.forward:  # its own forward around the registered layer's: see _scan
-            return _subclass_over(dp, cls)
+            if _own_forward_refusal(cls, base, dp):
+                return None
+            # a DP class that is a mixin (HF's Conv1D) or covers several classes (InstanceNorm1d/2d/3d)
+            # joins the registered class first, so that it comes before that class's forward
+            return _subclass_over(dp if issubclass(dp, base) else _subclass(dp, base), cls)
         return dp if issubclass(dp, cls) else _subclass(dp, cls)
     return None
 
@@ -61,16 +65,46 @@ def _subclass_over(dp: type, cls: type) -> type:
 _OWN_FORWARD_PARAMS = frozenset({"weight", "bias"})
 
 
-def _own_forward_problem(module: nn.Module, dp_class: type) -> str | None:
-    """Why a subclass with its own forward (``_subclass_over``) cannot be swapped: parameters other
-    than those its registered layer's rule clips. Its forward's use of them is checked when it runs:
-    a parameter used outside the private forward (not through ``super().forward``) gets an ordinary
-    gradient, which the clipping state refuses in the backward, naming it."""
-    base = next(b for b in type(module).__mro__[1:] if rules.dp_class_registered(b) is not None)
-    where = "nn" if base.__module__.startswith("torch.nn.") else base.__module__
-    unknown = [n for n, p in module._parameters.items() if p is not None and n not in _OWN_FORWARD_PARAMS]
+def _where(base: type) -> str:
+    return f"{'nn' if base.__module__.startswith('torch.nn.') else base.__module__}.{base.__qualname__}"
+
+
+@functools.cache
+def _own_forward_refusal(cls: type, base: type, dp: type) -> str:
+    """Why subclass ``cls`` (with its own forward) of registered class ``base`` cannot take DP class
+    ``dp`` after it in its MRO ("; ..." to follow its parameters' names), or "": the subclass defines
+    a name the DP class defines (``_prepare``, ``_compute``, ...), which, coming first in the MRO,
+    would replace the private forward's own and train something else.
+    """
+    own = {n for k in dp.__mro__ if k not in base.__mro__ for n in vars(k) if not n.startswith("__")}
+    theirs = {n for k in cls.__mro__ if k not in base.__mro__ for n in vars(k) if not n.startswith("__")}
+    clash = sorted((own & theirs) - {"forward"})
+    if clash:
+        return (f"; a subclass of {_where(base)} with its own forward that defines {', '.join(clash)}, "
+                f"which the private forward of {dp.__name__} uses: rename them")
+    return ""
+
+
+def _own_forward_over(cls: type) -> str:
+    """The reason ``_own_forward_refusal`` gives for ``cls``, or "" (a class no rule knows needs none)."""
+    for base in cls.__mro__[1:]:
+        dp = rules.dp_class_registered(base)
+        if dp is not None:
+            return _own_forward_refusal(cls, base, dp) if cls.forward is not base.forward else ""
+    return ""
+
+
+def _own_forward_problem(module: nn.Module) -> str | None:
+    """Why a module whose class has its own forward (``_subclass_over``) cannot be swapped: trainable
+    parameters other than those its registered layer's rule clips. Its forward's use of them is
+    checked when it runs: a parameter used outside the private forward (not through
+    ``super().forward``) gets an ordinary gradient, which the clipping state refuses in the
+    backward, naming it."""
+    unknown = [n for n, p in module._parameters.items()
+               if p is not None and p.requires_grad and n not in _OWN_FORWARD_PARAMS]
     if unknown:
-        return (f"{', '.join(unknown)}: a subclass of {where}.{base.__qualname__} with its own forward and "
+        base = next(b for b in type(module).__mro__[1:] if rules.dp_class_registered(b) is not None)
+        return (f"{', '.join(unknown)}: a subclass of {_where(base)} with its own forward and trainable "
                 f"parameters the {base.__qualname__} rule does not clip")
     return None
 
@@ -163,18 +197,22 @@ def _scan(model: nn.Module):
             batchnorms.append(f"{_path(name)} ({type(module).__name__})")
             continue
         dp_class = type(module) if is_dp else _dp_class_for(type(module))
-        if dp_class is None and not is_dp:  # (a form is a DP class: is_dp modules never reach it)
+        own_forward = not is_dp and dp_class is not None and dp_class.__dict__.get("_pdpfast_own_forward", False)
+        if (dp_class is None or own_forward) and not is_dp:  # (a form is a DP class: is_dp modules never reach it)
+            # a form (an RMSNorm computed by hand, say) runs the module's own forward privately: it wins
             form = rules.dp_class_by_form(module)
-            dp_class = form and _subclass(form, type(module))
+            if form is not None:
+                dp_class, own_forward = _subclass(form, type(module)), False
         trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if dp_class is None:
             if trainable:
-                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)})")
+                why = _own_forward_over(type(module))
+                unsupported.append(f"{_path(name)} ({type(module).__name__}: {', '.join(trainable)}{why})")
             continue
-        if not is_dp and dp_class.__dict__.get("_pdpfast_own_forward"):
+        if own_forward:
             if not trainable:
                 continue  # frozen: left as it is (a quantized layer's forward, say, need not be the layer's)
-            problem = _own_forward_problem(module, dp_class)
+            problem = _own_forward_problem(module)
             if problem:
                 unsupported.append(f"{_path(name)} ({type(module).__name__}: {problem})")
                 continue

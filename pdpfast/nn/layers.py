@@ -163,20 +163,22 @@ class DPModule:
         """
         return None
 
-    def forward(self, x):
+    def forward(self, input=None, *, x=None):
         """The layer's output; in a private batch its call is also recorded for the per-sample backward.
 
         Outside a private batch (no state attached, eval mode or grad disabled) it is the torch
         layer's computation; in one it runs through ``ClippingState.forward``.
 
         Args:
-            x: the layer's input, batch-first: (B, ...) with the shape the torch layer takes.
+            input: the layer's input, batch-first: (B, ...) with the shape the torch layer takes (by
+                torch's name for it, ``input``, or HF Conv1D's, ``x``).
         Returns:
             the layer's output, (B, ...), as the torch layer returns it.
         Raises:
             in a private forward, RuntimeError unless a batch is open, and ValueError for an input whose
             dim 0 is not the batch's B (or 1) (see ``ClippingState.forward``).
         """
+        x = input if x is None else x
         state = self._pdpfast_state
         if state is None or not self.training or not torch.is_grad_enabled():
             x = self._prepare(x)
