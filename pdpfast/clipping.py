@@ -74,10 +74,74 @@ CLIPPINGS = ("flat", "per_layer")
 # scaled terms w_i·o_t, relative to each term and not to their (possibly cancelling) sum, is
 # bounded per record by the layer rules (``LayerRule.rounding``: ρ_i, and w_i clips ‖g_i‖ + ρ_i).
 # The refusal of non-finite norms (``ClippingState._refuse_nonfinite``) reads them on the host: free
-# where they are on the CPU, a stall on a GPU, which skips it. A block standing in for a GPU's step on
-# the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead --kernels stub``) turns it off likewise.
-# Under torch.distributed its verdict is all-reduced, so that every rank refuses the same batches.
+# where they are on the CPU, a stall on a GPU, which reads them later instead (``DEFERRED_CHECK_DEVICES``).
+# A block standing in for a GPU's step on the CPU (``pdpfast.graphs.no_host_sync``, ``bench_overhead
+# --kernels stub``) turns it off. Under torch.distributed its verdict is all-reduced, so that every rank
+# refuses the same batches.
 CHECK_FINITE_ON_CPU = True
+# Devices whose norms are copied to the host without waiting (a pinned buffer, an event) and checked at
+# the next ``optimizer.step()`` that finds the copy done: the draw's own step when the GPU got there
+# first, else a later one, after the draw's step was applied (``ClippingState.check_finite``). Not under
+# torch.distributed, whose ranks must reach one verdict at one point (a collective).
+DEFERRED_CHECK_DEVICES = ("cuda",)
+# Deferred checks outstanding at most: beyond, the oldest is waited for (a GPU is never this far behind)
+MAX_DEFERRED_CHECKS = 8
+
+
+class _DeferredCheck:
+    """The norms of one backward, on their way to the host: ``event`` (None: already there) marks
+    the copy done; ``applied``: the draw's step was taken since."""
+
+    __slots__ = ("sq", "event", "mask", "records", "applied")
+
+    def __init__(self, total_sq: torch.Tensor, mask, records):
+        self.sq, self.records, self.applied = _to_host(total_sq), records, False
+        self.mask = None if mask is None else _to_host(mask)  # (a captured step's is overwritten each step)
+        self.event = None
+        if total_sq.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self, wait: bool = False) -> bool:
+        if self.event is not None:
+            if wait:
+                self.event.synchronize()
+            elif not self.event.query():
+                return False
+        return True
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the host: queued into pinned memory from a GPU (read it once its event is
+    done), a clone on the CPU."""
+    t = t.detach()
+    if not t.is_cuda:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _nonfinite_rows(sq: torch.Tensor, mask) -> list:
+    """Rows of host tensor ``sq`` that are NaN or inf, masked rows left out ([] in one op when the
+    sum is finite, the usual case)."""
+    if math.isfinite(float(sq.sum())):
+        return []
+    bad = ~torch.isfinite(sq)
+    if mask is not None:
+        bad &= mask.to(bad.device) != 0
+    return bad.nonzero().flatten().tolist()
+
+
+def _nonfinite_message(rows: list, records) -> str:
+    """"n record(s) (which) have a per-sample gradient norm that is NaN or inf: ..." for ``rows`` of a
+    batch whose dataset indices are ``records`` (None: rows only)."""
+    where = f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of the batch"
+    if records is not None:
+        named = [int(records[r]) for r in rows[:8]]
+        where = f"dataset records {named}{' ...' if len(rows) > 8 else ''} (0-based; {where})"
+    return (f"{len(rows)} record(s) ({where}) have a per-sample gradient norm that is NaN or inf: their data or "
+            "loss is not finite (a NaN or inf input, a log of 0), or the gradient overflowed its dtype")
 
 # nn.DataParallel over several devices copies the model at every forward; the copies' layers hold no
 # parameters of their own, so the private forward cannot be run in them (refused at make_private, and
@@ -450,6 +514,7 @@ class ClippingState:
         self.pending = False  # clipped sums of self.draw are in .grad, not yet consumed by a step
         self._records = None  # (B,) dataset index of each row of the open batch, for messages
         self._nonfinite: str | None = None  # why the draw's clipped sums are not finite (a step is refused)
+        self._deferred: list[_DeferredCheck] = []  # a GPU's norms on their way to the host (check_finite)
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
@@ -729,12 +794,22 @@ class ClippingState:
             return torch.stack(rows)
         return as_per_sample("clip_norms", clip_norms)
 
-    def end_draw(self) -> None:
+    def end_draw(self, released: bool = False) -> None:
         """The draw's clipped sums were consumed (optimizer step) or discarded: no batch is open.
 
+        Args:
+            released: whether a step consumed them (its norms' deferred checks then report a
+                non-finite record as one whose step was applied); else they were discarded, and so are
+                those checks.
         Returns:
             None; the state enters phase ``IDLE``.
         """
+        if self._deferred:
+            if released:
+                for check in self._deferred:
+                    check.applied = True
+            else:
+                self._deferred = [check for check in self._deferred if check.applied]
         self.pending = False
         self._nonfinite = None
         self._written = None
@@ -1525,12 +1600,7 @@ class ClippingState:
         Under ``torch.distributed`` (``nonfinite_anywhere`` set) every rank refuses the batch when any
         rank's share holds such a record: a rank that discarded the draw while another released its share
         would leave the summed step with part of the draw (and the run unlike the single-process one)."""
-        rows = []
-        if not math.isfinite(float(total_sq.sum())):  # the usual case, in one op (a NaN or inf row makes the sum so)
-            bad = ~torch.isfinite(total_sq)
-            if self.mask is not None:
-                bad &= self.mask.to(bad.device) != 0
-            rows = bad.nonzero().flatten().tolist()
+        rows = _nonfinite_rows(total_sq, self.mask)
         # every rank takes the collective, whether its own share holds such a record or not
         anywhere = bool(rows) if self.nonfinite_anywhere is None else self.nonfinite_anywhere(bool(rows))
         if anywhere and not rows:
@@ -1541,32 +1611,65 @@ class ClippingState:
                                      "rank does")
         if not rows:
             return
-        where = f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of the batch"
-        if self._records is not None:
-            records = [int(self._records[r]) for r in rows[:8]]
-            where = f"dataset records {records}{' ...' if len(rows) > 8 else ''} (0-based; {where})"
-        self._nonfinite = (f"{len(rows)} record(s) ({where}) have a per-sample gradient norm that is NaN or inf: "
-                           "their data or loss is not finite (a NaN or inf input, a log of 0), or the gradient "
-                           "overflowed its dtype. Their clipped sum would turn the model NaN")
+        self._nonfinite = _nonfinite_message(rows, self._records) + ". Their clipped sum would turn the model NaN"
         raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
                                  "data (pdpfast train refuses non-finite features) and the loss")
 
     def check_finite(self) -> None:
-        """Refuse a step on a draw whose clipped sums are not finite (``_refuse_nonfinite`` raised in
-        its backward; the check runs where the norms are on the CPU).
+        """Refuse a step on a draw whose clipped sums are not finite: ``_refuse_nonfinite`` raised in
+        its backward (norms on the CPU), or the deferred check of a GPU's norms finds it now. A GPU's
+        norms reach the host without stopping it (``DEFERRED_CHECK_DEVICES``) and are read here once
+        there: at the draw's own step when the GPU has finished its backward by then, else at a later
+        step, after the draw's step was applied (the error then says so, and that step is refused too).
 
         Returns:
             None.
         Raises:
             FloatingPointError saying which records.
         """
+        if self._deferred:
+            self._read_deferred()
         if self._nonfinite is not None:
             raise FloatingPointError(f"the step is refused: {self._nonfinite}. Call optimizer.zero_grad() to discard "
                                      "the draw")
 
+    def _defer_check(self, total_sq: torch.Tensor) -> None:
+        """Queue the copy of a GPU's (B,) norms to the host for ``check_finite`` (no stall)."""
+        if len(self._deferred) >= MAX_DEFERRED_CHECKS:
+            self._read_deferred(wait_oldest=True)
+        self._deferred.append(_DeferredCheck(total_sq, self.mask, self._records))
+
+    def _read_deferred(self, wait_oldest: bool = False) -> None:
+        """Read the deferred checks whose copies are done (in order; ``wait_oldest``: wait for the
+        first). A non-finite row of the open draw refuses its step (``_nonfinite``); one of an earlier
+        draw, whose step was applied, raises now, once (the step asked for is refused)."""
+        pending, applied = [], []
+        for i, check in enumerate(self._deferred):
+            if pending or not check.ready(wait=wait_oldest and i == 0):
+                pending.append(check)  # (in order: a later copy is read after the earlier ones)
+                continue
+            rows = _nonfinite_rows(check.sq, check.mask)
+            if rows and check.applied:
+                applied.append(_nonfinite_message(rows, check.records))
+            elif rows and self._nonfinite is None:
+                self._nonfinite = _nonfinite_message(rows, check.records) + (
+                    ". Read on the host after the backward (a GPU's norms are not waited for); this draw's "
+                    "clipped sum would turn the model NaN")
+        self._deferred = pending
+        if applied:  # raised once (this step is refused): a caller that restores a checkpoint may go on
+            raise FloatingPointError(
+                f"the step is refused: in an earlier draw, {applied[0]}. On a GPU the norms reach the host without "
+                "stopping it, here after that draw's step was applied: the model's parameters may now be NaN or "
+                "inf. Restore them from a checkpoint, and check the data (pdpfast train refuses non-finite "
+                "features) and the loss")
+
     def _clipped(self, total_sq, last_weights, group_sq) -> None:
         """The batch's clipped sums are in ``param.grad``: keep what the backward leaves besides them
-        (``clipped_outputs``), and the batch is CLIPPED with its draw pending."""
+        (``clipped_outputs``), and the batch is CLIPPED with its draw pending. A GPU's norms (of an eager
+        backward, or of a captured one replayed) start for the host (``_defer_check``)."""
+        if total_sq.device.type in DEFERRED_CHECK_DEVICES and self.nonfinite_anywhere is None and \
+                not (total_sq.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._defer_check(total_sq)
         self._total_sq, self.last_weights, self._last_group_sq = total_sq, last_weights, group_sq
         self._reset_backward()
         self.pending = True

@@ -580,7 +580,7 @@ class PrivacyEngine:
         self._unstepped: int | None = None  # the draw the loader gave last, until a step releases it
         self.optimizer.post_step_hooks.append(self._draw_stepped)
         self.optimizer.refused_step_hooks.append(self._draw_stepped)
-        self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw())
+        self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw(released=True))
         self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
         if getattr(module, "config", None) is not None:  # a Hugging Face model: its loss over token labels

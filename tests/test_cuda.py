@@ -420,3 +420,39 @@ def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
     assert alive() is not None
     step()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "captured"])
+def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph):
+    """A GPU's norms reach the host without stopping it (``pdpfast.clipping.DEFERRED_CHECK_DEVICES``):
+    a record whose gradient turns NaN is refused at its draw's own step when the copy is there by
+    then (eager), else at the next step, which says that the draw's step was applied. Every draw
+    holds every record; record 5 turns NaN at draw 3 (after the captured step's warm-up and capture)."""
+    x, y = torch.randn(8, 6), torch.arange(8) % 3
+    torch.manual_seed(0)
+    model = _mlp_cuda().cuda()
+    engine = pdpfast.PrivacyEngine(seed=0)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        sample_rates=1.0, loss_reduction="sum", physical_batch_size=8)
+    loss_fn = lambda xb, yb: nn.functional.cross_entropy(model(xb.cuda()), yb.cuda(), reduction="sum")  # noqa: E731
+    step = engine.make_step(loss_fn, cuda_graph=True) if graph else None
+    refused = None
+    for draw in range(6):
+        if draw == 3:
+            x[5, 2] = float("nan")  # the loader's dataset holds x
+        xb, yb = next(iter(loader))
+        try:
+            if step is not None:
+                step(xb, yb)
+            else:
+                loss_fn(xb, yb).backward()
+                opt.step()
+                opt.zero_grad()
+        except FloatingPointError as exc:
+            refused = (draw, str(exc))
+            break
+    assert refused is not None and refused[0] in (3, 4), refused
+    assert "dataset records [5]" in refused[1]
+    assert refused[0] == 3 or "after that draw's step was applied" in refused[1]

@@ -86,3 +86,118 @@ def test_the_engine_names_the_nonfinite_record_by_its_index_in_the_dataset():
         else:
             loss.backward()
     assert refused == 1
+
+
+# On a GPU the norms go to the host without stopping it (pdpfast.clipping.DEFERRED_CHECK_DEVICES) and
+# are read at a step once there. The same route, run on the CPU: the copy is there at once, or, with
+# ``ready`` stubbed, only later (the GPU still busy when the draw's step came).
+
+@pytest.fixture
+def deferred(monkeypatch):
+    monkeypatch.setattr(pdpfast.clipping, "CHECK_FINITE_ON_CPU", False)
+    monkeypatch.setattr(pdpfast.clipping, "DEFERRED_CHECK_DEVICES", ("cpu",))
+
+
+def _engine_run(x, y, **kwargs):
+    model, engine = _model(), pdpfast.PrivacyEngine(seed=0)
+    made = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=len(x)), noise_multiplier=1.0, max_grad_norm=1.0,
+        sample_rates=1.0, loss_reduction="sum", **kwargs)
+    model, optimizer, loader = made[0], made[1], made[-1]
+
+    def backward():
+        xb, yb = next(iter(loader))
+        nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+    return model, optimizer, backward, engine
+
+
+def _late_copies(monkeypatch, late: int):
+    """The first ``late`` reads of a deferred copy find it still on its way."""
+    calls = [0]
+    real = pdpfast.clipping._DeferredCheck.ready
+
+    def ready(self, wait=False):
+        calls[0] += 1
+        return wait or (calls[0] > late and real(self))
+    monkeypatch.setattr(pdpfast.clipping._DeferredCheck, "ready", ready)
+
+
+@pytest.mark.parametrize("style", ["bk", "per_layer"])
+def test_a_gpus_deferred_check_refuses_the_draws_own_step_when_its_norms_are_there(deferred, style):
+    """The backward does not wait for the norms; the draw's step reads them and is refused, naming
+    the record; zero_grad() discards the draw and training goes on, as where the check is immediate."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[2, 1] = float("nan")
+    model, optimizer, backward, engine = _engine_run(x, y, **STYLES[style])
+    before = [p.detach().clone() for p in model.parameters()]
+    backward()  # no error: the norms are on their way to the host
+    with pytest.raises(FloatingPointError, match=r"the step is refused: 1 record\(s\) \(dataset records \[2\] "
+                                                 r"\(0-based; rows \[2\] of the batch\)\) .* Read on the host after "
+                                                 "the backward"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    optimizer.zero_grad()
+    x[2, 1] = 0.0
+    backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_deferred_check_read_after_the_draws_step_refuses_the_next_step_once_saying_so(deferred, monkeypatch):
+    """The GPU had not finished the draw's backward at its step: the step was applied (the model is
+    NaN), and the next step is refused, naming the record and saying what happened."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[3, 0] = float("inf")
+    model, optimizer, backward, engine = _engine_run(x, y)
+    checkpoint = [p.detach().clone() for p in model.parameters()]
+    _late_copies(monkeypatch, late=1)
+    backward()
+    optimizer.step()   # the copy not there yet: applied
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    x[3, 0] = 0.0
+    backward()
+    with pytest.raises(FloatingPointError, match=r"the step is refused: in an earlier draw, 1 record\(s\) \(dataset "
+                                                 r"records \[3\].* after that draw's step was applied: the model's "
+                                                 "parameters may now be NaN or inf. Restore them from a checkpoint"):
+        optimizer.step()
+    with torch.no_grad():  # a caller that restores the parameters goes on: the earlier draw's error is raised once
+        for p, saved in zip(model.parameters(), checkpoint):
+            p.copy_(saved)
+    optimizer.zero_grad()  # (the open draw's gradients came from the NaN model: its own check refuses it)
+    backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_deferred_check_of_a_discarded_draw_is_dropped(deferred, monkeypatch):
+    """A draw discarded before its copy was read (zero_grad) released nothing: its check is dropped,
+    and the next draw steps."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[1, 1] = float("nan")
+    model, optimizer, backward, engine = _engine_run(x, y)
+    _late_copies(monkeypatch, late=1)
+    backward()
+    optimizer.zero_grad()
+    optimizer.step()   # the discarded draw's step: noise only (its copy, there now, is not read)
+    x[1, 1] = 0.0
+    backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_deferred_checks_wait_for_the_oldest_copy_past_their_bound(deferred, monkeypatch):
+    """A GPU is never that far behind, but the queue of copies stays bounded: past
+    ``MAX_DEFERRED_CHECKS`` the oldest is waited for and read."""
+    monkeypatch.setattr(pdpfast.clipping, "MAX_DEFERRED_CHECKS", 2)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    model, optimizer, backward, engine = _engine_run(x, y, physical_batch_size=2)
+    _late_copies(monkeypatch, late=10 ** 6)
+    seen = []
+    for _ in range(3):   # three draws of two physical batches each: six copies, never read on time
+        backward()
+        backward()
+        seen.append(len(engine.state._deferred))
+        optimizer.step()
+    assert seen == [2, 2, 2]
