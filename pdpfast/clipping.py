@@ -81,10 +81,12 @@ CLIPPINGS = ("flat", "per_layer")
 CHECK_FINITE_ON_CPU = True
 # Devices whose norms are copied to the host without waiting (a pinned buffer, an event) and checked at
 # the next ``optimizer.step()`` that finds the copy done: the draw's own step when the GPU got there
-# first, else a later one, after the draw's step was applied (``ClippingState.check_finite``). Not under
-# torch.distributed, whose ranks must reach one verdict at one point (a collective).
+# first, else a later one, after the draw's step was applied (``ClippingState.check_finite``). Only
+# where something reads them (``ClippingState.defer_checks``: the engine); not under torch.distributed,
+# whose ranks must reach one verdict at one point (a collective).
 DEFERRED_CHECK_DEVICES = ("cuda",)
-# Deferred checks outstanding at most: beyond, the oldest is waited for (a GPU is never this far behind)
+# Copies outstanding at most (a draw of many physical batches queues one each before its step reads
+# them): beyond, the oldest, several backwards old, is waited for and read
 MAX_DEFERRED_CHECKS = 8
 
 
@@ -92,15 +94,14 @@ class _DeferredCheck:
     """The norms of one backward, on their way to the host: ``event`` (None: already there) marks
     the copy done; ``applied``: the draw's step was taken since."""
 
-    __slots__ = ("sq", "event", "mask", "records", "applied")
+    __slots__ = ("sq", "event", "records", "applied")
 
-    def __init__(self, total_sq: torch.Tensor, mask, records):
+    def __init__(self, total_sq: torch.Tensor, records):
         self.sq, self.records, self.applied = _to_host(total_sq), records, False
-        self.mask = None if mask is None else _to_host(mask)  # (a captured step's is overwritten each step)
         self.event = None
-        if total_sq.is_cuda:
+        if total_sq.is_cuda:  # on the stream that copies (the norms' device's, whatever the current device)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(total_sq.device))
 
     def ready(self, wait: bool = False) -> bool:
         if self.event is not None:
@@ -122,25 +123,24 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _nonfinite_rows(sq: torch.Tensor, mask) -> list:
-    """Rows of host tensor ``sq`` that are NaN or inf, masked rows left out ([] in one op when the
-    sum is finite, the usual case)."""
+def _nonfinite_rows(sq: torch.Tensor) -> list:
+    """Rows of host tensor ``sq`` that are NaN or inf ([] in one op when the sum is finite, the usual
+    case). Masked rows too: a padding row (a copy of a record, bound 0) still adds 0·NaN = NaN."""
     if math.isfinite(float(sq.sum())):
         return []
-    bad = ~torch.isfinite(sq)
-    if mask is not None:
-        bad &= mask.to(bad.device) != 0
-    return bad.nonzero().flatten().tolist()
+    return (~torch.isfinite(sq)).nonzero().flatten().tolist()
 
 
 def _nonfinite_message(rows: list, records) -> str:
     """"n record(s) (which) have a per-sample gradient norm that is NaN or inf: ..." for ``rows`` of a
     batch whose dataset indices are ``records`` (None: rows only)."""
     where = f"rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of the batch"
-    if records is not None:
-        named = [int(records[r]) for r in rows[:8]]
-        where = f"dataset records {named}{' ...' if len(rows) > 8 else ''} (0-based; {where})"
-    return (f"{len(rows)} record(s) ({where}) have a per-sample gradient norm that is NaN or inf: their data or "
+    count = len(rows)
+    if records is not None:  # (padding rows copy a record: each named once)
+        named = list(dict.fromkeys(int(records[r]) for r in rows))
+        count = len(named)
+        where = f"dataset records {named[:8]}{' ...' if len(named) > 8 else ''} (0-based; {where})"
+    return (f"{count} record(s) ({where}) have a per-sample gradient norm that is NaN or inf: their data or "
             "loss is not finite (a NaN or inf input, a log of 0), or the gradient overflowed its dtype")
 
 # nn.DataParallel over several devices copies the model at every forward; the copies' layers hold no
@@ -515,6 +515,8 @@ class ClippingState:
         self._records = None  # (B,) dataset index of each row of the open batch, for messages
         self._nonfinite: str | None = None  # why the draw's clipped sums are not finite (a step is refused)
         self._deferred: list[_DeferredCheck] = []  # a GPU's norms on their way to the host (check_finite)
+        self._applied_error: str | None = None  # a deferred check's finding on a draw already stepped
+        self.defer_checks = False  # queue them (set by the engine, whose steps call check_finite)
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
@@ -1595,12 +1597,14 @@ class ClippingState:
         """Refuse a batch in which a record's per-sample gradient norm is NaN or inf: its clip weight
         is then NaN (or its terms are), and the clipped sum, the update and the model with it, turn
         NaN, a change one record makes that no noise hides. The batch stays CLIPPED, so that
-        ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``).
+        ``zero_grad()`` discards the draw, and a step on it is refused (``check_finite``). A padding
+        row (mask 0) counts: it copies a record of the dataset, and its weight 0 times NaN is NaN in
+        the sum all the same, so a record that was not drawn would turn the model NaN unseen.
 
         Under ``torch.distributed`` (``nonfinite_anywhere`` set) every rank refuses the batch when any
         rank's share holds such a record: a rank that discarded the draw while another released its share
         would leave the summed step with part of the draw (and the run unlike the single-process one)."""
-        rows = _nonfinite_rows(total_sq, self.mask)
+        rows = _nonfinite_rows(total_sq)
         # every rank takes the collective, whether its own share holds such a record or not
         anywhere = bool(rows) if self.nonfinite_anywhere is None else self.nonfinite_anywhere(bool(rows))
         if anywhere and not rows:
@@ -1615,61 +1619,85 @@ class ClippingState:
         raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
                                  "data (pdpfast train refuses non-finite features) and the loss")
 
-    def check_finite(self) -> None:
+    def check_finite(self, wait: bool = False) -> None:
         """Refuse a step on a draw whose clipped sums are not finite: ``_refuse_nonfinite`` raised in
         its backward (norms on the CPU), or the deferred check of a GPU's norms finds it now. A GPU's
         norms reach the host without stopping it (``DEFERRED_CHECK_DEVICES``) and are read here once
         there: at the draw's own step when the GPU has finished its backward by then, else at a later
-        step, after the draw's step was applied (the error then says so, and that step is refused too).
+        step, after the draw's step was applied (the error then says so: raised once, for the first
+        such draw; the draws stepped after it, on its parameters, are not reported again).
 
+        Args:
+            wait: wait for every copy on its way (a host synchronisation: at the end of a run, before
+                a checkpoint), so that the last draws are checked too.
         Returns:
             None.
         Raises:
             FloatingPointError saying which records.
         """
         if self._deferred:
-            self._read_deferred()
+            self._read_deferred(wait=wait)
+        if self._applied_error is not None:
+            message, self._applied_error = self._applied_error, None
+            raise FloatingPointError(message)
         if self._nonfinite is not None:
             raise FloatingPointError(f"the step is refused: {self._nonfinite}. Call optimizer.zero_grad() to discard "
                                      "the draw")
 
-    def _defer_check(self, total_sq: torch.Tensor) -> None:
-        """Queue the copy of a GPU's (B,) norms to the host for ``check_finite`` (no stall)."""
+    def defer_finite_check(self, total_sq: torch.Tensor) -> None:
+        """Queue the copy of a backward's (B,) norms to the host for ``check_finite`` (no stall): on a
+        device of ``DEFERRED_CHECK_DEVICES`` where the engine reads them (``defer_checks``), outside a
+        capture and torch.distributed. ``_clipped`` calls it, and a captured step after the replay
+        that follows its capture (whose backward ``_clipped`` saw inside the capture).
+
+        Args:
+            total_sq: the (B,) squared norms, on their device.
+        Returns:
+            None.
+        """
+        if not self.defer_checks or total_sq.device.type not in DEFERRED_CHECK_DEVICES or \
+                self.nonfinite_anywhere is not None:
+            return
+        if total_sq.is_cuda:
+            with torch.cuda.device(total_sq.device):
+                if torch.cuda.is_current_stream_capturing():
+                    return
         if len(self._deferred) >= MAX_DEFERRED_CHECKS:
             self._read_deferred(wait_oldest=True)
-        self._deferred.append(_DeferredCheck(total_sq, self.mask, self._records))
+        self._deferred.append(_DeferredCheck(total_sq, self._records))
 
-    def _read_deferred(self, wait_oldest: bool = False) -> None:
-        """Read the deferred checks whose copies are done (in order; ``wait_oldest``: wait for the
-        first). A non-finite row of the open draw refuses its step (``_nonfinite``); one of an earlier
-        draw, whose step was applied, raises now, once (the step asked for is refused)."""
-        pending, applied = [], []
+    def _read_deferred(self, wait_oldest: bool = False, wait: bool = False) -> None:
+        """Read the deferred checks whose copies are done, in order (``wait_oldest``: wait for the
+        first; ``wait``: for all). Never raises (a backward calls it, past ``MAX_DEFERRED_CHECKS``):
+        a non-finite row of the open draw refuses its step (``_nonfinite``); one of a draw already
+        stepped is kept for ``check_finite`` to raise (``_applied_error``), and the other stepped
+        draws' checks go with it (they ran on the parameters that draw made NaN)."""
+        pending = []
         for i, check in enumerate(self._deferred):
-            if pending or not check.ready(wait=wait_oldest and i == 0):
+            if pending or not check.ready(wait=wait or (wait_oldest and i == 0)):
                 pending.append(check)  # (in order: a later copy is read after the earlier ones)
                 continue
-            rows = _nonfinite_rows(check.sq, check.mask)
+            rows = _nonfinite_rows(check.sq)
             if rows and check.applied:
-                applied.append(_nonfinite_message(rows, check.records))
-            elif rows and self._nonfinite is None:
+                if self._applied_error is None:
+                    self._applied_error = (
+                        f"the step is refused: in an earlier draw, {_nonfinite_message(rows, check.records)}. On a "
+                        "GPU the norms reach the host without stopping it, here after that draw's step was applied: "
+                        "the model's parameters may now be NaN or inf. Restore them from a checkpoint, and check "
+                        "the data (pdpfast train refuses non-finite features) and the loss")
+                pending = [c for c in self._deferred[i + 1:] if not c.applied]
+                break
+            if rows and self._nonfinite is None:
                 self._nonfinite = _nonfinite_message(rows, check.records) + (
                     ". Read on the host after the backward (a GPU's norms are not waited for); this draw's "
                     "clipped sum would turn the model NaN")
         self._deferred = pending
-        if applied:  # raised once (this step is refused): a caller that restores a checkpoint may go on
-            raise FloatingPointError(
-                f"the step is refused: in an earlier draw, {applied[0]}. On a GPU the norms reach the host without "
-                "stopping it, here after that draw's step was applied: the model's parameters may now be NaN or "
-                "inf. Restore them from a checkpoint, and check the data (pdpfast train refuses non-finite "
-                "features) and the loss")
 
     def _clipped(self, total_sq, last_weights, group_sq) -> None:
         """The batch's clipped sums are in ``param.grad``: keep what the backward leaves besides them
         (``clipped_outputs``), and the batch is CLIPPED with its draw pending. A GPU's norms (of an eager
         backward, or of a captured one replayed) start for the host (``_defer_check``)."""
-        if total_sq.device.type in DEFERRED_CHECK_DEVICES and self.nonfinite_anywhere is None and \
-                not (total_sq.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self._defer_check(total_sq)
+        self.defer_finite_check(total_sq)
         self._total_sq, self.last_weights, self._last_group_sq = total_sq, last_weights, group_sq
         self._reset_backward()
         self.pending = True

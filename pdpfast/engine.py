@@ -576,6 +576,7 @@ class PrivacyEngine:
         self.optimizer.may_zero_grad = self._may_zero_grad
         self.optimizer.pre_step_hooks.append(lambda opt: self.state.check_trainable(opt.trainable_params()))
         self.optimizer.pre_step_hooks.append(lambda _: self.state.check_finite())
+        self.state.defer_checks = True  # a GPU's norms reach the host without a stall, read at the step
         self.optimizer.pre_step_hooks.append(lambda _: self.state.check_clipped_sums_unchanged())
         self._unstepped: int | None = None  # the draw the loader gave last, until a step releases it
         self.optimizer.post_step_hooks.append(self._draw_stepped)
@@ -1342,9 +1343,11 @@ class PrivacyEngine:
         Returns:
             None.
         Raises:
-            RuntimeError inside a draw (``state_dict``).
+            RuntimeError inside a draw (``state_dict``); FloatingPointError when a GPU's norms, read now
+            (``ClippingState.check_finite(wait=True)``), show a record that made a stepped draw NaN.
         """
         module = inner_module(module)
+        self.state.check_finite(wait=True)  # a GPU's last norms read: no checkpoint of a model a record made NaN
         state = {"model": module.state_dict(), "engine": self.state_dict(), "extra": extra, "rng": _rng_states()}
         if self.distributed is None or self.distributed.rank == 0:  # every rank holds the same state
             atomic_write(path, lambda f: torch.save(state, f))

@@ -444,6 +444,8 @@ class _Signature:
         outputs, captured = body.replay()
         if not captured:  # the capture ran the host side of the backward itself
             state.replayed_backward(outputs[1:])
+        else:  # but its norms, seen inside the capture, were not queued for the host: those of this replay
+            state.defer_finite_check(outputs[1])
         return outputs[0]
 
     def accumulate(self, leaves: list, eager: bool) -> torch.Tensor:

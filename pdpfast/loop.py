@@ -367,6 +367,8 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
         engine's plan, an autocast dtype other than bfloat16 / float16, or a loader that yields no batch
         (it would loop for ever). When the engine refuses a step (``PrivacyBudgetExceeded``), the draw is
         discarded (``zero_grad``) before the error propagates, so the next draw does not meet an open batch.
+        FloatingPointError for a record whose gradient is not finite (on a GPU read at a later step, or
+        at the end: ``ClippingState.check_finite``).
     """
     from .engine import PrivacyBudgetExceeded  # loaded already: the engine made the loader
 
@@ -422,6 +424,9 @@ def private_steps(engine, model: nn.Module, optimizer, loader, task: Task, crite
                 mean = 0.0 if loss is None else float(loss.detach()) / max(rows, 1)
                 stop = on_step(engine.steps, mean) if on_step is not None else False
                 if stop or engine.steps >= until:
+                    state = getattr(engine, "state", None)
+                    if state is not None:
+                        state.check_finite(wait=True)  # a GPU's last norms, read before the run ends
                     return
         if not yielded:
             raise ValueError(f"loader yielded no batch at step {engine.steps} of {until}: pass the Poisson loader "

@@ -422,12 +422,14 @@ def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "captured"])
-def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph):
+@pytest.mark.parametrize("graph,nan_draw", [(False, 3), (True, 2), (True, 3)],
+                         ids=["eager", "captured-at-capture", "captured-replayed"])
+def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph, nan_draw):
     """A GPU's norms reach the host without stopping it (``pdpfast.clipping.DEFERRED_CHECK_DEVICES``):
     a record whose gradient turns NaN is refused at its draw's own step when the copy is there by
     then (eager), else at the next step, which says that the draw's step was applied. Every draw
-    holds every record; record 5 turns NaN at draw 3 (after the captured step's warm-up and capture)."""
+    holds every record; record 5 turns NaN at ``nan_draw`` (the captured step's warm-up takes draws
+    0 and 1, its capture draw 2, whose norms are queued after the replay that follows it)."""
     x, y = torch.randn(8, 6), torch.arange(8) % 3
     torch.manual_seed(0)
     model = _mlp_cuda().cuda()
@@ -440,7 +442,7 @@ def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph)
     step = engine.make_step(loss_fn, cuda_graph=True) if graph else None
     refused = None
     for draw in range(6):
-        if draw == 3:
+        if draw == nan_draw:
             x[5, 2] = float("nan")  # the loader's dataset holds x
         xb, yb = next(iter(loader))
         try:
@@ -453,6 +455,6 @@ def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph)
         except FloatingPointError as exc:
             refused = (draw, str(exc))
             break
-    assert refused is not None and refused[0] in (3, 4), refused
+    assert refused is not None and refused[0] in (nan_draw, nan_draw + 1), refused
     assert "dataset records [5]" in refused[1]
-    assert refused[0] == 3 or "after that draw's step was applied" in refused[1]
+    assert refused[0] == nan_draw or "after that draw's step was applied" in refused[1]

@@ -201,3 +201,113 @@ def test_deferred_checks_wait_for_the_oldest_copy_past_their_bound(deferred, mon
         seen.append(len(engine.state._deferred))
         optimizer.step()
     assert seen == [2, 2, 2]
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_a_padding_row_copying_a_nonfinite_record_is_refused_though_that_record_was_not_drawn(style):
+    """Privacy: a physical batch is padded with copies of a record (mask 0, bound 0), and 0·NaN is
+    NaN: a record that was not drawn turned the clipped sum NaN unseen, since masked rows were left
+    out of the check. A padding row is refused as a drawn one is."""
+    model = pdpfast.nn.convert(_model())
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    x[1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"1 record\(s\) \(rows \[1\] of the batch\)"):
+        clipped_gradients(model, lambda out: nn.functional.cross_entropy(out, y, reduction="none"), x,
+                          clip_norms=torch.ones(3), mask=torch.tensor([1.0, 0.0, 1.0]), **STYLES[style])
+
+
+def test_the_functional_api_queues_no_deferred_check(deferred):
+    """Only the engine reads deferred checks (at its steps): a bare clipping state queues none."""
+    from pdpfast.clipping import ClippingState
+
+    model = pdpfast.nn.convert(_model())
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    state = ClippingState(model)
+    state.attach()
+    try:
+        state.begin_batch(torch.ones(3))
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        assert state.pending and state._deferred == []
+        state.defer_checks = True   # as the engine sets it
+        state.end_draw()
+        state.begin_batch(torch.ones(3))
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        assert len(state._deferred) == 1
+    finally:
+        state.detach()
+
+
+def test_a_full_queue_of_deferred_checks_never_raises_inside_a_backward(deferred, monkeypatch):
+    """A draw of many physical batches fills the queue before its step: past its bound the oldest
+    copy is read inside a backward. What it finds on a stepped draw is kept for that step (raising
+    in the backward left the batch open and training stuck), and the documented recovery works."""
+    x, y = torch.randn(10, 4), torch.arange(10) % 3
+    x[9, 1] = float("nan")
+    model, optimizer, backward, engine = _engine_run(x, y, physical_batch_size=1)
+    checkpoint = [p.detach().clone() for p in model.parameters()]
+    _late_copies(monkeypatch, late=10 ** 6)   # read only when waited for (the queue's bound)
+    for _ in range(10):
+        backward()
+    optimizer.step()   # applied: its ten copies unread
+    x[9, 1] = 0.0
+    for _ in range(10):
+        backward()     # the bound reads the stepped draw's copies: no error here
+    with pytest.raises(FloatingPointError, match=r"in an earlier draw, 1 record\(s\) \(dataset records \[9\]"):
+        optimizer.step()
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), checkpoint):
+            p.copy_(saved)
+    optimizer.zero_grad()
+    optimizer.step()   # the discarded draw's noise-only step
+    for _ in range(10):
+        backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_gpu_several_draws_behind_reports_the_first_nonfinite_draw_once(deferred, monkeypatch):
+    """The GPU three draws behind: the draws stepped after the NaN one ran on its NaN parameters, so
+    their norms are NaN too; after the first draw's error (and a restored checkpoint) they are not
+    reported again, naming records that were clean."""
+    x, y = torch.randn(8, 4), torch.arange(8) % 3
+    model, optimizer, backward, engine = _engine_run(x, y)
+    born = {}
+    real_init = pdpfast.clipping._DeferredCheck.__init__
+
+    def init(self, *args):
+        real_init(self, *args)
+        born[id(self)] = optimizer.steps
+    monkeypatch.setattr(pdpfast.clipping._DeferredCheck, "__init__", init)
+    monkeypatch.setattr(pdpfast.clipping._DeferredCheck, "ready",
+                        lambda self, wait=False: wait or optimizer.steps - born[id(self)] >= 3)
+    errors = []
+    for draw in range(8):
+        if draw == 1:
+            checkpoint = [p.detach().clone() for p in model.parameters()]
+        x[5, 1] = float("nan") if draw == 1 else 0.0
+        backward()
+        try:
+            optimizer.step()
+        except FloatingPointError as exc:
+            errors.append((draw, str(exc)))
+            with torch.no_grad():
+                for p, saved in zip(model.parameters(), checkpoint):
+                    p.copy_(saved)
+            optimizer.zero_grad()
+            optimizer.step()
+    assert len(errors) == 1 and errors[0][0] == 4 and "dataset records [5]" in errors[0][1], errors
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_checkpoint_waits_for_the_last_draws_norms(deferred, monkeypatch, tmp_path):
+    """Nothing reads the last draw's copy at a step: saving a checkpoint waits for it, so a model a
+    record turned NaN is not saved as a good one."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[0, 2] = float("inf")
+    model, optimizer, backward, engine = _engine_run(x, y)
+    _late_copies(monkeypatch, late=10 ** 6)
+    backward()
+    optimizer.step()
+    with pytest.raises(FloatingPointError, match=r"in an earlier draw, 1 record\(s\) \(dataset records \[0\]"):
+        engine.save_checkpoint(tmp_path / "ckpt.pt", model)
+    assert not (tmp_path / "ckpt.pt").exists()
