@@ -1639,7 +1639,10 @@ class ClippingState:
             self._read_deferred(wait=wait)
         if self._applied_error is not None:
             message, self._applied_error = self._applied_error, None
-            raise FloatingPointError(message)
+            if self.pending:  # the open draw's sums came from the parameters that step made NaN
+                self._nonfinite = ("this draw's clipped sums were computed after an earlier draw's step made the "
+                                   "parameters NaN or inf")
+            raise FloatingPointError(message + ". Call optimizer.zero_grad() to discard the open draw")
         if self._nonfinite is not None:
             raise FloatingPointError(f"the step is refused: {self._nonfinite}. Call optimizer.zero_grad() to discard "
                                      "the draw")

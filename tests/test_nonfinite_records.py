@@ -165,7 +165,10 @@ def test_a_deferred_check_read_after_the_draws_step_refuses_the_next_step_once_s
     with torch.no_grad():  # a caller that restores the parameters goes on: the earlier draw's error is raised once
         for p, saved in zip(model.parameters(), checkpoint):
             p.copy_(saved)
-    optimizer.zero_grad()  # (the open draw's gradients came from the NaN model: its own check refuses it)
+    with pytest.raises(FloatingPointError, match="this draw's clipped sums were computed after an earlier draw's "
+                                                 "step made the parameters NaN or inf. Call optimizer.zero_grad"):
+        optimizer.step()   # the open draw's came from the NaN parameters
+    optimizer.zero_grad()
     backward()
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
