@@ -1699,7 +1699,7 @@ class ClippingState:
     def _clipped(self, total_sq, last_weights, group_sq) -> None:
         """The batch's clipped sums are in ``param.grad``: keep what the backward leaves besides them
         (``clipped_outputs``), and the batch is CLIPPED with its draw pending. A GPU's norms (of an eager
-        backward, or of a captured one replayed) start for the host (``_defer_check``)."""
+        backward, or of a captured one replayed) start for the host (``defer_finite_check``)."""
         self.defer_finite_check(total_sq)
         self._total_sq, self.last_weights, self._last_group_sq = total_sq, last_weights, group_sq
         self._reset_backward()
