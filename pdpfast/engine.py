@@ -855,7 +855,7 @@ class PrivacyEngine:
             raise RuntimeError("the previous batch's clipped gradients wait for optimizer.step() (or zero_grad() "
                                "to discard them); call it before opening the next batch")
         self._warn_user_batch(stacklevel=4)
-        self._open(self.batch_clip_norms(idx), implicit=False)
+        self._open(self.batch_clip_norms(idx), implicit=False, records=idx)
         try:
             yield idx
         except BaseException:
@@ -863,11 +863,13 @@ class PrivacyEngine:
                 self.state.end_draw()
             raise
 
-    def _open(self, clip_norms: torch.Tensor, *, implicit: bool) -> None:
+    def _open(self, clip_norms: torch.Tensor, *, implicit: bool, records: torch.Tensor | None = None) -> None:
         rows = clip_norms.shape[-1]                  # (B,), or (K, B) per layer under adaptive clipping
         self._user_batches += 1
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
-        self.state.begin_batch(clip_norms, None, loss_scale=scale, draw=("user", self._user_batches))
+        # records(): errors name the records by their index in the dataset, as the loader's batches do
+        self.state.begin_batch(clip_norms, None, loss_scale=scale, draw=("user", self._user_batches),
+                               records=records)
         self._at_boundary = True
         self._implicit_open = implicit
 

@@ -314,3 +314,19 @@ def test_a_checkpoint_waits_for_the_last_draws_norms(deferred, monkeypatch, tmp_
     with pytest.raises(FloatingPointError, match=r"in an earlier draw, 1 record\(s\) \(dataset records \[0\]"):
         engine.save_checkpoint(tmp_path / "ckpt.pt", model)
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+def test_a_batch_named_with_records_names_its_nonfinite_record_by_its_dataset_index():
+    """``engine.records(idx)``: the error names the record as the loader's batches do, not by its row
+    of the hand-built batch (before: rows only)."""
+    x, y = torch.randn(12, 4), torch.arange(12) % 3
+    x[7, 3] = float("nan")
+    model, engine = _model(), pdpfast.PrivacyEngine(seed=0)
+    model, optimizer, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+        clip_norms=torch.ones(12))
+    idx = torch.tensor([2, 7, 11])
+    with pytest.warns(UserWarning, match="Poisson sampling"), engine.records(idx):
+        with pytest.raises(FloatingPointError, match=re.escape("dataset records [7] (0-based; rows [1] of the batch)")):
+            nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum").backward()
