@@ -1611,13 +1611,14 @@ class ClippingState:
             self._nonfinite = ("another rank's share of the draw holds a record whose per-sample gradient norm is NaN "
                                "or inf (that rank's error names the rows); every rank refuses the batch, so that all "
                                "discard the same draw")
-            raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, as every "
-                                     "rank does")
+            raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, then "
+                                     "optimizer.step() (noise only), as every rank does")
         if not rows:
             return
         self._nonfinite = _nonfinite_message(rows, self._records) + ". Their clipped sum would turn the model NaN"
-        raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, and check the "
-                                 "data (pdpfast train refuses non-finite features) and the loss")
+        raise FloatingPointError(f"{self._nonfinite}. Call optimizer.zero_grad() to discard the draw, then "
+                                 "optimizer.step() (noise only), and check the data (pdpfast train refuses non-finite "
+                                 "features) and the loss")
 
     def check_finite(self, wait: bool = False) -> None:
         """Refuse a step on a draw whose clipped sums are not finite: ``_refuse_nonfinite`` raised in
@@ -1642,10 +1643,12 @@ class ClippingState:
             if self.pending:  # the open draw's sums came from the parameters that step made NaN
                 self._nonfinite = ("this draw's clipped sums were computed after an earlier draw's step made the "
                                    "parameters NaN or inf")
-            raise FloatingPointError(message + ". Call optimizer.zero_grad() to discard the open draw")
+            raise FloatingPointError(message + ". Call optimizer.zero_grad() to discard the open draw, then "
+                                     "optimizer.step() (noise only)")
         if self._nonfinite is not None:
             raise FloatingPointError(f"the step is refused: {self._nonfinite}. Call optimizer.zero_grad() to discard "
-                                     "the draw")
+                                     "the draw, then optimizer.step() (noise only): the loader's next draw waits for "
+                                     "it")
 
     def defer_finite_check(self, total_sq: torch.Tensor) -> None:
         """Queue the copy of a backward's (B,) norms to the host for ``check_finite`` (no stall): on a

@@ -580,7 +580,7 @@ class PrivacyEngine:
         self.optimizer.pre_step_hooks.append(lambda _: self.state.check_clipped_sums_unchanged())
         self._unstepped: int | None = None  # the draw the loader gave last, until a step releases it
         self.optimizer.post_step_hooks.append(self._draw_stepped)
-        self.optimizer.refused_step_hooks.append(self._draw_stepped)
+        self.optimizer.refused_step_hooks.append(self._step_refused)
         self.optimizer.post_step_hooks.append(lambda _: self.state.end_draw(released=True))
         self.optimizer.post_step_hooks.append(lambda _: self._charge())
         self.optimizer.post_zero_grad_hooks.append(self._after_zero_grad)
@@ -931,9 +931,16 @@ class PrivacyEngine:
         self._implicit_open = False
 
     def _draw_stepped(self, _=None) -> None:
-        # the draw was released by a step, or the step refused by a pre-step hook (the ledger, a parameter
-        # nothing clips: decisions that read no record)
+        # the draw was released by a step
         self._unstepped = None
+
+    def _step_refused(self, _=None) -> None:
+        # a step refused by a decision that reads no record (the ledger, a parameter nothing clips) frees
+        # the loader from the draw; one refused for a record whose gradient is not finite (which reads the
+        # records) does not: zero_grad() then step() (noise only) closes the draw, so that which steps are
+        # released does not depend on whether such a record was drawn
+        if self.state._nonfinite is None:
+            self._unstepped = None
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
         """The clip bounds of a batch's rows, (B,): every batch opens through it (the loader's, one of

@@ -55,6 +55,7 @@ def test_a_nonfinite_record_leaves_the_model_finite_and_training_goes_on(style):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     optimizer.zero_grad()
+    optimizer.step()        # the discarded draw's step: noise only
     x[2, 1] = 0.0           # the data mended (the loader's dataset holds x): the next draw steps
     xb, yb = next(iter(loader))
     criterion(model(xb), yb).backward()
@@ -138,6 +139,7 @@ def test_a_gpus_deferred_check_refuses_the_draws_own_step_when_its_norms_are_the
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     optimizer.zero_grad()
+    optimizer.step()   # the discarded draw's step: noise only
     x[2, 1] = 0.0
     backward()
     optimizer.step()
@@ -169,6 +171,7 @@ def test_a_deferred_check_read_after_the_draws_step_refuses_the_next_step_once_s
                                                  "step made the parameters NaN or inf. Call optimizer.zero_grad"):
         optimizer.step()   # the open draw's came from the NaN parameters
     optimizer.zero_grad()
+    optimizer.step()   # the discarded draw's step: noise only
     backward()
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -330,3 +333,27 @@ def test_a_batch_named_with_records_names_its_nonfinite_record_by_its_dataset_in
     with pytest.warns(UserWarning, match="Poisson sampling"), engine.records(idx):
         with pytest.raises(FloatingPointError, match=re.escape("dataset records [7] (0-based; rows [1] of the batch)")):
             nn.functional.cross_entropy(model(x[idx]), y[idx], reduction="sum").backward()
+
+
+def test_a_draw_refused_for_a_nonfinite_record_is_closed_by_a_noise_only_step_not_skipped():
+    """Privacy: a step refused for a non-finite record reads the records, so the loader does not let
+    the next draw begin until the refused one is closed by zero_grad() and a noise-only step (as any
+    discarded draw): which steps are released must not depend on whether such a record was drawn.
+    Before, the refusal freed the loader as a refusal by the ledger (which reads no record) does."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[1, 2] = float("nan")
+    model, optimizer, backward, engine = _engine_run(x, y)
+    with pytest.raises(FloatingPointError):
+        backward()
+    with pytest.raises(FloatingPointError, match="the step is refused"):
+        optimizer.step()
+    optimizer.zero_grad()
+    x[1, 2] = 0.0
+    with pytest.raises(RuntimeError, match="was not stepped before draw 1 began: every draw ends in optimizer.step"):
+        backward()
+    steps = optimizer.steps
+    optimizer.step()   # noise only, charged like any step
+    assert optimizer.steps == steps + 1
+    backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
