@@ -517,6 +517,7 @@ class ClippingState:
         self._deferred: list[_DeferredCheck] = []  # a GPU's norms on their way to the host (check_finite)
         self._applied_error: str | None = None  # a deferred check's finding on a draw already stepped
         self.defer_checks = False  # queue them (set by the engine, whose steps call check_finite)
+        self.refused_nonfinite = False  # check_finite refused a step (the engine's loader reads and clears it)
         self._total_sq: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self._last_group_sq: torch.Tensor | None = None
@@ -1638,6 +1639,7 @@ class ClippingState:
         """
         if self._deferred:
             self._read_deferred(wait=wait)
+        self.refused_nonfinite = self._applied_error is not None or self._nonfinite is not None
         if self._applied_error is not None:
             message, self._applied_error = self._applied_error, None
             if self.pending:  # the open draw's sums came from the parameters that step made NaN

@@ -864,6 +864,11 @@ class PrivacyEngine:
             raise
 
     def _open(self, clip_norms: torch.Tensor, *, implicit: bool, records: torch.Tensor | None = None) -> None:
+        if self._unstepped is not None and self.state.phase is Phase.IDLE and not self.state.pending:
+            # a hand-built batch's step would free the loader from a discarded draw (one refused for a
+            # non-finite record, say) that its noise-only step has not closed
+            raise RuntimeError(f"Poisson draw {self._unstepped} was discarded (zero_grad) and is not closed: call "
+                               "optimizer.step() (noise only) before another batch, as every draw ends in a step")
         rows = clip_norms.shape[-1]                  # (B,), or (K, B) per layer under adaptive clipping
         self._user_batches += 1
         scale = rows if self.loss_reduction == "mean" and self.mode != "ghost" else 1.0
@@ -939,7 +944,8 @@ class PrivacyEngine:
         # the loader from the draw; one refused for a record whose gradient is not finite (which reads the
         # records) does not: zero_grad() then step() (noise only) closes the draw, so that which steps are
         # released does not depend on whether such a record was drawn
-        if self.state._nonfinite is None:
+        refused_for_records, self.state.refused_nonfinite = self.state.refused_nonfinite, False
+        if not refused_for_records:
             self._unstepped = None
 
     def batch_clip_norms(self, indices: torch.Tensor) -> torch.Tensor:
@@ -1127,7 +1133,12 @@ class PrivacyEngine:
         if self._inside_draw():
             raise RuntimeError("a checkpoint cannot be saved inside a draw (its physical batches or backward wait "
                                "for optimizer.step()): a run resumed from it would skip the draw. Save it after "
-                               "optimizer.step() (or optimizer.zero_grad(), which discards the draw)")
+                               "optimizer.step() (after optimizer.zero_grad(), which discards the draw, the step "
+                               "that closes it with noise only)")
+        if self._unstepped is not None:  # discarded (zero_grad), not yet closed by its noise-only step
+            raise RuntimeError(f"a checkpoint cannot be saved before Poisson draw {self._unstepped}, discarded by "
+                               "optimizer.zero_grad(), is closed by optimizer.step() (noise only): a run resumed from "
+                               "it would skip the draw. Call optimizer.step() first")
         state = {"optimizer": self.optimizer.state_dict(), "settings": self._settings()}
         if self.data_loader is not None:
             state["loader"] = {"seed": self.data_loader.seed, "next_step": self.data_loader.next_step}

@@ -273,8 +273,9 @@ class PrivateStep:
             self._stepped(eager)
             return loss.clone()
         self._hold_grads()
-        loss = signature.accumulate(leaves, eager)
+        # dirty before the batch runs: a backward that raises (a non-finite record) may have written them
         self._grads_dirty = True
+        loss = signature.accumulate(leaves, eager)
         if optimizer.at_step_boundary():
             optimizer.before_step()
             self._update_step(eager)

@@ -357,3 +357,77 @@ def test_a_draw_refused_for_a_nonfinite_record_is_closed_by_a_noise_only_step_no
     backward()
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_private_step_whose_backward_is_refused_zeroes_its_buffers_before_the_next_draw():
+    """``make_step`` sums a draw's physical batches into buffers of its own: a backward refused for
+    a non-finite record may have written them, and they were kept for the next draw (marked dirty
+    only after a batch returned), which then turned the model NaN after a correct recovery."""
+    x, y = torch.randn(8, 4), torch.arange(8) % 3
+    model, engine = _model(), pdpfast.PrivacyEngine(seed=0)
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=8), noise_multiplier=1.0, max_grad_norm=1.0,
+        sample_rates=1.0, loss_reduction="sum", physical_batch_size=2)
+    step = engine.make_step(lambda xb, yb: nn.functional.cross_entropy(model(xb), yb, reduction="sum"),
+                            cuda_graph=False)
+    for xb, yb in loader:   # a clean draw of four physical batches: the buffers exist
+        step(xb, yb)
+    x[:, 1] = float("nan")   # every record: every physical batch of the next draw is refused
+    refused = 0
+    for xb, yb in loader:
+        with pytest.raises(FloatingPointError):
+            step(xb, yb)
+        refused += 1
+    assert refused == 4
+    x[:, 1] = 0.0
+    with pytest.raises(FloatingPointError, match="the step is refused"):
+        optimizer.step()
+    optimizer.zero_grad()
+    optimizer.step()   # noise only
+    for xb, yb in loader:
+        step(xb, yb)
+    assert engine.steps == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_discarded_draw_not_yet_closed_refuses_a_checkpoint_and_a_hand_built_batch(tmp_path):
+    """Between zero_grad() and the noise-only step that closes a refused draw, a checkpoint would
+    resume past it, and a hand-built batch's step would free the loader from it: both are refused."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    x[3, 3] = float("nan")
+    model, optimizer, backward, engine = _engine_run(x, y)
+    with pytest.raises(FloatingPointError):
+        backward()
+    with pytest.raises(FloatingPointError):
+        optimizer.step()
+    optimizer.zero_grad()
+    with pytest.raises(RuntimeError, match="before Poisson draw 0, discarded by optimizer.zero_grad.., is closed"):
+        engine.save_checkpoint(tmp_path / "ckpt.pt", model)
+    with pytest.raises(RuntimeError, match="Poisson draw 0 was discarded .zero_grad. and is not closed"), \
+            pytest.warns(UserWarning), engine.records(torch.tensor([0, 1])):
+        pass
+    optimizer.step()
+    engine.save_checkpoint(tmp_path / "ckpt.pt", model)
+
+
+def test_an_earlier_draws_error_read_before_a_one_batch_private_step_keeps_its_draw_open(deferred):
+    """``make_step``'s one-batch route reads the deferred checks before the draw's backward: an error
+    about an earlier draw refuses the step and, as for the eager route, leaves the draw to be closed
+    by a noise-only step, not skipped."""
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    model, engine = _model(), pdpfast.PrivacyEngine(seed=0)
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+        sample_rates=1.0, loss_reduction="sum")
+    step = engine.make_step(lambda xb, yb: nn.functional.cross_entropy(model(xb), yb, reduction="sum"),
+                            cuda_graph=False)
+    x[2, 0] = float("nan")
+    step(*next(iter(loader)))   # applied (the checks are read before the backward): read at the next step
+    x[2, 0] = 0.0
+    with pytest.raises(FloatingPointError, match="in an earlier draw"):
+        step(*next(iter(loader)))
+    with pytest.raises(RuntimeError, match="was not stepped before draw 2 began"):
+        step(*next(iter(loader)))
+    optimizer.step()   # noise only: closes draw 1
+    assert engine.steps == 2
