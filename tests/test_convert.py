@@ -279,9 +279,19 @@ class LinearWithAFrozenGain(LinearWithAParameterOfItsOwn):
         self.gain.requires_grad_(False)
 
 
+def _hf_conv1d_halved():  # a DP mixin (DPConv1D is not a subclass of Conv1D): joined to it first
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+
+    class Conv1DHalved(conv1d):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+    return Conv1DHalved(2, 4)
+
+
 @pytest.mark.parametrize("make", [lambda: LinearCallingItsLayerByKeyword(4, 2), lambda: RMSNormByHand(4, eps=1e-5),
-                                  lambda: InstanceNormPlusOne(2, affine=True), lambda: LinearWithAFrozenGain(4, 2)],
-                         ids=["keyword", "rms-norm-form", "instance-norm", "frozen-gain"])
+                                  lambda: InstanceNormPlusOne(2, affine=True), lambda: LinearWithAFrozenGain(4, 2),
+                                  _hf_conv1d_halved],
+                         ids=["keyword", "rms-norm-form", "instance-norm", "frozen-gain", "hf-conv1d"])
 def test_more_subclasses_with_their_own_forward_match_the_oracle(make, oracle):
     torch.manual_seed(0)
     layer = make()
