@@ -864,7 +864,7 @@ class PrivacyEngine:
             raise
 
     def _open(self, clip_norms: torch.Tensor, *, implicit: bool, records: torch.Tensor | None = None) -> None:
-        if self._unstepped is not None and self.state.phase is Phase.IDLE and not self.state.pending:
+        if self._unstepped is not None and self.state.phase is Phase.IDLE:  # (IDLE: nothing pending)
             # a hand-built batch's step would free the loader from a discarded draw (one refused for a
             # non-finite record, say) that its noise-only step has not closed
             raise RuntimeError(f"Poisson draw {self._unstepped} was discarded (zero_grad) and is not closed: call "

@@ -55,7 +55,7 @@ def _subclass(dp: type, cls: type) -> type:
 def _subclass_over(dp: type, cls: type) -> type:
     # the DP class below the user's class in the MRO: the subclass's own forward runs, and its
     # super().forward(...) is the DP layer's private forward (Gemma's, BART's scaled token embedding;
-    # OPT's and BART's learned positions, which compute their position ids first)
+    # BART's learned positions, which compute their position ids first)
     return type(f"DP{cls.__name__}", (cls, dp), {"__module__": dp.__module__, "_pdpfast_own_forward": True})
 
 
