@@ -8,6 +8,8 @@ non-private step of the same run.
     python -m bench.bench_overhead [--repeats 200] [--threads 1] [--out bench/results/overhead_cpu.json]
     python -m bench.bench_overhead --device cuda        # host-bound step on a GPU: the same ratios there
     python -m bench.bench_overhead --model llama-12x16   # a Llama-style decoder of the same sizes
+    python -m bench.bench_overhead --model resnet18-w4   # ResNet-18-GN's convolution and GroupNorm
+                                                         # calls at width 4 (8x8 images, batch 4)
     python -m bench.bench_overhead --route large         # every call as a large model's call
     python -m bench.bench_overhead --dtype bf16          # bf16 weights (the low-precision route)
     TRITON_INTERPRET=1 python -m bench.bench_overhead --dtype bf16 --route large --repeats 3
@@ -99,6 +101,21 @@ def build_llama(device: torch.device, layers: int = 12, width: int = 16, batch: 
     def loss(out, t):
         return nn.functional.cross_entropy(out.logits[:, :-1].transpose(1, 2), t[:, 1:], reduction="none").mean(1)
     return model, inputs, ids, loss
+
+
+def build_resnet(device: torch.device, width: int = 4, batch: int = 4, size: int = 8):
+    """(model, inputs, targets, per-sample loss) of ResNet-18-GN (CIFAR stem) at width ``width`` (stages
+    of 4, 8, 16 and 32 channels) on ``size``×``size`` images: every convolution and GroupNorm call of
+    the full model (``bench_e2e``'s ResNet-18), with negligible arithmetic."""
+    from pdpfast.models import resnet18_gn
+
+    torch.manual_seed(0)
+    model = resnet18_gn(num_classes=10, width=width).to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    return model, (x,), y, loss
 
 
 def build_bert_base(device: torch.device, batch: int = 2, seq: int = 128):
@@ -439,8 +456,11 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", choices=("run", "stub"), default="run",
                         help="stub: the GPU's kernel choices with every launch a no-op (the GPU route's host "
                              "time on a CPU; outputs are garbage)")
-    parser.add_argument("--model", choices=("bert-12x16", "llama-12x16", "bert-base"), default="bert-12x16",
-                        help="llama-12x16: a Llama-style decoder of the same sizes on next-token loss; bert-base: "
+    parser.add_argument("--model", choices=("bert-12x16", "llama-12x16", "resnet18-w4", "bert-base"),
+                        default="bert-12x16",
+                        help="llama-12x16: a Llama-style decoder of the same sizes on next-token loss; resnet18-w4: "
+                             "ResNet-18-GN of width 4 on 8x8 images (batch 4), every conv and GroupNorm call of "
+                             "the full model's step; bert-base: "
                              "BERT-base (batch 2, seq 128), launches per step only (no times: on a CPU its "
                              "arithmetic dwarfs its host work)")
     parser.add_argument("--records", default=None,
@@ -463,10 +483,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     timed = args.model != "bert-base"
-    model, inputs, y, loss = {"bert-12x16": build, "llama-12x16": build_llama, "bert-base": build_bert_base}[
-        args.model](device)
+    model, inputs, y, loss = {"bert-12x16": build, "llama-12x16": build_llama, "resnet18-w4": build_resnet,
+                              "bert-base": build_bert_base}[args.model](device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
+        if isinstance(inputs, tuple):  # images (ids stay ints)
+            inputs = tuple(t.to(torch.bfloat16) for t in inputs)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     with large_call_route() if args.route == "large" else contextlib.nullcontext():
         if timed:
@@ -482,7 +504,7 @@ def main(argv=None) -> int:
                 results[name]["launches_per_step"] = launches
                 results[name]["triton_launches_per_step"] = triton_launches
     env = environment(device)
-    batch, seq = (4, 8) if timed else (2, 128)
+    batch, seq = (4, None) if args.model == "resnet18-w4" else (4, 8) if timed else (2, 128)
     rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r,
              **env, "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
              "kernels": args.kernels}

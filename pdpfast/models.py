@@ -78,34 +78,38 @@ class ResNetGN(nn.Module):
     """ResNet with GroupNorm in place of BatchNorm, torchvision's module names.
 
     Args:
-        layers: the number of ``BasicBlock``s in each of the four stages (64, 128, 256, 512 channels),
-            four ints ≥ 1.
+        layers: the number of ``BasicBlock``s in each of the four stages, four ints ≥ 1.
         num_classes: K ≥ 1.
         cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs); else ImageNet's
             7×7 stride-2 convolution and max-pool.
+        width: the first stage's channels w ≥ 1; the stages have w, 2w, 4w, 8w (torchvision's
+            ResNet: 64). A small width keeps every layer's shape and call while the arithmetic
+            shrinks (``bench_overhead --model resnet18-w4`` times the host's work per step so).
     """
 
-    def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 10, cifar_stem: bool = True):
+    def __init__(self, layers=(2, 2, 2, 2), num_classes: int = 10, cifar_stem: bool = True, width: int = 64):
         super().__init__()
         layers = check_sizes("layers", layers, length=4, form=" (blocks in each of the four stages)")
         num_classes = check_int("num_classes", num_classes, 1)
+        width = check_int("width", width, 1)
         if check_flag("cifar_stem", cifar_stem):
-            self.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+            self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
             self.maxpool = nn.Identity()
         else:
-            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+            self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
             self.maxpool = nn.MaxPool2d(3, 2, 1)
-        self.bn1 = _norm(64)
+        self.bn1 = _norm(width)
         self.relu = nn.ReLU(inplace=True)
-        inplanes, stages = 64, []
-        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers)):
+        inplanes, stages = width, []
+        for i, blocks in enumerate(layers):
+            planes = width << i
             stride = 1 if i == 0 else 2
             stage = [BasicBlock(inplanes, planes, stride)] + [BasicBlock(planes, planes) for _ in range(blocks - 1)]
             stages.append(nn.Sequential(*stage))
             inplanes = planes
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(8 * width, num_classes)
 
     def forward(self, x):
         """Stem, four stages, global average pooling, the linear head.
@@ -120,15 +124,16 @@ class ResNetGN(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def resnet18_gn(num_classes: int = 10, cifar_stem: bool = True) -> ResNetGN:
+def resnet18_gn(num_classes: int = 10, cifar_stem: bool = True, width: int = 64) -> ResNetGN:
     """ResNet-18 with GroupNorm in place of BatchNorm (per-sample gradients stay per sample).
 
     Args:
-        num_classes: K; cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs).
+        num_classes: K; cifar_stem: a 3×3 stride-1 first convolution and no max-pool (32×32 inputs);
+        width: the first stage's channels (``ResNetGN``).
     Returns:
         the model: images (B, 3, H, W) → logits (B, K).
     """
-    return ResNetGN((2, 2, 2, 2), num_classes, cifar_stem)
+    return ResNetGN((2, 2, 2, 2), num_classes, cifar_stem, width)
 
 
 def bert(size: str = "base", num_labels: int = 2, **overrides):
@@ -465,7 +470,7 @@ def _build_resnet(input_shape, num_classes, vocab_size, layers=(2, 2, 2, 2)):
     model = ResNetGN(layers, num_classes, cifar_stem=height < 64)
     if channels != 3:     # same stem, other input channels (e.g. grey-scale images)
         old = model.conv1
-        model.conv1 = nn.Conv2d(channels, 64, old.kernel_size, old.stride, old.padding, bias=False)
+        model.conv1 = nn.Conv2d(channels, old.out_channels, old.kernel_size, old.stride, old.padding, bias=False)
     return model
 
 

@@ -344,3 +344,18 @@ def test_a_cpu_memory_measurement_keeps_stderr_but_not_the_profilers_own_lines(c
     err = capfd.readouterr().err
     assert "the block's own line" in err
     assert not [line for line in err.splitlines() if line.startswith(("USDT:", "STAGE:"))], err
+
+
+def test_bench_overhead_times_resnet18_gn_at_width_4_in_every_mode(tmp_path):
+    """--model resnet18-w4: every convolution and GroupNorm call of ResNet-18-GN, at width 4 on 8x8
+    images, so the step's time is host work; bf16 casts the images with the model."""
+    from bench import bench_overhead
+
+    out = tmp_path / "overhead_resnet.json"
+    assert bench_overhead.main(["--model", "resnet18-w4", "--dtype", "bf16", "--repeats", "2", "--providers",
+                                "non-private,pdpfast bk,pdpfast per-layer", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["provider"], r["dtype"]) for r in rows] == [
+        ("resnet18-w4", p, "bf16") for p in ("non-private", "pdpfast bk", "pdpfast per-layer")]
+    assert all(r["median_ms"] > 0 and r["launches_per_step"] > 0 for r in rows), rows
+    assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]

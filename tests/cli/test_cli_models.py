@@ -43,6 +43,15 @@ def test_one_private_step_resnet18_gn():
     _one_private_step(model, torch.randn(6, 3, 16, 16), torch.randint(0, 4, (6,)), Task())
 
 
+def test_resnet_width_sets_every_stage_and_keeps_the_layers():
+    narrow, full = models.resnet18_gn(num_classes=4, width=4), models.resnet18_gn(num_classes=4)
+    assert [n for n, _ in narrow.named_modules()] == [n for n, _ in full.named_modules()]
+    assert [narrow.conv1.out_channels, narrow.layer2[0].conv1.out_channels, narrow.layer4[1].conv2.out_channels,
+            narrow.fc.in_features] == [4, 8, 32, 32]
+    assert narrow(torch.randn(2, 3, 8, 8)).shape == (2, 4)
+    _one_private_step(narrow, torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,)), Task())
+
+
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_one_private_step_bert_micro(mode):
     model = models.bert("micro", num_labels=3)
@@ -157,6 +166,7 @@ def test_a_language_model_takes_one_class_since_it_reads_no_labels():
                                           (lambda: models.mlp(0, 2), "in_features"),
                                           (lambda: models.cnn(3, 2, width=-1), "width"),
                                           (lambda: models.resnet18_gn(-1), "num_classes"),
+                                          (lambda: models.resnet18_gn(width=0), "width"),
                                           (lambda: models.bert("micro", num_labels=0), "num_labels"),
                                           (lambda: models.vit("micro", image_size=0), "image_size")])
 def test_the_builders_refuse_sizes_below_one_by_name(builder, name):
