@@ -8,8 +8,11 @@ the padded input by index arithmetic,
     a_{i,t}[k] = x_pad[i, g·C_in/G + c, oh·s_h + r·d_h, ow·s_w + q·d_w],   t = (oh, ow), k = (c, r, q),
 
 so a tile of im2col is one gather (row offsets from t, column offsets from k, added). Padding is
-already in ``x_pad`` (``pdpfast.ops.conv.conv_pad``: ints, "same", every padding_mode), so the
-kernels see zero padding only and never test bounds beyond the tile masks.
+either already in ``x_pad`` (``pdpfast.ops.conv.conv_pad``: "same", every padding_mode) or, for
+the usual symmetric zero padding (``padding=``), applied by the kernels themselves: a tap at
+(oh·s_h − p_h + r·d_h, ow·s_w − p_w + q·d_w) outside the unpadded input is a masked load that reads
+0, the value a padded copy holds there, so the products and the norms are that copy's bit for bit,
+without the copy (one launch and one pass over the input a call).
 
 Two exact forms, chosen per layer by a cost model (``conv_norm_costs``), as fastDP's mixed ghost
 clipping chooses per layer between ghost norms and per-sample gradients — here both are kernels:
@@ -68,14 +71,36 @@ def _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW:
 
 
 @triton.jit
+def _padded_rows(oh, ow, STRIDE_H, STRIDE_W, PAD_H, PAD_W):
+    """(ih, iw) of the top-left tap of output positions (oh, ow) in the unpadded input (< 0 in the padding)."""
+    return oh * STRIDE_H - PAD_H, ow * STRIDE_W - PAD_W
+
+
+@triton.jit
+def _tap_shifts(cols_k, DIL_H, DIL_W, KHW: tl.constexpr, KW: tl.constexpr):
+    """(Δh, Δw) of im2col columns k = (c, r, q) from their position's top-left tap."""
+    within = cols_k % KHW
+    return (within // KW) * DIL_H, (within % KW) * DIL_W
+
+
+@triton.jit
+def _inside(ih, iw, H, W):
+    """Where (ih, iw) lies in the unpadded input: outside, a load reads the zero padding (masked)."""
+    return (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+
+
+@triton.jit
 def _conv_direct_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES_P, N_TILES_K,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN,
         KHW: tl.constexpr, KW: tl.constexpr,
-        BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # step_x* = conv stride × input stride: the move in x_pad from one output position to the next
+    # step_x* = conv stride × input stride: the move in x from one output position to the next;
+    # PADDED: x is unpadded, a tap in the zero padding (PAD_H, PAD_W) is masked, and ORIGIN (the
+    # padding's offset, PAD_H·stride_h + PAD_W·stride_w) shifts every offset back into x
     pid = tl.program_id(0)
     tile_k = pid % N_TILES_K
     tile_p = (pid // N_TILES_K) % N_TILES_P
@@ -87,8 +112,10 @@ def _conv_direct_sq_norms_kernel(
     in_p = cols_p < P_G
     in_k = cols_k < K
     offs_k = _patch_column_offsets(cols_k, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
-    x_base = x_ptr + sample * stride_xb
+    x_base = x_ptr + sample * stride_xb - ORIGIN
     o_base = o_ptr + sample * stride_ob + (group * P_G + cols_p[:, None]) * stride_oc
+    if PADDED:
+        dh, dw = _tap_shifts(cols_k, DIL_H, DIL_W, KHW, KW)
 
     grad = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
     for start in range(0, L, BLOCK_L):
@@ -98,8 +125,12 @@ def _conv_direct_sq_norms_kernel(
         ow = rows % OW
         y = tl.load(o_base + (oh * stride_oh + ow * stride_ow)[None, :],
                     mask=in_p[:, None] & in_l[None, :], other=0.0)                       # (P, L)
+        x_mask = in_l[:, None] & in_k[None, :]
+        if PADDED:
+            ih, iw = _padded_rows(oh, ow, STRIDE_H, STRIDE_W, PAD_H, PAD_W)
+            x_mask = x_mask & _inside(ih[:, None] + dh[None, :], iw[:, None] + dw[None, :], H, W)
         x = tl.load(x_base + (oh * step_xh + ow * step_xw)[:, None] + offs_k[None, :],
-                    mask=in_l[:, None] & in_k[None, :], other=0.0)                       # (L, K)
+                    mask=x_mask, other=0.0)                                              # (L, K)
         grad = _dot(y, x, grad, DOT_PRECISION, UPCAST)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(grad * grad, axis=1), axis=0))
 
@@ -109,8 +140,9 @@ def _conv_gram_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES, N_SHIFTS,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN,
         KHW: tl.constexpr, KW: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Both Grams are symmetric, so each unordered tile pair {s, t} is visited once: program
     # (sample, group, s, shift) takes t = (s + shift) mod n; for an even n the shift n/2 meets each
@@ -133,16 +165,24 @@ def _conv_gram_sq_norms_kernel(
     ow_t = rows_t % OW
     product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
     if keep:
-        x_base = x_ptr + sample * stride_xb
+        x_base = x_ptr + sample * stride_xb - ORIGIN
         offs_s = oh_s * step_xh + ow_s * step_xw
         offs_t = oh_t * step_xh + ow_t * step_xw
+        ih_s, iw_s = _padded_rows(oh_s, ow_s, STRIDE_H, STRIDE_W, PAD_H, PAD_W)
+        ih_t, iw_t = _padded_rows(oh_t, ow_t, STRIDE_H, STRIDE_W, PAD_H, PAD_W)
         gram_a = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             in_k = cols < K
             offs_k = _patch_column_offsets(cols, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
-            x_s = tl.load(x_base + offs_s[:, None] + offs_k[None, :], mask=in_s[:, None] & in_k[None, :], other=0.0)
-            x_t = tl.load(x_base + offs_k[:, None] + offs_t[None, :], mask=in_k[:, None] & in_t[None, :], other=0.0)
+            s_mask = in_s[:, None] & in_k[None, :]
+            t_mask = in_k[:, None] & in_t[None, :]
+            if PADDED:
+                dh, dw = _tap_shifts(cols, DIL_H, DIL_W, KHW, KW)
+                s_mask = s_mask & _inside(ih_s[:, None] + dh[None, :], iw_s[:, None] + dw[None, :], H, W)
+                t_mask = t_mask & _inside(dh[:, None] + ih_t[None, :], dw[:, None] + iw_t[None, :], H, W)
+            x_s = tl.load(x_base + offs_s[:, None] + offs_k[None, :], mask=s_mask, other=0.0)
+            x_t = tl.load(x_base + offs_k[:, None] + offs_t[None, :], mask=t_mask, other=0.0)
             gram_a = _dot(x_s, x_t, gram_a, DOT_PRECISION, UPCAST)
         o_base = o_ptr + sample * stride_ob + group * P_G * stride_oc
         pos_s = oh_s * stride_oh + ow_s * stride_ow
@@ -337,10 +377,15 @@ class _Launch:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path, tf32) -> _Launch:
+def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation, groups, path, tf32,
+          padding=(0, 0)) -> _Launch:
     """Everything about a launch that depends only on shapes, strides and the layer: computed
-    once per layer geometry, so a call costs one dictionary lookup on the host besides the launch."""
-    geo = _geometry(x_shape, o_shape, kernel, stride, dilation, groups)
+    once per layer geometry, so a call costs one dictionary lookup on the host besides the launch.
+    ``padding``: (p_h, p_w), the zero padding the kernel applies to the unpadded x by masking."""
+    height, width = (1, x_shape[2]) if len(x_shape) == 3 else x_shape[2:]
+    padded = (*x_shape[:-2], height + 2 * padding[0], width + 2 * padding[1]) if len(x_shape) == 4 else \
+        (*x_shape[:-1], width + 2 * padding[1])
+    geo = _geometry(padded, o_shape, kernel, stride, dilation, groups)
     if path == "auto":
         path = choose_path(geo, dtype, tf32)
     if len(x_shape) == 3:  # Conv1d: a height of 1, whose strides are never multiplied by anything but 0
@@ -349,44 +394,54 @@ def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation,
     sxb, sxc, sxh, sxw = x_stride
     args = (geo.patch // (kernel[0] * kernel[1]), geo.out_channels, geo.patch, geo.positions, o_shape[-1],
             sxb, sxc, stride[0] * sxh, stride[1] * sxw, dilation[0] * sxh, dilation[1] * sxw, *o_stride, groups)
-    meta = {"KHW": kernel[0] * kernel[1], "KW": kernel[1], "num_warps": 4}
+    masked = (height, width, *stride, *dilation, *padding, padding[0] * sxh + padding[1] * sxw)
+    meta = {"KHW": kernel[0] * kernel[1], "KW": kernel[1], "PADDED": any(padding), "num_warps": 4}
     if path == "direct":
         block_l, block_k, block_p = _direct_blocks(geo, dtype)
         n_p, n_k = cdiv(geo.out_channels, block_p), cdiv(geo.patch, block_k)
-        return _Launch(_conv_direct_sq_norms_kernel, geo.batch, groups * n_p * n_k, args + (n_p, n_k),
+        return _Launch(_conv_direct_sq_norms_kernel, geo.batch, groups * n_p * n_k, args + (n_p, n_k) + masked,
                        dict(meta, BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_P=block_p))
     block_t, block_k, block_p = _gram_blocks(geo, dtype)
     n_tiles = cdiv(geo.positions, block_t)
     n_shifts = n_tiles // 2 + 1
-    return _Launch(_conv_gram_sq_norms_kernel, geo.batch, groups * n_tiles * n_shifts, args + (n_tiles, n_shifts),
-                   dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
+    return _Launch(_conv_gram_sq_norms_kernel, geo.batch, groups * n_tiles * n_shifts,
+                   args + (n_tiles, n_shifts) + masked, dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
 
 
 @register("conv_weight_sq_norms")
-def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto") -> torch.Tensor:
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto", *, padding=None,
+                         parts: bool = False) -> torch.Tensor:
     """‖∂ℓ_i/∂W‖²_F per sample of a Conv1d/Conv2d weight, the unfolding done inside the kernel.
 
     Memory: a (B, programs per sample) fp32 buffer of partial sums; never the per-sample gradients
-    nor the unfolded input.
+    nor the unfolded input, nor (``padding``) a padded copy of the input.
 
     Args:
-        x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``; fp32/fp16/bf16, any
-            strides (channels_last too); mixed dtypes meet in their promoted dtype.
+        x_pad: (B, C_in, [H,] W) the input already padded by ``conv_pad``, or with ``padding`` still
+            to apply; fp32/fp16/bf16, any strides (channels_last too); mixed dtypes meet in their
+            promoted dtype.
         o: (B, C_out, [OH,] OW) the gradient of the summed loss w.r.t. the convolution output,
             fp32/fp16/bf16, any strides.
         module: supplies kernel_size, stride, dilation and groups (any object with those attributes).
         path: "auto" (the cheaper of the two by ``conv_norm_costs``), "direct" or "gram".
+        padding: None, or the zero padding still to apply to ``x_pad``, one int ≥ 0 per spatial dim
+            (the same on both sides): the kernel reads taps in it as zeros (masked loads), so no
+            padded copy is made (one launch and one pass over the input fewer per call).
+        parts: return the (B, programs) partial sums the launch wrote, whose rows sum to the norms
+            (the caller sums them with other layers', once: ``LayerRule.norm_parts``), not (B,).
     Returns:
-        (B,) fp32, accumulated in fp32. float64 (and any rank other than Conv1d/Conv2d) runs
-        ``conv_weight_sq_norms_reference`` and returns its result.
+        (B,) fp32 (with ``parts``, (B, n) fp32), accumulated in fp32. float64 (and any rank other
+        than Conv1d/Conv2d) runs ``conv_weight_sq_norms_reference`` and returns its (B,) result.
     Raises:
-        ValueError for an unknown ``path`` or tensors whose shapes do not fit (``conv_geometry``).
+        ValueError for an unknown ``path``, a ``padding`` that is not one int ≥ 0 per spatial dim,
+        or tensors whose shapes do not fit (``conv_geometry``).
     """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
     if (x_pad.dim() not in (3, 4) or o.dim() != x_pad.dim() or x_pad.dtype not in KERNEL_DTYPES
             or o.dtype not in KERNEL_DTYPES):
-        return conv_weight_sq_norms_reference(x_pad, o, module)
+        return conv_weight_sq_norms_reference(x_pad, o, module, padding)
+    pads = _paddings(padding, x_pad.dim() - 2)
     if x_pad.dtype != o.dtype:  # one dot operand type (autocast keeps fp32 inputs beside bf16 grads)
         common = torch.promote_types(x_pad.dtype, o.dtype)
         x_pad, o = x_pad.to(common), o.to(common)
@@ -394,10 +449,22 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
     # (torch.backends.cudnn.allow_tf32, on by default), exact ones otherwise
     tf32 = x_pad.is_cuda and torch.backends.cudnn.allow_tf32
     plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
-                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path, tf32)
+                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path, tf32,
+                 pads)
     partials = new_buffer((plan.batch, plan.columns), torch.float32, x_pad.device)
     if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
-        return torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
+        out = torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
+        return out.view(plan.batch, 1) if parts else out
     with device_guard(x_pad):
         plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype, tf32))
-    return sum_partials(partials)
+    return partials if parts else sum_partials(partials)
+
+
+def _paddings(padding, n: int) -> tuple[int, int]:
+    """(p_h, p_w) of ``conv_weight_sq_norms``' ``padding`` for n spatial dims (Conv1d: p_h = 0)."""
+    if padding is None:
+        return (0, 0)
+    pads = tuple(padding)
+    if len(pads) != n or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+        raise ValueError(f"padding must be None or {n} int(s) ≥ 0 (one per spatial dim), got {padding!r}")
+    return (0, pads[0]) if n == 1 else pads

@@ -32,10 +32,15 @@ class _DPConv(DPModule):
             symmetric zeros; None when the input is padded beforehand instead (``conv_ops.conv_pad``:
             padding modes other than "zeros", or asymmetric "same" padding).
         """
-        pads = self._reversed_padding_repeated_twice
-        if self.padding_mode != "zeros" or any(pads[k] != pads[k + 1] for k in range(0, len(pads), 2)):
-            return None
-        return tuple(reversed(pads[0::2]))
+        pads, mode = self._reversed_padding_repeated_twice, self.padding_mode
+        known = self.__dict__.get("_own_padding")  # asked ~5 times a call: kept while the padding stays
+        if known is not None and known[0] is pads and known[1] == mode:
+            return known[2]
+        own = None
+        if mode == "zeros" and all(pads[k] == pads[k + 1] for k in range(0, len(pads), 2)):
+            own = tuple(reversed(pads[0::2]))
+        self.__dict__["_own_padding"] = (pads, mode, own)
+        return own
 
     def _prepare(self, x):
         return x if self.own_padding() is not None else conv_ops.conv_pad(x, self)
@@ -94,12 +99,22 @@ def _conv_per_sample(m, x, o):
     return out
 
 
-def _conv_sq_norms(m, x, o, names):
-    total = conv_ops.conv_weight_sq_norms(x, o, m, m.own_padding()) if "weight" in names else None
+def _conv_sq_norms(m, x, o, names, parts: bool = False):
+    """(B,) squared norms; with ``parts``, the weight's as the kernel's (B, n) partial sums where it
+    runs, the bias's a column beside them (one op either way: the sum or the concatenation)."""
+    total = conv_ops.conv_weight_sq_norms(x, o, m, m.own_padding(), parts) if "weight" in names else None
     if "bias" in names:
         bias = conv_ops.conv_bias_sq_norms(o)
-        total = bias if total is None else total.add_(bias)
+        if total is None:
+            return bias
+        if total.dim() == 2:
+            return torch.cat([total, bias.to(total.dtype).unsqueeze(1)], 1)
+        return total.add_(bias)
     return total
+
+
+def _conv_sq_norms_rounding(m, x, o, names, parts: bool = False):
+    return _conv_sq_norms(m, x, o, names, parts), _conv_rounding(m, x, o, names)
 
 
 def _conv_clipped(m, x, o, weights, names):
@@ -128,7 +143,8 @@ def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
 
 
 _CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight,
-                       rounding=_conv_rounding)
+                       rounding=_conv_rounding, sq_norms_rounding=_conv_sq_norms_rounding, norm_parts=True,
+                       pending_weights=True)
 register_layer(nn.Conv1d, DPConv1d, _CONV_RULE)
 register_layer(nn.Conv2d, DPConv2d, _CONV_RULE)
 register_layer(nn.Conv3d, DPConv3d, _CONV_RULE)

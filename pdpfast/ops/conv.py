@@ -10,7 +10,7 @@ and every padding_mode reduce to one unfold with zero padding — or, with ``pad
 zero padding per spatial dim), the unpadded activations: the DP layers keep those where the
 convolution can pad itself, since a padded copy of every conv input costs a full pass (and its
 gradient another) on a CPU. The ops then pad inside their own routines (unfold, the weight-gradient
-routine), and only the fused kernel gets a padded copy.
+routine), and so does the fused kernel (masked loads: taps in the padding read as zeros).
 
 ``conv_weight_sq_norms`` dispatches (``pdpfast.ops.dispatch``): on CUDA (and under
 ``TRITON_INTERPRET=1``) the fused kernel ``pdpfast.kernels.conv_norms.conv_weight_sq_norms`` does
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import workspace
+from .clip import PendingWeights, clip_scale
 from .dispatch import declare
 from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot, weights_as
 
@@ -234,19 +235,22 @@ def conv_weight_sq_norms_reference(x_pad: torch.Tensor, o: torch.Tensor, module,
 _CONV_WEIGHT_SQ_NORMS = declare("conv_weight_sq_norms", conv_weight_sq_norms_reference)
 
 
-def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None) -> torch.Tensor:
+def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=None,
+                         parts: bool = False) -> torch.Tensor:
     """‖∂ℓ_i/∂W‖²_F per sample: the fused kernel on CUDA, else ``conv_weight_sq_norms_reference``.
 
     Args:
         x_pad, o, module: as in ``conv_weight_sq_norms_reference``.
-        padding: zero padding still to apply to ``x_pad``, or None (the kernel is given a padded copy).
+        padding: zero padding still to apply to ``x_pad``, or None (the kernel applies it by masking:
+            no padded copy).
+        parts: the caller sums the rows itself: the kernel's (B, n) partial sums may be returned.
     Returns:
-        (B,) fp32 (fp64 for fp64 inputs).
+        (B,) fp32 (fp64 for fp64 inputs), or with ``parts`` (B, n) partial sums from the kernel.
     """
     fn = _CONV_WEIGHT_SQ_NORMS.pick(x_pad, o)
     if fn is _CONV_WEIGHT_SQ_NORMS.reference:
         return fn(x_pad, o, module, padding)
-    return fn(pad_input(x_pad, padding), o, module)
+    return fn(x_pad, o, module, padding=padding, parts=parts)
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
@@ -266,7 +270,8 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
     Args:
         x_pad: (B, C_in, *spatial) Conv1d/2d/3d input padded by ``conv_pad`` (or not, see ``padding``).
         o: (B, C_out, *out_spatial) gradient of the summed loss w.r.t. the convolution output.
-        weights: (B,) clip weights w_i, or None for the plain sums.
+        weights: (B,) clip weights w_i, ``PendingWeights`` (computed and applied to o's rows in one op,
+            ``clip_scale``), or None for the plain sums.
         module: supplies ``weight``, ``groups``, ``stride`` and ``dilation``.
         need_weight: compute the weight gradient.
         need_bias: compute the bias gradient.
@@ -275,8 +280,11 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
         (grad_w, grad_b): grad_w shaped like ``module.weight``, (C_out, C_in/G, *kernel_size), and
         grad_b (C_out,), both in ``o``'s dtype; each None when not needed.
     """
-    if weights is not None:
-        o = o * weights_as(weights, o.dtype).view(-1, *([1] * (o.dim() - 1)))
+    if isinstance(weights, PendingWeights) and o.is_contiguous():
+        o, _ = clip_scale(o, weights)
+    elif weights is not None:  # (a row scaling keeps o's memory format: channels_last stays so)
+        w = weights.tensor() if isinstance(weights, PendingWeights) else weights
+        o = o * weights_as(w, o.dtype).view(-1, *([1] * (o.dim() - 1)))
     n = x_pad.dim() - 2
     grad_w = None
     if need_weight:

@@ -141,6 +141,61 @@ def test_conv_weight_sq_norms_random_configurations(tools, gen, seed, path, dtyp
     _check(tools, module, x, x_pad, o, path, monkeypatch, f"{module} B={B} {path} {dtype}")
 
 
+def _unpadded(gen, module, shape, B, dtype, tools):
+    """(x, x_pad, o, padding) for a module whose zero padding the kernel can apply itself (symmetric
+    zeros, ``own_padding``); None for one whose input ``conv_pad`` must pad."""
+    from pdpfast.nn.conv import _DPConv
+
+    padding = _DPConv.own_padding(module)
+    if padding is None:
+        return None
+    x, x_pad, o = _inputs(gen, module, shape, B, dtype, tools)
+    return x.to(tools.device), x_pad, o, padding
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["direct", "gram"])
+@pytest.mark.parametrize("case", [*CASES, *(f"random-{seed}" for seed in range(24))])
+def test_padding_applied_by_masking_equals_a_padded_copy_bit_for_bit(tools, gen, case, path, dtype):
+    """``padding=``: the kernel reads the unpadded input, taps in the padding masked to zero, so the
+    DP layers need no padded copy of each conv input; the products and their order are the padded
+    copy's, so the norms are the same bits (and the partial sums, ``parts``, sum to them)."""
+    if case.startswith("random-"):
+        module, shape, B = _random_conv(int(case.split("-")[1]))
+    else:
+        (module, shape), B = _make(case), 3
+    got = _unpadded(gen, module, shape, B, dtype, tools)
+    if got is None:
+        pytest.skip("padding modes and asymmetric 'same' pad the input first (conv_pad)")
+    x, x_pad, o, padding = got
+    expected = conv_norms.conv_weight_sq_norms(x_pad, o, module, path)
+    assert torch.equal(conv_norms.conv_weight_sq_norms(x, o, module, path, padding=padding), expected)
+    parts = conv_norms.conv_weight_sq_norms(x, o, module, path, padding=padding, parts=True)
+    assert parts.dim() == 2 and parts.shape[0] == B and parts.dtype == torch.float32
+    assert torch.equal(parts.sum(1), expected)
+
+
+def test_padding_applied_by_masking_against_the_oracle_on_empty_and_single_sample_batches(tools, gen, monkeypatch):
+    module, shape = _make("2d-stride2")
+    for B in (0, 1):
+        x, x_pad, o, padding = _unpadded(gen, module, shape, B, torch.float32, tools)
+        out = conv_norms.conv_weight_sq_norms(x, o, module, padding=padding)
+        assert out.shape == (B,)
+        if B:
+            tools.check(out, _torch_reference(x_pad, o, module, monkeypatch), per_sample_sq_norms_oracle(module, x, o),
+                        atol=ACC_RTOL * _scale(x_pad, o, module) + 1e-30, what="B=1, masked padding")
+        parts = conv_norms.conv_weight_sq_norms(x, o, module, padding=padding, parts=True)
+        assert parts.shape[0] == B and parts.dim() == 2
+
+
+@pytest.mark.parametrize("padding", [(1,), (1, -1), (1.0, 1), "same"])
+def test_a_padding_that_is_not_one_int_per_spatial_dim_is_refused(tools, gen, padding):
+    module, shape = _make("2d-3x3-pad1")
+    x, _, o = _inputs(gen, module, shape, 2, torch.float32, tools)
+    with pytest.raises(ValueError, match="padding must be None or 2 int"):
+        conv_norms.conv_weight_sq_norms(x.to(tools.device), o, module, padding=padding)
+
+
 @pytest.mark.parametrize("path", ["auto", "direct", "gram"])
 @pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-groups3", "1d-stride-dilation"])
 def test_conv_weight_sq_norms_single_sample(tools, gen, name, path, monkeypatch):
