@@ -29,6 +29,7 @@ import triton.language as tl
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.embedding import embedding_sq_norms_reference
 from pdpfast.ops.linear import (
+    TF32_SLACK,
     bias_sq_norms_reference,
     kernel_uses_gram,
     linear_sq_norms_grouped_reference,
@@ -291,7 +292,7 @@ def _flags_and_roundoff(a: torch.Tensor, u: float | None) -> tuple[dict, float |
     stays a bound."""
     flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
     if u and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
-        u *= 1 + 2.0 ** -8
+        u *= TF32_SLACK
     return flags, u
 
 

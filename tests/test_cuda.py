@@ -289,6 +289,38 @@ def test_cuda_captured_step_refuses_adam_without_capturable():
         engine.make_step(lambda x, y: nn.functional.cross_entropy(model(x), y))
 
 
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_rounding_bounds_under_tf32_never_fall_below_the_exact_bound(kind, dtype, monkeypatch):
+    """With TF32 allowed for both cuBLAS and cuDNN, a layer's rounding bound ρ (its box sums and its
+    row dot run on the GPU in fp32) is never below the float64 bound of the same inputs: TF32_SLACK
+    covers the products' rounding. Many records, so that an uncovered low rounding would show."""
+    from pdpfast.nn.rules import rule_for
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    g = torch.Generator().manual_seed(3)
+    if kind == "conv":
+        layer = pdpfast.nn.convert(nn.Conv2d(16, 8, 3, padding=1)).to("cuda", dtype)
+        x = torch.randn(256, 16, 9, 9, generator=g).mul_(1 + torch.rand(256, 1, 1, 1, generator=g))
+        patches = nn.functional.unfold(x.to(dtype).double(), 3, padding=1)
+        size = patches.pow(2).sum(1).add_(1)
+    else:
+        layer = pdpfast.nn.convert(nn.Linear(48, 8)).to("cuda", dtype)
+        x = torch.randn(256, 9, 48, generator=g).mul_(1 + torch.rand(256, 1, 1, generator=g))
+        size = x.to(dtype).double().pow(2).sum(-1).add_(1)
+    x = x.to("cuda", dtype)
+    with torch.no_grad():
+        shape = layer(x).shape
+    o = torch.randn(shape, generator=g).to("cuda", dtype)
+    rho = rule_for(layer).norms_and_rounding(layer, x, o, ("weight", "bias"), bound=True)[1]
+    o64 = o.double().cpu()
+    terms = (o64.flatten(2).norm(dim=1) if kind == "conv" else o64.norm(dim=-1))
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -9
+    exact = u * (terms * size.sqrt()).sum(1)
+    assert rho is not None and (rho.double().cpu() >= exact).all(), (rho.double().cpu() / exact).min()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("gamma", [None, 0.01])
 def test_cuda_clip_weights_op_equals_the_torch_formula(dtype, gamma):

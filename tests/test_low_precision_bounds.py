@@ -221,6 +221,23 @@ def test_conv_rounding_bound_reads_each_output_positions_input_patch(conv, with_
     torch.testing.assert_close(rho.double(), expected, rtol=1e-5, atol=0)
 
 
+def test_a_rounding_bound_from_tf32_products_grows_so_that_it_stays_a_bound():
+    """cuBLAS (torch.backends.cuda.matmul.allow_tf32) and cuDNN (cudnn.allow_tf32, on by default)
+    may compute the bound's own sums from TF32 products, each operand rounded to 10 bits: the bound
+    grows by TF32_SLACK there, and only there (CUDA fp32 with TF32 allowed). The CUDA test
+    ``test_cuda_rounding_bounds_under_tf32_never_fall_below_the_exact_bound`` measures it."""
+    from types import SimpleNamespace
+
+    from pdpfast.ops.linear import TF32_SLACK, tf32_slack
+
+    assert TF32_SLACK >= (1 + 2.0 ** -10) ** 2  # two operands each rounded by at most 2^-10
+    fp32_cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert tf32_slack(fp32_cuda, True) == TF32_SLACK
+    assert tf32_slack(fp32_cuda, False) == 1.0
+    assert tf32_slack(SimpleNamespace(is_cuda=True, dtype=torch.float64), True) == 1.0
+    assert tf32_slack(torch.ones(1), True) == 1.0  # the CPU never takes TF32
+
+
 def test_conv1d_rounding_bound_matches_its_conv2d_twin():
     g = torch.Generator().manual_seed(1)
     c1 = pdpfast.nn.convert(nn.Conv1d(3, 5, 3, stride=2, padding=1).to(torch.bfloat16))

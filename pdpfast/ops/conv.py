@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from . import workspace
 from .clip import PendingWeights, clip_scale
 from .dispatch import declare
-from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot, weights_as
+from .linear import acc_dtype, linear_weight_sq_norms, scaled_row_dot, tf32_slack, weights_as
 
 
 def conv_pad(x: torch.Tensor, module: torch.nn.modules.conv._ConvNd) -> torch.Tensor:
@@ -329,6 +329,7 @@ def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, 
     patch = _CONV_FN[n](sq, box, None, module.stride, _padding(padding, n), module.dilation).flatten(1)
     if need_bias:
         patch = patch.add_(1)
+    u *= tf32_slack(sq, torch.backends.cudnn.allow_tf32)  # the box's sums may come from TF32 products
     return scaled_row_dot(terms, patch.sqrt_(), u)  # patch: sums of squares, never negative
 
 

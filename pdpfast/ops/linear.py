@@ -568,17 +568,38 @@ def scaled_sum_rounding(a: torch.Tensor | None, o: torch.Tensor, with_bias: bool
     return scaled_row_dot(terms, size, u)
 
 
-def scaled_row_dot(x: torch.Tensor, y: torch.Tensor, u: float) -> torch.Tensor:
-    """u·Σ_t x_{i,t} y_{i,t} per row i, in one op (a batched GEMM whose α is u).
+# A rounding bound computed from TF32 products (each operand rounded to 10 bits: by at most 2^-10
+# relative, truncated) can come out low by (1 + 2^-10)^2 - 1 < 2^-8.9 relative: scaled by this, a bound
+# stays a bound (the linear norm kernel's fused ρ, and the torch routes where cuBLAS or cuDNN take TF32).
+TF32_SLACK = 1 + 2.0 ** -8
+
+
+def tf32_slack(t: torch.Tensor, allowed: bool) -> float:
+    """The factor a rounding bound computed by products on ``t`` needs (``TF32_SLACK``), or 1.0.
 
     Args:
-        x, y: (B, T) of one dtype and device.
+        t: a tensor the products read (its dtype and device).
+        allowed: whether torch lets those products take TF32 (``torch.backends.cuda.matmul.allow_tf32``
+            for GEMMs, ``torch.backends.cudnn.allow_tf32`` for convolutions).
+    Returns:
+        ``TF32_SLACK`` for CUDA fp32 where ``allowed``, else 1.0.
+    """
+    return TF32_SLACK if allowed and t.is_cuda and t.dtype == torch.float32 else 1.0
+
+
+def scaled_row_dot(x: torch.Tensor, y: torch.Tensor, u: float) -> torch.Tensor:
+    """u·Σ_t x_{i,t} y_{i,t} per row i, in one op (a batched GEMM whose α is u), never below it: where
+    the GEMM may take TF32 the scale grows by ``TF32_SLACK`` (the result is a rounding bound).
+
+    Args:
+        x, y: (B, T) of one dtype and device, ≥ 0.
         u: the scale.
     Returns:
         (B,).
     """
     if x.shape[1] == 0:
         return x.new_zeros(x.shape[0])
+    u *= tf32_slack(x, torch.backends.cuda.matmul.allow_tf32)
     # β = 0: baddbmm ignores its input, which need only broadcast to (B, 1, 1)
     return torch.baddbmm(x[:, None, :1], x.unsqueeze(1), y.unsqueeze(2), beta=0, alpha=u).view(x.shape[0])
 
