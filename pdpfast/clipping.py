@@ -82,8 +82,10 @@ CHECK_FINITE_ON_CPU = True
 # Devices whose norms are copied to the host without waiting (a pinned buffer, an event) and checked at
 # the next ``optimizer.step()`` that finds the copy done: the draw's own step when the GPU got there
 # first, else a later one, after the draw's step was applied (``ClippingState.check_finite``). Only
-# where something reads them (``ClippingState.defer_checks``: the engine); not under torch.distributed,
-# whose ranks must reach one verdict at one point (a collective).
+# where something reads them (``ClippingState.defer_checks``: the engine). Under torch.distributed,
+# whose ranks must reach one verdict at one point, a backward's flag is summed over the ranks on the
+# device (NaN where any rank's share holds such a record) and read at the step after its draw's, where
+# every rank reads it (``ClippingState.nonfinite_reduce``).
 DEFERRED_CHECK_DEVICES = ("cuda",)
 # Copies outstanding at most (a draw of many physical batches queues one each before its step reads
 # them): beyond, the oldest, several backwards old, is waited for and read
@@ -92,12 +94,15 @@ MAX_DEFERRED_CHECKS = 8
 
 class _DeferredCheck:
     """The norms of one backward, on their way to the host: ``event`` (None: already there) marks
-    the copy done; ``applied``: the draw's step was taken since."""
+    the copy done; ``applied``: the draw's step was taken since; ``flag``: under torch.distributed,
+    the (1,) sum over the ranks of their 0·norms (NaN where any rank's share holds a non-finite
+    record), else None."""
 
-    __slots__ = ("sq", "event", "records", "applied")
+    __slots__ = ("sq", "event", "records", "applied", "flag")
 
-    def __init__(self, total_sq: torch.Tensor, records):
+    def __init__(self, total_sq: torch.Tensor, records, flag: torch.Tensor | None = None):
         self.sq, self.records, self.applied = _to_host(total_sq), records, False
+        self.flag = None if flag is None else _to_host(flag)
         self.event = None
         if total_sq.is_cuda:  # on the stream that copies (the norms' device's, whatever the current device)
             self.event = torch.cuda.Event()
@@ -536,6 +541,9 @@ class ClippingState:
         # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
         # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
         self.nonfinite_anywhere: Callable[[bool], bool] | None = None
+        # under torch.distributed, for the deferred check: sums a (1,) tensor over the ranks in place, on its
+        # device, without waiting (``DistributedContext.sum_over_ranks_``)
+        self.nonfinite_reduce: Callable[[torch.Tensor], None] | None = None
         self._reset_backward()
         self._enter(Phase.IDLE)
 
@@ -1627,7 +1635,9 @@ class ClippingState:
         norms reach the host without stopping it (``DEFERRED_CHECK_DEVICES``) and are read here once
         there: at the draw's own step when the GPU has finished its backward by then, else at a later
         step, after the draw's step was applied (the error then says so: raised once, for the first
-        such draw; the draws stepped after it, on its parameters, are not reported again).
+        such draw; the draws stepped after it, on its parameters, are not reported again). Under
+        torch.distributed every rank reads them at the step after their draw's, so that all refuse the
+        same step (``_read_deferred``).
 
         Args:
             wait: wait for every copy on its way (a host synchronisation: at the end of a run, before
@@ -1655,48 +1665,78 @@ class ClippingState:
     def defer_finite_check(self, total_sq: torch.Tensor) -> None:
         """Queue the copy of a backward's (B,) norms to the host for ``check_finite`` (no stall): on a
         device of ``DEFERRED_CHECK_DEVICES`` where the engine reads them (``defer_checks``), outside a
-        capture and torch.distributed. ``_clipped`` calls it, and a captured step after the replay
-        that follows its capture (whose backward ``_clipped`` saw inside the capture).
+        capture. ``_clipped`` calls it, and a captured step after the replay that follows its capture
+        (whose backward ``_clipped`` saw inside the capture). Under torch.distributed
+        (``nonfinite_reduce``) the norms' flag is summed over the ranks too (a collective on the
+        device: every rank calls this once a physical batch, and runs as many), so that every rank
+        reads one verdict.
 
         Args:
             total_sq: the (B,) squared norms, on their device.
         Returns:
             None.
         """
-        if not self.defer_checks or total_sq.device.type not in DEFERRED_CHECK_DEVICES or \
-                self.nonfinite_anywhere is not None:
+        if not self.defer_checks or total_sq.device.type not in DEFERRED_CHECK_DEVICES:
             return
+        distributed = self.nonfinite_anywhere is not None
+        if distributed and self.nonfinite_reduce is None:
+            return  # (a state given a verdict by hand, but no way to reach one on the device)
         if total_sq.is_cuda:
             with torch.cuda.device(total_sq.device):
                 if torch.cuda.is_current_stream_capturing():
                     return
         if len(self._deferred) >= MAX_DEFERRED_CHECKS:
             self._read_deferred(wait_oldest=True)
-        self._deferred.append(_DeferredCheck(total_sq, self._records))
+        flag = None
+        if distributed:
+            flag = total_sq.detach().mul(0).sum().view(1)  # 0, or NaN where a row is NaN or inf (no overflow)
+            self.nonfinite_reduce(flag)
+        self._deferred.append(_DeferredCheck(total_sq, self._records, flag))
 
     def _read_deferred(self, wait_oldest: bool = False, wait: bool = False) -> None:
         """Read the deferred checks whose copies are done, in order (``wait_oldest``: wait for the
         first; ``wait``: for all). Never raises (a backward calls it, past ``MAX_DEFERRED_CHECKS``):
         a non-finite row of the open draw refuses its step (``_nonfinite``); one of a draw already
         stepped is kept for ``check_finite`` to raise (``_applied_error``), and the other stepped
-        draws' checks go with it (they ran on the parameters that draw made NaN)."""
+        draws' checks go with it (they ran on the parameters that draw made NaN).
+
+        Under torch.distributed (checks with a ``flag``) a copy is read where every rank reads it,
+        whatever its GPU's pace: once its draw's step was taken (at the next step, waiting for it),
+        and where ``wait`` or ``wait_oldest`` say (points every rank reaches alike); never at its
+        draw's own step, which every rank therefore applies."""
         pending = []
         for i, check in enumerate(self._deferred):
-            if pending or not check.ready(wait=wait or (wait_oldest and i == 0)):
+            forced = wait or (wait_oldest and i == 0)
+            if check.flag is not None:
+                due = not pending and (forced or check.applied) and check.ready(wait=True)
+            else:
+                due = not pending and check.ready(wait=forced)
+            if not due:
                 pending.append(check)  # (in order: a later copy is read after the earlier ones)
                 continue
             rows = _nonfinite_rows(check.sq)
-            if rows and check.applied:
+            elsewhere = not rows and check.flag is not None and not math.isfinite(float(check.flag))
+            if elsewhere:
+                found = ("another rank's share of the draw holds a record whose per-sample gradient norm is NaN or "
+                         "inf (that rank's error names it)")
+            elif rows:
+                found = _nonfinite_message(rows, check.records)
+            else:
+                continue
+            if check.applied:
                 if self._applied_error is None:
+                    when = ("Under torch.distributed every rank reads the norms at the step after their draw's, so "
+                            "that all refuse the same step" if check.flag is not None else
+                            "On a GPU the norms reach the host without stopping it, here after that draw's step was "
+                            "applied")
                     self._applied_error = (
-                        f"the step is refused: in an earlier draw, {_nonfinite_message(rows, check.records)}. On a "
-                        "GPU the norms reach the host without stopping it, here after that draw's step was applied: "
-                        "the model's parameters may now be NaN or inf. Restore them from a checkpoint, and check "
-                        "the data (pdpfast train refuses non-finite features) and the loss")
+                        f"the step is refused: in an earlier draw, {found}. {when}: the model's parameters may now "
+                        "be NaN or inf. Restore them from a checkpoint, and check the data (pdpfast train refuses "
+                        "non-finite features) and the loss")
                 pending = [c for c in self._deferred[i + 1:] if not c.applied]
                 break
-            if rows and self._nonfinite is None:
-                self._nonfinite = _nonfinite_message(rows, check.records) + (
+            if self._nonfinite is None:
+                self._nonfinite = found + (
                     ". Read on the host after the backward (a GPU's norms are not waited for); this draw's "
                     "clipped sum would turn the model NaN")
         self._deferred = pending

@@ -16,7 +16,9 @@ What the ranks must share is checked, and a mismatch refused on every rank: the 
 every rank), the ``noise_generator``'s state, the plan, the data, and on resuming the checkpoint's point
 (steps, seeds, next draw). Where the norms are on the CPU, a non-finite record in one rank's share makes
 every rank's backward raise ``FloatingPointError`` (one all-reduced flag per physical batch), so that all
-ranks discard the same draw.
+ranks discard the same draw. On GPUs, whose norms reach the host without stopping it, each backward's
+flag is summed over the ranks on the device and read at the next step on every rank: that step is
+refused on every rank (the draw's own step was applied on every rank; restore a checkpoint).
 
 DDP's own gradient synchronization is switched off for the wrapped model
 (``require_backward_grad_sync = False``): DP layers write clipped sums into ``.grad`` themselves,
@@ -140,6 +142,20 @@ class DistributedContext:
         box = torch.tensor([int(value)], dtype=torch.int32, device=device)
         self._all_reduce(box, self.dist.ReduceOp.MAX, what)
         return int(box.item())
+
+    def sum_over_ranks_(self, tensor: torch.Tensor, what: str) -> None:
+        """Σ over ranks of ``tensor``, in place, on its device (a collective: every rank must call it);
+        on a GPU queued on the current stream, the host not waiting for it.
+
+        Args:
+            tensor: this rank's values (any shape; the same shape and dtype on every rank).
+            what: what the sum decides, for the error message.
+        Returns:
+            None.
+        Raises:
+            RuntimeError (naming the rank and ``what``) when the all-reduce fails, e.g. another rank stopped.
+        """
+        self._all_reduce(tensor, self.dist.ReduceOp.SUM, what)
 
     def _all_reduce(self, tensor: torch.Tensor, op, what: str) -> None:
         """``all_reduce(tensor, op)`` in place; a failure (another rank stopped) raised naming ``what``."""

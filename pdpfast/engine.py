@@ -568,6 +568,9 @@ class PrivacyEngine:
             # a non-finite record in one rank's share refuses the draw on every rank (one flag, all-reduced)
             self.state.nonfinite_anywhere = lambda flag: self.distributed.any_rank(
                 flag, f"checking the records of step {self.state.draw} for non-finite gradients")
+            # (a GPU's norms: the deferred check's flag, summed on the device and read at the next step)
+            self.state.nonfinite_reduce = lambda flag: self.distributed.sum_over_ranks_(
+                flag, f"checking the records of step {self.state.draw} for non-finite gradients")
         if alone_in_group:
             self._hooks.append(inner.register_forward_pre_hook(_refuse_ddp_wrapped_after(inner)))
         self._clip_norms_tensor = torch.from_numpy(self.clip_norms)

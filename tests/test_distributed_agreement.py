@@ -69,6 +69,23 @@ def train_with_recovery(net, engine, optimizer, loader):
     return params(net), dropped, messages
 
 
+def train_until_refused(net, engine, optimizer, loader):
+    """A loop that meets the deferred check (norms not read in the backward): (params, the loader's step
+    refused first or None, its message) after the first refusal, or after the run and its final wait."""
+    for x, y in loader:
+        nn.functional.cross_entropy(net(x), y).backward()
+        try:
+            optimizer.step()
+        except FloatingPointError as exc:
+            return params(net), engine.data_loader.current.step, str(exc)
+        optimizer.zero_grad()
+    try:
+        engine.state.check_finite(wait=True)
+    except FloatingPointError as exc:
+        return params(net), "end", str(exc)
+    return params(net), None, None
+
+
 def _run_scenario(rank, out_dir, scenario):
     ddp = nn.parallel.DistributedDataParallel
     if scenario == "noise_generator_per_rank":
@@ -121,6 +138,18 @@ def _run_scenario(rank, out_dir, scenario):
         net, optimizer, loader = make_private(ddp(model()), engine := pdpfast.PrivacyEngine(seed=SEED),
                                               dataset=data(with_nan=True))
         return train_with_recovery(net, engine, optimizer, loader)
+    if scenario.startswith("nan_deferred"):
+        import pdpfast.clipping as clipping
+
+        # a GPU's route on the CPU: norms not read in the backward, but queued and read at a step
+        saved = clipping.DEFERRED_CHECK_DEVICES, clipping.CHECK_FINITE_ON_CPU
+        clipping.DEFERRED_CHECK_DEVICES, clipping.CHECK_FINITE_ON_CPU = ("cpu",), False
+        try:
+            net, optimizer, loader = make_private(ddp(model()), engine := pdpfast.PrivacyEngine(seed=SEED),
+                                                  dataset=data(with_nan=scenario == "nan_deferred"))
+            return train_until_refused(net, engine, optimizer, loader)
+        finally:
+            clipping.DEFERRED_CHECK_DEVICES, clipping.CHECK_FINITE_ON_CPU = saved
     if scenario == "not_wrapped":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -140,7 +169,8 @@ def _run_scenario(rank, out_dir, scenario):
 # the ranks resuming apart and the seeds given on some ranks only come last: before their fixes they hung until
 # the process group's timeout, which broke the group for every scenario after them
 SCENARIOS = ["noise_generator_per_rank", "noise_generator_same", "seed_on_no_rank", "resume_save", "resume_same",
-             "nan", "not_wrapped", "wrapped_after", "resume_different", "resume_unreadable_on_rank_1",
+             "nan", "nan_deferred", "nan_deferred_clean", "not_wrapped", "wrapped_after", "resume_different",
+             "resume_unreadable_on_rank_1",
              "seed_on_rank_1_only", "seed_on_rank_0_only"]
 
 
@@ -233,6 +263,32 @@ def test_a_non_finite_record_makes_every_rank_discard_the_draw_as_one_process_do
     own = [m for r in (0, 1) for m in _both(outcomes, "nan")[r][2] if f"record(s) (dataset records [{BAD}]" in m]
     elsewhere = [m for r in (0, 1) for m in _both(outcomes, "nan")[r][2] if "another rank's share" in m]
     assert len(own) == len(elsewhere) == len(single_dropped)  # per draw: one rank holds it, the other is told
+
+
+def test_with_deferred_checks_every_rank_refuses_the_step_after_a_nonfinite_draw(outcomes):
+    """A GPU's norms reach the host without stopping it, so each rank would read them at its own pace.
+    Before: under torch.distributed the deferred check was off, and a non-finite record turned every rank's
+    model NaN unreported. Now each backward's flag is summed over the ranks and every rank reads it at the
+    step after the draw's: the same step is refused on both ranks, one naming the record, the other told
+    that another rank's share held it, and the ranks keep equal parameters."""
+    net, optimizer, loader = make_private(model(), engine := pdpfast.PrivacyEngine(seed=SEED),
+                                          dataset=data(with_nan=True))
+    _, single_dropped, _ = train_with_recovery(net, engine, optimizer, loader)
+    (p0, step0, m0), (p1, step1, m1) = [r if isinstance(r, tuple) else (None, r, r) for r in _both(outcomes,
+                                                                                                 "nan_deferred")]
+    assert step0 == step1 == single_dropped[0] + 1, (step0, step1, single_dropped)
+    messages = sorted([m0, m1], key=lambda m: "another rank's share" in m)
+    assert f"in an earlier draw, 1 record(s) (dataset records [{BAD}]" in messages[0], messages
+    assert "in an earlier draw, another rank's share of the draw holds a record" in messages[1], messages
+    assert all("every rank reads the norms at the step after their draw's" in m for m in messages)
+    torch.testing.assert_close(p0, p1, rtol=0, atol=0, equal_nan=True)
+
+
+def test_with_deferred_checks_clean_ranks_train_to_the_end_unrefused(outcomes):
+    (p0, step0, m0), (p1, step1, m1) = _both(outcomes, "nan_deferred_clean")
+    assert step0 is None and step1 is None, (m0, m1)
+    assert torch.isfinite(p0).all()
+    torch.testing.assert_close(p0, p1, rtol=0, atol=0)
 
 
 def test_a_model_not_wrapped_in_ddp_inside_a_process_group_is_warned_about(outcomes):
