@@ -49,6 +49,7 @@ cuDNN's per-sample path 0.60), layer2 0.19 (1.03, 0.72), layer3 0.16 (Gram; 0.52
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ import triton.language as tl
 
 from pdpfast.ops.conv import conv_weight_sq_norms_reference
 from pdpfast.ops.dispatch import register
+from pdpfast.ops.linear import tf32_allowed
 
 from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
 
@@ -447,7 +449,7 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
         x_pad, o = x_pad.to(common), o.to(common)
     # fp32 on a GPU follows torch's policy for convolutions: TF32 products where cuDNN may use them
     # (torch.backends.cudnn.allow_tf32, on by default), exact ones otherwise
-    tf32 = x_pad.is_cuda and torch.backends.cudnn.allow_tf32
+    tf32 = x_pad.is_cuda and tf32_allowed("conv")
     plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
                  _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path, tf32,
                  pads)
@@ -464,7 +466,10 @@ def _paddings(padding, n: int) -> tuple[int, int]:
     """(p_h, p_w) of ``conv_weight_sq_norms``' ``padding`` for n spatial dims (Conv1d: p_h = 0)."""
     if padding is None:
         return (0, 0)
-    pads = tuple(padding)
-    if len(pads) != n or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads):
+    try:  # ints of any integer type (a module built with numpy ints keeps them)
+        pads = tuple(operator.index(p) for p in padding if not isinstance(p, bool))
+    except TypeError:
+        pads = ()
+    if len(pads) != n or len(padding) != n or any(p < 0 for p in pads):
         raise ValueError(f"padding must be None or {n} int(s) ≥ 0 (one per spatial dim), got {padding!r}")
     return (0, pads[0]) if n == 1 else pads

@@ -35,6 +35,7 @@ from pdpfast.ops.linear import (
     linear_sq_norms_grouped_reference,
     linear_sq_norms_reference,
     linear_sq_norms_rounding_reference,
+    tf32_allowed,
 )
 
 from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
@@ -290,7 +291,7 @@ def _flags_and_roundoff(a: torch.Tensor, u: float | None) -> tuple[dict, float |
     TF32 product where torch lets matmuls use TF32 (the bounds then keep its margin), and ρ's row norms
     ‖a_t‖², ‖o_t‖² then come from TF32 products (operands truncated to 2^-10): u grows so that a bound
     stays a bound."""
-    flags = dot_flags(a.dtype, tf32=torch.backends.cuda.matmul.allow_tf32 and a.is_cuda)
+    flags = dot_flags(a.dtype, tf32=a.is_cuda and tf32_allowed("matmul"))
     if u and a.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
         u *= TF32_SLACK
     return flags, u

@@ -63,7 +63,7 @@ from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import PendingWeights, clip_weights
-from .ops.linear import acc_dtype
+from .ops.linear import acc_dtype, tf32_allowed
 
 MODES = ("bk", "ghost")
 CLIPPINGS = ("flat", "per_layer")
@@ -349,7 +349,7 @@ def rounding_margin(t: torch.Tensor) -> float:
         without, else 0.0.
     """
     if t.dtype == torch.float32 and t.is_cuda:
-        tf32 = torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+        tf32 = tf32_allowed("conv") or tf32_allowed("matmul")
         return _TF32_MARGIN if tf32 else _TF32X3_MARGIN
     return _ROUNDING_MARGIN.get(t.dtype, 0.0)
 

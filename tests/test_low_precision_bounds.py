@@ -221,21 +221,69 @@ def test_conv_rounding_bound_reads_each_output_positions_input_patch(conv, with_
     torch.testing.assert_close(rho.double(), expected, rtol=1e-5, atol=0)
 
 
-def test_a_rounding_bound_from_tf32_products_grows_so_that_it_stays_a_bound():
+def test_a_rounding_bound_from_tf32_products_grows_so_that_it_stays_a_bound(monkeypatch):
     """cuBLAS (torch.backends.cuda.matmul.allow_tf32) and cuDNN (cudnn.allow_tf32, on by default)
     may compute the bound's own sums from TF32 products, each operand rounded to 10 bits: the bound
     grows by TF32_SLACK there, and only there (CUDA fp32 with TF32 allowed). The CUDA test
     ``test_cuda_rounding_bounds_under_tf32_never_fall_below_the_exact_bound`` measures it."""
     from types import SimpleNamespace
 
-    from pdpfast.ops.linear import TF32_SLACK, tf32_slack
+    import pdpfast.ops.linear as linear_ops
 
-    assert TF32_SLACK >= (1 + 2.0 ** -10) ** 2  # two operands each rounded by at most 2^-10
+    assert linear_ops.TF32_SLACK >= (1 + 2.0 ** -10) ** 2  # two operands each rounded by at most 2^-10
     fp32_cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32)
-    assert tf32_slack(fp32_cuda, True) == TF32_SLACK
-    assert tf32_slack(fp32_cuda, False) == 1.0
-    assert tf32_slack(SimpleNamespace(is_cuda=True, dtype=torch.float64), True) == 1.0
-    assert tf32_slack(torch.ones(1), True) == 1.0  # the CPU never takes TF32
+    for allowed in (True, False):
+        monkeypatch.setattr(linear_ops, "tf32_allowed", lambda kind, allowed=allowed: allowed)
+        assert linear_ops.tf32_slack(fp32_cuda, "matmul") == (linear_ops.TF32_SLACK if allowed else 1.0)
+        assert linear_ops.tf32_slack(fp32_cuda, "conv") == (linear_ops.TF32_SLACK if allowed else 1.0)
+        assert linear_ops.tf32_slack(SimpleNamespace(is_cuda=True, dtype=torch.float64), "matmul") == 1.0
+        assert linear_ops.tf32_slack(torch.ones(1), "conv") == 1.0  # the CPU never takes TF32
+
+
+@pytest.fixture
+def fp32_precision_settings():
+    """torch ≥ 2.9's fp32_precision settings, restored after (setting them makes reading the legacy
+    allow_tf32 flags raise until they are back)."""
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    saved = matmul.fp32_precision, conv.fp32_precision
+    yield matmul, conv
+    matmul.fp32_precision, conv.fp32_precision = saved
+
+
+def test_tf32_settings_are_read_from_torchs_fp32_precision_api_too(fp32_precision_settings):
+    from pdpfast.ops.linear import tf32_allowed
+
+    matmul, conv = fp32_precision_settings
+    assert tf32_allowed("matmul") == torch.backends.cuda.matmul.allow_tf32  # the legacy flags, untouched
+    assert tf32_allowed("conv") == torch.backends.cudnn.allow_tf32
+    matmul.fp32_precision, conv.fp32_precision = "tf32", "ieee"
+    with pytest.raises(RuntimeError):
+        bool(torch.backends.cuda.matmul.allow_tf32)  # what torch does: pdpfast must not read it then
+    assert tf32_allowed("matmul") is True and tf32_allowed("conv") is False
+    matmul.fp32_precision, conv.fp32_precision = "ieee", "tf32"
+    assert tf32_allowed("matmul") is False and tf32_allowed("conv") is True
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_low_precision_layers_train_under_torchs_fp32_precision_api(kind, fp32_precision_settings, monkeypatch):
+    """Before: a bf16 model's rounding bounds read torch.backends.cuda.matmul.allow_tf32, which raises
+    once a user sets torch.backends.cuda.matmul.fp32_precision (torch ≥ 2.9), even on a CPU."""
+    import pdpfast.ops.linear as linear_ops
+
+    monkeypatch.setattr(clipping, "SMALL_CALL_BYTES", 0)  # the norm route: the bounds are computed
+    monkeypatch.setattr(linear_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(linear_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    matmul, conv = fp32_precision_settings
+    matmul.fp32_precision = conv.fp32_precision = "tf32"
+    torch.manual_seed(0)
+    if kind == "conv":
+        net, x = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 2, 3)), torch.randn(4, 3, 8, 8)
+    else:
+        net, x = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2)), torch.randn(4, 7, 6)
+    model = pdpfast.nn.convert(net.to(torch.bfloat16))
+    result = clipped_gradients(model, lambda out: out.float().pow(2).flatten(1).sum(1), x.to(torch.bfloat16),
+                               clip_norms=torch.ones(4))
+    assert torch.isfinite(result.norms).all() and (result.norms > 0).all()
 
 
 def test_conv1d_rounding_bound_matches_its_conv2d_twin():

@@ -125,7 +125,7 @@ def _conv_clipped(m, x, o, weights, names):
 
 def _conv_rounding(m, x, o, names):
     # the weight gradient is cuDNN's, in TF32 for fp32 where torch lets cuDNN
-    u = scaling_roundoff(o, torch.backends.cudnn.allow_tf32)
+    u = scaling_roundoff(o, "conv")
     if not u:
         return None
     return conv_ops.conv_scaled_sum_rounding(x, o, m, "weight" in names, "bias" in names, m.own_padding(), u)

@@ -84,7 +84,7 @@ def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bi
     Returns:
         (B,) fp32 (fp64 for fp64 calls), or None where the sum rounds no more than fp32.
     """
-    u = scaling_roundoff(o, torch.backends.cuda.matmul.allow_tf32)
+    u = scaling_roundoff(o, "matmul")
     if not u:
         return None
     return lin_ops.scaled_sum_rounding(a if with_weight else None, o, with_bias, u)
@@ -104,7 +104,7 @@ def linear_sq_norms_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool
         (sq, rho): (B,) fp32 (fp64 for fp64 calls) each (or (B, K), with ``parts``); rho None where the
         sum rounds no more than fp32.
     """
-    u = scaling_roundoff(o, torch.backends.cuda.matmul.allow_tf32)
+    u = scaling_roundoff(o, "matmul")
     if not with_weight:
         sq = lin_ops.bias_sq_norms(o)
         return sq, (lin_ops.scaled_sum_rounding(None, o, with_bias, u) if u else None)
@@ -219,7 +219,7 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
     def grouped_norms_and_rounding(calls, bound):
         names = calls[0][3]
         pairs = [as_btd(x, o) for _, x, o, _ in calls]
-        u = scaling_roundoff(pairs[0][1], torch.backends.cuda.matmul.allow_tf32) if bound else 0.0
+        u = scaling_roundoff(pairs[0][1], "matmul") if bound else 0.0
         return lin_ops.linear_sq_norms_grouped(pairs, bias in names, u)
 
     def clipped_into(m, x, o, weights, names):  # the sums added into .grad in one C++ call where it runs

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops.linear import weights_as
+from ..ops.linear import tf32_allowed, weights_as
 from .layers import DPModule
 
 PerSampleGrads = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict]
@@ -52,19 +52,19 @@ _SCALING_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 _TF32_ROUNDOFF = 2.0 ** -9
 
 
-def scaling_roundoff(t: torch.Tensor, tf32: bool) -> float:
+def scaling_roundoff(t: torch.Tensor, kind: str) -> float:
     """u such that a clipped sum Σ_t round(w·o_t)·a_tᵀ computed like ``t`` is within u·w·Σ_t ‖o_t‖‖a_t‖
     of w·Σ_t o_t a_tᵀ (each scaled term rounded relative to its own size).
 
     Args:
         t: a tensor of the sum's dtype and device.
-        tf32: whether the sum's products may run in TF32 (``torch.backends.cuda.matmul.allow_tf32``
-            for GEMMs, ``torch.backends.cudnn.allow_tf32`` for convolutions).
+        kind: the sum's products: "matmul" (a GEMM on cuBLAS) or "conv" (a convolution's weight
+            gradient on cuDNN), whose TF32 setting decides for CUDA fp32 (``tf32_allowed``).
     Returns:
         2^-8 for bf16, 2^-11 for fp16, 2^-9 for CUDA fp32 with ``tf32``, else 0.0 (fp32 and fp64
         round at 2^-24 or finer: the fixed margin covers them).
     """
-    if tf32 and t.dtype == torch.float32 and t.is_cuda:
+    if t.dtype == torch.float32 and t.is_cuda and tf32_allowed(kind):
         return _TF32_ROUNDOFF
     return _SCALING_ROUNDOFF.get(t.dtype, 0.0)
 
@@ -78,7 +78,7 @@ def low_precision(t: torch.Tensor) -> bool:
         True for bf16 and fp16, and for CUDA fp32 where torch allows TF32 (for GEMMs or convolutions).
     """
     if t.dtype == torch.float32 and t.is_cuda:
-        return torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+        return tf32_allowed("matmul") or tf32_allowed("conv")
     return t.dtype in _SCALING_ROUNDOFF
 
 

@@ -329,7 +329,7 @@ def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, 
     patch = _CONV_FN[n](sq, box, None, module.stride, _padding(padding, n), module.dilation).flatten(1)
     if need_bias:
         patch = patch.add_(1)
-    u *= tf32_slack(sq, torch.backends.cudnn.allow_tf32)  # the box's sums may come from TF32 products
+    u *= tf32_slack(sq, "conv")  # the box's sums may come from TF32 products
     return scaled_row_dot(terms, patch.sqrt_(), u)  # patch: sums of squares, never negative
 
 

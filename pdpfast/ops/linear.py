@@ -574,17 +574,44 @@ def scaled_sum_rounding(a: torch.Tensor | None, o: torch.Tensor, with_bias: bool
 TF32_SLACK = 1 + 2.0 ** -8
 
 
-def tf32_slack(t: torch.Tensor, allowed: bool) -> float:
+def tf32_allowed(kind: str) -> bool:
+    """Whether torch lets fp32 products take TF32 on a GPU.
+
+    Reads torch's legacy flag (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``)
+    or, where a user set the newer ``fp32_precision`` settings (torch ≥ 2.9), which make reading the
+    legacy flag raise, those: "ieee" is no, "tf32" yes, "none" their parent's. Unknown: yes (a bound
+    then grows, the safe side).
+
+    Args:
+        kind: "matmul" (cuBLAS GEMMs) or "conv" (cuDNN convolutions).
+    Returns:
+        a bool.
+    """
+    backends = torch.backends
+    legacy = backends.cuda.matmul if kind == "matmul" else backends.cudnn
+    try:
+        return bool(legacy.allow_tf32)
+    except RuntimeError:  # the fp32_precision settings are in use (mixing them with the legacy flag raises)
+        pass
+    chain = (backends.cuda.matmul,) if kind == "matmul" else (getattr(backends.cudnn, "conv", None), backends.cudnn)
+    for holder in (*chain, backends):
+        precision = getattr(holder, "fp32_precision", "none")
+        if precision in ("ieee", "tf32"):
+            return precision == "tf32"
+    return True
+
+
+def tf32_slack(t: torch.Tensor, kind: str) -> float:
     """The factor a rounding bound computed by products on ``t`` needs (``TF32_SLACK``), or 1.0.
 
     Args:
         t: a tensor the products read (its dtype and device).
-        allowed: whether torch lets those products take TF32 (``torch.backends.cuda.matmul.allow_tf32``
-            for GEMMs, ``torch.backends.cudnn.allow_tf32`` for convolutions).
+        kind: which products: "matmul" (cuBLAS) or "conv" (cuDNN) (``tf32_allowed``, read only for
+            CUDA fp32).
     Returns:
-        ``TF32_SLACK`` for CUDA fp32 where ``allowed``, else 1.0.
+        ``TF32_SLACK`` for CUDA fp32 where torch lets those products take TF32, else 1.0.
     """
-    return TF32_SLACK if allowed and t.is_cuda and t.dtype == torch.float32 else 1.0
+    return TF32_SLACK if t.is_cuda and t.dtype == torch.float32 and tf32_allowed(kind) else 1.0
 
 
 def scaled_row_dot(x: torch.Tensor, y: torch.Tensor, u: float) -> torch.Tensor:
@@ -599,7 +626,7 @@ def scaled_row_dot(x: torch.Tensor, y: torch.Tensor, u: float) -> torch.Tensor:
     """
     if x.shape[1] == 0:
         return x.new_zeros(x.shape[0])
-    u *= tf32_slack(x, torch.backends.cuda.matmul.allow_tf32)
+    u *= tf32_slack(x, "matmul")
     # β = 0: baddbmm ignores its input, which need only broadcast to (B, 1, 1)
     return torch.baddbmm(x[:, None, :1], x.unsqueeze(1), y.unsqueeze(2), beta=0, alpha=u).view(x.shape[0])
 

@@ -175,6 +175,17 @@ def test_padding_applied_by_masking_equals_a_padded_copy_bit_for_bit(tools, gen,
     assert torch.equal(parts.sum(1), expected)
 
 
+def test_padding_given_as_numpy_ints_is_applied_by_masking(tools, gen):
+    """A module built with numpy ints keeps them in its padding (torch accepts them): the kernel takes them."""
+    import numpy as np
+
+    module, shape = _make("2d-stride2")
+    x, x_pad, o, padding = _unpadded(gen, module, shape, 2, torch.float32, tools)
+    numpy_padding = tuple(np.int64(p) for p in padding)
+    assert torch.equal(conv_norms.conv_weight_sq_norms(x, o, module, padding=numpy_padding),
+                       conv_norms.conv_weight_sq_norms(x_pad, o, module))
+
+
 def test_padding_applied_by_masking_against_the_oracle_on_empty_and_single_sample_batches(tools, gen, monkeypatch):
     module, shape = _make("2d-stride2")
     for B in (0, 1):
@@ -188,7 +199,7 @@ def test_padding_applied_by_masking_against_the_oracle_on_empty_and_single_sampl
         assert parts.shape[0] == B and parts.dim() == 2
 
 
-@pytest.mark.parametrize("padding", [(1,), (1, -1), (1.0, 1), "same"])
+@pytest.mark.parametrize("padding", [(1,), (1, -1), (1.0, 1), (True, 1), "same"])
 def test_a_padding_that_is_not_one_int_per_spatial_dim_is_refused(tools, gen, padding):
     module, shape = _make("2d-3x3-pad1")
     x, _, o = _inputs(gen, module, shape, 2, torch.float32, tools)
