@@ -98,10 +98,10 @@ class _DeferredCheck:
     the (1,) sum over the ranks of their 0·norms (NaN where any rank's share holds a non-finite
     record), else None."""
 
-    __slots__ = ("sq", "event", "records", "applied", "flag")
+    __slots__ = ("sq", "event", "records", "applied", "flag", "draw")
 
-    def __init__(self, total_sq: torch.Tensor, records, flag: torch.Tensor | None = None):
-        self.sq, self.records, self.applied = _to_host(total_sq), records, False
+    def __init__(self, total_sq: torch.Tensor, records, flag: torch.Tensor | None = None, draw=None):
+        self.sq, self.records, self.applied, self.draw = _to_host(total_sq), records, False, draw
         self.flag = None if flag is None else _to_host(flag)
         self.event = None
         if total_sq.is_cuda:  # on the stream that copies (the norms' device's, whatever the current device)
@@ -1637,7 +1637,8 @@ class ClippingState:
         step, after the draw's step was applied (the error then says so: raised once, for the first
         such draw; the draws stepped after it, on its parameters, are not reported again). Under
         torch.distributed every rank reads them at the step after their draw's, so that all refuse the
-        same step (``_read_deferred``).
+        same step (``_read_deferred``): every rank must then call this at the same points (a rank that
+        alone waits would read, and raise, before the others).
 
         Args:
             wait: wait for every copy on its way (a host synchronisation: at the end of a run, before
@@ -1691,7 +1692,7 @@ class ClippingState:
         if distributed:
             flag = total_sq.detach().mul(0).sum().view(1)  # 0, or NaN where a row is NaN or inf (no overflow)
             self.nonfinite_reduce(flag)
-        self._deferred.append(_DeferredCheck(total_sq, self._records, flag))
+        self._deferred.append(_DeferredCheck(total_sq, self._records, flag, self.draw))
 
     def _read_deferred(self, wait_oldest: bool = False, wait: bool = False) -> None:
         """Read the deferred checks whose copies are done, in order (``wait_oldest``: wait for the
@@ -1714,19 +1715,25 @@ class ClippingState:
             if not due:
                 pending.append(check)  # (in order: a later copy is read after the earlier ones)
                 continue
-            rows = _nonfinite_rows(check.sq)
+            rows, records = _nonfinite_rows(check.sq), check.records
             elsewhere = not rows and check.flag is not None and not math.isfinite(float(check.flag))
+            if elsewhere:  # this rank's own later batches of the draw may hold one too: name it then
+                own = [(r, c.records) for c in self._deferred[i + 1:] if c.flag is not None and c.draw == check.draw
+                       and c.applied == check.applied and c.ready(wait=True) for r in [_nonfinite_rows(c.sq)] if r]
+                if own:
+                    (rows, records), elsewhere = own[0], False
             if elsewhere:
                 found = ("another rank's share of the draw holds a record whose per-sample gradient norm is NaN or "
                          "inf (that rank's error names it)")
             elif rows:
-                found = _nonfinite_message(rows, check.records)
+                found = _nonfinite_message(rows, records)
             else:
                 continue
             if check.applied:
                 if self._applied_error is None:
-                    when = ("Under torch.distributed every rank reads the norms at the step after their draw's, so "
-                            "that all refuse the same step" if check.flag is not None else
+                    when = ("Under torch.distributed every rank reads the norms after their draw's step (at the next "
+                            "step, a checkpoint or the end of the run), so that all refuse the same step"
+                            if check.flag is not None else
                             "On a GPU the norms reach the host without stopping it, here after that draw's step was "
                             "applied")
                     self._applied_error = (

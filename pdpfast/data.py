@@ -186,7 +186,8 @@ class DPDataLoader:
         rank, world_size: under data parallelism every process draws the same global sample (same
             seed) and takes its share, drawn records ``rank::world_size``. Every rank yields the same number
             of physical batches per draw (those with a smaller share pad with masked rows), so collectives
-            stay in step; without a physical batch size each rank yields one batch per draw, possibly empty.
+            stay in step; without a physical batch size each rank yields one batch per draw, of one masked
+            row where its share is empty (and empty on every rank where the draw is).
         **loader_kwargs: go to the inner ``DataLoader`` (not batch_size, shuffle, sampler, batch_sampler,
             drop_last).
     Raises:
@@ -292,7 +293,11 @@ class DPDataLoader:
         K, W = self.physical_batch_size, self.world_size
         share = drawn if W == 1 else drawn[self.rank::W]
         if K is None:
-            return [PhysicalBatch(share, None, step, True)]
+            if share.numel() or not drawn.numel():
+                return [PhysicalBatch(share, None, step, True)]
+            # a rank whose share of a drawn sample is empty runs one masked row (a copy of record 0, weight 0),
+            # so that every rank runs a backward, and the collectives in it stay in step
+            return [PhysicalBatch(torch.zeros(1, dtype=torch.long), torch.zeros(1), step, True)]
         chunks = list(share.split(K)) or [share]
         # every rank makes as many batches as the largest share needs (rank 0's: ⌈n/W⌉ records)
         largest_share = -(-drawn.numel() // W)

@@ -145,7 +145,7 @@ class DistributedContext:
 
     def sum_over_ranks_(self, tensor: torch.Tensor, what: str) -> None:
         """Σ over ranks of ``tensor``, in place, on its device (a collective: every rank must call it);
-        on a GPU queued on the current stream, the host not waiting for it.
+        with NCCL on GPUs queued on the current stream, the host not waiting for it (gloo waits).
 
         Args:
             tensor: this rank's values (any shape; the same shape and dtype on every rank).

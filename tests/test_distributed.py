@@ -158,6 +158,29 @@ def test_the_global_draw_is_shared_out_with_equal_batch_counts():
         assert sorted(torch.cat(real).tolist()) == sorted(drawn.tolist())  # nothing lost, nothing twice
 
 
+@pytest.mark.parametrize("drawn", [[7], [7, 2, 11], [], [4, 9]], ids=["one", "three", "none", "two"])
+def test_without_a_physical_batch_size_an_empty_share_runs_one_masked_row(drawn):
+    """Before: a rank whose share of the draw was empty yielded 0 rows, and a loop that skips an empty
+    batch's backward (``pdpfast train``'s) skipped the collectives in it that the other rank took: gloo
+    aborted ("collective mismatch"), NCCL would hang. Now it yields one masked row (weight 0), so every
+    rank runs a backward whenever the draw is not empty; an empty draw is empty on every rank."""
+    dataset, _ = data()
+    loaders = [pdpfast.DPDataLoader(dataset, np.full(N, 0.3), seed=3, rank=r, world_size=3) for r in range(3)]
+    drawn = torch.tensor(drawn, dtype=torch.long)
+    shares = [loader.split(drawn, 5) for loader in loaders]
+    assert all(len(batches) == 1 and batches[0].is_last for batches in shares)
+    real = []
+    for batches in shares:
+        b = batches[0]
+        if not drawn.numel():
+            assert b.indices.numel() == 0 and b.mask is None
+        elif b.mask is not None:  # the padded empty share
+            assert b.indices.tolist() == [0] and b.mask.tolist() == [0.0]
+        else:
+            real += b.indices.tolist()
+    assert sorted(real) == sorted(drawn.tolist())  # nothing lost, nothing twice
+
+
 def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
     _spawn(tmp_path, "killed")
     message = (tmp_path / "killed.txt").read_text()
