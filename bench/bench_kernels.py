@@ -254,6 +254,30 @@ RESNET18_CIFAR_CONVS = [
 ]
 
 
+@benchmark("conv_weight_sq_norms_grouped")
+def bench_conv_norms_grouped(rows, op, dtype_name, quick, reps, batch=256):
+    """The norms of a ResNet stage's same-shape convolutions from one launch (book-keeping at the end
+    of the backward, per-layer clipping for a run of them), against one launch per call (the
+    reference: each call on the kernel), ResNet-18 CIFAR's stride-1 3×3 calls, the input unpadded
+    (the kernels pad by masking). ``median_ms`` includes the host's launches, which grouping saves;
+    ``graph_ms`` is the reference's only (the grouped launch copies its offsets from the host)."""
+    dtype = DTYPES[dtype_name]
+    stages = [(4, 64, 32), (3, 128, 16), (3, 256, 8), (3, 512, 4)]  # (calls, channels, side)
+    if quick:
+        stages = stages[::2]
+    for n, c, side in stages:
+        module = torch.nn.Conv2d(c, c, 3, padding=1, bias=False).to("cuda", dtype)
+        calls = [(torch.randn(batch, c, side, side, device="cuda", dtype=dtype),
+                  torch.randn(batch, c, side, side, device="cuda", dtype=dtype)) for _ in range(n)]
+        nbytes = sum((x.numel() + o.numel()) * x.element_size() for x, o in calls)
+        flops = 2 * n * batch * side * side * 9 * c * c
+        _bench_pair(rows, op.name, f"{n} calls B={batch} {c}->{c} {side}px k3", dtype_name, f"{n} calls",
+                    lambda: op.kernel(calls, module, (1, 1)), lambda: op.reference(calls, module, (1, 1)),
+                    nbytes, flops, reps)
+        rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, module, (1, 1)))
+        calls = None
+
+
 def _peak_extra_mib(fn) -> float:
     """Memory allocated above what was live before one call of ``fn``."""
     torch.cuda.synchronize()

@@ -17,7 +17,7 @@ every family, and ``pdpfast.ops.<op>`` then runs the kernel for CUDA tensors (or
 import. Every launcher is a drop-in for the plain-torch ``<op>_reference`` of the same name in
 ``pdpfast.ops``. A new kernel file is added to the imports below.
 """
-from .conv_norms import conv_weight_sq_norms
+from .conv_norms import conv_weight_sq_norms, conv_weight_sq_norms_grouped
 from .noise import add_noise_
 from .norm_grads import group_norm_affine_grads, layer_norm_per_sample_grads, rms_norm_per_sample_grads
 from .norms import (
@@ -28,6 +28,6 @@ from .norms import (
     linear_weight_sq_norms,
 )
 
-__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "embedding_sq_norms", "group_norm_affine_grads",
-           "layer_norm_per_sample_grads",
-           "linear_sq_norms_grouped", "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]
+__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "conv_weight_sq_norms_grouped", "embedding_sq_norms",
+           "group_norm_affine_grads", "layer_norm_per_sample_grads", "linear_sq_norms_grouped",
+           "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]

@@ -92,13 +92,22 @@ def _inside(ih, iw, H, W):
 
 
 @triton.jit
+def _call_tensors(x_ptr, o_ptr, offsets_ptr, row, BATCH):
+    """(x, o, sample) of row = call·B + sample of a grouped launch (``conv_weight_sq_norms_grouped``)."""
+    call = row // BATCH
+    return (x_ptr + tl.load(offsets_ptr + 2 * call), o_ptr + tl.load(offsets_ptr + 2 * call + 1),
+            row - call * BATCH)
+
+
+@triton.jit
 def _conv_direct_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES_P, N_TILES_K,
-        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH,
         KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
+        GROUPED: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # step_x* = conv stride × input stride: the move in x from one output position to the next;
     # PADDED: x is unpadded, a tap in the zero padding (PAD_H, PAD_W) is masked, and ORIGIN (the
@@ -108,6 +117,8 @@ def _conv_direct_sq_norms_kernel(
     tile_p = (pid // N_TILES_K) % N_TILES_P
     group = (pid // (N_TILES_K * N_TILES_P)) % N_GROUPS
     sample = (pid // (N_TILES_K * N_TILES_P * N_GROUPS)).to(tl.int64)
+    if GROUPED:  # row (call, sample): the call's tensors start offsets[2·call], offsets[2·call + 1] past x's, o's
+        x_ptr, o_ptr, sample = _call_tensors(x_ptr, o_ptr, offsets_ptr, sample, BATCH)
 
     cols_p = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
     cols_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -142,9 +153,10 @@ def _conv_gram_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES, N_SHIFTS,
-        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH,
         KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
+        GROUPED: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Both Grams are symmetric, so each unordered tile pair {s, t} is visited once: program
     # (sample, group, s, shift) takes t = (s + shift) mod n; for an even n the shift n/2 meets each
@@ -154,6 +166,8 @@ def _conv_gram_sq_norms_kernel(
     tile_s = (pid // N_SHIFTS) % N_TILES
     group = (pid // (N_SHIFTS * N_TILES)) % N_GROUPS
     sample = (pid // (N_SHIFTS * N_TILES * N_GROUPS)).to(tl.int64)
+    if GROUPED:
+        x_ptr, o_ptr, sample = _call_tensors(x_ptr, o_ptr, offsets_ptr, sample, BATCH)
     tile_t = (tile_s + shift) % N_TILES
     keep = (2 * shift != N_TILES) | (tile_s < shift)
 
@@ -458,8 +472,63 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
         out = torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
         return out.view(plan.batch, 1) if parts else out
     with device_guard(x_pad):
-        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, **plan.meta, **dot_flags(x_pad.dtype, tf32))
+        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, partials, plan.batch, **plan.meta,
+                                         GROUPED=False, **dot_flags(x_pad.dtype, tf32))
     return partials if parts else sum_partials(partials)
+
+
+def _groups_conv_norms(x: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Where calls' norms group into one launch: Conv1d/Conv2d calls whose input and output gradient
+    share one kernel dtype, decided on the first call's (x, o) (the launcher checks that the others
+    match its shapes and strides)."""
+    return x.dim() in (3, 4) and o.dim() == x.dim() and x.dtype in KERNEL_DTYPES and o.dtype == x.dtype
+
+
+@register("conv_weight_sq_norms_grouped", when=_groups_conv_norms)
+def conv_weight_sq_norms_grouped(calls: list, module, padding=None) -> torch.Tensor:
+    """``conv_weight_sq_norms(..., parts=True)`` of n calls of one layer shape from one launch: program
+    ((call, sample), ...) finds its call's input and output gradient at an offset from the first call's,
+    read from a table of the n calls' offsets. One launch instead of n: a norm launch costs ~0.1 ms of
+    host time on an H200 (bench/README.md, "session 38"), and a ResNet's stages repeat their convolutions.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) of one shape, strides, dtype and device: inputs (unpadded where
+            ``padding`` is given) and output gradients of convolutions with ``module``'s kernel size,
+            stride, dilation and groups.
+        module: supplies those (the first call's layer).
+        padding: as in ``conv_weight_sq_norms``.
+    Returns:
+        (n, B, K) fp32 partial sums, row c what call c's own launch writes with ``parts``. Calls that do
+        not all match the first one's shapes, strides, dtype and device, or whose offsets from it are not
+        whole elements, run one launch each (then a list of n (B, K_c) partial sums).
+    """
+    x0, o0 = calls[0]
+    alike = all(x.shape == x0.shape and o.shape == o0.shape and x.stride() == x0.stride() and
+                o.stride() == o0.stride() and x.dtype == o.dtype == x0.dtype and x.device == o.device == x0.device
+                for x, o in calls[1:])
+    size = x0.element_size()
+    steps = [((x.data_ptr() - x0.data_ptr()), (o.data_ptr() - o0.data_ptr())) for x, o in calls]
+    if not alike or any(dx % size or do % size for dx, do in steps) or x0.dtype != o0.dtype:
+        return [_as_parts(conv_weight_sq_norms(x, o, module, padding=padding, parts=True)) for x, o in calls]
+    tf32 = x0.is_cuda and tf32_allowed("conv")
+    plan = _plan(tuple(x0.shape), x0.stride(), tuple(o0.shape), o0.stride(), x0.dtype, _pair(module.kernel_size),
+                 _pair(module.stride), _pair(module.dilation), module.groups, "auto", tf32,
+                 _paddings(padding, x0.dim() - 2))
+    n = len(calls)
+    partials = new_buffer((n * plan.batch, plan.columns), torch.float32, x0.device)
+    if not partials.numel():
+        return torch.zeros(n, plan.batch, 1, dtype=torch.float32, device=x0.device)
+    offsets = torch.tensor([v // size for pair in steps for v in pair], dtype=torch.int64)
+    if x0.is_cuda:  # from pinned memory the copy is queued, not waited for
+        offsets = offsets.pin_memory().to(x0.device, non_blocking=True)
+    with device_guard(x0):
+        plan.kernel[(partials.numel(),)](x0, o0, partials, *plan.args, offsets, plan.batch, **plan.meta,
+                                         GROUPED=True, **dot_flags(x0.dtype, tf32))
+    return partials.view(n, plan.batch, plan.columns)
+
+
+def _as_parts(sq: torch.Tensor) -> torch.Tensor:
+    return sq.unsqueeze(1) if sq.dim() == 1 else sq
 
 
 def _paddings(padding, n: int) -> tuple[int, int]:

@@ -1192,7 +1192,7 @@ class ClippingState:
                 self._flush_per_layer_stacks()
             return
         if layer.rule.materializes_call(layer.module, x, o, kept=False):  # form them once, clip them now
-            self._flush_run()
+            # (a held run goes on past it: a CNN's normalization layers sit between its same-shape convolutions)
             per_sample = layer.rule.per_sample_grads(layer.module, x, o)
             grads = [per_sample[n] for n in names]
             nbytes = sum(g.numel() * g.element_size() for g in grads)

@@ -14,7 +14,7 @@ from torch import nn
 from ..ops import conv as conv_ops
 from ..ops import linear as lin_ops
 from .layers import DPModule
-from .rules import LayerRule, register_layer, scaling_roundoff
+from .rules import Grouped, LayerRule, register_layer, scaling_roundoff
 
 
 class _DPConv(DPModule):
@@ -142,9 +142,34 @@ def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
             and not conv_ops.implicit_gram_pays(x, o, m, m.own_padding()))
 
 
+def _conv_group_key(m, x, o, names):
+    """Calls whose norms share one launch (``Grouped``): the weight's, of one shape, strides, dtype,
+    device and layer geometry (a ResNet stage's repeated convolutions), where the kernel runs."""
+    if "weight" not in names or not x.is_floating_point() or x.dtype != o.dtype or \
+            not conv_ops.groups_conv_norms(x, o):
+        return None
+    return (x.shape, x.stride(), o.shape, o.stride(), o.dtype, o.device, m.kernel_size, m.stride, m.dilation,
+            m.groups, m.own_padding(), "bias" in names)
+
+
+def _conv_grouped_norms_and_rounding(calls, bound):
+    """(sq, rho) of n calls of one ``_conv_group_key``: sq[c] call c's (B, K) partial sums (its bias's a
+    column beside them), rho[c] its ρ or None (computed per call: four reductions and a one-channel
+    convolution each)."""
+    m0, _, _, names = calls[0]
+    sq = conv_ops.conv_weight_sq_norms_grouped([(x, o) for _, x, o, _ in calls], m0, m0.own_padding())
+    if "bias" in names:
+        sq = [torch.cat([s, conv_ops.conv_bias_sq_norms(o).to(s.dtype).unsqueeze(1)], 1)
+              for s, (_, _, o, _) in zip(sq, calls)]
+    rho = [_conv_rounding(m, x, o, n) for m, x, o, n in calls] if bound else None
+    if rho is not None and all(r is None for r in rho):
+        rho = None
+    return sq, rho
+
+
 _CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight,
                        rounding=_conv_rounding, sq_norms_rounding=_conv_sq_norms_rounding, norm_parts=True,
-                       pending_weights=True)
+                       pending_weights=True, grouped=Grouped(_conv_group_key, _conv_grouped_norms_and_rounding))
 register_layer(nn.Conv1d, DPConv1d, _CONV_RULE)
 register_layer(nn.Conv2d, DPConv2d, _CONV_RULE)
 register_layer(nn.Conv3d, DPConv3d, _CONV_RULE)

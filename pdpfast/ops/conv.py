@@ -253,6 +253,53 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=N
     return fn(x_pad, o, module, padding=padding, parts=parts)
 
 
+def conv_weight_sq_norms_grouped_reference(calls: list, module, padding=None) -> torch.Tensor:
+    """``conv_weight_sq_norms`` of n same-shape calls of one layer geometry, one call at a time.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o), as ``conv_weight_sq_norms``' x_pad and o.
+        module, padding: as there (the calls share them).
+    Returns:
+        (n, B, 1): row c call c's per-sample squared norms (as partial sums of one column).
+    """
+    return torch.stack([conv_weight_sq_norms(x, o, module, padding).unsqueeze(1) for x, o in calls])
+
+
+_CONV_WEIGHT_SQ_NORMS_GROUPED = declare("conv_weight_sq_norms_grouped", conv_weight_sq_norms_grouped_reference)
+
+
+def groups_conv_norms(x: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether a conv call's norms would take the grouped kernel (``conv_weight_sq_norms_grouped``):
+    where the norm kernel runs (on a GPU, or under ``TRITON_INTERPRET=1``), outside a CUDA graph
+    capture (the launch copies the calls' offsets from the host: a captured step has no host work to
+    save anyway).
+
+    Args:
+        x: the call's input (unpadded or padded, as the layer keeps it); o: its output gradient.
+    Returns:
+        a bool.
+    """
+    if _CONV_WEIGHT_SQ_NORMS_GROUPED.pick(x, o) is _CONV_WEIGHT_SQ_NORMS_GROUPED.reference:
+        return False
+    return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def conv_weight_sq_norms_grouped(calls: list, module, padding=None):
+    """Per-sample squared weight norms of n conv calls of one shape, strides, dtype and layer geometry,
+    from one kernel launch where ``groups_conv_norms`` holds for them, instead of one per call.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) of one shape, strides and dtype.
+        module: supplies the calls' kernel size, stride, dilation and groups.
+        padding: the zero padding still to apply to every x, or None.
+    Returns:
+        (n, B, K) partial sums (fp32; fp64 for fp64 calls on the reference), row c summing to call c's
+        norms (a list of n (B, K_c) where the kernel runs them one by one).
+    """
+    x, o = calls[0]
+    return _CONV_WEIGHT_SQ_NORMS_GROUPED.pick(x, o)(calls, module, padding)
+
+
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:
     """‖∂ℓ_i/∂b‖² = Σ_c (Σ_positions o_{i,c})² per sample, the squared norm of a convolution's bias gradient.
 

@@ -175,6 +175,55 @@ def test_padding_applied_by_masking_equals_a_padded_copy_bit_for_bit(tools, gen,
     assert torch.equal(parts.sum(1), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("padded", [False, True], ids=["masked-padding", "padded-copy"])
+@pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-stride2", "2d-groups3", "2d-multi-tile", "1d-stride-dilation",
+                                  "1d-long", "2d-reflect"])
+def test_a_grouped_launch_equals_each_calls_own_launch_bit_for_bit(tools, gen, name, padded, dtype):
+    """``conv_weight_sq_norms_grouped``: n calls of one shape in one launch, each found at its offset from
+    the first call's tensors (before it in memory too: views of one tensor, in reverse order), give the
+    partial sums each call's own launch gives."""
+    module, shape = _make(name)
+    B, n = 3, 4
+    own = None if padded else _DPConv_own_padding(module)
+    if own is None and not padded:
+        pytest.skip("this layer's input is padded first (conv_pad)")
+    x = tools.randn(gen, n, B, *shape, dtype=dtype, device=tools.device)
+    if padded:
+        x = torch.stack([conv_ops.conv_pad(x[c].double(), module).to(dtype) for c in range(n)])
+    padded_shape = conv_ops.conv_pad(x[0].double(), module).shape if not padded else x[0].shape
+    conv = F.conv1d if isinstance(module, nn.Conv1d) else F.conv2d
+    out_shape = conv(torch.zeros(padded_shape, dtype=torch.float64), module.weight.double(), None, module.stride, 0,
+                     module.dilation, module.groups).shape
+    o = tools.randn(gen, n, *out_shape, dtype=dtype, device=tools.device)
+    calls = [(x[c], o[c]) for c in reversed(range(n))]  # later calls before the first one in memory
+    grouped = conv_norms.conv_weight_sq_norms_grouped(calls, module, own)
+    assert isinstance(grouped, torch.Tensor) and grouped.shape[:2] == (n, B)
+    for c, (xc, oc) in enumerate(calls):
+        assert torch.equal(grouped[c], conv_norms.conv_weight_sq_norms(xc, oc, module, padding=own, parts=True))
+
+
+def _DPConv_own_padding(module):
+    from pdpfast.nn.conv import _DPConv
+
+    return _DPConv.own_padding(module)
+
+
+def test_grouped_calls_that_do_not_match_take_their_own_launches(tools, gen):
+    """Calls of other shapes or strides than the first one's are not read at an offset: each takes its own
+    launch (a list of their partial sums), and an empty batch gives zeros."""
+    module, shape = _make("2d-3x3-pad1")
+    x = tools.randn(gen, 3, *shape, device=tools.device)
+    o = tools.randn(gen, 3, 7, *shape[1:], device=tools.device)
+    calls = [(x, o), (x[:2], o[:2]), (x.to(memory_format=torch.channels_last), o)]
+    got = conv_norms.conv_weight_sq_norms_grouped(calls, module, (1, 1))
+    assert isinstance(got, list) and len(got) == 3
+    for (xc, oc), g in zip(calls, got):
+        assert torch.equal(g, conv_norms.conv_weight_sq_norms(xc, oc, module, padding=(1, 1), parts=True))
+    empty = conv_norms.conv_weight_sq_norms_grouped([(x[:0], o[:0])] * 2, module, (1, 1))
+    assert empty.shape == (2, 0, 1)
+
+
 def test_padding_given_as_numpy_ints_is_applied_by_masking(tools, gen):
     """A module built with numpy ints keeps them in its padding (torch accepts them): the kernel takes them."""
     import numpy as np

@@ -413,6 +413,58 @@ def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, dev
     assert grouped_launches == []
 
 
+def _clip_conv_once(model, x, clipping):
+    """(norms, ρ (flat) or each group's norms (per-layer), clipped sums) of one backward of a CNN."""
+    from pdpfast.clipping import ClippingState
+
+    state = ClippingState(model, clipping=clipping)
+    state.keep_group_norms = True
+    with state.attached():
+        state.begin_batch(torch.linspace(0.05, 2.0, x.shape[0]))
+        model(x).float().pow(2).flatten(1).mean(1).sum().backward()
+        rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
+        out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
+        state.end_draw()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_same_shape_convolutions_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls):
+    """A ResNet stage repeats its convolutions: book-keeping gives the norms of same-shape conv calls one
+    launch at the end of the backward (``conv_weight_sq_norms_grouped``), and per-layer clipping gives
+    one to a run of consecutive ones, the GroupNorm calls between them not ending the run. The norms,
+    ρ and clipped sums equal those of one launch per call."""
+    import pdpfast.ops.conv as conv_ops
+
+    launches = []
+    grouped_op = conv_ops.conv_weight_sq_norms_grouped
+    monkeypatch.setattr(conv_ops, "conv_weight_sq_norms_grouped",
+                        lambda calls, *args: (launches.append(len(calls)), grouped_op(calls, *args))[1])
+    torch.manual_seed(0)
+
+    def conv(bias=True):
+        return nn.Conv2d(8, 8, 3, padding=1, bias=bias)
+    model = pdpfast.nn.convert(nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), conv(), nn.GroupNorm(2, 8), nn.Tanh(),
+        conv(), nn.GroupNorm(2, 8), nn.Tanh(), conv(bias=False), nn.Tanh(), conv()).to(device, dtype))
+    x = torch.randn(3, 4, 6, 6, device=device, dtype=dtype)
+    grouped = _clip_conv_once(model, x, clipping)
+    # flat: the three 8→8 calls with a bias; the bias-free one and 4→8 alone. Per-layer, in the backward's
+    # order: the last 8→8, the bias-free one, then the two before it as one run (past their GroupNorms)
+    assert launches == ([3] if clipping == "flat" else [2]), launches
+    launches.clear()
+    monkeypatch.setattr(conv_ops, "groups_conv_norms", lambda x, o: False)
+    for got, want in zip(grouped, _clip_conv_once(model, x, clipping)):
+        if isinstance(want, dict):
+            for key in want:
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0, msg=key)
+        elif want is not None or got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert launches == []
+
+
 def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls, grouped_launches):
     """A per-layer run of same-shape calls is flushed once it holds more than RUN_BYTES of inputs and
     output gradients, so a stack of uniform layers is not all held until the end of the backward: six
