@@ -362,7 +362,8 @@ def _geometry(x_shape, o_shape, kernel, stride, dilation, groups) -> ConvNormGeo
     want = tuple((n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip((H, W), kernel, stride, dilation))
     if (OH, OW) != want:
         raise ValueError(f"conv norms: output gradient {tuple(o_shape)} does not match the padded input "
-                         f"{tuple(x_shape)} (expected spatial size {want}); pass conv_pad(x)")
+                         f"{tuple(x_shape)} (expected spatial size {want}); pass conv_pad(x), or x unpadded with "
+                         "padding= the zero padding the layer applies")
     return ConvNormGeometry(B, groups, OH * OW, C_in // groups * kernel[0] * kernel[1], C_out // groups)
 
 
