@@ -242,6 +242,20 @@ def kernel_calls() -> None:
                                      groups=groups)
             for path in ("direct", "gram"):
                 conv_norms.conv_weight_sq_norms(_e(*x_shape, dtype=dtype), _e(*o_shape, dtype=dtype), module, path)
+    # the same convolutions unpadded, the kernels masking the taps in the zero padding, and a stage's
+    # same-shape calls in one grouped launch (offsets table), padded by masking and already padded
+    for dtype in (torch.float32, torch.bfloat16):
+        for x_shape, o_shape, kernel, stride, groups in convs:
+            module = SimpleNamespace(kernel_size=kernel, stride=(stride,) * len(kernel), dilation=(1,) * len(kernel),
+                                     groups=groups)
+            pad = tuple(k // 2 for k in kernel)
+            unpadded = (*x_shape[:2], *(n - 2 * q for n, q in zip(x_shape[2:], pad)))
+            for path in ("direct", "gram"):
+                conv_norms.conv_weight_sq_norms(_e(*unpadded, dtype=dtype), _e(*o_shape, dtype=dtype), module, path,
+                                                padding=pad)
+            for shape, padding in ((unpadded, pad), (x_shape, None)):
+                calls = [(_e(*shape, dtype=dtype), _e(*o_shape, dtype=dtype)) for _ in range(3)]
+                conv_norms.conv_weight_sq_norms_grouped(calls, module, padding)
     for dtype in dtypes + (torch.float64,):
         grads = [_e(5000, dtype=dtype), _e(3, 7, dtype=dtype)]
         noise.add_noise_(grads, 1.0, 0, 3)
