@@ -770,3 +770,27 @@ def test_hugging_faces_rms_norms_are_recognized_by_their_forward_not_their_names
     model[4].requires_grad_(False)
     convert(model)
     assert all(isinstance(m, pnn.DPRMSNormForm) for m in model[:4]) and not isinstance(model[4], DPModule)
+
+
+@pytest.mark.parametrize("padding", [(2, 2), 2, (0, 1)])
+def test_a_conv_padding_set_after_convert_is_the_one_its_forward_and_gradients_use(padding):
+    """torch's zeros-mode forward pads with ``self.padding`` as it is at the call; before, the DP layer
+    kept the padding it was built with (its output differed from torch's, silently)."""
+    torch.manual_seed(0)
+    plain = nn.Conv2d(3, 4, 3, padding=1)
+    layer = pnn.convert(copy.deepcopy(plain))
+    x = torch.randn(3, 3, 6, 7)
+    layer(x)  # the padding it was built with, asked once (and kept)
+    plain.padding = layer.padding = padding
+    with torch.no_grad():
+        expected = plain(x)
+    state = ClippingState(layer)
+    with state.attached():
+        state.begin_batch(torch.full((3,), 1e6))  # bounds no record reaches: the clipped sum is the plain sum
+        out = layer(x)
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected)
+        out.pow(2).sum().backward()
+        state.end_draw()
+    plain(x).pow(2).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-5)

@@ -32,14 +32,17 @@ class _DPConv(DPModule):
             symmetric zeros; None when the input is padded beforehand instead (``conv_ops.conv_pad``:
             padding modes other than "zeros", or asymmetric "same" padding).
         """
-        pads, mode = self._reversed_padding_repeated_twice, self.padding_mode
+        pads, mode, padding = self._reversed_padding_repeated_twice, self.padding_mode, self.padding
         known = self.__dict__.get("_own_padding")  # asked ~5 times a call: kept while the padding stays
-        if known is not None and known[0] is pads and known[1] == mode:
-            return known[2]
+        if known is not None and known[0] is pads and known[1] == mode and known[2] == padding:
+            return known[3]
         own = None
-        if mode == "zeros" and all(pads[k] == pads[k + 1] for k in range(0, len(pads), 2)):
+        if mode == "zeros" and not isinstance(padding, str):
+            # what torch's forward pads with in this mode: ``self.padding`` (set after construction too)
+            own = tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * len(self.kernel_size)
+        elif mode == "zeros" and all(pads[k] == pads[k + 1] for k in range(0, len(pads), 2)):
             own = tuple(reversed(pads[0::2]))
-        self.__dict__["_own_padding"] = (pads, mode, own)
+        self.__dict__["_own_padding"] = (pads, mode, padding, own)
         return own
 
     def _prepare(self, x):
