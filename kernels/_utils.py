@@ -118,6 +118,33 @@ def device_guard(t: torch.Tensor):
 _NO_GUARD = contextlib.nullcontext()
 
 
+def grouped_offsets(calls: list, align: int) -> torch.Tensor | None:
+    """The offsets table of one launch over n same-layout calls (a grouped launch): each program reads
+    its call's tensors at an offset from the first call's.
+
+    Args:
+        calls: n ≥ 1 pairs (a, o) of tensors.
+        align: the byte boundary every tensor must start on (16: the kernel assumes aligned rows).
+    Returns:
+        (2n,) int64 on the calls' device (queued from pinned memory), call c's a and o starting
+        offsets[2c] and offsets[2c + 1] elements past the first call's; None unless every call has the
+        first one's shapes and strides, all tensors one dtype and device, and every start is aligned
+        (the calls then take a launch each).
+    """
+    a0, o0 = calls[0]
+    if not all(a.shape == a0.shape and o.shape == o0.shape and a.stride() == a0.stride() and
+               o.stride() == o0.stride() and a.dtype == o.dtype == a0.dtype and a.device == o.device == a0.device
+               for a, o in calls):
+        return None
+    size, ptrs = a0.element_size(), [(a.data_ptr(), o.data_ptr()) for a, o in calls]
+    if any(p % align for pair in ptrs for p in pair):
+        return None
+    offsets = torch.tensor([(p - p0) // size for pair in ptrs for p, p0 in zip(pair, ptrs[0])], dtype=torch.int64)
+    if a0.is_cuda:  # from pinned memory the copy is queued, not waited for
+        offsets = offsets.pin_memory().to(a0.device, non_blocking=True)
+    return offsets
+
+
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:
     """Per-sample sums of per-program partial sums, deterministic (no atomics).
 

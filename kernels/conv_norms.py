@@ -60,7 +60,7 @@ from pdpfast.ops.conv import conv_weight_sq_norms_reference
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.linear import tf32_allowed
 
-from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
+from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, grouped_offsets, new_buffer, sum_partials
 
 
 @triton.jit
@@ -500,16 +500,12 @@ def conv_weight_sq_norms_grouped(calls: list, module, padding=None) -> torch.Ten
         padding: as in ``conv_weight_sq_norms``.
     Returns:
         (n, B, K) fp32 partial sums, row c what call c's own launch writes with ``parts``. Calls that do
-        not all match the first one's shapes, strides, dtype and device, or whose offsets from it are not
-        whole elements, run one launch each (then a list of n (B, K_c) partial sums).
+        not all match the first one's shapes, strides, dtype and device, or whose tensors do not start on
+        a whole element, run one launch each (then a list of n (B, K_c) partial sums).
     """
     x0, o0 = calls[0]
-    alike = all(x.shape == x0.shape and o.shape == o0.shape and x.stride() == x0.stride() and
-                o.stride() == o0.stride() and x.dtype == o.dtype == x0.dtype and x.device == o.device == x0.device
-                for x, o in calls[1:])
-    size = x0.element_size()
-    steps = [((x.data_ptr() - x0.data_ptr()), (o.data_ptr() - o0.data_ptr())) for x, o in calls]
-    if not alike or any(dx % size or do % size for dx, do in steps) or x0.dtype != o0.dtype:
+    offsets = grouped_offsets(calls, x0.element_size())
+    if offsets is None:
         return [_as_parts(conv_weight_sq_norms(x, o, module, padding=padding, parts=True)) for x, o in calls]
     tf32 = x0.is_cuda and tf32_allowed("conv")
     plan = _plan(tuple(x0.shape), x0.stride(), tuple(o0.shape), o0.stride(), x0.dtype, _pair(module.kernel_size),
@@ -519,9 +515,6 @@ def conv_weight_sq_norms_grouped(calls: list, module, padding=None) -> torch.Ten
     partials = new_buffer((n * plan.batch, plan.columns), torch.float32, x0.device)
     if not partials.numel():
         return torch.zeros(n, plan.batch, 1, dtype=torch.float32, device=x0.device)
-    offsets = torch.tensor([v // size for pair in steps for v in pair], dtype=torch.int64)
-    if x0.is_cuda:  # from pinned memory the copy is queued, not waited for
-        offsets = offsets.pin_memory().to(x0.device, non_blocking=True)
     with device_guard(x0):
         plan.kernel[(partials.numel(),)](x0, o0, partials, *plan.args, offsets, plan.batch, **plan.meta,
                                          GROUPED=True, **dot_flags(x0.dtype, tf32))

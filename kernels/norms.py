@@ -38,7 +38,7 @@ from pdpfast.ops.linear import (
     tf32_allowed,
 )
 
-from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials
+from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, grouped_offsets, new_buffer, sum_partials
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -377,15 +377,6 @@ def _gram_groups(a: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> boo
     return T > 1 and kernel_uses_gram(T, a.shape[-1], o.shape[-1])
 
 
-def _offsets(tensors: list, align: int) -> list | None:
-    """Each tensor's start in elements past the first's, or None unless every start is ``align``-byte aligned."""
-    size = tensors[0].element_size()
-    ptrs = [t.data_ptr() for t in tensors]
-    if any(ptr % align for ptr in ptrs):
-        return None
-    return [(ptr - ptrs[0]) // size for ptr in ptrs]
-
-
 @register("linear_sq_norms_grouped", when=_gram_groups)
 def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     """Squared norms (and rounding bounds) of n linear calls of one shape, strides and dtype on the
@@ -412,20 +403,14 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     B, T, D = a0.shape
     P = o0.shape[-1]
     n = len(calls)
-    alike = all(a.shape == a0.shape and o.shape == o0.shape and a.stride() == a0.stride() and
-                o.stride() == o0.stride() and a.dtype == o.dtype == a0.dtype and a.device == o.device == a0.device
-                for a, o in calls[1:])
-    a_offsets, o_offsets = _offsets([a for a, _ in calls], 16), _offsets([o for _, o in calls], 16)
-    if not alike or a_offsets is None or o_offsets is None or B == 0:
+    offsets = grouped_offsets(calls, 16) if B else None
+    if offsets is None:
         return linear_sq_norms_grouped_reference(calls, with_bias, u)
     rounding = bool(u)
     flags, u = _flags_and_roundoff(a0, u)
     block_t, n_tiles, n_shifts = _gram_tiles(T)
     K = n_tiles * n_shifts
     programs = B * n * K
-    offsets = torch.tensor([x for pair in zip(a_offsets, o_offsets) for x in pair], dtype=torch.int64)
-    if a0.is_cuda:  # from pinned memory the copy is queued, not waited for
-        offsets = offsets.pin_memory().to(a0.device, non_blocking=True)
     partials = new_buffer(((2 if rounding else 1) * programs,), torch.float32, a0.device)
     with device_guard(a0):
         _linear_gram_sq_norms_grouped_kernel[(programs,)](
