@@ -106,14 +106,18 @@ def _conv_sq_norms(m, x, o, names, parts: bool = False):
     """(B,) squared norms; with ``parts``, the weight's as the kernel's (B, n) partial sums where it
     runs, the bias's a column beside them (one op either way: the sum or the concatenation)."""
     total = conv_ops.conv_weight_sq_norms(x, o, m, m.own_padding(), parts) if "weight" in names else None
-    if "bias" in names:
-        bias = conv_ops.conv_bias_sq_norms(o)
-        if total is None:
-            return bias
-        if total.dim() == 2:
-            return torch.cat([total, bias.to(total.dtype).unsqueeze(1)], 1)
-        return total.add_(bias)
-    return total
+    if "bias" not in names:
+        return total
+    bias = conv_ops.conv_bias_sq_norms(o)
+    return bias if total is None else _plus_bias(total, bias)
+
+
+def _plus_bias(sq: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The weight's squared norms ``sq`` with the bias's ``bias`` (B,): added to (B,) norms, a column
+    beside (B, n) partial sums."""
+    if sq.dim() == 2:
+        return torch.cat([sq, bias.to(sq.dtype).unsqueeze(1)], 1)
+    return sq.add_(bias)
 
 
 def _conv_sq_norms_rounding(m, x, o, names, parts: bool = False):
@@ -148,8 +152,7 @@ def _small_per_sample_weight(m, x, o, kept: bool) -> bool:
 def _conv_group_key(m, x, o, names):
     """Calls whose norms share one launch (``Grouped``): the weight's, of one shape, strides, dtype,
     device and layer geometry (a ResNet stage's repeated convolutions), where the kernel runs."""
-    if "weight" not in names or not x.is_floating_point() or x.dtype != o.dtype or \
-            not conv_ops.groups_conv_norms(x, o):
+    if "weight" not in names or not conv_ops.groups_conv_norms(x, o):  # (which asks for one kernel dtype)
         return None
     return (x.shape, x.stride(), o.shape, o.stride(), o.dtype, o.device, m.kernel_size, m.stride, m.dilation,
             m.groups, m.own_padding(), "bias" in names)
@@ -162,8 +165,7 @@ def _conv_grouped_norms_and_rounding(calls, bound):
     m0, _, _, names = calls[0]
     sq = conv_ops.conv_weight_sq_norms_grouped([(x, o) for _, x, o, _ in calls], m0, m0.own_padding())
     if "bias" in names:
-        sq = [torch.cat([s, conv_ops.conv_bias_sq_norms(o).to(s.dtype).unsqueeze(1)], 1)
-              for s, (_, _, o, _) in zip(sq, calls)]
+        sq = [_plus_bias(s, conv_ops.conv_bias_sq_norms(o)) for s, (_, _, o, _) in zip(sq, calls)]
     rho = [_conv_rounding(m, x, o, n) for m, x, o, n in calls] if bound else None
     if rho is not None and all(r is None for r in rho):
         rho = None
