@@ -254,14 +254,15 @@ RESNET18_CIFAR_CONVS = [
 ]
 
 
-@benchmark("conv_weight_sq_norms_grouped")
+@benchmark("conv_sq_norms_grouped")
 def bench_conv_norms_grouped(rows, op, dtype_name, quick, reps, batch=256):
-    """The norms of a ResNet stage's same-shape convolutions from one launch (book-keeping at the end
-    of the backward, per-layer clipping for a run of them), against one launch per call (the
-    reference: each call on the kernel), ResNet-18 CIFAR's stride-1 3×3 calls, the input unpadded
-    (the kernels pad by masking). ``median_ms`` includes the host's launches, which grouping saves;
-    ``graph_ms`` is the reference's only (the grouped launch copies its offsets from the host)."""
+    """The norms and rounding bounds of a ResNet stage's same-shape convolutions from one launch
+    (book-keeping at the end of the backward, per-layer clipping for a run of them), against one launch
+    per call (the reference: each call on the kernel), ResNet-18 CIFAR's stride-1 3×3 calls, the input
+    unpadded (the kernels pad by masking). ``median_ms`` includes the host's launches, which grouping
+    saves; ``graph_ms`` is the reference's only (the grouped launch copies its offsets from the host)."""
     dtype = DTYPES[dtype_name]
+    u = 2.0 ** -8
     stages = [(4, 64, 32), (3, 128, 16), (3, 256, 8), (3, 512, 4)]  # (calls, channels, side)
     if quick:
         stages = stages[::2]
@@ -272,10 +273,47 @@ def bench_conv_norms_grouped(rows, op, dtype_name, quick, reps, batch=256):
         nbytes = sum((x.numel() + o.numel()) * x.element_size() for x, o in calls)
         flops = 2 * n * batch * side * side * 9 * c * c
         _bench_pair(rows, op.name, f"{n} calls B={batch} {c}->{c} {side}px k3", dtype_name, f"{n} calls",
-                    lambda: op.kernel(calls, module, (1, 1)), lambda: op.reference(calls, module, (1, 1)),
+                    lambda: op.kernel(calls, module, (1, 1), u), lambda: op.reference(calls, module, (1, 1), u),
                     nbytes, flops, reps)
-        rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, module, (1, 1)))
+        rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, module, (1, 1), u))
         calls = None
+
+
+@benchmark("conv_sq_norms_rounding")
+def bench_conv_norms_rounding(rows, op, dtype_name, quick, reps, batch=256):
+    """A conv call's norms and low-precision rounding bound from one launch (the direct path sums a chunk
+    of positions per program, the Gram path reads the Grams' diagonals), against the reference's two
+    computations (the norms, torch's five ops of the bound), at ResNet-18 CIFAR's layers, the input
+    unpadded. ``graph_ms`` is the GPU's time alone; ``median_ms`` includes the host's launches, which
+    the fusion saves. The kernel rows' variant names the path and the GPU time of the norm launch alone."""
+    from pdpfast.kernels import conv_norms
+    from pdpfast.ops import conv as conv_ops
+
+    dtype = DTYPES[dtype_name]
+    u = 2.0 ** -8
+    shapes = RESNET18_CIFAR_CONVS[1::3] if quick else RESNET18_CIFAR_CONVS
+    for name, c_in, c_out, side, k, stride in shapes:
+        module = torch.nn.Conv2d(c_in, c_out, k, stride=stride, padding=k // 2, bias=False).to("cuda", dtype)
+        pad = (k // 2, k // 2)
+        x = torch.randn(batch, c_in, side, side, device="cuda", dtype=dtype)
+        out_side = (side + 2 * (k // 2) - k) // stride + 1
+        o = torch.randn(batch, c_out, out_side, out_side, device="cuda", dtype=dtype)
+        nbytes = (x.numel() + o.numel()) * x.element_size()
+        flops = 2 * batch * out_side * out_side * c_in * k * k * c_out
+        path = conv_norms.choose_path(conv_norms.conv_geometry(conv_ops.conv_pad(x, module), o, module), dtype,
+                                      tf32=dtype == torch.float32)
+        norms_only = cuda_graph_ms(lambda: conv_norms.conv_weight_sq_norms(x, o, module, padding=pad, parts=True))
+
+        def fused():
+            return op.kernel(x, o, module, False, u, padding=pad, parts=True)
+
+        def apart():
+            return op.reference(x, o, module, False, u, pad)
+        _bench_pair(rows, op.name, f"{name} B={batch} {c_in}->{c_out} {side}px k{k} s{stride}", dtype_name,
+                    f"fused {path}, norms alone {norms_only:.3f} ms", fused, apart, nbytes, flops, reps)
+        for r in rows[-2:]:
+            r.graph_ms = cuda_graph_ms(fused if r.provider == "triton" else apart)
+        x = o = None
 
 
 def _peak_extra_mib(fn) -> float:

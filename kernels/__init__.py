@@ -2,7 +2,8 @@
 
 One file per family — ``norms`` (linear Gram/direct/rank-one, bias and embedding per-sample
 squared norms; a linear call's norms with its low-precision rounding bound in the same launch),
-``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel), ``norm_grads``
+``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel, with the rounding bound in
+the same launch), ``norm_grads``
 (LayerNorm, RMSNorm, GroupNorm and InstanceNorm per-sample affine gradients in one launch), ``noise`` (in-place Gaussian
 noise). Only kernels that beat torch are kept: the clipped sum is cuBLAS's weight-gradient GEMM
 on row-scaled gradients, and clip weights are five torch ops (a Triton GEMM and clip-weight kernel,
@@ -17,7 +18,7 @@ every family, and ``pdpfast.ops.<op>`` then runs the kernel for CUDA tensors (or
 import. Every launcher is a drop-in for the plain-torch ``<op>_reference`` of the same name in
 ``pdpfast.ops``. A new kernel file is added to the imports below.
 """
-from .conv_norms import conv_weight_sq_norms, conv_weight_sq_norms_grouped
+from .conv_norms import conv_sq_norms_grouped, conv_sq_norms_rounding, conv_weight_sq_norms
 from .noise import add_noise_
 from .norm_grads import group_norm_affine_grads, layer_norm_per_sample_grads, rms_norm_per_sample_grads
 from .norms import (
@@ -28,6 +29,7 @@ from .norms import (
     linear_weight_sq_norms,
 )
 
-__all__ = ["add_noise_", "bias_sq_norms", "conv_weight_sq_norms", "conv_weight_sq_norms_grouped", "embedding_sq_norms",
+__all__ = ["add_noise_", "bias_sq_norms", "conv_sq_norms_grouped", "conv_sq_norms_rounding", "conv_weight_sq_norms",
+           "embedding_sq_norms",
            "group_norm_affine_grads", "layer_norm_per_sample_grads", "linear_sq_norms_grouped",
            "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads"]

@@ -29,6 +29,13 @@ Memory: that buffer only — direct: |W|/(BLOCK_P·BLOCK_K) floats per sample (2
 3×3 layer, 1/8192 of its per-sample gradient); Gram: G·n_t(n_t/2+1) — nothing of size B × |W| and
 no unfolded input. Reference: ``pdpfast.ops.conv.conv_weight_sq_norms_reference``.
 
+The same launch gives, where asked (``conv_sq_norms_rounding``, ``ROUNDING``), the call's rounding
+bound ρ_i = u·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) (``pdpfast.ops.conv.conv_scaled_sum_rounding``, whose torch
+route is five more launches a call): the Gram path reads ‖a_q‖² and ‖o_q‖² off its Grams' diagonals
+(the programs of shift 0), the direct path's programs each sum one chunk of the sample's positions
+from whole rows they load for it (no tile of the norm holds a whole row). Its partial sums go to a
+second (B, programs) block of the buffer, zero from the programs that hold none.
+
 Measured on one H100 (ResNet-18 CIFAR layers, batch 256, GPU time by CUDA-graph replay, against
 the previous path, timed with its launches): bf16 0.013-0.14 ms a layer (direct on the 32/16 px
 stages, Gram on 8/4 px) against 0.3-11 ms; fp32 0.05-1.5 ms against 0.4-7.8 ms, except the
@@ -56,9 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpfast.ops.conv import conv_weight_sq_norms_reference
+from pdpfast.ops.conv import conv_scaled_sum_rounding, conv_weight_sq_norms_reference
 from pdpfast.ops.dispatch import register
-from pdpfast.ops.linear import tf32_allowed
+from pdpfast.ops.linear import TF32_SLACK, tf32_allowed
 
 from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, grouped_offsets, new_buffer, sum_partials
 
@@ -93,7 +100,7 @@ def _inside(ih, iw, H, W):
 
 @triton.jit
 def _call_tensors(x_ptr, o_ptr, offsets_ptr, row, BATCH):
-    """(x, o, sample) of row = call·B + sample of a grouped launch (``conv_weight_sq_norms_grouped``)."""
+    """(x, o, sample) of row = call·B + sample of a grouped launch (``conv_sq_norms_grouped``)."""
     call = row // BATCH
     return (x_ptr + tl.load(offsets_ptr + 2 * call), o_ptr + tl.load(offsets_ptr + 2 * call + 1),
             row - call * BATCH)
@@ -104,14 +111,17 @@ def _conv_direct_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES_P, N_TILES_K,
-        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH, N_PARTIALS, U,
         KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
-        GROUPED: tl.constexpr,
+        GROUPED: tl.constexpr, ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # step_x* = conv stride × input stride: the move in x from one output position to the next;
     # PADDED: x is unpadded, a tap in the zero padding (PAD_H, PAD_W) is masked, and ORIGIN (the
-    # padding's offset, PAD_H·stride_h + PAD_W·stride_w) shifts every offset back into x
+    # padding's offset, PAD_H·stride_h + PAD_W·stride_w) shifts every offset back into x.
+    # ROUNDING: the sample's N_TILES_P·N_TILES_K programs also split its output positions in as many
+    # chunks, and each writes U·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) of its chunk N_PARTIALS further on
+    # (``_rounding_terms``: its own loads of whole rows, which no tile of the norm holds)
     pid = tl.program_id(0)
     tile_k = pid % N_TILES_K
     tile_p = (pid // N_TILES_K) % N_TILES_P
@@ -146,6 +156,54 @@ def _conv_direct_sq_norms_kernel(
                     mask=x_mask, other=0.0)                                              # (L, K)
         grad = _dot(y, x, grad, DOT_PRECISION, UPCAST)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(grad * grad, axis=1), axis=0))
+    if ROUNDING:
+        chunk = tl.cdiv(L, N_TILES_P * N_TILES_K)
+        lo = (tile_p * N_TILES_K + tile_k) * chunk
+        terms = _rounding_terms(x_base, o_ptr + sample * stride_ob + group * P_G * stride_oc, lo,
+                                tl.minimum(lo + chunk, L), group, C_IN_G, P_G, K, OW, stride_xc, step_xh, step_xw,
+                                tap_xh, tap_xw, stride_oc, stride_oh, stride_ow, H, W, STRIDE_H, STRIDE_W, DIL_H,
+                                DIL_W, PAD_H, PAD_W, KHW, KW, BLOCK_L, BLOCK_K, BLOCK_P, PADDED, HAS_BIAS)
+        tl.store(partial_ptr + N_PARTIALS + pid, U * terms)
+
+
+@triton.jit
+def _rounding_terms(x_base, o_base, lo, hi, group, C_IN_G, P_G, K, OW, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
+                    stride_oc, stride_oh, stride_ow, H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W,
+                    KHW: tl.constexpr, KW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_P: tl.constexpr, PADDED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) over output positions q in [lo, hi) of one sample and group: whole
+    # patch rows a_q (every column k) and output-gradient rows o_q (every channel of the group),
+    # squared and summed in fp32 (no tensor-core product), square roots correctly rounded
+    terms = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        in_l = rows < hi
+        oh = rows // OW
+        ow = rows % OW
+        if PADDED:
+            ih, iw = _padded_rows(oh, ow, STRIDE_H, STRIDE_W, PAD_H, PAD_W)
+        sq_a = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = in_l[:, None] & (cols < K)[None, :]
+            if PADDED:
+                dh, dw = _tap_shifts(cols, DIL_H, DIL_W, KHW, KW)
+                mask = mask & _inside(ih[:, None] + dh[None, :], iw[:, None] + dw[None, :], H, W)
+            offs_k = _patch_column_offsets(cols, group, C_IN_G, tap_xh, tap_xw, stride_xc, KHW, KW)
+            a = tl.load(x_base + (oh * step_xh + ow * step_xw)[:, None] + offs_k[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            sq_a += tl.sum(a * a, axis=1)
+        sq_o = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for p0 in range(0, P_G, BLOCK_P):
+            cols = p0 + tl.arange(0, BLOCK_P)
+            y = tl.load(o_base + (oh * stride_oh + ow * stride_ow)[:, None] + cols[None, :] * stride_oc,
+                        mask=in_l[:, None] & (cols < P_G)[None, :], other=0.0).to(tl.float32)
+            sq_o += tl.sum(y * y, axis=1)
+        if HAS_BIAS:
+            sq_a += 1.0
+        # rows past hi: sq_o = 0, no term
+        terms += tl.sqrt_rn(sq_a) * tl.sqrt_rn(sq_o)  # correctly rounded: tl.sqrt is approximate on a GPU
+    return tl.sum(terms, axis=0)
 
 
 @triton.jit
@@ -153,14 +211,16 @@ def _conv_gram_sq_norms_kernel(
         x_ptr, o_ptr, partial_ptr, C_IN_G, P_G, K, L, OW,
         stride_xb, stride_xc, step_xh, step_xw, tap_xh, tap_xw,
         stride_ob, stride_oc, stride_oh, stride_ow, N_GROUPS, N_TILES, N_SHIFTS,
-        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH,
+        H, W, STRIDE_H, STRIDE_W, DIL_H, DIL_W, PAD_H, PAD_W, ORIGIN, offsets_ptr, BATCH, N_PARTIALS, U,
         KHW: tl.constexpr, KW: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, PADDED: tl.constexpr,
-        GROUPED: tl.constexpr,
+        GROUPED: tl.constexpr, ROUNDING: tl.constexpr, HAS_BIAS: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # Both Grams are symmetric, so each unordered tile pair {s, t} is visited once: program
     # (sample, group, s, shift) takes t = (s + shift) mod n; for an even n the shift n/2 meets each
     # pair twice and one copy is dropped (as in kernels/norms.py's linear Gram kernel).
+    # ROUNDING: the diagonal programs (shift 0) also write U·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) of their
+    # tile's rows, read off the Grams' diagonals, N_PARTIALS further on (0 from the other programs).
     pid = tl.program_id(0)
     shift = pid % N_SHIFTS
     tile_s = (pid // N_SHIFTS) % N_TILES
@@ -180,6 +240,7 @@ def _conv_gram_sq_norms_kernel(
     oh_t = rows_t // OW
     ow_t = rows_t % OW
     product = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+    terms = tl.zeros([BLOCK_T], dtype=tl.float32)
     if keep:
         x_base = x_ptr + sample * stride_xb - ORIGIN
         offs_s = oh_s * step_xh + ow_s * step_xw
@@ -214,7 +275,17 @@ def _conv_gram_sq_norms_kernel(
             gram_o = _dot(y_s, y_t, gram_o, DOT_PRECISION, UPCAST)
         # an off-diagonal pair stands for (s, t) and (t, s)
         product = gram_a * gram_o * tl.where(shift == 0, 1.0, 2.0)
+        if ROUNDING:
+            if shift == 0:  # rows_s = rows_t: the diagonals hold ‖a_q‖² and ‖o_q‖² (0 past L)
+                on_diag = rows_s[:, None] == rows_t[None, :]
+                sq_a = tl.sum(tl.where(on_diag, gram_a, 0.0), axis=1)
+                sq_o = tl.sum(tl.where(on_diag, gram_o, 0.0), axis=1)
+                if HAS_BIAS:
+                    sq_a += 1.0
+                terms = tl.sqrt_rn(sq_a) * tl.sqrt_rn(sq_o)
     tl.store(partial_ptr + pid, tl.sum(tl.sum(product, axis=1), axis=0))
+    if ROUNDING:
+        tl.store(partial_ptr + N_PARTIALS + pid, U * tl.sum(terms, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,6 +496,43 @@ def _plan(x_shape, x_stride, o_shape, o_stride, dtype, kernel, stride, dilation,
                    args + (n_tiles, n_shifts) + masked, dict(meta, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_P=block_p))
 
 
+def _launch(plan: _Launch, x0: torch.Tensor, o0: torch.Tensor, rows: int, offsets, tf32: bool, u: float,
+            with_bias: bool) -> tuple:
+    """Run ``plan`` for ``rows`` samples (n calls × B in a grouped launch, read at ``offsets``; None: one
+    call). Returns (sq, rho): (rows, programs) fp32 partial sums each, rho None without ``u``."""
+    flags = dot_flags(x0.dtype, tf32)
+    if u and x0.dtype == torch.float32 and flags["DOT_PRECISION"] == "tf32":
+        u *= TF32_SLACK  # the Gram path reads ρ's row norms off TF32 products (operands cut to 2^-10)
+    rounding = bool(u)
+    partials = new_buffer(((2 if rounding else 1) * rows, plan.columns), torch.float32, x0.device)
+    if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
+        zeros = torch.zeros(2 if rounding else 1, rows, 1, dtype=torch.float32, device=x0.device)
+        return zeros[0], (zeros[1] if rounding else None)
+    with device_guard(x0):
+        plan.kernel[(rows * plan.columns,)](
+            x0, o0, partials, *plan.args, partials if offsets is None else offsets, plan.batch,
+            rows * plan.columns, float(u), **plan.meta, GROUPED=offsets is not None, ROUNDING=rounding,
+            HAS_BIAS=with_bias, **flags)
+    return (partials[:rows], partials[rows:]) if rounding else (partials, None)
+
+
+def _plan_of(x: torch.Tensor, o: torch.Tensor, module, path: str, pads: tuple, tf32: bool) -> _Launch:
+    return _plan(tuple(x.shape), x.stride(), tuple(o.shape), o.stride(), x.dtype, _pair(module.kernel_size),
+                 _pair(module.stride), _pair(module.dilation), module.groups, path, tf32, pads)
+
+
+def _common_dtype(x: torch.Tensor, o: torch.Tensor) -> tuple:
+    """(x, o) in one dot operand type (autocast keeps fp32 inputs beside bf16 gradients)."""
+    if x.dtype != o.dtype:
+        common = torch.promote_types(x.dtype, o.dtype)
+        x, o = x.to(common), o.to(common)
+    return x, o
+
+
+def _runs_kernel(x: torch.Tensor, o: torch.Tensor) -> bool:
+    return x.dim() in (3, 4) and o.dim() == x.dim() and x.dtype in KERNEL_DTYPES and o.dtype in KERNEL_DTYPES
+
+
 @register("conv_weight_sq_norms")
 def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str = "auto", *, padding=None,
                          parts: bool = False) -> torch.Tensor:
@@ -453,29 +561,50 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, path: str
         ValueError for an unknown ``path``, a ``padding`` that is not one int ≥ 0 per spatial dim,
         or tensors whose shapes do not fit (``conv_geometry``).
     """
+    return conv_sq_norms_rounding(x_pad, o, module, False, 0.0, padding, parts, path=path)[0]
+
+
+@register("conv_sq_norms_rounding")
+def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bias: bool, u: float, padding=None,
+                           parts: bool = False, *, path: str = "auto") -> tuple:
+    """A conv call's per-sample squared weight norms and its clipped sum's rounding bound
+    ρ_i = u·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) (``pdpfast.ops.conv.conv_scaled_sum_rounding``) from one launch:
+    on the Gram path ρ's row norms come off the Grams' diagonals, on the direct path each program also
+    sums one chunk of the sample's output positions. One launch where the torch route of ρ takes five
+    (two reductions, a one-channel convolution, a square root and a batched dot).
+
+    Args:
+        x_pad, o, module, path, padding, parts: as in ``conv_weight_sq_norms``; with ``parts`` ρ comes as
+            (B, n) partial sums too, of the norms' n.
+        with_bias: the bias is among the call's parameters (its column of ones in ‖a_q‖² + 1; its own
+            norms are not included: ``conv_bias_sq_norms``).
+        u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``);
+            0: no ρ (None).
+    Returns:
+        (sq, rho): each (B,) fp32, or (B, n) with ``parts``; rho None where ``u`` is 0. Grouped
+        convolutions (groups > 1), float64 and other ranks take the references (then (B,) whatever
+        ``parts``).
+    Raises:
+        as ``conv_weight_sq_norms``.
+    """
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
-    if (x_pad.dim() not in (3, 4) or o.dim() != x_pad.dim() or x_pad.dtype not in KERNEL_DTYPES
-            or o.dtype not in KERNEL_DTYPES):
-        return conv_weight_sq_norms_reference(x_pad, o, module, padding)
+    if not _runs_kernel(x_pad, o):
+        return (conv_weight_sq_norms_reference(x_pad, o, module, padding),
+                conv_scaled_sum_rounding(x_pad, o, module, True, with_bias, padding, u) if u else None)
     pads = _paddings(padding, x_pad.dim() - 2)
-    if x_pad.dtype != o.dtype:  # one dot operand type (autocast keeps fp32 inputs beside bf16 grads)
-        common = torch.promote_types(x_pad.dtype, o.dtype)
-        x_pad, o = x_pad.to(common), o.to(common)
+    x_pad, o = _common_dtype(x_pad, o)
     # fp32 on a GPU follows torch's policy for convolutions: TF32 products where cuDNN may use them
     # (torch.backends.cudnn.allow_tf32, on by default), exact ones otherwise
     tf32 = x_pad.is_cuda and tf32_allowed("conv")
-    plan = _plan(tuple(x_pad.shape), x_pad.stride(), tuple(o.shape), o.stride(), x_pad.dtype,
-                 _pair(module.kernel_size), _pair(module.stride), _pair(module.dilation), module.groups, path, tf32,
-                 pads)
-    partials = new_buffer((plan.batch, plan.columns), torch.float32, x_pad.device)
-    if not partials.numel():  # an empty batch (or no output positions: a zero gradient)
-        out = torch.zeros(plan.batch, dtype=torch.float32, device=x_pad.device)
-        return out.view(plan.batch, 1) if parts else out
-    with device_guard(x_pad):
-        plan.kernel[(partials.numel(),)](x_pad, o, partials, *plan.args, partials, plan.batch, **plan.meta,
-                                         GROUPED=False, **dot_flags(x_pad.dtype, tf32))
-    return partials if parts else sum_partials(partials)
+    plan = _plan_of(x_pad, o, module, path, pads, tf32)
+    fused = u if module.groups == 1 else 0.0  # (a grouped convolution's ρ spans all of its input channels)
+    sq, rho = _launch(plan, x_pad, o, plan.batch, None, tf32, fused, with_bias)
+    if u and not fused:
+        rho = conv_scaled_sum_rounding(x_pad, o, module, True, with_bias, padding, u)
+    if parts:
+        return sq, rho
+    return sum_partials(sq), (rho if rho is None or rho.dim() == 1 else sum_partials(rho))
 
 
 def _groups_conv_norms(x: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -485,9 +614,9 @@ def _groups_conv_norms(x: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) 
     return x.dim() in (3, 4) and o.dim() == x.dim() and x.dtype in KERNEL_DTYPES and o.dtype == x.dtype
 
 
-@register("conv_weight_sq_norms_grouped", when=_groups_conv_norms)
-def conv_weight_sq_norms_grouped(calls: list, module, padding=None) -> torch.Tensor:
-    """``conv_weight_sq_norms(..., parts=True)`` of n calls of one layer shape from one launch: program
+@register("conv_sq_norms_grouped", when=_groups_conv_norms)
+def conv_sq_norms_grouped(calls: list, module, padding=None, u: float = 0.0, with_bias: bool = False) -> tuple:
+    """``conv_sq_norms_rounding(..., parts=True)`` of n calls of one layer shape from one launch: program
     ((call, sample), ...) finds its call's input and output gradient at an offset from the first call's,
     read from a table of the n calls' offsets. One launch instead of n: a norm launch costs ~0.1 ms of
     host time on an H200 (bench/README.md, "session 38"), and a ResNet's stages repeat their convolutions.
@@ -498,27 +627,28 @@ def conv_weight_sq_norms_grouped(calls: list, module, padding=None) -> torch.Ten
             stride, dilation and groups.
         module: supplies those (the first call's layer).
         padding: as in ``conv_weight_sq_norms``.
+        u, with_bias: as in ``conv_sq_norms_rounding``; u = 0: no ρ.
     Returns:
-        (n, B, K) fp32 partial sums, row c what call c's own launch writes with ``parts``. Calls that do
-        not all match the first one's shapes, strides, dtype and device, or whose tensors do not start on
-        a whole element, run one launch each (then a list of n (B, K_c) partial sums).
+        (sq, rho): (n, B, K) fp32 partial sums each, row c what call c's own launch writes with ``parts``;
+        rho None where ``u`` is 0. Calls that do not all match the first one's shapes, strides, dtype and
+        device, or whose tensors do not start on a whole element, run one launch each (then lists of n
+        (B, K_c) partial sums); grouped convolutions' ρ comes from the reference (n, B, 1).
     """
     x0, o0 = calls[0]
     offsets = grouped_offsets(calls, x0.element_size())
     if offsets is None:
-        return [_as_parts(conv_weight_sq_norms(x, o, module, padding=padding, parts=True)) for x, o in calls]
+        each = [conv_sq_norms_rounding(x, o, module, with_bias, u, padding=padding, parts=True) for x, o in calls]
+        return [_as_parts(sq) for sq, _ in each], (None if not u else [_as_parts(rho) for _, rho in each])
     tf32 = x0.is_cuda and tf32_allowed("conv")
-    plan = _plan(tuple(x0.shape), x0.stride(), tuple(o0.shape), o0.stride(), x0.dtype, _pair(module.kernel_size),
-                 _pair(module.stride), _pair(module.dilation), module.groups, "auto", tf32,
-                 _paddings(padding, x0.dim() - 2))
+    plan = _plan_of(x0, o0, module, "auto", _paddings(padding, x0.dim() - 2), tf32)
     n = len(calls)
-    partials = new_buffer((n * plan.batch, plan.columns), torch.float32, x0.device)
-    if not partials.numel():
-        return torch.zeros(n, plan.batch, 1, dtype=torch.float32, device=x0.device)
-    with device_guard(x0):
-        plan.kernel[(partials.numel(),)](x0, o0, partials, *plan.args, offsets, plan.batch, **plan.meta,
-                                         GROUPED=True, **dot_flags(x0.dtype, tf32))
-    return partials.view(n, plan.batch, plan.columns)
+    fused = u if module.groups == 1 else 0.0
+    sq, rho = _launch(plan, x0, o0, n * plan.batch, offsets, tf32, fused, with_bias)
+    sq = sq.view(n, plan.batch, sq.shape[1])
+    if u and not fused:
+        return sq, torch.stack([conv_scaled_sum_rounding(x, o, module, True, with_bias, padding, u)
+                                for x, o in calls]).unsqueeze(2)
+    return sq, (None if rho is None else rho.view(n, plan.batch, rho.shape[1]))
 
 
 def _as_parts(sq: torch.Tensor) -> torch.Tensor:

@@ -253,9 +253,14 @@ def kernel_calls() -> None:
             for path in ("direct", "gram"):
                 conv_norms.conv_weight_sq_norms(_e(*unpadded, dtype=dtype), _e(*o_shape, dtype=dtype), module, path,
                                                 padding=pad)
+                # with the rounding bound in the launch (bias or not), padded by masking and already padded
+                for shape, padding, bias in ((unpadded, pad, True), (x_shape, None, False)):
+                    conv_norms.conv_sq_norms_rounding(_e(*shape, dtype=dtype), _e(*o_shape, dtype=dtype), module, bias,
+                                                      2.0 ** -8, padding, path=path)
             for shape, padding in ((unpadded, pad), (x_shape, None)):
                 calls = [(_e(*shape, dtype=dtype), _e(*o_shape, dtype=dtype)) for _ in range(3)]
-                conv_norms.conv_weight_sq_norms_grouped(calls, module, padding)
+                conv_norms.conv_sq_norms_grouped(calls, module, padding)
+                conv_norms.conv_sq_norms_grouped(calls, module, padding, 2.0 ** -8, True)
     for dtype in dtypes + (torch.float64,):
         grads = [_e(5000, dtype=dtype), _e(3, 7, dtype=dtype)]
         noise.add_noise_(grads, 1.0, 0, 3)

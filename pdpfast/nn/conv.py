@@ -121,7 +121,22 @@ def _plus_bias(sq: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_sq_norms_rounding(m, x, o, names, parts: bool = False):
-    return _conv_sq_norms(m, x, o, names, parts), _conv_rounding(m, x, o, names)
+    """(sq, ρ or None) of one call: the weight's norms and ρ from one launch where the kernel runs
+    (``conv_sq_norms_rounding``), the bias's norms a column beside them (ρ then summed: its partial
+    sums have no column for the bias)."""
+    u = scaling_roundoff(o, "conv")  # the weight gradient is cuDNN's, in TF32 for fp32 where torch lets cuDNN
+    if not u or "weight" not in names:
+        return _conv_sq_norms(m, x, o, names, parts), _conv_rounding(m, x, o, names)
+    sq, rho = conv_ops.conv_sq_norms_rounding(x, o, m, "bias" in names, u, m.own_padding(), parts)
+    return _with_bias(sq, rho, o, names)
+
+
+def _with_bias(sq: torch.Tensor, rho: torch.Tensor | None, o: torch.Tensor, names) -> tuple:
+    """(sq, rho) of a call's weight with its bias's norms added (``_plus_bias``) where the call has it,
+    and rho then as (B,) (no partial sum of it goes with the bias's column)."""
+    if "bias" not in names:
+        return sq, rho
+    return _plus_bias(sq, conv_ops.conv_bias_sq_norms(o)), (rho if rho is None or rho.dim() == 1 else rho.sum(1))
 
 
 def _conv_clipped(m, x, o, weights, names):
@@ -131,7 +146,6 @@ def _conv_clipped(m, x, o, weights, names):
 
 
 def _conv_rounding(m, x, o, names):
-    # the weight gradient is cuDNN's, in TF32 for fp32 where torch lets cuDNN
     u = scaling_roundoff(o, "conv")
     if not u:
         return None
@@ -159,17 +173,16 @@ def _conv_group_key(m, x, o, names):
 
 
 def _conv_grouped_norms_and_rounding(calls, bound):
-    """(sq, rho) of n calls of one ``_conv_group_key``: sq[c] call c's (B, K) partial sums (its bias's a
-    column beside them), rho[c] its ρ or None (computed per call: four reductions and a one-channel
-    convolution each)."""
-    m0, _, _, names = calls[0]
-    sq = conv_ops.conv_weight_sq_norms_grouped([(x, o) for _, x, o, _ in calls], m0, m0.own_padding())
-    if "bias" in names:
-        sq = [_plus_bias(s, conv_ops.conv_bias_sq_norms(o)) for s, (_, _, o, _) in zip(sq, calls)]
-    rho = [_conv_rounding(m, x, o, n) for m, x, o, n in calls] if bound else None
-    if rho is not None and all(r is None for r in rho):
-        rho = None
-    return sq, rho
+    """(sq, rho) of n calls of one ``_conv_group_key`` from one launch: sq[c] call c's (B, K) partial sums
+    (its bias's a column beside them), rho[c] its ρ (likewise, or (B,) beside a bias), or rho None."""
+    m0, _, o0, names = calls[0]
+    u = scaling_roundoff(o0, "conv") if bound else 0.0
+    sq, rho = conv_ops.conv_sq_norms_grouped([(x, o) for _, x, o, _ in calls], m0, m0.own_padding(), u,
+                                             "bias" in names)
+    if "bias" not in names:
+        return sq, rho
+    pairs = [_with_bias(s, None if rho is None else rho[c], calls[c][2], names) for c, s in enumerate(sq)]
+    return [s for s, _ in pairs], (None if rho is None else [r for _, r in pairs])
 
 
 _CONV_RULE = LayerRule(_conv_per_sample, _conv_sq_norms, _conv_clipped, materialize_when=_small_per_sample_weight,

@@ -253,23 +253,67 @@ def conv_weight_sq_norms(x_pad: torch.Tensor, o: torch.Tensor, module, padding=N
     return fn(x_pad, o, module, padding=padding, parts=parts)
 
 
-def conv_weight_sq_norms_grouped_reference(calls: list, module, padding=None) -> torch.Tensor:
-    """``conv_weight_sq_norms`` of n same-shape calls of one layer geometry, one call at a time.
+def conv_sq_norms_rounding_reference(x_pad: torch.Tensor, o: torch.Tensor, module, with_bias: bool, u: float,
+                                     padding=None, parts: bool = False) -> tuple:
+    """(``conv_weight_sq_norms_reference``, ``conv_scaled_sum_rounding`` of the weight [and bias]): a
+    call's norms and its rounding bound, computed apart.
+
+    Args:
+        x_pad, o, module, padding: as in ``conv_weight_sq_norms_reference``.
+        with_bias: the bias is among the call's parameters (ρ's √(‖patch‖² + 1)).
+        u: the unit roundoff of the clipped sum's row scaling; 0: no ρ (None).
+        parts: ignored (the reference sums its rows).
+    Returns:
+        (sq, rho), (B,) each in the accumulation dtype; rho None where ``u`` is 0.
+    """
+    return (conv_weight_sq_norms_reference(x_pad, o, module, padding),
+            conv_scaled_sum_rounding(x_pad, o, module, True, with_bias, padding, u) if u else None)
+
+
+_CONV_SQ_NORMS_ROUNDING = declare("conv_sq_norms_rounding", conv_sq_norms_rounding_reference)
+
+
+def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bias: bool, u: float, padding=None,
+                           parts: bool = False) -> tuple:
+    """A conv call's per-sample squared weight norms and its rounding bound ρ_i: from the norm kernel's
+    launch on CUDA (``pdpfast.kernels.conv_norms.conv_sq_norms_rounding``), else from
+    ``conv_sq_norms_rounding_reference``.
+
+    Args:
+        x_pad, o, module, padding, parts: as in ``conv_weight_sq_norms``.
+        with_bias, u: as in ``conv_sq_norms_rounding_reference``.
+    Returns:
+        (sq, rho): (B,) each (fp32; fp64 for fp64 inputs), or (B, n) partial sums each from the kernel with
+        ``parts``; rho None where ``u`` is 0.
+    """
+    fn = _CONV_SQ_NORMS_ROUNDING.pick(x_pad, o)
+    if fn is _CONV_SQ_NORMS_ROUNDING.reference:
+        return fn(x_pad, o, module, with_bias, u, padding)
+    return fn(x_pad, o, module, with_bias, u, padding=padding, parts=parts)
+
+
+def conv_sq_norms_grouped_reference(calls: list, module, padding=None, u: float = 0.0,
+                                    with_bias: bool = False) -> tuple:
+    """``conv_sq_norms_rounding`` of n same-shape calls of one layer geometry, one call at a time.
 
     Args:
         calls: n ≥ 1 pairs (x, o), as ``conv_weight_sq_norms``' x_pad and o.
         module, padding: as there (the calls share them).
+        u, with_bias: as in ``conv_sq_norms_rounding``.
     Returns:
-        (n, B, 1): row c call c's per-sample squared norms (as partial sums of one column).
+        (sq, rho), (n, B, 1) each: row c call c's per-sample squared norms and ρ (as partial sums of one
+        column); rho None where ``u`` is 0.
     """
-    return torch.stack([conv_weight_sq_norms(x, o, module, padding).unsqueeze(1) for x, o in calls])
+    each = [conv_sq_norms_rounding(x, o, module, with_bias, u, padding) for x, o in calls]
+    sq = torch.stack([sq for sq, _ in each]).unsqueeze(2)
+    return sq, (torch.stack([rho for _, rho in each]).unsqueeze(2) if u else None)
 
 
-_CONV_WEIGHT_SQ_NORMS_GROUPED = declare("conv_weight_sq_norms_grouped", conv_weight_sq_norms_grouped_reference)
+_CONV_SQ_NORMS_GROUPED = declare("conv_sq_norms_grouped", conv_sq_norms_grouped_reference)
 
 
 def groups_conv_norms(x: torch.Tensor, o: torch.Tensor) -> bool:
-    """Whether a conv call's norms would take the grouped kernel (``conv_weight_sq_norms_grouped``):
+    """Whether a conv call's norms would take the grouped kernel (``conv_sq_norms_grouped``):
     where the norm kernel runs (on a GPU, or under ``TRITON_INTERPRET=1``), outside a CUDA graph
     capture (the launch copies the calls' offsets from the host: a captured step has no host work to
     save anyway).
@@ -279,25 +323,28 @@ def groups_conv_norms(x: torch.Tensor, o: torch.Tensor) -> bool:
     Returns:
         a bool.
     """
-    if _CONV_WEIGHT_SQ_NORMS_GROUPED.pick(x, o) is _CONV_WEIGHT_SQ_NORMS_GROUPED.reference:
+    if _CONV_SQ_NORMS_GROUPED.pick(x, o) is _CONV_SQ_NORMS_GROUPED.reference:
         return False
     return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def conv_weight_sq_norms_grouped(calls: list, module, padding=None):
-    """Per-sample squared weight norms of n conv calls of one shape, strides, dtype and layer geometry,
-    from one kernel launch where ``groups_conv_norms`` holds for them, instead of one per call.
+def conv_sq_norms_grouped(calls: list, module, padding=None, u: float = 0.0, with_bias: bool = False) -> tuple:
+    """Per-sample squared weight norms (and, with ``u``, rounding bounds) of n conv calls of one shape,
+    strides, dtype and layer geometry, from one kernel launch where ``groups_conv_norms`` holds for
+    them, instead of one per call.
 
     Args:
         calls: n ≥ 1 pairs (x, o) of one shape, strides and dtype.
         module: supplies the calls' kernel size, stride, dilation and groups.
         padding: the zero padding still to apply to every x, or None.
+        u, with_bias: as in ``conv_sq_norms_rounding``.
     Returns:
-        (n, B, K) partial sums (fp32; fp64 for fp64 calls on the reference), row c summing to call c's
-        norms (a list of n (B, K_c) where the kernel runs them one by one).
+        (sq, rho): (n, B, K) partial sums each (fp32; fp64 for fp64 calls on the reference), row c summing
+        to call c's norms and ρ (lists of n (B, K_c) where the kernel runs them one by one); rho None
+        where ``u`` is 0.
     """
     x, o = calls[0]
-    return _CONV_WEIGHT_SQ_NORMS_GROUPED.pick(x, o)(calls, module, padding)
+    return _CONV_SQ_NORMS_GROUPED.pick(x, o)(calls, module, padding, u, with_bias)
 
 
 def conv_bias_sq_norms(o: torch.Tensor) -> torch.Tensor:

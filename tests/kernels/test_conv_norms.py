@@ -180,9 +180,9 @@ def test_padding_applied_by_masking_equals_a_padded_copy_bit_for_bit(tools, gen,
 @pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-stride2", "2d-groups3", "2d-multi-tile", "1d-stride-dilation",
                                   "1d-long", "2d-reflect"])
 def test_a_grouped_launch_equals_each_calls_own_launch_bit_for_bit(tools, gen, name, padded, dtype):
-    """``conv_weight_sq_norms_grouped``: n calls of one shape in one launch, each found at its offset from
+    """``conv_sq_norms_grouped``: n calls of one shape in one launch, each found at its offset from
     the first call's tensors (before it in memory too: views of one tensor, in reverse order), give the
-    partial sums each call's own launch gives."""
+    partial sums each call's own launch gives, the norms' and (with u) ρ's."""
     module, shape = _make(name)
     B, n = 3, 4
     own = None if padded else _DPConv_own_padding(module)
@@ -197,10 +197,18 @@ def test_a_grouped_launch_equals_each_calls_own_launch_bit_for_bit(tools, gen, n
                      module.dilation, module.groups).shape
     o = tools.randn(gen, n, *out_shape, dtype=dtype, device=tools.device)
     calls = [(x[c], o[c]) for c in reversed(range(n))]  # later calls before the first one in memory
-    grouped = conv_norms.conv_weight_sq_norms_grouped(calls, module, own)
-    assert isinstance(grouped, torch.Tensor) and grouped.shape[:2] == (n, B)
+    grouped, no_rho = conv_norms.conv_sq_norms_grouped(calls, module, own)
+    assert isinstance(grouped, torch.Tensor) and grouped.shape[:2] == (n, B) and no_rho is None
+    sq, rho = conv_norms.conv_sq_norms_grouped(calls, module, own, 2.0 ** -8, True)
+    assert torch.equal(sq, grouped) and rho.shape[:2] == (n, B)
     for c, (xc, oc) in enumerate(calls):
         assert torch.equal(grouped[c], conv_norms.conv_weight_sq_norms(xc, oc, module, padding=own, parts=True))
+        own_sq, own_rho = conv_norms.conv_sq_norms_rounding(xc, oc, module, True, 2.0 ** -8, padding=own, parts=True)
+        assert torch.equal(sq[c], own_sq)
+        if module.groups == 1:  # the launch's own partial sums
+            assert torch.equal(rho[c], own_rho)
+        else:  # a grouped convolution's ρ comes from the reference, (B,) a call
+            assert torch.equal(rho[c, :, 0], own_rho)
 
 
 def _DPConv_own_padding(module):
@@ -216,12 +224,131 @@ def test_grouped_calls_that_do_not_match_take_their_own_launches(tools, gen):
     x = tools.randn(gen, 3, *shape, device=tools.device)
     o = tools.randn(gen, 3, 7, *shape[1:], device=tools.device)
     calls = [(x, o), (x[:2], o[:2]), (x.to(memory_format=torch.channels_last), o)]
-    got = conv_norms.conv_weight_sq_norms_grouped(calls, module, (1, 1))
-    assert isinstance(got, list) and len(got) == 3
-    for (xc, oc), g in zip(calls, got):
+    got, rho = conv_norms.conv_sq_norms_grouped(calls, module, (1, 1), 2.0 ** -8)
+    assert isinstance(got, list) and len(got) == 3 and isinstance(rho, list) and len(rho) == 3
+    for (xc, oc), g, r in zip(calls, got, rho):
         assert torch.equal(g, conv_norms.conv_weight_sq_norms(xc, oc, module, padding=(1, 1), parts=True))
-    empty = conv_norms.conv_weight_sq_norms_grouped([(x[:0], o[:0])] * 2, module, (1, 1))
-    assert empty.shape == (2, 0, 1)
+        assert torch.equal(r, conv_norms.conv_sq_norms_rounding(xc, oc, module, False, 2.0 ** -8, padding=(1, 1),
+                                                                parts=True)[1])
+    empty, empty_rho = conv_norms.conv_sq_norms_grouped([(x[:0], o[:0])] * 2, module, (1, 1), 2.0 ** -8)
+    assert empty.shape == empty_rho.shape == (2, 0, 1)
+
+
+U = 2.0 ** -8
+
+
+def rounding_oracle(module, x_pad, o, with_bias, u=U):
+    """ρ_i = u·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1]) per sample in float64, from the unfolded padded input."""
+    a, out = conv_ops.conv_as_linear(x_pad.double().cpu(), o.double().cpu(), module)
+    sq_a = a.pow(2).sum(-1) + (1.0 if with_bias else 0.0)
+    return u * (sq_a.sqrt() * out.norm(dim=-1)).sum(-1).view(x_pad.shape[0], module.groups).sum(1)
+
+
+def _check_rounding(tools, module, x, x_pad, o, path, with_bias, padding, what):
+    """Norms and ρ from one launch: the norms the same bits as the norm launch's, ρ against float64 (a
+    grouped convolution's from the reference, over all its input channels)."""
+    sq, rho = conv_norms.conv_sq_norms_rounding(x, o, module, with_bias, U, padding, path=path)
+    assert sq.dtype == rho.dtype == torch.float32 and sq.shape == rho.shape == (x.shape[0],), what
+    assert torch.equal(sq, conv_norms.conv_weight_sq_norms(x, o, module, path, padding=padding)), what
+    if module.groups != 1:
+        want = conv_ops.conv_scaled_sum_rounding(x, o, module, True, with_bias, padding, U)
+        assert torch.equal(rho, want), what
+        return
+    torch.testing.assert_close(rho.double().cpu(), rounding_oracle(module, x_pad, o, with_bias), rtol=ACC_RTOL, atol=0,
+                               msg=what)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("path", ["direct", "gram"])
+@pytest.mark.parametrize("case", [*CASES, *(f"random-{seed}" for seed in range(24))])
+def test_rounding_bound_from_the_norm_launch_against_float64(tools, gen, case, path, dtype):
+    """``conv_sq_norms_rounding``: ρ_i from the norm kernel's own launch (the Gram path off its Grams'
+    diagonals, the direct path from a chunk of positions per program), with and without the bias's
+    column, on the padded copy and with the padding masked, equals u·Σ_q ‖o_q‖·√(‖a_q‖² [+ 1])."""
+    if case.startswith("random-"):
+        module, shape, B = _random_conv(int(case.split("-")[1]))
+    else:
+        (module, shape), B = _make(case), 3
+    x, x_pad, o = _inputs(gen, module, shape, B, dtype, tools)
+    _check_rounding(tools, module, x_pad, x_pad, o, path, True, None, f"{case} {path} {dtype} padded copy")
+    got = _unpadded(gen, module, shape, B, dtype, tools)
+    if got is not None:
+        x, x_pad, o, padding = got
+        _check_rounding(tools, module, x, x_pad, o, path, False, padding, f"{case} {path} {dtype} masked")
+
+
+@pytest.mark.parametrize("path", ["direct", "gram"])
+@pytest.mark.parametrize("name", ["2d-3x3-pad1", "2d-multi-tile", "1d-long", "2d-groups3"])
+def test_rounding_bound_parts_are_the_launchs_partial_sums(tools, gen, name, path):
+    """parts=True: ρ comes as the launch's (B, K) partial sums beside the norms' (B, K), whose row sums
+    are the summed results; a grouped convolution's comes summed, (B,)."""
+    module, shape = _make(name)
+    x, x_pad, o, padding = _unpadded(gen, module, shape, 3, torch.bfloat16, tools)
+    sq, rho = conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding, path=path)
+    sq_parts, rho_parts = conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding, True, path=path)
+    assert sq_parts.dim() == 2 and sq_parts.shape[0] == 3 and torch.equal(sq_parts.sum(1), sq)
+    if module.groups != 1:
+        assert torch.equal(rho_parts, rho)
+        return
+    assert rho_parts.shape == sq_parts.shape
+    torch.testing.assert_close(rho_parts.sum(1), rho, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("path", ["direct", "gram"])
+def test_rounding_bound_on_empty_single_sample_channels_last_and_mixed_dtype_calls(tools, gen, path):
+    module, shape = _make("2d-stride2")
+    for B in (0, 1):
+        x, x_pad, o, padding = _unpadded(gen, module, shape, B, torch.bfloat16, tools)
+        _check_rounding(tools, module, x, x_pad, o, path, True, padding, f"B={B}")
+        sq, rho = conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding, True, path=path)
+        assert sq.shape[0] == rho.shape[0] == B
+    x, x_pad, o, padding = _unpadded(gen, module, shape, 3, torch.float32, tools)
+    x_cl, o_cl = x.to(memory_format=torch.channels_last), o.to(memory_format=torch.channels_last)
+    _check_rounding(tools, module, x_cl, x_pad, o_cl, path, False, padding, "channels_last")
+    # autocast: an fp32 input beside a bf16 output gradient meet in fp32
+    _check_rounding(tools, module, x, x_pad, o.bfloat16().float(), path, False, padding, "fp32")
+    sq, rho = conv_norms.conv_sq_norms_rounding(x, o.bfloat16(), module, False, U, padding, path=path)
+    torch.testing.assert_close(rho.double().cpu(), rounding_oracle(module, x_pad, o.bfloat16(), False), rtol=ACC_RTOL,
+                               atol=0)
+
+
+def test_rounding_bound_adds_no_launch_to_the_conv_norm_kernel(tools, gen):
+    """ρ costs no operation beyond the norms' own: as many ops and Triton launches for both as for the
+    norms alone (five more ops on the torch route: two reductions, a one-channel convolution, a square
+    root and a batched dot)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        launches.append(self)
+        return run(self, *args, **kwargs)
+
+    module, shape = _make("2d-3x3-pad1")
+    x, _, o, padding = _unpadded(gen, module, shape, 3, torch.bfloat16, tools)
+    InterpretedFunction.run = counting
+    try:
+        with Count() as norms_only:
+            conv_norms.conv_weight_sq_norms(x, o, module, padding=padding, parts=True)
+        n_norms = len(launches)
+        with Count() as both:
+            conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding=padding, parts=True)
+    finally:
+        InterpretedFunction.run = run
+    assert n_norms == 1 and len(launches) == 2
+    assert both.ops == norms_only.ops, (both.ops, norms_only.ops)
 
 
 def test_padding_given_as_numpy_ints_is_applied_by_masking(tools, gen):

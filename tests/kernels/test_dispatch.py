@@ -127,9 +127,17 @@ def _conv_grouped_case(tools, gen):  # three calls of one shape (two of them vie
              [tools.randn(gen, 2, 3, 9, 7, device=tools.device), tools.randn(gen, 2, 5, 5, 4, device=tools.device)],
              [xs[1], tools.randn(gen, 2, 5, 5, 4, device=tools.device)]]
 
-    def alike(fast, slow):  # the kernel's (n, B, K) partial sums, the reference's (n, B, 1) norms
-        torch.testing.assert_close(fast.sum(2), slow.sum(2), rtol=1e-5, atol=1e-5)
-    return (calls, module, (1, 1)), alike
+    def alike(fast, slow):  # the kernel's (n, B, K) partial sums, the reference's (n, B, 1) norms and ρ
+        torch.testing.assert_close(fast[0].sum(2), slow[0].sum(2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast[1].sum(2), slow[1].sum(2), rtol=1e-5, atol=0)
+    return (calls, module, (1, 1), 2.0 ** -8, True), alike
+
+
+def _conv_rounding_case(tools, gen):  # a masked-padding call with a bias: norms and ρ from one launch
+    module = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1).to(tools.device)
+    return (tools.randn(gen, 2, 3, 9, 7, dtype=torch.bfloat16, device=tools.device),
+            tools.randn(gen, 2, 5, 5, 4, dtype=torch.bfloat16, device=tools.device), module, True, 2.0 ** -8,
+            (1, 1)), None
 
 
 def _bias_case(tools, gen):
@@ -166,7 +174,8 @@ CASES = {
     "linear_sq_norms_rounding": _linear_rounding_case,
     "linear_sq_norms_grouped": _linear_grouped_case,
     "conv_weight_sq_norms": _conv_case,
-    "conv_weight_sq_norms_grouped": _conv_grouped_case,
+    "conv_sq_norms_rounding": _conv_rounding_case,
+    "conv_sq_norms_grouped": _conv_grouped_case,
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,
     "group_norm_affine_grads": _group_norm_case,

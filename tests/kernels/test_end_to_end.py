@@ -433,14 +433,14 @@ def _clip_conv_once(model, x, clipping):
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_same_shape_convolutions_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls):
     """A ResNet stage repeats its convolutions: book-keeping gives the norms of same-shape conv calls one
-    launch at the end of the backward (``conv_weight_sq_norms_grouped``), and per-layer clipping gives
+    launch at the end of the backward (``conv_sq_norms_grouped``), and per-layer clipping gives
     one to a run of consecutive ones, the GroupNorm calls between them not ending the run. The norms,
     ρ and clipped sums equal those of one launch per call."""
     import pdpfast.ops.conv as conv_ops
 
     launches = []
-    grouped_op = conv_ops.conv_weight_sq_norms_grouped
-    monkeypatch.setattr(conv_ops, "conv_weight_sq_norms_grouped",
+    grouped_op = conv_ops.conv_sq_norms_grouped
+    monkeypatch.setattr(conv_ops, "conv_sq_norms_grouped",
                         lambda calls, *args: (launches.append(len(calls)), grouped_op(calls, *args))[1])
     torch.manual_seed(0)
 
@@ -463,6 +463,42 @@ def test_same_shape_convolutions_take_one_norm_launch(clipping, dtype, monkeypat
         elif want is not None or got is not None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     assert launches == []
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_conv_rounding_bound_comes_from_the_norm_launch_and_equals_the_reference_in_bf16(clipping, monkeypatch,
+                                                                                         device, full_size_calls):
+    """bf16 convolutions (with and without a bias, grouped and alone, past GroupNorm calls): ρ_i comes
+    from the norm kernel's launch, never from the torch route's five ops, and the state's norms, ρ and
+    clipped sums equal those of the torch references (Triton off), which take that route. The GroupNorm
+    gradients take the reference in both runs (its kernel rounds once to bf16, as LayerNorm's in
+    ``test_rounding_bound_with_kernels_matches_reference_math_in_bf16``)."""
+    import pdpfast.ops.conv as conv_ops
+
+    monkeypatch.setattr(dispatch.op("group_norm_affine_grads"), "kernel", None)
+    torch_route = []
+    scaled_sum_rounding = conv_ops.conv_scaled_sum_rounding
+    monkeypatch.setattr(conv_ops, "conv_scaled_sum_rounding",
+                        lambda *args: (torch_route.append(1), scaled_sum_rounding(*args))[1])
+    torch.manual_seed(0)
+
+    def conv(bias=True):
+        return nn.Conv2d(8, 8, 3, padding=1, bias=bias)
+    model = pdpfast.nn.convert(nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), conv(), nn.GroupNorm(2, 8), nn.Tanh(),
+        conv(), nn.GroupNorm(2, 8), nn.Tanh(), conv(bias=False), nn.Tanh(), conv()).to(device, torch.bfloat16))
+    x = torch.randn(3, 4, 6, 6, device=device, dtype=torch.bfloat16)
+    norms, rho, grads = _clip_conv_once(model, x, clipping)
+    assert torch_route == []
+    monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+    ref_norms, ref_rho, ref_grads = _clip_conv_once(model, x, clipping)
+    assert len(torch_route) == 5  # the reference's route: each call's five ops
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
+    if clipping == "flat":
+        assert rho is not None and (rho > 0).all()
+    torch.testing.assert_close(rho, ref_rho, rtol=1e-4, atol=0)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-2, atol=1e-3, msg=key)
 
 
 def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls, grouped_launches):
