@@ -581,9 +581,9 @@ def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bi
         u: the unit roundoff of the clipped sum's row scaling (``pdpfast.nn.rules.scaling_roundoff``);
             0: no ρ (None).
     Returns:
-        (sq, rho): each (B,) fp32, or (B, n) with ``parts``; rho None where ``u`` is 0. Grouped
-        convolutions (groups > 1), float64 and other ranks take the references (then (B,) whatever
-        ``parts``).
+        (sq, rho): each (B,) fp32, or (B, n) with ``parts``; rho None where ``u`` is 0. float64 and
+        other ranks take the references (then (B,) whatever ``parts``). For a grouped convolution ρ
+        sums over its groups (each program's are one group's), as the reference does.
     Raises:
         as ``conv_weight_sq_norms``.
     """
@@ -598,10 +598,7 @@ def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bi
     # (torch.backends.cudnn.allow_tf32, on by default), exact ones otherwise
     tf32 = x_pad.is_cuda and tf32_allowed("conv")
     plan = _plan_of(x_pad, o, module, path, pads, tf32)
-    fused = u if module.groups == 1 else 0.0  # (a grouped convolution's ρ spans all of its input channels)
-    sq, rho = _launch(plan, x_pad, o, plan.batch, None, tf32, fused, with_bias)
-    if u and not fused:
-        rho = conv_scaled_sum_rounding(x_pad, o, module, True, with_bias, padding, u)
+    sq, rho = _launch(plan, x_pad, o, plan.batch, None, tf32, u, with_bias)
     if parts:
         return sq, rho
     return sum_partials(sq), (rho if rho is None or rho.dim() == 1 else sum_partials(rho))
@@ -632,7 +629,7 @@ def conv_sq_norms_grouped(calls: list, module, padding=None, u: float = 0.0, wit
         (sq, rho): (n, B, K) fp32 partial sums each, row c what call c's own launch writes with ``parts``;
         rho None where ``u`` is 0. Calls that do not all match the first one's shapes, strides, dtype and
         device, or whose tensors do not start on a whole element, run one launch each (then lists of n
-        (B, K_c) partial sums); grouped convolutions' ρ comes from the reference (n, B, 1).
+        (B, K_c) partial sums).
     """
     x0, o0 = calls[0]
     offsets = grouped_offsets(calls, x0.element_size())
@@ -642,12 +639,8 @@ def conv_sq_norms_grouped(calls: list, module, padding=None, u: float = 0.0, wit
     tf32 = x0.is_cuda and tf32_allowed("conv")
     plan = _plan_of(x0, o0, module, "auto", _paddings(padding, x0.dim() - 2), tf32)
     n = len(calls)
-    fused = u if module.groups == 1 else 0.0
-    sq, rho = _launch(plan, x0, o0, n * plan.batch, offsets, tf32, fused, with_bias)
+    sq, rho = _launch(plan, x0, o0, n * plan.batch, offsets, tf32, u, with_bias)
     sq = sq.view(n, plan.batch, sq.shape[1])
-    if u and not fused:
-        return sq, torch.stack([conv_scaled_sum_rounding(x, o, module, True, with_bias, padding, u)
-                                for x, o in calls]).unsqueeze(2)
     return sq, (None if rho is None else rho.view(n, plan.batch, rho.shape[1]))
 
 

@@ -55,6 +55,11 @@ CASES = {
                  lambda dt: torch.ones(1, 2, 1, dtype=dt)),
     "conv2d": (lambda: _ones(nn.Conv2d(1, 1, 2, stride=2, bias=False)), lambda dt: torch.ones(1, 1, 2, 4, dtype=dt)),
     "conv1d_bias": (lambda: _ones(nn.Conv1d(2, 1, 1)), lambda dt: torch.ones(1, 2, 2, dtype=dt)),
+    # depthwise: each group's two positions cancel (its bound sums over the groups)
+    "conv2d_depthwise": (lambda: _ones(nn.Conv2d(2, 2, 2, stride=2, groups=2, bias=False)),
+                         lambda dt: torch.ones(1, 2, 2, 4, dtype=dt)),
+    "conv2d_groups_bias": (lambda: _ones(nn.Conv2d(4, 2, 2, stride=2, groups=2)),
+                           lambda dt: torch.ones(1, 4, 2, 4, dtype=dt)),
     "embedding_repeated_token": (lambda: _ones(nn.Embedding(3, 1)), lambda dt: torch.tensor([[1, 1]])),
     # one bag, its entries weighted 1 and -1 + eps: the per-entry rows w·s_j·o cancel
     "embedding_bag": (lambda: _ones(nn.EmbeddingBag(3, 1, mode="sum")),
@@ -151,6 +156,26 @@ def test_cancelling_record_stays_within_bound_when_calls_do_not_stack(case, styl
     assert _worst_ratio(case, style, torch.bfloat16, small_call_bytes=0, monkeypatch=monkeypatch) <= 1.0
 
 
+@pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
+@pytest.mark.parametrize("case", ["conv2d", "conv1d_bias", "conv2d_depthwise", "conv2d_groups_bias"])
+def test_cancelling_conv_record_stays_within_bound_where_no_per_sample_gradient_is_formed(case, style, monkeypatch):
+    """Convolutions whose norms come from their formulas (as a GPU's, and large calls on a CPU), not from
+    formed per-sample gradients, clip with their rule's ρ (a grouped convolution's summed over its
+    groups): the cancelling record stays within its bound, and the bound is what kept it there."""
+    import pdpfast.ops.conv as conv_ops
+    import pdpfast.ops.linear as lin_ops
+
+    for name in ("MATERIALIZE_RATIO", "MATERIALIZE_MIN_ELEMENTS"):
+        monkeypatch.setattr(lin_ops, name, 0)
+    monkeypatch.setattr(conv_ops, "implicit_gram_pays", lambda *args: True)
+    bounds = []
+    rounding = conv_ops.conv_scaled_sum_rounding
+    monkeypatch.setattr(conv_ops, "conv_scaled_sum_rounding", lambda *args: (bounds.append(1), rounding(*args))[1])
+    worst = _worst_ratio(case, style, torch.bfloat16, small_call_bytes=0, monkeypatch=monkeypatch)
+    assert bounds, "the call formed its per-sample gradients: no bound was exercised"
+    assert 0.3 < worst <= 1.0
+
+
 def test_rounding_bound_costs_nothing_where_terms_do_not_cancel():
     """One position per record (T = 1): ρ_i = u·‖g_i‖, so the bound loses only ~u of the signal."""
     torch.manual_seed(0)
@@ -206,7 +231,8 @@ def test_linear_rounding_bound_is_u_times_sum_of_position_norm_products(B, T, wi
     dict(kernel_size=1), dict(kernel_size=3, groups=2, padding=1)], ids=str)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_conv_rounding_bound_reads_each_output_positions_input_patch(conv, with_bias):
-    """u·Σ_q ‖o_q‖·√(‖patch_q‖² + 1): the patch norms from unfold (brute force), every channel."""
+    """u·Σ_g Σ_q ‖o_{q,g}‖·√(‖patch_{q,g}‖² + 1): the patch norms from unfold (brute force), each group's
+    output channels against its input channels."""
     g = torch.Generator().manual_seed(0)
     layer = pdpfast.nn.convert(nn.Conv2d(4, 6, bias=with_bias, **conv).to(torch.float16))
     x = torch.randn(3, 4, 7, 9, generator=g).to(torch.float16)
@@ -216,8 +242,9 @@ def test_conv_rounding_bound_reads_each_output_positions_input_patch(conv, with_
     k = layer.kernel_size
     patches = nn.functional.unfold(x.double(), k, dilation=layer.dilation, padding=layer.padding,
                                    stride=layer.stride)  # (B, C·kh·kw, Q)
-    size = patches.pow(2).sum(1) + (1.0 if with_bias else 0.0)
-    expected = 2.0 ** -11 * (o.double().flatten(2).norm(dim=1) * size.sqrt()).sum(1)
+    G = layer.groups
+    size = patches.unflatten(1, (G, -1)).pow(2).sum(2) + (1.0 if with_bias else 0.0)  # (B, G, Q)
+    expected = 2.0 ** -11 * (o.double().flatten(2).unflatten(1, (G, -1)).norm(dim=2) * size.sqrt()).sum((1, 2))
     torch.testing.assert_close(rho.double(), expected, rtol=1e-5, atol=0)
 
 

@@ -392,17 +392,20 @@ def conv_clipped_grads(x_pad, o, weights, module, need_weight=True, need_bias=Tr
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-_BOXES: dict = {}  # (kernel size, dtype, device) -> the all-ones (1, 1, *kernel) weight
+_BOXES: dict = {}  # (groups, kernel size, dtype, device) -> the all-ones (groups, 1, *kernel) weight
 
 
 def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, u: float) -> torch.Tensor:
-    """u·Σ_q ‖o_q‖·√(‖patch_q‖² + [need_bias]) per sample, over output positions q: a clipped sum that
-    rounds each scaled w_i·o_q to a relative u is within w_i times this of w_i·g_i.
+    """u·Σ_g Σ_q ‖o_{q,g}‖·√(‖patch_{q,g}‖² + [need_bias]) per sample, over output positions q and the
+    convolution's groups g (o_{q,g}: group g's output channels at q; patch_{q,g}: the input values they
+    read, group g's input channels): a clipped sum that rounds each scaled w_i·o_q to a relative u is
+    within w_i times this of w_i·g_i (group g's block of the weight gradient, Σ_q o_{q,g} patch_{q,g}ᵀ,
+    is within u·w_i·Σ_q ‖o_{q,g}‖‖patch_{q,g}‖ of its own, and the blocks' errors add at most).
+    Without the weight, u·Σ_q ‖o_q‖ (the bias's sum over positions).
 
-    ‖patch_q‖² (the input values position q's output reads, every channel) is the channel-summed
-    squared input convolved with a box of the kernel's size, stride and dilation: two reductions and
-    a one-channel convolution, nothing of the unfolded input's size. Over all channels it bounds a
-    grouped convolution's too (by Cauchy-Schwarz over the groups).
+    ‖patch_{q,g}‖² is the group-summed squared input convolved with a box of the kernel's size, stride
+    and dilation: two reductions and a convolution of one channel a group, nothing of the unfolded
+    input's size.
 
     Args:
         x_pad, o, module, need_weight, need_bias, padding: as in ``conv_clipped_grads``.
@@ -411,16 +414,16 @@ def conv_scaled_sum_rounding(x_pad, o, module, need_weight, need_bias, padding, 
         (B,) in the accumulation dtype (fp32, fp64 for fp64 inputs).
     """
     acc = acc_dtype(x_pad, o)
-    terms = torch.linalg.vector_norm(o, dim=1, dtype=acc).flatten(1)  # (B, out positions)
     if not need_weight:
-        return terms.sum(1).mul_(u)
-    n = x_pad.dim() - 2
-    key = (tuple(module.kernel_size), acc, x_pad.device)
+        return torch.linalg.vector_norm(o, dim=1, dtype=acc).flatten(1).sum(1).mul_(u)
+    n, groups = x_pad.dim() - 2, module.groups
+    key = (groups, tuple(module.kernel_size), acc, x_pad.device)
     box = _BOXES.get(key)
     if box is None:
-        box = _BOXES[key] = torch.ones((1, 1, *module.kernel_size), dtype=acc, device=x_pad.device)
-    sq = torch.linalg.vector_norm(x_pad, dim=1, dtype=acc).square_().unsqueeze(1)  # (B, 1, *spatial)
-    patch = _CONV_FN[n](sq, box, None, module.stride, _padding(padding, n), module.dilation).flatten(1)
+        box = _BOXES[key] = torch.ones((groups, 1, *module.kernel_size), dtype=acc, device=x_pad.device)
+    terms = torch.linalg.vector_norm(o.unflatten(1, (groups, -1)), dim=2, dtype=acc).flatten(1)  # (B, G·positions)
+    sq = torch.linalg.vector_norm(x_pad.unflatten(1, (groups, -1)), dim=2, dtype=acc).square_()  # (B, G, *spatial)
+    patch = _CONV_FN[n](sq, box, None, module.stride, _padding(padding, n), module.dilation, groups).flatten(1)
     if need_bias:
         patch = patch.add_(1)
     u *= tf32_slack(sq, "conv")  # the box's sums may come from TF32 products
