@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -175,9 +176,39 @@ def assert_as_accurate_as_torch(kernel_out, torch_out, oracle, atol, factor=2.0,
         f"+ atol {atol.expand_as(kernel_err).flatten()[worst]:.3e}")
 
 
+class OpLog(TorchDispatchMode):
+    """``with OpLog() as log``: ``log.ops``, the names of the aten ops dispatched inside, views (which
+    launch nothing) left out; ``log.launches``, the Triton kernels launched inside (compiled or
+    interpreted), one entry a launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.launches = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        self._saved = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+        for cls, run in self._saved.items():
+            cls.run = lambda fn, *args, _run=run, **kwargs: (self.launches.append(fn), _run(fn, *args, **kwargs))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, run in self._saved.items():
+            cls.run = run
+        return super().__exit__(*exc)
+
+
 @pytest.fixture
 def tools():
-    return SimpleNamespace(randn=_randn, check=assert_as_accurate_as_torch, device=DEVICE, interpret=INTERPRET)
+    return SimpleNamespace(randn=_randn, check=assert_as_accurate_as_torch, device=DEVICE, interpret=INTERPRET,
+                           op_log=OpLog)
 
 
 @pytest.fixture(autouse=True)

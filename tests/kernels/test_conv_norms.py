@@ -316,38 +316,13 @@ def test_rounding_bound_adds_no_launch_to_the_conv_norm_kernel(tools, gen):
     """ρ costs no operation beyond the norms' own: as many ops and Triton launches for both as for the
     norms alone (five more ops on the torch route: two reductions, a one-channel convolution, a square
     root and a batched dot)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.interpreter import InterpretedFunction
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    launches = []
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        launches.append(self)
-        return run(self, *args, **kwargs)
-
     module, shape = _make("2d-3x3-pad1")
     x, _, o, padding = _unpadded(gen, module, shape, 3, torch.bfloat16, tools)
-    InterpretedFunction.run = counting
-    try:
-        with Count() as norms_only:
-            conv_norms.conv_weight_sq_norms(x, o, module, padding=padding, parts=True)
-        n_norms = len(launches)
-        with Count() as both:
-            conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding=padding, parts=True)
-    finally:
-        InterpretedFunction.run = run
-    assert n_norms == 1 and len(launches) == 2
+    with tools.op_log() as norms_only:
+        conv_norms.conv_weight_sq_norms(x, o, module, padding=padding, parts=True)
+    with tools.op_log() as both:
+        conv_norms.conv_sq_norms_rounding(x, o, module, True, U, padding=padding, parts=True)
+    assert len(norms_only.launches) == len(both.launches) == 1
     assert both.ops == norms_only.ops, (both.ops, norms_only.ops)
 
 

@@ -325,27 +325,15 @@ def test_rounding_bound_adds_no_launch_to_the_norm_kernel(tools, gen, T):
     """On the kernels' rank-one and Gram paths ρ costs no operation beyond the norms' own: the
     host issues as many ops for both as for the norms alone (four more without the fusion). Views
     launch nothing and are not counted."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from pdpfast.ops import linear as lin_ops
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     a = tools.randn(gen, 4, T, 16, dtype=torch.bfloat16, device=tools.device)
     o = tools.randn(gen, 4, T, 16, dtype=torch.bfloat16, device=tools.device)
-    with Count() as norms_only:
+    with tools.op_log() as norms_only:
         lin_ops.linear_sq_norms(a, o, with_bias=True)
-    with Count() as both:
+    with tools.op_log() as both:
         lin_ops.linear_sq_norms_rounding(a, o, True, 2.0 ** -8)
-    with Count() as apart:
+    with tools.op_log() as apart:
         lin_ops.linear_sq_norms_rounding_reference(a, o, True, 2.0 ** -8)
     assert both.ops == norms_only.ops
     assert len(apart.ops) >= len(both.ops) + 3
