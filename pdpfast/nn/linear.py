@@ -67,10 +67,14 @@ def as_btd(x: torch.Tensor, o: torch.Tensor):
         o: the output gradient, (B·T, p) (any shape with B·T·p elements, e.g. (B, ..., p)).
     Returns:
         (x as (B, T, d), o as (B, T, p)), T the product of the middle dims of x (1 for 2-D inputs);
-        views where the layout allows (``reshape``).
+        x itself when 3-D, else views where the layout allows (``reshape``).
     """
-    B, T = x.shape[0], math.prod(x.shape[1:-1])
-    return x.reshape(B, T, x.shape[-1]), o.reshape(B, T, o.shape[-1])
+    if x.dim() == 3:  # (B, T, d) already (a transformer's calls): no view made (~1 µs, several times a call)
+        B, T = x.shape[0], x.shape[1]
+    else:
+        B, T = x.shape[0], math.prod(x.shape[1:-1])
+        x = x.reshape(B, T, x.shape[-1])
+    return x, o.view(B, T, o.shape[-1]) if o.is_contiguous() else o.reshape(B, T, o.shape[-1])
 
 
 def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):

@@ -149,9 +149,10 @@ class Grouped:
             (calls with equal keys must share shapes, strides, dtype and device: x is in o's dtype
             by then, ``ClippingState.on_backward``).
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
-            rho), each (n, B, K): row c call c's per-sample squared norms and its ``LayerRule.rounding``
-            bound as (B, K) partial sums (``LayerRule.norm_parts``); rho None where not ``bound`` or
-            where they add nothing.
+            rho), each (n, B, K) (or a list of n per-call tensors): row c call c's per-sample squared
+            norms and its ``LayerRule.rounding`` bound as (B, K) partial sums (``LayerRule.norm_parts``;
+            ρ may instead be (B,), as ``LayerRule.norms_and_rounding`` gives it); rho None where not
+            ``bound`` or where they add nothing.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
