@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpfast.ops.conv import conv_scaled_sum_rounding, conv_weight_sq_norms_reference
+from pdpfast.ops.conv import conv_sq_norms_rounding_reference
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.linear import TF32_SLACK, tf32_allowed
 
@@ -593,8 +593,7 @@ def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bi
     if path not in ("auto", "gram", "direct"):
         raise ValueError(f"path must be 'auto', 'gram' or 'direct', got {path!r}")
     if not _runs_kernel(x_pad, o):
-        return (conv_weight_sq_norms_reference(x_pad, o, module, padding),
-                conv_scaled_sum_rounding(x_pad, o, module, True, with_bias, padding, u) if u else None)
+        return conv_sq_norms_rounding_reference(x_pad, o, module, with_bias, u, padding)
     pads = _paddings(padding, x_pad.dim() - 2)
     x_pad, o = _common_dtype(x_pad, o)
     # fp32 on a GPU follows torch's policy for convolutions: TF32 products where cuDNN may use them
@@ -604,7 +603,7 @@ def conv_sq_norms_rounding(x_pad: torch.Tensor, o: torch.Tensor, module, with_bi
     sq, rho = _launch(plan, x_pad, o, plan.batch, None, tf32, u, with_bias)
     if parts:
         return sq, rho
-    return sum_partials(sq), (rho if rho is None or rho.dim() == 1 else sum_partials(rho))
+    return sum_partials(sq), (None if rho is None else sum_partials(rho))
 
 
 def _groups_conv_norms(x: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -74,7 +74,7 @@ def as_btd(x: torch.Tensor, o: torch.Tensor):
     else:
         B, T = x.shape[0], math.prod(x.shape[1:-1])
         x = x.reshape(B, T, x.shape[-1])
-    return x, o.view(B, T, o.shape[-1]) if o.is_contiguous() else o.reshape(B, T, o.shape[-1])
+    return x, o.reshape(B, T, o.shape[-1])
 
 
 def linear_rounding(a: torch.Tensor, o: torch.Tensor, with_weight: bool, with_bias: bool):
