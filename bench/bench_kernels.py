@@ -534,6 +534,35 @@ def bench_rms_norm_grads(rows, op, dtype_name, quick, reps):
     _bench_norm_grads(rows, op, dtype_name, quick, reps, lambda n: torch.nn.RMSNorm(n, eps=1e-6))
 
 
+def _bench_norm_grads_grouped(rows, op, dtype_name, quick, reps, module_of):
+    """A transformer's same-shape LayerNorm (RMSNorm) calls from one launch (book-keeping forms their
+    per-sample gradients together at the end of the backward), against one launch per call (the
+    reference: each call on the kernel): BERT-base's 25 calls and GPT-2's 25. ``median_ms`` includes
+    the host's launches, which grouping saves; ``graph_ms`` is the reference's only (the grouped
+    launch copies its offsets from the host, which a capture refuses)."""
+    dtype = DTYPES[dtype_name]
+    shapes = [("bert-base", 25, 32, 128, 768), ("gpt2-small", 25, 8, 512, 768)]
+    for model, n, B, T, N in shapes[: 1 if quick else None]:
+        calls = [(torch.randn(B, T, N, device="cuda", dtype=dtype), torch.randn(B, T, N, device="cuda", dtype=dtype))
+                 for _ in range(n)]
+        module = module_of(N).to("cuda")
+        _bench_pair(rows, op.name, f"{model} {n} x {(B, T, N)}", dtype_name, f"{n} calls",
+                    lambda: op.kernel(calls, module), lambda: op.reference(calls, module),
+                    2 * n * B * T * N * calls[0][0].element_size(), 0, reps)
+        rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, module))
+        calls = None
+
+
+@benchmark("layer_norm_per_sample_grads_grouped")
+def bench_layer_norm_grads_grouped(rows, op, dtype_name, quick, reps):
+    _bench_norm_grads_grouped(rows, op, dtype_name, quick, reps, lambda n: torch.nn.LayerNorm(n))
+
+
+@benchmark("rms_norm_per_sample_grads_grouped")
+def bench_rms_norm_grads_grouped(rows, op, dtype_name, quick, reps):
+    _bench_norm_grads_grouped(rows, op, dtype_name, quick, reps, lambda n: torch.nn.RMSNorm(n, eps=1e-6))
+
+
 @benchmark("group_norm_affine_grads")
 def bench_group_norm_grads(rows, op, dtype_name, quick, reps):
     """One launch against the reference's four ops at ResNet-18-GN's CIFAR stages (batch 256, 32

@@ -1,4 +1,5 @@
-"""Per-sample gradients of normalization layers' affine parameters in one launch per call.
+"""Per-sample gradients of normalization layers' affine parameters in one launch per call, or per
+group of same-shape LayerNorm or RMSNorm calls.
 
 γ_i = Σ_t o_{i,t} ⊙ x̂_{i,t} and β_i = Σ_t o_{i,t}, x̂ the normalized input (x − mean)/√(var + ε)
 (RMSNorm: x/√(mean(x²) + ε)). The torch references (``pdpfast.ops.norm``) take four ops per call:
@@ -20,6 +21,10 @@ ran 0.40-0.43x torch's reference at GPT-2's shapes and 0.71-0.88x at ViT-B/16's 
 1.05-1.24x at BERT-base's (bench/results/bench_kernels-NVIDIA_H200.json, 2026-11-29): the time of
 a program walking all 512 positions of its sample while most of the GPU idled.
 
+Same-shape calls the clipping state holds (two a transformer block) take one launch, each program
+reading its call's x and o at an offset from the first call's, from a table
+(``layer_norm_per_sample_grads_grouped``); their n·B rows decide the splits.
+
 GroupNorm and InstanceNorm (G = C) normalize over a group of channels and scale per channel: a
 program per (sample, group) merges the group's mean and squared deviations tile by tile, then sums
 each channel's o·(x − mean) and o (x read twice, o once; the statistics in fp32, as torch's CUDA
@@ -36,11 +41,13 @@ import triton.language as tl
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.norm import (
     group_norm_affine_grads_reference,
+    layer_norm_per_sample_grads_grouped_reference,
     layer_norm_per_sample_grads_reference,
+    rms_norm_per_sample_grads_grouped_reference,
     rms_norm_per_sample_grads_reference,
 )
 
-from ._utils import KERNEL_DTYPES, block, device_guard, new_buffer
+from ._utils import KERNEL_DTYPES, block, device_guard, grouped_offsets, new_buffer
 
 # The longest normalized row a program holds in registers (LLaMA-2-70B's width); longer rows run
 # the reference.
@@ -48,16 +55,26 @@ MAX_N = 8192
 
 
 @triton.jit
-def _norm_affine_grads_kernel(x_ptr, o_ptr, out_ptr, T, N, eps,
-                              stride_xb, stride_xt, stride_ob, stride_ot, ROWS, SPLITS, PLANE, SPLIT_STRIDE,
-                              CENTER: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, out_ptr, T, N, eps,
+                              stride_xb, stride_xt, stride_ob, stride_ot, B, ROWS, SPLITS, PLANE, CALL_STRIDE,
+                              SPLIT_STRIDE, CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+                              ALIGN_X: tl.constexpr, ALIGN_O: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    # program (sample, split) sums positions [split·ROWS, (split + 1)·ROWS) of its sample into row
-    # (split, sample) of out: the gradients themselves when SPLITS = 1, else fp32 partial sums
-    # (SPLIT_STRIDE apart) that torch adds; the bias's follow the weight's, PLANE further
+    # program ((call, sample), split) sums positions [split·ROWS, (split + 1)·ROWS) of its sample
+    # into row (split, call, sample) of out: the gradients themselves when SPLITS = 1, else fp32
+    # partial sums (SPLIT_STRIDE apart) that torch adds; the bias's follow the weight's, PLANE
+    # further, and each call's block CALL_STRIDE after the one before. GROUPED: calls of one shape
+    # in one launch, call c's x and o starting offsets[2c] and offsets[2c + 1] elements past x_ptr
+    # and o_ptr (multiples of ALIGN_X, ALIGN_O: 16 bytes); else one call (row = sample)
     pid = tl.program_id(0)
-    sample = (pid // SPLITS).to(tl.int64)
+    row = pid // SPLITS
     split = pid % SPLITS
+    sample = (row % B).to(tl.int64)
+    if GROUPED:
+        call = row // B
+        x_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_X)
+        o_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
+        out_ptr += call.to(tl.int64) * CALL_STRIDE
     first = split * ROWS
     end = tl.minimum(first + ROWS, T)
     cols = tl.arange(0, BLOCK_N)
@@ -119,37 +136,79 @@ def _splits(B: int, T: int, max_block_t: int, device: torch.device) -> tuple[int
     return -(-T // rows), rows, block_t
 
 
+def _rows(t: torch.Tensor, N: int) -> torch.Tensor:
+    """(B, T, N) rows of a call's x or o, the last dim contiguous (a copy where it is not)."""
+    t = t.reshape(t.shape[0], -1, N)
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def _as_grads(out: torch.Tensor, with_bias: bool) -> dict:
+    return {"weight": out[0], "bias": out[-1]} if with_bias else {"weight": out[0]}
+
+
+def _run(x3: torch.Tensor, o3: torch.Tensor, offsets: torch.Tensor | None, n: int, out: torch.Tensor, eps: float,
+         center: bool, with_bias: bool) -> None:
+    """One launch writing ``out`` ((n, planes, B, N) contiguous) from n calls of (B, T, N) rows, call
+    c's at ``offsets`` (``grouped_offsets``) past the first call's x3 and o3 (None: n = 1)."""
+    B, T, N = x3.shape
+    block_n = block(N, 16, MAX_N)
+    # the calls' programs share the GPU: n·B rows decide the splits
+    splits, rows, block_t = _splits(n * B, T, max(1, 4096 // block_n), x3.device)
+    M = out.numel()
+    # SPLITS > 1: fp32 partial sums, (splits, n, planes, B, N), added by torch
+    into = out if splits == 1 else new_buffer((splits, M), torch.float32, x3.device)
+    grouped = offsets is not None
+    with device_guard(x3):
+        _norm_affine_grads_kernel[(n * B * splits,)](
+            x3, o3, offsets if grouped else x3, into, T, N, eps, x3.stride(0), x3.stride(1), o3.stride(0),
+            o3.stride(1), B, rows, splits, B * N, M // n, M, CENTER=center, HAS_BIAS=with_bias, GROUPED=grouped,
+            ALIGN_X=16 // x3.element_size() if grouped else 1, ALIGN_O=16 // o3.element_size() if grouped else 1,
+            BLOCK_T=block_t, BLOCK_N=block_n, num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16)
+    if splits > 1:  # torch's sum over dim 0: a fixed order (no atomics), one rounding to x's dtype
+        if out.dtype == torch.float32:
+            torch.sum(into, 0, out=out.view(M))
+        else:
+            out.view(M).copy_(into.sum(0))
+
+
 def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: bool, with_bias: bool) -> dict:
     B, N = x.shape[0], math.prod(shape)
-    planes = 2 if with_bias else 1
     # both outputs in one allocation (x and o share a dtype here): an allocator call fewer per call
-    out = new_buffer((planes, B, *shape), x.dtype, x.device)
-    weight, bias = out[0], out[-1]
+    out = new_buffer((2 if with_bias else 1, B, *shape), x.dtype, x.device)
     if B:
-        x3, o3 = x.reshape(B, -1, N), o.reshape(B, -1, N)
-        x3 = x3 if x3.stride(2) == 1 else x3.contiguous()
-        o3 = o3 if o3.stride(2) == 1 else o3.contiguous()
-        T, block_n = x3.shape[1], block(N, 16, MAX_N)
-        splits, rows, block_t = _splits(B, T, max(1, 4096 // block_n), x.device)
-        M = out.numel()
-        # SPLITS > 1: fp32 partial sums, (splits, planes, B, N), added by torch
-        into = out if splits == 1 else new_buffer((splits, M), torch.float32, x.device)
-        with device_guard(x):
-            _norm_affine_grads_kernel[(B * splits,)](
-                x3, o3, into, T, N, eps, x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), rows, splits,
-                B * N, M, CENTER=center, HAS_BIAS=with_bias, BLOCK_T=block_t, BLOCK_N=block_n,
-                num_warps=4 if block_n <= 1024 else 8 if block_n <= 4096 else 16)
-        if splits > 1:  # torch's sum over dim 0: a fixed order (no atomics), one rounding to x's dtype
-            if out.dtype == torch.float32:
-                torch.sum(into, 0, out=out.view(M))
-            else:
-                out.view(M).copy_(into.sum(0))
-    return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
+        _run(_rows(x, N), _rows(o, N), None, 1, out, eps, center, with_bias)
+    return _as_grads(out, with_bias)
+
+
+def _launch_grouped(calls: list, shape: tuple, eps: float, center: bool, with_bias: bool) -> list | None:
+    """The calls' per-sample gradients from one launch, each call's as ``_launch`` gives them (views
+    of one (n, planes, B, *shape) buffer); None where they cannot share one: an empty batch, rows
+    whose last dim is not contiguous, or calls whose rows do not all match the first call's shape,
+    strides and dtype or do not all start on 16-byte boundaries (``grouped_offsets``)."""
+    x0, N = calls[0][0], math.prod(shape)
+    B = x0.shape[0]
+    if not B or not all(_same_dtypes(x, o) for x, o in calls):
+        return None
+    rows = [(x.reshape(B, -1, N), o.reshape(B, -1, N)) for x, o in calls]
+    if any(x.stride(2) != 1 or o.stride(2) != 1 for x, o in rows):
+        return None
+    offsets = grouped_offsets(rows, 16)
+    if offsets is None:
+        return None
+    n = len(calls)
+    out = new_buffer((n, 2 if with_bias else 1, B, *shape), x0.dtype, x0.device)
+    _run(*rows[0], offsets, n, out, eps, center, with_bias)
+    return [_as_grads(block, with_bias) for block in out.unbind(0)]
 
 
 def _same_dtypes(x: torch.Tensor, o: torch.Tensor) -> bool:
     """The kernels' inputs: fp32/fp16/bf16, x and o alike (autocast casts x to o's dtype first)."""
     return x.dtype in KERNEL_DTYPES and o.dtype == x.dtype and o.shape == x.shape
+
+
+def _first_call_dtypes(x: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> bool:
+    """A grouped launch's inputs, decided on the first call's (the launcher checks the others)."""
+    return _same_dtypes(x, o)
 
 
 def _runs_here(x: torch.Tensor, o: torch.Tensor, shape: tuple) -> bool:
@@ -191,10 +250,57 @@ def rms_norm_per_sample_grads(x: torch.Tensor, o: torch.Tensor, module) -> dict[
     shape = tuple(module.normalized_shape)
     if not _runs_here(x, o, shape):
         return rms_norm_per_sample_grads_reference(x, o, module)
+    return _launch(x, o, shape, _rms_eps(module), False, False)
+
+
+def _rms_eps(module) -> float:
     # torch's default eps is its compute type's: fp32 for half inputs too (fp16's, 1e-3, would shrink
     # the normalized rows of small RMS and every gradient with them)
-    eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
-    return _launch(x, o, shape, eps, False, False)
+    return module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+
+
+@register("layer_norm_per_sample_grads_grouped", when=_first_call_dtypes)
+def layer_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """The per-sample affine gradients of n LayerNorm calls of one module configuration, shape,
+    strides and dtype, from one launch: program ((call, sample), split) finds its call's x and o
+    at an offset from the first call's, read from a table of the n calls' offsets.
+
+    One launch instead of n: a Triton launch took an H200's host ~0.1 ms against a few µs of GPU
+    time at BERT-base's LayerNorm calls, and a transformer step has two such calls a block.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``layer_norm_per_sample_grads`` takes them, of one shape, strides
+            and dtype (the caller groups them so).
+        module: supplies ``normalized_shape``, ``eps`` and ``bias`` for every call.
+    Returns:
+        a list of n dicts, call c's what ``layer_norm_per_sample_grads`` gives it (views of one
+        buffer). Calls that cannot share a launch (``_launch_grouped``) and rows longer than
+        ``MAX_N`` run ``pdpfast.ops.norm.layer_norm_per_sample_grads_grouped_reference`` (one launch each).
+    """
+    shape = tuple(module.normalized_shape)
+    grads = None
+    if _runs_here(*calls[0], shape):
+        grads = _launch_grouped(calls, shape, module.eps, True, getattr(module, "bias", None) is not None)
+    return layer_norm_per_sample_grads_grouped_reference(calls, module) if grads is None else grads
+
+
+@register("rms_norm_per_sample_grads_grouped", when=_first_call_dtypes)
+def rms_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """``layer_norm_per_sample_grads_grouped`` for RMSNorm calls (the kernel not centred).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``rms_norm_per_sample_grads`` takes them, of one shape, strides
+            and dtype.
+        module: supplies ``normalized_shape`` and ``eps`` (as ``rms_norm_per_sample_grads``).
+    Returns:
+        a list of n dicts {"weight": (B, *normalized_shape)}, as ``rms_norm_per_sample_grads`` gives
+        each call's; else ``pdpfast.ops.norm.rms_norm_per_sample_grads_grouped_reference``.
+    """
+    shape = tuple(module.normalized_shape)
+    grads = None
+    if _runs_here(*calls[0], shape):
+        grads = _launch_grouped(calls, shape, _rms_eps(module), False, False)
+    return rms_norm_per_sample_grads_grouped_reference(calls, module) if grads is None else grads
 
 
 # ----------------------------------------------------------------------------------------------

@@ -303,6 +303,16 @@ def _grouped_norms_and_rounding(calls: list) -> list:
     return [(sq[c], None if rho is None else rho[c]) for c in range(len(calls))]
 
 
+def _grouped_per_sample_grads(grouped, calls: list) -> list:
+    """[{name: per-sample gradients}] of same-shape calls (layer, names, x, o) of one ``Grouped`` key
+    whose rule forms them (``Grouped.per_sample_grads``): from one launch for several calls, from the
+    call's own for one."""
+    if len(calls) == 1:
+        layer, _, x, o = calls[0]
+        return [layer.rule.per_sample_grads(layer.module, x, o)]
+    return grouped.per_sample_grads([(layer.module, x, o, names) for layer, names, x, o in calls])
+
+
 def _row_sums(t: torch.Tensor) -> torch.Tensor:
     """(B,) from (B,) values or (B, K) partial sums of them (``LayerRule.norm_parts``): a view where
     K = 1 (the norm kernel's rank-one path), one sum otherwise."""
@@ -369,7 +379,12 @@ SMALL_CALL_BYTES = 1 << 20
 PACK_BYTES = 1 << 20
 # Per-layer clipping holds a run of consecutive same-shape calls for one norm launch (``Grouped``):
 # at most this many bytes of their inputs and output gradients (a BERT-base block's attention
-# projections at batch 32, fp32: ~75 MiB), so that a stack of uniform layers is not all held.
+# projections at batch 32, fp32: ~75 MiB), so that a stack of uniform layers is not all held. Both
+# clipping modes hold normalization calls for one launch of their per-sample gradients within as
+# many bytes again (BERT-base's LayerNorm calls at batch 32: five a launch in fp32, ten in bf16):
+# book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
+# would otherwise add all of theirs to its peak (BERT-base at batch 8 on the CPU's stand-in of the
+# GPU route: +150 MB, 14% of the non-private step's peak).
 RUN_BYTES = 128 << 20
 
 
@@ -1159,12 +1174,15 @@ class ClippingState:
             if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
             elif layer.rule.materializes_call(layer.module, x, o):
-                self._materialize(layer, normal, x, o)
+                group = self._launch_group(layer, normal, x, o, formed=True)
+                if group is not None:  # formed with their same-shape peers in one launch
+                    self._hold_formed(group, layer, normal, x, o, self._hold_grads)
+                else:
+                    self._materialize(layer, normal, x, o)
             else:
-                grouped = layer.rule.grouped if self.group_calls else None
-                group = None if grouped is None else grouped.key(layer.module, x, o, normal)
+                group = self._launch_group(layer, normal, x, o, formed=False)
                 if group is not None:  # norms at the end of the backward, one launch for all same-shape calls
-                    self._groups.setdefault((grouped, group), []).append((layer, normal, x, o))
+                    self._groups.setdefault(group, []).append((layer, normal, x, o))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
                     self._add_sq_and_rounding(*_norms_and_rounding(layer, normal, x, o, parts=True))
@@ -1193,23 +1211,11 @@ class ClippingState:
             return
         if layer.rule.materializes_call(layer.module, x, o, kept=False):  # form them once, clip them now
             # (a held run goes on past it: a CNN's normalization layers sit between its same-shape convolutions)
-            per_sample = layer.rule.per_sample_grads(layer.module, x, o)
-            grads = [per_sample[n] for n in names]
-            nbytes = sum(g.numel() * g.element_size() for g in grads)
-            if max(g.numel() * g.element_size() for g in grads) <= PACK_BYTES and \
-                    self._held_bytes + nbytes <= STACK_BYTES:  # small: clipped with their peers at the end
-                params = layer.module._parameters
-                self._materialized.update((params[n], g) for n, g in zip(names, grads))
-                self._held_bytes += nbytes
+            group = self._launch_group(layer, names, x, o, formed=True)
+            if group is not None:  # formed with their same-shape peers in one launch (small: clipped at the end)
+                self._hold_formed(group, layer, names, x, o, self._clip_or_hold)
                 return
-            sq = sq_norms_of(grads)
-            weights = self._group_weights(sq, k, *grads)
-            params = layer.module._parameters
-            for n, g in zip(names, grads):
-                self._accumulate_param(params[n], weighted_sum(weights, g))
-            workspace.recycle(grads)
-            self._add_group_sq(k, sq)
-            self._add_sq(sq)
+            self._clip_or_hold(layer, names, layer.rule.per_sample_grads(layer.module, x, o))
             return
         grouped = layer.rule.grouped if self.group_calls else None
         group = None if grouped is None else grouped.key(layer.module, x, o, names)
@@ -1226,6 +1232,59 @@ class ClippingState:
                 self._flush_run()
             return
         self._clip_call(layer, names, x, o)
+
+    def _clip_or_hold(self, layer: _Layer, names: tuple, per_sample) -> None:
+        """Per-layer clipping of a call's formed per-sample gradients: held to be clipped with their
+        peers at the end of the backward where small, else clipped now."""
+        grads = [per_sample[n] for n in names]
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        params = layer.module._parameters
+        if max(g.numel() * g.element_size() for g in grads) <= PACK_BYTES and \
+                self._held_bytes + nbytes <= STACK_BYTES:  # small: clipped with their peers at the end
+            self._materialized.update((params[n], g) for n, g in zip(names, grads))
+            self._held_bytes += nbytes
+            return
+        sq = sq_norms_of(grads)
+        weights = self._group_weights(sq, layer.group, *grads)
+        for n, g in zip(names, grads):
+            self._accumulate_param(params[n], weighted_sum(weights, g))
+        workspace.recycle(grads)
+        self._add_group_sq(layer.group, sq)
+        self._add_sq(sq)
+
+    def _hold_formed(self, group, layer: _Layer, names: tuple, x, o, take) -> None:
+        """Hold a call whose per-sample gradients are formed with its same-shape peers' in one launch
+        (``Grouped.per_sample_grads``), at most RUN_BYTES of the held calls' inputs and output
+        gradients; past that, form the held ones (``_flush_formed(take)``)."""
+        self._formed.setdefault(group, []).append((layer, names, x, o))
+        self._formed_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
+        if self._formed_bytes > RUN_BYTES:
+            self._flush_formed(take)
+
+    def _flush_formed(self, take) -> None:
+        """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand
+        each call's to ``take(layer, names, grads)``: ``_hold_grads`` (flat clipping) or
+        ``_clip_or_hold`` (per-layer clipping)."""
+        formed, self._formed, self._formed_bytes = self._formed, {}, 0
+        for (grouped, _), calls in formed.items():
+            for (layer, names, _, _), grads in zip(calls, _grouped_per_sample_grads(grouped, calls)):
+                take(layer, names, grads)
+
+    def _hold_grads(self, layer: _Layer, names: tuple, per_sample) -> None:
+        """Flat clipping: hold a call's formed per-sample gradients to the end of the backward (as
+        ``_materialize`` holds those of a parameter used once)."""
+        params = layer.module._parameters
+        self._materialized.update((params[n], per_sample[n]) for n in names)
+
+    def _launch_group(self, layer: _Layer, names: tuple, x, o, formed: bool):
+        """(the rule's ``Grouped``, this call's key) where the call waits to share a launch with its
+        same-shape peers; None where it takes its own. ``formed``: the call's per-sample gradients are
+        formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``)."""
+        grouped = layer.rule.grouped if self.group_calls else None
+        if grouped is None or (grouped.per_sample_grads is not None) is not formed:
+            return None
+        key = grouped.key(layer.module, x, o, names)
+        return None if key is None else (grouped, key)
 
     def _clip_call(self, layer: _Layer, names: tuple, x, o, sq=None, rho=None) -> None:
         """Per-layer clipping of one large call from its norms (and ρ; computed here unless given):
@@ -1460,6 +1519,7 @@ class ClippingState:
         for calls in self._groups.values():
             for sq, rho in _grouped_norms_and_rounding(calls):
                 self._add_sq_and_rounding(sq, rho)
+        self._flush_formed(self._hold_grads)
         packs, rest = self._packed(list(self._materialized))
         total = self._batch_sq(packs, rest)
         weights = self._flat_weights(total)
@@ -1536,6 +1596,7 @@ class ClippingState:
     def _finish_per_layer(self) -> None:
         """End of a per-layer backward: held calls, and groups used more than once."""
         self._flush_run()
+        self._flush_formed(self._clip_or_hold)
         self._flush_per_layer_stacks()
         groups = sorted({self._param_group[id(p)] for p in self._materialized})
         by_group = {k: [p for p in self._group_params[k] if p in self._materialized] for k in groups}
@@ -1823,6 +1884,8 @@ class ClippingState:
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
         self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
+        self._formed: dict = {}  # (Grouped, key) -> held calls whose per-sample gradients take one launch
+        self._formed_bytes = 0   # their inputs' and output gradients' bytes (RUN_BYTES at most)
         self._run: list = []     # per-layer clipping: consecutive same-shape calls held for one norm launch
         self._run_key = None
         self._run_bytes = 0      # their inputs' and output gradients' bytes (RUN_BYTES at most)

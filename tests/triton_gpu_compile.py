@@ -226,6 +226,13 @@ def kernel_calls() -> None:
                     normalized_shape=(N,), eps=1e-5, bias=object() if bias else None))
             norm_grads.rms_norm_per_sample_grads(x, _e(B, T, N, dtype=dtype), SimpleNamespace(
                 normalized_shape=(N,), eps=None))
+        # same-shape calls in one grouped launch (offsets table): BERT's and a narrow one
+        for B, T, N in [(2, 128, 768), (2, 8, 16)]:
+            calls = [(_e(B, T, N, dtype=dtype), _e(B, T, N, dtype=dtype)) for _ in range(3)]
+            for bias in (True, False):
+                norm_grads.layer_norm_per_sample_grads_grouped(calls, SimpleNamespace(
+                    normalized_shape=(N,), eps=1e-5, bias=object() if bias else None))
+            norm_grads.rms_norm_per_sample_grads_grouped(calls, SimpleNamespace(normalized_shape=(N,), eps=None))
     # GroupNorm at ResNet-18-GN's first and last stages, a (B, C) input, instance norm (G = C)
     for dtype in dtypes:
         for shape, groups in [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((2, 8, 9), 8)]:

@@ -19,7 +19,7 @@ from torch import nn
 from ..ops import norm as norm_ops
 from ..ops.clip import weights_to
 from .layers import DPModule
-from .rules import LayerRule, Stacked, register_form, register_layer, register_rule
+from .rules import Grouped, LayerRule, Stacked, register_form, register_layer, register_rule
 
 
 class DPLayerNorm(DPModule, nn.LayerNorm):
@@ -215,14 +215,16 @@ class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
         return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
 
 
-def _norm_rule(per_sample_grads, config, stacks=None) -> LayerRule:
+def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None) -> LayerRule:
     """Normalization layers: per-sample gradients as small as the parameters, formed directly.
 
     Their math is per sample, so n same-shape calls stack along the batch: one normalization over
     (n·B, ...) forms every call's per-sample gradients. ``config(module)``: what the math reads
     from the module (calls stack only when it is equal). ``stacks(x, o)``: False for calls whose
     route costs one op anyway (GroupNorm's C++ kernel on a CPU, its Triton kernel on a GPU), where
-    stacking would only copy x and o.
+    stacking would only copy x and o. ``grouped_grads(calls, module)``: the per-sample gradients of
+    n large calls (x, o) of one configuration, shape and strides from one launch, without copying
+    them (``Grouped``), where ``pdpfast.ops.norm.groups_norm_grads`` says the kernel runs.
     """
     def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
         return per_sample_grads(x, o, m)
@@ -252,11 +254,24 @@ def _norm_rule(per_sample_grads, config, stacks=None) -> LayerRule:
                     for name, g in stacked_grads(calls)]
         return [{name: grads[i] for name, grads in per_name} for i in range(len(calls))]
 
-    return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped))
+    grouped = None
+    if grouped_grads is not None:
+        def group_key(m, x, o, names):
+            if not norm_ops.groups_norm_grads(x, o):
+                return None
+            return (type(m), config(m), getattr(m, "bias", None) is not None, x.shape, x.stride(), o.shape,
+                    o.stride(), o.dtype, o.device, names)
+
+        def grouped_per_sample(calls):
+            return grouped_grads([(x, o) for _, x, o, _ in calls], calls[0][0])
+        grouped = Grouped(group_key, per_sample_grads=grouped_per_sample)
+
+    return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped), grouped=grouped)
 
 
 register_layer(nn.LayerNorm, DPLayerNorm, _norm_rule(norm_ops.layer_norm_per_sample_grads,
-                                                     lambda m: (tuple(m.normalized_shape), m.eps)))
+                                                     lambda m: (tuple(m.normalized_shape), m.eps),
+                                                     grouped_grads=norm_ops.layer_norm_per_sample_grads_grouped))
 
 
 def _torch_route(x, o) -> bool:
@@ -266,7 +281,8 @@ def _torch_route(x, o) -> bool:
 register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sample_grads,
                                                      lambda m: (m.num_groups, m.eps), stacks=_torch_route))
 register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_grads,
-                                                 lambda m: (tuple(m.normalized_shape), m.eps)))
+                                                 lambda m: (tuple(m.normalized_shape), m.eps),
+                                                 grouped_grads=norm_ops.rms_norm_per_sample_grads_grouped))
 def _rms_norm_form_grads(x, o, module) -> dict:
     # nn.RMSNorm's op (one launch on a GPU: the forms' own forwards take about eight), which computes
     # x̂ in float32 for float32 and lower precisions as the forms do, up to roundings. In float64,
@@ -282,7 +298,9 @@ def _rms_norm_form_grads(x, o, module) -> dict:
     return {"weight": torch.func.vmap(one_sample)(x, o)}
 
 
-register_rule(DPRMSNormForm, rule=_norm_rule(_rms_norm_form_grads, lambda m: (tuple(m.normalized_shape), m.eps)))
+# (grouped: the kernel's calls only, never float64's)
+register_rule(DPRMSNormForm, rule=_norm_rule(_rms_norm_form_grads, lambda m: (tuple(m.normalized_shape), m.eps),
+                                             grouped_grads=norm_ops.rms_norm_per_sample_grads_grouped))
 register_form(DPRMSNormForm)
 register_layer((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), DPInstanceNorm,
                _norm_rule(norm_ops.instance_norm_per_sample_grads, lambda m: (m.num_features, m.eps),

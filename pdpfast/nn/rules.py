@@ -138,11 +138,14 @@ class Stacked:
 
 @dataclass(frozen=True)
 class Grouped:
-    """How large same-shape calls of a layer family compute their norms together, in one launch and
-    without copying them (book-keeping holds every call's input and output gradient to the end of the
-    backward anyway): the host issues one launch where it issued one per call.
+    """How large same-shape calls of a layer family compute their norms (or, for a family whose
+    per-sample gradients are formed, those) together, in one launch and without copying them
+    (book-keeping holds every call's input and output gradient to the end of the backward anyway):
+    the host issues one launch where it issued one per call.
 
-    A call is (module, x, o, names) as a rule sees it (see the module docstring).
+    A call is (module, x, o, names) as a rule sees it (see the module docstring). A rule with norm
+    formulas gives ``norms_and_rounding``; one whose per-sample gradients are formed
+    (``LayerRule.materializes``) gives ``per_sample_grads``.
 
     Args:
         key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
@@ -153,10 +156,13 @@ class Grouped:
             norms and its ``LayerRule.rounding`` bound as (B, K) partial sums (``LayerRule.norm_parts``;
             ρ may instead be (B,), as ``LayerRule.norms_and_rounding`` gives it); rho None where not
             ``bound`` or where they add nothing.
+        per_sample_grads: ``per_sample_grads(calls)`` for n ≥ 2 calls of one key → a list of n
+            {name: (B, *param.shape)}, call c's what ``LayerRule.per_sample_grads`` gives it.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
-    norms_and_rounding: Callable[[list, bool], tuple]
+    norms_and_rounding: Callable[[list, bool], tuple] | None = None
+    per_sample_grads: Callable[[list], list] | None = None
 
 
 @dataclass(frozen=True)
@@ -204,9 +210,10 @@ class LayerRule:
             (the norms and bounds they come from) and computes them in the op that applies them
             (``pdpfast.ops.clip.clip_scale``): per-layer clipping then hands a call its weights
             uncomputed, one op where three ran.
-        grouped: how calls computed on their own (too large to stack) compute their norms together
-            (``Grouped``): all of one key at the end of the backward in flat clipping, consecutive ones
-            in per-layer clipping; or None.
+        grouped: how calls computed on their own (too large to stack) compute their norms, or their
+            per-sample gradients, together (``Grouped``): all of one key at the end of the backward in
+            flat clipping; in per-layer clipping consecutive ones (norms), or those held within
+            ``pdpfast.clipping.RUN_BYTES`` (per-sample gradients, clipped at the end anyway); or None.
         clipped_into: ``(module, x, o, weights, names)`` → True after adding ``clipped_grads``' sums
             into the parameters' ``.grad`` itself, as the clipping state adds them (cast to the
             parameter's dtype, set where it has none), e.g. in one call of compiled code where the

@@ -102,8 +102,35 @@ def rms_norm_per_sample_grads_reference(x, o, module) -> dict[str, torch.Tensor]
     return {"weight": _sum_to(x_hat.mul_(o), len(shape))}
 
 
+def layer_norm_per_sample_grads_grouped_reference(calls: list, module) -> list:
+    """Per-sample gradients of n LayerNorm calls of one module configuration, one call at a time
+    (``layer_norm_per_sample_grads``: a kernel launch each where it runs).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``layer_norm_per_sample_grads`` takes them.
+        module: supplies ``normalized_shape``, ``eps`` and ``bias`` for every call.
+    Returns:
+        a list of n dicts, call c's what ``layer_norm_per_sample_grads(x_c, o_c, module)`` gives.
+    """
+    return [layer_norm_per_sample_grads(x, o, module) for x, o in calls]
+
+
+def rms_norm_per_sample_grads_grouped_reference(calls: list, module) -> list:
+    """``layer_norm_per_sample_grads_grouped_reference`` for RMSNorm calls (``rms_norm_per_sample_grads``).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o); module: supplies ``normalized_shape`` and ``eps``.
+    Returns:
+        a list of n dicts {"weight": (B, *normalized_shape)}.
+    """
+    return [rms_norm_per_sample_grads(x, o, module) for x, o in calls]
+
+
 _LAYER_NORM_GRADS = declare("layer_norm_per_sample_grads", layer_norm_per_sample_grads_reference)
 _RMS_NORM_GRADS = declare("rms_norm_per_sample_grads", rms_norm_per_sample_grads_reference)
+_LAYER_NORM_GRADS_GROUPED = declare("layer_norm_per_sample_grads_grouped",
+                                    layer_norm_per_sample_grads_grouped_reference)
+_RMS_NORM_GRADS_GROUPED = declare("rms_norm_per_sample_grads_grouped", rms_norm_per_sample_grads_grouped_reference)
 
 
 def layer_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
@@ -130,6 +157,47 @@ def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
         {"weight": (B, *normalized_shape)} in ``x``'s dtype.
     """
     return _RMS_NORM_GRADS.pick(x, o)(x, o, module)
+
+
+def groups_norm_grads(x: torch.Tensor, o: torch.Tensor) -> bool:
+    """Whether LayerNorm and RMSNorm calls like this one would share a launch
+    (``layer_norm_per_sample_grads_grouped``, ``rms_norm_per_sample_grads_grouped``): where their kernel
+    runs (on a GPU, or under ``TRITON_INTERPRET=1``), outside a CUDA graph capture (the launch copies
+    the calls' offsets from the host: a captured step has no host work to save anyway).
+
+    Args:
+        x: the call's input; o: its output gradient.
+    Returns:
+        a bool.
+    """
+    if _LAYER_NORM_GRADS_GROUPED.pick(x, o) is _LAYER_NORM_GRADS_GROUPED.reference:
+        return False
+    return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def layer_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """Per-sample gradients of n LayerNorm calls of one module configuration, shape, strides and dtype:
+    one kernel launch for all of them where ``groups_norm_grads`` holds
+    (``pdpfast.kernels.norm_grads``), else one per call (the reference).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``layer_norm_per_sample_grads`` takes them, alike.
+        module: supplies ``normalized_shape``, ``eps`` and ``bias`` for every call.
+    Returns:
+        a list of n dicts, call c's what ``layer_norm_per_sample_grads(x_c, o_c, module)`` gives.
+    """
+    return _LAYER_NORM_GRADS_GROUPED.pick(*calls[0])(calls, module)
+
+
+def rms_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """``layer_norm_per_sample_grads_grouped`` for RMSNorm calls.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) alike; module: supplies ``normalized_shape`` and ``eps``.
+    Returns:
+        a list of n dicts {"weight": (B, *normalized_shape)}.
+    """
+    return _RMS_NORM_GRADS_GROUPED.pick(*calls[0])(calls, module)
 
 
 def group_norm_kernel(x: torch.Tensor, o: torch.Tensor) -> str:

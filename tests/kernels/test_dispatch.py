@@ -159,6 +159,19 @@ def _rms_norm_case(tools, gen):
     return (x, tools.randn(gen, 3, 7, 33, device=tools.device), torch.nn.RMSNorm(33)), None
 
 
+def _norm_grouped_case(module):
+    def case(tools, gen):  # three calls of one shape, one launch
+        calls = [[tools.randn(gen, 3, 7, 33, device=tools.device), tools.randn(gen, 3, 7, 33, device=tools.device)]
+                 for _ in range(3)]
+
+        def alike(fast, slow):  # a list of per-call dicts each
+            assert len(fast) == len(slow) == 3
+            for f, s in zip(fast, slow):
+                torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-5)
+        return (calls, module), alike
+    return case
+
+
 def _group_norm_case(tools, gen):
     x = tools.randn(gen, 3, 8, 5, 5, device=tools.device)
     return (x, tools.randn(gen, 3, 8, 5, 5, device=tools.device), 4, 1e-5, True), None
@@ -181,6 +194,8 @@ CASES = {
     "group_norm_affine_grads": _group_norm_case,
     "layer_norm_per_sample_grads": _layer_norm_case,
     "rms_norm_per_sample_grads": _rms_norm_case,
+    "layer_norm_per_sample_grads_grouped": _norm_grouped_case(torch.nn.LayerNorm(33)),
+    "rms_norm_per_sample_grads_grouped": _norm_grouped_case(torch.nn.RMSNorm(33)),
     "add_noise_": _noise_case,
 }
 

@@ -379,17 +379,22 @@ def _clip_once(model, x, clipping):
     return out
 
 
+def _assert_same_results(got: tuple, want: tuple) -> None:
+    """``_clip_once``'s results (norms, ρ or each group's norms, clipped sums) equal, to fp32 summation."""
+    for g, w in zip(got, want):
+        if isinstance(w, dict):
+            for key in w:
+                torch.testing.assert_close(g[key], w[key], rtol=1e-5, atol=0, msg=key)
+        elif w is not None or g is not None:  # ρ in bf16 (flat), each group's norms (per-layer)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+
+
 def _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped):
     """The grouped launches' results ``grouped`` equal those of one launch per call."""
     import pdpfast.ops.linear as lin_ops
 
     monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: False)
-    for got, want in zip(grouped, _clip_once(model, x, clipping)):
-        if isinstance(want, dict):
-            for key in want:
-                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0, msg=key)
-        elif want is not None or got is not None:  # ρ in bf16 (flat), each group's norms (per-layer)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    _assert_same_results(grouped, _clip_once(model, x, clipping))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -462,13 +467,84 @@ def test_same_shape_convolutions_take_one_norm_launch(clipping, dtype, monkeypat
     assert launches == ([3] if clipping == "flat" else [2]), launches
     launches.clear()
     monkeypatch.setattr(conv_ops, "groups_conv_norms", lambda x, o: False)
-    for got, want in zip(grouped, _clip_conv_once(model, x, clipping)):
-        if isinstance(want, dict):
-            for key in want:
-                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=0, msg=key)
-        elif want is not None or got is not None:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    _assert_same_results(grouped, _clip_conv_once(model, x, clipping))
     assert launches == []
+
+
+@pytest.fixture
+def norm_grads_launches(monkeypatch):
+    """(op, calls) of each grouped launch of LayerNorm or RMSNorm per-sample gradients, in order; one
+    program a sample (no split positions), so that a grouped launch and one launch a call sum alike."""
+    kernels = pytest.importorskip("pdpfast.kernels.norm_grads")
+    monkeypatch.setattr(kernels, "_INTERPRETER_SMS", 1)
+    launches = []
+    for name in ("layer_norm_per_sample_grads_grouped", "rms_norm_per_sample_grads_grouped"):
+        op = dispatch.op(name)
+        monkeypatch.setattr(op, "kernel", lambda calls, module, _name=name, _kernel=op.kernel: (
+            launches.append((_name.split("_")[0], len(calls))), _kernel(calls, module))[1])
+    return launches
+
+
+def _normalized_stack(d: int, layers: int, norm=nn.LayerNorm):
+    """Linear → norm → tanh, ``layers`` times, at width d."""
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(d, d), norm(d), nn.Tanh()]
+    return blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_same_shape_layer_norms_form_their_gradients_in_one_launch(clipping, dtype, monkeypatch, device,
+                                                                   full_size_calls, norm_grads_launches):
+    """A transformer's LayerNorm and RMSNorm calls (two a block) form their per-sample gradients in one
+    launch per shape: book-keeping at the end of the backward, holding each call's input and output
+    gradient to then as it holds its linear calls'; per-layer clipping holds them within RUN_BYTES
+    (their small gradients are clipped at the end anyway). A configuration met once takes its own
+    launch. The norms, ρ and clipped sums equal those of one launch per call."""
+    import pdpfast.ops.norm as norm_ops
+
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 32
+    model = pdpfast.nn.convert(nn.Sequential(
+        *_normalized_stack(d, 3), *_normalized_stack(d, 2, nn.RMSNorm), nn.Linear(d, d), nn.LayerNorm(d, bias=False),
+        nn.Linear(d, 2 * d), nn.LayerNorm(2 * d)).to(device, dtype))
+    x = torch.randn(B, T, d, device=device, dtype=dtype)
+    grouped = _clip_once(model, x, clipping)
+    # the three LayerNorm(d) with a bias and the two RMSNorm(d); the bias-free one and LayerNorm(2d) alone
+    assert sorted(norm_grads_launches) == [("layer", 3), ("rms", 2)], norm_grads_launches
+    norm_grads_launches.clear()
+    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o: False)
+    _assert_same_results(grouped, _clip_once(model, x, clipping))
+    assert norm_grads_launches == []
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_layer_norm_calls_are_held_within_run_bytes(clipping, monkeypatch, device, full_size_calls,
+                                                     norm_grads_launches):
+    """Held LayerNorm calls have their gradients formed once they hold more than RUN_BYTES of inputs
+    and output gradients, so a deep stack's are not all held to the end of the backward (where
+    book-keeping's peak is: its tape holds every linear call's tensors to then): five calls with
+    room for 1.5 make launches of two, two and the last call's own. The results equal those of one
+    launch per call."""
+    import pdpfast.clipping as clipping_module
+    import pdpfast.ops.norm as norm_ops
+
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 32
+    model = pdpfast.nn.convert(nn.Sequential(*_normalized_stack(d, 5)).to(device))
+    x = torch.randn(B, T, d, device=device)
+    monkeypatch.setattr(clipping_module, "RUN_BYTES", 3 * B * T * d * 4)  # a call holds its input and output gradient
+    held = []
+    flush = clipping_module.ClippingState._flush_formed
+    monkeypatch.setattr(clipping_module.ClippingState, "_flush_formed",
+                        lambda self, take: (held.append(self._formed_bytes), flush(self, take))[1])
+    grouped = _clip_once(model, x, clipping)
+    assert norm_grads_launches == [("layer", 2), ("layer", 2)], norm_grads_launches
+    call = 2 * B * T * d * 4
+    assert held == [2 * call, 2 * call, call], held  # the last call at the end of the backward
+    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o: False)
+    _assert_same_results(grouped, _clip_once(model, x, clipping))
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])

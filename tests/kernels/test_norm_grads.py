@@ -1,6 +1,8 @@
 """LayerNorm / RMSNorm per-sample affine gradient kernel against float64 oracles and the torch references."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -179,6 +181,142 @@ def test_the_ops_dispatch_to_the_kernel(tools, gen, monkeypatch):
         monkeypatch.delenv("PDPFAST_DISABLE_TRITON")
         for key in slow:
             torch.testing.assert_close(fast[key], slow[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def _same_shape_calls(tools, gen, n, x_shape, dtype, misaligned=False):
+    """n (x, o) calls of one shape: the first n − 1 views into one buffer each, in slots of whole
+    16-byte blocks (call 0 in the last slot, so the other calls' offsets past it are negative), the
+    last tensors of their own; ``misaligned``: the views start one element past a 16-byte boundary."""
+    size, shift = math.prod(x_shape), 1 if misaligned else 0
+    slot = -(-size // 8) * 8  # 8 elements: 16 bytes in fp16/bf16, 32 in fp32
+    buf_x = tools.randn(gen, n * slot + 8, dtype=dtype, device=tools.device) * 3 + 1
+    buf_o = tools.randn(gen, n * slot + 8, dtype=dtype, device=tools.device)
+    slots = [n - 2, *range(n - 2)] if n > 1 else []
+    calls = [(buf_x[shift + i * slot:][:size].view(x_shape), buf_o[shift + i * slot:][:size].view(x_shape))
+             for i in slots]
+    calls.append((tools.randn(gen, *x_shape, dtype=dtype, device=tools.device) * 3 + 1,
+                   tools.randn(gen, *x_shape, dtype=dtype, device=tools.device)))
+    return calls
+
+
+NORM_MODULES = {"layer norm": lambda shape: nn.LayerNorm(shape, eps=1e-5),
+                "layer norm, no bias": lambda shape: nn.LayerNorm(shape, eps=1e-5, bias=False),
+                "rms norm": lambda shape: nn.RMSNorm(shape)}
+
+
+def _grouped_launcher(module):
+    center = isinstance(module, nn.LayerNorm)
+    return center, (norm_grads.layer_norm_per_sample_grads_grouped if center
+                    else norm_grads.rms_norm_per_sample_grads_grouped)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", list(NORM_MODULES))
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("shapes", [((2, 33, 768), (768,)), ((3, 7, 33), (33,)), ((2, 9), (9,)),
+                                    ((2, 3, 4, 6), (4, 6))], ids=str)
+def test_same_shape_calls_take_one_launch_and_each_equals_the_oracle(tools, gen, shapes, n, kind, dtype):
+    """n calls of one shape (a transformer's LayerNorms) in one launch, each program reading its call's
+    x and o at an offset from the first call's: each call's gradients equal the float64 oracle and the
+    reference as its own launch's do, and are the launch's (n, planes, B, ...) buffer's views."""
+    x_shape, shape = shapes
+    module = NORM_MODULES[kind](shape)
+    center, launcher = _grouped_launcher(module)
+    calls = _same_shape_calls(tools, gen, n, x_shape, dtype)
+    with tools.op_log() as log:
+        grads = launcher(calls, module)
+    assert len(log.launches) == 1 and len(grads) == n
+    eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+    reference = (norm_ops.layer_norm_per_sample_grads_reference if center
+                 else norm_ops.rms_norm_per_sample_grads_reference)
+    for c, ((x, o), got) in enumerate(zip(calls, grads)):
+        ref = reference(x, o, module)
+        assert set(got) == set(ref) and got["weight"].shape == (x_shape[0], *shape) and got["weight"].dtype == dtype
+        weight, bias = _oracle(x, o, shape, eps, center)
+        atol = _atol(x, o, shape, dtype)
+        tools.check(got["weight"], ref["weight"], weight, atol=atol, what=f"{kind} call {c} weight")
+        if "bias" in got:
+            tools.check(got["bias"], ref["bias"], bias, atol=atol, what=f"{kind} call {c} bias")
+    if n > 1:
+        assert grads[1]["weight"].data_ptr() > grads[0]["weight"].data_ptr()  # views of one buffer
+
+
+@pytest.mark.parametrize("center", [True, False])
+def test_grouped_calls_split_positions_by_all_their_rows_and_repeat_bit_for_bit(tools, gen, monkeypatch, center):
+    """The calls' programs share the GPU, so their splits of each sample's positions follow n·B rows:
+    one program per (call, sample) where those reach every multiprocessor, though one call's B would
+    split. Both ways each call equals the oracle, and a second launch returns the same bits."""
+    monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", 8)
+    calls = _same_shape_calls(tools, gen, 4, (3, 70, 48), torch.bfloat16)
+    module = nn.LayerNorm(48) if center else nn.RMSNorm(48)
+    _, launcher = _grouped_launcher(module)
+    device = calls[0][0].device
+    assert norm_grads._splits(3, 70, 64, device)[0] > 1 and norm_grads._splits(12, 70, 64, device)[0] == 1
+    with tools.op_log() as log:
+        first = launcher(calls, module)
+    assert len(log.launches) == 1 and "sum" not in log.ops  # one split: no partial sums to add
+    for (x, o), got in zip(calls, first):
+        own = (norm_grads.layer_norm_per_sample_grads if center else norm_grads.rms_norm_per_sample_grads)(x, o, module)
+        for key in got:  # summed in other orders, both within fp32 accumulation and one bf16 rounding
+            torch.testing.assert_close(got[key].float(), own[key].float(), rtol=2 ** -7, atol=2 ** -7 * 48)
+        _check(tools, x, o, module, center, f"grouped center={center}")
+    again = launcher(calls, module)
+    for got, repeat in zip(first, again):
+        for key in got:
+            assert torch.equal(got[key], repeat[key]), key
+
+
+def test_grouped_calls_that_cannot_share_a_launch_take_one_each(tools, gen, monkeypatch):
+    """Views that do not start on 16-byte boundaries, calls whose strides or dtypes differ from the
+    first one's (the kernel reads every call with the first one's), rows whose last dim is not
+    contiguous, an empty batch and rows too long for a program take the reference, one launch a
+    call, with its results."""
+    seen = []
+    reference = norm_grads.layer_norm_per_sample_grads_grouped_reference
+    monkeypatch.setattr(norm_grads, "layer_norm_per_sample_grads_grouped_reference",
+                        lambda calls, module: (seen.append(len(calls)), reference(calls, module))[1])
+    module = nn.LayerNorm(16)
+    misaligned = _same_shape_calls(tools, gen, 3, (2, 5, 16), torch.float32, misaligned=True)
+    assert misaligned[0][0].data_ptr() % 16
+    x, o = tools.randn(gen, 2, 5, 16, device=tools.device), tools.randn(gen, 2, 5, 16, device=tools.device)
+    cases = {"misaligned": misaligned,
+             "other strides": [(x, o), (tools.randn(gen, 5, 2, 16, device=tools.device).transpose(0, 1), o)],
+             "other dtype": [(x, o), (x.bfloat16(), o.bfloat16())],
+             "last dim strided": [(tools.randn(gen, 2, 16, 5, device=tools.device).transpose(1, 2), o)] * 2,
+             "empty batch": [(torch.zeros(0, 5, 16, device=tools.device),) * 2] * 2}
+    for what, calls in cases.items():
+        seen.clear()
+        got = norm_grads.layer_norm_per_sample_grads_grouped(calls, module)
+        assert seen == [len(calls)], what
+        for (cx, co), g in zip(calls, got):
+            own = norm_ops.layer_norm_per_sample_grads(cx, co, module)
+            for key in own:
+                assert torch.equal(g[key], own[key]), (what, key)
+    seen.clear()
+    monkeypatch.setattr(norm_grads, "MAX_N", 8)
+    norm_grads.layer_norm_per_sample_grads_grouped([(x, o), (x.clone(), o.clone())], module)
+    assert seen == [2]
+
+
+def test_grouped_ops_dispatch_to_the_kernel_where_it_runs(tools, gen, monkeypatch):
+    """``pdpfast.ops.norm.groups_norm_grads`` holds where the kernel runs and not with
+    PDPFAST_DISABLE_TRITON=1 (the calls then take the reference's one launch each, and the clipping
+    state forms each call's gradients at once instead of holding it); the ops agree both ways."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    calls = _same_shape_calls(tools, gen, 3, (2, 5, 12), torch.float32)
+    assert norm_ops.groups_norm_grads(*calls[0])
+    for name, module in (("layer_norm_per_sample_grads_grouped", nn.LayerNorm(12)),
+                         ("rms_norm_per_sample_grads_grouped", nn.RMSNorm(12))):
+        op = dispatch.op(name)
+        assert op.pick(*calls[0]) is getattr(norm_grads, name), name
+        fast = getattr(norm_ops, name)(calls, module)
+        monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+        assert op.pick(*calls[0]) is op.reference and not norm_ops.groups_norm_grads(*calls[0]), name
+        slow = getattr(norm_ops, name)(calls, module)
+        monkeypatch.delenv("PDPFAST_DISABLE_TRITON")
+        for f, s in zip(fast, slow):
+            for key in s:
+                torch.testing.assert_close(f[key], s[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
 def _group_oracle(x, o, num_groups, eps):
