@@ -222,23 +222,26 @@ def bench_linear_norms_rounding(rows, op, dtype_name, quick, reps):
 
 @benchmark("linear_sq_norms_grouped")
 def bench_linear_norms_grouped(rows, op, dtype_name, quick, reps):
-    """The norms and rounding bounds of a model's same-shape linear calls from one launch (book-keeping
-    computes them together at the end of the backward), against one launch per call (the reference,
-    each call on the fused kernel): BERT-base's 48 768→768 calls and GPT-2's 12 768→2304 ones.
-    ``median_ms`` includes the host's launches, which grouping saves; ``graph_ms``, the GPU's time, is
-    the reference's only (the grouped launch copies its offsets from the host, which a capture refuses;
-    its programs are the per-call launches' programs in one grid)."""
+    """The norms and rounding bounds of a model's linear calls of one batch and sequence length from
+    one launch (book-keeping computes them together at the end of the backward), against one launch
+    per call (the reference, each call on the fused kernel): BERT-base's 48 768→768 calls, all its 72
+    projections (the 768→3072 and 3072→768 ones too: calls of different widths share the launch) and
+    GPT-2's 48. ``median_ms`` includes the host's launches, which grouping saves; ``graph_ms``, the
+    GPU's time, is the reference's only (the grouped launch copies its table from the host, which a
+    capture refuses; its programs are the per-call launches' programs in one grid)."""
     dtype = DTYPES[dtype_name]
     u = 2.0 ** -8
-    shapes = [(48, 32, 128, 768, 768), (12, 8, 512, 768, 2304)]
+    shapes = [("bert-base 48 x 768->768", 32, 128, [(768, 768)] * 48),
+              ("bert-base 72 projections", 32, 128, [(768, 768)] * 48 + [(768, 3072), (3072, 768)] * 12),
+              ("gpt2-small 48 projections", 8, 512, [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12)]
     if quick:
-        shapes = shapes[:1]
-    for n, B, T, d, p in shapes:
+        shapes = shapes[1:2]
+    for name, B, T, widths in shapes:
         calls = [(torch.randn(B, T, d, device="cuda", dtype=dtype), torch.randn(B, T, p, device="cuda", dtype=dtype))
-                 for _ in range(n)]
-        nbytes = sum((a.numel() + o.numel()) * a.element_size() for a, o in calls) + 8 * B * n
-        flops = 2 * n * B * T * T * (d + p + 1)
-        _bench_pair(rows, op.name, (n, B, T, d, p), dtype_name, f"{n} calls", lambda: op.kernel(calls, True, u),
+                 for d, p in widths]
+        nbytes = sum((a.numel() + o.numel()) * a.element_size() for a, o in calls) + 8 * B * len(calls)
+        flops = sum(2 * B * T * T * (d + p + 1) for d, p in widths)
+        _bench_pair(rows, op.name, name, dtype_name, f"{len(calls)} calls", lambda: op.kernel(calls, True, u),
                     lambda: op.reference(calls, True, u), nbytes, flops, reps)
         rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, True, u))
         calls = None

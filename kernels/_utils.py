@@ -139,10 +139,14 @@ def grouped_offsets(calls: list, align: int) -> torch.Tensor | None:
     size, ptrs = a0.element_size(), [(a.data_ptr(), o.data_ptr()) for a, o in calls]
     if any(p % align for pair in ptrs for p in pair):
         return None
-    offsets = torch.tensor([(p - p0) // size for pair in ptrs for p, p0 in zip(pair, ptrs[0])], dtype=torch.int64)
-    if a0.is_cuda:  # from pinned memory the copy is queued, not waited for
-        offsets = offsets.pin_memory().to(a0.device, non_blocking=True)
-    return offsets
+    return table_on([(p - p0) // size for pair in ptrs for p, p0 in zip(pair, ptrs[0])], a0.device)
+
+
+def table_on(values: list, device: torch.device) -> torch.Tensor:
+    """A grouped launch's table of int64 ``values`` on ``device``: on a GPU queued from pinned memory,
+    not waited for."""
+    table = torch.tensor(values, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:

@@ -182,12 +182,13 @@ def _launch(x: torch.Tensor, o: torch.Tensor, shape: tuple, eps: float, center: 
 
 def _launch_grouped(calls: list, shape: tuple, eps: float, center: bool, with_bias: bool) -> list | None:
     """The calls' per-sample gradients from one launch, each call's as ``_launch`` gives them (views
-    of one (n, planes, B, *shape) buffer); None where they cannot share one: an empty batch, rows
-    whose last dim is not contiguous, or calls whose rows do not all match the first call's shape,
-    strides and dtype or do not all start on 16-byte boundaries (``grouped_offsets``)."""
+    of one (n, planes, B, *shape) buffer); None where they cannot share one: an empty batch, calls
+    whose inputs do not all have the first one's shape and dtype, rows whose last dim is not
+    contiguous, or rows that do not all match the first call's strides or do not all start on 16-byte
+    boundaries (``grouped_offsets``)."""
     x0, N = calls[0][0], math.prod(shape)
     B = x0.shape[0]
-    if not B or not all(_same_dtypes(x, o) for x, o in calls):
+    if not B or not all(x.shape == x0.shape and _same_dtypes(x, o) for x, o in calls):
         return None
     rows = [(x.reshape(B, -1, N), o.reshape(B, -1, N)) for x, o in calls]
     if any(x.stride(2) != 1 or o.stride(2) != 1 for x, o in rows):

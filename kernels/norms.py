@@ -38,7 +38,7 @@ from pdpfast.ops.linear import (
     tf32_allowed,
 )
 
-from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, grouped_offsets, new_buffer, sum_partials
+from ._utils import KERNEL_DTYPES, _dot, block, cdiv, device_guard, dot_flags, new_buffer, sum_partials, table_on
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -119,27 +119,41 @@ def _linear_gram_sq_norms_kernel(
 
 @triton.jit
 def _linear_gram_sq_norms_grouped_kernel(
-        a_ptr, o_ptr, offsets_ptr, partial_ptr, T, D, P,
-        stride_ab, stride_at, stride_ad, stride_ob, stride_ot, stride_op,
-        N_TILES, N_SHIFTS, B, N_PARTIALS, U,
+        a_ptr, o_ptr, table_ptr, partial_ptr, T, N_TILES, N_SHIFTS, B, N_PARTIALS, U,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ALIGN_A: tl.constexpr,
-        ALIGN_O: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ROUNDING: tl.constexpr):
-    # Calls of one shape in one launch: call c's input and output gradient start offsets[2c] and
-    # offsets[2c + 1] elements past a_ptr and o_ptr (each a multiple of ALIGN_A, ALIGN_O: 16 bytes).
-    # Program ((c, sample), s, shift) writes at its own index, so the partial sums are (n, B, K),
-    # K = N_TILES·N_SHIFTS: row c is what call c's own launch would write.
+        ALIGN_O: tl.constexpr, DIV16: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROUNDING: tl.constexpr):
+    # Calls of one (B, T) in one launch, of any widths: row c of the (n, 8) table holds call c's input
+    # and output gradient offsets past a_ptr and o_ptr (multiples of ALIGN_A, ALIGN_O: 16 bytes), its
+    # d and p, and its tensors' batch and row strides (their last dims are contiguous). DIV16: those
+    # widths and strides are all multiples of 16, which a per-call launch's specialization would have
+    # told the compiler. Program ((c, sample), s, shift) writes at its own index, so the partial sums
+    # are (n, B, K), K = N_TILES·N_SHIFTS: row c is what call c's own launch would write.
     pid = tl.program_id(0)
     shift = pid % N_SHIFTS
     tile_s = (pid // N_SHIFTS) % N_TILES
     row = pid // (N_SHIFTS * N_TILES)
     call = row // B
     sample = (row % B).to(tl.int64)
-    a_offset = tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_A)
-    o_offset = tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
+    entry = table_ptr + 8 * call
+    a_offset = tl.multiple_of(tl.load(entry), ALIGN_A)
+    o_offset = tl.multiple_of(tl.load(entry + 1), ALIGN_O)
+    D = tl.load(entry + 2).to(tl.int32)
+    P = tl.load(entry + 3).to(tl.int32)
+    stride_ab = tl.load(entry + 4)
+    stride_at = tl.load(entry + 5).to(tl.int32)
+    stride_ob = tl.load(entry + 6)
+    stride_ot = tl.load(entry + 7).to(tl.int32)
+    if DIV16:
+        D = tl.multiple_of(D, 16)
+        P = tl.multiple_of(P, 16)
+        stride_ab = tl.multiple_of(stride_ab, 16)
+        stride_at = tl.multiple_of(stride_at, 16)
+        stride_ob = tl.multiple_of(stride_ob, 16)
+        stride_ot = tl.multiple_of(stride_ot, 16)
     norm, terms = _gram_pair(a_ptr + a_offset + sample * stride_ab, o_ptr + o_offset + sample * stride_ob, T, D, P,
-                             stride_at, stride_ad, stride_ot, stride_op, tile_s, shift, N_TILES, BLOCK_T, BLOCK_D,
-                             BLOCK_P, DOT_PRECISION, UPCAST, HAS_BIAS, ROUNDING)
+                             stride_at, 1, stride_ot, 1, tile_s, shift, N_TILES, BLOCK_T, BLOCK_D, BLOCK_P,
+                             DOT_PRECISION, UPCAST, HAS_BIAS, ROUNDING)
     tl.store(partial_ptr + pid, norm)
     if ROUNDING:
         tl.store(partial_ptr + N_PARTIALS + pid, U * terms)
@@ -377,35 +391,69 @@ def _gram_groups(a: torch.Tensor, o: torch.Tensor, *others: torch.Tensor) -> boo
     return T > 1 and kernel_uses_gram(T, a.shape[-1], o.shape[-1])
 
 
+# (the table's widths and row strides are read as int32)
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _call_table(calls: list) -> tuple[torch.Tensor, bool] | None:
+    """The (n, 8) table of a grouped launch (``_linear_gram_sq_norms_grouped_kernel``) and whether its
+    widths and strides are all multiples of 16; None unless every call has the first one's B and T,
+    dtype and device, contiguous last dims, 16-byte aligned tensors and int32 widths and row strides."""
+    a0, o0 = calls[0]
+    B, T = a0.shape[:2]
+    size, pa0, po0 = a0.element_size(), a0.data_ptr(), o0.data_ptr()
+    rows = []
+    for a, o in calls:
+        if (a.shape[:2] != (B, T) or o.shape[:2] != (B, T) or a.dtype != a0.dtype or o.dtype != a0.dtype
+                or a.device != a0.device or o.device != a0.device):
+            return None
+        if (a.shape[2] > 1 and a.stride(2) != 1) or (o.shape[2] > 1 and o.stride(2) != 1):
+            return None
+        pa, po = a.data_ptr(), o.data_ptr()
+        if pa % 16 or po % 16:
+            return None
+        row = ((pa - pa0) // size, (po - po0) // size, a.shape[2], o.shape[2], a.stride(0), a.stride(1),
+               o.stride(0), o.stride(1))
+        if max(row[2], row[3], row[5], row[7]) > _INT32_MAX:
+            return None
+        rows.append(row)
+    div16 = all(v % 16 == 0 for row in rows for v in row[2:])
+    return table_on([v for row in rows for v in row], a0.device), div16
+
+
 @register("linear_sq_norms_grouped", when=_gram_groups)
 def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
-    """Squared norms (and rounding bounds) of n linear calls of one shape, strides and dtype on the
-    Gram path, from one launch: program ((sample, call), s, shift) finds its call's tensors at an
-    offset from the first call's, read from a table of the n calls' offsets.
+    """Squared norms (and rounding bounds) of n linear calls of one batch, sequence length and dtype
+    on the Gram path, of any widths, from one launch: program ((call, sample), s, shift) finds its
+    call's tensors at an offset from the first call's, and its widths and strides, in a table of the
+    n calls.
 
     One launch instead of n: on an H200 a norm kernel's launch took ~0.13-0.17 ms of host time
     against 0.01-0.04 ms of GPU time at BERT's and GPT-2's calls (bench_kernels-NVIDIA_H200.json,
-    eager against graph times), so an eager step's many same-shape calls were host-bound.
+    eager against graph times), so an eager step's many calls were host-bound. The launch takes the
+    widest call's tiles (64 columns from a width of 64 up: every call of a full-size model).
 
     Args:
-        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one shape, strides
-            and dtype (the caller groups them so), fp32/fp16/bf16.
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one B, T and dtype,
+            fp32/fp16/bf16.
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
-        (sq, rho): (n, B, K) fp32 each, the launch's partial sums, row c what call c's own launch
-        writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
-        squared norms and its ρ_i; rho None where ``u`` is 0. Calls that do not all match the first
-        one's shapes, strides, dtype and device, or whose tensors do not all start on 16-byte
-        boundaries, run the reference (one launch each).
+        (sq, rho): (n, B, K) fp32 each, K set by T, the launch's partial sums, row c what call c's own
+        launch writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
+        squared norms and its ρ_i; rho None where ``u`` is 0. Calls that do not all share the first
+        one's B, T, dtype and device, whose last dims are strided, or whose tensors do not all start on
+        16-byte boundaries, run the reference (one launch each).
     """
     a0, o0 = calls[0]
-    B, T, D = a0.shape
-    P = o0.shape[-1]
-    n = len(calls)
-    offsets = grouped_offsets(calls, 16) if B else None
-    if offsets is None:
+    B, T = a0.shape[:2]
+    found = _call_table(calls) if B else None
+    if found is None:
         return linear_sq_norms_grouped_reference(calls, with_bias, u)
+    table, div16 = found
+    n = len(calls)
+    block_d = block(max(a.shape[-1] for a, _ in calls), 16, 64)
+    block_p = block(max(o.shape[-1] for _, o in calls), 16, 64)
     rounding = bool(u)
     flags, u = _flags_and_roundoff(a0, u)
     block_t, n_tiles, n_shifts = _gram_tiles(T)
@@ -414,10 +462,9 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     partials = new_buffer(((2 if rounding else 1) * programs,), torch.float32, a0.device)
     with device_guard(a0):
         _linear_gram_sq_norms_grouped_kernel[(programs,)](
-            a0, o0, offsets, partials, T, D, P, *_strides(a0), *_strides(o0), n_tiles, n_shifts, B, programs,
-            u or 0.0, BLOCK_T=block_t, BLOCK_D=block(D, 16, 64), BLOCK_P=block(P, 16, 64),
-            ALIGN_A=16 // a0.element_size(), ALIGN_O=16 // o0.element_size(), HAS_BIAS=with_bias,
-            ROUNDING=rounding, num_warps=4, **flags)
+            a0, o0, table, partials, T, n_tiles, n_shifts, B, programs, u or 0.0, BLOCK_T=block_t,
+            BLOCK_D=block_d, BLOCK_P=block_p, ALIGN_A=16 // a0.element_size(), ALIGN_O=16 // o0.element_size(),
+            DIV16=div16, HAS_BIAS=with_bias, ROUNDING=rounding, num_warps=4, **flags)
     return partials[:programs].view(n, B, K), (partials[programs:].view(n, B, K) if rounding else None)
 
 

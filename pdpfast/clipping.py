@@ -381,7 +381,8 @@ PACK_BYTES = 1 << 20
 # at most this many bytes of their inputs and output gradients (a BERT-base block's attention
 # projections at batch 32, fp32: ~75 MiB), so that a stack of uniform layers is not all held. Both
 # clipping modes hold normalization calls for one launch of their per-sample gradients within as
-# many bytes again (BERT-base's LayerNorm calls at batch 32: five a launch in fp32, ten in bf16):
+# many bytes again, and the call that passes them (BERT-base's LayerNorm calls at batch 32: six a
+# launch in fp32, eleven in bf16):
 # book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
 # would otherwise add all of theirs to its peak (BERT-base at batch 8 on the CPU's stand-in of the
 # GPU route: +150 MB, 14% of the non-private step's peak).
@@ -1254,8 +1255,8 @@ class ClippingState:
 
     def _hold_formed(self, group, layer: _Layer, names: tuple, x, o, take) -> None:
         """Hold a call whose per-sample gradients are formed with its same-shape peers' in one launch
-        (``Grouped.per_sample_grads``), at most RUN_BYTES of the held calls' inputs and output
-        gradients; past that, form the held ones (``_flush_formed(take)``)."""
+        (``Grouped.per_sample_grads``); once the held calls' inputs and output gradients pass RUN_BYTES
+        (this call included), form the held ones (``_flush_formed(take)``)."""
         self._formed.setdefault(group, []).append((layer, names, x, o))
         self._formed_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
         if self._formed_bytes > RUN_BYTES:

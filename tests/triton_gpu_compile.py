@@ -205,9 +205,11 @@ def kernel_calls() -> None:
                     norms.linear_weight_sq_norms(a, o, with_bias=with_bias)
                 if path != "direct":
                     norms.linear_sq_norms_rounding(a, o, with_bias, 2.0 ** -8)
-        # book-keeping's grouped norms of same-shape Gram-path calls: BERT-base's 768→768 and a short one
-        for B, T, d, p in [(2, 128, 768, 768), (2, 8, 16, 64)]:
-            calls = [(_e(B, T, d, dtype=dtype), _e(B, T, p, dtype=dtype)) for _ in range(3)]
+        # grouped norms of Gram-path calls of one (B, T): BERT-base's projections (widths multiples of
+        # 16), a short sequence's, and widths that are not multiples of 16 (no divisibility hints)
+        for B, T, widths in [(2, 128, [(768, 768), (768, 3072), (3072, 768)]), (2, 8, [(16, 64), (16, 16)]),
+                             (2, 20, [(64, 72), (40, 64)])]:
+            calls = [(_e(B, T, d, dtype=dtype), _e(B, T, p, dtype=dtype)) for d, p in widths]
             for with_bias, u in ((False, 0.0), (True, 0.0), (True, 2.0 ** -8)):
                 norms.linear_sq_norms_grouped(calls, with_bias, u)
         for B, T, p in [(2, 8, 16), (2, 128, 768), (2, 3, 5)]:

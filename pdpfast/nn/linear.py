@@ -211,14 +211,18 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
 
     stacked = Stacked(key, stacked_sq_norms, stacked_clipped, stacked_rounding, stacked_sq_norms_rounding)
 
-    # large calls of one shape (the projections of every transformer block) take one norm launch
+    # large calls of one batch and sequence length (every projection of a transformer) take one norm
+    # launch; those whose widths or strides are not all multiples of 16 take another (the launch's
+    # loads are vectorized only where every call's are)
     def group_key(m, x, o, names):
         if weight not in names or not x.is_floating_point():
             return None
         a, g = as_btd(x, o)
         if not lin_ops.groups_norms(a, g):
             return None
-        return a.shape, a.stride(), g.shape, g.stride(), g.dtype, g.device, bias in names
+        aligned = not (a.shape[2] % 16 or g.shape[2] % 16 or a.stride(0) % 16 or a.stride(1) % 16
+                       or g.stride(0) % 16 or g.stride(1) % 16)
+        return a.shape[:2], aligned, g.dtype, g.device, bias in names
 
     def grouped_norms_and_rounding(calls, bound):
         names = calls[0][3]

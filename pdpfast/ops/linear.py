@@ -327,10 +327,11 @@ def linear_sq_norms_rounding_reference(a: torch.Tensor, o: torch.Tensor, with_bi
 
 
 def linear_sq_norms_grouped_reference(calls: list, with_bias: bool, u: float = 0.0):
-    """Squared norms (and rounding bounds) of n linear calls of one shape, one call at a time.
+    """Squared norms (and rounding bounds) of n linear calls of one batch, sequence length and dtype,
+    one call at a time.
 
     Args:
-        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients), all of one shape and dtype.
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one B, T and dtype.
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
@@ -366,11 +367,11 @@ def groups_norms(a: torch.Tensor, o: torch.Tensor) -> bool:
 
 
 def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
-    """Squared norms (and rounding bounds) of n linear calls of one shape, strides and dtype, from
-    one kernel launch where ``groups_norms`` holds for them, instead of one per call.
+    """Squared norms (and rounding bounds) of n linear calls of one batch, sequence length and dtype,
+    of any widths, from one kernel launch where ``groups_norms`` holds for them, instead of one per call.
 
     Args:
-        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one shape, strides and dtype.
+        calls: n ≥ 1 pairs (a (B, T, d) inputs, o (B, T, p) output gradients) of one B, T and dtype.
         with_bias: the calls' bias is among their parameters.
         u: the unit roundoff of the clipped sums' row scaling (``pdpfast.nn.rules.scaling_roundoff``);
             0: no rounding bound.

@@ -399,26 +399,30 @@ def _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
-def test_same_shape_calls_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls,
-                                               grouped_launches):
-    """Book-keeping holds every call's input and output gradient to the end of the backward, so calls
-    of one shape on the norm kernel's Gram path (a transformer's projections) take one launch there
-    (``linear_sq_norms_grouped``), not one each; a shape met once takes its own. Per-layer clipping
-    holds a run of consecutive same-shape calls until a call that does not join it, then clips each
-    from one launch's norms. The norms, ρ and clipped sums equal those of one launch per call."""
+def test_calls_of_one_sequence_length_take_one_norm_launch(clipping, dtype, monkeypatch, device, full_size_calls,
+                                                          grouped_launches):
+    """Book-keeping holds every call's input and output gradient to the end of the backward, so its
+    calls on the norm kernel's Gram path of one batch and sequence length (every projection of a
+    transformer, whatever its widths) take one launch there (``linear_sq_norms_grouped``), not one
+    each; a call met once takes its own. Per-layer clipping holds a run of consecutive such calls
+    until a call that does not join it, then clips each from one launch's norms. The norms, ρ and
+    clipped sums equal those of one launch per call."""
     import pdpfast.ops.linear as lin_ops
 
     torch.manual_seed(0)
     B, T, d = 3, 7, 64
-    assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, 2 * d)
-    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh(),
-                                             nn.Linear(d, d, bias=False), nn.Tanh(), nn.Linear(d, d), nn.Tanh(),
-                                             nn.Linear(d, 2 * d)).to(device, dtype))
+    widths = [(d, 2 * d), (2 * d, d), (d, d), (d, 72), (72, 2 * d)]  # 72: not a multiple of 16
+    assert all(lin_ops.kernel_uses_gram(T, i, o) for i, o in widths)
+    layers = []
+    for i, o in widths:
+        layers += [nn.Linear(i, o, bias=(i, o) != (d, d)), nn.Tanh()]
+    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device, dtype))
     x = torch.randn(B, T, d, device=device, dtype=dtype)
     grouped = _clip_once(model, x, clipping)
-    # flat: the three d→d calls with a bias; the bias-free one and d→2d alone. Per-layer, in the
-    # backward's order: d→2d, the last d→d, the bias-free one, then the first two d→d as one run
-    assert grouped_launches == ([3] if clipping == "flat" else [2]), grouped_launches
+    # flat: 64→128 and 128→64 in one launch, the two calls of width 72 (no vectorized loads) in another,
+    # the bias-free one alone. Per-layer, in the backward's order: the last two as one run, the
+    # bias-free one alone, then the first two as one run
+    assert sorted(grouped_launches) == [2, 2], grouped_launches
     grouped_launches.clear()
     _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
     assert grouped_launches == []

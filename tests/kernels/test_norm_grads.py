@@ -267,8 +267,8 @@ def test_grouped_calls_split_positions_by_all_their_rows_and_repeat_bit_for_bit(
 
 
 def test_grouped_calls_that_cannot_share_a_launch_take_one_each(tools, gen, monkeypatch):
-    """Views that do not start on 16-byte boundaries, calls whose strides or dtypes differ from the
-    first one's (the kernel reads every call with the first one's), rows whose last dim is not
+    """Views that do not start on 16-byte boundaries, calls whose strides, dtypes or batch sizes
+    differ from the first one's (the kernel reads every call with the first one's), rows whose last dim is not
     contiguous, an empty batch and rows too long for a program take the reference, one launch a
     call, with its results."""
     seen = []
@@ -282,6 +282,7 @@ def test_grouped_calls_that_cannot_share_a_launch_take_one_each(tools, gen, monk
     cases = {"misaligned": misaligned,
              "other strides": [(x, o), (tools.randn(gen, 5, 2, 16, device=tools.device).transpose(0, 1), o)],
              "other dtype": [(x, o), (x.bfloat16(), o.bfloat16())],
+             "other batch size": [(x, o), (x.reshape(5, 2, 16).clone(), o.reshape(5, 2, 16).clone())],
              "last dim strided": [(tools.randn(gen, 2, 16, 5, device=tools.device).transpose(1, 2), o)] * 2,
              "empty batch": [(torch.zeros(0, 5, 16, device=tools.device),) * 2] * 2}
     for what, calls in cases.items():

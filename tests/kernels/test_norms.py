@@ -391,6 +391,35 @@ def test_grouped_linear_norms_equal_one_launch_per_call(tools, gen, shape, n, u,
         assert rho is None and ref_rho is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [7, 65])
+def test_calls_of_different_widths_share_a_launch(tools, gen, T, dtype):
+    """Calls of one (B, T) and dtype but of different widths (a transformer block's projections, some
+    widths not multiples of 16, so the launch gives the compiler no divisibility hint, and some under
+    one tile) take one launch, with the widest call's tiles; each call's norms and ρ equal its own
+    launch's to fp32 summation, and the float64 oracle as ``test_grouped_linear_norms_equal_one_launch_per_call``."""
+    from pdpfast.ops.linear import kernel_uses_gram, linear_sq_norms_reference
+
+    B, u = 2, 2.0 ** -8
+    widths = [(64, 192), (200, 136), (256, 72), (120, 200)] if T > 64 else [(64, 128), (16, 32), (72, 40), (128, 64)]
+    calls = [(tools.randn(gen, B, T, d, dtype=dtype, device=tools.device),
+              tools.randn(gen, B, T, p, dtype=dtype, device=tools.device)) for d, p in widths]
+    assert all(kernel_uses_gram(T, d, p) for d, p in widths)
+    with tools.op_log() as log:
+        sq, rho = norms.linear_sq_norms_grouped(calls, True, u)
+    assert len(log.launches) == 1
+    K = 1 if T <= 64 else 4
+    assert sq.shape == rho.shape == (len(calls), B, K)
+    for c, (a, o) in enumerate(calls):
+        own_sq, own_rho = norms.linear_sq_norms_rounding(a, o, True, u, parts=True)
+        torch.testing.assert_close(sq[c].sum(1), own_sq.sum(1), rtol=1e-5, atol=0)
+        torch.testing.assert_close(rho[c].sum(1), own_rho.sum(1), rtol=1e-5, atol=0)
+        exact = linear_sq_norms_reference(a.double(), o.double(), True)
+        scale = _linear_scale(a, o) + o.double().sum(1).norm(dim=-1) ** 2
+        rtol = ACC_RTOL + _tensor_core_rtol(a, o)
+        tools.check(sq[c].sum(1), own_sq.sum(1), exact, atol=rtol * scale + 1e-30, what=f"call {c} {widths[c]} {dtype}")
+
+
 def test_grouped_linear_norms_of_misaligned_mismatched_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
     """Calls whose tensors do not all start on 16-byte boundaries (the table's offsets would break the
     kernel's alignment assumption), calls whose shapes or strides differ from the first one's (the
