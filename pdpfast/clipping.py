@@ -385,8 +385,13 @@ PACK_BYTES = 1 << 20
 # launch in fp32, eleven in bf16):
 # book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
 # would otherwise add all of theirs to its peak (BERT-base at batch 8 on the CPU's stand-in of the
-# GPU route: +150 MB, 14% of the non-private step's peak).
+# GPU route: +150 MB, 14% of the non-private step's peak). A fixed budget is a larger share of a
+# smaller step's memory, so neither holds more than a tenth of the forward's layer inputs either,
+# where that is above RUN_FLOOR (a small model's whole step): per-layer clipping's runs of calls of
+# any widths added 7% to the peak of BERT-base's per-layer step at batch 8 (CPU stand-in) with
+# 128 MiB, 1.6% with 32 MiB, which is what batch 32 holds with 128 MiB.
 RUN_BYTES = 128 << 20
+RUN_FLOOR = 16 << 20
 
 
 def refuse_sequence_first(model: nn.Module) -> None:
@@ -798,6 +803,7 @@ class ClippingState:
         # s < 0 would flip every weight's sign and lift its clip: min(s, c/‖g‖) is then s, unbounded
         self.loss_scale = check_nonnegative("loss_scale", loss_scale)
         self._uses: dict[int, int] = {}  # id(parameter) → calls in this batch's forward
+        self._forward_bytes = 0  # the bytes of its layer calls' inputs (``_hold_limit``)
         self._partial_calls: dict[int, int] = {}  # clipping group → its partial_forward calls in this forward
         self._bounds: dict = {}
         if draw is None or draw != self.draw:
@@ -874,6 +880,8 @@ class ClippingState:
             for p in trainable:
                 uses[id(p)] = uses.get(id(p), 0) + 1
             layer = self._layer[module]
+            if isinstance(x, torch.Tensor):
+                self._forward_bytes += x.numel() * x.element_size()
         detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
         if buffers:  # a frozen weight or bias kept as a buffer: torch's forward reads it as self.<name> too
             detached = {**buffers, **detached}
@@ -1229,7 +1237,7 @@ class ClippingState:
             self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
             self._run_key = (grouped, group)
             self._run.append((layer, names, x, o))
-            if self._run_bytes > RUN_BYTES:
+            if self._run_bytes > self._hold_limit():
                 self._flush_run()
             return
         self._clip_call(layer, names, x, o)
@@ -1255,12 +1263,18 @@ class ClippingState:
 
     def _hold_formed(self, group, layer: _Layer, names: tuple, x, o, take) -> None:
         """Hold a call whose per-sample gradients are formed with its same-shape peers' in one launch
-        (``Grouped.per_sample_grads``); once the held calls' inputs and output gradients pass RUN_BYTES
-        (this call included), form the held ones (``_flush_formed(take)``)."""
+        (``Grouped.per_sample_grads``); once the held calls' inputs and output gradients pass
+        ``_hold_limit()`` (this call included), form the held ones (``_flush_formed(take)``)."""
         self._formed.setdefault(group, []).append((layer, names, x, o))
         self._formed_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
-        if self._formed_bytes > RUN_BYTES:
+        if self._formed_bytes > self._hold_limit():
             self._flush_formed(take)
+
+    def _hold_limit(self) -> int:
+        """The bytes of inputs and output gradients the held calls of a run, or of calls whose
+        per-sample gradients are formed together, may pass: ``RUN_BYTES``, and a tenth of this
+        forward's layer inputs where that is more than ``RUN_FLOOR`` (see ``RUN_BYTES``)."""
+        return min(RUN_BYTES, max(RUN_FLOOR, self._forward_bytes // 10))
 
     def _flush_formed(self, take) -> None:
         """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand
@@ -1886,10 +1900,10 @@ class ClippingState:
         self._tape: list = []
         self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
         self._formed: dict = {}  # (Grouped, key) -> held calls whose per-sample gradients take one launch
-        self._formed_bytes = 0   # their inputs' and output gradients' bytes (RUN_BYTES at most)
-        self._run: list = []     # per-layer clipping: consecutive same-shape calls held for one norm launch
+        self._formed_bytes = 0   # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
+        self._run: list = []     # per-layer clipping: consecutive calls of one key held for one norm launch
         self._run_key = None
-        self._run_bytes = 0      # their inputs' and output gradients' bytes (RUN_BYTES at most)
+        self._run_bytes = 0      # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

@@ -599,3 +599,25 @@ def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_ca
     grouped = _clip_once(model, x, "per_layer")
     assert grouped_launches == [3, 3], grouped_launches
     _same_as_one_launch_per_call(monkeypatch, model, x, "per_layer", grouped)
+
+
+def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, device, full_size_calls, grouped_launches):
+    """Where a tenth of the forward's layer inputs is above RUN_FLOOR, held calls stay within it too (a
+    fixed budget would be a larger share of a smaller step's memory): six d→d layers take 6 inputs'
+    bytes, a tenth of which holds no call (each takes its own launch); with the floor at 2.5 calls
+    (of an input and an output gradient each) they make two runs of three again."""
+    import pdpfast.clipping as clipping
+
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(d, d), nn.Tanh()]
+    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
+    x = torch.randn(B, T, d, device=device)
+    monkeypatch.setattr(clipping, "RUN_FLOOR", 0)
+    _clip_once(model, x, "per_layer")
+    assert grouped_launches == [], grouped_launches
+    monkeypatch.setattr(clipping, "RUN_FLOOR", 5 * B * T * d * 4)
+    _clip_once(model, x, "per_layer")
+    assert grouped_launches == [3, 3], grouped_launches
