@@ -441,9 +441,9 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
     Returns:
         (sq, rho): (n, B, K) fp32 each, K set by T, the launch's partial sums, row c what call c's own
         launch writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
-        squared norms and its ρ_i; rho None where ``u`` is 0. Calls that do not all share the first
-        one's B, T, dtype and device, whose last dims are strided, or whose tensors do not all start on
-        16-byte boundaries, run the reference (one launch each).
+        squared norms and its ρ_i; rho None where ``u`` is 0. Calls of another dtype or device than
+        the first one's, whose last dims are strided, or whose tensors do not all start on 16-byte
+        boundaries, run the reference (one launch each; it needs one B and T, as the caller groups them).
     """
     a0, o0 = calls[0]
     B, T = a0.shape[:2]

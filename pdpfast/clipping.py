@@ -292,7 +292,7 @@ def _norms_and_rounding(layer, names: tuple, x, o, parts: bool = False) -> tuple
 
 
 def _grouped_norms_and_rounding(calls: list) -> list:
-    """[(sq, ρ or None)] of same-shape calls (layer, names, x, o) of one ``Grouped`` key, each as
+    """[(sq, ρ or None)] of calls (layer, names, x, o) of one ``Grouped`` key, each as
     ``_norms_and_rounding(..., parts=True)`` gives it: from one launch for several calls, from the
     call's own for one."""
     if len(calls) == 1:
@@ -377,13 +377,13 @@ SMALL_CALL_BYTES = 1 << 20
 # parameter (BERT-base's 25 LayerNorms: ~250 launches a step become ~10). Per-layer clipping holds
 # them until then, at most STACK_BYTES in all.
 PACK_BYTES = 1 << 20
-# Per-layer clipping holds a run of consecutive same-shape calls for one norm launch (``Grouped``):
-# at most this many bytes of their inputs and output gradients (a BERT-base block's attention
-# projections at batch 32, fp32: ~75 MiB), so that a stack of uniform layers is not all held. Both
-# clipping modes hold normalization calls for one launch of their per-sample gradients within as
-# many bytes again, and the call that passes them (BERT-base's LayerNorm calls at batch 32: six a
-# launch in fp32, eleven in bf16):
-# book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
+# Per-layer clipping holds a run of consecutive calls of one key for one norm launch (``Grouped``:
+# a transformer's projections of one batch and sequence length, whatever their widths) until their
+# inputs and output gradients pass this many bytes, the call that passes it included (BERT-base at
+# batch 32: 16 launches for its 72 projections in fp32, 8 in bf16), so that a deep stack is not all
+# held. Both clipping modes hold normalization calls for one launch of their per-sample gradients
+# within as many bytes again (BERT-base's LayerNorm calls at batch 32: six a launch in fp32, eleven
+# in bf16): book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
 # would otherwise add all of theirs to its peak (BERT-base at batch 8 on the CPU's stand-in of the
 # GPU route: +150 MB, 14% of the non-private step's peak). A fixed budget is a larger share of a
 # smaller step's memory, so neither holds more than a tenth of the forward's layer inputs either,
@@ -554,7 +554,7 @@ class ClippingState:
         # reads last_norms / last_group_norms there: a draw's physical batches each report)
         self.post_backward_hooks: list = []
         self.keep_group_norms = False  # per-layer clipping: keep each group's norms (last_group_norms)
-        # same-shape calls share a norm launch (``LayerRule.grouped``: host time of an eager step). A
+        # calls of one key share a norm launch (``LayerRule.grouped``: host time of an eager step). A
         # captured step (``engine.make_step``) turns it off in its bodies, so that its eager warm-up
         # launches (and compiles) the per-call kernels its capture records; a step captured by other
         # means must turn it off for its warm-up too
@@ -1180,7 +1180,7 @@ class ClippingState:
             self._materialize(layer, reused, x, o, reused=True)
         if normal:
             key, stacked, _ = self._stack_key(layer, normal, x, o)
-            if key is not None:  # norms deferred to the end of the backward, for all same-shape calls at once
+            if key is not None:  # norms deferred to the end of the backward, for all stacked calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
             elif layer.rule.materializes_call(layer.module, x, o):
                 group = self._launch_group(layer, normal, x, o, formed=True)
@@ -1190,7 +1190,7 @@ class ClippingState:
                     self._materialize(layer, normal, x, o)
             else:
                 group = self._launch_group(layer, normal, x, o, formed=False)
-                if group is not None:  # norms at the end of the backward, one launch for all same-shape calls
+                if group is not None:  # norms at the end of the backward, one launch for all calls of the key
                     self._groups.setdefault(group, []).append((layer, normal, x, o))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
@@ -1231,8 +1231,8 @@ class ClippingState:
         if self._run and (group is None or (grouped, group) != self._run_key):
             self._flush_run()
         if group is not None:
-            # held until a call that does not join them: consecutive same-shape calls (a transformer
-            # block's attention projections) take one norm launch, and are clipped then, each on its own
+            # held until a call that does not join them: consecutive calls of one key (a transformer's
+            # projections) take one norm launch, and are clipped then, each on its own
             shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
             self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
             self._run_key = (grouped, group)
@@ -1293,7 +1293,7 @@ class ClippingState:
 
     def _launch_group(self, layer: _Layer, names: tuple, x, o, formed: bool):
         """(the rule's ``Grouped``, this call's key) where the call waits to share a launch with its
-        same-shape peers; None where it takes its own. ``formed``: the call's per-sample gradients are
+        peers of its key; None where it takes its own. ``formed``: the call's per-sample gradients are
         formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``)."""
         grouped = layer.rule.grouped if self.group_calls else None
         if grouped is None or (grouped.per_sample_grads is not None) is not formed:
@@ -1314,7 +1314,7 @@ class ClippingState:
         self._add_sq(sq)
 
     def _flush_run(self) -> None:
-        """Per-layer clipping of the held run of consecutive same-shape calls (``Grouped``): their
+        """Per-layer clipping of the held run of consecutive calls of one key (``Grouped``): their
         norms (and ρ) from one launch, then each call's weights and clipped sum."""
         run, self._run, self._run_key, self._run_bytes = self._run, [], None, 0
         if run:
@@ -1898,7 +1898,7 @@ class ClippingState:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
-        self._groups: dict = {}  # (Grouped, key) -> same-shape calls whose norms take one launch (flat clipping)
+        self._groups: dict = {}  # (Grouped, key) -> calls whose norms take one launch (flat clipping)
         self._formed: dict = {}  # (Grouped, key) -> held calls whose per-sample gradients take one launch
         self._formed_bytes = 0   # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
         self._run: list = []     # per-layer clipping: consecutive calls of one key held for one norm launch

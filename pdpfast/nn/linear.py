@@ -213,12 +213,13 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
 
     # large calls of one batch and sequence length (every projection of a transformer) take one norm
     # launch; those whose widths or strides are not all multiples of 16 take another (the launch's
-    # loads are vectorized only where every call's are)
+    # loads are vectorized only where every call's are), and one whose tensors do not start on 16-byte
+    # boundaries its own (the launch reads every call at an aligned offset)
     def group_key(m, x, o, names):
         if weight not in names or not x.is_floating_point():
             return None
         a, g = as_btd(x, o)
-        if not lin_ops.groups_norms(a, g):
+        if not lin_ops.groups_norms(a, g) or a.data_ptr() % 16 or g.data_ptr() % 16:
             return None
         aligned = not (a.shape[2] % 16 or g.shape[2] % 16 or a.stride(0) % 16 or a.stride(1) % 16
                        or g.stride(0) % 16 or g.stride(1) % 16)

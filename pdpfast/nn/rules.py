@@ -141,8 +141,8 @@ class Grouped:
     """How large calls of a layer family compute their norms (or, for a family whose per-sample
     gradients are formed, those) together, in one launch and without copying them: the host issues
     one launch where it issued one per call. Book-keeping holds every norm call's input and output
-    gradient to the end of the backward anyway; calls whose gradients are formed are held within
-    ``pdpfast.clipping.RUN_BYTES``.
+    gradient to the end of the backward anyway; calls whose gradients are formed are held within a
+    bound (``pdpfast.clipping.RUN_BYTES``).
 
     A call is (module, x, o, names) as a rule sees it (see the module docstring). A rule with norm
     formulas gives ``norms_and_rounding``; one whose per-sample gradients are formed
@@ -214,7 +214,7 @@ class LayerRule:
         grouped: how calls computed on their own (too large to stack) compute their norms, or their
             per-sample gradients, together (``Grouped``): norms of all calls of one key at the end of
             the backward in flat clipping, of consecutive ones in per-layer clipping; per-sample
-            gradients of the calls held within ``pdpfast.clipping.RUN_BYTES`` in both; or None.
+            gradients of the calls held within a bound (``pdpfast.clipping.RUN_BYTES``) in both; or None.
         clipped_into: ``(module, x, o, weights, names)`` → True after adding ``clipped_grads``' sums
             into the parameters' ``.grad`` itself, as the clipping state adds them (cast to the
             parameter's dtype, set where it has none), e.g. in one call of compiled code where the

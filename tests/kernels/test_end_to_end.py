@@ -428,6 +428,35 @@ def test_calls_of_one_sequence_length_take_one_norm_launch(clipping, dtype, monk
     assert grouped_launches == []
 
 
+class _Unaligned(nn.Module):
+    """A linear layer on 64 of its input's 80 features from the third on: a view 8 bytes past a
+    16-byte boundary, whose width and strides are multiples of 16."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.linear = nn.Linear(64, d)
+
+    def forward(self, h):
+        return self.linear(h[..., 2:66])
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_misaligned_call_takes_its_own_norm_launch_and_leaves_the_others_grouped(clipping, monkeypatch, device,
+                                                                                  full_size_calls, grouped_launches):
+    """A call whose input does not start on a 16-byte boundary cannot share a launch (each call is read at
+    an aligned offset): it takes its own, and the calls around it still group (book-keeping) or run
+    (per-layer clipping, where it ends the run before it)."""
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 80), nn.Tanh(), _Unaligned(d),
+                                             nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)).to(device))
+    x = torch.randn(B, T, d, device=device)
+    grouped = _clip_once(model, x, clipping)
+    assert grouped_launches == ([4] if clipping == "flat" else [2, 2]), grouped_launches
+    grouped_launches.clear()
+    _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
+
+
 def _clip_conv_once(model, x, clipping):
     """(norms, ρ (flat) or each group's norms (per-layer), clipped sums) of one backward of a CNN."""
     from pdpfast.clipping import ClippingState
