@@ -380,16 +380,17 @@ PACK_BYTES = 1 << 20
 # Per-layer clipping holds a run of consecutive calls of one key for one norm launch (``Grouped``:
 # a transformer's projections of one batch and sequence length, whatever their widths) until their
 # inputs and output gradients pass this many bytes, the call that passes it included (BERT-base at
-# batch 32: 16 launches for its 72 projections in fp32, 8 in bf16), so that a deep stack is not all
-# held. Both clipping modes hold normalization calls for one launch of their per-sample gradients
-# within as many bytes again (BERT-base's LayerNorm calls at batch 32: six a launch in fp32, eleven
-# in bf16): book-keeping, whose tape already holds every linear call's tensors to the end of the backward,
-# would otherwise add all of theirs to its peak (BERT-base at batch 8 on the CPU's stand-in of the
-# GPU route: +150 MB, 14% of the non-private step's peak). A fixed budget is a larger share of a
-# smaller step's memory, so neither holds more than a tenth of the forward's layer inputs either,
-# where that is above RUN_FLOOR (a small model's whole step): per-layer clipping's runs of calls of
-# any widths added 7% to the peak of BERT-base's per-layer step at batch 8 (CPU stand-in) with
-# 128 MiB, 1.6% with 32 MiB, which is what batch 32 holds with 128 MiB.
+# batch 32: 16 launches for its 72 projections in fp32; 13 in bf16, where the tenth below binds), so
+# that a deep stack is not all held. Both clipping modes hold normalization calls for one launch of
+# their per-sample gradients within as many bytes again (BERT-base's LayerNorm calls at batch 32: six
+# a launch in fp32, seven in bf16): book-keeping, whose tape already holds every linear call's
+# tensors to the end of the backward, would otherwise add all of theirs to its peak (BERT-base at
+# batch 8 on the CPU's stand-in of the GPU route: +150 MB, 14% of the non-private step's peak). A
+# fixed budget is a larger share of a smaller step's memory, so neither holds more than a tenth of
+# the forward's layer inputs either, where that is above RUN_FLOOR (a small model's whole step):
+# per-layer clipping's runs of calls of any widths added 7% to the peak of BERT-base's per-layer
+# step at batch 8 (CPU stand-in) with 128 MiB, 1.6% with 32 MiB, which is what batch 32 holds with
+# 128 MiB.
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
 
