@@ -611,19 +611,22 @@ def test_conv_rounding_bound_comes_from_the_norm_launch_and_equals_the_reference
     _same_state_in_bf16(fast, reference, clipping)
 
 
+def _uniform_stack(device, B: int, T: int, d: int):
+    """(six d→d linear layers with tanh between, a (B, T, d) input)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(d, d), nn.Tanh()]
+    return pdpfast.nn.convert(nn.Sequential(*layers).to(device)), torch.randn(B, T, d, device=device)
+
 def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_calls, grouped_launches):
     """A per-layer run of same-shape calls is flushed once it holds more than RUN_BYTES of inputs and
     output gradients, so a stack of uniform layers is not all held until the end of the backward: six
     d→d layers with room for 2.5 calls make two runs of three."""
     import pdpfast.clipping as clipping
 
-    torch.manual_seed(0)
     B, T, d = 3, 7, 64
-    layers = []
-    for _ in range(6):
-        layers += [nn.Linear(d, d), nn.Tanh()]
-    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
-    x = torch.randn(B, T, d, device=device)
+    model, x = _uniform_stack(device, B, T, d)
     monkeypatch.setattr(clipping, "RUN_BYTES", 5 * B * T * d * 4)  # a call holds its input and output gradient
     grouped = _clip_once(model, x, "per_layer")
     assert grouped_launches == [3, 3], grouped_launches
@@ -637,13 +640,8 @@ def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, devi
     (of an input and an output gradient each) they make two runs of three again."""
     import pdpfast.clipping as clipping
 
-    torch.manual_seed(0)
     B, T, d = 3, 7, 64
-    layers = []
-    for _ in range(6):
-        layers += [nn.Linear(d, d), nn.Tanh()]
-    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
-    x = torch.randn(B, T, d, device=device)
+    model, x = _uniform_stack(device, B, T, d)
     monkeypatch.setattr(clipping, "RUN_FLOOR", 0)
     _clip_once(model, x, "per_layer")
     assert grouped_launches == [], grouped_launches
