@@ -440,7 +440,8 @@ def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
         u: the unit roundoff of the clipped sums' row scaling; 0: no rounding bound.
     Returns:
         (sq, rho): (n, B, K) fp32 each, K set by T, the launch's partial sums, row c what call c's own
-        launch writes (``linear_sq_norms_rounding(..., parts=True)``): sums over K are its per-sample
+        launch writes (``linear_sq_norms_rounding(..., parts=True)``; to fp32 summation where its tiles
+        are narrower than the widest call's): sums over K are its per-sample
         squared norms and its ρ_i; rho None where ``u`` is 0. Calls of another dtype or device than
         the first one's, whose last dims are strided, or whose tensors do not all start on 16-byte
         boundaries, run the reference (one launch each; it needs one B and T, as the caller groups them).
