@@ -143,8 +143,13 @@ def grouped_offsets(calls: list, align: int) -> torch.Tensor | None:
 
 
 def table_on(values: list, device: torch.device) -> torch.Tensor:
-    """A grouped launch's table of int64 ``values`` on ``device``: on a GPU queued from pinned memory,
-    not waited for."""
+    """A grouped launch's table on its device.
+
+    Args:
+        values: the table's ints, flat; device: the launch's device.
+    Returns:
+        (len(values),) int64 on ``device``: on a GPU queued from pinned memory, not waited for.
+    """
     table = torch.tensor(values, dtype=torch.int64)
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
