@@ -1148,8 +1148,7 @@ class ClippingState:
         """
         rule, params, held, owned = layer.rule, layer.module._parameters, self._materialized, self._owned
         if not reused:  # each used once: this call's gradients are all of them (no ownership checks)
-            per_sample = rule.per_sample_grads(layer.module, x, o)
-            held.update((params[n], per_sample[n]) for n in names)
+            self._hold_grads(layer, names, rule.per_sample_grads(layer.module, x, o))
             self._note_precision(o)
             return
         into, fresh = {}, None
@@ -1227,16 +1226,15 @@ class ClippingState:
                 return
             self._clip_or_hold(layer, names, layer.rule.per_sample_grads(layer.module, x, o))
             return
-        grouped = layer.rule.grouped if self.group_calls else None
-        group = None if grouped is None else grouped.key(layer.module, x, o, names)
-        if self._run and (group is None or (grouped, group) != self._run_key):
+        group = self._launch_group(layer, names, x, o, formed=False)
+        if self._run and group != self._run_key:
             self._flush_run()
         if group is not None:
             # held until a call that does not join them: consecutive calls of one key (a transformer's
             # projections) take one norm launch, and are clipped then, each on its own
             shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
             self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
-            self._run_key = (grouped, group)
+            self._run_key = group
             self._run.append((layer, names, x, o))
             if self._run_bytes > self._hold_limit():
                 self._flush_run()
@@ -1287,8 +1285,8 @@ class ClippingState:
                 take(layer, names, grads)
 
     def _hold_grads(self, layer: _Layer, names: tuple, per_sample) -> None:
-        """Flat clipping: hold a call's formed per-sample gradients to the end of the backward (as
-        ``_materialize`` holds those of a parameter used once)."""
+        """Hold a call's formed per-sample gradients of ``names`` to the end of the backward, each the
+        only one of its parameter (``_materialize`` of parameters used once, book-keeping's grouped calls)."""
         params = layer.module._parameters
         self._materialized.update((params[n], per_sample[n]) for n in names)
 
