@@ -1190,12 +1190,12 @@ class ClippingState:
                     self._materialize(layer, normal, x, o)
             else:
                 group = self._launch_group(layer, normal, x, o, formed=False)
-                if group is not None:  # norms at the end of the backward, one launch for all calls of the key
+                if group is not None:  # norms and clipped sums at the end of the backward, all calls of the key at once
                     self._groups.setdefault(group, []).append((layer, normal, x, o))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
                     self._add_sq_and_rounding(*_norms_and_rounding(layer, normal, x, o, parts=True))
-                self._tape.append((layer, x, o, normal))
+                    self._tape.append((layer, x, o, normal))
             self._note_precision(o)
         self._queue_finish(self._finish_flat)
 
@@ -1314,11 +1314,20 @@ class ClippingState:
 
     def _flush_run(self) -> None:
         """Per-layer clipping of the held run of consecutive calls of one key (``Grouped``): their
-        norms (and ρ) from one launch, then each call's weights and clipped sum."""
+        norms (and ρ) from one launch, each call's weights against its group's bounds, and the clipped
+        sums of all of them in one pass (``_clip_group_into``)."""
         run, self._run, self._run_key, self._run_bytes = self._run, [], None, 0
-        if run:
-            for call, (sq, rho) in zip(run, _grouped_norms_and_rounding(run)):
-                self._clip_call(*call, sq=sq, rho=rho)
+        if len(run) == 1:
+            self._clip_call(*run[0])
+        elif run:
+            norms = _grouped_norms_and_rounding(run)
+            self._clip_group_into(run[0][0].rule.grouped, run, [
+                self._group_weights(sq, layer.group, o, rounding=rho, parts=sq.dim() == 2,
+                                    pending=layer.rule.pending_weights)
+                for (layer, _, _, o), (sq, rho) in zip(run, norms)])
+            for (layer, *_), (sq, _) in zip(run, norms):
+                self._add_group_sq(layer.group, sq)
+                self._add_sq(sq)
 
     def _reused_groups(self) -> frozenset:
         """Per-layer clipping groups whose per-sample gradient sums several calls (tied across
@@ -1540,6 +1549,8 @@ class ClippingState:
         for stacked, calls in chunks:
             for (module, *_), grads in zip(calls, stacked.clipped(calls, weights)):
                 self._accumulate(module, grads)
+        for (grouped, _), calls in self._groups.items():
+            self._clip_group_into(grouped, calls, [weights] * len(calls))
         for layer, x, o, names in self._tape:
             self._clip_into(layer, x, o, weights, names)
         for p in rest:
@@ -1982,6 +1993,15 @@ class ClippingState:
         self._close_backward(total, weights)
 
     # ------------------------------------------------------------------ gradients
+
+    def _clip_group_into(self, grouped, calls: list, weights: list) -> None:
+        """Add the clipped sums of calls (layer, names, x, o) of one ``Grouped`` key into their
+        parameters' ``.grad``, ``weights`` one per call: all in one pass where the rule's
+        ``Grouped.clipped_into`` takes them, else each as ``_clip_into``."""
+        if grouped.clipped_into is None or \
+                not grouped.clipped_into([(layer.module, x, o, names) for layer, names, x, o in calls], weights):
+            for (layer, names, x, o), w in zip(calls, weights):
+                self._clip_into(layer, x, o, w, names)
 
     def _clip_into(self, layer: _Layer, x, o, weights, names: tuple) -> None:
         """Add one call's clipped sums Σ_i w_i g_i into its parameters' ``.grad``: by the rule's

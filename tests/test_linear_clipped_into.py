@@ -153,6 +153,54 @@ def test_declines_where_the_python_route_must_run():
     assert weight.grad is None and bias.grad is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("weighting", ["computed", "shared", "pending", "pending+parts+rounding"])
+def test_calls_of_one_key_give_each_calls_own_bits(dtype, transposed, weighting):
+    """``linear_clipped_into_calls``: calls of one batch and sequence length, of mixed widths, with and
+    without bias and with a .grad or not, get the bits each call's ``linear_clipped_into`` gives."""
+    seed = hash((str(dtype), transposed, weighting)) % 2**31
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 4
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    widths = [(5, 8, True, False), (8, 5, False, True), (6, 6, True, True), (1, 3, True, False)]
+    shared = torch.rand(B, generator=g, dtype=acc)
+    calls, refs, weights = [], [], []
+    for c, (d, p, with_bias, with_grad) in enumerate(widths):
+        x = torch.randn(B, T, d, generator=g).to(dtype)
+        o = torch.randn(B * T, p, generator=g).to(dtype)
+        weight, bias = params(d, p, dtype, transposed, True, with_bias, with_grad, seed + c)
+        calls.append((x, o, weight, bias))
+        refs.append((x, o, clone(weight), clone(bias)))
+        if weighting == "shared":
+            weights.append(shared)
+        elif weighting == "computed":
+            weights.append(torch.rand(B, generator=g, dtype=acc))
+        else:
+            weights.append(pending(B, acc, seed + c, rounding="rounding" in weighting,
+                                   parts=2 if "parts" in weighting else 0))
+    assert lin_ops.linear_clipped_into_calls(calls, weights, transposed)
+    for (x, o, weight, bias), w in zip(refs, weights):
+        assert lin_ops.linear_clipped_into(x, o, w, weight, bias, transposed)
+    for (_, _, *made), (_, _, *ref) in zip(calls, refs):
+        assert_same(made, ref)
+
+
+def test_calls_of_one_key_decline_where_the_first_call_would():
+    """Where the first call would not take the C++ route (grad mode on, pending weights off its route,
+    x in another dtype than o), nothing is done: each call then takes its own route."""
+    g = torch.Generator().manual_seed(6)
+    x, o = torch.randn(2, 3, 4, generator=g), torch.randn(6, 5, generator=g)
+    weight = nn.Parameter(torch.randn(5, 4, generator=g))
+    w = torch.rand(2, generator=g)
+    with torch.enable_grad():
+        assert not lin_ops.linear_clipped_into_calls([(x, o, weight, None)], [w])
+    bounds_per_row = PendingWeights(torch.rand(2, 1), torch.rand(2, 1))  # (B, 1) bounds: not clip_scale's
+    assert not lin_ops.linear_clipped_into_calls([(x, o, weight, None)], [bounds_per_row])
+    assert not lin_ops.linear_clipped_into_calls([(x, o.double(), weight, None)], [w])
+    assert weight.grad is None
+
+
 def _transformer(seed):
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=40, dropout=0.0, batch_first=True)

@@ -236,9 +236,16 @@ def linear_rule(transposed: bool = False, weight: str = "weight", bias: str = "b
         return lin_ops.linear_clipped_into(x, o, weights, params[weight] if weight in names else None,
                                            params[bias] if bias in names else None, transposed)
 
+    def grouped_clipped_into(calls, weights):  # the calls of one key: their routes checked once
+        names = calls[0][3]
+        return lin_ops.linear_clipped_into_calls(
+            [(x, o, m._parameters[weight], m._parameters[bias] if bias in names else None) for m, x, o, _ in calls],
+            weights, transposed)
+
     return LayerRule(per_sample, sq_norms, clipped, stacked, small_per_sample, rounding=rounding,
                      sq_norms_rounding=sq_norms_rounding, norm_parts=True, pending_weights=True,
-                     grouped=Grouped(group_key, grouped_norms_and_rounding), clipped_into=clipped_into)
+                     grouped=Grouped(group_key, grouped_norms_and_rounding, clipped_into=grouped_clipped_into),
+                     clipped_into=clipped_into)
 
 
 register_layer(nn.Linear, DPLinear, linear_rule())

@@ -159,11 +159,18 @@ class Grouped:
             ``bound`` or where they add nothing.
         per_sample_grads: ``per_sample_grads(calls)`` for n ≥ 2 calls of one key → a list of n
             {name: (B, *param.shape)}, call c's what ``LayerRule.per_sample_grads`` gives it.
+        clipped_into: ``clipped_into(calls, weights)`` for n ≥ 1 calls of one key and their clip
+            weights (n of them, all (B,) tensors or all ``PendingWeights`` computed alike: of one
+            launch's norms, in one dtype) → True where it added every call's clipped sums into its
+            parameters' ``.grad`` as ``LayerRule.clipped_into`` would, False where it did nothing
+            (each call then takes its own route). What it saves is the host's: the calls' routes
+            are checked once, and no Python runs between their ops.
     """
 
     key: Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple], Hashable | None]
     norms_and_rounding: Callable[[list, bool], tuple] | None = None
     per_sample_grads: Callable[[list], list] | None = None
+    clipped_into: Callable[[list, list], bool] | None = None
 
 
 @dataclass(frozen=True)

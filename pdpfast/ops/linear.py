@@ -543,6 +543,40 @@ def linear_clipped_into(x: torch.Tensor, o: torch.Tensor, weights: torch.Tensor 
     return True
 
 
+def linear_clipped_into_calls(calls: list, weights: list, transposed: bool = False) -> bool:
+    """``linear_clipped_into`` for several calls at once: the calls of one group key
+    (``pdpfast.nn.rules.Grouped``), whose routes are checked on the first call alone, and no Python
+    between the calls' ``pdpfast._C`` ops. Each call's ops and their order are those of its own
+    ``linear_clipped_into``, so the same bits. Per-layer clipping runs it for a run of consecutive
+    calls, book-keeping for each group at the end of its backward.
+
+    Args:
+        calls: [(x, o, weight, bias)], as in ``linear_clipped_into``; all of one dtype (x in o's) and
+            device, and of one batch size.
+        weights: one per call, all (B,) tensors or all ``PendingWeights`` of norms of one dtype and
+            layout (one launch's); a tensor may recur (book-keeping's one set of weights).
+        transposed: the weights are stored (d, p) (Hugging Face's Conv1D).
+    Returns:
+        True where it ran; False, with nothing done, where the first call would not take the C++ route
+        (``linear_clipped_into``'s conditions): each call then takes its own.
+    """
+    x, o = calls[0][0], calls[0][1]
+    w = weights[0]
+    if _INTO_MISSING is not None or w is None or torch.is_grad_enabled() or x.dtype != o.dtype:
+        return False
+    if isinstance(w, PendingWeights):
+        if clip_ops.clip_scale_route(x, w) != clip_ops._FUSED:
+            return False
+        into = _ext._C.linear_clip_scale_into
+        for (x, o, weight, bias), w in zip(calls, weights):
+            into(x, o, weight, bias, transposed, *clip_ops.fused_scale_args(w))
+        return True
+    into, dtype = _ext._C.linear_clipped_into, o.dtype
+    for (x, o, weight, bias), w in zip(calls, weights):
+        into(x, o, weight, bias, transposed, weights_as(w, dtype))
+    return True
+
+
 _ONE = torch.ones(())  # a 0-dim CPU tensor: ops on any device take it as a scalar, with no copy
 
 

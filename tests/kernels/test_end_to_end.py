@@ -418,11 +418,17 @@ def test_calls_of_one_sequence_length_take_one_norm_launch(clipping, dtype, monk
         layers += [nn.Linear(i, o, bias=(i, o) != (d, d)), nn.Tanh()]
     model = pdpfast.nn.convert(nn.Sequential(*layers).to(device, dtype))
     x = torch.randn(B, T, d, device=device, dtype=dtype)
+    summed = []  # the calls whose clipped sums were added in one pass (linear_clipped_into_calls)
+    into_calls = lin_ops.linear_clipped_into_calls
+    monkeypatch.setattr(lin_ops, "linear_clipped_into_calls",
+                        lambda calls, *args: (summed.append(len(calls)), into_calls(calls, *args))[1])
     grouped = _clip_once(model, x, clipping)
     # flat: 64→128 and 128→64 in one launch, the two calls of width 72 (no vectorized loads) in another,
     # the bias-free one alone. Per-layer, in the backward's order: the last two as one run, the
     # bias-free one alone, then the first two as one run
     assert sorted(grouped_launches) == [2, 2], grouped_launches
+    # the clipped sums of each group (flat, the lone call's too) or run of more than one call in one pass
+    assert sorted(summed) == ([1, 2, 2] if clipping == "flat" else [2, 2]), summed
     grouped_launches.clear()
     _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
     assert grouped_launches == []
