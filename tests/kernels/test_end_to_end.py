@@ -185,7 +185,7 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     from pdpfast.clipping import ClippingState
 
     seen = {"sq": [], "pending": [], "rho": []}
-    add_sq, add_rounding, route = ClippingState._add_sq, ClippingState._add_rounding, clip_ops.clip_scale_route
+    add_sq, add_rounding, args = ClippingState._add_sq, ClippingState._add_rounding, clip_ops.fused_scale_args
 
     def spy_add_sq(self, sq):
         seen["sq"].append(tuple(sq.shape))
@@ -195,14 +195,14 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
         seen["rho"].append(None if rho is None else tuple(rho.shape))
         return add_rounding(self, rho)
 
-    def spy_route(x, weights):  # asked once per call, by the C++ clipped sums or else by clip_scale
+    def spy_args(weights):  # once per call, as the C++ clipped sums take its pending weights
         rho = None if weights.rounding is None else tuple(weights.rounding.shape)
         seen["pending"].append((tuple(weights.sq_norms.shape), weights.parts, rho))
-        return route(x, weights)
+        return args(weights)
 
     monkeypatch.setattr(ClippingState, "_add_sq", spy_add_sq)
     monkeypatch.setattr(ClippingState, "_add_rounding", spy_add_rounding)
-    monkeypatch.setattr(clip_ops, "clip_scale_route", spy_route)
+    monkeypatch.setattr(clip_ops, "fused_scale_args", spy_args)
     torch.manual_seed(0)
     B, T, d, p = 3, 65, 200, 136  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
     assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, p)
