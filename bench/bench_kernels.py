@@ -579,6 +579,23 @@ def bench_group_norm_grads(rows, op, dtype_name, quick, reps):
                     2 * x.numel() * x.element_size(), 0, reps)
 
 
+@benchmark("group_norm_affine_grads_grouped")
+def bench_group_norm_grads_grouped(rows, op, dtype_name, quick, reps):
+    """A ResNet-18-GN stage's five same-shape GroupNorm calls (CIFAR, batch 256, 32 groups) from one
+    launch, against one launch per call (the reference: each call on the kernel). ``median_ms``
+    includes the host's launches, which grouping saves; ``graph_ms`` is the reference's only (the
+    grouped launch copies its offsets from the host, which a capture refuses)."""
+    dtype = DTYPES[dtype_name]
+    for C, H in [(256, 8), (512, 4), (64, 32), (128, 16)][: 2 if quick else None]:
+        calls = [(torch.randn(256, C, H, H, device="cuda", dtype=dtype),
+                  torch.randn(256, C, H, H, device="cuda", dtype=dtype)) for _ in range(5)]
+        _bench_pair(rows, op.name, f"resnet18-gn 5 x {(256, C, H, H)}", dtype_name, "5 calls, 32 groups",
+                    lambda: op.kernel(calls, 32, 1e-5, True), lambda: op.reference(calls, 32, 1e-5, True),
+                    2 * 5 * calls[0][0].numel() * calls[0][0].element_size(), 0, reps)
+        rows[-1].graph_ms = cuda_graph_ms(lambda: op.reference(calls, 32, 1e-5, True))
+        calls = None
+
+
 # Benchmarks of what is not a registered Triton kernel: ops of the compiled extension ``pdpfast._C``
 # and the per-layer route choice; ``fn(rows, dtype_names, quick, reps)``.
 EXTENSION_BENCHMARKS = {"clip_weights": bench_clip_weights, "clip_scale": bench_clip_scale,

@@ -5,7 +5,7 @@ squared norms; a linear call's norms with its low-precision rounding bound in th
 ``conv_norms`` (Conv1d/Conv2d weight norms, unfolded inside the kernel, with the rounding bound in
 the same launch), ``norm_grads``
 (LayerNorm, RMSNorm, GroupNorm and InstanceNorm per-sample affine gradients in one launch; same-shape
-LayerNorm or RMSNorm calls in one launch), ``noise`` (in-place Gaussian
+calls of each in one launch), ``noise`` (in-place Gaussian
 noise). Only kernels that beat torch are kept: the clipped sum is cuBLAS's weight-gradient GEMM
 on row-scaled gradients, and clip weights are five torch ops (a Triton GEMM and clip-weight kernel,
 measured at 0.39-0.51x and 0.5-0.8x of torch on an H100, were removed). ``norm_grads`` has not met a
@@ -23,6 +23,7 @@ from .conv_norms import conv_sq_norms_grouped, conv_sq_norms_rounding, conv_weig
 from .noise import add_noise_
 from .norm_grads import (
     group_norm_affine_grads,
+    group_norm_affine_grads_grouped,
     layer_norm_per_sample_grads,
     layer_norm_per_sample_grads_grouped,
     rms_norm_per_sample_grads,
@@ -38,6 +39,7 @@ from .norms import (
 
 __all__ = ["add_noise_", "bias_sq_norms", "conv_sq_norms_grouped", "conv_sq_norms_rounding", "conv_weight_sq_norms",
            "embedding_sq_norms",
-           "group_norm_affine_grads", "layer_norm_per_sample_grads", "layer_norm_per_sample_grads_grouped",
+           "group_norm_affine_grads", "group_norm_affine_grads_grouped",
+           "layer_norm_per_sample_grads", "layer_norm_per_sample_grads_grouped",
            "linear_sq_norms_grouped", "linear_sq_norms_rounding", "linear_weight_sq_norms", "rms_norm_per_sample_grads",
            "rms_norm_per_sample_grads_grouped"]

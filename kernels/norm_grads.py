@@ -1,5 +1,5 @@
 """Per-sample gradients of normalization layers' affine parameters in one launch per call, or per
-group of same-shape LayerNorm or RMSNorm calls.
+group of same-shape calls.
 
 γ_i = Σ_t o_{i,t} ⊙ x̂_{i,t} and β_i = Σ_t o_{i,t}, x̂ the normalized input (x − mean)/√(var + ε)
 (RMSNorm: x/√(mean(x²) + ε)). The torch references (``pdpfast.ops.norm``) take four ops per call:
@@ -28,7 +28,8 @@ reading its call's x and o at an offset from the first call's, from a table
 GroupNorm and InstanceNorm (G = C) normalize over a group of channels and scale per channel: a
 program per (sample, group) merges the group's mean and squared deviations tile by tile, then sums
 each channel's o·(x − mean) and o (x read twice, o once; the statistics in fp32, as torch's CUDA
-GroupNorm keeps them).
+GroupNorm keeps them, of x less the group's first value). Same-shape calls (a ResNet stage's) take
+one launch as LayerNorm's do (``group_norm_affine_grads_grouped``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import triton.language as tl
 
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.norm import (
+    group_norm_affine_grads_grouped_reference,
     group_norm_affine_grads_reference,
     layer_norm_per_sample_grads_grouped_reference,
     layer_norm_per_sample_grads_reference,
@@ -309,17 +311,32 @@ def rms_norm_per_sample_grads_grouped(calls: list, module) -> list:
 # over the (C/G)·S values of the channel's group
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _group_norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, C, S, CPG, eps,
-                                    stride_xb, stride_xc, stride_ob, stride_oc,
-                                    HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_ptr, C, S, CPG, eps,
+                                    stride_xb, stride_xc, stride_ob, stride_oc, B, CALL_STRIDE,
+                                    HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, ALIGN_X: tl.constexpr,
+                                    ALIGN_O: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    # program ((call, sample), group). GROUPED: calls of one shape in one launch, call c's x and o
+    # starting offsets[2c] and offsets[2c + 1] elements past x_ptr and o_ptr (multiples of ALIGN_X,
+    # ALIGN_O: 16 bytes), its gradients CALL_STRIDE past the first call's; else one call (row = sample)
     pid = tl.program_id(0)
     groups = C // CPG
-    sample = (pid // groups).to(tl.int64)
+    row = pid // groups
+    sample = (row % B).to(tl.int64)
+    if GROUPED:
+        call = row // B
+        x_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_X)
+        o_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
+        weight_ptr += call.to(tl.int64) * CALL_STRIDE
+        bias_ptr += call.to(tl.int64) * CALL_STRIDE
     first = (pid % groups) * CPG
     x_base = x_ptr + sample * stride_xb + first * stride_xc
     o_base = o_ptr + sample * stride_ob + first * stride_oc
     rc = tl.arange(0, BLOCK_C)
     rs = tl.arange(0, BLOCK_S)
+    # every statistic of x − shift, shift the group's first value: x far from zero (a mean of 100, say)
+    # would otherwise leave the mean rounded to x's ulp, and x − mean in pass 2 off by as much, which
+    # is most of a deviation where a group's values nearly coincide
+    shift = tl.load(x_base).to(tl.float32)
     # pass 1: the group's mean and sum of squared deviations, tile by tile (Chan et al.'s merge of
     # (count, mean, M2): no E[x²] − E[x]² cancellation)
     n = 0.0
@@ -332,6 +349,7 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, C, S, CP
             inside = (channels < CPG)[:, None] & (positions < S)[None, :]
             x = tl.load(x_base + channels[:, None] * stride_xc + positions[None, :], mask=inside,
                         other=0.0).to(tl.float32)
+            x = tl.where(inside, x - shift, 0.0)
             count = tl.sum(tl.sum(inside.to(tl.float32), axis=1), axis=0)
             tile_mean = tl.sum(tl.sum(x, axis=1), axis=0) / count
             deviation = tl.where(inside, x - tile_mean, 0.0)
@@ -359,7 +377,7 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, weight_ptr, bias_ptr, C, S, CP
                         other=0.0).to(tl.float32)
             o = tl.load(o_base + channels[:, None] * stride_oc + positions[None, :], mask=inside,
                         other=0.0).to(tl.float32)
-            acc_w += tl.sum(o * tl.where(inside, x - mean, 0.0), axis=1)
+            acc_w += tl.sum(o * tl.where(inside, (x - shift) - mean, 0.0), axis=1)
             if HAS_BIAS:
                 acc_b += tl.sum(o, axis=1)
         out = sample * C + first + channels
@@ -386,18 +404,72 @@ def group_norm_affine_grads(x: torch.Tensor, o: torch.Tensor, num_groups: int, e
         return group_norm_affine_grads_reference(x, o, num_groups, eps, with_bias)
     B, C = x.shape[0], x.shape[1]
     out = new_buffer((2 if with_bias else 1, B, C), x.dtype, x.device)
-    weight, bias = out[0], out[-1]
     S = x[0, 0].numel() if B and C else 0
     if B and C and not S:  # no positions: nothing to sum
         out.zero_()
     elif B and C:
-        x3, o3 = x.reshape(B, C, S), o.reshape(B, C, S)
-        x3 = x3 if x3.stride(2) == 1 or S == 1 else x3.contiguous()
-        o3 = o3 if o3.stride(2) == 1 or S == 1 else o3.contiguous()
-        block_s = block(S, 16, 1024)
-        with device_guard(x):
-            _group_norm_affine_grads_kernel[(B * num_groups,)](
-                x3, o3, weight, bias, C, S, C // num_groups, eps, x3.stride(0), x3.stride(1), o3.stride(0),
-                o3.stride(1), HAS_BIAS=with_bias, BLOCK_C=block(C // num_groups, 1, max(1, 2048 // block_s)),
-                BLOCK_S=block_s, num_warps=4)
-    return {"weight": weight, "bias": bias} if with_bias else {"weight": weight}
+        _group_norm_run(*_channel_rows(x, o, S), None, 1, out, num_groups, eps, with_bias)
+    return _as_grads(out, with_bias)
+
+
+def _channel_rows(x: torch.Tensor, o: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, S) views of a GroupNorm call's x and o, each channel's S positions contiguous (a copy
+    where they are not)."""
+    B, C = x.shape[0], x.shape[1]
+    x3, o3 = x.reshape(B, C, S), o.reshape(B, C, S)
+    x3 = x3 if x3.stride(2) == 1 or S == 1 else x3.contiguous()
+    o3 = o3 if o3.stride(2) == 1 or S == 1 else o3.contiguous()
+    return x3, o3
+
+
+def _group_norm_run(x3: torch.Tensor, o3: torch.Tensor, offsets: torch.Tensor | None, n: int, out: torch.Tensor,
+                    num_groups: int, eps: float, with_bias: bool) -> None:
+    """One launch writing ``out`` ((n, planes, B, C) contiguous, or (planes, B, C) for n = 1) from n
+    calls of (B, C, S) rows, call c's at ``offsets`` (``grouped_offsets``) past the first call's x3
+    and o3 (None: n = 1)."""
+    B, C, S = x3.shape
+    block_s = block(S, 16, 1024)
+    grouped = offsets is not None
+    weight, bias = out.view(n, -1, B, C)[0, 0], out.view(n, -1, B, C)[0, -1]
+    with device_guard(x3):
+        _group_norm_affine_grads_kernel[(n * B * num_groups,)](
+            x3, o3, offsets if grouped else x3, weight, bias, C, S, C // num_groups, eps, x3.stride(0), x3.stride(1),
+            o3.stride(0), o3.stride(1), B, out.numel() // n, HAS_BIAS=with_bias, GROUPED=grouped,
+            ALIGN_X=16 // x3.element_size() if grouped else 1, ALIGN_O=16 // o3.element_size() if grouped else 1,
+            BLOCK_C=block(C // num_groups, 1, max(1, 2048 // block_s)), BLOCK_S=block_s, num_warps=4)
+
+
+@register("group_norm_affine_grads_grouped", when=_first_call_dtypes)
+def group_norm_affine_grads_grouped(calls: list, num_groups: int, eps: float, with_bias: bool) -> list:
+    """The per-sample affine gradients of n GroupNorm (or InstanceNorm) calls of one configuration,
+    shape, strides and dtype, from one launch: program ((call, sample), group) finds its call's x and
+    o at an offset from the first call's, read from a table of the n calls' offsets.
+
+    One launch instead of n: a ResNet's GroupNorm calls come in runs of one shape (five a stage in
+    ResNet-18), and a Triton launch took an H200's host ~0.1 ms.
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``group_norm_affine_grads`` takes them, of one shape, strides and
+            dtype (the caller groups them so).
+        num_groups, eps, with_bias: as in ``group_norm_affine_grads``, for every call.
+    Returns:
+        a list of n dicts, call c's what ``group_norm_affine_grads`` gives it (views of one buffer).
+        Calls that cannot share a launch (an empty batch or no positions, calls not all of the first
+        one's shape and dtype, positions not contiguous, strides not all the first call's, or a
+        start off a 16-byte boundary: ``grouped_offsets``) run
+        ``pdpfast.ops.norm.group_norm_affine_grads_grouped_reference`` (one launch each).
+    """
+    x0 = calls[0][0]
+    B, C = x0.shape[0], x0.shape[1]
+    S = x0[0, 0].numel() if B and C else 0
+    if S and all(x.shape == x0.shape and _same_dtypes(x, o) for x, o in calls):
+        rows = [(x.reshape(B, C, S), o.reshape(B, C, S)) for x, o in calls]
+        offsets = None
+        if S == 1 or all(x.stride(2) == 1 and o.stride(2) == 1 for x, o in rows):
+            offsets = grouped_offsets(rows, 16)
+        if offsets is not None:
+            n = len(calls)
+            out = new_buffer((n, 2 if with_bias else 1, B, C), x0.dtype, x0.device)
+            _group_norm_run(*rows[0], offsets, n, out, num_groups, eps, with_bias)
+            return [_as_grads(block, with_bias) for block in out.unbind(0)]
+    return group_norm_affine_grads_grouped_reference(calls, num_groups, eps, with_bias)

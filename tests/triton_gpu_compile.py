@@ -240,6 +240,9 @@ def kernel_calls() -> None:
         for shape, groups in [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((2, 8, 9), 8)]:
             for bias in (True, False):
                 norm_grads.group_norm_affine_grads(_e(*shape, dtype=dtype), _e(*shape, dtype=dtype), groups, 1e-5, bias)
+                # a stage's same-shape calls in one grouped launch (offsets table)
+                norm_grads.group_norm_affine_grads_grouped(
+                    [(_e(*shape, dtype=dtype), _e(*shape, dtype=dtype)) for _ in range(3)], groups, 1e-5, bias)
     # convolutions (inputs already padded), fp32 and one 16-bit dtype: a CIFAR ResNet-18's first 3×3
     # layer, a strided 3×3 one, a 1×1 downsample, a grouped one and a Conv1d
     convs = [((2, 3, 34, 34), (2, 64, 32, 32), (3, 3), 1, 1), ((2, 128, 9, 9), (2, 256, 4, 4), (3, 3), 2, 1),

@@ -215,7 +215,7 @@ class DPInstanceNorm(DPModule, nn.modules.instancenorm._InstanceNorm):
         return F.instance_norm(x, None, None, p.get("weight"), p.get("bias"), True, 0.0, self.eps)
 
 
-def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None) -> LayerRule:
+def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None, family="layer_norm") -> LayerRule:
     """Normalization layers: per-sample gradients as small as the parameters, formed directly.
 
     Their math is per sample, so n same-shape calls stack along the batch: one normalization over
@@ -224,7 +224,8 @@ def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None) -> Lay
     route costs one op anyway (GroupNorm's C++ kernel on a CPU, its Triton kernel on a GPU), where
     stacking would only copy x and o. ``grouped_grads(calls, module)``: the per-sample gradients of
     n large calls (x, o) of one configuration, shape and strides from one launch, without copying
-    them (``Grouped``), where ``pdpfast.ops.norm.groups_norm_grads`` says the kernel runs.
+    them (``Grouped``), where ``pdpfast.ops.norm.groups_norm_grads`` says the kernel of ``family``
+    runs.
     """
     def per_sample(m, x, o):  # the ops take (x, o, module) like the other ops
         return per_sample_grads(x, o, m)
@@ -257,7 +258,7 @@ def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None) -> Lay
     grouped = None
     if grouped_grads is not None:
         def group_key(m, x, o, names):
-            if not norm_ops.groups_norm_grads(x, o):
+            if not norm_ops.groups_norm_grads(x, o, family):
                 return None
             return (type(m), config(m), getattr(m, "bias", None) is not None, x.shape, x.stride(), o.shape,
                     o.stride(), o.dtype, o.device, names)
@@ -279,7 +280,9 @@ def _torch_route(x, o) -> bool:
 
 
 register_layer(nn.GroupNorm, DPGroupNorm, _norm_rule(norm_ops.group_norm_per_sample_grads,
-                                                     lambda m: (m.num_groups, m.eps), stacks=_torch_route))
+                                                     lambda m: (m.num_groups, m.eps), stacks=_torch_route,
+                                                     grouped_grads=norm_ops.group_norm_per_sample_grads_grouped,
+                                                     family="group_norm"))
 register_layer(nn.RMSNorm, DPRMSNorm, _norm_rule(norm_ops.rms_norm_per_sample_grads,
                                                  lambda m: (tuple(m.normalized_shape), m.eps),
                                                  grouped_grads=norm_ops.rms_norm_per_sample_grads_grouped))
@@ -304,4 +307,5 @@ register_rule(DPRMSNormForm, rule=_norm_rule(_rms_norm_form_grads, lambda m: (tu
 register_form(DPRMSNormForm)
 register_layer((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d), DPInstanceNorm,
                _norm_rule(norm_ops.instance_norm_per_sample_grads, lambda m: (m.num_features, m.eps),
-                          stacks=_torch_route))
+                          stacks=_torch_route, grouped_grads=norm_ops.instance_norm_per_sample_grads_grouped,
+                          family="group_norm"))

@@ -159,18 +159,22 @@ def rms_norm_per_sample_grads(x, o, module) -> dict[str, torch.Tensor]:
     return _RMS_NORM_GRADS.pick(x, o)(x, o, module)
 
 
-def groups_norm_grads(x: torch.Tensor, o: torch.Tensor) -> bool:
-    """Whether LayerNorm and RMSNorm calls like this one would share a launch
-    (``layer_norm_per_sample_grads_grouped``, ``rms_norm_per_sample_grads_grouped``): where their kernel
-    runs (on a GPU, or under ``TRITON_INTERPRET=1``), outside a CUDA graph capture (the launch copies
-    the calls' offsets from the host: a captured step has no host work to save anyway).
+def groups_norm_grads(x: torch.Tensor, o: torch.Tensor, family: str = "layer_norm") -> bool:
+    """Whether normalization calls like this one would share a launch
+    (``layer_norm_per_sample_grads_grouped``, ``rms_norm_per_sample_grads_grouped``,
+    ``group_norm_affine_grads_grouped``): where their kernel runs (on a GPU, or under
+    ``TRITON_INTERPRET=1``), outside a CUDA graph capture (the launch copies the calls' offsets from
+    the host: a captured step has no host work to save anyway).
 
     Args:
         x: the call's input; o: its output gradient.
+        family: "layer_norm" (LayerNorm and RMSNorm, one kernel) or "group_norm" (GroupNorm and
+            InstanceNorm).
     Returns:
         a bool.
     """
-    if _LAYER_NORM_GRADS_GROUPED.pick(x, o) is _LAYER_NORM_GRADS_GROUPED.reference:
+    grouped = _GROUP_NORM_GRADS_GROUPED if family == "group_norm" else _LAYER_NORM_GRADS_GROUPED
+    if grouped.pick(x, o) is grouped.reference:
         return False
     return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -251,7 +255,21 @@ def _group_norm_grads_torch(x, o, num_groups: int, eps: float, with_bias: bool) 
     return out
 
 
+def group_norm_affine_grads_grouped_reference(calls: list, num_groups: int, eps: float, with_bias: bool) -> list:
+    """Per-sample affine gradients of n GroupNorm (or InstanceNorm) calls of one configuration, one call
+    at a time (``group_norm_affine_grads``: a kernel launch each where it runs).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``group_norm_affine_grads`` takes them.
+        num_groups, eps, with_bias: as in ``group_norm_affine_grads``, for every call.
+    Returns:
+        a list of n dicts, call c's what ``group_norm_affine_grads(x_c, o_c, ...)`` gives.
+    """
+    return [group_norm_affine_grads(x, o, num_groups, eps, with_bias) for x, o in calls]
+
+
 _GROUP_NORM_GRADS = declare("group_norm_affine_grads", group_norm_affine_grads_reference)
+_GROUP_NORM_GRADS_GROUPED = declare("group_norm_affine_grads_grouped", group_norm_affine_grads_grouped_reference)
 
 
 def group_norm_affine_grads(x, o, num_groups: int, eps: float, with_bias: bool) -> dict[str, torch.Tensor]:
@@ -264,6 +282,44 @@ def group_norm_affine_grads(x, o, num_groups: int, eps: float, with_bias: bool) 
         as the reference.
     """
     return _GROUP_NORM_GRADS.pick(x, o)(x, o, num_groups, eps, with_bias)
+
+
+def group_norm_affine_grads_grouped(calls: list, num_groups: int, eps: float, with_bias: bool) -> list:
+    """Per-sample affine gradients of n GroupNorm (or InstanceNorm) calls of one configuration, shape,
+    strides and dtype: one kernel launch for all of them where ``groups_norm_grads`` holds
+    (``pdpfast.kernels.norm_grads``), else one per call (the reference).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) as ``group_norm_affine_grads`` takes them, alike.
+        num_groups, eps, with_bias: as in ``group_norm_affine_grads``, for every call.
+    Returns:
+        a list of n dicts, call c's what ``group_norm_affine_grads(x_c, o_c, ...)`` gives.
+    """
+    return _GROUP_NORM_GRADS_GROUPED.pick(*calls[0])(calls, num_groups, eps, with_bias)
+
+
+def group_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """``group_norm_per_sample_grads`` of n calls of one GroupNorm configuration, shape, strides and
+    dtype (``group_norm_affine_grads_grouped``).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) alike; module: supplies ``num_groups``, ``eps`` and ``bias``.
+    Returns:
+        a list of n dicts, call c's what ``group_norm_per_sample_grads(x_c, o_c, module)`` gives.
+    """
+    return group_norm_affine_grads_grouped(calls, module.num_groups, module.eps, module.bias is not None)
+
+
+def instance_norm_per_sample_grads_grouped(calls: list, module) -> list:
+    """``instance_norm_per_sample_grads`` of n calls of one InstanceNorm configuration, shape, strides
+    and dtype (``group_norm_affine_grads_grouped``, one channel a group).
+
+    Args:
+        calls: n ≥ 1 pairs (x, o) alike; module: supplies ``eps`` and ``bias``.
+    Returns:
+        a list of n dicts, call c's what ``instance_norm_per_sample_grads(x_c, o_c, module)`` gives.
+    """
+    return group_norm_affine_grads_grouped(calls, calls[0][0].shape[1], module.eps, module.bias is not None)
 
 
 def group_norm_in_one_op(x: torch.Tensor, o: torch.Tensor) -> bool:

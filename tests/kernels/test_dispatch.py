@@ -177,6 +177,17 @@ def _group_norm_case(tools, gen):
     return (x, tools.randn(gen, 3, 8, 5, 5, device=tools.device), 4, 1e-5, True), None
 
 
+def _group_norm_grouped_case(tools, gen):  # three calls of one shape, one launch
+    calls = [[tools.randn(gen, 3, 8, 5, 5, device=tools.device), tools.randn(gen, 3, 8, 5, 5, device=tools.device)]
+             for _ in range(3)]
+
+    def alike(fast, slow):  # a list of per-call dicts each
+        assert len(fast) == len(slow) == 3
+        for f, s in zip(fast, slow):
+            torch.testing.assert_close(f, s, rtol=1e-4, atol=1e-5)
+    return (calls, 4, 1e-5, True), alike
+
+
 def _noise_case(tools, gen):
     grads = [torch.zeros(5000, device=tools.device), torch.zeros(3, 7, device=tools.device)]
     return (grads, 1.0, 1, 2), _noise_alike
@@ -192,6 +203,7 @@ CASES = {
     "bias_sq_norms": _bias_case,
     "embedding_sq_norms": _embedding_case,
     "group_norm_affine_grads": _group_norm_case,
+    "group_norm_affine_grads_grouped": _group_norm_grouped_case,
     "layer_norm_per_sample_grads": _layer_norm_case,
     "rms_norm_per_sample_grads": _rms_norm_case,
     "layer_norm_per_sample_grads_grouped": _norm_grouped_case(torch.nn.LayerNorm(33)),

@@ -553,7 +553,7 @@ def test_same_shape_layer_norms_form_their_gradients_in_one_launch(clipping, dty
     # the three LayerNorm(d) with a bias and the two RMSNorm(d); the bias-free one and LayerNorm(2d) alone
     assert sorted(norm_grads_launches) == [("layer", 3), ("rms", 2)], norm_grads_launches
     norm_grads_launches.clear()
-    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o: False)
+    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o, family="layer_norm": False)
     _assert_same_results(grouped, _clip_once(model, x, clipping))
     assert norm_grads_launches == []
 
@@ -582,8 +582,40 @@ def test_layer_norm_calls_are_held_within_run_bytes(clipping, monkeypatch, devic
     assert norm_grads_launches == [("layer", 2), ("layer", 2)], norm_grads_launches
     call = 2 * B * T * d * 4
     assert held == [2 * call, 2 * call, call], held  # the last call at the end of the backward
-    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o: False)
+    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o, family="layer_norm": False)
     _assert_same_results(grouped, _clip_once(model, x, clipping))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_same_shape_group_norms_form_their_gradients_in_one_launch(clipping, dtype, monkeypatch, device,
+                                                                   full_size_calls):
+    """A ResNet stage's GroupNorm calls (and InstanceNorm's) form their per-sample gradients in one launch
+    per configuration and shape, held as LayerNorm's are (``_hold_formed``): three GroupNorm(2, 8)
+    calls in one, two InstanceNorm calls in another, and the GroupNorm of other groups and the one of
+    another width alone. The norms, ρ and clipped sums equal those of one launch per call."""
+    import pdpfast.ops.norm as norm_ops
+
+    launches = []
+    op = dispatch.op("group_norm_affine_grads_grouped")
+    monkeypatch.setattr(op, "kernel", lambda calls, *args, _kernel=op.kernel: (
+        launches.append((args[0], len(calls))), _kernel(calls, *args))[1])
+    torch.manual_seed(0)
+
+    def block(norm):
+        return [nn.Conv2d(8, 8, 3, padding=1), norm, nn.Tanh()]
+    model = pdpfast.nn.convert(nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), *block(nn.GroupNorm(2, 8)),
+        *block(nn.InstanceNorm2d(8, affine=True)), *block(nn.GroupNorm(4, 8)), *block(nn.GroupNorm(2, 8)),
+        *block(nn.InstanceNorm2d(8, affine=True)), nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(2, 16))
+        .to(device, dtype))
+    x = torch.randn(3, 4, 6, 6, device=device, dtype=dtype)
+    grouped = _clip_conv_once(model, x, clipping)
+    assert sorted(launches) == [(2, 3), (8, 2)], launches  # (groups, calls); G = C = 8 for InstanceNorm
+    launches.clear()
+    monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o, family="layer_norm": False)
+    _assert_same_results(grouped, _clip_conv_once(model, x, clipping))
+    assert launches == []
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
@@ -597,6 +629,7 @@ def test_conv_rounding_bound_comes_from_the_norm_launch_and_equals_the_reference
     import pdpfast.ops.conv as conv_ops
 
     monkeypatch.setattr(dispatch.op("group_norm_affine_grads"), "kernel", None)
+    monkeypatch.setattr(dispatch.op("group_norm_affine_grads_grouped"), "kernel", None)
     torch_route = []
     scaled_sum_rounding = conv_ops.conv_scaled_sum_rounding
     monkeypatch.setattr(conv_ops, "conv_scaled_sum_rounding",

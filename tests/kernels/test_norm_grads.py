@@ -356,6 +356,22 @@ def test_group_norm_affine_grads(tools, gen, shapes, bias, dtype):
         tools.check(out["bias"], ref["bias"], bias_grad, atol=atol, what=f"{what} bias")
 
 
+@pytest.mark.parametrize("shape", [(3, 8), (3, 8, 2, 2)], ids=str)
+def test_group_norm_groups_of_nearly_equal_values_far_from_zero(tools, gen, shape):
+    """Groups whose values lie within a few sqrt(ε) of each other at 100: x̂ then hangs on differences
+    of a few of x's ulps, which a mean rounded to x's ulp would swamp (the kernel's statistics are of
+    x − the group's first value). Each call's gradients are within fp32's rounding of the float64
+    oracle."""
+    x = 100 + tools.randn(gen, *shape, device=tools.device) * 3e-3
+    o = tools.randn(gen, *shape, device=tools.device)
+    out = norm_grads.group_norm_affine_grads(x, o, 4, 1e-5, True)
+    weight, bias = _group_oracle(x, o, 4, 1e-5)
+    spatial = list(range(2, x.dim()))
+    scale = o.double().abs().sum(spatial) if spatial else o.double().abs()
+    assert ((out["weight"].double() - weight).abs() <= 1e-5 * scale).all()
+    torch.testing.assert_close(out["bias"].double(), bias, rtol=1e-6, atol=1e-6)
+
+
 def test_group_norm_empty_inputs_and_channels_last(tools, gen):
     """No sample, no position (zero gradients, not the reference's NaN) and a channels-last input."""
     for shape in [(0, 4, 3, 3), (2, 4, 0)]:
@@ -388,3 +404,85 @@ def test_group_and_instance_norm_layers_dispatch_to_the_kernel(tools, gen, monke
         expected = norm_ops.group_norm_affine_grads_reference(x, o, groups, module.eps, True)
         for key in expected:
             torch.testing.assert_close(fast[key], expected[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes", [GROUP_SHAPES[0], GROUP_SHAPES[2], GROUP_SHAPES[3], GROUP_SHAPES[5],
+                                    GROUP_SHAPES[6], GROUP_SHAPES[7]], ids=str)
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_same_shape_group_norm_calls_take_one_launch_and_each_equals_the_oracle(tools, gen, shapes, n, bias, dtype):
+    """n GroupNorm calls of one shape (a ResNet stage's) in one launch, each program reading its call's
+    x and o at an offset from the first call's: each call's gradients are its own launch's bits,
+    equal the float64 oracle as those do, and are views of the launch's (n, planes, B, C) buffer."""
+    x_shape, groups = shapes
+    calls = [(x * 3 + 100, o) for x, o in _same_shape_calls(tools, gen, n, x_shape, dtype)]  # far from zero
+    with tools.op_log() as log:
+        grads = norm_grads.group_norm_affine_grads_grouped(calls, groups, 1e-5, bias)
+    assert len(log.launches) == 1 and len(grads) == n
+    spatial = list(range(2, len(x_shape)))
+    for c, ((x, o), got) in enumerate(zip(calls, grads)):
+        own = norm_grads.group_norm_affine_grads(x, o, groups, 1e-5, bias)
+        assert set(got) == set(own) == ({"weight", "bias"} if bias else {"weight"})
+        for key in own:
+            assert got[key].dtype == dtype and torch.equal(got[key], own[key]), (c, key)
+        weight, bias_grad = _group_oracle(x, o, groups, 1e-5)
+        scale = o.double().abs().sum(spatial) if spatial else o.double().abs()
+        atol = (1e-5 + torch.finfo(dtype).eps) * scale * 2 + 1e-30
+        ref = norm_ops.group_norm_affine_grads_reference(x, o, groups, 1e-5, bias)
+        tools.check(got["weight"], ref["weight"], weight, atol=atol, what=f"call {c} weight")
+        if bias:
+            tools.check(got["bias"], ref["bias"], bias_grad, atol=atol, what=f"call {c} bias")
+    if n > 1:
+        assert grads[1]["weight"].data_ptr() > grads[0]["weight"].data_ptr()  # views of one buffer
+
+
+def test_group_norm_calls_that_cannot_share_a_launch_take_one_each(tools, gen, monkeypatch):
+    """GroupNorm calls whose views start off 16-byte boundaries, whose strides, dtypes or batch sizes
+    differ from the first one's, whose positions are not contiguous, and calls with no sample or no
+    position take the reference (one launch a call), with its results."""
+    seen = []
+    reference = norm_grads.group_norm_affine_grads_grouped_reference
+    monkeypatch.setattr(norm_grads, "group_norm_affine_grads_grouped_reference",
+                        lambda calls, *args: (seen.append(len(calls)), reference(calls, *args))[1])
+    misaligned = _same_shape_calls(tools, gen, 3, (2, 4, 3, 3), torch.float32, misaligned=True)
+    assert misaligned[0][0].data_ptr() % 16
+    x, o = tools.randn(gen, 2, 4, 3, 3, device=tools.device), tools.randn(gen, 2, 4, 3, 3, device=tools.device)
+    cases = {"misaligned": misaligned,
+             "other strides": [(x, o), (x.to(memory_format=torch.channels_last), o)],
+             "other dtype": [(x, o), (x.bfloat16(), o.bfloat16())],
+             "other batch size": [(x, o), (x.reshape(1, 8, 3, 3).clone(), o.reshape(1, 8, 3, 3).clone())],
+             "positions strided": [(x.to(memory_format=torch.channels_last), o)] * 2,
+             "empty batch": [(torch.zeros(0, 4, 3, 3, device=tools.device),) * 2] * 2,
+             "no positions": [(torch.zeros(2, 4, 0, device=tools.device),) * 2] * 2}
+    for what, calls in cases.items():
+        seen.clear()
+        got = norm_grads.group_norm_affine_grads_grouped(calls, 2, 1e-5, True)
+        assert seen == [len(calls)], what
+        for (cx, co), g in zip(calls, got):
+            own = norm_ops.group_norm_affine_grads(cx, co, 2, 1e-5, True)
+            for key in own:
+                assert torch.equal(g[key], own[key]), (what, key)
+
+
+def test_grouped_group_and_instance_norm_ops_dispatch_to_the_kernel_where_it_runs(tools, gen, monkeypatch):
+    """``groups_norm_grads(..., "group_norm")`` holds where the kernel runs and not with
+    PDPFAST_DISABLE_TRITON=1; GroupNorm and InstanceNorm (G = C) calls agree both ways."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    calls = _same_shape_calls(tools, gen, 3, (2, 6, 4, 4), torch.float32)
+    op = dispatch.op("group_norm_affine_grads_grouped")
+    assert norm_ops.groups_norm_grads(*calls[0], "group_norm")
+    for module, grouped in ((nn.GroupNorm(3, 6), norm_ops.group_norm_per_sample_grads_grouped),
+                            (nn.InstanceNorm2d(6, affine=True), norm_ops.instance_norm_per_sample_grads_grouped)):
+        assert op.pick(*calls[0]) is norm_grads.group_norm_affine_grads_grouped
+        fast = grouped(calls, module)
+        monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1")
+        assert op.pick(*calls[0]) is op.reference and not norm_ops.groups_norm_grads(*calls[0], "group_norm")
+        slow = grouped(calls, module)
+        monkeypatch.delenv("PDPFAST_DISABLE_TRITON")
+        for (x, o), f, s in zip(calls, fast, slow):
+            groups = module.num_groups if isinstance(module, nn.GroupNorm) else 6
+            expected = norm_ops.group_norm_affine_grads_reference(x, o, groups, module.eps, True)
+            for key in expected:
+                torch.testing.assert_close(f[key], expected[key], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(s[key], expected[key], rtol=1e-5, atol=1e-5)
