@@ -333,10 +333,14 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_
     o_base = o_ptr + sample * stride_ob + first * stride_oc
     rc = tl.arange(0, BLOCK_C)
     rs = tl.arange(0, BLOCK_S)
-    # every statistic of x − shift, shift the group's first value: x far from zero (a mean of 100, say)
-    # would otherwise leave the mean rounded to x's ulp, and x − mean in pass 2 off by as much, which
-    # is most of a deviation where a group's values nearly coincide
-    shift = tl.load(x_base).to(tl.float32)
+    # every statistic of x − shift, shift the mean of the group's first tile (in fp32): x far from zero
+    # (a mean of 100, say) would otherwise leave the mean rounded to x's ulp, and x − mean in pass 2
+    # off by as much, which is most of a deviation where a group's values nearly coincide. A value
+    # of the group would do that too, but x − shift rounds to the ulp of its size, and one value
+    # may be an outlier; a mean lies among the values
+    inside = (rc < CPG)[:, None] & (rs < S)[None, :]
+    x = tl.load(x_base + rc[:, None] * stride_xc + rs[None, :], mask=inside, other=0.0).to(tl.float32)
+    shift = tl.sum(tl.sum(x, axis=1), axis=0) / tl.sum(tl.sum(inside.to(tl.float32), axis=1), axis=0)
     # pass 1: the group's mean and sum of squared deviations, tile by tile (Chan et al.'s merge of
     # (count, mean, M2): no E[x²] − E[x]² cancellation)
     n = 0.0

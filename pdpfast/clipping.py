@@ -596,6 +596,7 @@ class ClippingState:
         self._group_params: list[list[nn.Parameter]] = []
         self._group_calls: list[int] = []  # backward calls per forward of the group's layers
         self._param_group: dict[int, int] = {}  # id(parameter) → its clipping group
+        self._param_order: dict[int, int] = {}  # id(parameter) → its place among the layers' parameters
         for i, m in enumerate(self.layers):
             if not _trainable(m):
                 continue
@@ -613,6 +614,7 @@ class ClippingState:
                 if not any(p is q for q in self._group_params[k]):
                     self._group_params[k].append(p)
                     self._param_group[id(p)] = k
+                self._param_order.setdefault(id(p), len(self._param_order))
 
     def _resolve_shares(self, layer_shares) -> torch.Tensor:
         K = len(self.group_names)
@@ -1231,7 +1233,7 @@ class ClippingState:
             self._flush_run()
         if group is not None:
             # held until a call that does not join them: consecutive calls of one key (a transformer's
-            # projections) take one norm launch, and are clipped then, each on its own
+            # projections) take one norm launch, and are clipped then, each against its own weights
             shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
             self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
             self._run_key = group
@@ -1461,10 +1463,12 @@ class ClippingState:
 
     def _packed(self, params) -> tuple[list, list]:
         """(packs, rest) of formed per-sample gradients: those of at most ``PACK_BYTES`` concatenated
-        per dtype and device, each pack (params, (B, N) gradients side by side in params' order);
-        the other params alone."""
+        per dtype and device, each pack (params, (B, N) gradients side by side in the layers' order of
+        their parameters, whatever the order they were formed in: calls held for a shared launch come
+        later); the other params alone."""
         small, rest = {}, []
-        for p in params:
+        order = self._param_order
+        for p in sorted(params, key=lambda p: order.get(id(p), len(order))):
             g = self._materialized[p]
             if g.numel() * g.element_size() <= PACK_BYTES:
                 small.setdefault((g.dtype, g.device), []).append(p)
@@ -1908,7 +1912,7 @@ class ClippingState:
         self._sq_parts: list[torch.Tensor] = []  # (B,) squared norms of each layer, group or stack
         self._rho_parts: list[torch.Tensor] = []  # (B,) ρ_i of each layer or stack that rounds (flat clipping)
         self._tape: list = []
-        self._groups: dict = {}  # (Grouped, key) -> calls whose norms take one launch (flat clipping)
+        self._groups: dict = {}  # (Grouped, key) -> calls whose norms take one launch, and clipped sums one pass (flat)
         self._formed: dict = {}  # (Grouped, key) -> held calls whose per-sample gradients take one launch
         self._formed_bytes = 0   # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
         self._run: list = []     # per-layer clipping: consecutive calls of one key held for one norm launch

@@ -166,6 +166,11 @@ def groups_norm_grads(x: torch.Tensor, o: torch.Tensor, family: str = "layer_nor
     ``TRITON_INTERPRET=1``), outside a CUDA graph capture (the launch copies the calls' offsets from
     the host: a captured step has no host work to save anyway).
 
+    A call the launch would turn down takes its own, and is not held for it: one whose x or o does not
+    start on a 16-byte boundary (the launch reads every call at an aligned offset), or whose rows
+    (LayerNorm's last dim) or positions (GroupNorm's dims after the channels) are not contiguous (its
+    own launch copies them first).
+
     Args:
         x: the call's input; o: its output gradient.
         family: "layer_norm" (LayerNorm and RMSNorm, one kernel) or "group_norm" (GroupNorm and
@@ -174,9 +179,23 @@ def groups_norm_grads(x: torch.Tensor, o: torch.Tensor, family: str = "layer_nor
         a bool.
     """
     grouped = _GROUP_NORM_GRADS_GROUPED if family == "group_norm" else _LAYER_NORM_GRADS_GROUPED
-    if grouped.pick(x, o) is grouped.reference:
+    if grouped.pick(x, o) is grouped.reference or x.data_ptr() % 16 or o.data_ptr() % 16:
+        return False
+    first = 2 if family == "group_norm" else x.dim() - 1
+    if not (_contiguous_from(x, first) and _contiguous_from(o, first)):
         return False
     return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _contiguous_from(t: torch.Tensor, first: int) -> bool:
+    """Whether ``t``'s dims from ``first`` on are laid out contiguously, row-major (dims of size 1
+    aside): what a kernel reading them as one run of elements needs."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[first:]), reversed(t.stride()[first:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def layer_norm_per_sample_grads_grouped(calls: list, module) -> list:

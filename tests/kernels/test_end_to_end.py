@@ -185,7 +185,8 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
     from pdpfast.clipping import ClippingState
 
     seen = {"sq": [], "pending": [], "rho": []}
-    add_sq, add_rounding, args = ClippingState._add_sq, ClippingState._add_rounding, clip_ops.fused_scale_args
+    add_sq, add_rounding = ClippingState._add_sq, ClippingState._add_rounding
+    group_weights = ClippingState._group_weights
 
     def spy_add_sq(self, sq):
         seen["sq"].append(tuple(sq.shape))
@@ -195,14 +196,16 @@ def test_norm_partial_sums_reach_the_clipping_state_unsummed_and_equal_the_refer
         seen["rho"].append(None if rho is None else tuple(rho.shape))
         return add_rounding(self, rho)
 
-    def spy_args(weights):  # once per call, as the C++ clipped sums take its pending weights
-        rho = None if weights.rounding is None else tuple(weights.rounding.shape)
-        seen["pending"].append((tuple(weights.sq_norms.shape), weights.parts, rho))
-        return args(weights)
+    def spy_weights(self, *args, **kwargs):  # once per call: the weights handed to its clipped sum
+        weights = group_weights(self, *args, **kwargs)
+        if isinstance(weights, clip_ops.PendingWeights):
+            rho = None if weights.rounding is None else tuple(weights.rounding.shape)
+            seen["pending"].append((tuple(weights.sq_norms.shape), weights.parts, rho))
+        return weights
 
     monkeypatch.setattr(ClippingState, "_add_sq", spy_add_sq)
     monkeypatch.setattr(ClippingState, "_add_rounding", spy_add_rounding)
-    monkeypatch.setattr(clip_ops, "fused_scale_args", spy_args)
+    monkeypatch.setattr(ClippingState, "_group_weights", spy_weights)
     torch.manual_seed(0)
     B, T, d, p = 3, 65, 200, 136  # T = 65: two tiles of 64, so K = 2 tiles × 2 shifts; Gram cheaper than direct
     assert lin_ops.kernel_uses_gram(T, d, d) and lin_ops.kernel_uses_gram(T, d, p)
@@ -473,7 +476,7 @@ def _clip_conv_once(model, x, clipping):
         state.begin_batch(torch.linspace(0.05, 2.0, x.shape[0]))
         model(x).float().pow(2).flatten(1).mean(1).sum().backward()
         rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
-        out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}
+        out = state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         state.end_draw()
     model.zero_grad(set_to_none=True)
     return out
@@ -592,30 +595,63 @@ def test_same_shape_group_norms_form_their_gradients_in_one_launch(clipping, dty
                                                                    full_size_calls):
     """A ResNet stage's GroupNorm calls (and InstanceNorm's) form their per-sample gradients in one launch
     per configuration and shape, held as LayerNorm's are (``_hold_formed``): three GroupNorm(2, 8)
-    calls in one, two InstanceNorm calls in another, and the GroupNorm of other groups and the one of
-    another width alone. The norms, ρ and clipped sums equal those of one launch per call."""
+    calls in one, two InstanceNorm calls in another, and those of another ε, other groups or another
+    width alone. The norms, ρ and clipped sums equal those of one launch per call."""
     import pdpfast.ops.norm as norm_ops
 
     launches = []
     op = dispatch.op("group_norm_affine_grads_grouped")
     monkeypatch.setattr(op, "kernel", lambda calls, *args, _kernel=op.kernel: (
         launches.append((args[0], len(calls))), _kernel(calls, *args))[1])
-    torch.manual_seed(0)
+    torch.manual_seed(3)
 
     def block(norm):
         return [nn.Conv2d(8, 8, 3, padding=1), norm, nn.Tanh()]
     model = pdpfast.nn.convert(nn.Sequential(
-        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), *block(nn.GroupNorm(2, 8)),
-        *block(nn.InstanceNorm2d(8, affine=True)), *block(nn.GroupNorm(4, 8)), *block(nn.GroupNorm(2, 8)),
-        *block(nn.InstanceNorm2d(8, affine=True)), nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(2, 16))
-        .to(device, dtype))
-    x = torch.randn(3, 4, 6, 6, device=device, dtype=dtype)
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), *block(nn.GroupNorm(2, 8, eps=1e-3)),
+        *block(nn.GroupNorm(2, 8)), *block(nn.InstanceNorm2d(8, affine=True)), *block(nn.GroupNorm(4, 8)),
+        *block(nn.GroupNorm(2, 8)), *block(nn.InstanceNorm2d(8, affine=True)), nn.Conv2d(8, 4, 3, padding=1),
+        nn.GroupNorm(2, 4)).to(device, dtype))
+    model[-1].weight.requires_grad_(False)  # a bias alone: its gradient is packed apart from its layer's weight
+    x = (torch.randn(3, 3, 6, 6, generator=torch.Generator().manual_seed(13)) * 2 + 5).to(device, dtype)
     grouped = _clip_conv_once(model, x, clipping)
     assert sorted(launches) == [(2, 3), (8, 2)], launches  # (groups, calls); G = C = 8 for InstanceNorm
     launches.clear()
     monkeypatch.setattr(norm_ops, "groups_norm_grads", lambda x, o, family="layer_norm": False)
-    _assert_same_results(grouped, _clip_conv_once(model, x, clipping))
+    ungrouped = _clip_conv_once(model, x, clipping)
+    _assert_same_results(grouped, ungrouped)
     assert launches == []
+    # each call's gradients are its own launch's bits, packed in the layers' order however late they
+    # were formed: the norms are the same bits too
+    assert torch.equal(grouped[0], ungrouped[0])
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_channels_last_group_norms_take_their_own_launches_and_are_not_held(clipping, monkeypatch, device,
+                                                                           full_size_calls):
+    """A channels-last CNN's GroupNorm inputs have no contiguous positions, which the grouped launch
+    would turn down: each call forms its gradients at once, none is held (``_hold_formed``), and the
+    results equal those of the contiguous model's (to the channels-last convolutions' summation)."""
+    from pdpfast.clipping import ClippingState
+
+    held = []
+    hold = ClippingState._hold_formed
+    monkeypatch.setattr(ClippingState, "_hold_formed", lambda self, *args: (held.append(args[1]), hold(self, *args))[1])
+    torch.manual_seed(0)
+    model = pdpfast.nn.convert(nn.Sequential(
+        nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.Tanh(), nn.Conv2d(8, 8, 3, padding=1),
+        nn.GroupNorm(2, 8), nn.Tanh(), nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)).to(device))
+    x = torch.randn(3, 4, 6, 6, device=device)
+    contiguous = _clip_conv_once(model, x, clipping)
+    assert len(held) == 3
+    held.clear()
+    last = _clip_conv_once(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last),
+                           clipping)
+    assert held == []
+    for got, want in zip(last, contiguous):
+        for key, w in (want.items() if isinstance(want, dict) else [("", want)] if want is not None else []):
+            g = got[key] if key else got
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=key)  # (records' bounds: 0.05 to 2)
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])

@@ -486,3 +486,26 @@ def test_grouped_group_and_instance_norm_ops_dispatch_to_the_kernel_where_it_run
             for key in expected:
                 torch.testing.assert_close(f[key], expected[key], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(s[key], expected[key], rtol=1e-5, atol=1e-5)
+
+
+def test_calls_a_grouped_launch_would_turn_down_are_not_held_for_one(tools, gen, monkeypatch):
+    """``groups_norm_grads`` says no where the grouped launch would take the reference anyway, so the
+    clipping state does not hold such a call for nothing: x or o off a 16-byte boundary, channels-last
+    GroupNorm inputs (positions not contiguous), a LayerNorm input whose last dim is strided. Inputs
+    whose only non-contiguous dims have size 1 still group."""
+    monkeypatch.delenv("PDPFAST_DISABLE_TRITON", raising=False)
+    x, o = tools.randn(gen, 2, 8, 4, 4, device=tools.device), tools.randn(gen, 2, 8, 4, 4, device=tools.device)
+    assert norm_ops.groups_norm_grads(x, o, "group_norm")
+    off = tools.randn(gen, 2 * 8 * 16 + 1, device=tools.device)[1:].view(2, 8, 4, 4)  # 4 bytes past a boundary
+    assert off.data_ptr() % 16
+    assert not norm_ops.groups_norm_grads(off, o, "group_norm")
+    assert not norm_ops.groups_norm_grads(x, off, "group_norm")
+    last = x.to(memory_format=torch.channels_last)
+    assert not norm_ops.groups_norm_grads(last, o, "group_norm")
+    assert not norm_ops.groups_norm_grads(x, o.to(memory_format=torch.channels_last), "group_norm")
+    one = tools.randn(gen, 2, 8, 1, 1, device=tools.device).to(memory_format=torch.channels_last)
+    assert norm_ops.groups_norm_grads(one, one, "group_norm")  # 1×1 positions: contiguous whatever the strides
+    rows = tools.randn(gen, 2, 5, 12, device=tools.device)
+    assert norm_ops.groups_norm_grads(rows, rows)
+    strided = tools.randn(gen, 2, 12, 5, device=tools.device).transpose(1, 2)
+    assert not norm_ops.groups_norm_grads(strided, rows) and not norm_ops.groups_norm_grads(rows, strided)
