@@ -303,6 +303,13 @@ def _grouped_norms_and_rounding(calls: list) -> list:
     return [(sq[c], None if rho is None else rho[c]) for c in range(len(calls))]
 
 
+def _input_bytes(x) -> int:
+    """The bytes of a layer call's input (a tensor, a tuple of them, or None once released)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(t.numel() * t.element_size() for t in x) if isinstance(x, tuple) else 0
+
+
 def _grouped_per_sample_grads(grouped, calls: list) -> list:
     """[{name: per-sample gradients}] of same-shape calls (layer, names, x, o) of one ``Grouped`` key
     whose rule forms them (``Grouped.per_sample_grads``): from one launch for several calls, from the
@@ -390,7 +397,11 @@ PACK_BYTES = 1 << 20
 # the forward's layer inputs either, where that is above RUN_FLOOR (a small model's whole step):
 # per-layer clipping's runs of calls of any widths added 7% to the peak of BERT-base's per-layer
 # step at batch 8 (CPU stand-in) with 128 MiB, 1.6% with 32 MiB, which is what batch 32 holds with
-# 128 MiB.
+# 128 MiB. Per-layer clipping's peak is where its backward starts, so above the floor it also holds
+# no more than the inputs of the calls its backward has passed, less what it holds
+# (``_hold_limit``): holding ResNet-18-GN's GroupNorm calls took its per-layer peak (CPU stand-in,
+# batch 256, fp32) from 1.004x the non-private step's to 1.059x, 1.017x with this bound, and
+# BERT-base's at batch 8 is back to 1.003x (1.013x).
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
 
@@ -1203,6 +1214,7 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
+        self._passed_bytes += _input_bytes(x)
         self._queue_finish(self._finish_per_layer)
         if k in self._reused_groups():
             # tied across layers or calls, or one host's parameters in separate calls: the group's
@@ -1274,8 +1286,14 @@ class ClippingState:
     def _hold_limit(self) -> int:
         """The bytes of inputs and output gradients the held calls of a run, or of calls whose
         per-sample gradients are formed together, may pass: ``RUN_BYTES``, and a tenth of this
-        forward's layer inputs where that is more than ``RUN_FLOOR`` (see ``RUN_BYTES``)."""
-        return min(RUN_BYTES, max(RUN_FLOOR, self._forward_bytes // 10))
+        forward's layer inputs where that is more than ``RUN_FLOOR`` (see ``RUN_BYTES``). Per-layer
+        clipping's peak is where its backward starts, so above the floor it also holds no more than
+        the inputs of the calls its backward has passed, less what it holds (``_passed_bytes``)."""
+        tenth = self._forward_bytes // 10
+        limit = min(RUN_BYTES, max(RUN_FLOOR, tenth))
+        if self.clipping == "per_layer" and tenth > RUN_FLOOR:
+            limit = max(0, min(limit, self._passed_bytes - self._run_bytes - self._formed_bytes))
+        return limit
 
     def _flush_formed(self, take) -> None:
         """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand
@@ -1918,6 +1936,7 @@ class ClippingState:
         self._run: list = []     # per-layer clipping: consecutive calls of one key held for one norm launch
         self._run_key = None
         self._run_bytes = 0      # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
+        self._passed_bytes = 0   # per-layer clipping: the inputs of the calls its backward has reached
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

@@ -723,3 +723,29 @@ def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, devi
     monkeypatch.setattr(clipping, "RUN_FLOOR", 5 * B * T * d * 4)
     _clip_once(model, x, "per_layer")
     assert grouped_launches == [3, 3], grouped_launches
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_per_layer_holds_no_more_than_its_backward_has_passed(clipping, monkeypatch, device, full_size_calls,
+                                                              grouped_launches):
+    """Per-layer clipping's peak memory is where its backward starts, so where a tenth of the forward's
+    inputs is the bound (above RUN_FLOOR) it also holds no more than the inputs of the calls its
+    backward has passed, less what it holds. Eight d→d calls (an input and an output gradient each,
+    2 units; 1 unit passed a call) after a wide bias-free one (a tenth of the inputs: 4.6 calls): the
+    first three are clipped on their own, then come two runs of two and the last call alone, where
+    the tenth alone gives two runs of four. Book-keeping, whose peak is at the end of its backward,
+    takes the eight in one launch. Results equal those of one launch per call."""
+    import pdpfast.clipping as clipping_module
+
+    monkeypatch.setattr(clipping_module, "RUN_FLOOR", 0)
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    layers = [nn.Linear(64 * d, d, bias=False), nn.Tanh()]
+    for _ in range(8):
+        layers += [nn.Linear(d, d), nn.Tanh()]
+    model = pdpfast.nn.convert(nn.Sequential(*layers).to(device))
+    x = torch.randn(B, T, 64 * d, device=device)
+    grouped = _clip_once(model, x, clipping)
+    assert grouped_launches == ([8] if clipping == "flat" else [2, 2]), grouped_launches
+    grouped_launches.clear()
+    _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
