@@ -314,10 +314,12 @@ def rms_norm_per_sample_grads_grouped(calls: list, module) -> list:
 def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_ptr, C, S, CPG, eps,
                                     stride_xb, stride_xc, stride_ob, stride_oc, B, CALL_STRIDE,
                                     HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, ALIGN_X: tl.constexpr,
-                                    ALIGN_O: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                                    ALIGN_O: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_C: tl.constexpr,
+                                    BLOCK_S: tl.constexpr):
     # program ((call, sample), group). GROUPED: calls of one shape in one launch, call c's x and o
     # starting offsets[2c] and offsets[2c + 1] elements past x_ptr and o_ptr (multiples of ALIGN_X,
-    # ALIGN_O: 16 bytes), its gradients CALL_STRIDE past the first call's; else one call (row = sample)
+    # ALIGN_O: 16 bytes), its gradients CALL_STRIDE past the first call's; else one call (row = sample).
+    # ONE_TILE: the group is one tile (CPG ≤ BLOCK_C, S ≤ BLOCK_S), read once
     pid = tl.program_id(0)
     groups = C // CPG
     row = pid // groups
@@ -340,7 +342,24 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_
     # may be an outlier; a mean lies among the values
     inside = (rc < CPG)[:, None] & (rs < S)[None, :]
     x = tl.load(x_base + rc[:, None] * stride_xc + rs[None, :], mask=inside, other=0.0).to(tl.float32)
-    shift = tl.sum(tl.sum(x, axis=1), axis=0) / tl.sum(tl.sum(inside.to(tl.float32), axis=1), axis=0)
+    count = tl.sum(tl.sum(inside.to(tl.float32), axis=1), axis=0)
+    shift = tl.sum(tl.sum(x, axis=1), axis=0) / count
+    if ONE_TILE:  # (ResNet's groups: up to 2 channels × 1024 positions) the loops' arithmetic, x read once
+        x = tl.where(inside, x - shift, 0.0)
+        mean = tl.sum(tl.sum(x, axis=1), axis=0) / count
+        deviation = tl.where(inside, x - mean, 0.0)
+        correction = tl.sum(tl.sum(deviation, axis=1), axis=0) / count
+        mean += correction
+        deviation = tl.where(inside, deviation - correction, 0.0)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(deviation * deviation, axis=1), axis=0) / count + eps)
+        o = tl.load(o_base + rc[:, None] * stride_oc + rs[None, :], mask=inside, other=0.0).to(tl.float32)
+        in_c = rc < CPG
+        out = sample * C + first + rc
+        tl.store(weight_ptr + out, (tl.sum(o * tl.where(inside, x - mean, 0.0), axis=1) * rstd).to(
+            weight_ptr.dtype.element_ty), mask=in_c)
+        if HAS_BIAS:
+            tl.store(bias_ptr + out, tl.sum(o, axis=1).to(bias_ptr.dtype.element_ty), mask=in_c)
+        return
     # pass 1: the group's mean and sum of squared deviations, tile by tile (Chan et al.'s merge of
     # (count, mean, M2): no E[x²] − E[x]² cancellation)
     n = 0.0
@@ -394,7 +413,8 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_
 def group_norm_affine_grads(x: torch.Tensor, o: torch.Tensor, num_groups: int, eps: float,
                             with_bias: bool) -> dict[str, torch.Tensor]:
     """A GroupNorm's (or InstanceNorm's, G = C) per-sample affine gradients in one launch: a program
-    per (sample, group) reads x twice (the statistics, then the sums) and o once.
+    per (sample, group) reads x twice (the statistics, then the sums) and o once; x once where the
+    group fits one tile (2,048 values: every group of ResNet-18-GN).
 
     Args:
         x: (B, C, *spatial) the layer's input (or (B, C)), fp32/fp16/bf16, any strides.
@@ -432,15 +452,17 @@ def _group_norm_run(x3: torch.Tensor, o3: torch.Tensor, offsets: torch.Tensor | 
     calls of (B, C, S) rows, call c's at ``offsets`` (``grouped_offsets``) past the first call's x3
     and o3 (None: n = 1)."""
     B, C, S = x3.shape
+    cpg = C // num_groups
     block_s = block(S, 16, 1024)
+    block_c = block(cpg, 1, max(1, 2048 // block_s))
     grouped = offsets is not None
     weight, bias = out.view(n, -1, B, C)[0, 0], out.view(n, -1, B, C)[0, -1]
     with device_guard(x3):
         _group_norm_affine_grads_kernel[(n * B * num_groups,)](
-            x3, o3, offsets if grouped else x3, weight, bias, C, S, C // num_groups, eps, x3.stride(0), x3.stride(1),
+            x3, o3, offsets if grouped else x3, weight, bias, C, S, cpg, eps, x3.stride(0), x3.stride(1),
             o3.stride(0), o3.stride(1), B, out.numel() // n, HAS_BIAS=with_bias, GROUPED=grouped,
             ALIGN_X=16 // x3.element_size() if grouped else 1, ALIGN_O=16 // o3.element_size() if grouped else 1,
-            BLOCK_C=block(C // num_groups, 1, max(1, 2048 // block_s)), BLOCK_S=block_s, num_warps=4)
+            ONE_TILE=cpg <= block_c and S <= block_s, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4)
 
 
 @register("group_norm_affine_grads_grouped", when=_first_call_dtypes)

@@ -387,10 +387,10 @@ PACK_BYTES = 1 << 20
 # Per-layer clipping holds a run of consecutive calls of one key for one norm launch (``Grouped``:
 # a transformer's projections of one batch and sequence length, whatever their widths) until their
 # inputs and output gradients pass this many bytes, the call that passes it included (BERT-base at
-# batch 32: 16 launches for its 72 projections in fp32; 13 in bf16, where the tenth below binds), so
-# that a deep stack is not all held. Both clipping modes hold normalization calls for one launch of
-# their per-sample gradients within as many bytes again (BERT-base's LayerNorm calls at batch 32: six
-# a launch in fp32, seven in bf16): book-keeping, whose tape already holds every linear call's
+# batch 32: 19 launches for its 72 projections in fp32, 16 in bf16, with the bounds below), so that
+# a deep stack is not all held. Both clipping modes hold normalization calls for one launch of
+# their per-sample gradients within as many bytes again (BERT-base's 25 LayerNorm calls at batch 32:
+# 5 launches; 4 in bk's bf16, where the tenth below binds): book-keeping, whose tape already holds every linear call's
 # tensors to the end of the backward, would otherwise add all of theirs to its peak (BERT-base at
 # batch 8 on the CPU's stand-in of the GPU route: +150 MB, 14% of the non-private step's peak). A
 # fixed budget is a larger share of a smaller step's memory, so neither holds more than a tenth of
@@ -401,7 +401,8 @@ PACK_BYTES = 1 << 20
 # no more than the inputs of the calls its backward has passed, less what it holds
 # (``_hold_limit``): holding ResNet-18-GN's GroupNorm calls took its per-layer peak (CPU stand-in,
 # batch 256, fp32) from 1.004x the non-private step's to 1.059x, 1.017x with this bound, and
-# BERT-base's at batch 8 is back to 1.003x (1.013x).
+# BERT-base's at batch 8 is back to 1.003x (1.013x). (Under activation checkpointing the peak is at
+# a block's recomputation instead, whose inputs count as passed: the bound is then a heuristic.)
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
 
@@ -1214,7 +1215,9 @@ class ClippingState:
 
     def _per_layer_backward(self, layer: _Layer, names: tuple, x, o) -> None:
         k = layer.group
-        self._passed_bytes += _input_bytes(x)
+        if id(x) != self._passed_input:  # (the attention projections share their input: it is let go of once)
+            self._passed_input = id(x)
+            self._passed_bytes += _input_bytes(x)
         self._queue_finish(self._finish_per_layer)
         if k in self._reused_groups():
             # tied across layers or calls, or one host's parameters in separate calls: the group's
@@ -1937,6 +1940,7 @@ class ClippingState:
         self._run_key = None
         self._run_bytes = 0      # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
         self._passed_bytes = 0   # per-layer clipping: the inputs of the calls its backward has reached
+        self._passed_input = 0   # id() of the last of them
         self._stacks: dict = {}
         self._stack_bytes = 0
         self._materialized: dict[nn.Parameter, torch.Tensor] = {}

@@ -235,9 +235,11 @@ def kernel_calls() -> None:
                 norm_grads.layer_norm_per_sample_grads_grouped(calls, SimpleNamespace(
                     normalized_shape=(N,), eps=1e-5, bias=object() if bias else None))
             norm_grads.rms_norm_per_sample_grads_grouped(calls, SimpleNamespace(normalized_shape=(N,), eps=None))
-    # GroupNorm at ResNet-18-GN's first and last stages, a (B, C) input, instance norm (G = C)
+    # GroupNorm at ResNet-18-GN's first and last stages, a (B, C) input, instance norm (G = C) (each
+    # group one tile), and groups of several position tiles and of several channel tiles (the loops)
     for dtype in dtypes:
-        for shape, groups in [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((2, 8, 9), 8)]:
+        for shape, groups in [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((2, 8, 9), 8),
+                              ((2, 4, 40, 40), 2), ((2, 512, 3, 3), 1)]:
             for bias in (True, False):
                 norm_grads.group_norm_affine_grads(_e(*shape, dtype=dtype), _e(*shape, dtype=dtype), groups, 1e-5, bias)
                 # a stage's same-shape calls in one grouped launch (offsets table)

@@ -166,8 +166,8 @@ def groups_norm_grads(x: torch.Tensor, o: torch.Tensor, family: str = "layer_nor
     ``TRITON_INTERPRET=1``), outside a CUDA graph capture (the launch copies the calls' offsets from
     the host: a captured step has no host work to save anyway).
 
-    A call the launch would turn down takes its own, and is not held for it: one whose x or o does not
-    start on a 16-byte boundary (the launch reads every call at an aligned offset), or whose rows
+    A call the launch would turn down takes its own, and is not held for it: an empty one, one whose x
+    or o does not start on a 16-byte boundary (the launch reads every call at an aligned offset), or whose rows
     (LayerNorm's last dim) or positions (GroupNorm's dims after the channels) are not contiguous (its
     own launch copies them first).
 
@@ -179,7 +179,7 @@ def groups_norm_grads(x: torch.Tensor, o: torch.Tensor, family: str = "layer_nor
         a bool.
     """
     grouped = _GROUP_NORM_GRADS_GROUPED if family == "group_norm" else _LAYER_NORM_GRADS_GROUPED
-    if grouped.pick(x, o) is grouped.reference or x.data_ptr() % 16 or o.data_ptr() % 16:
+    if grouped.pick(x, o) is grouped.reference or not x.numel() or x.data_ptr() % 16 or o.data_ptr() % 16:
         return False
     first = 2 if family == "group_norm" else x.dim() - 1
     if not (_contiguous_from(x, first) and _contiguous_from(o, first)):

@@ -329,9 +329,11 @@ def _group_oracle(x, o, num_groups, eps):
 
 # (input shape, groups): ResNet-18-GN's first stage (two channels a group, 32×32 positions: one
 # tile) and last (16 channels of 4×4), one position per channel ((B, C) input), Conv1d- and
-# Conv3d-shaped inputs, instance norm (G = C), one sample, groups of several channel tiles
+# Conv3d-shaped inputs, instance norm (G = C), one sample, a group of one tile of 128 channels,
+# groups of several channel tiles and of several position tiles (the loops, not the one-tile path)
 GROUP_SHAPES = [((2, 64, 32, 32), 32), ((2, 512, 4, 4), 32), ((2, 6), 3), ((3, 8, 5, 7), 4), ((2, 4, 9), 2),
-                ((2, 3, 2, 3, 4), 3), ((1, 16, 4, 4), 16), ((2, 256, 3, 3), 2)]
+                ((2, 3, 2, 3, 4), 3), ((1, 16, 4, 4), 16), ((2, 256, 3, 3), 2), ((2, 512, 3, 3), 1),
+                ((2, 4, 40, 40), 2)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -408,7 +410,7 @@ def test_group_and_instance_norm_layers_dispatch_to_the_kernel(tools, gen, monke
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shapes", [GROUP_SHAPES[0], GROUP_SHAPES[2], GROUP_SHAPES[3], GROUP_SHAPES[5],
-                                    GROUP_SHAPES[6], GROUP_SHAPES[7]], ids=str)
+                                    GROUP_SHAPES[6], GROUP_SHAPES[7], GROUP_SHAPES[8], GROUP_SHAPES[9]], ids=str)
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("bias", [True, False])
 def test_same_shape_group_norm_calls_take_one_launch_and_each_equals_the_oracle(tools, gen, shapes, n, bias, dtype):
