@@ -390,7 +390,8 @@ PACK_BYTES = 1 << 20
 # batch 32: 19 launches for its 72 projections in fp32, 16 in bf16, with the bounds below), so that
 # a deep stack is not all held. Both clipping modes hold normalization calls for one launch of
 # their per-sample gradients within as many bytes again (BERT-base's 25 LayerNorm calls at batch 32:
-# 5 launches; 4 in bk's bf16, where the tenth below binds): book-keeping, whose tape already holds every linear call's
+# 5 launches in bk, 4 in its bf16 where the tenth below binds, 6 in per-layer clipping): book-keeping,
+# whose tape already holds every linear call's
 # tensors to the end of the backward, would otherwise add all of theirs to its peak (BERT-base at
 # batch 8 on the CPU's stand-in of the GPU route: +150 MB, 14% of the non-private step's peak). A
 # fixed budget is a larger share of a smaller step's memory, so neither holds more than a tenth of
