@@ -57,6 +57,14 @@ MAX_N = 8192
 
 
 @triton.jit
+def _call_inputs(x_ptr, o_ptr, offsets_ptr, call, ALIGN_X: tl.constexpr, ALIGN_O: tl.constexpr):
+    # a grouped launch's call c: its x and o start offsets[2c] and offsets[2c + 1] elements past the
+    # first call's (multiples of ALIGN_X, ALIGN_O: 16 bytes)
+    return (x_ptr + tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_X),
+            o_ptr + tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O))
+
+
+@triton.jit
 def _norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, out_ptr, T, N, eps,
                               stride_xb, stride_xt, stride_ob, stride_ot, B, ROWS, SPLITS, PLANE, CALL_STRIDE,
                               SPLIT_STRIDE, CENTER: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
@@ -74,8 +82,7 @@ def _norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, out_ptr, T, N, eps,
     sample = (row % B).to(tl.int64)
     if GROUPED:
         call = row // B
-        x_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_X)
-        o_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
+        x_ptr, o_ptr = _call_inputs(x_ptr, o_ptr, offsets_ptr, call, ALIGN_X, ALIGN_O)
         out_ptr += call.to(tl.int64) * CALL_STRIDE
     first = split * ROWS
     end = tl.minimum(first + ROWS, T)
@@ -326,8 +333,7 @@ def _group_norm_affine_grads_kernel(x_ptr, o_ptr, offsets_ptr, weight_ptr, bias_
     sample = (row % B).to(tl.int64)
     if GROUPED:
         call = row // B
-        x_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call), ALIGN_X)
-        o_ptr += tl.multiple_of(tl.load(offsets_ptr + 2 * call + 1), ALIGN_O)
+        x_ptr, o_ptr = _call_inputs(x_ptr, o_ptr, offsets_ptr, call, ALIGN_X, ALIGN_O)
         weight_ptr += call.to(tl.int64) * CALL_STRIDE
         bias_ptr += call.to(tl.int64) * CALL_STRIDE
     first = (pid % groups) * CPG
