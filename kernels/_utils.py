@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 import triton
@@ -23,6 +24,13 @@ POISON_OUTPUTS = False
 FP32_DOT_PRECISION = "tf32x3"
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# Grouped launches' tables (``table_on``), by (device, values), least recently used first. A BERT-base
+# step with per-layer clipping makes ~25 tables; a step's noise tables (``pdpfast.kernels.noise``)
+# are here too.
+TABLE_CACHE_SIZE = 256
+_TABLES: OrderedDict = OrderedDict()
+TABLE_STATS = {"hits": 0, "builds": 0}  # lookups of ``table_on`` since import (tests, benchmarks)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -143,15 +151,40 @@ def grouped_offsets(calls: list, align: int) -> torch.Tensor | None:
 
 
 def table_on(values: list, device: torch.device) -> torch.Tensor:
-    """A grouped launch's table on its device.
+    """A grouped launch's table on its device, cached by content.
+
+    A table holds offsets between the calls' tensors, their widths and strides. A step of fixed
+    shapes makes the same allocations in the same order every time, so torch's caching allocator
+    hands out the same addresses and the step's tables repeat: a cached one is reused instead of
+    being built anew (on a GPU a host tensor, a pinned copy, a device buffer and a queued copy, ~4
+    host ops per grouped launch). The cache keeps the ``TABLE_CACHE_SIZE`` most recently used tables;
+    kernels only read them.
 
     Args:
         values: the table's ints, flat; device: the launch's device.
     Returns:
         (len(values),) int64 on ``device``: on a GPU queued from pinned memory, not waited for.
+    Raises:
+        RuntimeError inside a CUDA graph capture: a graph would keep reading a table the cache may
+        free, and its host copy cannot be captured (``pdpfast.graphs`` keeps one launch per call).
     """
+    key = (device, tuple(values))
+    table = _TABLES.get(key)
+    if table is not None:
+        _TABLES.move_to_end(key)
+        TABLE_STATS["hits"] += 1
+        return table
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a grouped launch's table is built inside a CUDA graph capture: launch the calls one by "
+                           "one there (pdpfast.graphs turns ClippingState.group_calls off while it captures)")
     table = torch.tensor(values, dtype=torch.int64)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    _TABLES[key] = table
+    TABLE_STATS["builds"] += 1
+    if len(_TABLES) > TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return table
 
 
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,6 @@ i.i.d. N(0, std²) per element.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import triton
 import triton.language as tl
@@ -21,12 +19,10 @@ import triton.language as tl
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.noise import set_aside_pinned, step_seed, take_pinned
 
-from ._utils import cdiv, device_guard
+from ._utils import cdiv, device_guard, table_on
 
 # Fixed, not tuned: the noise stream is a function of the block size.
 NOISE_BLOCK = 4096
-_TABLE_CACHE: OrderedDict = OrderedDict()
-_TABLE_CACHE_SIZE = 32
 
 
 @triton.jit
@@ -94,24 +90,9 @@ def _kept_table(entries: list[tuple[int, int, int, int]], device: torch.device, 
 
 
 def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
-    """(4, m) int64 table on ``device``, cached: it only depends on addresses, sizes and counters."""
-    key = (device, tuple(entries))
-    table = _TABLE_CACHE.get(key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # a copy from a temporary host buffer would be replayed from freed memory
-            raise RuntimeError("the noise kernel's table is built inside a CUDA graph capture: pass keep= (a list the "
-                               "graph's owner holds), as pdpfast.graphs does")
-        table = torch.tensor(entries, dtype=torch.int64).t().contiguous()
-        if device.type == "cuda":  # queued, not a host sync: grads move between steps, tables with them
-            table = table.pin_memory()
-        table = table.to(device, non_blocking=True)
-        _TABLE_CACHE[key] = table
-        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-            _TABLE_CACHE.popitem(last=False)
-    else:
-        _TABLE_CACHE.move_to_end(key)
-    return table
+    """The (4, m) table flat on ``device``, cached (``table_on``): it only depends on addresses, sizes
+    and counters."""
+    return table_on([e[k] for k in range(4) for e in entries], device)
 
 
 @register("add_noise_")

@@ -434,6 +434,44 @@ def test_cuda_linear_clipped_into_equals_the_python_route_bit_for_bit(dtype):
             assert torch.equal(t.grad, r.grad), (d, p, pending, with_grad)
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_cuda_eager_steps_of_fixed_shapes_reuse_their_grouped_launch_tables(clipping, monkeypatch):
+    """Grouped launches read their calls' offsets, widths and strides from a table built on the host
+    and copied to the GPU (``pdpfast.kernels._utils.table_on``), cached by content. torch's caching
+    allocator lays a step of fixed shapes out alike every time, so after the first steps no table is
+    built: each grouped launch of BERT's calls (linear norms, LayerNorm gradients) and the noise
+    launch reuse theirs."""
+    import pdpfast.clipping as clipping_mod
+    import pdpfast.ops.linear as lin_ops
+    from pdpfast.clipping import ClippingState
+    from pdpfast.kernels import _utils
+    from pdpfast.models import bert
+    from pdpfast.optimizer import DPOptimizer
+
+    # every call on a full-size model's route (bench_overhead's large_call_route): grouped, not stacked
+    monkeypatch.setattr(clipping_mod, "SMALL_CALL_BYTES", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    model = pdpfast.nn.convert(bert("micro", num_labels=3, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0).cuda())
+    state = ClippingState(model, mode="bk", clipping=clipping)
+    state.attach()
+    B = 8
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+                      expected_batch_size=B, seed=0)
+    ids, y = torch.randint(1, 128, (B, 16), device="cuda"), torch.randint(0, 3, (B,), device="cuda")
+    builds = []
+    for _ in range(6):
+        state.begin_batch(torch.ones(B, device="cuda"), loss_scale=B)
+        nn.functional.cross_entropy(model(input_ids=ids).logits, y).backward()
+        opt.step()
+        opt.zero_grad()
+        builds.append(dict(_utils.TABLE_STATS))
+    assert builds[-1]["hits"] - builds[2]["hits"] > 0
+    assert builds[-1]["builds"] == builds[2]["builds"], builds
+
+
 def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
     """bench.harness drops each provider's model copy and empties the cache before the next: a
     captured step must hold what its graph writes (else an illegal memory access, seen on an H100)."""

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pdpfast.kernels import noise  # noqa: E402
+from pdpfast.kernels import _utils, noise  # noqa: E402
 
 N = 1 << 17  # 131072 draws: standard errors ~0.3 % of std
 
@@ -144,7 +144,7 @@ def test_noise_from_a_device_side_step_counter_equals_host_seed_and_step(tools, 
         assert torch.equal(x.cpu(), y)
     host, table = keep
     assert host.device.type == "cpu" and table.device == grads[0].device and torch.equal(host, table.cpu())
-    assert all(table is not cached for cached in noise._TABLE_CACHE.values())
+    assert all(table is not cached for cached in _utils._TABLES.values())
     entries = [(g.data_ptr(), g.numel()) for g in grads]
     assert [(a, n) for a, n in zip(host[0].tolist(), host[1].tolist())] == entries
     counter[1] += 1  # the graph's counter moves on: the next step's noise

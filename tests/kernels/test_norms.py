@@ -420,6 +420,35 @@ def test_calls_of_different_widths_share_a_launch(tools, gen, T, dtype):
         tools.check(sq[c].sum(1), own_sq.sum(1), exact, atol=rtol * scale + 1e-30, what=f"call {c} {widths[c]} {dtype}")
 
 
+def test_grouped_launch_tables_are_built_once_per_layout_and_reused(tools, gen, monkeypatch):
+    """A step of fixed shapes lays its tensors out alike every time (torch's caching allocator), so a
+    grouped launch's table (offsets, widths, strides) is built once and reused: the same calls give
+    the same table object and the same norms; another layout builds its own; the cache keeps the
+    ``TABLE_CACHE_SIZE`` most recently used tables."""
+    from pdpfast.kernels import _utils
+
+    monkeypatch.setattr(_utils, "_TABLES", type(_utils._TABLES)())
+    monkeypatch.setattr(_utils, "TABLE_STATS", {"hits": 0, "builds": 0})
+    tables = []
+    table_on = _utils.table_on
+    monkeypatch.setattr(norms, "table_on", lambda values, device: tables.append(table_on(values, device)) or tables[-1])
+    calls = _grouped_calls(tools, gen, 4, (2, 9, 64, 48), torch.float32)
+    first = norms.linear_sq_norms_grouped(calls, True, 2.0 ** -8)
+    second = norms.linear_sq_norms_grouped(calls, True, 2.0 ** -8)
+    assert tables[0] is tables[1] and _utils.TABLE_STATS == {"hits": 1, "builds": 1}
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    norms.linear_sq_norms_grouped(calls[::-1], True)  # other offsets: a table of its own
+    assert tables[2] is not tables[0] and _utils.TABLE_STATS == {"hits": 1, "builds": 2}
+    assert torch.equal(tables[0].cpu(), torch.tensor(tables[0].tolist()))
+    monkeypatch.setattr(_utils, "TABLE_CACHE_SIZE", 2)
+    device = torch.device(tools.device)
+    for v in range(3):
+        _utils.table_on([v], device)
+    assert [key[1] for key in _utils._TABLES] == [(1,), (2,)]  # least recently used first, the oldest evicted
+    assert _utils.table_on([1], device) is _utils._TABLES[(device, (1,))]
+    assert [key[1] for key in _utils._TABLES] == [(2,), (1,)]
+
+
 def test_grouped_linear_norms_of_misaligned_mismatched_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
     """Calls whose tensors do not all start on 16-byte boundaries (the table's offsets would break the
     kernel's alignment assumption), calls whose shapes or strides differ from the first one's (the
