@@ -63,6 +63,7 @@ from .nn.layers import DPModule, record_call
 from .nn.rules import LayerRule, low_precision, rule_for, sq_norms_of, weighted_sum
 from .ops import workspace
 from .ops.clip import PendingWeights, clip_weights
+from .ops.dispatch import triton_disabled
 from .ops.linear import acc_dtype, tf32_allowed
 
 MODES = ("bk", "ghost")
@@ -406,6 +407,8 @@ PACK_BYTES = 1 << 20
 # a block's recomputation instead, whose inputs count as passed: the bound is then a heuristic.)
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
+# Layouts whose launch group a layer keeps (``ClippingState._launch_group``); more are asked afresh.
+LAUNCH_GROUPS_PER_LAYER = 64
 
 
 def refuse_sequence_first(model: nn.Module) -> None:
@@ -468,10 +471,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 class _Layer:
     """What the state knows of one DP layer, fixed at construction: its rule, name and group."""
 
-    __slots__ = ("state", "module", "rule", "name", "group")
+    __slots__ = ("state", "module", "rule", "name", "group", "launch_groups")
 
     def __init__(self, state: ClippingState, module: DPModule, rule: LayerRule, name: str, group: int | None):
         self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
+        self.launch_groups: dict = {}  # the layer's calls' launch groups by layout (ClippingState._launch_group)
 
 
 def check_clipping_options(mode: str, clipping: str, layer_shares=None, automatic_gamma=None) -> None:
@@ -573,6 +577,7 @@ class ClippingState:
         # launches (and compiles) the per-call kernels its capture records; a step captured by other
         # means must turn it off for its warm-up too
         self.group_calls = True
+        self._kernels_off = triton_disabled()  # PDPFAST_DISABLE_TRITON as the layers' launch groups knew it
         # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
         # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
         self.nonfinite_anywhere: Callable[[bool], bool] | None = None
@@ -822,6 +827,10 @@ class ClippingState:
         self._forward_bytes = 0  # the bytes of its layer calls' inputs (``_hold_limit``)
         self._partial_calls: dict[int, int] = {}  # clipping group → its partial_forward calls in this forward
         self._bounds: dict = {}
+        if triton_disabled() != self._kernels_off:  # the kernels turned on or off: launch groups change
+            self._kernels_off = not self._kernels_off
+            for layer in self._layer.values():
+                layer.launch_groups.clear()
         if draw is None or draw != self.draw:
             self.pending = False
             self._nonfinite = None
@@ -1317,12 +1326,30 @@ class ClippingState:
     def _launch_group(self, layer: _Layer, names: tuple, x, o, formed: bool):
         """(the rule's ``Grouped``, this call's key) where the call waits to share a launch with its
         peers of its key; None where it takes its own. ``formed``: the call's per-sample gradients are
-        formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``)."""
+        formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``).
+
+        Kept per layer and layout (``_Layer.launch_groups``, at most ``LAUNCH_GROUPS_PER_LAYER``): a
+        key depends on the call's names, shapes, strides, dtype and device, its module's configuration,
+        the kernels' dispatch and whether x and o start on 16-byte boundaries (``Grouped``), and asking
+        the rule took a transformer call ~11 µs of host time a step, more than any other decision of its
+        backward. Calls whose x or o does not start on such a boundary are asked afresh; the kernels'
+        dispatch is read once a batch (``begin_batch``); a module whose configuration changed in the
+        meantime is caught by the grouped launch, which takes each call alone unless all agree."""
         grouped = layer.rule.grouped if self.group_calls else None
         if grouped is None or (grouped.per_sample_grads is not None) is not formed:
             return None
-        key = grouped.key(layer.module, x, o, names)
-        return None if key is None else (grouped, key)
+        if type(x) is not torch.Tensor or x.data_ptr() % 16 or o.data_ptr() % 16:
+            key = grouped.key(layer.module, x, o, names)
+            return None if key is None else (grouped, key)
+        layout = (names, x.shape, x.stride(), x.dtype, o.shape, o.stride(), o.dtype, o.device)
+        known = layer.launch_groups
+        group = known.get(layout, known)  # (the dict itself: not known yet; None is an answer)
+        if group is known:
+            if len(known) >= LAUNCH_GROUPS_PER_LAYER:  # e.g. a new sequence length every batch
+                known.clear()
+            key = grouped.key(layer.module, x, o, names)
+            group = known[layout] = None if key is None else (grouped, key)
+        return group
 
     def _clip_call(self, layer: _Layer, names: tuple, x, o, sq=None, rho=None) -> None:
         """Per-layer clipping of one large call from its norms (and ρ; computed here unless given):

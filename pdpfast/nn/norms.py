@@ -264,7 +264,11 @@ def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None, family
                     o.stride(), o.dtype, o.device, names)
 
         def grouped_per_sample(calls):
-            return grouped_grads([(x, o) for _, x, o, _ in calls], calls[0][0])
+            m0 = calls[0][0]
+            if any(config(m) != config(m0) or (getattr(m, "bias", None) is None) != (getattr(m0, "bias", None) is None)
+                   for m, _, _, _ in calls):  # e.g. an ε changed since the engine kept the call's key: apart
+                return [per_sample(m, x, o) for m, x, o, _ in calls]
+            return grouped_grads([(x, o) for _, x, o, _ in calls], m0)
         grouped = Grouped(group_key, per_sample_grads=grouped_per_sample)
 
     return LayerRule(per_sample, stacked=Stacked(key, stacked_sq_norms, stacked_clipped), grouped=grouped)

@@ -151,7 +151,11 @@ class Grouped:
     Args:
         key: ``key(module, x, o, names)`` → a hashable key, or None where this call does not group
             (calls with equal keys must share shapes, strides, dtype and device: x is in o's dtype
-            by then, ``ClippingState.on_backward``).
+            by then, ``ClippingState.on_backward``). It may read the module's configuration, the
+            kernels' dispatch and whether x and o start on 16-byte boundaries, but no values: the
+            engine keeps a layer's key per layout (``ClippingState._launch_group``), so the grouped
+            functions must check that the calls' modules still agree where they read one module's
+            configuration for all.
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
             rho), each (n, B, K) (or a list of n per-call tensors): row c call c's per-sample squared
             norms and its ``LayerRule.rounding`` bound as (B, K) partial sums (``LayerRule.norm_parts``;

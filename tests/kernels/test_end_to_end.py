@@ -749,3 +749,88 @@ def test_per_layer_holds_no_more_than_its_backward_has_passed(clipping, monkeypa
     assert grouped_launches == ([8] if clipping == "flat" else [2, 2]), grouped_launches
     grouped_launches.clear()
     _same_as_one_launch_per_call(monkeypatch, model, x, clipping, grouped)
+
+
+def _clip_batches(model, xs, clipping, between=None):
+    """``_clip_once``'s results of one backward per input of ``xs`` under one attached state;
+    ``between(i)`` runs before the batch i > 0."""
+    from pdpfast.clipping import ClippingState
+
+    state = ClippingState(model, clipping=clipping)
+    state.keep_group_norms = True
+    results = []
+    with state.attached():
+        for i, x in enumerate(xs):
+            if i and between is not None:
+                between(i)
+            state.begin_batch(torch.linspace(0.05, 2.0, x.shape[0]))
+            model(x).float().pow(2).mean((1, 2)).sum().backward()
+            rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
+            results.append((state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            state.end_draw()
+            model.zero_grad(set_to_none=True)
+    return results
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_layers_launch_group_is_found_once_per_layout(clipping, monkeypatch, device, full_size_calls,
+                                                        grouped_launches):
+    """Asking a rule for a call's launch group cost a transformer call more host time than any other
+    decision of its backward: a layer keeps it per layout (names, shapes, strides, dtype, device).
+    The next batch of the same layout asks no rule; a new batch size asks again; a call whose input
+    does not start on a 16-byte boundary is asked every time. Each batch groups as a fresh state's."""
+    import pdpfast.ops.linear as lin_ops
+
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    model = pdpfast.nn.convert(nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 80), nn.Tanh(), _Unaligned(d),
+                                             nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)).to(device))
+    asked = []
+    groups_norms = lin_ops.groups_norms
+    monkeypatch.setattr(lin_ops, "groups_norms", lambda a, o: (asked.append(a.shape[0]), groups_norms(a, o))[1])
+    xs = [torch.randn(b, T, d, device=device) for b in (B, B, B + 1)]
+    kept = _clip_batches(model, xs, clipping, between=lambda i: asked.append("batch"))
+    # batch 0: all five calls; batch 1: the misaligned one only; batch 2 (another B): all five again
+    assert asked == [B] * 5 + ["batch", B] + ["batch"] + [B + 1] * 5, asked
+    launches = list(grouped_launches)
+    grouped_launches.clear()
+    fresh = [_clip_once(model, x, clipping) for x in xs]
+    assert grouped_launches == launches
+    for got, want in zip(kept, fresh):
+        _assert_same_results(got, want)
+
+
+def test_launch_groups_are_found_afresh_when_the_kernels_are_turned_off(monkeypatch, device, full_size_calls,
+                                                                         grouped_launches):
+    """``PDPFAST_DISABLE_TRITON`` set between batches: the next batch asks the rules again (read once a
+    batch), so its calls take the reference's one launch each, not a kept group's."""
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 64
+    model, x = _uniform_stack(device, B, T, d)
+    kept = _clip_batches(model, [x, x], "flat", between=lambda i: monkeypatch.setenv("PDPFAST_DISABLE_TRITON", "1"))
+    assert grouped_launches == [6], grouped_launches
+    grouped_launches.clear()
+    _assert_same_results(kept[1], _clip_once(model, x, "flat"))
+    assert grouped_launches == []
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_layer_norm_whose_eps_changed_is_not_formed_with_another_layers_eps(clipping, monkeypatch, device,
+                                                                               full_size_calls, norm_grads_launches):
+    """A layer keeps its calls' launch group per layout, though the group's key holds the module's
+    configuration: a LayerNorm whose ε changed between batches still shares its kept key with an
+    unchanged one. The grouped launch, which reads its first call's module for all, takes such calls
+    apart, so each gets its own ε's gradients, as a fresh state's."""
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 32
+    model = pdpfast.nn.convert(nn.Sequential(*_normalized_stack(d, 3)).to(device))
+    x = torch.randn(B, T, d, device=device)
+
+    def change(i):
+        model[1].eps = 0.5
+    kept = _clip_batches(model, [x, x], clipping, between=change)
+    assert norm_grads_launches == [("layer", 3)], norm_grads_launches
+    norm_grads_launches.clear()
+    want = _clip_once(model, x, clipping)
+    assert sorted(norm_grads_launches) == [("layer", 2)], norm_grads_launches
+    _assert_same_results(kept[1], want)
