@@ -165,18 +165,19 @@ def table_on(values: list, device: torch.device) -> torch.Tensor:
     Returns:
         (len(values),) int64 on ``device``: on a GPU queued from pinned memory, not waited for.
     Raises:
-        RuntimeError inside a CUDA graph capture: a graph would keep reading a table the cache may
-        free, and its host copy cannot be captured (``pdpfast.graphs`` keeps one launch per call).
+        RuntimeError inside a CUDA graph capture, cached or not: a graph would keep reading a table
+        the cache may free, and a new one's host copy cannot be captured (``pdpfast.graphs`` keeps one
+        launch per call).
     """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (a cached table too: it may be freed)
+        raise RuntimeError("a grouped launch's table is asked for inside a CUDA graph capture: launch the calls one by "
+                           "one there (pdpfast.graphs turns ClippingState.group_calls off while it captures)")
     key = (device, tuple(values))
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
         TABLE_STATS["hits"] += 1
         return table
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("a grouped launch's table is built inside a CUDA graph capture: launch the calls one by "
-                           "one there (pdpfast.graphs turns ClippingState.group_calls off while it captures)")
     table = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)

@@ -407,8 +407,8 @@ PACK_BYTES = 1 << 20
 # a block's recomputation instead, whose inputs count as passed: the bound is then a heuristic.)
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
-# Layouts whose launch group a layer keeps (``ClippingState._launch_group``); more are asked afresh.
-LAUNCH_GROUPS_PER_LAYER = 64
+# Layouts whose route a layer keeps (``ClippingState._route``); past them it starts afresh.
+ROUTES_PER_LAYER = 256  # (Poisson batches of varying size without a physical batch size: a route per size)
 
 
 def refuse_sequence_first(model: nn.Module) -> None:
@@ -471,11 +471,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 class _Layer:
     """What the state knows of one DP layer, fixed at construction: its rule, name and group."""
 
-    __slots__ = ("state", "module", "rule", "name", "group", "launch_groups")
+    __slots__ = ("state", "module", "rule", "name", "group", "routes")
 
     def __init__(self, state: ClippingState, module: DPModule, rule: LayerRule, name: str, group: int | None):
         self.state, self.module, self.rule, self.name, self.group = state, module, rule, name, group
-        self.launch_groups: dict = {}  # the layer's calls' launch groups by layout (ClippingState._launch_group)
+        self.routes: dict = {}  # its calls' routes by layout (ClippingState._route)
 
 
 def check_clipping_options(mode: str, clipping: str, layer_shares=None, automatic_gamma=None) -> None:
@@ -577,7 +577,7 @@ class ClippingState:
         # launches (and compiles) the per-call kernels its capture records; a step captured by other
         # means must turn it off for its warm-up too
         self.group_calls = True
-        self._kernels_off = triton_disabled()  # PDPFAST_DISABLE_TRITON as the layers' launch groups knew it
+        self._kernels_off = triton_disabled()  # PDPFAST_DISABLE_TRITON as the layers' routes knew it
         # under torch.distributed: flag → whether any rank's flag is set (a collective), so that a non-finite
         # record in one rank's share refuses the batch on every rank (``DistributedContext.any_rank``)
         self.nonfinite_anywhere: Callable[[bool], bool] | None = None
@@ -827,10 +827,10 @@ class ClippingState:
         self._forward_bytes = 0  # the bytes of its layer calls' inputs (``_hold_limit``)
         self._partial_calls: dict[int, int] = {}  # clipping group → its partial_forward calls in this forward
         self._bounds: dict = {}
-        if triton_disabled() != self._kernels_off:  # the kernels turned on or off: launch groups change
+        if triton_disabled() != self._kernels_off:  # the kernels turned on or off: routes change
             self._kernels_off = not self._kernels_off
             for layer in self._layer.values():
-                layer.launch_groups.clear()
+                layer.routes.clear()
         if draw is None or draw != self.draw:
             self.pending = False
             self._nonfinite = None
@@ -1206,15 +1206,14 @@ class ClippingState:
             key, stacked, _ = self._stack_key(layer, normal, x, o)
             if key is not None:  # norms deferred to the end of the backward, for all stacked calls at once
                 self._stacks.setdefault((stacked, key), []).append((layer.module, x, o, normal))
-            elif layer.rule.materializes_call(layer.module, x, o):
-                group = self._launch_group(layer, normal, x, o, formed=True)
-                if group is not None:  # formed with their same-shape peers in one launch
-                    self._hold_formed(group, layer, normal, x, o, self._hold_grads)
-                else:
-                    self._materialize(layer, normal, x, o)
             else:
-                group = self._launch_group(layer, normal, x, o, formed=False)
-                if group is not None:  # norms and clipped sums at the end of the backward, all calls of the key at once
+                formed, group = self._route(layer, normal, x, o, True)
+                if formed:
+                    if group is not None:  # formed with their same-shape peers in one launch
+                        self._hold_formed(group, layer, normal, x, o, self._hold_grads)
+                    else:
+                        self._materialize(layer, normal, x, o)
+                elif group is not None:  # norms and clipped sums at the end of the backward, the key's calls at once
                     self._groups.setdefault(group, []).append((layer, normal, x, o))
                 else:
                     # partial sums where the norm kernel leaves them: all summed at once in _batch_sq
@@ -1245,15 +1244,14 @@ class ClippingState:
             if self._stack_bytes > STACK_BYTES:
                 self._flush_per_layer_stacks()
             return
-        if layer.rule.materializes_call(layer.module, x, o, kept=False):  # form them once, clip them now
+        formed, group = self._route(layer, names, x, o, False)
+        if formed:  # form them once, clip them now
             # (a held run goes on past it: a CNN's normalization layers sit between its same-shape convolutions)
-            group = self._launch_group(layer, names, x, o, formed=True)
             if group is not None:  # formed with their same-shape peers in one launch (small: clipped at the end)
                 self._hold_formed(group, layer, names, x, o, self._clip_or_hold)
                 return
             self._clip_or_hold(layer, names, layer.rule.per_sample_grads(layer.module, x, o))
             return
-        group = self._launch_group(layer, names, x, o, formed=False)
         if self._run and group != self._run_key:
             self._flush_run()
         if group is not None:
@@ -1323,33 +1321,48 @@ class ClippingState:
         params = layer.module._parameters
         self._materialized.update((params[n], per_sample[n]) for n in names)
 
+    def _route(self, layer: _Layer, names: tuple, x, o, kept: bool) -> tuple:
+        """(formed, group) of a call computed on its own (not stacked): whether its per-sample
+        gradients are formed (``LayerRule.materializes_call``; ``kept``: until every layer's norms
+        are known, flat clipping) and the launch it waits to share (``_launch_group``), or None.
+
+        Kept per layer and layout (``_Layer.routes``: names, shapes, strides, dtype, device, at most
+        ``ROUTES_PER_LAYER``): a step of fixed shapes asks the same questions every step, and asking
+        took a transformer call ~25 µs of host time (the rule's key ~17, whether to form ~8), the
+        most of any part of its backward. What the answers read: the call's layout, its module's
+        configuration, the kernels' dispatch, whether x and o start on 16-byte boundaries, and for
+        forming, the memory lent at the time (``pdpfast.ops.workspace``), and whether a CUDA graph is
+        being captured (no grouped launch then). So calls whose tensors do not start on such
+        boundaries, and calls in a capture, are asked every time, and so is whether to form where a rule's
+        ``materialize_when`` said yes (a no is kept: the norm route is exact, only its speed is at
+        stake); ``PDPFAST_DISABLE_TRITON`` is read once a batch (``begin_batch``); a module whose
+        configuration changed is caught by the grouped launch, which takes its calls apart unless their
+        modules agree (``Grouped``)."""
+        if type(x) is not torch.Tensor or x.data_ptr() % 16 or o.data_ptr() % 16 or (
+                o.is_cuda and torch.cuda.is_current_stream_capturing()):  # (no grouped launch in a capture)
+            formed = layer.rule.materializes_call(layer.module, x, o, kept)
+            return formed, self._launch_group(layer, names, x, o, formed)
+        layout = (names, kept, self.group_calls, x.shape, x.stride(), x.dtype, o.shape, o.stride(), o.dtype, o.device)
+        routes = layer.routes
+        route = routes.get(layout)
+        if route is None:
+            formed = layer.rule.materializes_call(layer.module, x, o, kept)
+            route = formed, self._launch_group(layer, names, x, o, formed)
+            if not formed or layer.rule.materialize_when is None:  # else it may hang on the memory lent now
+                if len(routes) >= ROUTES_PER_LAYER:  # e.g. a new sequence length every batch
+                    routes.clear()
+                routes[layout] = route
+        return route
+
     def _launch_group(self, layer: _Layer, names: tuple, x, o, formed: bool):
         """(the rule's ``Grouped``, this call's key) where the call waits to share a launch with its
         peers of its key; None where it takes its own. ``formed``: the call's per-sample gradients are
-        formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``).
-
-        Kept per layer and layout (``_Layer.launch_groups``, at most ``LAUNCH_GROUPS_PER_LAYER``): a
-        key depends on the call's names, shapes, strides, dtype and device, its module's configuration,
-        the kernels' dispatch and whether x and o start on 16-byte boundaries (``Grouped``), and asking
-        the rule took a transformer call ~11 µs of host time a step, more than any other decision of its
-        backward. Calls whose x or o does not start on such a boundary are asked afresh; the kernels'
-        dispatch is read once a batch (``begin_batch``); a module whose configuration changed in the
-        meantime is caught by the grouped launch, which takes each call alone unless all agree."""
+        formed (its rule's ``Grouped.per_sample_grads``), else its norms (``norms_and_rounding``)."""
         grouped = layer.rule.grouped if self.group_calls else None
         if grouped is None or (grouped.per_sample_grads is not None) is not formed:
             return None
-        if type(x) is not torch.Tensor or x.data_ptr() % 16 or o.data_ptr() % 16:
-            key = grouped.key(layer.module, x, o, names)
-            return None if key is None else (grouped, key)
-        layout = (names, x.shape, x.stride(), x.dtype, o.shape, o.stride(), o.dtype, o.device)
-        known = layer.launch_groups
-        group = known.get(layout, known)  # (the dict itself: not known yet; None is an answer)
-        if group is known:
-            if len(known) >= LAUNCH_GROUPS_PER_LAYER:  # e.g. a new sequence length every batch
-                known.clear()
-            key = grouped.key(layer.module, x, o, names)
-            group = known[layout] = None if key is None else (grouped, key)
-        return group
+        key = grouped.key(layer.module, x, o, names)
+        return None if key is None else (grouped, key)
 
     def _clip_call(self, layer: _Layer, names: tuple, x, o, sq=None, rho=None) -> None:
         """Per-layer clipping of one large call from its norms (and ρ; computed here unless given):

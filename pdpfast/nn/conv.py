@@ -168,14 +168,24 @@ def _conv_group_key(m, x, o, names):
     device and layer geometry (a ResNet stage's repeated convolutions), where the kernel runs."""
     if "weight" not in names or not conv_ops.groups_conv_norms(x, o):  # (which asks for one kernel dtype)
         return None
-    return (x.shape, x.stride(), o.shape, o.stride(), o.dtype, o.device, m.kernel_size, m.stride, m.dilation,
-            m.groups, m.own_padding(), "bias" in names)
+    return x.shape, x.stride(), o.shape, o.stride(), o.dtype, o.device, _geometry(m), "bias" in names
+
+
+def _geometry(m) -> tuple:
+    """What of a conv module its norms read beside its tensors (a grouped launch reads the first call's)."""
+    return m.kernel_size, m.stride, m.dilation, m.groups, m.own_padding()
 
 
 def _conv_grouped_norms_and_rounding(calls, bound):
     """(sq, rho) of n calls of one ``_conv_group_key`` from one launch: sq[c] call c's (B, K) partial sums
-    (its bias's a column beside them), rho[c] its ρ (likewise, or (B,) beside a bias), or rho None."""
+    (its bias's a column beside them), rho[c] its ρ (likewise, or (B,) beside a bias), or rho None. Calls
+    whose modules' geometries disagree (one changed since the engine kept its key: its dilation and
+    padding together, say, which leave the shapes as they were) take their own launches."""
     m0, _, o0, names = calls[0]
+    if any(_geometry(m) != _geometry(m0) for m, _, _, _ in calls[1:]):
+        each = [_CONV_RULE.norms_and_rounding(m, x, o, n, bound=bound, parts=True) for m, x, o, n in calls]
+        rho = [r for _, r in each]
+        return [sq for sq, _ in each], (None if all(r is None for r in rho) else rho)
     u = scaling_roundoff(o0, "conv") if bound else 0.0
     sq, rho = conv_ops.conv_sq_norms_grouped([(x, o) for _, x, o, _ in calls], m0, m0.own_padding(), u,
                                              "bias" in names)

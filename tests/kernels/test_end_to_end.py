@@ -834,3 +834,74 @@ def test_a_layer_norm_whose_eps_changed_is_not_formed_with_another_layers_eps(cl
     want = _clip_once(model, x, clipping)
     assert sorted(norm_grads_launches) == [("layer", 2)], norm_grads_launches
     _assert_same_results(kept[1], want)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_whether_to_form_a_calls_gradients_is_kept_only_where_the_answer_is_no(clipping, monkeypatch, device,
+                                                                               full_size_calls):
+    """A layer keeps whether to form its calls' per-sample gradients per layout where the answer is no
+    (the norm route is exact whatever the answer, only its speed is at stake); a yes may hang on the
+    memory lent at the time (``pdpfast.ops.workspace``), so it is asked again every batch. Each batch's
+    results equal a fresh state's."""
+    import pdpfast.ops.linear as lin_ops
+
+    B, T, d = 3, 7, 64
+    model, x = _uniform_stack(device, B, T, d)
+    for answer in (False, True):
+        asked = []
+        monkeypatch.setattr(lin_ops, "prefer_per_sample", lambda *args, _a=answer, **kwargs: asked.append(_a) or _a)
+        kept = _clip_batches(model, [x, x, x], clipping, between=lambda i: asked.append("batch"))
+        per_batch = [6] * 3 if answer else [6, 0, 0]
+        assert asked.count("batch") == 2 and [len(run) for run in _runs(asked)] == per_batch, (answer, asked)
+        for got in kept:
+            _assert_same_results(got, _clip_once(model, x, clipping))
+
+
+def _runs(asked: list) -> list:
+    """``asked`` split at its "batch" marks."""
+    runs = [[]]
+    for a in asked:
+        if a == "batch":
+            runs.append([])
+        else:
+            runs[-1].append(a)
+    return runs
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_conv_whose_geometry_changed_is_not_normed_with_another_layers(clipping, monkeypatch, device):
+    """A conv whose dilation and padding change together keeps its shapes, so its layer's kept key still
+    groups it with a conv of its old geometry. The grouped launch reads its first call's module for all,
+    so it takes calls of disagreeing geometries apart: each norm is its own conv's (a norm from another
+    geometry once let a record's clipped contribution reach 1.05× its bound), as a fresh state's."""
+    import pdpfast.ops.conv as conv_ops
+
+    launches = []
+    grouped_op = conv_ops.conv_sq_norms_grouped
+    monkeypatch.setattr(conv_ops, "conv_sq_norms_grouped",
+                        lambda calls, *args: (launches.append(len(calls)), grouped_op(calls, *args))[1])
+    torch.manual_seed(0)
+    model = pdpfast.nn.convert(nn.Sequential(nn.Conv2d(8, 8, 3, padding=2, dilation=2), nn.Tanh(),
+                                             nn.Conv2d(8, 8, 3, padding=2, dilation=2)).to(device))
+    x = torch.randn(3, 8, 8, 8, device=device)
+    kept = []
+
+    def change(i):
+        model[0].dilation, model[0].padding = (1, 1), (1, 1)
+
+    from pdpfast.clipping import ClippingState
+    state = ClippingState(model, clipping=clipping)
+    state.keep_group_norms = True
+    with state.attached():
+        for i in range(2):
+            if i:
+                change(i)
+            state.begin_batch(torch.linspace(0.05, 2.0, x.shape[0]))
+            model(x).float().pow(2).flatten(1).mean(1).sum().backward()
+            rounding = state.last_group_norms if clipping == "per_layer" else state.last_rounding
+            kept.append((state.last_norms, rounding, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            state.end_draw()
+            model.zero_grad(set_to_none=True)
+    want = _clip_conv_once(model, x, clipping)
+    _assert_same_results(kept[1], want)
+    assert launches == [2], launches  # the second batch kept its key, and its launch took the calls apart
