@@ -398,27 +398,30 @@ _INT32_MAX = 2 ** 31 - 1
 def _call_table(calls: list) -> tuple[torch.Tensor, bool] | None:
     """The (n, 8) table of a grouped launch (``_linear_gram_sq_norms_grouped_kernel``) and whether its
     widths and strides are all multiples of 16; None unless every call has the first one's B and T,
-    dtype and device, contiguous last dims, 16-byte aligned tensors and int32 widths and row strides."""
+    dtype and device, contiguous last dims, 16-byte aligned tensors and int32 widths and row strides.
+    (A loop over the calls on every grouped launch: each value read once, the checks on all of them
+    folded into two running ORs.)"""
     a0, o0 = calls[0]
     B, T = a0.shape[:2]
+    dtype, device = a0.dtype, a0.get_device()
     size, pa0, po0 = a0.element_size(), a0.data_ptr(), o0.data_ptr()
-    rows = []
+    values = []
+    every = narrow = 0  # ORs of all widths and strides (divisibility), and of those read as int32
     for a, o in calls:
-        if (a.shape[:2] != (B, T) or o.shape[:2] != (B, T) or a.dtype != a0.dtype or o.dtype != a0.dtype
-                or a.device != a0.device or o.device != a0.device):
-            return None
-        if (a.shape[2] > 1 and a.stride(2) != 1) or (o.shape[2] > 1 and o.stride(2) != 1):
+        (b_a, t_a, d), (b_o, t_o, p) = a.shape, o.shape
+        (sab, sat, sad), (sob, sot, sop) = a.stride(), o.stride()
+        if (b_a != B or t_a != T or b_o != B or t_o != T or a.dtype != dtype or o.dtype != dtype or
+                a.get_device() != device or o.get_device() != device or (d > 1 and sad != 1) or (p > 1 and sop != 1)):
             return None
         pa, po = a.data_ptr(), o.data_ptr()
-        if pa % 16 or po % 16:
+        if (pa | po) % 16:
             return None
-        row = ((pa - pa0) // size, (po - po0) // size, a.shape[2], o.shape[2], a.stride(0), a.stride(1),
-               o.stride(0), o.stride(1))
-        if max(row[2], row[3], row[5], row[7]) > _INT32_MAX:
-            return None
-        rows.append(row)
-    div16 = all(v % 16 == 0 for row in rows for v in row[2:])
-    return table_on([v for row in rows for v in row], a0.device), div16
+        values += ((pa - pa0) // size, (po - po0) // size, d, p, sab, sat, sob, sot)
+        narrow |= d | p | sat | sot
+        every |= narrow | sab | sob
+    if narrow > _INT32_MAX:  # (every value ≥ 0: the OR passes 2³¹ - 1 only where one does)
+        return None
+    return table_on(values, a0.device), every % 16 == 0
 
 
 @register("linear_sq_norms_grouped", when=_gram_groups)

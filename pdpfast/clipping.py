@@ -301,7 +301,9 @@ def _grouped_norms_and_rounding(calls: list) -> list:
         return [_norms_and_rounding(layer, names, x, o, parts=True)]
     sq, rho = calls[0][0].rule.grouped.norms_and_rounding(
         [(layer.module, x, o, names) for layer, names, x, o in calls], not _rounds_finely(calls[0][3]))
-    return [(sq[c], None if rho is None else rho[c]) for c in range(len(calls))]
+    # (n, B, K) tensors: n views from one op, not n indexing ops (BERT-base's 72 calls)
+    sq = sq.unbind(0) if isinstance(sq, torch.Tensor) else sq
+    return list(zip(sq, [None] * len(sq) if rho is None else rho.unbind(0) if isinstance(rho, torch.Tensor) else rho))
 
 
 def _input_bytes(x) -> int:
