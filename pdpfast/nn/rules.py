@@ -153,7 +153,7 @@ class Grouped:
             (calls with equal keys must share shapes, strides, dtype and device: x is in o's dtype
             by then, ``ClippingState.on_backward``). It may read the module's configuration, the
             kernels' dispatch and whether x and o start on 16-byte boundaries, but no values: the
-            engine keeps a layer's key per layout (``ClippingState._launch_group``), so the grouped
+            engine keeps a layer's key per layout (``ClippingState._route``), so the grouped
             functions must check that the calls' modules still agree where they read one module's
             configuration for all.
         norms_and_rounding: ``norms_and_rounding(calls, bound)`` for n ≥ 2 calls of one key → (sq,
