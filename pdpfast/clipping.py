@@ -303,7 +303,11 @@ def _grouped_norms_and_rounding(calls: list) -> list:
         [(layer.module, x, o, names) for layer, names, x, o in calls], not _rounds_finely(calls[0][3]))
     # (n, B, K) tensors: n views from one op, not n indexing ops (BERT-base's 72 calls)
     sq = sq.unbind(0) if isinstance(sq, torch.Tensor) else sq
-    return list(zip(sq, [None] * len(sq) if rho is None else rho.unbind(0) if isinstance(rho, torch.Tensor) else rho))
+    if rho is None:
+        rho = [None] * len(sq)
+    elif isinstance(rho, torch.Tensor):
+        rho = rho.unbind(0)
+    return list(zip(sq, rho))
 
 
 def _input_bytes(x) -> int:
@@ -1340,20 +1344,21 @@ class ClippingState:
         stake); ``PDPFAST_DISABLE_TRITON`` is read once a batch (``begin_batch``); a module whose
         configuration changed is caught by the grouped launch, which takes its calls apart unless their
         modules agree (``Grouped``)."""
-        if type(x) is not torch.Tensor or x.data_ptr() % 16 or o.data_ptr() % 16 or (
-                o.is_cuda and torch.cuda.is_current_stream_capturing()):  # (no grouped launch in a capture)
-            formed = layer.rule.materializes_call(layer.module, x, o, kept)
-            return formed, self._launch_group(layer, names, x, o, formed)
-        layout = (names, kept, self.group_calls, x.shape, x.stride(), x.dtype, o.shape, o.stride(), o.dtype, o.device)
-        routes = layer.routes
-        route = routes.get(layout)
-        if route is None:
-            formed = layer.rule.materializes_call(layer.module, x, o, kept)
-            route = formed, self._launch_group(layer, names, x, o, formed)
-            if not formed or layer.rule.materialize_when is None:  # else it may hang on the memory lent now
-                if len(routes) >= ROUTES_PER_LAYER:  # e.g. a new sequence length every batch
-                    routes.clear()
-                routes[layout] = route
+        routes, layout = layer.routes, None
+        if type(x) is torch.Tensor and not (x.data_ptr() % 16 or o.data_ptr() % 16 or (
+                o.is_cuda and torch.cuda.is_current_stream_capturing())):  # (no grouped launch in a capture)
+            layout = (names, kept, self.group_calls, x.shape, x.stride(), x.dtype, o.shape, o.stride(), o.dtype,
+                      o.device)
+            route = routes.get(layout)
+            if route is not None:
+                return route
+        formed = layer.rule.materializes_call(layer.module, x, o, kept)
+        route = formed, self._launch_group(layer, names, x, o, formed)
+        # a yes from materialize_when may hang on the memory lent now: asked again
+        if layout is not None and (not formed or layer.rule.materialize_when is None):
+            if len(routes) >= ROUTES_PER_LAYER:  # e.g. a new sequence length every batch
+                routes.clear()
+            routes[layout] = route
         return route
 
     def _launch_group(self, layer: _Layer, names: tuple, x, o, formed: bool):

@@ -257,17 +257,18 @@ def _norm_rule(per_sample_grads, config, stacks=None, grouped_grads=None, family
 
     grouped = None
     if grouped_grads is not None:
+        def settings(m):  # what of the module one launch reads from its first call's for all
+            return type(m), config(m), getattr(m, "bias", None) is not None
+
         def group_key(m, x, o, names):
             if not norm_ops.groups_norm_grads(x, o, family):
                 return None
-            return (type(m), config(m), getattr(m, "bias", None) is not None, x.shape, x.stride(), o.shape,
-                    o.stride(), o.dtype, o.device, names)
+            return settings(m), x.shape, x.stride(), o.shape, o.stride(), o.dtype, o.device, names
 
         def grouped_per_sample(calls):
             m0 = calls[0][0]
-            if any(config(m) != config(m0) or (getattr(m, "bias", None) is None) != (getattr(m0, "bias", None) is None)
-                   for m, _, _, _ in calls):  # e.g. an ε changed since the engine kept the call's key: apart
-                return [per_sample(m, x, o) for m, x, o, _ in calls]
+            if any(settings(m) != settings(m0) for m, _, _, _ in calls):  # e.g. an ε changed since the
+                return [per_sample(m, x, o) for m, x, o, _ in calls]     # engine kept the key: apart
             return grouped_grads([(x, o) for _, x, o, _ in calls], m0)
         grouped = Grouped(group_key, per_sample_grads=grouped_per_sample)
 
