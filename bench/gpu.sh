@@ -21,13 +21,23 @@
 # and wheels carried in .whl/ (Opacus, the baseline, and transformers >= 5.23, whose attention mask
 # can be captured: bench/README.md's runbook) are unpacked into /tmp/site. JSON results go to
 # bench/results/ (named after the device); logs to $LOGS. With $OUT set (the device tool's return
-# folder), ``gpu-run.tgz`` there holds this run's JSON (results/) and logs (logs/), rewritten every
-# 20 s and at the end, and the built extension is put there stripped: a command the device stops at
-# its time limit still returns what it measured, in at most three files.
+# folder), ``gpu-run.tgz`` there holds this call's JSON (results/1/; results/2/ from a second gpu.sh in the
+# same call) and logs (logs/), rewritten every 20 s and at the end, and the built extension is put there
+# stripped: a command the device stops at its time limit still returns what it measured, in at most
+# three files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${LOGS:-/tmp/pdpfast-gpu-logs}
 mkdir -p "$LOGS"
+STAGED=/tmp/pdpfast-gpu-run
+# The first gpu.sh of a device call (no gpu-run.tgz in $OUT yet) starts afresh; a second one in the same
+# call (`gpu.sh overhead; gpu.sh e2e-bf16`) adds its JSON as results/2/ beside the first's results/1/
+if [ -z "${OUT:-}" ] || [ ! -e "$OUT/gpu-run.tgz" ]; then
+    rm -rf "$STAGED"
+fi
+mkdir -p "$STAGED/results"
+RUN_RESULTS=$STAGED/results/$(( $(find "$STAGED/results" -mindepth 1 -maxdepth 1 -type d | wc -l) + 1 ))
+mkdir -p "$RUN_RESULTS"
 touch "$LOGS/.start"
 steps=${*:-build tests kernels overhead e2e}
 if [ "$steps" = lease ]; then
@@ -47,11 +57,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -e pdpfast/kernels ] || ln -s ../kernels pdpfast/kernels
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
     | tee "$LOGS/env.txt"
-collect() {  # this run's JSON and the logs so far, as one file in $OUT (the device returns at most 8)
-    local staged=/tmp/pdpfast-gpu-run
-    rm -rf "$staged" && mkdir -p "$staged/results" && cp -r "$LOGS" "$staged/logs"
-    find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$staged/results/" \;
-    tar czf "$staged.tgz.part" -C "$staged" results logs && mv "$staged.tgz.part" "$OUT/gpu-run.tgz"
+collect() {  # this call's JSON and the logs so far, as one file in $OUT (the device returns at most 8)
+    rm -rf "$STAGED/logs" && cp -r "$LOGS" "$STAGED/logs"
+    find bench/results -name '*.json' -newer "$LOGS/.start" -exec cp {} "$RUN_RESULTS/" \;
+    tar czf "$STAGED.tgz.part" -C "$STAGED" results logs && mv "$STAGED.tgz.part" "$OUT/gpu-run.tgz"
 }
 if [ -n "${OUT:-}" ]; then
     ( while sleep 20; do collect; done ) >/dev/null 2>&1 &  # (its sleep must not hold the output open)
