@@ -272,7 +272,7 @@ def test_linear_weight_sq_norms_dispatch_and_switch(tools, gen, monkeypatch):
     assert dispatch.pick("linear_weight_sq_norms", a[:, :1].float(), o[:, :1].float()) is kernels.linear_weight_sq_norms
 
 
-def test_gpt2_768_to_768_calls_take_the_kernels_gram_path():
+def test_gpt2_768_to_768_calls_take_the_kernels_gram_path(tools):
     """At GPT-2's 768→768 calls (T = 512) the Gram form takes 1.33× the direct form's multiply-adds;
     on an H200 the kernel's Gram path still ran 1.24-1.38× faster than its direct path, and 1.26×
     cuBLAS in fp32, so the kernel takes it (fp32 too); at T = 1024 (2.67×) the direct form wins."""
@@ -280,10 +280,10 @@ def test_gpt2_768_to_768_calls_take_the_kernels_gram_path():
 
     assert kernel_uses_gram(512, 768, 768) and not use_gram(512, 768, 768)
     assert not kernel_uses_gram(1024, 768, 768)
-    a, o = torch.empty(1, 512, 768), torch.empty(1, 512, 768)
+    a, o = (torch.empty(1, 512, 768, device=tools.device) for _ in range(2))  # (where the kernels run)
     assert dispatch.pick("linear_weight_sq_norms", a, o) is kernels.linear_weight_sq_norms
     assert dispatch.pick("linear_sq_norms_rounding", a, o) is kernels.linear_sq_norms_rounding
-    long_a, long_o = torch.empty(1, 1024, 768), torch.empty(1, 1024, 768)
+    long_a, long_o = (torch.empty(1, 1024, 768, device=tools.device) for _ in range(2))
     assert dispatch.pick("linear_weight_sq_norms", long_a, long_o) is ops.linear_weight_sq_norms_reference
 
 

@@ -99,7 +99,7 @@ def test_split_and_unsplit_launches_equal_the_oracle_and_repeat_bit_for_bit(tool
     """The same rows summed by one program per sample (sms = 1), in a few splits and in many: each
     equals the float64 oracle (1, 3 and 5 splits of 70 positions), and a second call returns the
     same bits (no atomics)."""
-    monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", sms)
+    monkeypatch.setattr(norm_grads, "_multiprocessors", lambda device: sms)  # (a GPU's own count too)
     x = tools.randn(gen, 3, 70, 48, dtype=torch.bfloat16, device=tools.device) * 2 - 1
     o = tools.randn(gen, 3, 70, 48, dtype=torch.bfloat16, device=tools.device)
     module = nn.LayerNorm(48) if center else nn.RMSNorm(48)
@@ -246,7 +246,7 @@ def test_grouped_calls_split_positions_by_all_their_rows_and_repeat_bit_for_bit(
     """The calls' programs share the GPU, so their splits of each sample's positions follow n·B rows:
     one program per (call, sample) where those reach every multiprocessor, though one call's B would
     split. Both ways each call equals the oracle, and a second launch returns the same bits."""
-    monkeypatch.setattr(norm_grads, "_INTERPRETER_SMS", 8)
+    monkeypatch.setattr(norm_grads, "_multiprocessors", lambda device: 8)  # (a GPU's own count too)
     calls = _same_shape_calls(tools, gen, 4, (3, 70, 48), torch.bfloat16)
     module = nn.LayerNorm(48) if center else nn.RMSNorm(48)
     _, launcher = _grouped_launcher(module)
