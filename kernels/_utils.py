@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 
 import torch
 import triton
@@ -25,11 +24,12 @@ FP32_DOT_PRECISION = "tf32x3"
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# Grouped launches' tables (``table_on``), by (device, values), least recently used first. A BERT-base
-# step with per-layer clipping makes ~25 tables; a step's noise tables (``pdpfast.kernels.noise``)
-# are here too.
-TABLE_CACHE_SIZE = 256
-_TABLES: OrderedDict = OrderedDict()
+# Grouped launches' tables (``table_on``), by (device, values): slices of one int64 buffer a device
+# (its arena), allocated once. A BERT-base step with per-layer clipping makes ~25 tables of ~3,000
+# entries together, a step's noise tables (``pdpfast.kernels.noise``) among them.
+TABLE_ARENA_ENTRIES = 1 << 16  # (512 KiB a device)
+_TABLES: dict = {}
+_ARENAS: dict = {}  # device -> [buffer, entries in use]
 TABLE_STATS = {"hits": 0, "builds": 0}  # lookups of ``table_on`` since import (tests, benchmarks)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -156,36 +156,63 @@ def table_on(values: list, device: torch.device) -> torch.Tensor:
     A table holds offsets between the calls' tensors, their widths and strides. A step of fixed
     shapes makes the same allocations in the same order every time, so torch's caching allocator
     hands out the same addresses and the step's tables repeat: a cached one is reused instead of
-    being built anew (on a GPU a host tensor, a pinned copy, a device buffer and a queued copy, ~4
-    host ops per grouped launch). The cache keeps the ``TABLE_CACHE_SIZE`` most recently used tables;
-    kernels only read them.
+    being built anew (on a GPU a host tensor, a pinned copy and a queued copy, ~3 host ops per grouped
+    launch). Tables are slices of one buffer a device, allocated once: a table allocated on its own
+    would stay in the caching allocator's pool of small blocks, where it would move the next step's
+    small tensors, and so their tables, elsewhere (a miss that makes the next one). When a new table
+    no longer fits, the device's cached tables are dropped and the buffer is written from its start:
+    the launches that read the old ones were queued before, on the same stream.
 
     Args:
         values: the table's ints, flat; device: the launch's device.
     Returns:
         (len(values),) int64 on ``device``: on a GPU queued from pinned memory, not waited for.
     Raises:
-        RuntimeError inside a CUDA graph capture, cached or not: a graph would keep reading a table
-        the cache may free, and a new one's host copy cannot be captured (``pdpfast.graphs`` keeps one
-        launch per call).
+        RuntimeError inside a CUDA graph capture, cached or not: a graph would keep reading a slice a
+        later table may overwrite, and a new one's host copy cannot be captured (``pdpfast.graphs``
+        keeps one launch per call).
     """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (a cached table too: it may be freed)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # (a cached table too: it may be rewritten)
         raise RuntimeError("a grouped launch's table is asked for inside a CUDA graph capture: launch the calls one by "
                            "one there (pdpfast.graphs turns ClippingState.group_calls off while it captures)")
     key = (device, tuple(values))
     table = _TABLES.get(key)
     if table is not None:
-        _TABLES.move_to_end(key)
         TABLE_STATS["hits"] += 1
         return table
-    table = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    _TABLES[key] = table
+    host = torch.tensor(values, dtype=torch.int64)
+    n = len(values)
+    start = _arena_start(device, n)
+    if start is None:  # (larger than the arena: a table of its own, not cached)
+        table = torch.empty(n, dtype=torch.int64, device=device)
+    else:
+        table = _ARENAS[device][0][start:start + n]
+        _TABLES[key] = table
+    table.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
     TABLE_STATS["builds"] += 1
-    if len(_TABLES) > TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
     return table
+
+
+def _arena_start(device: torch.device, n: int) -> int | None:
+    """Where ``device``'s arena holds the next table of n entries (16-byte aligned, as Triton assumes
+    of pointers), dropping the device's cached tables when it is full; None when n exceeds it."""
+    if n > TABLE_ARENA_ENTRIES:
+        return None
+    arena = _ARENAS.get(device)
+    if arena is None or arena[0].numel() != TABLE_ARENA_ENTRIES:
+        arena = _ARENAS[device] = [torch.empty(TABLE_ARENA_ENTRIES, dtype=torch.int64, device=device), 0]
+        _drop_tables(device)
+    start = arena[1]
+    if start + n > TABLE_ARENA_ENTRIES:
+        _drop_tables(device)
+        start = 0
+    arena[1] = start + n + (n & 1)
+    return start
+
+
+def _drop_tables(device: torch.device) -> None:
+    for key in [key for key in _TABLES if key[0] == device]:
+        del _TABLES[key]
 
 
 def sum_partials(partials: torch.Tensor) -> torch.Tensor:

@@ -423,11 +423,13 @@ def test_calls_of_different_widths_share_a_launch(tools, gen, T, dtype):
 def test_grouped_launch_tables_are_built_once_per_layout_and_reused(tools, gen, monkeypatch):
     """A step of fixed shapes lays its tensors out alike every time (torch's caching allocator), so a
     grouped launch's table (offsets, widths, strides) is built once and reused: the same calls give
-    the same table object and the same norms; another layout builds its own; the cache keeps the
-    ``TABLE_CACHE_SIZE`` most recently used tables."""
+    the same table object and the same norms; another layout builds its own. Tables are slices of
+    one buffer a device, 16-byte aligned; when it is full the device's tables are dropped and it is
+    written from its start; a table larger than it is built on its own, not kept."""
     from pdpfast.kernels import _utils
 
-    monkeypatch.setattr(_utils, "_TABLES", type(_utils._TABLES)())
+    monkeypatch.setattr(_utils, "_TABLES", {})
+    monkeypatch.setattr(_utils, "_ARENAS", {})
     monkeypatch.setattr(_utils, "TABLE_STATS", {"hits": 0, "builds": 0})
     tables = []
     table_on = _utils.table_on
@@ -440,13 +442,18 @@ def test_grouped_launch_tables_are_built_once_per_layout_and_reused(tools, gen, 
     norms.linear_sq_norms_grouped(calls[::-1], True)  # other offsets: a table of its own
     assert tables[2] is not tables[0] and _utils.TABLE_STATS == {"hits": 1, "builds": 2}
     assert torch.equal(tables[0].cpu(), torch.tensor(tables[0].tolist()))
-    monkeypatch.setattr(_utils, "TABLE_CACHE_SIZE", 2)
     device = torch.device(tools.device)
-    for v in range(3):
-        _utils.table_on([v], device)
-    assert [key[1] for key in _utils._TABLES] == [(1,), (2,)]  # least recently used first, the oldest evicted
-    assert _utils.table_on([1], device) is _utils._TABLES[(device, (1,))]
-    assert [key[1] for key in _utils._TABLES] == [(2,), (1,)]
+    arena = _utils._ARENAS[device][0]
+    assert all(t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for t in tables)
+    monkeypatch.setattr(_utils, "TABLE_ARENA_ENTRIES", 8)  # a new arena of 8 entries
+    odd = _utils.table_on([1, 2, 3], device)
+    assert _utils.table_on([4, 5], device).data_ptr() == odd.data_ptr() + 32  # (3 entries, then aligned to 16 bytes)
+    assert _utils.table_on([1, 2, 3], device) is odd and list(_utils._TABLES) == [(device, (1, 2, 3)), (device, (4, 5))]
+    full = _utils.table_on([6, 7, 8], device)  # no room left: the arena starts over
+    assert full.data_ptr() == odd.data_ptr() and list(_utils._TABLES) == [(device, (6, 7, 8))]
+    assert full.tolist() == [6, 7, 8]
+    large = _utils.table_on(list(range(9)), device)
+    assert large.tolist() == list(range(9)) and list(_utils._TABLES) == [(device, (6, 7, 8))]
 
 
 def test_grouped_linear_norms_of_misaligned_mismatched_or_empty_calls_run_one_launch_each(tools, gen, monkeypatch):
