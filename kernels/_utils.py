@@ -160,8 +160,14 @@ def table_on(values: list, device: torch.device) -> torch.Tensor:
     launch). Tables are slices of one buffer a device, allocated once: a table allocated on its own
     would stay in the caching allocator's pool of small blocks, where it would move the next step's
     small tensors, and so their tables, elsewhere (a miss that makes the next one). When a new table
-    no longer fits, the device's cached tables are dropped and the buffer is written from its start:
-    the launches that read the old ones were queued before, on the same stream.
+    no longer fits, the device's cached tables are dropped with their buffer, which goes back to
+    torch's allocator (it reuses a block only on the stream that allocated it, after what that
+    stream queued), and a new buffer is taken.
+
+    A table is valid until the next ``table_on`` on its device (a new table may drop it): launch the
+    kernel that reads it first. Like any tensor read on a stream other than its own without
+    ``record_stream``, a table is ordered only on the stream current when it was built; pdpfast
+    launches its grouped kernels on the backward's stream.
 
     Args:
         values: the table's ints, flat; device: the launch's device.
@@ -195,17 +201,15 @@ def table_on(values: list, device: torch.device) -> torch.Tensor:
 
 def _arena_start(device: torch.device, n: int) -> int | None:
     """Where ``device``'s arena holds the next table of n entries (16-byte aligned, as Triton assumes
-    of pointers), dropping the device's cached tables when it is full; None when n exceeds it."""
+    of pointers); when it is full, a new arena, the device's cached tables dropped with the old one;
+    None when n exceeds an arena."""
     if n > TABLE_ARENA_ENTRIES:
         return None
     arena = _ARENAS.get(device)
-    if arena is None or arena[0].numel() != TABLE_ARENA_ENTRIES:
+    if arena is None or arena[1] + n > arena[0].numel():
+        _drop_tables(device)
         arena = _ARENAS[device] = [torch.empty(TABLE_ARENA_ENTRIES, dtype=torch.int64, device=device), 0]
-        _drop_tables(device)
     start = arena[1]
-    if start + n > TABLE_ARENA_ENTRIES:
-        _drop_tables(device)
-        start = 0
     arena[1] = start + n + (n & 1)
     return start
 

@@ -467,7 +467,8 @@ def test_cuda_eager_steps_of_fixed_shapes_reuse_their_grouped_launch_tables(clip
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
                       expected_batch_size=B, seed=0)
     ids, y = torch.randint(1, 128, (B, 16), device="cuda"), torch.randint(0, 3, (B,), device="cuda")
-    monkeypatch.setattr(_utils, "TABLE_STATS", {"hits": 0, "builds": 0})
+    for name, empty in (("TABLE_STATS", {"hits": 0, "builds": 0}), ("_TABLES", {}), ("_ARENAS", {})):
+        monkeypatch.setattr(_utils, name, empty)
     builds = []
     with state.attached():
         for _ in range(6):

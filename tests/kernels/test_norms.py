@@ -424,8 +424,8 @@ def test_grouped_launch_tables_are_built_once_per_layout_and_reused(tools, gen, 
     """A step of fixed shapes lays its tensors out alike every time (torch's caching allocator), so a
     grouped launch's table (offsets, widths, strides) is built once and reused: the same calls give
     the same table object and the same norms; another layout builds its own. Tables are slices of
-    one buffer a device, 16-byte aligned; when it is full the device's tables are dropped and it is
-    written from its start; a table larger than it is built on its own, not kept."""
+    one buffer a device, 16-byte aligned; when it is full the device's tables are dropped with it
+    for a new one; a table larger than it is built on its own, not kept."""
     from pdpfast.kernels import _utils
 
     monkeypatch.setattr(_utils, "_TABLES", {})
@@ -442,16 +442,17 @@ def test_grouped_launch_tables_are_built_once_per_layout_and_reused(tools, gen, 
     norms.linear_sq_norms_grouped(calls[::-1], True)  # other offsets: a table of its own
     assert tables[2] is not tables[0] and _utils.TABLE_STATS == {"hits": 1, "builds": 2}
     assert torch.equal(tables[0].cpu(), torch.tensor(tables[0].tolist()))
-    device = torch.device(tools.device)
+    device = calls[0][0].device  # (with its index: "cuda:0", as the launches key it)
     arena = _utils._ARENAS[device][0]
     assert all(t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for t in tables)
-    monkeypatch.setattr(_utils, "TABLE_ARENA_ENTRIES", 8)  # a new arena of 8 entries
+    monkeypatch.setattr(_utils, "TABLE_ARENA_ENTRIES", 8)
+    monkeypatch.setattr(_utils, "_ARENAS", {})
     odd = _utils.table_on([1, 2, 3], device)
     assert _utils.table_on([4, 5], device).data_ptr() == odd.data_ptr() + 32  # (3 entries, then aligned to 16 bytes)
     assert _utils.table_on([1, 2, 3], device) is odd and list(_utils._TABLES) == [(device, (1, 2, 3)), (device, (4, 5))]
-    full = _utils.table_on([6, 7, 8], device)  # no room left: the arena starts over
-    assert full.data_ptr() == odd.data_ptr() and list(_utils._TABLES) == [(device, (6, 7, 8))]
-    assert full.tolist() == [6, 7, 8]
+    full = _utils.table_on([6, 7, 8], device)  # no room left: a new arena, the old tables dropped
+    assert _utils._ARENAS[device][0].data_ptr() == full.data_ptr() and list(_utils._TABLES) == [(device, (6, 7, 8))]
+    assert full.tolist() == [6, 7, 8] and odd.tolist() == [1, 2, 3]
     large = _utils.table_on(list(range(9)), device)
     assert large.tolist() == list(range(9)) and list(_utils._TABLES) == [(device, (6, 7, 8))]
 
