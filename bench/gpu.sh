@@ -9,9 +9,11 @@
 #
 # ``lease`` runs, in this order and each with at most the time left of LEASE_SECONDS (default 540: one
 # call of a 10-minute limit, with room to send the checkout and bring the results back): the build;
-# BERT-base and GPT-2 small end to end in fp32 and in bf16 with the providers the issue's targets name
-# (non-private eager and captured, bk and per-layer eager and captured, Opacus hooks); the engine's CUDA
-# tests (the captured step against the eager one); the kernel tests; ``bench_kernels --quick``. A step
+# the engine's CUDA tests (the captured step against the eager one, the eager step's table reuse: about
+# 1 minute); BERT-base and GPT-2 small end to end in bf16, then fp32 (the eager fp32 rows met the
+# issue's targets on 2026-11-30, bf16's not), with the providers the targets name (non-private eager
+# and captured, bk and per-layer eager and captured, Opacus hooks); the kernel tests (3.5 minutes on
+# 2026-11-30); ``bench_kernels --quick``. A step
 # cut by the deadline keeps what it wrote (bench_e2e rewrites its JSON after each model; pytest's log
 # shows how far it got); the steps after it are skipped and named.
 #
@@ -42,7 +44,7 @@ touch "$LOGS/.start"
 steps=${*:-build tests kernels overhead e2e}
 if [ "$steps" = lease ]; then
     DEADLINE=$((SECONDS + ${LEASE_SECONDS:-540}))
-    steps="build e2e-fp32 e2e-bf16 engine kernel-tests kernels"
+    steps="build engine e2e-bf16 e2e-fp32 kernel-tests kernels"
     E2E_MODELS=${E2E_MODELS:-bert,gpt2}
     E2E_PROVIDERS=${E2E_PROVIDERS:-non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,opacus hooks}
 fi
