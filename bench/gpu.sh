@@ -31,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS=${LOGS:-/tmp/pdpfast-gpu-logs}
 mkdir -p "$LOGS"
-STAGED=/tmp/pdpfast-gpu-run
+STAGED=$(dirname "$LOGS")/pdpfast-gpu-run  # (beside the logs: /tmp/pdpfast-gpu-run by default)
 # The first gpu.sh of a device call (no gpu-run.tgz in $OUT yet) starts afresh; a second one in the same
 # call (`gpu.sh overhead; gpu.sh e2e-bf16`) adds its JSON as results/2/ beside the first's results/1/
 if [ -z "${OUT:-}" ] || [ ! -e "$OUT/gpu-run.tgz" ]; then

@@ -60,22 +60,41 @@ def test_gpu_lease_runs_the_build_then_the_issues_targets_then_the_tests_and_ret
     calls = Path(env["CALLS"]).read_text().splitlines()
     steps = [c for c in calls if c.startswith(("-m", "setup.py"))]
     assert [s.split()[1] if s.startswith("-m") else s.split()[0] for s in steps] == [
-        "setup.py", "bench.bench_e2e", "bench.bench_e2e", "pytest", "pytest", "bench.bench_kernels"]
-    assert "--dtype fp32 --models bert,gpt2" in steps[1] and "--dtype bf16" in steps[2]
+        "setup.py", "pytest", "bench.bench_e2e", "bench.bench_e2e", "pytest", "bench.bench_kernels"]
+    assert "--dtype bf16 --models bert,gpt2" in steps[2] and "--dtype fp32" in steps[3]
     from bench.harness import PROVIDERS
 
-    providers = steps[1].split("--providers ", 1)[1].split(",")
+    providers = steps[2].split("--providers ", 1)[1].split(",")
     assert set(providers) <= set(PROVIDERS)          # a misspelt provider would cost a lent GPU's run
     for provider in ("non-private graph", "pdpfast bk graph", "pdpfast per-layer graph", "opacus hooks"):
         assert provider in providers
-    assert steps[3].endswith("tests/test_cuda.py") and steps[4].endswith("tests/kernels")
+    assert steps[1].endswith("tests/test_cuda.py") and steps[4].endswith("tests/kernels")
     out = Path(env["OUT"])
     # at most three files come back: the archive and the extension
     assert sorted(p.name for p in out.iterdir()) == ["_C.cpython-312-x86_64-linux-gnu.so", "gpu-run.tgz"]
     with tarfile.open(out / "gpu-run.tgz") as archive:
         names = archive.getnames()
-    assert "results/e2e_fake_fp32.json" in names and "results/e2e_fake_bf16.json" in names
+    assert "results/1/e2e_fake_fp32.json" in names and "results/1/e2e_fake_bf16.json" in names
     assert "logs/build.log" in names and "logs/kernel_tests.log" in names
+
+
+def test_a_second_gpu_script_run_in_one_device_call_returns_both_runs_results(stand_in):
+    """Two runs in one device call (``gpu.sh overhead; gpu.sh e2e-bf16``) return each run's JSON,
+    results/1/ and results/2/ (the second once reset the first's); the next call (an emptied $OUT)
+    starts afresh."""
+    repo, env = stand_in
+
+    def run(step):
+        done = subprocess.run(["bash", "bench/gpu.sh", step], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        with tarfile.open(Path(env["OUT"]) / "gpu-run.tgz") as archive:
+            return sorted(n for n in archive.getnames() if n.endswith(".json"))
+
+    assert run("e2e-fp32") == ["results/1/e2e_fake_fp32.json"]
+    assert run("e2e-bf16") == ["results/1/e2e_fake_fp32.json", "results/2/e2e_fake_bf16.json"]
+    (Path(env["OUT"]) / "gpu-run.tgz").unlink()  # the device empties $OUT before each call
+    assert run("e2e-bf16") == ["results/1/e2e_fake_bf16.json"]
 
 
 def test_gpu_lease_stops_a_step_at_its_deadline_and_names_the_steps_it_skipped(stand_in):
@@ -83,7 +102,7 @@ def test_gpu_lease_stops_a_step_at_its_deadline_and_names_the_steps_it_skipped(s
     done = _lease(repo, env, LEASE_SECONDS="3", LEASE_MIN_STEP="1", BUILD_SLEEP="30")
     assert done.returncode == 1
     assert "STOPPED at the lease's deadline" in done.stdout
-    assert "skipped at the lease's deadline: e2e_fp32 e2e_bf16 engine_tests kernel_tests bench_kernels" in done.stdout
+    assert "skipped at the lease's deadline: engine_tests e2e_bf16 e2e_fp32 kernel_tests bench_kernels" in done.stdout
     calls = Path(env["CALLS"]).read_text()
     assert "bench_e2e" not in calls and "pytest" not in calls
     # what the stopped run had written still comes back
