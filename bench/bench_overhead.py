@@ -18,7 +18,8 @@ non-private step of the same run.
                                                          # the GPU route's host time, on the CPU
     python -m bench.bench_overhead --model bert-base --route large --kernels stub
                                                          # BERT-base's launches per step on the GPU
-                                                         # route (counts only: no times)
+                                                         # route at batch 32 (counts only: no times;
+                                                         # minutes on a CPU)
     python -m bench.bench_overhead --records 1e3,1e4,1e5,1e6,1e7 --clock cpu
                                                          # host time per step vs the number of records
                                                          # N (a tiny MLP, make_private_with_budgets)
@@ -54,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import statistics
 import time
@@ -118,10 +120,13 @@ def build_resnet(device: torch.device, width: int = 4, batch: int = 4, size: int
     return model, (x,), y, loss
 
 
-def build_bert_base(device: torch.device, batch: int = 2, seq: int = 128):
-    """(model, inputs, targets, per-sample loss) of BERT-base at ``bench_e2e``'s sequence length.
-    On a CPU its arithmetic dwarfs its host work, so it is for counting launches, not for timing;
-    the counts do not depend on the batch, hence 2 samples."""
+def build_bert_base(device: torch.device, batch: int = 32, seq: int = 128):
+    """(model, inputs, targets, per-sample loss) of BERT-base at ``bench_e2e``'s batch and sequence
+    length. On a CPU its arithmetic dwarfs its host work, so it is for counting launches, not for
+    timing. The counts depend on the batch where a bound in bytes splits the calls a clipping mode
+    holds together (per-layer clipping's runs, ``pdpfast.clipping.RUN_BYTES``: 28 Triton launches a
+    step at bench_e2e's batch 32 in bf16, 13 at batch 2), so the default is the GPU's batch (a
+    step takes ~40 s on one CPU core); ``--batch`` takes another."""
     from pdpfast.models import bert
 
     torch.manual_seed(0)
@@ -461,8 +466,10 @@ def main(argv=None) -> int:
                         help="llama-12x16: a Llama-style decoder of the same sizes on next-token loss; resnet18-w4: "
                              "ResNet-18-GN of width 4 on 8x8 images (batch 4), every conv and GroupNorm call of "
                              "the full model's step; bert-base: "
-                             "BERT-base (batch 2, seq 128), launches per step only (no times: on a CPU its "
+                             "BERT-base (--batch, default 32; seq 128), launches per step only (no times: on a CPU its "
                              "arithmetic dwarfs its host work)")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="with --model bert-base: the batch whose launches are counted (default: bench_e2e's)")
     parser.add_argument("--records", default=None,
                         help="comma-separated dataset sizes N (1e3,1e6 or 1000,1000000): a private step's host "
                              "time vs N on a tiny MLP (see above) instead of the BERT providers")
@@ -484,7 +491,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     timed = args.model != "bert-base"
     model, inputs, y, loss = {"bert-12x16": build, "llama-12x16": build_llama, "resnet18-w4": build_resnet,
-                              "bert-base": build_bert_base}[args.model](device)
+                              "bert-base": functools.partial(build_bert_base, batch=args.batch)}[args.model](device)
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)
         if isinstance(inputs, tuple):  # images (ids stay ints)
@@ -504,7 +511,7 @@ def main(argv=None) -> int:
                 results[name]["launches_per_step"] = launches
                 results[name]["triton_launches_per_step"] = triton_launches
     env = environment(device)
-    batch, seq = (4, None) if args.model == "resnet18-w4" else (4, 8) if timed else (2, 128)
+    batch, seq = (4, None) if args.model == "resnet18-w4" else (4, 8) if timed else (args.batch, 128)
     rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r,
              **env, "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
              "kernels": args.kernels}

@@ -4,13 +4,14 @@
 #   bash bench/gpu.sh lease           # issue 11's whole check sized for one 15-minute device lease (below)
 #   bash bench/gpu.sh                 # build, tests, kernels, overhead, end to end fp32 + bf16 (about 15 minutes)
 #   bash bench/gpu.sh tests e2e       # only some steps: build tests (= engine + kernel tests) engine kernels
-#                                     # overhead e2e (= e2e-fp32 e2e-bf16)
+#                                     # overhead profile e2e (= e2e-fp32 e2e-bf16)
 #   E2E_MODELS=bert,gpt2 bash bench/gpu.sh e2e-bf16    # some models (default: all of bench_e2e's)
 #
 # ``lease`` runs, in this order and each with at most the time left of LEASE_SECONDS (default 540: one
 # call of a 10-minute limit, with room to send the checkout and bring the results back): the build;
 # the engine's CUDA tests (the captured step against the eager one, the eager step's table reuse: about
-# 1 minute); BERT-base and GPT-2 small end to end in bf16, then fp32 (the eager fp32 rows met the
+# 1 minute); ``bench.profile_step`` on BERT-base and GPT-2 small in bf16 (where the eager step's host
+# time goes, part by part, non-private against bk and per-layer clipping: about 1 minute); BERT-base and GPT-2 small end to end in bf16, then fp32 (the eager fp32 rows met the
 # issue's targets on 2026-11-30, bf16's not), with the providers the targets name (non-private eager
 # and captured, bk and per-layer eager and captured, Opacus hooks); the kernel tests (3.5 minutes on
 # 2026-11-30); ``bench_kernels --quick``. A step
@@ -41,10 +42,10 @@ mkdir -p "$STAGED/results"
 RUN_RESULTS=$STAGED/results/$(( $(find "$STAGED/results" -mindepth 1 -maxdepth 1 -type d | wc -l) + 1 ))
 mkdir -p "$RUN_RESULTS"
 touch "$LOGS/.start"
-steps=${*:-build tests kernels overhead e2e}
+steps=${*:-build tests kernels overhead profile e2e}
 if [ "$steps" = lease ]; then
     DEADLINE=$((SECONDS + ${LEASE_SECONDS:-540}))
-    steps="build engine e2e-bf16 e2e-fp32 kernel-tests kernels"
+    steps="build engine profile e2e-bf16 e2e-fp32 kernel-tests kernels"
     E2E_MODELS=${E2E_MODELS:-bert,gpt2}
     E2E_PROVIDERS=${E2E_PROVIDERS:-non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,opacus hooks}
 fi
@@ -118,7 +119,7 @@ warned=
 for step in $steps; do
     # before the first test or timed step: is pdpfast._C there and current (built in this call, or
     # carried from an earlier one)? Its CUDA tests skip, and timings take torch's routes, without it
-    case $step in tests|engine|kernel-tests|kernels|overhead|e2e*) [ -n "$warned" ] || {
+    case $step in tests|engine|kernel-tests|kernels|overhead|profile|e2e*) [ -n "$warned" ] || {
         warned=1
         ext_check 2>&1 | tee -a "$LOGS/env.txt" | grep -q "importable, current" \
             || echo "   WARNING: $(tail -1 "$LOGS/env.txt"): its CUDA tests skip and the timings take slower torch routes (run the build step)"
@@ -143,10 +144,13 @@ for step in $steps; do
                       --providers "non-private,pdpfast bk,pdpfast per-layer"
                   run bench_overhead_large_bf16 python3 -m bench.bench_overhead --device cuda --repeats 100 \
                       --route large --dtype bf16 --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
+        profile) # where the eager step's host time goes (bench/profile_step.py), on the models the targets name
+                 run profile_bert python3 -m bench.profile_step --device cuda --model bert --dtype bf16
+                 run profile_gpt2 python3 -m bench.profile_step --device cuda --model gpt2 --dtype bf16 ;;
         e2e) e2e fp32; e2e bf16 ;;
         e2e-fp32) e2e fp32 ;;
         e2e-bf16) e2e bf16 ;;
-        *) echo "unknown step $step (lease, or: build tests engine kernel-tests kernels overhead e2e e2e-fp32" \
+        *) echo "unknown step $step (lease, or: build tests engine kernel-tests kernels overhead profile e2e e2e-fp32" \
                 "e2e-bf16)"; status=2 ;;
     esac
 done

@@ -205,7 +205,7 @@ def test_bench_overhead_counts_bert_bases_launches_without_timing_them(tmp_path)
     from bench import bench_overhead
 
     out = tmp_path / "overhead_bert_base.json"
-    assert bench_overhead.main(["--model", "bert-base", "--route", "large", "--providers",
+    assert bench_overhead.main(["--model", "bert-base", "--batch", "2", "--route", "large", "--providers",
                                 "non-private,pdpfast bk", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["model"], r["seq"]) for r in rows] == [("bert-base", 128)] * 2
@@ -359,3 +359,27 @@ def test_bench_overhead_times_resnet18_gn_at_width_4_in_every_mode(tmp_path):
         ("resnet18-w4", p, "bf16") for p in ("non-private", "pdpfast bk", "pdpfast per-layer")]
     assert all(r["median_ms"] > 0 and r["launches_per_step"] > 0 for r in rows), rows
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
+
+
+def test_profile_step_splits_each_providers_host_time_into_pdpfasts_parts(tmp_path):
+    """bench.profile_step times pdpfast's parts of an eager step (the DP forwards, the backward hooks,
+    the end of the backward, the optimizer step, launches) for each provider, adds a profiler's top
+    ops, and puts the wrapped functions back afterwards."""
+    from bench import profile_step
+    from pdpfast.clipping import ClippingState
+
+    forward = ClippingState.__dict__["forward"]
+    out = tmp_path / "profile.json"
+    assert profile_step.main(["--model", "bert-12x16", "--steps", "2", "--warmup", "1", "--profiled-steps", "1",
+                              "--dtype", "fp32", "--device", "cpu", "--out", str(out)]) == 0
+    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["non-private", "pdpfast bk", "pdpfast per-layer"]
+    assert ClippingState.__dict__["forward"] is forward
+    plain, bk, per_layer = rows["non-private"], rows["pdpfast bk"], rows["pdpfast per-layer"]
+    assert plain["counts"]["dp forward"] == 0 and plain["parts_ms"]["dp forward"] == 0
+    # the width-16 BERT's DP layer calls, each with one forward and one backward hook
+    assert bk["counts"]["dp forward"] == bk["counts"]["backward hooks"] == per_layer["counts"]["dp forward"] > 50
+    for r in (bk, per_layer):
+        parts = r["parts_ms"]
+        assert parts["step"] > parts["dp forward"] > 0 and parts["step"] > parts["optimizer step"] > 0
+        assert parts["end of backward"] > 0 and r["top_ops"] and r["top_ops"][0]["name"].startswith("aten::")

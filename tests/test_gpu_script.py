@@ -60,15 +60,17 @@ def test_gpu_lease_runs_the_build_then_the_issues_targets_then_the_tests_and_ret
     calls = Path(env["CALLS"]).read_text().splitlines()
     steps = [c for c in calls if c.startswith(("-m", "setup.py"))]
     assert [s.split()[1] if s.startswith("-m") else s.split()[0] for s in steps] == [
-        "setup.py", "pytest", "bench.bench_e2e", "bench.bench_e2e", "pytest", "bench.bench_kernels"]
-    assert "--dtype bf16 --models bert,gpt2" in steps[2] and "--dtype fp32" in steps[3]
+        "setup.py", "pytest", "bench.profile_step", "bench.profile_step", "bench.bench_e2e", "bench.bench_e2e",
+        "pytest", "bench.bench_kernels"]
+    assert "--model bert --dtype bf16" in steps[2] and "--model gpt2 --dtype bf16" in steps[3]
+    assert "--dtype bf16 --models bert,gpt2" in steps[4] and "--dtype fp32" in steps[5]
     from bench.harness import PROVIDERS
 
-    providers = steps[2].split("--providers ", 1)[1].split(",")
+    providers = steps[4].split("--providers ", 1)[1].split(",")
     assert set(providers) <= set(PROVIDERS)          # a misspelt provider would cost a lent GPU's run
     for provider in ("non-private graph", "pdpfast bk graph", "pdpfast per-layer graph", "opacus hooks"):
         assert provider in providers
-    assert steps[1].endswith("tests/test_cuda.py") and steps[4].endswith("tests/kernels")
+    assert steps[1].endswith("tests/test_cuda.py") and steps[6].endswith("tests/kernels")
     out = Path(env["OUT"])
     # at most three files come back: the archive and the extension
     assert sorted(p.name for p in out.iterdir()) == ["_C.cpython-312-x86_64-linux-gnu.so", "gpu-run.tgz"]
@@ -102,7 +104,8 @@ def test_gpu_lease_stops_a_step_at_its_deadline_and_names_the_steps_it_skipped(s
     done = _lease(repo, env, LEASE_SECONDS="3", LEASE_MIN_STEP="1", BUILD_SLEEP="30")
     assert done.returncode == 1
     assert "STOPPED at the lease's deadline" in done.stdout
-    assert "skipped at the lease's deadline: engine_tests e2e_bf16 e2e_fp32 kernel_tests bench_kernels" in done.stdout
+    assert ("skipped at the lease's deadline: engine_tests profile_bert profile_gpt2 e2e_bf16 e2e_fp32 kernel_tests "
+            "bench_kernels") in done.stdout
     calls = Path(env["CALLS"]).read_text()
     assert "bench_e2e" not in calls and "pytest" not in calls
     # what the stopped run had written still comes back
