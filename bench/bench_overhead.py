@@ -39,9 +39,10 @@ The issue's target (GPU step): pdpfast bk ≤ 1.8× the non-private host time, p
 
 ``--route large`` makes every layer call take the route it takes in a full-size model on a GPU
 (BERT-base): computed on its own (small same-shape calls otherwise stack into one launch per op,
-``pdpfast.clipping.SMALL_CALL_BYTES``) and without forming per-sample gradients (on the CPU a
+``pdpfast.clipping.SMALL_CALL_BYTES``), without forming per-sample gradients (on the CPU a
 choice for small calls, ``pdpfast.ops.linear.MATERIALIZE_RATIO``; on a GPU only per-layer clipping
-forms them, for calls with long sequences, ``prefer_per_sample``). At width 16 every call is small
+forms them, for calls with long sequences, ``prefer_per_sample``), and held together in runs bounded
+by the model's own bytes, as a full-size model's are (``pdpfast.clipping.RUN_FLOOR``). At width 16 every call is small
 and stacks, so the default route measures less host work per layer than a large model issues.
 
 ``--kernels stub`` times, on a CPU, the host work of the route a GPU takes: the Triton kernels are
@@ -280,16 +281,20 @@ def stub_kernel_launches() -> None:
 @contextlib.contextmanager
 def large_call_route():
     """Every layer call computed on its own, with no per-sample gradient formed: the route of a
-    full-size model's calls on a GPU (the module docstring). Restores the thresholds on exit."""
+    full-size model's calls on a GPU (the module docstring). The calls a clipping mode holds together
+    (per-layer clipping's runs) are bounded as a full-size model's are, relative to the model's own
+    bytes (``pdpfast.clipping.RUN_FLOOR`` 0): the width-16 BERT's per-layer step then takes 28 Triton
+    launches, as BERT-base's at batch 32 does, not 13. Restores the thresholds on exit."""
     import pdpfast.clipping as clipping
     import pdpfast.ops.linear as lin_ops
 
-    saved = clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS
-    clipping.SMALL_CALL_BYTES = lin_ops.MATERIALIZE_RATIO = lin_ops.MATERIALIZE_MIN_ELEMENTS = 0
+    saved = clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS, clipping.RUN_FLOOR
+    clipping.SMALL_CALL_BYTES = lin_ops.MATERIALIZE_RATIO = lin_ops.MATERIALIZE_MIN_ELEMENTS = clipping.RUN_FLOOR = 0
     try:
         yield
     finally:
-        clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS = saved
+        (clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS,
+         clipping.RUN_FLOOR) = saved
 
 
 # --records: a private step's host time against the number of records N

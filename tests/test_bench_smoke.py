@@ -149,7 +149,11 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     import pdpfast.ops.linear as lin_ops
     from bench import bench_overhead
 
-    before = pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS
+    def thresholds():
+        return (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS,
+                pdpfast.clipping.RUN_FLOOR)
+
+    before = thresholds()
     out = tmp_path / "overhead.json"
     assert bench_overhead.main(["--route", "large", "--repeats", "2", "--providers",
                                 "non-private,pdpfast bk,pdpfast per-layer", "--out", str(out)]) == 0
@@ -158,7 +162,7 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert all(r["route"] == "large" and r["median_ms"] > 0 and r["launches_per_step"] > 0 for r in rows)
     # what a private step adds is counted: more launches than the non-private step
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
-    assert (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS) == before
+    assert thresholds() == before
 
 
 def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
