@@ -394,10 +394,10 @@ PACK_BYTES = 1 << 20
 # Per-layer clipping holds a run of consecutive calls of one key for one norm launch (``Grouped``:
 # a transformer's projections of one batch and sequence length, whatever their widths) until their
 # inputs and output gradients pass this many bytes, the call that passes it included (BERT-base at
-# batch 32: 19 launches for its 72 projections in fp32, 16 in bf16, with the bounds below), so that
+# batch 32: 12 launches for its 72 projections, in fp32 and bf16, with the bounds below), so that
 # a deep stack is not all held. Both clipping modes hold normalization calls for one launch of
 # their per-sample gradients within as many bytes again (BERT-base's 25 LayerNorm calls at batch 32:
-# 5 launches in bk, 4 in its bf16 where the tenth below binds, 6 in per-layer clipping): book-keeping,
+# 5 launches in bk, 4 in its bf16 where the tenth below binds, 4 in per-layer clipping): book-keeping,
 # whose tape already holds every linear call's
 # tensors to the end of the backward, would otherwise add all of theirs to its peak (BERT-base at
 # batch 8 on the CPU's stand-in of the GPU route: +150 MB, 14% of the non-private step's peak). A
@@ -405,12 +405,18 @@ PACK_BYTES = 1 << 20
 # the forward's layer inputs either, where that is above RUN_FLOOR (a small model's whole step):
 # per-layer clipping's runs of calls of any widths added 7% to the peak of BERT-base's per-layer
 # step at batch 8 (CPU stand-in) with 128 MiB, 1.6% with 32 MiB, which is what batch 32 holds with
-# 128 MiB. Per-layer clipping's peak is where its backward starts, so above the floor it also holds
-# no more than the inputs of the calls its backward has passed, less what it holds
+# 128 MiB. Per-layer clipping's peak is where its backward starts, so above the floor it holds
+# instead no more than the inputs of the calls its backward has passed, less what it holds
 # (``_hold_limit``): holding ResNet-18-GN's GroupNorm calls took its per-layer peak (CPU stand-in,
 # batch 256, fp32) from 1.004x the non-private step's to 1.059x, 1.017x with this bound, and
-# BERT-base's at batch 8 is back to 1.003x (1.013x). (Under activation checkpointing the peak is at
-# a block's recomputation instead, whose inputs count as passed: the bound is then a heuristic.)
+# BERT-base's at batch 8 is back to 1.003x (1.013x). Until 2026-12-01 per-layer clipping kept the
+# fixed budgets above the floor too; without them BERT-base at batch 32 takes 22 Triton launches a
+# step in bf16 where it took 28 (its peak on the stand-in 0.995x the non-private step's either
+# way), and ResNet-18-GN's peak is 1.020x. The bound counts an input as let go of once the backward
+# has passed its call, which a graph that still needs it elsewhere belies: holding as much as was
+# passed (not less what is held) took ResNet-18-GN's peak to 1.20x, 1.07x within 128 MiB. (Under
+# activation checkpointing the peak is at a block's recomputation instead, whose inputs count as
+# passed: the bound is then a heuristic.)
 RUN_BYTES = 128 << 20
 RUN_FLOOR = 16 << 20
 # Layouts whose route a layer keeps (``ClippingState._route``); past them it starts afresh.
@@ -1304,13 +1310,12 @@ class ClippingState:
         """The bytes of inputs and output gradients the held calls of a run, or of calls whose
         per-sample gradients are formed together, may pass: ``RUN_BYTES``, and a tenth of this
         forward's layer inputs where that is more than ``RUN_FLOOR`` (see ``RUN_BYTES``). Per-layer
-        clipping's peak is where its backward starts, so above the floor it also holds no more than
-        the inputs of the calls its backward has passed, less what it holds (``_passed_bytes``)."""
+        clipping's peak is where its backward starts, so above the floor it holds instead no more
+        than the inputs of the calls its backward has passed, less what it holds (``_passed_bytes``)."""
         tenth = self._forward_bytes // 10
-        limit = min(RUN_BYTES, max(RUN_FLOOR, tenth))
         if self.clipping == "per_layer" and tenth > RUN_FLOOR:
-            limit = max(0, min(limit, self._passed_bytes - self._run_bytes - self._formed_bytes))
-        return limit
+            return max(0, self._passed_bytes - self._run_bytes - self._formed_bytes)
+        return min(RUN_BYTES, max(RUN_FLOOR, tenth))
 
     def _flush_formed(self, take) -> None:
         """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand

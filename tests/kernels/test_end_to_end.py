@@ -711,18 +711,42 @@ def test_per_layer_runs_hold_at_most_run_bytes(monkeypatch, device, full_size_ca
     _same_as_one_launch_per_call(monkeypatch, model, x, "per_layer", grouped)
 
 
-def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, device, full_size_calls, grouped_launches):
-    """Where a tenth of the forward's layer inputs is above RUN_FLOOR, held calls stay within it too (a
-    fixed budget would be a larger share of a smaller step's memory): six d→d layers take 6 inputs'
-    bytes, a tenth of which holds no call (each takes its own launch); with the floor at 2.5 calls
-    (of an input and an output gradient each) they make two runs of three again."""
+def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, device, full_size_calls,
+                                                               norm_grads_launches):
+    """Where a tenth of the forward's layer inputs is above RUN_FLOOR, book-keeping's held calls stay
+    within it too (a fixed budget would be a larger share of a smaller step's memory): five Linear →
+    LayerNorm blocks take 10 inputs' bytes, a tenth of which holds no LayerNorm call (each forms its
+    gradients on its own); with the floor at 5 inputs (2.5 calls of an input and an output gradient)
+    they take launches of three and two."""
+    import pdpfast.clipping as clipping
+
+    torch.manual_seed(0)
+    B, T, d = 3, 7, 32
+    model = pdpfast.nn.convert(nn.Sequential(*_normalized_stack(d, 5)).to(device))
+    x = torch.randn(B, T, d, device=device)
+    monkeypatch.setattr(clipping, "RUN_FLOOR", 0)
+    _clip_once(model, x, "flat")
+    assert norm_grads_launches == [], norm_grads_launches  # (one call: its own launch, not a grouped one)
+    norm_grads_launches.clear()
+    monkeypatch.setattr(clipping, "RUN_FLOOR", 5 * B * T * d * 4)
+    _clip_once(model, x, "flat")
+    assert norm_grads_launches == [("layer", 3), ("layer", 2)], norm_grads_launches
+
+
+def test_per_layer_runs_above_the_floor_hold_what_the_backward_has_passed(monkeypatch, device, full_size_calls,
+                                                                         grouped_launches):
+    """Above RUN_FLOOR per-layer clipping's runs are bounded by the inputs its backward has passed, less
+    what they hold, not by a tenth of the forward's inputs: six d→d calls (an input and an output
+    gradient each, 2 units; 1 unit passed a call) make one run of two (the others alone), where a
+    tenth (0.6 units) would hold no call. Below the floor RUN_BYTES binds: two runs of three."""
     import pdpfast.clipping as clipping
 
     B, T, d = 3, 7, 64
     model, x = _uniform_stack(device, B, T, d)
     monkeypatch.setattr(clipping, "RUN_FLOOR", 0)
     _clip_once(model, x, "per_layer")
-    assert grouped_launches == [], grouped_launches
+    assert grouped_launches == [2], grouped_launches
+    grouped_launches.clear()
     monkeypatch.setattr(clipping, "RUN_FLOOR", 5 * B * T * d * 4)
     _clip_once(model, x, "per_layer")
     assert grouped_launches == [3, 3], grouped_launches
@@ -731,13 +755,12 @@ def test_held_calls_stay_within_a_tenth_of_the_forwards_inputs(monkeypatch, devi
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_per_layer_holds_no_more_than_its_backward_has_passed(clipping, monkeypatch, device, full_size_calls,
                                                               grouped_launches):
-    """Per-layer clipping's peak memory is where its backward starts, so where a tenth of the forward's
-    inputs is the bound (above RUN_FLOOR) it also holds no more than the inputs of the calls its
-    backward has passed, less what it holds. Eight d→d calls (an input and an output gradient each,
-    2 units; 1 unit passed a call) after a wide bias-free one (a tenth of the inputs: 4.6 calls): the
-    first three are clipped on their own, then come two runs of two and the last call alone, where
-    the tenth alone gives two runs of four. Book-keeping, whose peak is at the end of its backward,
-    takes the eight in one launch. Results equal those of one launch per call."""
+    """Per-layer clipping's peak memory is where its backward starts, so above RUN_FLOOR it holds no
+    more than the inputs of the calls its backward has passed, less what it holds. Eight d→d calls
+    (an input and an output gradient each, 2 units; 1 unit passed a call) after a wide bias-free one:
+    the first three are clipped on their own, then come two runs of two and the last call alone (the
+    wide call is of another key). Book-keeping, whose peak is at the end of its backward, takes the
+    eight in one launch. Results equal those of one launch per call."""
     import pdpfast.clipping as clipping_module
 
     monkeypatch.setattr(clipping_module, "RUN_FLOOR", 0)
