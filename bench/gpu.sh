@@ -11,8 +11,9 @@
 # call of a 10-minute limit, with room to send the checkout and bring the results back): the build;
 # the engine's CUDA tests (the captured step against the eager one, the eager step's table reuse: about
 # 1 minute); ``bench.profile_step`` on BERT-base and GPT-2 small in bf16 (where the eager step's host
-# time goes, part by part, non-private against bk and per-layer clipping: about 1 minute); BERT-base and GPT-2 small end to end in bf16, then fp32 (the eager fp32 rows met the
-# issue's targets on 2026-11-30, bf16's not), with the providers the targets name (non-private eager
+# time goes, part by part, non-private against bk and per-layer clipping: about 1 minute); BERT-base
+# and GPT-2 small end to end in bf16, then fp32 (the eager fp32 rows met the issue's targets on
+# 2026-11-30, bf16's not), with the providers the targets name (non-private eager
 # and captured, bk and per-layer eager and captured, Opacus hooks); the kernel tests (3.5 minutes on
 # 2026-11-30); ``bench_kernels --quick``. A step
 # cut by the deadline keeps what it wrote (bench_e2e rewrites its JSON after each model; pytest's log
