@@ -185,6 +185,14 @@ _EXTENSION_COMPOSITES = {"linear_clipped_into": 0, "linear_clip_scale_into": 1}
 _ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
 
 
+def extension_functions() -> list:
+    """The names of ``pdpfast._C``'s public functions ([] without the extension)."""
+    from pdpfast import _ext
+
+    ext = _ext._C
+    return [] if ext is None else [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))]
+
+
 @contextlib.contextmanager
 def _counting_extension_calls(counter, inside: list):
     """Each call of a ``pdpfast._C`` function adds one to ``counter.n``; ``inside[0]`` > 0 while one
@@ -193,7 +201,7 @@ def _counting_extension_calls(counter, inside: list):
     from pdpfast import _ext
 
     ext = _ext._C
-    names = [] if ext is None else [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))]
+    names = extension_functions()
     saved = {n: getattr(ext, n) for n in names}
 
     def counting(fn, own: int | None):

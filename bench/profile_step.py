@@ -43,13 +43,15 @@ import time
 
 import torch
 
+from .bench_overhead import extension_functions
 from .harness import PROVIDERS, environment, write_rows
 
 PARTS = ("step", "dp forward", "backward hooks", "end of backward", "optimizer step", "triton launches",
          "extension calls")
 DEFAULT_PROVIDERS = "non-private,pdpfast bk,pdpfast per-layer"
-# the CUDA runtime calls a profile lists (the ones that can stop the host are the point)
-RUNTIME_PREFIXES = ("cuda", "cu")
+COUNTS = ("dp forward", "backward hooks", "triton launches", "extension calls", "tables built", "tables reused")
+# the CUDA runtime (and driver) calls a profile lists (the ones that can stop the host are the point)
+RUNTIME_PREFIX = "cu"
 
 
 class Timers:
@@ -100,10 +102,7 @@ def timed_parts(timers: Timers):
         patches += [(JITFunction, "run", "triton launches"), (InterpretedFunction, "run", "triton launches")]
     except ImportError:  # no Triton: no launches
         pass
-    ext = _ext._C
-    if ext is not None:
-        patches += [(ext, n, "extension calls") for n in dir(ext)
-                    if not n.startswith("_") and callable(getattr(ext, n))]
+    patches += [(_ext._C, n, "extension calls") for n in extension_functions()]
     saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
              for owner, name, _ in patches]
     try:
@@ -166,9 +165,7 @@ def profile_providers(model, inputs, y, loss, providers: dict, *, steps: int, wa
                 per_step[name].append((ms, calls))
     for name, rows in per_step.items():
         parts = {p: statistics.median(ms.get(p, 0.0) for ms, _ in rows) for p in PARTS}
-        counts = {k: statistics.median(c.get(k, 0) for _, c in rows)
-                  for k in ("dp forward", "backward hooks", "triton launches", "extension calls", "tables built",
-                            "tables reused")}
+        counts = {k: statistics.median(c.get(k, 0) for _, c in rows) for k in COUNTS}
         results[name] = {"parts_ms": parts, "counts": counts, **_profiled(made[name], device, profiled_steps, top)}
     return results
 
@@ -191,7 +188,7 @@ def _profiled(step, device: torch.device, steps: int, top: int) -> dict:
         if getattr(e, "device_type", host) != host:  # a kernel's run on the GPU, not a host call
             continue
         row = {"name": name, "calls": e.count / steps, "self_host_ms": e.self_cpu_time_total / 1e3 / steps}
-        if name.startswith(RUNTIME_PREFIXES) and not name.startswith("cudnn"):
+        if name.startswith(RUNTIME_PREFIX) and not name.startswith("cudnn"):
             runtime[name] = {k: row[k] for k in ("calls", "self_host_ms")}
         elif name.startswith("aten::") and len(ops) < top:
             ops.append(row)
@@ -205,7 +202,7 @@ def _print(results: dict, top: int) -> None:
     for part in PARTS:
         cells = [f"{r['parts_ms'][part]:.2f}" if "parts_ms" in r else "" for r in results.values()]
         print(f"| {part} | " + " | ".join(cells) + " |")
-    for key in ("dp forward", "backward hooks", "triton launches", "extension calls", "tables built", "tables reused"):
+    for key in COUNTS:
         cells = [f"{r['counts'][key]:g}" if "counts" in r else "" for r in results.values()]
         print(f"| {key} (count) | " + " | ".join(cells) + " |")
     for name, r in results.items():
