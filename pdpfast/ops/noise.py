@@ -118,11 +118,19 @@ def _mt_state_layout_known() -> bool:
     return head == [1, 1] and seeded == words
 
 
+
+
 @functools.lru_cache(maxsize=1)
 def _seeded_state() -> np.ndarray:
     # a freshly seeded generator's state bytes (no cached normals, left = 1), filled in with numpy:
     # no torch op per generator (they would count as launches of the step)
     return torch.Generator().manual_seed(0).get_state().numpy().copy()
+
+
+# both asked at import, not inside the first step: they read a CPU generator's state (.tolist(),
+# .numpy()), which a step body guarded against host reads (``pdpfast.graphs.no_host_sync``) refuses
+_mt_state_layout_known()
+_seeded_state()
 
 
 def _cpu_normal(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
