@@ -165,6 +165,28 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert thresholds() == before
 
 
+def test_large_call_route_pools_no_formed_gradient_between_steps_as_a_gpu():
+    """A GPU has no buffer pool: under the large route the CPU's pool takes nothing back, so a
+    formed per-sample gradient (a tied embedding's B×V×d) does not outlive its step and add to the
+    next step's peak, as it did on GPT-2's stand-in; the pool is restored on exit."""
+    import torch
+
+    from bench import bench_overhead
+    from pdpfast.ops import workspace
+
+    workspace.clear()
+    with bench_overhead.large_call_route():
+        lent = workspace.empty((workspace.MIN_BYTES // 4,), torch.float32, "cpu")
+        assert workspace.lent_bytes() == workspace.MIN_BYTES
+        workspace.recycle([lent])
+        del lent
+        assert workspace.lent_bytes() == 0 and workspace._free_bytes == 0  # freed, not pooled
+    lent = workspace.empty((workspace.MIN_BYTES // 4,), torch.float32, "cpu")
+    workspace.recycle([lent])
+    assert workspace._free_bytes == workspace.MIN_BYTES  # the pool takes it back again
+    workspace.clear()
+
+
 def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     """--kernels stub picks the Triton kernels as a GPU does and makes their launches no-ops (in a
     process of its own: it sets TRITON_INTERPRET before the kernels are imported). The private
