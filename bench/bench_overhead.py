@@ -45,6 +45,12 @@ forms them, for calls with long sequences, ``prefer_per_sample``), and held toge
 by the model's own bytes, as a full-size model's are (``pdpfast.clipping.RUN_FLOOR``). At width 16 every call is small
 and stacks, so the default route measures less host work per layer than a large model issues.
 
+``--providers`` also takes ``pdpfast per-layer one run``: per-layer clipping with its runs unbounded
+(``pdpfast.clipping.RUN_FLOOR`` and ``RUN_BYTES`` past any model), so that its same-key calls share
+one norm launch as book-keeping's do. Beside ``pdpfast per-layer`` it says how much of per-layer's
+host time above bk's is its runs, which its memory bound sets (a diagnosis, not a mode: held to the
+end, its peak memory is bk's).
+
 ``--kernels stub`` times, on a CPU, the host work of the route a GPU takes: the Triton kernels are
 chosen as on a GPU (``TRITON_INTERPRET=1``) and every launch returns at once without running, so
 their outputs hold garbage and only the host's time means anything. It counts everything around a
@@ -470,6 +476,25 @@ def _print_records(rows: list) -> None:
               f"{r['charge_ms']:.2f} | {once} |")
 
 
+def _one_run_per_layer(model, inputs, y, loss):
+    """``pdpfast per-layer`` whose steps hold every same-key call to one launch (module docstring)."""
+    import pdpfast.clipping as clipping
+
+    step = PROVIDERS["pdpfast per-layer"](model, inputs, y, loss)
+
+    def unbounded():
+        saved = clipping.RUN_FLOOR, clipping.RUN_BYTES
+        clipping.RUN_FLOOR = clipping.RUN_BYTES = 1 << 62
+        try:
+            step()
+        finally:
+            clipping.RUN_FLOOR, clipping.RUN_BYTES = saved
+    return unbounded
+
+
+DIAGNOSTIC_PROVIDERS = {"pdpfast per-layer one run": _one_run_per_layer}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200)
@@ -521,7 +546,11 @@ def main(argv=None) -> int:
         model = model.to(torch.bfloat16)
         if isinstance(inputs, tuple):  # images (ids stay ints)
             inputs = tuple(t.to(torch.bfloat16) for t in inputs)
-    providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
+    known = {**PROVIDERS, **DIAGNOSTIC_PROVIDERS}
+    unknown = [name for name in args.providers.split(",") if name not in known]
+    if unknown:
+        parser.error(f"--providers: unknown {unknown}; choose from {', '.join(known)}")
+    providers = {name: known[name] for name in args.providers.split(",")}
     with large_call_route() if args.route == "large" else contextlib.nullcontext():
         if timed:
             results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10,

@@ -165,6 +165,25 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert thresholds() == before
 
 
+def test_overhead_one_run_per_layer_holds_every_call_to_one_launch_and_restores_the_bounds(tmp_path):
+    """The diagnostic provider ``pdpfast per-layer one run`` lifts per-layer clipping's run bounds for
+    its own steps only: the bounds are what they were after it (its launches on the GPU route:
+    ``test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu``); an unknown provider is
+    refused by name."""
+    import pdpfast.clipping
+    from bench import bench_overhead
+
+    bounds = pdpfast.clipping.RUN_FLOOR, pdpfast.clipping.RUN_BYTES
+    out = tmp_path / "overhead.json"
+    assert bench_overhead.main(["--route", "large", "--repeats", "2", "--providers",
+                                "pdpfast bk,pdpfast per-layer,pdpfast per-layer one run", "--out", str(out)]) == 0
+    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    assert (pdpfast.clipping.RUN_FLOOR, pdpfast.clipping.RUN_BYTES) == bounds
+    assert rows["pdpfast per-layer one run"]["median_ms"] > 0
+    with pytest.raises(SystemExit):
+        bench_overhead.main(["--providers", "pdpfast per-layer,no such provider", "--out", str(out)])
+
+
 def test_large_call_route_pools_no_formed_gradient_between_steps_as_a_gpu():
     """A GPU has no buffer pool: under the large route the CPU's pool takes nothing back, so a
     formed per-sample gradient (a tied embedding's B×V×d) does not outlive its step and add to the
@@ -175,12 +194,13 @@ def test_large_call_route_pools_no_formed_gradient_between_steps_as_a_gpu():
     from pdpfast.ops import workspace
 
     workspace.clear()
+    before = workspace.lent_bytes()  # (what earlier tests' live tensors still hold)
     with bench_overhead.large_call_route():
         lent = workspace.empty((workspace.MIN_BYTES // 4,), torch.float32, "cpu")
-        assert workspace.lent_bytes() == workspace.MIN_BYTES
+        assert workspace.lent_bytes() == before + workspace.MIN_BYTES
         workspace.recycle([lent])
         del lent
-        assert workspace.lent_bytes() == 0 and workspace._free_bytes == 0  # freed, not pooled
+        assert workspace.lent_bytes() == before and workspace._free_bytes == 0  # freed, not pooled
     lent = workspace.empty((workspace.MIN_BYTES // 4,), torch.float32, "cpu")
     workspace.recycle([lent])
     assert workspace._free_bytes == workspace.MIN_BYTES  # the pool takes it back again
@@ -190,7 +210,8 @@ def test_large_call_route_pools_no_formed_gradient_between_steps_as_a_gpu():
 def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     """--kernels stub picks the Triton kernels as a GPU does and makes their launches no-ops (in a
     process of its own: it sets TRITON_INTERPRET before the kernels are imported). The private
-    step then launches the kernels a GPU runs, which the CPU route never does."""
+    step then launches the kernels a GPU runs, which the CPU route never does; per-layer clipping's
+    runs, unbounded (``pdpfast per-layer one run``), take fewer launches than its bounded ones."""
     import os
     import subprocess
     import sys
@@ -201,13 +222,16 @@ def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--kernels", "stub", "--route", "large",
-                    "--repeats", "2", "--providers", "non-private,pdpfast bk", "--out", str(out)],
+                    "--repeats", "2", "--providers",
+                    "non-private,pdpfast bk,pdpfast per-layer,pdpfast per-layer one run", "--out", str(out)],
                    cwd=root, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads(out.read_text())
-    assert [r["kernels"] for r in rows] == ["stub", "stub"] and all(r["median_ms"] > 0 for r in rows)
+    assert [r["kernels"] for r in rows] == ["stub"] * 4 and all(r["median_ms"] > 0 for r in rows)
     # the private step takes the GPU's kernels (norms, noise), which the CPU route never launches
     assert rows[0]["triton_launches_per_step"] == 0 < rows[1]["triton_launches_per_step"]
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
+    # a run's calls share one norm launch: unbounded, per-layer takes fewer of them
+    assert rows[3]["triton_launches_per_step"] < rows[2]["triton_launches_per_step"], rows
 
 
 def test_bench_overhead_times_a_llama_style_decoder_in_every_mode(tmp_path):
