@@ -482,6 +482,62 @@ def test_cuda_eager_steps_of_fixed_shapes_reuse_their_grouped_launch_tables(clip
     assert builds[-1]["hits"] - builds[2]["hits"] == 3 * lookups, builds  # every table, every step
 
 
+def test_cuda_per_layer_runs_go_on_within_the_memory_where_the_backward_began(monkeypatch):
+    """On a GPU the caching allocator counts every tensor's bytes (``pdpfast.clipping._allocated_bytes``,
+    a host-side read): per-layer clipping's runs of projections go on past what its backward has
+    passed while the device holds no more than where the backward began. On a 6-block BERT on the
+    full-size route the allocator is consulted, the projections take fewer norm launches than with
+    the passed-bytes bound alone (on the CPU, with the allocator's reads emulated: 8 launches a step
+    become 1), and the step's peak is no higher (1% and 1 MiB of slack: the allocator's rounding)."""
+    import pdpfast.clipping as clipping_mod
+    import pdpfast.ops.linear as lin_ops
+    from pdpfast.clipping import ClippingState
+    from pdpfast.models import bert
+    from pdpfast.optimizer import DPOptimizer
+
+    held = torch.empty(1 << 20, device="cuda")
+    assert clipping_mod._allocated_bytes(held.device) >= held.numel() * 4
+    del held
+    for name in ("SMALL_CALL_BYTES", "RUN_FLOOR"):  # every call on a full-size model's route
+        monkeypatch.setattr(clipping_mod, name, 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_RATIO", 0)
+    monkeypatch.setattr(lin_ops, "MATERIALIZE_MIN_ELEMENTS", 0)
+    launches, reads = [], []
+    grouped, read = lin_ops.linear_sq_norms_grouped, clipping_mod._allocated_bytes
+    monkeypatch.setattr(lin_ops, "linear_sq_norms_grouped",
+                        lambda calls, *args: (launches.append(len(calls)), grouped(calls, *args))[1])
+    B = 32
+    # (sequence 32: the norms' Gram path at width 128, on which calls share launches)
+    ids, y = torch.randint(1, 128, (B, 32), device="cuda"), torch.randint(0, 3, (B,), device="cuda")
+
+    def second_step(reader):
+        monkeypatch.setattr(clipping_mod, "_allocated_bytes", reader)
+        torch.manual_seed(0)
+        model = pdpfast.nn.convert(bert("tiny", num_labels=3, num_hidden_layers=6, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0).cuda())
+        state = ClippingState(model, clipping="per_layer")
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+                          expected_batch_size=B, seed=0)
+        with state.attached():
+            for _ in range(2):
+                launches.clear()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                state.begin_batch(torch.ones(B, device="cuda"), loss_scale=B)
+                nn.functional.cross_entropy(model(input_ids=ids).logits, y).backward()
+                opt.step()
+                opt.zero_grad()
+                torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, list(launches)
+
+    peak_bound, launches_bound = second_step(lambda device: None)
+    peak_read, launches_read = second_step(lambda device: (reads.append(device), read(device))[1])
+    assert len(reads) > 2, reads  # where each backward began, then past the passed-bytes bound
+    assert len(launches_read) < len(launches_bound), (launches_read, launches_bound)
+    assert peak_read <= 1.01 * peak_bound + (1 << 20), (peak_read, peak_bound)
+
+
 def test_cuda_nonprivate_graph_provider_keeps_the_memory_it_replays_into():
     """bench.harness drops each provider's model copy and empties the cache before the next: a
     captured step must hold what its graph writes (else an illegal memory access, seen on an H100)."""

@@ -752,6 +752,41 @@ def test_per_layer_runs_above_the_floor_hold_what_the_backward_has_passed(monkey
     assert grouped_launches == [3, 3], grouped_launches
 
 
+def test_per_layer_runs_go_on_while_the_device_holds_no_more_than_where_its_backward_began(
+        monkeypatch, device, full_size_calls, grouped_launches):
+    """Where the device counts its tensors' bytes (a GPU's caching allocator), a per-layer run that
+    passes what the backward has passed goes on while the device's allocated bytes are no more than
+    at the backward's first call: the six d→d calls of the test above take one launch where the
+    device has let go of more than the run holds, and the passed-bytes runs ([2], the others alone)
+    where it holds more. The allocator is read once at the backward's first call and then only where
+    a run would have ended and the room the last read found is spent; the results equal those of one
+    launch per call. (A CPU counts nothing: ``_allocated_bytes`` is None there, the rule of the test
+    above.)"""
+    import pdpfast.clipping as clipping
+
+    B, T, d = 3, 7, 64
+    model, x = _uniform_stack(device, B, T, d)
+    monkeypatch.setattr(clipping, "RUN_FLOOR", 0)
+    reads = []
+    monkeypatch.setattr(clipping, "_allocated_bytes", lambda dev: reads.append(dev) or 10 ** 9 + len(reads))
+    _clip_once(model, x, "per_layer")  # a device holding more than where the backward began
+    assert grouped_launches == [2], grouped_launches
+    grouped_launches.clear()
+    reads.clear()
+
+    def falling(dev):  # a backward that has let go of 100 MB more than its runs hold, from its first call on
+        reads.append(dev)
+        return 10 ** 9 - (10 ** 8 if len(reads) > 1 else 0)
+
+    monkeypatch.setattr(clipping, "_allocated_bytes", falling)
+    grouped = _clip_once(model, x, "per_layer")
+    assert grouped_launches == [6], grouped_launches
+    # where the backward began, then where the first call passed the bound: its room lasts the run
+    assert len(reads) == 2, reads
+    grouped_launches.clear()
+    _same_as_one_launch_per_call(monkeypatch, model, x, "per_layer", grouped)
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_per_layer_holds_no_more_than_its_backward_has_passed(clipping, monkeypatch, device, full_size_calls,
                                                               grouped_launches):
