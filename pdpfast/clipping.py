@@ -1343,7 +1343,7 @@ class ClippingState:
         caching allocator, ``_allocated_bytes``): whether they are still no more than where this
         backward began (its first call, the held ones included now), so that held calls may pass
         ``_hold_limit()`` and raise no peak. A read clears the held calls to grow by the room it found
-        (``_cleared``), so the allocator is read again only past it.
+        (``_cleared``, until the next flush), so the allocator is read again only past it.
 
         What the backward has passed counts only the layers' inputs, and in a transformer they are
         the lesser part of what a backward lets go of (attention probabilities, activations' inputs,
@@ -1359,8 +1359,8 @@ class ClippingState:
         now = _allocated_bytes(o.device)
         if now is None or now > start[1]:
             return False
-        # held calls may grow by the room left before the next read: what they add counts their inputs,
-        # which were allocated already, and what a flush lets go of only adds room
+        # held calls may grow by the room left before the next read (what they add counts their inputs,
+        # which were allocated already); a flush, whose calls' tensors may outlive it, clears it
         self._cleared = held + start[1] - now
         return True
 
@@ -1368,7 +1368,7 @@ class ClippingState:
         """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand
         each call's to ``take(layer, names, grads)``: ``_hold_grads`` (flat clipping) or
         ``_clip_or_hold`` (per-layer clipping)."""
-        formed, self._formed, self._formed_bytes = self._formed, {}, 0
+        formed, self._formed, self._formed_bytes, self._cleared = self._formed, {}, 0, 0
         for (grouped, _), calls in formed.items():
             for (layer, names, _, _), grads in zip(calls, _grouped_per_sample_grads(grouped, calls)):
                 take(layer, names, grads)
@@ -1439,7 +1439,7 @@ class ClippingState:
         """Per-layer clipping of the held run of consecutive calls of one key (``Grouped``): their
         norms (and ρ) from one launch, each call's weights against its group's bounds, and the clipped
         sums of all of them in one pass (``_clip_group_into``)."""
-        run, self._run, self._run_key, self._run_bytes = self._run, [], None, 0
+        run, self._run, self._run_key, self._run_bytes, self._cleared = self._run, [], None, 0, 0
         if len(run) == 1:
             self._clip_call(*run[0])
         elif run:
