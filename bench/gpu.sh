@@ -141,10 +141,12 @@ for step in $steps; do
                  run bench_kernels python3 -m bench.bench_kernels --quick --dtypes bf16,fp32 ;;
         overhead) run bench_overhead python3 -m bench.bench_overhead --device cuda --repeats 100 \
                       --providers "non-private,non-private graph,pdpfast bk,pdpfast bk graph,pdpfast per-layer,pdpfast per-layer graph,pdpfast ghost,opacus hooks"
+                  # (per-layer "one run": its runs unbounded, what they cost the GPU's host)
                   run bench_overhead_large python3 -m bench.bench_overhead --device cuda --repeats 100 --route large \
-                      --providers "non-private,pdpfast bk,pdpfast per-layer"
+                      --providers "non-private,pdpfast bk,pdpfast per-layer,pdpfast per-layer one run"
                   run bench_overhead_large_bf16 python3 -m bench.bench_overhead --device cuda --repeats 100 \
-                      --route large --dtype bf16 --providers "non-private,pdpfast bk,pdpfast per-layer" ;;
+                      --route large --dtype bf16 \
+                      --providers "non-private,pdpfast bk,pdpfast per-layer,pdpfast per-layer one run" ;;
         profile) # where the eager step's host time goes (bench/profile_step.py), on the models the targets name
                  run profile_bert python3 -m bench.profile_step --device cuda --model bert --dtype bf16
                  run profile_gpt2 python3 -m bench.profile_step --device cuda --model gpt2 --dtype bf16 ;;
