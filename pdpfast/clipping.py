@@ -428,7 +428,7 @@ PACK_BYTES = 1 << 20
 # passed (not less what is held) took ResNet-18-GN's peak to 1.20x, 1.07x within 128 MiB. (Under
 # activation checkpointing the peak is at a block's recomputation instead, whose inputs count as
 # passed: the bound is then a heuristic.) The layers' inputs are the lesser part of what a backward
-# lets go of, and these runs are the whole of per-layer clipping's host time above book-keeping's
+# lets go of, and these runs are nearly all of per-layer clipping's host time above book-keeping's
 # (on the CPU's stand-in, with its runs unbounded, per-layer's step took bk's host time: bf16 1.44x
 # the non-private step's both, fp32 1.63 against 1.60; bounded, 1.56 and 1.79). Where the device
 # counts its tensors' bytes (a GPU's caching allocator), a run that passes the bound goes on while
