@@ -1255,8 +1255,9 @@ class ClippingState:
         k = layer.group
         if not self._started:  # where this backward began, for _below_backward_start
             self._started = True
-            if self.group_calls and self._forward_bytes // 10 > RUN_FLOOR:
-                self._start_bytes = o.device, _allocated_bytes(o.device)
+            start = _allocated_bytes(o.device) if self.group_calls and self._forward_bytes // 10 > RUN_FLOOR else None
+            if start is not None:
+                self._start_bytes = o.device, start
         if id(x) != self._passed_input:  # (the attention projections share their input: it is let go of once)
             self._passed_input = id(x)
             self._passed_bytes += _input_bytes(x)
@@ -1354,7 +1355,7 @@ class ClippingState:
         if held <= self._cleared:
             return True
         start = self._start_bytes
-        if start is None or start[1] is None or start[0] != o.device:  # (a model across devices: not compared)
+        if start is None or start[0] != o.device:  # (a model across devices: not compared)
             return False
         now = _allocated_bytes(o.device)
         if now is None or now > start[1]:
@@ -2042,7 +2043,7 @@ class ClippingState:
         self._passed_bytes = 0   # per-layer clipping: the inputs of the calls its backward has reached
         self._passed_input = 0   # id() of the last of them
         self._started = False     # per-layer clipping: its backward's first call came
-        self._start_bytes = None  # (device, its allocated bytes or None) then, on the full-size route
+        self._start_bytes = None  # (device, its allocated bytes) then, on the full-size route where counted
         self._cleared = 0         # held bytes the last read of the device left room for (_below_backward_start)
         self._stacks: dict = {}
         self._stack_bytes = 0

@@ -118,8 +118,6 @@ def _mt_state_layout_known() -> bool:
     return head == [1, 1] and seeded == words
 
 
-
-
 @functools.lru_cache(maxsize=1)
 def _seeded_state() -> np.ndarray:
     # a freshly seeded generator's state bytes (no cached normals, left = 1), filled in with numpy:
