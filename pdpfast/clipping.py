@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import _ext
 from ._checks import as_per_sample, check_choice, check_nonnegative, check_number, check_positive
 from .nn.broadcast import BroadcastParameterFunction, DPBroadcastHost
 from .nn.convert import refuse_unsupported_layers
@@ -312,13 +313,30 @@ def _grouped_norms_and_rounding(calls: list) -> list:
 
 def _allocated_bytes(device: torch.device) -> int | None:
     """The bytes of the tensors allocated on ``device`` now, where its allocator counts them (CUDA's
-    caching allocator: a host-side read of its statistics, no synchronisation), else None."""
+    caching allocator: a host-side read of its statistics, no synchronisation), else None.
+
+    From ``pdpfast._C.cuda_allocated_bytes`` (``csrc/memory.cpp``) where the extension was built with
+    CUDA: torch's read from Python, ``torch._C._cuda_memoryStats``, builds a dictionary of every
+    statistic first, and per-layer clipping reads it a few times a run (``_below_backward_start``)."""
     if device.type != "cuda":
         return None
+    if _CUDA_BYTES is not None and device.index is not None:
+        counted = _CUDA_BYTES(device.index)
+        if counted >= 0:
+            return counted or None
     try:  # (an allocator that keeps no statistics, a pluggable one: not counted)
         return torch._C._cuda_memoryStats(device.index)["allocated_bytes"]["all"]["current"] or None
     except (AttributeError, KeyError, RuntimeError, TypeError):
         return None
+
+
+_CUDA_BYTES = None if _ext.missing("cuda_allocated_bytes", "memory.cpp") else _ext._C.cuda_allocated_bytes
+
+
+def _params_bytes(layer, names: tuple) -> int:
+    """The bytes of a call's trained parameters (``names`` of its module): those of their sums."""
+    params = layer.module._parameters
+    return sum(params[n].nbytes for n in names)
 
 
 def _input_bytes(x) -> int:
@@ -1292,7 +1310,12 @@ class ClippingState:
             # held until a call that does not join them: consecutive calls of one key (a transformer's
             # projections) take one norm launch, and are clipped then, each against its own weights
             shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
-            self._run_bytes += o.numel() * o.element_size() + (0 if shared else x.numel() * x.element_size())
+            x_bytes = 0 if shared else x.numel() * x.element_size()
+            self._run_bytes += o.numel() * o.element_size() + x_bytes
+            if self._start_bytes is not None:  # what its flush will allocate (_below_backward_start)
+                self._run_grads += _params_bytes(layer, names)
+                self._run_scratch = max(self._run_scratch, min(x_bytes or x.numel() * x.element_size(),
+                                                               o.numel() * o.element_size()))
             self._run_key = group
             self._run.append((layer, names, x, o))
             if self._run_bytes > self._hold_limit() and not self._below_backward_start(o):
@@ -1325,6 +1348,8 @@ class ClippingState:
         ``_hold_limit()`` (this call included), form the held ones (``_flush_formed(take)``)."""
         self._formed.setdefault(group, []).append((layer, names, x, o))
         self._formed_bytes += x.numel() * x.element_size() + o.numel() * o.element_size()
+        if self._start_bytes is not None:  # its per-sample gradients and their sums (_below_backward_start)
+            self._formed_grads += (o.shape[0] + 1) * _params_bytes(layer, names)
         if self._formed_bytes > self._hold_limit() and not self._below_backward_start(o):
             self._flush_formed(take)
 
@@ -1341,27 +1366,31 @@ class ClippingState:
 
     def _below_backward_start(self, o: torch.Tensor) -> bool:
         """Per-layer clipping above ``RUN_FLOOR``, where the device counts its tensors' bytes (a GPU's
-        caching allocator, ``_allocated_bytes``): whether they are still no more than where this
-        backward began (its first call, the held ones included now), so that held calls may pass
-        ``_hold_limit()`` and raise no peak. A read clears the held calls to grow by the room it found
-        (``_cleared``, until the next flush), so the allocator is read again only past it.
+        caching allocator, ``_allocated_bytes``): whether they, with what flushing the held calls
+        will allocate (their clipped sums, the largest operand one scales, formed per-sample
+        gradients), are still no more than where this backward began (its first call, the held ones
+        included now), so that held calls may pass ``_hold_limit()`` and raise no peak. A read clears
+        the held calls to grow by the room it found (``_cleared``, until the next flush), so the
+        allocator is read again only past it.
 
         What the backward has passed counts only the layers' inputs, and in a transformer they are
         the lesser part of what a backward lets go of (attention probabilities, activations' inputs,
         dropout masks); the device knows the rest. Read once a backward at its first call, then only
         where the limit would have ended a run and the last read's room is spent (a read takes tens of
         µs of host time, a held run's flush more than a hundred)."""
-        held = self._run_bytes + self._formed_bytes
-        if held <= self._cleared:
-            return True
         start = self._start_bytes
         if start is None or start[0] != o.device:  # (a model across devices: not compared)
             return False
+        flush = self._run_grads + self._run_scratch + self._formed_grads
+        held = self._run_bytes + self._formed_bytes
+        if held + flush <= self._cleared:
+            return True
         now = _allocated_bytes(o.device)
-        if now is None or now > start[1]:
+        if now is None or now + flush > start[1]:
             return False
         # held calls may grow by the room left before the next read (what they add counts their inputs,
-        # which were allocated already); a flush, whose calls' tensors may outlive it, clears it
+        # which were allocated already, and what their flush will allocate); a flush, whose calls'
+        # tensors may outlive it, clears it
         self._cleared = held + start[1] - now
         return True
 
@@ -1369,7 +1398,7 @@ class ClippingState:
         """Form the held calls' per-sample gradients (``_hold_formed``), one launch per key, and hand
         each call's to ``take(layer, names, grads)``: ``_hold_grads`` (flat clipping) or
         ``_clip_or_hold`` (per-layer clipping)."""
-        formed, self._formed, self._formed_bytes, self._cleared = self._formed, {}, 0, 0
+        formed, self._formed, self._formed_bytes, self._formed_grads, self._cleared = self._formed, {}, 0, 0, 0
         for (grouped, _), calls in formed.items():
             for (layer, names, _, _), grads in zip(calls, _grouped_per_sample_grads(grouped, calls)):
                 take(layer, names, grads)
@@ -1441,6 +1470,7 @@ class ClippingState:
         norms (and ρ) from one launch, each call's weights against its group's bounds, and the clipped
         sums of all of them in one pass (``_clip_group_into``)."""
         run, self._run, self._run_key, self._run_bytes, self._cleared = self._run, [], None, 0, 0
+        self._run_grads = self._run_scratch = 0
         if len(run) == 1:
             self._clip_call(*run[0])
         elif run:
@@ -2037,9 +2067,12 @@ class ClippingState:
         self._groups: dict = {}  # (Grouped, key) -> calls whose norms take one launch, and clipped sums one pass (flat)
         self._formed: dict = {}  # (Grouped, key) -> held calls whose per-sample gradients take one launch
         self._formed_bytes = 0   # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
+        self._formed_grads = 0   # where counted: their per-sample gradients' and sums' bytes (_below_backward_start)
         self._run: list = []     # per-layer clipping: consecutive calls of one key held for one norm launch
         self._run_key = None
         self._run_bytes = 0      # their inputs' and output gradients' bytes (``_hold_limit()`` at most)
+        self._run_grads = 0      # where counted: the bytes of their clipped sums (_below_backward_start)
+        self._run_scratch = 0    # and of the largest scaled operand one of them takes
         self._passed_bytes = 0   # per-layer clipping: the inputs of the calls its backward has reached
         self._passed_input = 0   # id() of the last of them
         self._started = False     # per-layer clipping: its backward's first call came

@@ -760,8 +760,9 @@ def test_per_layer_runs_go_on_while_the_device_holds_no_more_than_where_its_back
     device has let go of more than the run holds, and the passed-bytes runs ([2], the others alone)
     where it holds more. The allocator is read once at the backward's first call and then only where
     a run would have ended and the room the last read found is spent; the results equal those of one
-    launch per call. (A CPU counts nothing: ``_allocated_bytes`` is None there, the rule of the test
-    above.)"""
+    launch per call. What flushing the held calls will allocate counts (their clipped sums and the
+    operand one scales): a device that has let go of less than that ends runs as the bound does. (A
+    CPU counts nothing: ``_allocated_bytes`` is None there, the rule of the test above.)"""
     import pdpfast.clipping as clipping
 
     B, T, d = 3, 7, 64
@@ -783,6 +784,16 @@ def test_per_layer_runs_go_on_while_the_device_holds_no_more_than_where_its_back
     assert grouped_launches == [6], grouped_launches
     # where the backward began, then where the first call passed the bound: its room lasts the run
     assert len(reads) == 2, reads
+    grouped_launches.clear()
+    reads.clear()
+
+    def short_of_a_flush(dev):  # let go of less than flushing one call allocates: its clipped sums, 16.6 kB
+        reads.append(dev)
+        return 10 ** 9 - (10_000 if len(reads) > 1 else 0)
+
+    monkeypatch.setattr(clipping, "_allocated_bytes", short_of_a_flush)
+    _clip_once(model, x, "per_layer")
+    assert grouped_launches == [2], grouped_launches  # the passed-bytes runs: the flush would pass the start
     grouped_launches.clear()
     _same_as_one_launch_per_call(monkeypatch, model, x, "per_layer", grouped)
 
