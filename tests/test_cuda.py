@@ -482,6 +482,25 @@ def test_cuda_eager_steps_of_fixed_shapes_reuse_their_grouped_launch_tables(clip
     assert builds[-1]["hits"] - builds[2]["hits"] == 3 * lookups, builds  # every table, every step
 
 
+def test_cuda_allocated_bytes_are_read_through_the_extension_as_torch_counts_them():
+    """Where ``pdpfast._C`` was built with CUDA, ``pdpfast.clipping._allocated_bytes`` reads the caching
+    allocator's count through it (``csrc/memory.cpp``: no dictionary of every statistic built first):
+    the count ``torch.cuda.memory_allocated`` gives, up by a tensor's bytes while it lives."""
+    import pdpfast.clipping as clipping_mod
+    from pdpfast import _ext
+
+    if _ext.missing("cuda_allocated_bytes", "memory.cpp") or not _ext._C.clip_with_cuda:
+        pytest.skip("pdpfast._C was not built with CUDA (bench/gpu.sh builds it in place)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert clipping_mod._CUDA_BYTES is not None
+    held = torch.empty(1 << 20, device=device)
+    count, nbytes = clipping_mod._allocated_bytes(device), held.nbytes
+    assert count == torch.cuda.memory_allocated(device) >= nbytes
+    del held
+    # (None where the device holds nothing: not counted as room)
+    assert (clipping_mod._allocated_bytes(device) or 0) == torch.cuda.memory_allocated(device) == count - nbytes
+
+
 def test_cuda_per_layer_runs_go_on_within_the_memory_where_the_backward_began(monkeypatch):
     """On a GPU the caching allocator counts every tensor's bytes (``pdpfast.clipping._allocated_bytes``,
     a host-side read): per-layer clipping's runs of projections go on past what its backward has
