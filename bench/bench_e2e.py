@@ -161,13 +161,13 @@ def main(argv=None) -> int:
             inputs = ({k: t[:batch] for k, t in inputs.items()} if isinstance(inputs, dict)
                       else tuple(t[:batch] for t in inputs))
         started = time.perf_counter()
-        with large_call_route() if args.route == "large" else contextlib.nullcontext():
+        with large_call_route() if args.route == "large" else contextlib.nullcontext() as device_bytes:
             results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, providers=providers), batch)
         print(f"bench_e2e: {name} measured in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         for provider, r in results.items():
             rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": provider,
                          "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
-                         "repeats": args.repeats})
+                         "repeats": args.repeats, **({"device_bytes": device_bytes} if device_bytes else {})})
         del model
         save()
     print("| model | provider | samples/s | × non-private throughput | peak MiB | × memory | step ms | host ms |\n"

@@ -65,6 +65,7 @@ import copy
 import functools
 import math
 import statistics
+import subprocess
 import time
 import warnings
 
@@ -298,13 +299,19 @@ def large_call_route():
     full-size model's calls on a GPU (the module docstring). The calls a clipping mode holds together
     (per-layer clipping's runs) are bounded as a full-size model's are, relative to the model's own
     bytes (``pdpfast.clipping.RUN_FLOOR`` 0): the width-16 BERT's per-layer step then takes 28 Triton
-    launches, as BERT-base's at batch 32 does, not 13. And as on a GPU, which has no such pool, the
-    CPU's buffer pool (``pdpfast.ops.workspace``) takes nothing back: a formed per-sample gradient is
-    freed when dropped, not kept for the next step, where it would add to that step's peak memory
-    (GPT-2's tied embedding and LM head: 589 MiB at batch 8 in bf16, which had read as an 11% higher
-    peak than a GPU's). Restores the thresholds and the pool on exit."""
+    launches, as BERT-base's at batch 32 does, not 13. As on a GPU, whose caching allocator counts its
+    tensors' bytes, the CPU's are counted (``bench.cpu_bytes.counted_cpu_bytes``), so that per-layer
+    clipping's runs go on while the device holds no more than where its backward began (where no C++
+    compiler builds the counter: a warning, and the CPU's rule). And as on a GPU, which has no such
+    pool, the CPU's buffer pool (``pdpfast.ops.workspace``) takes nothing back: a formed per-sample
+    gradient is freed when dropped, not kept for the next step, where it would add to that step's peak
+    memory (GPT-2's tied embedding and LM head: 589 MiB at batch 8 in bf16, which had read as an 11%
+    higher peak than a GPU's). Restores the thresholds, the pool and the count on exit.
+
+    Yields "counted", or "not counted (<why>)": what the rows record as ``device_bytes``."""
     import pdpfast.clipping as clipping
     import pdpfast.ops.linear as lin_ops
+    from bench.cpu_bytes import counted_cpu_bytes
     from pdpfast.ops import workspace
 
     saved = clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS, clipping.RUN_FLOOR
@@ -312,7 +319,15 @@ def large_call_route():
     clipping.SMALL_CALL_BYTES = lin_ops.MATERIALIZE_RATIO = lin_ops.MATERIALIZE_MIN_ELEMENTS = clipping.RUN_FLOOR = 0
     workspace.recycle = _keep_nothing
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(counted_cpu_bytes())
+                counted = "counted"
+            except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                counted = f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                warnings.warn(f"--route large: the CPU's allocated bytes are {counted}; per-layer clipping's "
+                              "runs take the CPU's bounds, not a GPU's", RuntimeWarning, stacklevel=3)
+            yield counted
     finally:
         (clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS,
          clipping.RUN_FLOOR) = saved
@@ -551,7 +566,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--providers: unknown {unknown}; choose from {', '.join(known)}")
     providers = {name: known[name] for name in args.providers.split(",")}
-    with large_call_route() if args.route == "large" else contextlib.nullcontext():
+    with large_call_route() if args.route == "large" else contextlib.nullcontext() as device_bytes:
         if timed:
             results = with_ratios(measure(model, inputs, y, loss, repeats=args.repeats, warmup=10,
                                           providers=providers, clock=args.clock), y.shape[0])
@@ -568,7 +583,7 @@ def main(argv=None) -> int:
     batch, seq = (4, None) if args.model == "resnet18-w4" else (4, 8) if timed else (args.batch, 128)
     rows = [{"benchmark": "host_overhead", "model": args.model, "batch": batch, "seq": seq, "provider": name, **r,
              **env, "repeats": args.repeats, "clock": args.clock, "route": args.route, "dtype": args.dtype,
-             "kernels": args.kernels}
+             "kernels": args.kernels, **({"device_bytes": device_bytes} if device_bytes else {})}
             for name, r in results.items()]
     suffix = "" if args.model == "bert-12x16" else "_" + args.model.replace("-", "_")
     suffix += "" if args.route == "model" else f"_{args.route}_calls"

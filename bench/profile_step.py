@@ -254,13 +254,14 @@ def main(argv=None) -> int:
 
         model, inputs, y, loss, batch, seq = build(args.model, args.size, device, dtype)
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
-    with bench_overhead.large_call_route() if args.route == "large" else contextlib.nullcontext():
+    with bench_overhead.large_call_route() if args.route == "large" else contextlib.nullcontext() as device_bytes:
         results = profile_providers(model, inputs, y, loss, providers, steps=args.steps, warmup=args.warmup,
                                     profiled_steps=args.profiled_steps, top=args.top)
     env = environment(device)
     rows = [{"benchmark": "step_profile", "model": args.model, "size": args.size, "batch": batch, "seq": seq,
              "dtype": args.dtype, "route": args.route, "kernels": args.kernels, "provider": name, **r, **env,
-             "steps": args.steps} for name, r in results.items()]
+             "steps": args.steps, **({"device_bytes": device_bytes} if device_bytes else {})}
+            for name, r in results.items()]
     _print(results, args.top)
     out = args.out or f"bench/results/profile_{device.type}_{args.model.replace('-', '_')}_{args.dtype}.json"
     out = write_rows(out, rows)

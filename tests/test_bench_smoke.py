@@ -163,6 +163,31 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     # what a private step adds is counted: more launches than the non-private step
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
     assert thresholds() == before
+    # the CPU's bytes counted as a GPU's allocator counts them (where a compiler builds the counter)
+    assert all(r["device_bytes"] == "counted" for r in rows), rows
+
+
+def test_large_call_route_counts_the_cpus_tensor_bytes_as_a_gpus_allocator_does():
+    """Under the large route ``pdpfast.clipping._allocated_bytes`` reads a count of the CPU's tensor
+    bytes (``bench.cpu_bytes``), as it reads a GPU's caching allocator: up by what a tensor takes
+    when it is made, down when it is freed, the same after the tensor's life; outside it the CPU
+    counts nothing (None), per-layer clipping's rule off the GPU."""
+    import torch
+
+    import pdpfast.clipping as clipping
+    from bench import bench_overhead
+
+    cpu = torch.device("cpu")
+    with bench_overhead.large_call_route() as counted:
+        assert counted == "counted"
+        before = clipping._allocated_bytes(cpu)
+        x = torch.empty(1 << 20)
+        assert clipping._allocated_bytes(cpu) == before + 4 * (1 << 20)
+        y = (x + 1).sum()  # an op's output; its temporary (x + 1) freed
+        assert clipping._allocated_bytes(cpu) == before + 4 * (1 << 20) + 4
+        del x, y
+        assert clipping._allocated_bytes(cpu) == before
+    assert clipping._allocated_bytes(cpu) is None
 
 
 def test_overhead_one_run_per_layer_holds_every_call_to_one_launch_and_restores_the_bounds(tmp_path):
