@@ -65,7 +65,6 @@ import copy
 import functools
 import math
 import statistics
-import subprocess
 import time
 import warnings
 
@@ -311,7 +310,7 @@ def large_call_route():
     Yields "counted", or "not counted (<why>)": what the rows record as ``device_bytes``."""
     import pdpfast.clipping as clipping
     import pdpfast.ops.linear as lin_ops
-    from bench.cpu_bytes import counted_cpu_bytes
+    from bench.cpu_bytes import counted_cpu_bytes, why_not_counted
     from pdpfast.ops import workspace
 
     saved = clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS, clipping.RUN_FLOOR
@@ -319,15 +318,12 @@ def large_call_route():
     clipping.SMALL_CALL_BYTES = lin_ops.MATERIALIZE_RATIO = lin_ops.MATERIALIZE_MIN_ELEMENTS = clipping.RUN_FLOOR = 0
     workspace.recycle = _keep_nothing
     try:
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(counted_cpu_bytes())
-                counted = "counted"
-            except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                counted = f"not counted ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-                warnings.warn(f"--route large: the CPU's allocated bytes are {counted}; per-layer clipping's "
-                              "runs take the CPU's bounds, not a GPU's", RuntimeWarning, stacklevel=3)
-            yield counted
+        why = why_not_counted()
+        if why is not None:
+            warnings.warn(f"--route large: the CPU's tensor bytes are not counted ({why}); per-layer clipping's "
+                          "runs take the CPU's bounds, not a GPU's", RuntimeWarning, stacklevel=3)
+        with counted_cpu_bytes() if why is None else contextlib.nullcontext():
+            yield "counted" if why is None else f"not counted ({why})"
     finally:
         (clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS,
          clipping.RUN_FLOOR) = saved

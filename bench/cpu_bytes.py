@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import subprocess
 
 import torch
 
@@ -92,12 +93,27 @@ def _extension():
     return ext
 
 
+@functools.cache
+def why_not_counted() -> str | None:
+    """None where the counting allocator builds (once a process; torch caches the build), else why
+    not (no C++ compiler or ninja, say): ``counted_cpu_bytes`` then raises it."""
+    try:
+        _extension()
+    except (ImportError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        lines = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+    return None
+
+
 @contextlib.contextmanager
 def counted_cpu_bytes():
     """Within the block, ``pdpfast.clipping._allocated_bytes`` counts a CPU device's tensor bytes
     (those allocated since the counting allocator was installed: the first block of the process)."""
     import pdpfast.clipping as clipping
 
+    why = why_not_counted()
+    if why is not None:
+        raise RuntimeError(f"the CPU's tensor bytes cannot be counted: {why}")
     allocated = _extension().allocated
     reads = clipping._allocated_bytes
 

@@ -153,6 +153,8 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
         return (pdpfast.clipping.SMALL_CALL_BYTES, lin_ops.MATERIALIZE_RATIO, lin_ops.MATERIALIZE_MIN_ELEMENTS,
                 pdpfast.clipping.RUN_FLOOR)
 
+    from bench.cpu_bytes import why_not_counted
+
     before = thresholds()
     out = tmp_path / "overhead.json"
     assert bench_overhead.main(["--route", "large", "--repeats", "2", "--providers",
@@ -164,7 +166,8 @@ def test_overhead_benchmark_large_call_route_runs_and_restores_the_thresholds(tm
     assert rows[1]["launches_per_step"] > rows[0]["launches_per_step"]
     assert thresholds() == before
     # the CPU's bytes counted as a GPU's allocator counts them (where a compiler builds the counter)
-    assert all(r["device_bytes"] == "counted" for r in rows), rows
+    why = why_not_counted()
+    assert all(r["device_bytes"] == ("counted" if why is None else f"not counted ({why})") for r in rows), rows
 
 
 def test_large_call_route_counts_the_cpus_tensor_bytes_as_a_gpus_allocator_does():
@@ -176,7 +179,10 @@ def test_large_call_route_counts_the_cpus_tensor_bytes_as_a_gpus_allocator_does(
 
     import pdpfast.clipping as clipping
     from bench import bench_overhead
+    from bench.cpu_bytes import why_not_counted
 
+    if why_not_counted() is not None:
+        pytest.skip(f"the counting allocator does not build here: {why_not_counted()}")
     cpu = torch.device("cpu")
     with bench_overhead.large_call_route() as counted:
         assert counted == "counted"
@@ -188,6 +194,21 @@ def test_large_call_route_counts_the_cpus_tensor_bytes_as_a_gpus_allocator_does(
         del x, y
         assert clipping._allocated_bytes(cpu) == before
     assert clipping._allocated_bytes(cpu) is None
+
+
+def test_large_call_route_says_when_the_cpus_bytes_cannot_be_counted(monkeypatch):
+    """Where the counting allocator does not build (no compiler, say), the large route warns, records
+    why in its rows' ``device_bytes``, and runs with the CPU's run bounds (nothing counted)."""
+    import torch
+
+    import pdpfast.clipping as clipping
+    from bench import bench_overhead, cpu_bytes
+
+    monkeypatch.setattr(cpu_bytes, "why_not_counted", lambda: "RuntimeError: Ninja is required")
+    with pytest.warns(RuntimeWarning, match="not counted .RuntimeError: Ninja is required"), \
+            bench_overhead.large_call_route() as counted:
+        assert counted == "not counted (RuntimeError: Ninja is required)"
+        assert clipping._allocated_bytes(torch.device("cpu")) is None
 
 
 def test_overhead_one_run_per_layer_holds_every_call_to_one_launch_and_restores_the_bounds(tmp_path):
