@@ -1378,9 +1378,9 @@ class ClippingState:
         What the backward has passed counts only the layers' inputs, and in a transformer they are
         the lesser part of what a backward lets go of (attention probabilities, activations' inputs,
         dropout masks); the device knows the rest. Read once a backward at its first call, then only
-        where the limit would have ended a run and the last read's room is spent (a read takes ~1 µs of
-        host time through ``pdpfast._C``, tens through torch's dictionary; a held run's flush more than
-        a hundred)."""
+        where the limit would have ended a run and the last read's room is spent (a read is one C++ call
+        through ``pdpfast._C``, unmeasured on a GPU, tens of µs through torch's dictionary; a held
+        run's flush more than a hundred)."""
         start = self._start_bytes
         if start is None or start[0] != o.device:  # (a model across devices: not compared)
             return False
