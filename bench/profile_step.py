@@ -22,6 +22,9 @@ Parts (milliseconds a step, medians over ``--steps``; inclusive, so they nest):
 - ``optimizer step``: the optimizer's step (noise, the update).
 - ``triton launches`` and ``extension calls``: every Triton kernel launch (``JITFunction.run``) and call
   of ``pdpfast._C``, wherever they are; with their counts a step.
+- ``run flushes`` and ``allocator reads``: per-layer clipping's flushes of a held run of calls
+  (``ClippingState._flush_run``, one norm launch each) and its reads of the device's allocated bytes
+  (``pdpfast.clipping._allocated_bytes``, which let a run go on), with their counts a step.
 - ``tables built`` / ``tables reused``: the grouped launches' device tables a step
   (``kernels._utils.table_on``: reused where a step repeats the last one's layout).
 
@@ -47,9 +50,10 @@ from .bench_overhead import extension_functions
 from .harness import PROVIDERS, environment, write_rows
 
 PARTS = ("step", "dp forward", "backward hooks", "end of backward", "optimizer step", "triton launches",
-         "extension calls")
+         "extension calls", "run flushes", "allocator reads")
 DEFAULT_PROVIDERS = "non-private,pdpfast bk,pdpfast per-layer"
-COUNTS = ("dp forward", "backward hooks", "triton launches", "extension calls", "tables built", "tables reused")
+COUNTS = ("dp forward", "backward hooks", "triton launches", "extension calls", "run flushes", "allocator reads",
+          "tables built", "tables reused")
 # the CUDA runtime (and driver) calls a profile lists (the ones that can stop the host are the point)
 RUNTIME_PREFIX = "cu"
 
@@ -94,6 +98,7 @@ def timed_parts(timers: Timers):
                (clipping.ClippingState, "on_backward", "backward hooks"),
                (clipping.ClippingState, "_finish_flat", "end of backward"),
                (clipping.ClippingState, "_finish_per_layer", "end of backward"),
+               (clipping, "_allocated_bytes", "allocator reads"),
                (optimizer.DPOptimizer, "step", "optimizer step"),
                (torch.optim.SGD, "step", "optimizer step")]
     try:
@@ -108,10 +113,22 @@ def timed_parts(timers: Timers):
     try:
         for owner, name, part in patches:
             setattr(owner, name, timers.wrap(part, getattr(owner, name)))
+        flush = clipping.ClippingState.__dict__["_flush_run"]
+        saved.append((clipping.ClippingState, "_flush_run", flush))
+        clipping.ClippingState._flush_run = _held_runs_only(timers.wrap("run flushes", flush), flush)
         yield
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+
+
+def _held_runs_only(timed, flush):
+    """``ClippingState._flush_run`` timed and counted where it has a run to flush (it is called at
+    every call that does not join the held run, mostly with none)."""
+    @functools.wraps(flush)
+    def flush_run(self):
+        return timed(self) if self._run else flush(self)
+    return flush_run
 
 
 def _sync(device: torch.device) -> None:

@@ -479,3 +479,31 @@ def test_profile_step_splits_each_providers_host_time_into_pdpfasts_parts(tmp_pa
         parts = r["parts_ms"]
         assert parts["step"] > parts["dp forward"] > 0 and parts["step"] > parts["optimizer step"] > 0
         assert parts["end of backward"] > 0 and r["top_ops"] and r["top_ops"][0]["name"].startswith("aten::")
+
+
+def test_profile_step_counts_per_layer_runs_and_the_allocator_reads_that_let_them_go_on(tmp_path):
+    """On the GPU's route (``--route large --kernels stub``, in a process of its own) per-layer clipping
+    holds runs of calls for one norm launch and, where the device's bytes are counted (the CPU's
+    stand-in counts them as a GPU's allocator does), reads them to let a run go on: profile_step counts
+    both a step; book-keeping flushes no run and reads nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.cpu_bytes import why_not_counted
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "profile_large.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-m", "bench.profile_step", "--model", "bert-12x16", "--route", "large",
+                    "--kernels", "stub", "--steps", "2", "--warmup", "1", "--profiled-steps", "1", "--providers",
+                    "pdpfast bk,pdpfast per-layer", "--device", "cpu", "--out", str(out)],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    rows = {r["provider"]: r for r in json.loads(out.read_text())}
+    bk, per_layer = rows["pdpfast bk"]["counts"], rows["pdpfast per-layer"]["counts"]
+    assert bk["run flushes"] == bk["allocator reads"] == 0, bk
+    assert per_layer["run flushes"] > 1, per_layer
+    # read at the backward's first call and where a run would have ended (counted), else never
+    assert per_layer["allocator reads"] >= (2 if why_not_counted() is None else 0), per_layer
