@@ -1312,12 +1312,11 @@ class ClippingState:
             # held until a call that does not join them: consecutive calls of one key (a transformer's
             # projections) take one norm launch, and are clipped then, each against its own weights
             shared = self._run and self._run[-1][2] is x  # (the attention projections share their input)
-            x_bytes = 0 if shared else x.numel() * x.element_size()
-            self._run_bytes += o.numel() * o.element_size() + x_bytes
+            x_bytes, o_bytes = x.numel() * x.element_size(), o.numel() * o.element_size()
+            self._run_bytes += o_bytes + (0 if shared else x_bytes)
             if self._start_bytes is not None:  # what its flush will allocate (_below_backward_start)
                 self._run_grads += _params_bytes(layer, names)
-                self._run_scratch = max(self._run_scratch, min(x_bytes or x.numel() * x.element_size(),
-                                                               o.numel() * o.element_size()))
+                self._run_scratch = max(self._run_scratch, min(x_bytes, o_bytes))
             self._run_key = group
             self._run.append((layer, names, x, o))
             if self._run_bytes > self._hold_limit() and not self._below_backward_start(o):
