@@ -475,8 +475,10 @@ def bench_per_layer_route(rows, dtype_names, quick, reps):
     "norms+GEMM" (the norm kernels or Gram/direct products, clip weights, the clipped-sum GEMM on
     row-scaled output gradients) against "per-sample" (the per-sample gradients formed by one
     batched GEMM, their norms, clip weights, a weighted sum; freed at once). The variant names
-    what ``pdpfast.ops.linear.prefer_per_sample`` picks at that shape (its FLOP/byte model,
-    ``GPU_FLOPS_PER_BYTE``): a row whose pick is slower says the model's balance is wrong there."""
+    what ``pdpfast.ops.linear.prefer_per_sample`` picks at that shape in an eager step (its FLOP/byte
+    model, ``GPU_FLOPS_PER_BYTE``, and in fp16/bf16 the host's extra ops of forming, ``FORM_HOST_BYTES``;
+    a capture weighs the GPU's time alone): a row whose pick is slower in ``graph_ms`` where the
+    host does not count (fp32), or in ``median_ms`` where it does, says the model is wrong there."""
     from pdpfast.nn.rules import sq_norms_of, weighted_sum
     from pdpfast.ops import linear as lin_ops
     from pdpfast.ops.clip import PendingWeights, clip_weights

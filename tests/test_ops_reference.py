@@ -698,26 +698,50 @@ def test_per_sample_gradients_are_formed_within_the_workspace_budget(monkeypatch
 
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model,B,T,calls", [
     ("bert-base", 32, 128, [(768, 768), (768, 3072), (3072, 768)]),
     ("gpt2-small", 8, 512, [(768, 2304), (768, 768), (768, 3072), (3072, 768)])])
-def test_gpu_per_layer_route_at_real_shapes(model, B, T, calls, dtype, monkeypatch):
+def test_gpu_per_layer_route_at_real_shapes(model, B, T, calls, dtype, captured, monkeypatch):
     """The GPU's cost model (``prefer_per_sample`` where the kernels run) at real models' calls: per-layer
     clipping forms GPT-2's fp32 per-sample gradients (T = 512: the norm costs 2.7-4.3× three passes
-    over them) and in bf16 those of its 768→768 call only (whose norm takes the direct path: 1.3×;
-    its other calls' Gram norms 0.8-0.9×, as measured on an H100), never BERT-base's (T = 128);
-    book-keeping never forms them on a GPU."""
+    over them), eager or captured; in bf16 those of its 768→768 call only (whose norm takes the direct
+    path: 1.3×; its other calls' Gram norms 0.8-0.9×, as measured on an H100), and only in a CUDA
+    graph's capture: an eager bf16 step is host-bound, and forming them takes the host more ops than
+    the GPU time it saves (``FORM_HOST_BYTES``). Never BERT-base's (T = 128); book-keeping never forms
+    them on a GPU."""
     monkeypatch.setattr(linear_ops, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(linear_ops, "_capturing", lambda o: captured)
     x, o = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
     cuda = torch.device("cuda")  # only read by split_gram; nothing is allocated there
     for d, p in calls:
         cost = lambda: linear_ops.norm_madds(B, T, d, p, cuda)  # noqa: E731
         per_layer = linear_ops.prefer_per_sample(B * d * p, x, o, kept=False, norm_cost=cost)
-        expected = model == "gpt2-small" and (dtype == torch.float32 or (d, p) == (768, 768))
+        expected = model == "gpt2-small" and (dtype == torch.float32 or ((d, p) == (768, 768) and captured))
         assert per_layer is expected, (d, p)
         assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=True, norm_cost=cost)
         assert not linear_ops.prefer_per_sample(B * d * p, x, o, kept=False)  # cost unknown: never
+
+
+def test_an_eager_low_precision_call_forms_its_per_sample_gradients_only_where_they_save_the_host_ops_too(
+        monkeypatch):
+    """Eager, in bf16, per-layer clipping forms a call's per-sample gradients once the GPU time they save
+    covers the host's extra ops (``FORM_HOST_BYTES`` of the GPU's traffic) and not before; in fp32,
+    and in a capture, once they save GPU time."""
+    monkeypatch.setattr(linear_ops, "use_triton", lambda *tensors: True)
+    elements = 1000
+    for dtype in (torch.bfloat16, torch.float32):
+        x, o = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)
+        rate = linear_ops.GPU_FLOPS_PER_BYTE[dtype]
+        nbytes = elements * o.element_size()
+        for captured in (False, True):
+            monkeypatch.setattr(linear_ops, "_capturing", lambda o, _c=captured: _c)
+            host = linear_ops.FORM_HOST_BYTES if dtype == torch.bfloat16 and not captured else 0
+            edge = (3 * nbytes + host) * rate // 2  # 2·madds = (3·bytes + host)·rate
+            assert not linear_ops.prefer_per_sample(elements, x, o, kept=False, norm_cost=lambda: edge)
+            assert linear_ops.prefer_per_sample(elements, x, o, kept=False, norm_cost=lambda: edge + 1), \
+                (dtype, captured)
 
 
 def test_norm_madds_counts_the_form_the_reference_computes():

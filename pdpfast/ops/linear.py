@@ -144,6 +144,20 @@ MATERIALIZE_MIN_ELEMENTS = 1 << 23
 # It picks forming them for GPT-2's fp32 calls (T = 512) and its bf16 768→768 call, and nowhere
 # for BERT-base (T = 128).
 GPU_FLOPS_PER_BYTE = {torch.float32: 20, torch.float16: 128, torch.bfloat16: 128, torch.float64: 10}
+# Those picks weigh GPU time alone. An eager step's host issues every op as well, and forming a call's
+# per-sample gradients takes ~9.6 more ops than its norms and clipped sum do (GPT-2 small at batch 8
+# in bf16, counted on the CPU with the GPU's kernel choices: per-layer's step issues 1,233 launches
+# with its twelve 768→768 calls formed, 1,118 with them in its norm launches; bk's 1,130), ~220 µs of
+# host time at the H200 host's ~23 µs an op, where forming saves that call 26 µs of GPU time
+# (captured, H200: 0.054 against 0.080 ms). Which
+# side limits a step depends on its dtype: the eager fp32 steps of BERT-base and GPT-2 small are
+# GPU-bound (H200, 2026-11-30: 0.93-0.94× the non-private step), their bf16 steps host-bound (0.62-0.73:
+# per-layer's GPT-2 step took 51.6 ms of host time, 8.5 more than bk's). So where the host is the
+# limit (an eager step in a low precision), forming must also save the host time of those ops, here
+# in the bytes the GPU moves meanwhile (9 ops × 23 µs at the H100's 3.35 TB/s); in a CUDA graph's
+# capture, whose replays issue no op from the host, and in fp32 and fp64, GPU time alone decides.
+HOST_BOUND_DTYPES = frozenset({torch.float16, torch.bfloat16})
+FORM_HOST_BYTES = int(9 * 23e-6 * 3.35e12)
 
 
 def norm_madds(B: int, T: int, d: int, p: int, device: torch.device) -> int:
@@ -172,7 +186,8 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
     Where a kernel computes the norms (a GPU): never when they would be kept to the end of the
     backward (book-keeping: memory is the scarce resource, and the fused norm kernels form no
     per-sample gradient); when they are clipped at once and freed (per-layer clipping), where the
-    norm's multiply-adds take longer than three passes over them (``GPU_FLOPS_PER_BYTE``).
+    norm's multiply-adds take longer than three passes over them (``GPU_FLOPS_PER_BYTE``) and, in an
+    eager step of a low precision, than the host's extra ops as well (``FORM_HOST_BYTES``).
 
     Args:
         per_sample_elements: B·|W|, the number of values of the call's per-sample gradients.
@@ -185,17 +200,26 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
     Returns:
         False where they would take ``workspace.lent_bytes()`` (CPU) past ``workspace.MAX_BYTES``;
         where the kernels run (``use_triton(x, o)``), ``not kept`` and 2·``norm_cost()`` >
-        3·``per_sample_elements``·(element size)·``GPU_FLOPS_PER_BYTE``; else whether
+        (3·``per_sample_elements``·(element size) + h)·``GPU_FLOPS_PER_BYTE``, h =
+        ``FORM_HOST_BYTES`` for a ``HOST_BOUND_DTYPES`` o outside a CUDA graph's capture, else 0; else whether
         ``per_sample_elements`` ≤ max(``MATERIALIZE_MIN_ELEMENTS``, ``MATERIALIZE_RATIO`` · (x.numel() + o.numel())).
     """
     nbytes = per_sample_elements * o.element_size()
     if use_triton(x, o):  # never where they would be kept; else where the norm costs more (``kept`` first)
-        if kept or norm_cost is None or o.dtype not in GPU_FLOPS_PER_BYTE or \
-                2 * norm_cost() <= 3 * nbytes * GPU_FLOPS_PER_BYTE[o.dtype]:
+        if kept or norm_cost is None or o.dtype not in GPU_FLOPS_PER_BYTE:
+            return False
+        host = FORM_HOST_BYTES if o.dtype in HOST_BOUND_DTYPES and not _capturing(o) else 0
+        if 2 * norm_cost() <= (3 * nbytes + host) * GPU_FLOPS_PER_BYTE[o.dtype]:
             return False
     elif per_sample_elements > max(MATERIALIZE_MIN_ELEMENTS, MATERIALIZE_RATIO * (x.numel() + o.numel())):
         return False
     return workspace.lent_bytes() + nbytes <= workspace.MAX_BYTES
+
+
+def _capturing(o: torch.Tensor) -> bool:
+    """Whether ``o``'s device is capturing a CUDA graph on its current stream (its replays issue no op
+    from the host: ``prefer_per_sample`` weighs GPU time alone there)."""
+    return o.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
