@@ -8,11 +8,17 @@ process, on a CUDA device.
     python -m bench.bench_e2e --device cpu --route large --models bert --repeats 1 \
         --providers "non-private,pdpfast bk,pdpfast per-layer"          # a GPU's peak memory, on a CPU
     python -m bench.bench_e2e --device cpu --route large --models vit --batch 24 ...   # a smaller batch
+    python -m bench.bench_e2e --device cpu --route large --kernels stub --models resnet18 --batch 32 ...
 
 ``--route large`` makes every layer call take the route a full-size model's calls take on a GPU
 (``bench.bench_overhead.large_call_route``): on a CPU the peak memory of each provider is then what
 it allocates on a GPU, up to the kernels' own workspaces (the CPU path forms no per-sample gradient
-there either). Each provider's peak is its own (``bench.harness.own_peak_memory``).
+there either). Each provider's peak is its own (``bench.harness.own_peak_memory``). The calls that
+share a kernel launch on a GPU (same-shape convolutions, a transformer's projections, normalization
+layers), and per-layer clipping's runs of them, are held as on a GPU only where the kernels are
+chosen: ``--kernels stub`` chooses them with no-op launches (``bench.bench_overhead.stub_kernel_launches``),
+so the peaks are a GPU's with its runs; the norms are then not computed, and the times are the host's
+and the CPU's arithmetic around the kernels, not a step's.
 
 Writes JSON rows (model, provider, batch, seq, dtype, device, versions, date, throughput, peak
 memory, ratios to non-private) to bench/results/e2e_<device>_<dtype>.json, rewritten after each
@@ -32,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.bench_overhead import large_call_route
+from bench.bench_overhead import large_call_route, stub_kernel_launches
 from bench.harness import PROVIDERS, environment, measure, with_ratios
 
 
@@ -120,6 +126,9 @@ def main(argv=None) -> int:
                         help="comma-separated, from: " + ", ".join(PROVIDERS))
     parser.add_argument("--route", choices=("model", "large"), default="model",
                         help="large: every layer call takes a full-size model's GPU route (a GPU's memory, on a CPU)")
+    parser.add_argument("--kernels", choices=("run", "stub"), default="run",
+                        help="stub: the GPU's kernel choices with no-op launches, on a CPU (with --route large: a "
+                             "GPU's peak memory with the calls it holds for a shared launch; no norm is computed)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.batch is not None and args.batch < 1:
@@ -132,6 +141,10 @@ def main(argv=None) -> int:
         parser.error(f"--providers: unknown {sorted(unknown)}; choose from {', '.join(PROVIDERS)}")
     providers = {name: PROVIDERS[name] for name in args.providers.split(",")}
     device = torch.device(args.device)
+    if args.kernels == "stub":
+        if device.type != "cpu":
+            parser.error("--kernels stub is for a CPU (--device cpu): a GPU runs the kernels")
+        stub_kernel_launches()
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device here; run it on a GPU machine, or pass --device cpu --size micro "
               "for a smoke test", file=sys.stderr)
@@ -166,7 +179,8 @@ def main(argv=None) -> int:
         print(f"bench_e2e: {name} measured in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         for provider, r in results.items():
             rows.append({"benchmark": "e2e_training", "model": name, "size": args.size, "provider": provider,
-                         "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route, **r, **env,
+                         "batch": batch, "seq": seq, "dtype": args.dtype, "route": args.route,
+                         "kernels": args.kernels, **r, **env,
                          "repeats": args.repeats, **({"device_bytes": device_bytes} if device_bytes else {})})
         del model
         save()

@@ -253,6 +253,33 @@ def test_large_call_route_pools_no_formed_gradient_between_steps_as_a_gpu():
     workspace.clear()
 
 
+def test_e2e_benchmark_stub_kernels_measures_a_gpu_routes_memory_with_its_shared_launches(tmp_path):
+    """--kernels stub (in a process of its own: it sets TRITON_INTERPRET before the kernels are imported)
+    chooses the Triton kernels as a GPU does, so calls that share a launch there are held as there,
+    and the rows say so; on a GPU it is refused (the GPU runs the kernels)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench import bench_e2e
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "e2e_stub.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-m", "bench.bench_e2e", "--device", "cpu", "--size", "micro", "--models",
+                    "resnet18", "--repeats", "1", "--route", "large", "--kernels", "stub", "--providers",
+                    "non-private,pdpfast per-layer", "--out", str(out)],
+                   cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())
+    assert [(r["provider"], r["kernels"], r["route"]) for r in rows] == [
+        ("non-private", "stub", "large"), ("pdpfast per-layer", "stub", "large")]
+    assert all(r["peak_memory_mb"] > 0 for r in rows), rows
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--device", "cuda", "--kernels", "stub"])
+
+
 def test_bench_overhead_stub_kernels_times_the_gpu_route_on_the_cpu(tmp_path):
     """--kernels stub picks the Triton kernels as a GPU does and makes their launches no-ops (in a
     process of its own: it sets TRITON_INTERPRET before the kernels are imported). The private
