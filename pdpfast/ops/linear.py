@@ -149,13 +149,13 @@ GPU_FLOPS_PER_BYTE = {torch.float32: 20, torch.float16: 128, torch.bfloat16: 128
 # in bf16, counted on the CPU with the GPU's kernel choices: per-layer's step issues 1,233 launches
 # with its twelve 768→768 calls formed, 1,118 with them in its norm launches; bk's 1,130), ~220 µs of
 # host time at the H200 host's ~23 µs an op, where forming saves that call 26 µs of GPU time
-# (captured, H200: 0.054 against 0.080 ms). Which
-# side limits a step depends on its dtype: the eager fp32 steps of BERT-base and GPT-2 small are
-# GPU-bound (H200, 2026-11-30: 0.93-0.94× the non-private step), their bf16 steps host-bound (0.62-0.73:
-# per-layer's GPT-2 step took 51.6 ms of host time, 8.5 more than bk's). So where the host is the
-# limit (an eager step in a low precision), forming must also save the host time of those ops, here
-# in the bytes the GPU moves meanwhile (9 ops × 23 µs at the H100's 3.35 TB/s); in a CUDA graph's
-# capture, whose replays issue no op from the host, and in fp32 and fp64, GPU time alone decides.
+# (captured, H200: 0.054 against 0.080 ms). Which side limits a step depends on its dtype: the eager
+# fp32 steps of BERT-base and GPT-2 small are GPU-bound (H200, 2026-11-30: 0.93-0.94× the non-private
+# step), their bf16 steps host-bound (0.62-0.73: per-layer's GPT-2 step took 51.6 ms of host time,
+# 8.5 more than bk's). So where the host is the limit (an eager step in a low precision), forming
+# must also save the host time of those ops, here in the bytes the GPU moves meanwhile (9 ops × 23 µs
+# at the H100's 3.35 TB/s); in a CUDA graph's capture, whose replays issue no op from the host (it
+# asks every call afresh: ``ClippingState._route``), and in fp32 and fp64, GPU time alone decides.
 HOST_BOUND_DTYPES = frozenset({torch.float16, torch.bfloat16})
 FORM_HOST_BYTES = int(9 * 23e-6 * 3.35e12)
 
