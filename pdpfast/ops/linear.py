@@ -218,7 +218,7 @@ def prefer_per_sample(per_sample_elements: int, x: torch.Tensor, o: torch.Tensor
 
 def _capturing(o: torch.Tensor) -> bool:
     """Whether ``o``'s device is capturing a CUDA graph on its current stream (its replays issue no op
-    from the host: ``prefer_per_sample`` weighs GPU time alone there)."""
+    from the host: ``prefer_per_sample`` weighs GPU time alone there, ``groups_norms`` shares no launch)."""
     return o.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -387,7 +387,7 @@ def groups_norms(a: torch.Tensor, o: torch.Tensor) -> bool:
     """
     if _LINEAR_SQ_NORMS_GROUPED.pick(a, o) is _LINEAR_SQ_NORMS_GROUPED.reference:
         return False
-    return not (o.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not _capturing(o)
 
 
 def linear_sq_norms_grouped(calls: list, with_bias: bool, u: float = 0.0):
