@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 void register_clip(pybind11::module_& m);
+void register_hooks(pybind11::module_& m);
 void register_linear_sums(pybind11::module_& m);
 void register_memory(pybind11::module_& m);
 void register_norms(pybind11::module_& m);
@@ -10,6 +11,7 @@ void register_sampler(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_clip(m);
+  register_hooks(m);
   register_linear_sums(m);
   register_memory(m);
   register_norms(m);

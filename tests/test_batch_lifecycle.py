@@ -566,10 +566,71 @@ def test_engine_batches_and_steps_stay_in_step_over_an_epoch():
 
 
 # A DP layer call's backward is a pre-hook on the node that computed its output (pdpfast.nn.layers.LayerCall):
-# it must keep what save_for_backward gave the Function it replaced.
+# it must keep what save_for_backward gave the Function it replaced, whether pdpfast._C registered it
+# (csrc/hooks.cpp) or torch's register_prehook did (without the extension).
+
+@pytest.fixture(params=["C++", "register_prehook"])
+def hook_route(request, monkeypatch):
+    from pdpfast.nn import layers
+    if request.param == "C++":
+        if layers._ADD_CALL_HOOK is None:
+            pytest.skip("pdpfast._C was not built")
+    else:
+        monkeypatch.setattr(layers, "_ADD_CALL_HOOK", None)
+    return request.param
+
+
+def _hooked_model_grads(n: int, clipping: str, rate: float = 1.0) -> list[torch.Tensor]:
+    """One step's clipped sums of a model whose layers take every kind of backward: the first layer's
+    Function (its input needs no gradient), hooks on linear and LayerNorm nodes, a layer called twice,
+    and a layer whose output does not reach the loss (its hook never fires)."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(n, 4, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+    torch.manual_seed(5)
+    model = nn.ModuleDict(dict(first=nn.Linear(4, 8), norm=nn.LayerNorm(8), twice=nn.Linear(8, 8),
+                               unused=nn.Linear(8, 2), head=nn.Linear(8, 3)))
+
+    def forward(inputs):
+        h = torch.tanh(model["norm"](model["first"](inputs)))
+        model["unused"](h)  # recorded, never reached by the backward
+        return model["head"](model["twice"](torch.tanh(model["twice"](h))))
+
+    engine = pdpfast.PrivacyEngine(seed=0)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=n), noise_multiplier=0.0, max_grad_norm=0.5,
+        sample_rates=rate, clip_norms=torch.linspace(0.2, 1.0, n), loss_reduction="sum", clipping=clipping)
+    xb, yb = next(iter(loader))
+    assert len(xb) == (0 if rate < 1 else n)
+    nn.functional.cross_entropy(forward(xb), yb, reduction="sum").backward()
+    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_a_layer_calls_hook_registered_from_cpp_or_by_torch_gives_the_same_clipped_sums(clipping, monkeypatch):
+    """The two ways of attaching a call's backward run the same ops: the same bits, on a model with
+    every kind of call (including one whose output the loss never reaches), and on an empty batch."""
+    from pdpfast.nn import layers
+    if layers._ADD_CALL_HOOK is None:
+        pytest.skip("pdpfast._C was not built")
+    for n, rate in ((1, 1.0), (6, 1.0), (6, 1e-9)):  # (an empty Poisson draw at 1e-9)
+        cpp = _hooked_model_grads(n, clipping, rate)
+        monkeypatch.setattr(layers, "_ADD_CALL_HOOK", None)
+        torch_route = _hooked_model_grads(n, clipping, rate)
+        monkeypatch.undo()
+        assert len(cpp) == len(torch_route) == 10
+        for a, b in zip(cpp, torch_route):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a, b)
+        # the unused layer gets no clipped sum from a backward that never reached it; the others do
+        assert cpp[6] is None and cpp[7] is None
+        assert all(g is not None for i, g in enumerate(cpp) if i not in (6, 7))
+        assert any(bool(g.abs().sum() > 0) for g in cpp if g is not None) is (rate == 1.0)
+
 
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
-def test_layer_input_modified_in_place_after_its_forward_is_refused(style):
+def test_layer_input_modified_in_place_after_its_forward_is_refused(style, hook_route):
     """Per-sample gradients from a modified input would be wrong: the backward says which layer."""
     engine, model, opt, criterion, loader = _engine(**style)
     x, y = next(iter(loader))
@@ -584,7 +645,7 @@ def test_layer_input_modified_in_place_after_its_forward_is_refused(style):
 
 
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
-def test_layer_inputs_are_released_by_the_backward_while_the_loss_lives(style):
+def test_layer_inputs_are_released_by_the_backward_while_the_loss_lives(style, hook_route):
     """A loss kept after backward (to print it, say) keeps its graph; the layers' inputs must not
     stay alive with it, as saved tensors do not."""
     import gc

@@ -9,7 +9,9 @@ norms and clipped sums come from the layer's rule. ``record_call`` attaches that
 pre-hook (``LayerCall``) on the autograd node that computed the output, or, where the output has
 no such node (the first layer of a model, whose input needs no gradient), the ``DPLayerFunction``
 identity with the parameters as inputs so that autograd reaches it. The hook costs about a fifth
-of the Function's host time per call (no Python ``ctx``, no extra graph node).
+of the Function's host time per call (no Python ``ctx``, no extra graph node); it is registered by
+``pdpfast._C.add_call_hook`` (``csrc/hooks.cpp``), where torch's ``register_prehook`` would build a
+Python handle and dictionary for every call, and by ``register_prehook`` without the extension.
 
 The layer families (DP classes, rule, one ``register_layer`` each) live in ``linear.py``,
 ``conv.py``, ``embedding.py`` and ``norms.py``.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pdpfast import _ext
 
 
 class DPLayerFunction(torch.autograd.Function):
@@ -70,7 +74,7 @@ class DPLayerFunction(torch.autograd.Function):
 class LayerCall:
     """The backward of one DP layer call as a pre-hook on the autograd node that computed its output.
 
-    Fires with the node's output gradients, before the node runs, and hands (x, ∂L/∂out) to the
+    Called with the call's output gradient, before the node runs, and hands (x, ∂L/∂out) to the
     clipping state (``ClippingState.on_backward``), as ``DPLayerFunction.backward`` does. It keeps
     what ``save_for_backward`` would give: an error if ``x`` was modified in place after the forward,
     and ``x`` released once used (kept only between ghost clipping's two backwards), so a graph kept
@@ -79,19 +83,15 @@ class LayerCall:
     Args:
         call: (the clipping state's record of the layer, the tuple of parameter names the call uses).
         x: the rule's input, (B, ...), or a tuple of tensors sharing dim 0.
-        output_nr: the call output's index among the node's outputs.
     """
 
-    __slots__ = ("call", "x", "versions", "output_nr")
+    __slots__ = ("call", "x", "versions")
 
-    def __init__(self, call, x, output_nr: int):
-        self.call, self.x, self.output_nr = call, x, output_nr
+    def __init__(self, call, x):
+        self.call, self.x = call, x
         self.versions = tuple(t._version for t in x) if isinstance(x, tuple) else x._version
 
-    def __call__(self, grad_outputs):
-        o = grad_outputs[self.output_nr]
-        if o is None:  # this output did not reach the loss
-            return None
+    def __call__(self, o: torch.Tensor) -> None:
         x, layer = self.x, self.call[0]
         state = layer.state
         if x is not None:
@@ -103,7 +103,24 @@ class LayerCall:
             if not state.keeps_inputs():
                 self.x = None
         state.on_backward(self.call, x, o)
-        return None
+
+
+class _NodePreHook:
+    """A ``LayerCall`` as torch's ``register_prehook`` calls a node's pre-hooks (the route without
+    ``pdpfast._C``): with all the node's output gradients, of which it takes its call's."""
+
+    __slots__ = ("layer_call", "output_nr")
+
+    def __init__(self, layer_call: LayerCall, output_nr: int):
+        self.layer_call, self.output_nr = layer_call, output_nr
+
+    def __call__(self, grad_outputs) -> None:
+        o = grad_outputs[self.output_nr]
+        if o is not None:  # (an output that did not reach the loss has none)
+            self.layer_call(o)
+
+
+_ADD_CALL_HOOK = None if _ext.missing("add_call_hook", "hooks.cpp") else _ext._C.add_call_hook
 
 
 def record_call(out: torch.Tensor, x, call, params) -> torch.Tensor:
@@ -117,11 +134,16 @@ def record_call(out: torch.Tensor, x, call, params) -> torch.Tensor:
     Returns:
         ``out`` itself, or the Function's identity of it.
     """
-    node = out.grad_fn
-    if node is None:  # nothing before the layer needs a gradient: the parameters make autograd reach it
-        return DPLayerFunction.apply(out, x, call, *params)
-    node.register_prehook(LayerCall(call, x, out.output_nr))
-    return out
+    if _ADD_CALL_HOOK is not None:
+        if _ADD_CALL_HOOK(out, LayerCall(call, x)):
+            return out
+    else:
+        node = out.grad_fn
+        if node is not None:
+            node.register_prehook(_NodePreHook(LayerCall(call, x), out.output_nr))
+            return out
+    # nothing before the layer needs a gradient: the parameters make autograd reach it
+    return DPLayerFunction.apply(out, x, call, *params)
 
 
 class DPModule:
