@@ -21,6 +21,7 @@ def report() -> str:
     """
     import pdpfast
     from pdpfast import sampling
+    from pdpfast.nn import layers
     from pdpfast.ops import clip, linear, norm
 
     lines = [f"pdpfast {pdpfast.__version__}, torch {torch.__version__}, python {platform.python_version()}"]
@@ -48,6 +49,7 @@ def report() -> str:
         x = torch.zeros(1, 1, device=device)
         lines.append(f"  {f'clip_scale ({device.upper()})':<28} {clip.clip_scale_route(x, clip.PendingWeights(w, w))}")
     lines.append(f"  {'linear_clipped_into':<28} {linear.linear_clipped_into_route()}")
+    lines.append(f"  {'layer call hooks':<28} {layers.call_hook_route()}")
     return "\n".join(lines)
 
 

@@ -613,6 +613,7 @@ def test_a_layer_calls_hook_registered_from_cpp_or_by_torch_gives_the_same_clipp
     from pdpfast.nn import layers
     if layers._ADD_CALL_HOOK is None:
         pytest.skip("pdpfast._C was not built")
+    assert layers.call_hook_route() == "C++ (pdpfast._C)"  # (what pdpfast info reports)
     for n, rate in ((1, 1.0), (6, 1.0), (6, 1e-9)):  # (an empty Poisson draw at 1e-9)
         cpp = _hooked_model_grads(n, clipping, rate)
         monkeypatch.setattr(layers, "_ADD_CALL_HOOK", None)

@@ -120,7 +120,17 @@ class _NodePreHook:
             self.layer_call(o)
 
 
-_ADD_CALL_HOOK = None if _ext.missing("add_call_hook", "hooks.cpp") else _ext._C.add_call_hook
+_HOOK_MISSING = _ext.missing("add_call_hook", "hooks.cpp")
+_ADD_CALL_HOOK = None if _HOOK_MISSING else _ext._C.add_call_hook
+
+
+def call_hook_route() -> str:
+    """How a DP layer call's backward hook is registered (``pdpfast info``).
+
+    Returns:
+        "C++ (pdpfast._C)", or "torch's register_prehook (<why>)" where the extension lacks it.
+    """
+    return "C++ (pdpfast._C)" if _HOOK_MISSING is None else f"torch's register_prehook ({_HOOK_MISSING})"
 
 
 def record_call(out: torch.Tensor, x, call, params) -> torch.Tensor:
