@@ -45,3 +45,24 @@ def test_a_torch_compiled_private_model_takes_the_eager_models_clipped_noised_st
     for before, e, c in zip(eager, eager[1:], compiled[1:]):
         assert not torch.equal(e, before)  # each step moved the parameters
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_autograd_refuses_a_private_backward_before_writing_any_gradient():
+    """Compiled autograd cannot trace a DP layer's backward hook (a C++ hook without compiled-autograd
+    support, ``csrc/hooks.cpp``; torch's own Python hook route stops at the end-of-backward callback):
+    the backward raises, and no parameter holds an unclipped gradient."""
+    enable = getattr(getattr(torch._dynamo, "compiled_autograd", None), "_enable", None)
+    if enable is None:
+        pytest.skip("this torch has no torch._dynamo.compiled_autograd._enable")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    engine = pdpfast.PrivacyEngine(seed=1)
+    private, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, 8),
+        noise_multiplier=0.0, max_grad_norm=1.0, sample_rates=0.5)
+    x, y = next(iter(loader))
+    with pytest.raises((NotImplementedError, RuntimeError, AssertionError)):
+        with enable(torch.compile(backend="eager")):
+            nn.functional.cross_entropy(private(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
