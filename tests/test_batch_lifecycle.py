@@ -4,6 +4,8 @@ bound and charges every draw (issue: privacy safety first).
 A draw opens its batch, ``optimizer.step()`` closes it; a second backward into it, a second draw
 before the step, or a forward with no open batch is refused with a message that says what to do.
 """
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -367,6 +369,39 @@ def test_a_layer_fed_the_batch_flattened_with_its_positions_is_refused_saying_so
     with pytest.raises(ValueError, match=r"expert got an input of shape \(15, 4\) but the batch has 3 samples; .* "
                                          r"15 rows = 3 × 5 is usually the batch flattened with its positions"):
         clipped_gradients(model, lambda out: out.sum((1, 2)), torch.randn(3, 5, 4), clip_norms=torch.ones(3))
+
+
+class _PositionsOfTheWholeBatch(nn.Module):
+    """nanoGPT's learned positions: ``wpe(torch.arange(T))``, broadcast over the batch afterwards."""
+
+    def __init__(self, batched: bool):
+        super().__init__()
+        self.wte, self.wpe, self.batched = nn.Embedding(11, 4), nn.Embedding(16, 4), batched
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1])
+        return self.wte(ids) + self.wpe(positions[None] if self.batched else positions)
+
+
+def test_positions_of_the_whole_batch_given_1d_are_refused_with_the_1_by_t_form_that_is_exact():
+    """A 1-D (T,) input with T ≠ B is refused saying what it usually is and how to write it; the
+    (1, T) form is broadcast over the batch and each record's gradient is its own (the float64
+    per-sample oracle: one record at a time)."""
+    ids = torch.randint(0, 11, (3, 5))
+    with pytest.raises(ValueError, match=r"wpe got an input of shape \(5,\) but the batch has 3 samples; .*; a 1-D "
+                                         r"input of 5 rows is usually positions .*torch.arange\(T\)\[None\]"):
+        clipped_gradients(pdpfast.nn.convert(_PositionsOfTheWholeBatch(batched=False)),
+                          lambda out: out.sum((1, 2)), ids, clip_norms=torch.ones(3))
+    torch.manual_seed(0)
+    model = _PositionsOfTheWholeBatch(batched=True).double()
+    coef = torch.randn(3, 5, 4, dtype=torch.float64)
+    result = clipped_gradients(pdpfast.nn.convert(copy.deepcopy(model)), lambda out: (out * coef).sum((1, 2)), ids,
+                               clip_norms=torch.full((3,), 1e30))
+    for i in range(3):  # unclipped: each record's norm is its own gradient's
+        one = copy.deepcopy(model)
+        (one(ids[i:i + 1]) * coef[i:i + 1]).sum().backward()
+        expected = torch.sqrt(sum(p.grad.pow(2).sum() for p in one.parameters()))
+        torch.testing.assert_close(result.norms[i], expected)
 
 
 # ------------------------------------------------------------------ low precision
