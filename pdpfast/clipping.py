@@ -1109,19 +1109,19 @@ class ClippingState:
             return x
         if n == 1:  # e.g. position ids of shape (1, T) broadcast over the batch: make it per sample
             return x.expand(B, *x.shape[1:])
-        flattened = ""
-        if dims == 1 and n is not None:
-            flattened = (f"; a 1-D input of {n} rows is usually positions looked up for the whole batch "
-                         "(torch.arange(T)) and broadcast afterwards: pass them as (1, T) (torch.arange(T)[None]), "
-                         "which is broadcast over the batch with exact per-sample gradients (with T equal to the "
-                         "batch size a 1-D one would be taken for B records)")
+        hint = ""
+        if dims == 1:
+            hint = (f"; a 1-D input of {n} rows is usually positions looked up for the whole batch "
+                    "(torch.arange(T)) and broadcast afterwards: pass them as (1, T) (torch.arange(T)[None]), "
+                    "which is broadcast over the batch with exact per-sample gradients (with T equal to the "
+                    "batch size a 1-D one would be taken for B records)")
         elif n is not None and B and n > B and n % B == 0:
-            flattened = (f"; {n} rows = {B} × {n // B} is usually the batch flattened with its positions (as a "
-                         "mixture-of-experts block routes tokens, e.g. to a shared expert): the layer cannot tell "
-                         "the records apart there, so keep (B, T, ...) inputs, or freeze the layer "
-                         "(requires_grad_(False))")
+            hint = (f"; {n} rows = {B} × {n // B} is usually the batch flattened with its positions (as a "
+                    "mixture-of-experts block routes tokens, e.g. to a shared expert): the layer cannot tell "
+                    "the records apart there, so keep (B, T, ...) inputs, or freeze the layer "
+                    "(requires_grad_(False))")
         raise ValueError(f"{self._names[module]} got an input of shape {tuple(x.shape)} but the batch has {B} "
-                         f"samples; DP layers need batch-first inputs (e.g. batch_first=True){flattened}")
+                         f"samples; DP layers need batch-first inputs (e.g. batch_first=True){hint}")
 
     def _refuse_own_forward_1d(self, module, x: torch.Tensor) -> None:
         """A subclass's own forward (``pdpfast.nn.convert``) gave its layer a 1-D input: its rows would
