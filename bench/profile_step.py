@@ -10,6 +10,7 @@ adds the top torch ops by their own host time and the CUDA runtime calls, synchr
     python -m bench.profile_step --device cuda --model bert --dtype bf16      # BERT-base (32, 128)
     python -m bench.profile_step --device cuda --model gpt2 --dtype bf16      # GPT-2 small (8, 512)
     python -m bench.profile_step --model bert-12x16 --route large --kernels stub   # the CPU's stand-in
+    python -m bench.profile_step --model resnet18-w4 --route large --kernels stub  # ResNet-18-GN's calls
 
 Parts (milliseconds a step, medians over ``--steps``; inclusive, so they nest):
 
@@ -238,8 +239,8 @@ def _print(results: dict, top: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bert",
-                        help="a bench_e2e model (bert, gpt2, llama, ...: full size) or bert-12x16 (bench_overhead's "
-                             "width-16 stand-in)")
+                        help="a bench_e2e model (bert, gpt2, llama, ...: full size) or one of bench_overhead's "
+                             "stand-ins (bert-12x16, llama-12x16, resnet18-w4)")
     parser.add_argument("--size", default="full", help="bench_e2e's --size (full, or tiny for a quick check)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -262,10 +263,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    if args.model == "bert-12x16":
-        model, inputs, y, loss = bench_overhead.build(device)
+    stand_ins = {"bert-12x16": bench_overhead.build, "llama-12x16": bench_overhead.build_llama,
+                 "resnet18-w4": bench_overhead.build_resnet}
+    if args.model in stand_ins:
+        model, inputs, y, loss = stand_ins[args.model](device)
         model = model.to(dtype)
-        batch, seq = y.shape[0], 8
+        if isinstance(inputs, tuple):  # images (ids stay ints)
+            inputs = tuple(t.to(dtype) for t in inputs)
+        batch, seq = y.shape[0], (None if args.model == "resnet18-w4" else 8)
     else:
         from .bench_e2e import build
 

@@ -16,6 +16,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <memory>
+#include <optional>
+#include <vector>
 
 namespace pdpfast {
 namespace hooks {
@@ -63,6 +65,31 @@ bool add_call_hook(const at::Tensor& out, pybind11::handle hook) {
   return true;
 }
 
+// A DP linear layer's private forward after its checks (ClippingState.forward, pdpfast/nn/linear.py's
+// _FlatLinear): F.linear on the input's (B·T, d) rows and the detached parameters, hook(o) on the
+// output's node (add_call_hook), the output's leading dims restored. What the Python route spends
+// around the one GEMM (a dictionary of detached parameters, three frames down to F.linear, the hook,
+// a view) was ~10 µs of host time a call on bench_overhead's width-16 BERT, most of what its private
+// forward adds to nn.Linear's. Where the output has no node (nothing before the layer needs a
+// gradient), the (B·T, p) output comes back unhooked: the caller attaches DPLayerFunction, which
+// marks its input modified in place and so must not get a view.
+at::Tensor linear_call(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       bool transposed, pybind11::handle hook) {
+  const bool flat = x.dim() == 2;
+  const at::Tensor rows = flat ? x : x.reshape({-1, x.size(-1)});
+  const at::Tensor w = transposed ? weight.detach().t() : weight.detach();
+  const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->detach()) : std::nullopt;
+  at::Tensor out;
+  {
+    pybind11::gil_scoped_release no_gil;  // as torch's own binding of F.linear
+    out = at::linear(rows, w, b);
+  }
+  if (!add_call_hook(out, hook) || flat) return out;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out.size(-1);
+  return out.view(shape);
+}
+
 }  // namespace hooks
 }  // namespace pdpfast
 
@@ -70,4 +97,9 @@ void register_hooks(pybind11::module_& m) {
   m.def("add_call_hook", &pdpfast::hooks::add_call_hook, pybind11::arg("out"), pybind11::arg("hook"),
         "Register hook(grad) as a pre-hook of out.grad_fn, called with out's own gradient (where defined) "
         "before the node runs; no handle (it lives as long as the node). False where out has no grad_fn.");
+  m.def("linear_call", &pdpfast::hooks::linear_call, pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias"), pybind11::arg("transposed"), pybind11::arg("hook"),
+        "F.linear(x, weight (or its transpose, transposed: stored (d, p)), bias) on x's rows with the parameters "
+        "detached and hook(o) as add_call_hook registers it: the output with x's leading dims, or, where it has no "
+        "grad_fn (nothing hooked), the (rows, p) output.");
 }

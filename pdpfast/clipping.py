@@ -956,11 +956,7 @@ class ClippingState:
             layer = self._layer[module]
             if isinstance(x, torch.Tensor):
                 self._forward_bytes += x.numel() * x.element_size()
-        detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
-        if buffers:  # a frozen weight or bias kept as a buffer: torch's forward reads it as self.<name> too
-            detached = {**buffers, **detached}
-        out = module._compute(prepared, detached)
-        return module._unflatten(record_call(out, prepared, (layer, names), trainable), prepared)
+        return module._record(prepared, params, buffers, (layer, names), trainable)
 
     def _check_forward(self) -> bool:
         """Refuse a private forward outside an open batch; returns whether it is a checkpoint's replay

@@ -665,6 +665,103 @@ def test_a_layer_calls_hook_registered_from_cpp_or_by_torch_gives_the_same_clipp
         assert any(bool(g.abs().sum() > 0) for g in cpp if g is not None) is (rate == 1.0)
 
 
+def _linear_layer(kind: str, d: int) -> nn.Module:
+    """A layer mapping d → 5 features: nn.Linear (with its bias frozen, its weight frozen, or none) or
+    Hugging Face's Conv1D (weight stored (d, 5))."""
+    if kind == "Conv1D":
+        return pytest.importorskip("transformers.pytorch_utils").Conv1D(5, d)
+    layer = nn.Linear(d, 5, bias=kind != "no bias")
+    if kind == "frozen bias":
+        layer.bias.requires_grad_(False)
+    if kind == "frozen weight":
+        layer.weight.requires_grad_(False)
+    return layer
+
+
+def _linear_call_step(kind: str, shape: tuple, first: bool, clipping: str, autocast: bool = False):
+    """(the layer's output, every parameter's clipped sum) of one step whose layer of ``kind`` takes
+    inputs of ``shape`` (B, ..., d), as the model's first layer (its input needs no gradient) or after
+    another."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(*shape, generator=g) * 3
+    y = torch.randint(0, 3, (shape[0],), generator=g)
+    torch.manual_seed(7)
+    d = shape[-1]
+    model = nn.ModuleDict(dict(pre=nn.Linear(d, d), layer=_linear_layer(kind, d), head=nn.Linear(5, 3)))
+    engine = pdpfast.PrivacyEngine(seed=0)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(TensorDataset(x, y), batch_size=shape[0]), noise_multiplier=0.0, max_grad_norm=0.5,
+        sample_rates=1.0, clip_norms=torch.linspace(0.2, 1.0, shape[0]), loss_reduction="sum", clipping=clipping)
+    xb, yb = next(iter(loader))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model["layer"](xb if first else torch.tanh(model["pre"](xb)))
+        logits = model["head"](torch.tanh(out.reshape(shape[0], -1, 5).mean(1)))
+    nn.functional.cross_entropy(logits.float(), yb, reduction="sum").backward()
+    return out.detach().clone(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_bits(a, b) -> None:
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert out_a.shape == out_b.shape and torch.equal(out_a, out_b)
+    assert [g is None for g in grads_a] == [g is None for g in grads_b]
+    for ga, gb in zip(grads_a, grads_b):
+        if ga is not None:
+            assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("kind", ["Linear", "no bias", "frozen bias", "frozen weight", "Conv1D"])
+def test_a_linear_layers_call_in_one_cpp_call_gives_the_python_routes_output_and_clipped_sums(kind, clipping,
+                                                                                               monkeypatch):
+    """``pdpfast._C.linear_call`` (the GEMM on detached parameters, the backward's hook, the view) runs
+    the Python route's ops: the same bits for 2-, 3- and 4-D inputs, one record or several, the
+    layer first in the model (the Function route) or after another, and under bf16 autocast."""
+    from pdpfast.nn import layers
+    if layers._LINEAR_CALL is None or layers._ADD_CALL_HOOK is None:
+        pytest.skip("pdpfast._C was not built")
+    fast, calls = layers._LINEAR_CALL, []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return fast(*args)
+
+    for shape in ((1, 6), (4, 6), (4, 3, 6), (2, 2, 3, 6)):
+        for first, autocast in ((False, False), (True, False), (False, True)):
+            monkeypatch.setattr(layers, "_LINEAR_CALL", counted)
+            before = len(calls)
+            cpp = _linear_call_step(kind, shape, first, clipping, autocast)
+            # the layer's call, and the pre and head layers' unless the layer is first (pre not called)
+            assert len(calls) - before == (2 if first else 3)
+            monkeypatch.setattr(layers, "_LINEAR_CALL", None)
+            python = _linear_call_step(kind, shape, first, clipping, autocast)
+            _assert_same_bits(cpp, python)
+            trained = [g for g in cpp[1] if g is not None]
+            assert trained and any(bool(g.abs().sum() > 0) for g in trained)
+
+
+def test_a_linear_layer_under_a_torch_function_mode_takes_the_python_route_the_mode_sees():
+    """A ``TorchFunctionMode`` (a FLOP counter, a tracer, ``with torch.device(...)``) sees F.linear
+    from the Python route; the C++ call would bypass it, so it is not taken there. Same results."""
+    from torch.overrides import TorchFunctionMode
+
+    from pdpfast.nn import layers
+    if layers._LINEAR_CALL is None:
+        pytest.skip("pdpfast._C was not built")
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    plain = _linear_call_step("Linear", (4, 3, 6), False, "flat")
+    with Seen():
+        watched = _linear_call_step("Linear", (4, 3, 6), False, "flat")
+    assert seen.count("linear") == 3  # pre, layer, head: every DP linear call's GEMM
+    _assert_same_bits(plain, watched)
+
+
 @pytest.mark.parametrize("style", STYLES, ids=STYLE_IDS)
 def test_layer_input_modified_in_place_after_its_forward_is_refused(style, hook_route):
     """Per-sample gradients from a modified input would be wrong: the backward says which layer."""

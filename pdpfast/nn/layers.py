@@ -122,6 +122,8 @@ class _NodePreHook:
 
 _HOOK_MISSING = _ext.missing("add_call_hook", "hooks.cpp")
 _ADD_CALL_HOOK = None if _HOOK_MISSING else _ext._C.add_call_hook
+# a linear layer's whole private call in one C++ call (_FlatLinear in linear.py); None without it
+_LINEAR_CALL = None if _ext.missing("linear_call", "hooks.cpp") else _ext._C.linear_call
 
 
 def call_hook_route() -> str:
@@ -178,6 +180,22 @@ class DPModule:
     def _unflatten(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The layer's output from what ``_compute`` returned (see DPLinear)."""
         return out
+
+    def _record(self, x, params: dict, buffers: dict, call: tuple, trainable: list) -> torch.Tensor:
+        """A private call's output with its backward attached (``ClippingState.forward``, after its checks):
+        ``_compute`` on the detached parameters, ``record_call``, ``_unflatten``.
+
+        Args:
+            x: the prepared input (``_prepare``); params, buffers: the module's ``_parameters`` and
+                ``_buffers``; call: (the clipping state's record of the layer, the trainable names);
+            trainable: those parameters.
+        Returns:
+            the layer's output, (B, ...).
+        """
+        detached = {n: (p.detach() if p is not None else None) for n, p in params.items()}
+        if buffers:  # a frozen weight or bias kept as a buffer: torch's forward reads it as self.<name> too
+            detached = {**buffers, **detached}
+        return self._unflatten(record_call(self._compute(x, detached), x, call, trainable), x)
 
     @classmethod
     def unsupported_options(cls, module: nn.Module) -> str | None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import linear as lin_ops
+from . import layers
 from .layers import DPModule
 from .rules import Grouped, LayerRule, Stacked, register_layer, scaling_roundoff
 
@@ -20,10 +21,31 @@ from .rules import Grouped, LayerRule, Stacked, register_layer, scaling_roundoff
 class _FlatLinear(DPModule):
     """Linear maps on (B, ..., d) inputs compute on the flattened (B·T, d) input: F.linear on a
     3-D input returns a view, and a view passing through DPLayerFunction (which marks its input
-    modified in place) would make autograd copy every output gradient (CopySlices)."""
+    modified in place) would make autograd copy every output gradient (CopySlices).
+
+    A private call is one C++ call (``pdpfast._C.linear_call``: the GEMM on detached parameters, the
+    backward's hook, the view) where nothing else could see its ops: a plain tensor input, plain
+    parameters ``weight`` and ``bias`` only, no buffers, no torch function mode (``TorchFunctionMode``,
+    ``with torch.device(...)``), which the C++ call would bypass. Else, and without the extension, the
+    Python route (``DPModule._record``), whose ops and results are the same."""
+
+    _transposed = False  # the weight is stored (d, p) (Hugging Face's Conv1D)
 
     def _linear(self, x, p):
         raise NotImplementedError
+
+    def _record(self, x, params, buffers, call, trainable):
+        linear_call = layers._LINEAR_CALL
+        weight, bias = params.get("weight"), params.get("bias")
+        if linear_call is None or layers._ADD_CALL_HOOK is None or buffers or len(params) != 2 or \
+                type(x) is not torch.Tensor or type(weight) is not nn.Parameter or \
+                (bias is not None and type(bias) is not nn.Parameter) or torch._C._len_torch_function_stack():
+            return super()._record(x, params, buffers, call, trainable)
+        out = linear_call(x, weight, bias, self._transposed, layers.LayerCall(call, x))
+        if out.requires_grad:  # hooked, with x's leading dims
+            return out
+        # nothing before the layer needs a gradient: the parameters make autograd reach it (record_call)
+        return self._unflatten(layers.DPLayerFunction.apply(out, x, call, *trainable), x)
 
     def _compute(self, x, p):
         return self._linear(x.reshape(-1, x.shape[-1]), p)
@@ -54,6 +76,8 @@ class DPConv1D(_FlatLinear):
 
     ``forward(x)``: x (B, ..., nx) float → (B, ..., nf), x's float dtype (or autocast's).
     """
+
+    _transposed = True
 
     def _linear(self, x, p):
         return F.linear(x, p["weight"].t(), p.get("bias"))
