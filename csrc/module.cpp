@@ -6,6 +6,7 @@ void register_clip(pybind11::module_& m);
 void register_hooks(pybind11::module_& m);
 void register_linear_sums(pybind11::module_& m);
 void register_memory(pybind11::module_& m);
+void register_noise(pybind11::module_& m);
 void register_norms(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 
@@ -14,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_hooks(m);
   register_linear_sums(m);
   register_memory(m);
+  register_noise(m);
   register_norms(m);
   register_sampler(m);
 }

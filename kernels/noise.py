@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pdpfast import _ext
 from pdpfast.ops.dispatch import register
 from pdpfast.ops.noise import set_aside_pinned, step_seed, take_pinned
 
@@ -68,13 +69,13 @@ def _add_noise_kernel(first_ptr, table_ptr, n_tensors, seed, std,
     _add_noise_chunk(ptr, idx + 3 * QUARTER, numel, n3, std, COMPUTE_FP64)
 
 
-def _kept_table(entries: list[tuple[int, int, int, int]], device: torch.device, keep: list) -> torch.Tensor:
-    """(4, m) int64 table on ``device``, not cached: copied by a queued copy from a host tensor that
-    ``keep`` holds with it. A CUDA graph capture records the copy and repeats it from that tensor at
-    every replay, so on CUDA it is pinned (a capture refuses a copy from pageable memory): inside a
-    capture, a pinned buffer an eager run of the same body set aside (pinning is not allowed while
-    a stream captures), filled on the host."""
-    host = torch.tensor(entries, dtype=torch.int64).t().contiguous()
+def _kept_table(values: list, device: torch.device, keep: list) -> torch.Tensor:
+    """The table (``_groups``' values, (4, m) flat) int64 on ``device``, not cached: copied by a
+    queued copy from a host tensor that ``keep`` holds with it. A CUDA graph capture records the copy
+    and repeats it from that tensor at every replay, so on CUDA it is pinned (a capture refuses a copy
+    from pageable memory): inside a capture, a pinned buffer an eager run of the same body set aside
+    (pinning is not allowed while a stream captures), filled on the host."""
+    host = torch.tensor(values, dtype=torch.int64).view(4, -1)
     staging = host
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
@@ -89,10 +90,46 @@ def _kept_table(entries: list[tuple[int, int, int, int]], device: torch.device, 
     return table
 
 
-def _table(entries: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
-    """The (4, m) table flat on ``device``, cached (``table_on``): it only depends on addresses, sizes
-    and counters."""
-    return table_on([e[k] for k in range(4) for e in entries], device)
+_NOISE_GROUPS = None if _ext.missing("noise_groups", "noise_plan.cpp") else _ext._C.noise_groups
+
+
+def _groups(grads: list[torch.Tensor]) -> tuple[list, list]:
+    """The launch plan: (groups, writebacks). One group per (device, dtype), in order of first
+    appearance: (its first tensor, its table's values, its blocks, its tensors). The table is (4, m)
+    flat, m the group's tensors with any elements: addresses, numels, first Philox counters, first
+    blocks. Tensor j of the list reserves ``blocks(j) · NOISE_BLOCK / 4`` counters after tensor j-1's,
+    whatever its group. A non-contiguous tensor is noised in a contiguous copy, written back after
+    the launch: writebacks are (tensor, copy). Built by ``pdpfast._C.noise_groups`` where the
+    extension has it (the same plan), here otherwise."""
+    if _NOISE_GROUPS is not None:
+        planned = _NOISE_GROUPS(grads, NOISE_BLOCK)
+        if planned is not None:  # (None: a tensor is not floating point, refused below with its dtype)
+            return planned
+    quarter = NOISE_BLOCK // 4
+    members: dict[tuple, list] = {}
+    writebacks = []
+    counter = 0
+    for g in grads:
+        if not g.is_floating_point():
+            raise TypeError(f"add_noise_ needs floating tensors, got {g.dtype}")
+        n_blocks = cdiv(g.numel(), NOISE_BLOCK)
+        if n_blocks:
+            target = g
+            if not g.is_contiguous():
+                target = g.contiguous()
+                writebacks.append((g, target))
+            members.setdefault((g.device, g.dtype), []).append((target, counter, n_blocks))
+        counter += n_blocks * quarter
+    groups = []
+    for group in members.values():
+        first_blocks, blocks = [], 0
+        for _, _, n_blocks in group:
+            first_blocks.append(blocks)
+            blocks += n_blocks
+        values = [t.data_ptr() for t, _, _ in group] + [t.numel() for t, _, _ in group] + \
+            [c for _, c, _ in group] + first_blocks
+        groups.append((group[0][0], values, blocks, len(group)))
+    return groups, writebacks
 
 
 @register("add_noise_")
@@ -126,31 +163,14 @@ def add_noise_(grads: list[torch.Tensor], std: float, seed: int, step: int, *,
     if not grads or std == 0:
         return
     philox_seed = step_seed(seed, step) if device_seed is None else device_seed
-    quarter = NOISE_BLOCK // 4
-    groups: dict[tuple, list] = {}
-    writebacks = []
-    counter = 0
-    for g in grads:
-        if not g.is_floating_point():
-            raise TypeError(f"add_noise_ needs floating tensors, got {g.dtype}")
-        n_blocks = cdiv(g.numel(), NOISE_BLOCK)
-        if n_blocks:
-            target = g
-            if not g.is_contiguous():
-                target = g.contiguous()
-                writebacks.append((g, target))
-            groups.setdefault((g.device, g.dtype), []).append((target, counter, n_blocks))
-        counter += n_blocks * quarter
-    for (device, dtype), members in groups.items():
-        entries, first_block = [], 0
-        for target, first_counter, n_blocks in members:
-            entries.append((target.data_ptr(), target.numel(), first_counter, first_block))
-            first_block += n_blocks
-        table = _table(entries, device) if keep is None else _kept_table(entries, device, keep)
-        with device_guard(members[0][0]):
-            _add_noise_kernel[(first_block,)](
-                members[0][0], table, len(entries), philox_seed, float(std),
-                SEARCH_STEPS=max(1, (len(entries) - 1).bit_length()), COMPUTE_FP64=dtype == torch.float64,
+    groups, writebacks = _groups(grads)
+    for first, values, blocks, n in groups:
+        # (cached by content: it only depends on addresses, sizes and counters)
+        table = table_on(values, first.device) if keep is None else _kept_table(values, first.device, keep)
+        with device_guard(first):
+            _add_noise_kernel[(blocks,)](
+                first, table, n, philox_seed, float(std),
+                SEARCH_STEPS=max(1, (n - 1).bit_length()), COMPUTE_FP64=first.dtype == torch.float64,
                 BLOCK=NOISE_BLOCK, SEED_FROM_PTR=device_seed is not None, num_warps=8)
     for g, target in writebacks:
         g.copy_(target)

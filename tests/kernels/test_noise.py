@@ -112,6 +112,46 @@ def test_noise_zero_std_and_empty_list_are_no_ops(tools):
     assert torch.equal(g.cpu(), torch.ones(10))
 
 
+def test_noise_plan_from_cpp_is_the_python_plan_and_gives_the_same_noise(tools, monkeypatch):
+    """``pdpfast._C.noise_groups`` builds add_noise_'s launch plan (one group per dtype, each tensor's
+    first Philox counter and block, contiguous copies of strided tensors) as the Python route does."""
+    if noise._NOISE_GROUPS is None:
+        pytest.skip("pdpfast._C was not built")
+    d = tools.device
+    grads = [torch.zeros(5, 7, device=d), torch.zeros(2 * noise.NOISE_BLOCK + 3, dtype=torch.bfloat16, device=d),
+             torch.zeros(64, 33, device=d).t(), torch.zeros(0, 3, device=d), torch.zeros((), device=d),
+             torch.zeros(10, dtype=torch.float64, device=d), torch.zeros(3, dtype=torch.bfloat16, device=d)]
+    plans = {}
+    for route in ("C++", "Python"):
+        if route == "Python":
+            monkeypatch.setattr(noise, "_NOISE_GROUPS", None)
+        plans[route] = noise._groups(grads)
+    (cpp_groups, cpp_back), (py_groups, py_back) = plans["C++"], plans["Python"]
+    assert [(g.dtype, b, n) for g, _, b, n in cpp_groups] == [(g.dtype, b, n) for g, _, b, n in py_groups] == [
+        (torch.float32, 3, 3), (torch.bfloat16, 4, 2), (torch.float64, 1, 1)]
+    assert [(t.shape, c.is_contiguous()) for t, c in cpp_back] == [(t.shape, c.is_contiguous()) for t, c in py_back] \
+        == [((33, 64), True)]
+    copies = {id(t): c for t, c in cpp_back}, {id(t): c for t, c in py_back}
+    for (_, cpp_values, _, n), (_, py_values, _, _) in zip(cpp_groups, py_groups):
+        assert cpp_values[n:] == py_values[n:]  # numels, first counters, first blocks
+    # addresses: each tensor's own, or its contiguous copy's
+    nonempty = [g for g in grads if g.numel()]
+    for route, (groups, _), copied in (("C++", plans["C++"], copies[0]), ("Python", plans["Python"], copies[1])):
+        addresses = [a for _, values, _, n in groups for a in values[:n]]
+        assert sorted(addresses) == sorted(copied[id(g)].data_ptr() if id(g) in copied else g.data_ptr()
+                                           for g in nonempty), route
+    monkeypatch.undo()
+    noised = {}
+    for route in ("C++", "Python"):
+        if route == "Python":
+            monkeypatch.setattr(noise, "_NOISE_GROUPS", None)
+        copy = [g.clone() for g in grads]  # (a clone keeps the strided tensor's strides)
+        noise.add_noise_(copy, 1.0, 11, 2)
+        noised[route] = copy
+    for a, b in zip(noised["C++"], noised["Python"]):
+        assert torch.equal(a, b) and (a.numel() == 0 or bool((a != 0).all()))
+
+
 def test_noise_rejects_integer_tensors(tools):
     with pytest.raises(TypeError):
         noise.add_noise_([torch.zeros(3, dtype=torch.int64, device=tools.device)], 1.0, 1, 1)
