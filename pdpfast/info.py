@@ -16,11 +16,12 @@ def report() -> str:
         then one line per registered op ("triton kernel", or "torch reference (why)"), one for the
         Poisson sampler's backend (with the reason its compiled path is not used, if any), one for the
         loader's draw from thresholds (``sampling.loader_route``), one for the
-        CPU GroupNorm per-sample gradients and one per device for the clip weights (C++ kernel or
-        torch, and why).
+        CPU GroupNorm per-sample gradients, one per device for the clip weights (C++ kernel or
+        torch, and why), and one each for the routes of the linear clipped sums, the layer calls'
+        hooks, the linear layers' private forward and the noise kernel's launch plan.
     """
     import pdpfast
-    from pdpfast import sampling
+    from pdpfast import _ext, sampling
     from pdpfast.nn import layers
     from pdpfast.ops import clip, linear, norm
 
@@ -50,6 +51,11 @@ def report() -> str:
         lines.append(f"  {f'clip_scale ({device.upper()})':<28} {clip.clip_scale_route(x, clip.PendingWeights(w, w))}")
     lines.append(f"  {'linear_clipped_into':<28} {linear.linear_clipped_into_route()}")
     lines.append(f"  {'layer call hooks':<28} {layers.call_hook_route()}")
+    # a linear layer's private forward (nn/linear.py) and the noise kernel's launch plan (kernels/noise.py)
+    for what, function, source in (("linear layer calls", "linear_call", "hooks.cpp"),
+                                   ("noise launch plan", "noise_groups", "noise_plan.cpp")):
+        why = _ext.missing(function, source)
+        lines.append(f"  {what:<28} " + ("C++ (pdpfast._C)" if why is None else f"Python ({why})"))
     return "\n".join(lines)
 
 
