@@ -126,6 +126,24 @@ _ADD_CALL_HOOK = None if _HOOK_MISSING else _ext._C.add_call_hook
 _LINEAR_CALL = None if _ext.missing("linear_call", "hooks.cpp") else _ext._C.linear_call
 
 
+def plain_call(x, params: dict, buffers: dict) -> bool:
+    """Whether a layer's private call may run as one C++ call (``_LINEAR_CALL``), which nothing in
+    Python sees: the hooks are registered from C++, the input is a plain tensor, the layer
+    has plain parameters ``weight`` and ``bias`` (or a None bias) and no buffers, and no torch function
+    mode is active (``TorchFunctionMode``, ``with torch.device(...)``: it would not see the call's op).
+
+    Args:
+        x: the prepared input; params, buffers: the layer's ``_parameters`` and ``_buffers``.
+    Returns:
+        True where the C++ call gives what the Python route (``DPModule._record``) gives.
+    """
+    if _ADD_CALL_HOOK is None or buffers or len(params) != 2 or type(x) is not torch.Tensor or \
+            torch._C._len_torch_function_stack():
+        return False
+    weight, bias = params.get("weight"), params.get("bias", False)
+    return type(weight) is nn.Parameter and (bias is None or type(bias) is nn.Parameter)
+
+
 def call_hook_route() -> str:
     """How a DP layer call's backward hook is registered (``pdpfast info``).
 

@@ -24,10 +24,8 @@ class _FlatLinear(DPModule):
     modified in place) would make autograd copy every output gradient (CopySlices).
 
     A private call is one C++ call (``pdpfast._C.linear_call``: the GEMM on detached parameters, the
-    backward's hook, the view) where nothing else could see its ops: a plain tensor input, plain
-    parameters ``weight`` and ``bias`` only, no buffers, no torch function mode (``TorchFunctionMode``,
-    ``with torch.device(...)``), which the C++ call would bypass. Else, and without the extension, the
-    Python route (``DPModule._record``), whose ops and results are the same."""
+    backward's hook, the view) where nothing else could see its ops (``layers.plain_call``). Else, and
+    without the extension, the Python route (``DPModule._record``), whose ops and results are the same."""
 
     _transposed = False  # the weight is stored (d, p) (Hugging Face's Conv1D)
 
@@ -36,12 +34,9 @@ class _FlatLinear(DPModule):
 
     def _record(self, x, params, buffers, call, trainable):
         linear_call = layers._LINEAR_CALL
-        weight, bias = params.get("weight"), params.get("bias")
-        if linear_call is None or layers._ADD_CALL_HOOK is None or buffers or len(params) != 2 or \
-                type(x) is not torch.Tensor or type(weight) is not nn.Parameter or \
-                (bias is not None and type(bias) is not nn.Parameter) or torch._C._len_torch_function_stack():
+        if linear_call is None or not layers.plain_call(x, params, buffers):
             return super()._record(x, params, buffers, call, trainable)
-        out = linear_call(x, weight, bias, self._transposed, layers.LayerCall(call, x))
+        out = linear_call(x, params["weight"], params["bias"], self._transposed, layers.LayerCall(call, x))
         if out.requires_grad:  # hooked, with x's leading dims
             return out
         # nothing before the layer needs a gradient: the parameters make autograd reach it (record_call)
