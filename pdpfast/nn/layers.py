@@ -12,6 +12,8 @@ identity with the parameters as inputs so that autograd reaches it. The hook cos
 of the Function's host time per call (no Python ``ctx``, no extra graph node); it is registered by
 ``pdpfast._C.add_call_hook`` (``csrc/hooks.cpp``), where torch's ``register_prehook`` would build a
 Python handle and dictionary for every call, and by ``register_prehook`` without the extension.
+A linear layer's whole private call (the GEMM on detached parameters, the hook, the view) is one
+C++ call, ``pdpfast._C.linear_call``, where nothing in Python would see its ops (``plain_call``).
 
 The layer families (DP classes, rule, one ``register_layer`` each) live in ``linear.py``,
 ``conv.py``, ``embedding.py`` and ``norms.py``.
