@@ -20,6 +20,10 @@ def test_info_reports_the_implementations(cli):
     assert "poisson_sample" in out and "group_norm (CPU)" in out and "clip_weights (CPU)" in out
     assert "clip_scale (CPU)" in out
     assert "poisson_sample (loader, CPU)" in out
+    # the C++ routes of the host's hot path, or why they fall back to Python
+    for route in ("linear_clipped_into", "layer call hooks", "linear layer calls", "noise launch plan"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(route))
+        assert "C++ (pdpfast._C)" in line or "Python (" in line or "register_prehook (" in line
 
 
 def test_fl_subcommand_comes_from_pdpfast_fl_when_it_imports(cli):
