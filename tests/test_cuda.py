@@ -616,3 +616,41 @@ def test_cuda_a_nonfinite_record_is_refused_at_its_draws_step_or_the_next(graph,
     assert refused is not None and refused[0] in (nan_draw, nan_draw + 1), refused
     assert "dataset records [5]" in refused[1]
     assert refused[0] == nan_draw or "after that draw's step was applied" in refused[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_cuda_linear_layers_call_in_cpp_and_the_noise_plan_from_cpp_equal_their_python_routes(clipping, dtype,
+                                                                                               monkeypatch):
+    """On the GPU too, a linear layer's private forward as one C++ call (``pdpfast._C.linear_call``) and
+    the noise launch's plan from C++ (``pdpfast._C.noise_groups``) give the Python routes' bits: the
+    per-sample norms, the clipped sums (first layer, hidden layers, Conv1D's transposed weight; 2- and
+    3-D inputs) and the noise added to them."""
+    from pdpfast.kernels import noise
+    from pdpfast.nn import convert, layers
+
+    if layers._LINEAR_CALL is None or noise._NOISE_GROUPS is None:
+        pytest.skip("pdpfast._C was built without linear_call or noise_groups (rebuild it on this machine)")
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    g = torch.Generator().manual_seed(6)
+    for shape in ((6, 8), (4, 5, 8)):
+        torch.manual_seed(6)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), conv1d(12, 16), nn.Tanh(), nn.Linear(12, 3))
+        convert(model)
+        model = model.to("cuda", dtype)
+        x = torch.randn(*shape, generator=g).to("cuda", dtype)
+        clip_norms = torch.linspace(0.1, 1.0, shape[0])
+        results = {}
+        for route in ("C++", "Python"):
+            if route == "Python":
+                monkeypatch.setattr(layers, "_LINEAR_CALL", None)
+                monkeypatch.setattr(noise, "_NOISE_GROUPS", None)
+            result = clipped_gradients(model, lambda y: y.float().pow(2).flatten(1).sum(1), x, clip_norms=clip_norms,
+                                       clipping=clipping)
+            grads = [result.grads[name].clone() for name, _ in model.named_parameters()]
+            noise.add_noise_(grads, 0.5, 3, 1)
+            results[route] = result.norms, grads
+        monkeypatch.undo()
+        (norms_cpp, cpp), (norms_py, py) = results["C++"], results["Python"]
+        assert torch.equal(norms_cpp, norms_py) and bool((norms_cpp > 0).all())
+        assert len(cpp) == 6 and all(torch.equal(a, b) for a, b in zip(cpp, py)), (shape, clipping, dtype)
