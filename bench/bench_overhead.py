@@ -127,6 +127,21 @@ def build_resnet(device: torch.device, width: int = 4, batch: int = 4, size: int
     return model, (x,), y, loss
 
 
+# the small models whose step is nearly all host work, by --model name (bench_overhead, profile_step)
+STAND_INS = {"bert-12x16": build, "llama-12x16": build_llama, "resnet18-w4": build_resnet}
+
+
+def in_dtype(built: tuple, dtype: torch.dtype) -> tuple:
+    """A builder's (model, inputs, targets, loss) with the model and its float inputs (images; ids
+    stay ints) in ``dtype``."""
+    model, inputs, y, loss = built
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        if isinstance(inputs, tuple):  # images (a dict holds ids)
+            inputs = tuple(t.to(dtype) for t in inputs)
+    return model, inputs, y, loss
+
+
 def build_bert_base(device: torch.device, batch: int = 32, seq: int = 128):
     """(model, inputs, targets, per-sample loss) of BERT-base at ``bench_e2e``'s batch and sequence
     length. On a CPU its arithmetic dwarfs its host work, so it is for counting launches, not for
@@ -551,12 +566,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     timed = args.model != "bert-base"
-    model, inputs, y, loss = {"bert-12x16": build, "llama-12x16": build_llama, "resnet18-w4": build_resnet,
-                              "bert-base": functools.partial(build_bert_base, batch=args.batch)}[args.model](device)
-    if args.dtype == "bf16":
-        model = model.to(torch.bfloat16)
-        if isinstance(inputs, tuple):  # images (ids stay ints)
-            inputs = tuple(t.to(torch.bfloat16) for t in inputs)
+    builder = functools.partial(build_bert_base, batch=args.batch) if args.model == "bert-base" else \
+        STAND_INS[args.model]
+    model, inputs, y, loss = in_dtype(builder(device), torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     known = {**PROVIDERS, **DIAGNOSTIC_PROVIDERS}
     unknown = [name for name in args.providers.split(",") if name not in known]
     if unknown:

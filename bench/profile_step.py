@@ -263,13 +263,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    stand_ins = {"bert-12x16": bench_overhead.build, "llama-12x16": bench_overhead.build_llama,
-                 "resnet18-w4": bench_overhead.build_resnet}
-    if args.model in stand_ins:
-        model, inputs, y, loss = stand_ins[args.model](device)
-        model = model.to(dtype)
-        if isinstance(inputs, tuple):  # images (ids stay ints)
-            inputs = tuple(t.to(dtype) for t in inputs)
+    if args.model in bench_overhead.STAND_INS:
+        model, inputs, y, loss = bench_overhead.in_dtype(bench_overhead.STAND_INS[args.model](device), dtype)
         batch, seq = y.shape[0], (None if args.model == "resnet18-w4" else 8)
     else:
         from .bench_e2e import build
